@@ -1,0 +1,60 @@
+"""What the three networks share: GPU weights keyed by diffusers' parameter names, and the
+blocks that appear in more than one of them (ResNet block, attention on the token layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import Ops
+from ..runtime import Runtime, Tensor
+
+
+class GPUWeights:
+    """A component's parameters on the GPU, by state-dict name (the weights of the blueprint)."""
+
+    def __init__(self, rt: Runtime, state: dict[str, np.ndarray], dtype: str):
+        self.dtype = dtype
+        self.tensors: dict[str, Tensor] = {
+            name: rt.upload(np.asarray(arr, dtype=np.float32), dtype, static=True)
+            for name, arr in state.items()
+        }
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def get(self, name: str) -> Tensor | None:
+        return self.tensors.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def resnet_block(
+    ops: Ops, w: GPUWeights, p: str, x: Tensor, temb: Tensor | None, groups: int, eps: float
+) -> Tensor:
+    """diffusers ResnetBlock2D (default time-embedding mode, output scale 1)."""
+    h = ops.group_norm(x, w[p + "norm1.weight"], w[p + "norm1.bias"], groups, eps, silu=True)
+    h = ops.conv2d(h, w[p + "conv1.weight"], w[p + "conv1.bias"], padding=1)
+    if temb is not None:  # temb is already SiLU'd; one value per (batch, channel)
+        h = ops.add(h, ops.linear(temb, w[p + "time_emb_proj.weight"], w[p + "time_emb_proj.bias"]))
+    h = ops.group_norm(h, w[p + "norm2.weight"], w[p + "norm2.bias"], groups, eps, silu=True)
+    h = ops.conv2d(h, w[p + "conv2.weight"], w[p + "conv2.bias"], padding=1)
+    if p + "conv_shortcut.weight" in w:
+        x = ops.conv2d(x, w[p + "conv_shortcut.weight"], w.get(p + "conv_shortcut.bias"))
+    return ops.add(x, h)
+
+
+def attention_block(
+    ops: Ops, w: GPUWeights, p: str, x: Tensor, context: Tensor | None, heads: int
+) -> Tensor:
+    """diffusers Attention on tokens: x (B, T, C), context (B, Tk, Cctx) or None (self)."""
+    ctx = x if context is None else context
+    q = ops.linear(x, w[p + "to_q.weight"], w.get(p + "to_q.bias"))
+    k = ops.linear(ctx, w[p + "to_k.weight"], w.get(p + "to_k.bias"))
+    v = ops.linear(ctx, w[p + "to_v.weight"], w.get(p + "to_v.bias"))
+    a = ops.attention(q, k, v, heads)
+    return ops.linear(a, w[p + "to_out.0.weight"], w.get(p + "to_out.0.bias"))

@@ -1,0 +1,120 @@
+"""UNet2DConditionModel for SD 1.x, built from its config: time embedding, the down path
+(ResNet blocks, cross-attention transformers, strided-conv downsamplers), the mid block, the
+up path with skip concatenation and nearest upsampling, and the output head.
+
+Notation: B batch, C channels, (H, W) latent size, T = H*W tokens, Tc text tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..ops import Ops
+from ..runtime import Tensor
+from .common import GPUWeights, attention_block, resnet_block
+
+TRANSFORMER_NORM_EPS = 1e-6  # Transformer2DModel's GroupNorm; the ResNets use cfg.norm_eps
+BLOCK_LN_EPS = 1e-5  # BasicTransformerBlock's LayerNorms
+
+
+def timestep_embedding(t: np.ndarray, dim: int, flip_sin_to_cos: bool, shift: float) -> np.ndarray:
+    """Sinusoidal embedding of timesteps t (B,) -> (B, dim) float32, as diffusers computes it.
+
+    On the host, in float32 like the reference: t reaches 999, where a GPU's fast sin() of
+    a large argument is not accurate enough for a 1e-4 comparison.
+    """
+    half = dim // 2
+    exponent = (-math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half - shift)).astype(
+        np.float32
+    )
+    freqs = np.exp(exponent).astype(np.float32)
+    args = t.astype(np.float32)[:, None] * freqs[None, :]  # (B, half)
+    emb = np.concatenate([np.sin(args), np.cos(args)], axis=-1).astype(np.float32)
+    if flip_sin_to_cos:
+        emb = np.concatenate([emb[:, half:], emb[:, :half]], axis=-1)
+    if dim % 2:
+        emb = np.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+class UNet2DCondition:
+    def __init__(self, cfg, weights: GPUWeights, ops: Ops):
+        self.cfg = cfg
+        self.w = weights
+        self.ops = ops
+
+    def _transformer(self, p: str, x: Tensor, ctx: Tensor, heads: int, layers: int) -> Tensor:
+        """Transformer2DModel: x (B, C, H, W), ctx (B, Tc, Cctx) -> (B, C, H, W)."""
+        ops, w = self.ops, self.w
+        b, c, hh, ww = x.shape
+        h = ops.group_norm(x, w[p + "norm.weight"], w[p + "norm.bias"], self.cfg.norm_num_groups, TRANSFORMER_NORM_EPS)
+        h = ops.transpose(h.reshape(b, c, hh * ww))  # (B, T, C)
+        # proj_in/out are 1x1 convolutions or linears; on the token layout both are a linear.
+        h = ops.linear(h, w[p + "proj_in.weight"], w[p + "proj_in.bias"])
+        for j in range(layers):
+            bp = f"{p}transformer_blocks.{j}."
+            n = ops.layer_norm(h, w[bp + "norm1.weight"], w[bp + "norm1.bias"], BLOCK_LN_EPS)
+            h = ops.add(h, attention_block(ops, w, bp + "attn1.", n, None, heads))
+            n = ops.layer_norm(h, w[bp + "norm2.weight"], w[bp + "norm2.bias"], BLOCK_LN_EPS)
+            h = ops.add(h, attention_block(ops, w, bp + "attn2.", n, ctx, heads))
+            n = ops.layer_norm(h, w[bp + "norm3.weight"], w[bp + "norm3.bias"], BLOCK_LN_EPS)
+            f = ops.geglu(ops.linear(n, w[bp + "ff.net.0.proj.weight"], w[bp + "ff.net.0.proj.bias"]))
+            h = ops.add(h, ops.linear(f, w[bp + "ff.net.2.weight"], w[bp + "ff.net.2.bias"]))
+        h = ops.linear(h, w[p + "proj_out.weight"], w[p + "proj_out.bias"])
+        h = ops.transpose(h).reshape(b, c, hh, ww)  # (B, C, H, W)
+        return ops.add(h, x)
+
+    def __call__(self, sample: Tensor, temb_sin: Tensor, ctx: Tensor) -> Tensor:
+        """sample (B, Cin, H, W), temb_sin (B, C0) sinusoidal embedding, ctx (B, Tc, Cctx)."""
+        cfg, ops, w = self.cfg, self.ops, self.w
+        groups, eps = cfg.norm_num_groups, cfg.norm_eps
+        n_blocks = len(cfg.block_out_channels)
+
+        # 1. time embedding, SiLU'd once for every ResNet's projection
+        temb = ops.linear(temb_sin, w["time_embedding.linear_1.weight"], w["time_embedding.linear_1.bias"])
+        temb = ops.linear(ops.silu(temb), w["time_embedding.linear_2.weight"], w["time_embedding.linear_2.bias"])
+        temb = ops.silu(temb)  # (B, 4*C0)
+
+        # 2. down path, keeping every block output for the skips
+        x = ops.conv2d(sample, w["conv_in.weight"], w["conv_in.bias"], padding=1)
+        skips = [x]
+        for i, kind in enumerate(cfg.down_block_types):
+            for layer in range(cfg.layers_per_block):
+                x = resnet_block(ops, w, f"down_blocks.{i}.resnets.{layer}.", x, temb, groups, eps)
+                if kind.startswith("CrossAttn"):
+                    x = self._transformer(
+                        f"down_blocks.{i}.attentions.{layer}.", x, ctx,
+                        cfg.num_attention_heads[i], cfg.transformer_layers_per_block[i],
+                    )
+                skips.append(x)
+            if i < n_blocks - 1:
+                p = f"down_blocks.{i}.downsamplers.0.conv."
+                x = ops.conv2d(x, w[p + "weight"], w[p + "bias"], stride=2, padding=cfg.downsample_padding)
+                skips.append(x)
+
+        # 3. mid block
+        x = resnet_block(ops, w, "mid_block.resnets.0.", x, temb, groups, eps)
+        x = self._transformer(
+            "mid_block.attentions.0.", x, ctx, cfg.num_attention_heads[-1], cfg.transformer_layers_per_block[-1]
+        )
+        x = resnet_block(ops, w, "mid_block.resnets.1.", x, temb, groups, eps)
+
+        # 4. up path: concatenate skips, upsample to the next skip's size (odd sizes included)
+        heads_up = list(reversed(cfg.num_attention_heads))
+        layers_up = list(reversed(cfg.transformer_layers_per_block))
+        for i, kind in enumerate(cfg.up_block_types):
+            for layer in range(cfg.layers_per_block + 1):
+                x = ops.concat_channels(x, skips.pop())
+                x = resnet_block(ops, w, f"up_blocks.{i}.resnets.{layer}.", x, temb, groups, eps)
+                if kind.startswith("CrossAttn"):
+                    x = self._transformer(f"up_blocks.{i}.attentions.{layer}.", x, ctx, heads_up[i], layers_up[i])
+            if i < n_blocks - 1:
+                x = ops.upsample_nearest(x, skips[-1].shape[2:])
+                p = f"up_blocks.{i}.upsamplers.0.conv."
+                x = ops.conv2d(x, w[p + "weight"], w[p + "bias"], padding=1)
+
+        # 5. output head
+        x = ops.group_norm(x, w["conv_norm_out.weight"], w["conv_norm_out.bias"], groups, eps, silu=True)
+        return ops.conv2d(x, w["conv_out.weight"], w["conv_out.bias"], padding=1)

@@ -1,0 +1,274 @@
+"""Text-to-image and image-to-image generation: the one place that knows the tokenizer, the
+three networks, the scheduler and the GPU runtime together.
+
+Randomness contract (so results can be reproduced and compared with diffusers): all noise
+comes from one `numpy.random.default_rng(seed)` (PCG64), drawn as
+`rng.standard_normal(shape, dtype=np.float32)` in this order: the initial latents (txt2img,
+unless `latents=` is given) or, for img2img, the VAE posterior sample and then the forward
+noise; then one draw per step for ancestral samplers.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .device import GPU, get_gpu
+from .errors import InputError, ModelError
+from .kernels import PipelineCache, Selection
+from .models.clip import ACTIVATIONS, CLIPTextEncoder
+from .models.common import GPUWeights
+from .models.unet import UNet2DCondition, timestep_embedding
+from .models.vae import AutoencoderKL
+from .ops import Ops
+from .runtime import Runtime, StageTimer
+from .schedulers import SCHEDULERS, make_scheduler
+
+PRECISIONS = ("fp32", "fp16")
+ProgressFn = Callable[[int, int], None]  # (steps done, steps total)
+
+
+@dataclass
+class GenerationResult:
+    image: np.ndarray  # (H, W, 3) uint8
+    latents: np.ndarray  # (1, C, h, w) float32, the final (scaled) latents
+    timings: dict[str, float]  # per stage, in ms; keys end in _ms
+    peak_gpu_bytes: int
+    warnings: list[str] = field(default_factory=list)
+
+
+def _load_components(model_path: Path):
+    """(ModelConfig, tokenizer, {component: state dict}) from a diffusers folder or single file."""
+    from .models import params
+    from .models.config import load_model_config
+    from .tokenizer import CLIPTokenizer
+    from .weights.loader import load_component
+
+    if model_path.is_file():
+        from .weights.single_file import load_single_file
+
+        config, states, tokenizer = load_single_file(model_path)
+        return config, tokenizer, states
+    if not model_path.is_dir():
+        raise ModelError(f"model path {model_path} does not exist; give a diffusers model folder or a .safetensors checkpoint")
+    config = load_model_config(model_path)
+    tokenizer = CLIPTokenizer.from_dir(config.tokenizer_dir)
+    states = {
+        "text_encoder": load_component(model_path, "text_encoder", params.clip_param_shapes(config.text_encoder)),
+        "unet": load_component(model_path, "unet", params.unet_param_shapes(config.unet)),
+        "vae": load_component(model_path, "vae", params.vae_param_shapes(config.vae)),
+    }
+    return config, tokenizer, states
+
+
+def _selection(gpu: GPU, profile) -> Selection:
+    if profile in (None, "reference"):
+        return Selection(gpu.caps.features)
+    if isinstance(profile, dict):
+        return Selection(gpu.caps.features, dict(profile))
+    raise InputError(f"profile {profile!r} is not supported; use None, 'reference' or a mapping op -> variant")
+
+
+def load_pipeline(model_dir, precision: str = "fp32", profile=None) -> Pipeline:
+    """Load a model (diffusers folder or SD 1.x single-file checkpoint) onto the GPU."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    config, tokenizer, states = _load_components(Path(model_dir))
+    if config.text_encoder.hidden_act not in ACTIVATIONS:
+        raise ModelError(
+            f"text encoder activation {config.text_encoder.hidden_act!r} is not supported; "
+            f"supported: {', '.join(ACTIVATIONS)}"
+        )
+    gpu = get_gpu()
+    notes = []
+    dtype = "f16" if precision == "fp16" else "f32"
+    if dtype == "f16" and not gpu.caps.has_f16:
+        msg = f"fp16 requested but adapter {gpu.caps.device!r} lacks shader-f16; running in fp32"
+        warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
+        dtype = "f32"
+    return Pipeline(config, tokenizer, states, gpu, dtype, _selection(gpu, profile), notes)
+
+
+class Pipeline:
+    def __init__(self, config, tokenizer, states: dict, gpu: GPU, dtype: str, selection: Selection, notes):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.gpu = gpu
+        self.dtype = dtype
+        self.precision = "fp16" if dtype == "f16" else "fp32"
+        self.rt = Runtime(gpu)
+        self.selection = selection
+        self.ops = Ops(self.rt, PipelineCache(gpu), selection, dtype)
+        self.notes = list(notes)
+        self.text_encoder = CLIPTextEncoder(config.text_encoder, GPUWeights(self.rt, states["text_encoder"], dtype), self.ops)
+        self.unet_model = UNet2DCondition(config.unet, GPUWeights(self.rt, states["unet"], dtype), self.ops)
+        self.vae = AutoencoderKL(config.vae, GPUWeights(self.rt, states["vae"], dtype), self.ops)
+        self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
+        self.latent_channels = config.unet.in_channels
+
+    # ---- the networks, host arrays in and out --------------------------------------------
+
+    def tokenize(self, texts: list[str] | str) -> np.ndarray:
+        """Texts -> (B, 77) int64 token ids, padded and truncated like CLIPTokenizer."""
+        return self.tokenizer([texts] if isinstance(texts, str) else list(texts))
+
+    def _ids_tensor(self, input_ids: np.ndarray):
+        ids = np.asarray(input_ids)
+        vocab = self.config.text_encoder.vocab_size
+        if ids.ndim != 2 or ids.shape[1] > self.config.text_encoder.max_position_embeddings:
+            raise InputError(f"input_ids must be (B, <= {self.config.text_encoder.max_position_embeddings}), got {ids.shape}")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise InputError(f"token ids must be in [0, {vocab}), got range [{ids.min()}, {ids.max()}]")
+        return self.rt.upload(ids.astype(np.uint32), "u32")
+
+    def encode_text(self, input_ids: np.ndarray) -> np.ndarray:
+        """(B, 77) ids -> (B, 77, hidden) float32 last hidden state."""
+        return self.rt.read(self.text_encoder(self._ids_tensor(input_ids))).astype(np.float32)
+
+    def _temb(self, timestep, batch: int):
+        cfg = self.config.unet
+        t = np.broadcast_to(np.asarray(timestep, dtype=np.float64).reshape(-1), (batch,))
+        emb = timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        return self.rt.upload(emb, self.dtype)
+
+    def _unet(self, sample: np.ndarray, timestep, ctx):
+        x = self.rt.upload(np.asarray(sample, dtype=np.float32), self.dtype)
+        eps = self.unet_model(x, self._temb(timestep, sample.shape[0]), ctx)
+        return self.rt.read(eps).astype(np.float32)
+
+    def unet(self, sample: np.ndarray, timestep, encoder_hidden_states: np.ndarray) -> np.ndarray:
+        """(B, 4, h, w), scalar or (B,), (B, 77, hidden) -> (B, 4, h, w) noise prediction."""
+        ctx = self.rt.upload(np.asarray(encoder_hidden_states, dtype=np.float32), self.dtype)
+        return self._unet(np.asarray(sample, dtype=np.float32), timestep, ctx)
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """(B, 4, h, w) latents -> (B, 3, 8h, 8w) float32, vae.decode(latents / scaling).sample."""
+        z = np.asarray(latents, dtype=np.float32) / np.float32(self.config.vae.scaling_factor)
+        return self.rt.read(self.vae.decode(self.rt.upload(z, self.dtype))).astype(np.float32)
+
+    def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(B, 3, H, W) in [-1, 1] -> (mean, logvar) of the latent distribution, unscaled."""
+        moments = self.rt.read(self.vae.encode(self.rt.upload(np.asarray(image, np.float32), self.dtype)))
+        mean, logvar = np.split(moments.astype(np.float32), 2, axis=1)
+        return mean, np.clip(logvar, -30.0, 20.0)
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def _check_args(self, steps, height, width, scheduler, guidance_scale, strength, init_image):
+        f = self.vae_scale_factor
+        for name, v in (("height", height), ("width", width)):
+            if not isinstance(v, int) or v <= 0 or v % 8 or v % f:
+                raise InputError(f"{name} must be a positive multiple of {max(8, f)}, got {v}")
+        if not isinstance(steps, int) or steps < 1:
+            raise InputError(f"steps must be an integer >= 1, got {steps}")
+        if scheduler not in SCHEDULERS:
+            raise InputError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+        if not np.isfinite(guidance_scale):
+            raise InputError(f"guidance_scale must be a finite number, got {guidance_scale}")
+        if init_image is not None and not 0.0 < strength <= 1.0:
+            raise InputError(f"strength must be in (0, 1], got {strength}")
+
+    def _prepare_image(self, init_image, height: int, width: int) -> np.ndarray:
+        """uint8 (H, W, 3), a PIL image or a path -> (1, 3, height, width) float32 in [-1, 1]."""
+        from PIL import Image
+
+        if isinstance(init_image, str | Path):
+            try:
+                init_image = Image.open(init_image).convert("RGB")
+            except OSError as exc:
+                raise InputError(f"cannot read init image {init_image}: {exc}") from exc
+        if isinstance(init_image, np.ndarray):
+            if init_image.ndim != 3 or init_image.shape[2] != 3 or init_image.dtype != np.uint8:
+                raise InputError(f"init_image array must be uint8 (H, W, 3), got {init_image.dtype} {init_image.shape}")
+            init_image = Image.fromarray(init_image)
+        if init_image.size != (width, height):
+            init_image = init_image.resize((width, height), Image.LANCZOS)
+        arr = np.asarray(init_image.convert("RGB"), dtype=np.float32) / 255.0
+        return (arr.transpose(2, 0, 1)[None] * 2.0 - 1.0).astype(np.float32)
+
+    def generate(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        steps: int = 20,
+        guidance_scale: float = 7.5,
+        seed: int = 0,
+        height: int = 512,
+        width: int = 512,
+        scheduler: str = "pndm",
+        latents: np.ndarray | None = None,
+        progress: ProgressFn | None = None,
+        init_image=None,
+        strength: float = 0.8,
+    ) -> GenerationResult:
+        self._check_args(steps, height, width, scheduler, guidance_scale, strength, init_image)
+        t_start = time.perf_counter()
+        timer = StageTimer(self.rt)
+        rng = np.random.default_rng(seed)
+        sched = make_scheduler(scheduler, self.config.scheduler)
+        cfg_on = guidance_scale > 1.0
+        shape = (1, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        scaling = np.float32(self.config.vae.scaling_factor)
+
+        # 1. text conditioning: (uncond, cond) stacked when guidance is on
+        with timer("text_encoder_ms"):
+            texts = [negative_prompt, prompt] if cfg_on else [prompt]
+            ctx = self.text_encoder(self._ids_tensor(self.tokenize(texts)))  # (B, 77, D) on GPU
+
+        # 2. timesteps and initial latents
+        if init_image is None:
+            sched.set_timesteps(steps)
+            timesteps = sched.timesteps
+            if latents is None:
+                latents = rng.standard_normal(shape, dtype=np.float32)
+            latents = np.asarray(latents, dtype=np.float32)
+            if latents.shape != shape:
+                raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
+            latents = latents * np.float32(sched.init_noise_sigma)
+        else:
+            timesteps = sched.img2img_timesteps(steps, strength)
+            with timer("vae_encode_ms"):
+                mean, logvar = self.encode_image(self._prepare_image(init_image, height, width))
+            std = np.exp(0.5 * logvar)
+            init_latents = (mean + std * rng.standard_normal(mean.shape, dtype=np.float32)) * scaling
+            noise = rng.standard_normal(init_latents.shape, dtype=np.float32)
+            latents = sched.add_noise(init_latents, noise, np.asarray(timesteps[:1]))
+
+        # 3. denoising loop with classifier-free guidance
+        step_ms = []
+        for i, t in enumerate(timesteps):
+            t0 = time.perf_counter()
+            x_in = np.concatenate([latents, latents]) if cfg_on else latents
+            x_in = sched.scale_model_input(x_in, t)
+            eps = self._unet(x_in, t, ctx)
+            if cfg_on:
+                eps_uncond, eps_text = eps[:1], eps[1:]
+                eps = eps_uncond + np.float32(guidance_scale) * (eps_text - eps_uncond)
+            latents = sched.step(eps, t, latents, rng).astype(np.float32)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            if progress is not None:
+                progress(i + 1, len(timesteps))
+
+        # 4. decode to an 8-bit image
+        with timer("vae_decode_ms"):
+            decoded = self.decode(latents)
+        image = np.clip(decoded[0] / 2.0 + 0.5, 0.0, 1.0).transpose(1, 2, 0)
+        image_u8 = np.round(image * 255.0).astype(np.uint8)
+
+        timings = dict(timer.ms)
+        timings["unet_total_ms"] = float(sum(step_ms))
+        timings["unet_step_ms"] = float(np.median(step_ms)) if step_ms else 0.0
+        timings["total_ms"] = (time.perf_counter() - t_start) * 1e3
+        return GenerationResult(
+            image=image_u8,
+            latents=latents,
+            timings=timings,
+            peak_gpu_bytes=int(self.rt.peak_bytes),
+            warnings=self.notes + self.selection.warnings,
+        )

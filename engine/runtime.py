@@ -1,0 +1,353 @@
+"""Run-time GPU state: tensors, the buffer pool they are drawn from, command recording and
+GPU timing.
+
+A `Tensor` is a shaped view of a pooled buffer. Buffers go back to the pool when the last
+tensor using them is garbage collected, and are reused by the next allocation of the same
+size; that is safe without fences because WebGPU orders every dispatch after the ones
+recorded before it. Dispatches are recorded into one open compute pass and submitted on
+`flush()` (before any upload or readback). With profiling on, each dispatch gets its own
+pass bracketed by timestamp queries, and its GPU time is added to its label.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .device import GPU, gpu_call
+from .errors import GPUError
+
+DTYPES = {"f32": np.float32, "f16": np.float16, "u32": np.uint32, "i32": np.int32}
+WG_1D = 256  # invocations per workgroup of the one-dimensional kernels
+
+
+def _align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+class _Storage:
+    """One GPU buffer; returns itself to the pool when no tensor refers to it any more."""
+
+    __slots__ = ("buffer", "nbytes", "pool", "__weakref__")
+
+    def __init__(self, buffer, nbytes: int, pool: BufferPool | None):
+        self.buffer = buffer
+        self.nbytes = nbytes
+        self.pool = pool
+
+    def __del__(self):
+        if self.pool is not None:
+            self.pool.release(self.buffer, self.nbytes)
+
+
+class Tensor:
+    """A shaped, typed view of a GPU buffer (row-major, contiguous)."""
+
+    __slots__ = ("storage", "shape", "dtype")
+
+    def __init__(self, storage: _Storage, shape: tuple[int, ...], dtype: str):
+        self.storage = storage
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+
+    @property
+    def buffer(self):
+        return self.storage.buffer
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(DTYPES[self.dtype]).itemsize
+
+    def reshape(self, *shape: int) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.numel // known if s == -1 else s for s in shape)
+        if math.prod(shape) != self.numel:
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return Tensor(self.storage, shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.shape}, {self.dtype})"
+
+
+class BufferPool:
+    """Free buffers by exact byte size, plus the accounting behind peak GPU memory."""
+
+    def __init__(self):
+        self.free: dict[int, list] = defaultdict(list)
+        self.pooled_bytes = 0  # every pool buffer ever created and not destroyed
+        self.in_use_bytes = 0
+
+    def take(self, nbytes: int):
+        bucket = self.free.get(nbytes)
+        if bucket:
+            self.in_use_bytes += nbytes
+            return bucket.pop()
+        return None
+
+    def add(self, nbytes: int):
+        self.pooled_bytes += nbytes
+        self.in_use_bytes += nbytes
+
+    def release(self, buffer, nbytes: int):
+        self.free[nbytes].append(buffer)
+        self.in_use_bytes -= nbytes
+
+    def trim(self):
+        """Destroy every free buffer (between jobs, not between steps)."""
+        for nbytes, bucket in self.free.items():
+            for buf in bucket:
+                buf.destroy()
+                self.pooled_bytes -= nbytes
+        self.free.clear()
+
+
+@dataclass
+class KernelTime:
+    calls: int = 0
+    total_ms: float = 0.0
+
+
+class Runtime:
+    """Allocation, upload/readback and dispatch recording on one GPU."""
+
+    def __init__(self, gpu: GPU, poison: bool = False):
+        import wgpu
+
+        self.gpu = gpu
+        self.device = gpu.device
+        self.caps = gpu.caps
+        self.pool = BufferPool()
+        self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self._uniform_usage = wgpu.BufferUsage.UNIFORM
+        self.static_bytes = 0  # weights and other buffers that live as long as the runtime
+        self.peak_bytes = 0
+        self._params: dict[bytes, object] = {}
+        self._encoder = None
+        self._pass = None
+        self.dispatches = 0
+        # Tests fill every new activation with NaN so a kernel that skips an element fails.
+        self.poison = poison
+        # profiling
+        self.profiling = False
+        self.kernel_times: dict[str, KernelTime] = defaultdict(KernelTime)
+        self._query_set = None
+        self._query_capacity = 0
+        self._query_labels: list[str] = []
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def _note_peak(self):
+        self.peak_bytes = max(self.peak_bytes, self.static_bytes + self.pool.pooled_bytes)
+
+    def _check_binding(self, nbytes: int, shape, what: str):
+        limit = self.caps.max_binding_bytes
+        if nbytes > limit:
+            raise GPUError(
+                f"{what} of shape {tuple(shape)} needs {nbytes / 2**20:.1f} MiB in one storage "
+                f"binding, above this adapter's max-storage-buffer-binding-size of "
+                f"{limit / 2**20:.1f} MiB; use a smaller resolution or batch"
+            )
+
+    def empty(self, shape, dtype: str = "f32") -> Tensor:
+        nbytes_exact = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+        self._check_binding(nbytes_exact, shape, "an activation")
+        nbytes = _align(max(nbytes_exact, 4))
+        buf = self.pool.take(nbytes)
+        if buf is None:
+            buf = gpu_call(
+                f"allocating {nbytes} bytes", self.device.create_buffer, size=nbytes, usage=self._usage
+            )
+            self.pool.add(nbytes)
+            self._note_peak()
+        if self.poison:
+            self.flush()
+            self.device.queue.write_buffer(buf, 0, b"\xff" * nbytes)
+        return Tensor(_Storage(buf, nbytes, self.pool), shape, dtype)
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, static: bool = False) -> Tensor:
+        """Copy a host array to the GPU. Static tensors (weights) bypass the pool."""
+        dtype = dtype or {np.float32: "f32", np.float16: "f16", np.int32: "i32", np.uint32: "u32"}[
+            array.dtype.type
+        ]
+        data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
+        if static:
+            self._check_binding(data.nbytes, data.shape, "a weight")
+            nbytes = _align(max(data.nbytes, 4))
+            buf = gpu_call(
+                f"allocating a weight of {nbytes} bytes",
+                self.device.create_buffer,
+                size=nbytes,
+                usage=self._usage,
+            )
+            self.queue_write(buf, data)
+            self.static_bytes += nbytes
+            self._note_peak()
+            return Tensor(_Storage(buf, nbytes, None), data.shape, dtype)
+        t = self.empty(data.shape, dtype)
+        self.flush()  # a pooled buffer may still be read by recorded, unsubmitted commands
+        self.queue_write(t.buffer, data)
+        return t
+
+    def queue_write(self, buffer, data: np.ndarray):
+        raw = data.tobytes()
+        if len(raw) % 4:
+            raw += b"\0" * (4 - len(raw) % 4)
+        self.device.queue.write_buffer(buffer, 0, raw)
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """Copy a tensor back to the host (waits for the GPU)."""
+        self.flush()
+        raw = gpu_call("reading a buffer back", self.device.queue.read_buffer, t.buffer, 0, _align(t.nbytes, 4))
+        return np.frombuffer(raw, dtype=DTYPES[t.dtype], count=t.numel).reshape(t.shape).copy()
+
+    # ---- dispatch -----------------------------------------------------------------------
+
+    def params_buffer(self, values: tuple) -> object:
+        """A uniform buffer holding `values` (int -> u32, float -> f32), cached by content."""
+        raw = b"".join(
+            struct.pack("<f", v) if isinstance(v, float) else struct.pack("<I", int(v) & 0xFFFFFFFF)
+            for v in values
+        )
+        raw += b"\0" * (_align(max(len(raw), 16)) - len(raw))
+        buf = self._params.get(raw)
+        if buf is None:
+            buf = self.device.create_buffer_with_data(data=raw, usage=self._uniform_usage)
+            self._params[raw] = buf
+        return buf
+
+    def dispatch(self, pipeline, label: str, params: tuple, tensors: list[Tensor | None], groups):
+        """Record one dispatch: binding 0 is the params uniform, 1.. the tensors in order
+        (None skips a binding number the entry point does not use)."""
+        entries = [{"binding": 0, "resource": {"buffer": self.params_buffer(params)}}]
+        entries += [
+            {"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.storage.nbytes}}
+            for i, t in enumerate(tensors)
+            if t is not None
+        ]
+        bind_group = gpu_call(
+            f"binding the buffers of {label}",
+            self.device.create_bind_group,
+            layout=pipeline.get_bind_group_layout(0),
+            entries=entries,
+        )
+        gx, gy, gz = groups
+        if max(gx, gy, gz) > self.caps.max_workgroups:
+            raise GPUError(f"{label}: grid {groups} exceeds max-compute-workgroups-per-dimension")
+        if gx == 0 or gy == 0 or gz == 0:
+            return
+        cpass = self._begin_pass(label)
+        cpass.set_pipeline(pipeline)
+        cpass.set_bind_group(0, bind_group)
+        cpass.dispatch_workgroups(gx, gy, gz)
+        if self.profiling:
+            cpass.end()
+            self._pass = None
+        self.dispatches += 1
+
+    def _begin_pass(self, label: str):
+        if self._encoder is None:
+            self._encoder = self.device.create_command_encoder()
+        if not self.profiling:
+            if self._pass is None:
+                self._pass = self._encoder.begin_compute_pass()
+            return self._pass
+        index = len(self._query_labels)
+        if 2 * (index + 1) > self._query_capacity:
+            self.flush()
+            self._encoder = self.device.create_command_encoder()
+            index = 0
+        self._query_labels.append(label)
+        return self._encoder.begin_compute_pass(
+            timestamp_writes={
+                "query_set": self._query_set,
+                "beginning_of_pass_write_index": 2 * index,
+                "end_of_pass_write_index": 2 * index + 1,
+            }
+        )
+
+    def flush(self):
+        """Submit everything recorded so far."""
+        if self._encoder is None:
+            return
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+        n = len(self._query_labels)
+        resolve = None
+        if self.profiling and n:
+            resolve = self.device.create_buffer(
+                size=16 * n, usage=self._usage_resolve()
+            )
+            self._encoder.resolve_query_set(self._query_set, 0, 2 * n, resolve, 0)
+        gpu_call("submitting GPU work", self.device.queue.submit, [self._encoder.finish()])
+        self._encoder = None
+        if resolve is not None:
+            ticks = np.frombuffer(self.device.queue.read_buffer(resolve), dtype=np.uint64).reshape(n, 2)
+            period = self.caps.timestamp_period_ns
+            for label, (t0, t1) in zip(self._query_labels, ticks, strict=True):
+                kt = self.kernel_times[label]
+                kt.calls += 1
+                kt.total_ms += max(int(t1) - int(t0), 0) * period / 1e6
+            resolve.destroy()
+            self._query_labels.clear()
+
+    def _usage_resolve(self):
+        import wgpu
+
+        return wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
+
+    def sync(self):
+        """Submit and wait until the GPU is idle."""
+        self.flush()
+        self.device.queue.on_submitted_work_done_sync()
+
+    def set_profiling(self, on: bool, capacity: int = 4096):
+        """Time every dispatch with timestamp queries (needs the timestamp-query feature)."""
+        self.flush()
+        if on and not self.caps.has_timestamps:
+            raise GPUError("per-kernel timing needs the adapter's timestamp-query feature")
+        if on and self._query_set is None:
+            self._query_set = self.device.create_query_set(type="timestamp", count=2 * capacity)
+            self._query_capacity = 2 * capacity
+        self.profiling = on
+
+    def take_kernel_times(self) -> dict[str, KernelTime]:
+        self.flush()
+        times = dict(self.kernel_times)
+        self.kernel_times.clear()
+        return times
+
+
+class StageTimer:
+    """Wall-clock time of pipeline stages, measured to GPU completion."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.ms: dict[str, float] = defaultdict(float)
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Stage:
+            def __enter__(self):
+                timer.rt.sync()
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if exc[0] is None:
+                    timer.rt.sync()
+                timer.ms[name] += (time.perf_counter() - self.t0) * 1e3
+
+        return _Stage()

@@ -1,0 +1,37 @@
+"""The `farm` command: one Typer sub-app per command group, joined here. Commands are thin:
+they parse, call a service, and print with rich (or JSON with --json). Every error a user can
+cause ends as one red line and a non-zero exit code, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from engine.errors import EngineError
+
+from . import engine as engine_cmd
+
+app = typer.Typer(
+    name="farm",
+    help="Ship Stable Diffusion to phones and GPU hosts, and prove every night it got faster.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(engine_cmd.app, name="engine")
+
+err_console = Console(stderr=True)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=True)
+    except EngineError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

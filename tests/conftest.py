@@ -1,0 +1,49 @@
+"""Suite-wide test wiring: the `gpu` marker. Tests that need a WebGPU adapter run on whatever
+adapter exists (lavapipe on CPU machines). Without one they are skipped locally, but in CI
+(CI=true) they fail: a missing adapter there is a broken install, not a reason to pass."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import pytest
+
+
+@cache
+def _adapter_problem() -> str | None:
+    try:
+        from engine.device import get_gpu
+
+        get_gpu()
+    except Exception as exc:  # AdapterError, or wgpu failing to load its native library
+        return str(exc)
+    return None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is None:
+        return
+    problem = _adapter_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI has no WebGPU adapter: {problem}", pytrace=False)
+    pytest.skip(f"no WebGPU adapter: {problem}")
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    from engine.device import get_gpu
+
+    return get_gpu()
+
+
+@pytest.fixture
+def fresh_rng(request):
+    """A generator with a fresh seed per test; the seed is printed so a failure can be replayed."""
+    import numpy as np
+
+    seed = int(os.environ.get("FARM_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{request.node.name}: FARM_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
