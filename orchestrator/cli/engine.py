@@ -4,7 +4,7 @@ image generation."""
 from __future__ import annotations
 
 import json
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import typer
@@ -15,12 +15,12 @@ app = typer.Typer(help="Run the Stable Diffusion engine on this machine's GPU.",
 console = Console()
 
 
-class Preset(str, Enum):
+class Preset(StrEnum):
     tiny = "tiny"
     sd14 = "sd14"
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     fp32 = "fp32"
     fp16 = "fp16"
 

@@ -1,0 +1,98 @@
+"""Euler's method on the probability-flow ODE in σ (Karras et al. 2022, algorithm 2 without
+churn), diffusers' EulerDiscreteScheduler: this file owns its options and its step; the σ
+list, input scaling and step counter come from common.SigmaSchedule.
+
+dx/dσ = (x - x̂_0) / σ, with x̂_0 = x - σ ε; one step moves σ_i to σ_{i+1}. The last σ is 0,
+so the final step lands on x̂_0.
+
+Notation
+    σ_i, σ_{i+1}   sigma of the current sample and of the one the step produces
+    ε              model output (predicted noise) for the scaled input x / sqrt(σ_i² + 1)
+    x̂_0            predicted clean sample
+    d              the ODE derivative (x - x̂_0) / σ_i
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.schedulers.base import Scheduler
+from engine.schedulers.common import (
+    SigmaSchedule,
+    alphas_cumprod,
+    check_timestep_spacing,
+    make_betas,
+    require_default,
+    require_epsilon,
+    train_sigmas,
+)
+
+
+class EulerDiscreteScheduler(SigmaSchedule, Scheduler):
+    order = 1
+
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        beta_start: float = 0.0001,
+        beta_end: float = 0.02,
+        beta_schedule: str = "linear",
+        trained_betas=None,
+        prediction_type: str = "epsilon",
+        interpolation_type: str = "linear",
+        use_karras_sigmas: bool = False,
+        use_exponential_sigmas: bool = False,
+        use_beta_sigmas: bool = False,
+        timestep_spacing: str = "linspace",
+        steps_offset: int = 0,
+        rescale_betas_zero_snr: bool = False,
+        final_sigmas_type: str = "zero",
+    ):
+        # timestep_type "continuous" only changes v-prediction models, refused below anyway
+        require_epsilon(prediction_type)
+        require_default("interpolation_type", interpolation_type, "linear")
+        require_default("use_karras_sigmas", bool(use_karras_sigmas), False)
+        require_default("use_exponential_sigmas", bool(use_exponential_sigmas), False)
+        require_default("use_beta_sigmas", bool(use_beta_sigmas), False)
+        require_default("rescale_betas_zero_snr", rescale_betas_zero_snr, False)
+        require_default("final_sigmas_type", final_sigmas_type, "zero")
+        check_timestep_spacing(timestep_spacing)
+        self.num_train_timesteps = int(num_train_timesteps)
+        self.timestep_spacing = timestep_spacing
+        self.steps_offset = int(steps_offset)
+
+        betas = make_betas(
+            beta_schedule, beta_start, beta_end, self.num_train_timesteps, trained_betas
+        )
+        self.sigmas_by_t = train_sigmas(alphas_cumprod(betas))
+        self.num_inference_steps: int | None = None
+        # before set_timesteps: the whole training schedule, as diffusers starts out
+        self.timesteps = np.arange(self.num_train_timesteps, dtype=np.float32)[::-1].copy()
+        self.sigmas = np.concatenate([self.sigmas_by_t[::-1], [0.0]]).astype(np.float32)
+        self._reset_step_index()
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        self._set_sigma_timesteps(num_inference_steps)
+
+    def step(
+        self,
+        model_output: np.ndarray,
+        timestep,
+        sample: np.ndarray,
+        rng: np.random.Generator | None = None,
+    ) -> np.ndarray:
+        if self._step_index is None:
+            self._init_step_index(timestep)
+        eps = np.asarray(model_output, dtype=np.float32)
+        x = np.asarray(sample, dtype=np.float32)
+        sigma = self.sigmas[self._step_index]
+        sigma_next = self.sigmas[self._step_index + 1]
+
+        # the round trip through x̂_0 looks redundant (d == ε in exact arithmetic) but
+        # diffusers rounds that way, and the last bits must agree
+        x0_pred = x - sigma * eps
+        d = (x - x0_pred) / sigma
+        prev_sample = x + d * (sigma_next - sigma)
+
+        self._step_index += 1
+        return prev_sample

@@ -1,0 +1,97 @@
+"""Euler ancestral (Karras et al. 2022's ancestral sampling in σ, k-diffusion's
+sample_euler_ancestral), diffusers' EulerAncestralDiscreteScheduler: this file owns its step;
+the σ list, input scaling and step counter come from common.SigmaSchedule.
+
+Each step splits the move σ_i -> σ_{i+1} into a deterministic Euler step down to σ_down and
+fresh Gaussian noise of standard deviation σ_up, with σ_down² + σ_up² = σ_{i+1}², so the
+marginal noise level is right while part of the noise is renewed each step (DDPM-like).
+The noise is one ``rng.standard_normal(shape, dtype=float32)`` draw per step, the last step
+included (its σ_up is 0), matching diffusers' one randn_tensor call per step.
+
+Notation
+    σ_i, σ_{i+1}   sigma of the current sample and of the target
+    σ_up           std of the noise added: sqrt(σ_{i+1}² (σ_i² - σ_{i+1}²) / σ_i²)
+    σ_down         sigma reached by the deterministic part: sqrt(σ_{i+1}² - σ_up²)
+    ε, x̂_0, d      model output, predicted clean sample, ODE derivative (x - x̂_0) / σ_i
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.schedulers.base import Scheduler
+from engine.schedulers.common import (
+    SigmaSchedule,
+    alphas_cumprod,
+    check_timestep_spacing,
+    make_betas,
+    require_default,
+    require_epsilon,
+    train_sigmas,
+)
+
+
+class EulerAncestralDiscreteScheduler(SigmaSchedule, Scheduler):
+    order = 1
+
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        beta_start: float = 0.0001,
+        beta_end: float = 0.02,
+        beta_schedule: str = "linear",
+        trained_betas=None,
+        prediction_type: str = "epsilon",
+        timestep_spacing: str = "linspace",
+        steps_offset: int = 0,
+        rescale_betas_zero_snr: bool = False,
+    ):
+        require_epsilon(prediction_type)
+        require_default("rescale_betas_zero_snr", rescale_betas_zero_snr, False)
+        check_timestep_spacing(timestep_spacing)
+        self.num_train_timesteps = int(num_train_timesteps)
+        self.timestep_spacing = timestep_spacing
+        self.steps_offset = int(steps_offset)
+
+        betas = make_betas(
+            beta_schedule, beta_start, beta_end, self.num_train_timesteps, trained_betas
+        )
+        self.sigmas_by_t = train_sigmas(alphas_cumprod(betas))
+        self.num_inference_steps: int | None = None
+        self.timesteps = np.arange(self.num_train_timesteps, dtype=np.float32)[::-1].copy()
+        self.sigmas = np.concatenate([self.sigmas_by_t[::-1], [0.0]]).astype(np.float32)
+        self._reset_step_index()
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        self._set_sigma_timesteps(num_inference_steps)
+
+    def step(
+        self,
+        model_output: np.ndarray,
+        timestep,
+        sample: np.ndarray,
+        rng: np.random.Generator | None = None,
+    ) -> np.ndarray:
+        if rng is None:
+            raise ValueError(
+                "euler_ancestral draws fresh noise every step: pass a numpy Generator as rng"
+            )
+        if self._step_index is None:
+            self._init_step_index(timestep)
+        eps = np.asarray(model_output, dtype=np.float32)
+        x = np.asarray(sample, dtype=np.float32)
+        sigma = self.sigmas[self._step_index]
+        sigma_next = self.sigmas[self._step_index + 1]
+
+        x0_pred = x - sigma * eps
+        sigma2, sigma_next2 = sigma * sigma, sigma_next * sigma_next
+        sigma_up = np.sqrt(sigma_next2 * (sigma2 - sigma_next2) / sigma2)
+        sigma_down = np.sqrt(sigma_next2 - sigma_up * sigma_up)
+        d = (x - x0_pred) / sigma
+        prev_sample = x + d * (sigma_down - sigma)
+
+        noise = rng.standard_normal(eps.shape, dtype=np.float32)
+        prev_sample = prev_sample + noise * sigma_up
+
+        self._step_index += 1
+        return prev_sample
