@@ -57,7 +57,7 @@ def _load_components(model_path: Path):
     if not model_path.is_dir():
         raise ModelError(f"model path {model_path} does not exist; give a diffusers model folder or a .safetensors checkpoint")
     config = load_model_config(model_path)
-    tokenizer = CLIPTokenizer.from_dir(config.tokenizer_dir)
+    tokenizer = CLIPTokenizer(config.tokenizer_dir)
     states = {
         "text_encoder": load_component(model_path, "text_encoder", params.clip_param_shapes(config.text_encoder)),
         "unet": load_component(model_path, "unet", params.unet_param_shapes(config.unet)),
@@ -111,6 +111,9 @@ class Pipeline:
         self.vae = AutoencoderKL(config.vae, GPUWeights(self.rt, states["vae"], dtype), self.ops)
         self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
         self.latent_channels = config.unet.in_channels
+        size = config.unet.sample_size
+        h, w = (size, size) if isinstance(size, int) else size
+        self.native_size = (h * self.vae_scale_factor, w * self.vae_scale_factor)  # (height, width)
 
     # ---- the networks, host arrays in and out --------------------------------------------
 

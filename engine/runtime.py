@@ -136,6 +136,7 @@ class Runtime:
         self._params: dict[bytes, object] = {}
         self._encoder = None
         self._pass = None
+        self._fence = None
         self.dispatches = 0
         # Tests fill every new activation with NaN so a kernel that skips an element fails.
         self.poison = poison
@@ -309,9 +310,13 @@ class Runtime:
         return wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
 
     def sync(self):
-        """Submit and wait until the GPU is idle."""
+        """Submit and wait until the GPU has finished everything submitted so far."""
         self.flush()
-        self.device.queue.on_submitted_work_done_sync()
+        # queue.on_submitted_work_done_sync() is broken in wgpu-py 0.32 (callback signature
+        # mismatch with wgpu-native); mapping a buffer also waits for all earlier submissions.
+        if self._fence is None:
+            self._fence = self.device.create_buffer(size=4, usage=self._usage)
+        self.device.queue.read_buffer(self._fence, 0, 4)
 
     def set_profiling(self, on: bool, capacity: int = 4096):
         """Time every dispatch with timestamp queries (needs the timestamp-query feature)."""

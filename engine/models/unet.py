@@ -81,7 +81,7 @@ class UNet2DCondition:
         x = ops.conv2d(sample, w["conv_in.weight"], w["conv_in.bias"], padding=1)
         skips = [x]
         for i, kind in enumerate(cfg.down_block_types):
-            for layer in range(cfg.layers_per_block):
+            for layer in range(cfg.layers_per_block[i]):
                 x = resnet_block(ops, w, f"down_blocks.{i}.resnets.{layer}.", x, temb, groups, eps)
                 if kind.startswith("CrossAttn"):
                     x = self._transformer(
@@ -104,8 +104,9 @@ class UNet2DCondition:
         # 4. up path: concatenate skips, upsample to the next skip's size (odd sizes included)
         heads_up = list(reversed(cfg.num_attention_heads))
         layers_up = list(reversed(cfg.transformer_layers_per_block))
+        resnets_up = [n + 1 for n in reversed(cfg.layers_per_block)]
         for i, kind in enumerate(cfg.up_block_types):
-            for layer in range(cfg.layers_per_block + 1):
+            for layer in range(resnets_up[i]):
                 x = ops.concat_channels(x, skips.pop())
                 x = resnet_block(ops, w, f"up_blocks.{i}.resnets.{layer}.", x, temb, groups, eps)
                 if kind.startswith("CrossAttn"):

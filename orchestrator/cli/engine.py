@@ -87,8 +87,7 @@ def generate(
         raise InputError(f"init image {init_image} does not exist")
     with console.status(f"loading {model}"):
         pipe = load_pipeline(model, precision=precision.value)
-    native = pipe.config.unet.sample_size * pipe.vae_scale_factor
-    height, width = height or native, width or native
+    height, width = height or pipe.native_size[0], width or pipe.native_size[1]
     columns = (TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task("denoise", total=None)
