@@ -1,0 +1,169 @@
+"""The process's one WebGPU device: adapter discovery, the capabilities read once at creation
+(adapter identity, features, limits, timestamp period), and the translation of WebGPU errors
+into engine exceptions. Everything else asks `DeviceCaps` what the GPU can do instead of
+probing the adapter again."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cache
+
+from .errors import AdapterError, GPUError
+
+# Features the engine uses when the adapter offers them; none is mandatory.
+WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
+
+# Limits requested at the adapter's own maximum: the defaults (128 MiB bindings, 16 KiB of
+# workgroup storage) are far below what real Stable Diffusion weights and activations need.
+WANTED_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroup-size-y",
+    "max-compute-workgroups-per-dimension",
+    "max-storage-buffers-per-shader-stage",
+)
+
+INSTALL_HINT = (
+    "install a Vulkan, Metal or D3D12 driver; on Debian/Ubuntu without a GPU, "
+    "`apt-get install mesa-vulkan-drivers libvulkan1` provides the lavapipe software adapter"
+)
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What the adapter is and what it can do, read once when the device is created."""
+
+    vendor: str
+    architecture: str
+    device: str
+    description: str
+    adapter_type: str  # DiscreteGPU, IntegratedGPU, CPU, Unknown
+    backend: str  # Vulkan, Metal, D3D12, ...
+    vendor_id: int
+    device_id: int
+    features: frozenset[str]
+    limits: dict[str, int] = field(hash=False)
+    timestamp_period_ns: float = 1.0
+
+    @property
+    def has_f16(self) -> bool:
+        return "shader-f16" in self.features
+
+    @property
+    def has_subgroups(self) -> bool:
+        return "subgroup" in self.features
+
+    @property
+    def has_timestamps(self) -> bool:
+        return "timestamp-query" in self.features
+
+    @property
+    def max_binding_bytes(self) -> int:
+        return int(self.limits["max-storage-buffer-binding-size"])
+
+    @property
+    def max_workgroups(self) -> int:
+        return int(self.limits["max-compute-workgroups-per-dimension"])
+
+    def as_dict(self) -> dict:
+        return {
+            "vendor": self.vendor,
+            "architecture": self.architecture,
+            "device": self.device,
+            "description": self.description,
+            "adapter_type": self.adapter_type,
+            "backend": self.backend,
+            "vendor_id": self.vendor_id,
+            "device_id": self.device_id,
+            "features": sorted(self.features),
+            "limits": dict(sorted(self.limits.items())),
+            "timestamp_period_ns": self.timestamp_period_ns,
+        }
+
+
+class GPU:
+    """The wgpu device plus its capabilities. Create it through `get_gpu()`."""
+
+    def __init__(self, adapter, device, caps: DeviceCaps):
+        self.adapter = adapter
+        self.device = device
+        self.queue = device.queue
+        self.caps = caps
+
+
+def _timestamp_period(queue) -> float:
+    # wgpu-py does not expose wgpuQueueGetTimestampPeriod; the native call is the only source
+    # of the tick length, which is not 1 ns on every backend.
+    try:
+        from wgpu.backends.wgpu_native import _ffi
+
+        return float(_ffi.lib.wgpuQueueGetTimestampPeriod(queue._internal))
+    except Exception:
+        return 1.0
+
+
+def _request_adapter(power_preference: str):
+    import wgpu
+
+    try:
+        adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
+    except Exception as exc:  # wgpu raises a plain RuntimeError when no driver loads
+        raise AdapterError(f"no WebGPU adapter could be found ({exc}); {INSTALL_HINT}") from exc
+    if adapter is None:
+        raise AdapterError(f"no WebGPU adapter could be found; {INSTALL_HINT}")
+    return adapter
+
+
+def create_gpu(power_preference: str = "high-performance") -> GPU:
+    """Open the adapter and a device with every wanted feature it has and its real limits."""
+    try:
+        import wgpu
+    except ImportError as exc:
+        raise AdapterError(f"the wgpu package could not be imported ({exc}); pip install wgpu") from exc
+
+    adapter = _request_adapter(power_preference)
+    features = [f for f in WANTED_FEATURES if f in adapter.features]
+    if os.environ.get("FARM_DISABLE_F16") == "1" and "shader-f16" in features:
+        features.remove("shader-f16")  # lets tests exercise the fp32 fallback on any adapter
+    limits = {name: adapter.limits[name] for name in WANTED_LIMITS if name in adapter.limits}
+    try:
+        device = adapter.request_device_sync(required_features=features, required_limits=limits)
+    except wgpu.GPUError as exc:
+        raise AdapterError(f"the adapter refused a device with features {features}: {exc}") from exc
+    info = adapter.info
+    caps = DeviceCaps(
+        vendor=str(info.get("vendor", "")),
+        architecture=str(info.get("architecture", "")),
+        device=str(info.get("device", "")),
+        description=str(info.get("description", "")),
+        adapter_type=str(info.get("adapter_type", "")),
+        backend=str(info.get("backend_type", "")),
+        vendor_id=int(info.get("vendor_id", 0) or 0),
+        device_id=int(info.get("device_id", 0) or 0),
+        features=frozenset(features),
+        limits={k: int(v) for k, v in device.limits.items() if isinstance(v, int)},
+        timestamp_period_ns=_timestamp_period(device.queue),
+    )
+    return GPU(adapter, device, caps)
+
+
+@cache
+def get_gpu() -> GPU:
+    """The process's one device, created on first use."""
+    return create_gpu()
+
+
+def gpu_call(what: str, fn, *args, **kwargs):
+    """Run one wgpu call and turn WebGPU's errors into GPUError naming what was attempted."""
+    import wgpu
+
+    try:
+        return fn(*args, **kwargs)
+    except wgpu.GPUError as exc:
+        first = str(exc).strip().splitlines()
+        detail = " ".join(line.strip() for line in first if line.strip())[:600]
+        raise GPUError(f"WebGPU error while {what}: {detail}") from exc

@@ -1,0 +1,26 @@
+"""The engine's exception types: every user-facing failure is one of these, with a message
+that names the bad value (file, config key, argument) and what was expected instead."""
+
+
+class EngineError(Exception):
+    """Base class: the CLI prints the message and exits non-zero, without a traceback."""
+
+
+class ModelError(EngineError):
+    """A model directory or checkpoint is missing, corrupt, or of an unsupported kind."""
+
+
+class UnsupportedModelError(ModelError):
+    """The files are readable but describe a model family the engine does not run."""
+
+
+class InputError(EngineError):
+    """A generation argument is out of range (size, steps, scheduler name, strength...)."""
+
+
+class AdapterError(EngineError):
+    """No usable WebGPU adapter, or the adapter lacks something the engine needs."""
+
+
+class GPUError(EngineError):
+    """WebGPU reported a validation, out-of-memory or internal error."""

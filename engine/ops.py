@@ -1,0 +1,255 @@
+"""The ops the models are written in, each dispatching the variant the `Selection` picks.
+
+Shapes follow PyTorch: images NCHW, tokens (B, T, C), linear weights (out, in). Every op
+allocates its output from the runtime's pool and leaves its inputs untouched, so a model
+reads like the diffusers module it mirrors.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .kernels import PipelineCache, Selection, register
+from .runtime import WG_1D, Runtime, Tensor
+
+register("linear", "reference", doc="one invocation per output, f32 accumulation")
+register("conv2d", "reference", doc="direct convolution, one invocation per output")
+register("group_norm", "reference", entry="stats_main", doc="statistics pass, then apply pass")
+register("layer_norm", "reference", doc="one workgroup per row, two-pass statistics")
+register("activation", "reference", doc="SiLU / GELU (erf) / QuickGELU by override ACT")
+register("geglu", "reference", doc="value * GELU(gate) over the split projection")
+register("add", "reference", doc="element-wise or per-channel broadcast add")
+register("softmax", "reference", doc="row softmax in f32, optional causal mask")
+register("attention", "reference", entry="scores", doc="scores, softmax, weighted sum; materialised")
+register("upsample", "reference", doc="nearest-neighbour resize")
+register("concat", "reference", doc="channel concatenation")
+register("transpose", "reference", doc="swap the last two axes")
+register("embedding", "reference", doc="token + position embedding gather")
+
+ACT = {"silu": 0, "gelu": 1, "quick_gelu": 2}
+
+
+class Ops:
+    """Op functions bound to one runtime, pipeline cache, selection and element type."""
+
+    def __init__(self, rt: Runtime, pipelines: PipelineCache, selection: Selection, dtype: str):
+        self.rt = rt
+        self.pipelines = pipelines
+        self.selection = selection
+        self.dtype = dtype
+        self._dummy = rt.upload(__import__("numpy").zeros(4, dtype="float32"), dtype, static=True)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _pipeline(self, op: str, entry: str | None = None, **constants):
+        v = self.selection.variant(op)
+        return self.pipelines.get(v, self.dtype, constants or None, entry)
+
+    def _grid_1d(self, n: int) -> tuple[int, int, int]:
+        groups = max(1, math.ceil(n / WG_1D))
+        gx = min(groups, self.rt.caps.max_workgroups)
+        return gx, math.ceil(groups / gx), 1
+
+    def _check(self, t: Tensor, what: str):
+        if t.dtype != self.dtype:
+            raise TypeError(f"{what} is {t.dtype}, the pipeline runs in {self.dtype}")
+
+    # ---- dense ------------------------------------------------------------------------
+
+    def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        """x (..., K) @ w (N, K)^T + b (N) -> (..., N)."""
+        n_out, k = w.shape[0], math.prod(w.shape[1:])
+        if x.shape[-1] != k:
+            raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
+        m = x.numel // k
+        y = self.rt.empty((*x.shape[:-1], n_out), self.dtype)
+        self.rt.dispatch(
+            self._pipeline("linear"),
+            "linear",
+            (m, n_out, k, int(b is not None)),
+            [x, w, b if b is not None else self._dummy, y],
+            (math.ceil(n_out / 16), math.ceil(m / 16), 1),
+        )
+        return y
+
+    def conv2d(
+        self,
+        x: Tensor,
+        w: Tensor,
+        b: Tensor | None,
+        stride: int = 1,
+        padding: int | tuple[int, int, int, int] = 0,
+    ) -> Tensor:
+        """x (B, Cin, H, W) * w (Cout, Cin, KH, KW). padding: p, or (top, bottom, left, right)."""
+        bsz, cin, h, wd = x.shape
+        cout, cin_w, kh, kw = w.shape
+        if cin != cin_w:
+            raise ValueError(f"conv2d: input {x.shape} does not match weight {w.shape}")
+        pt, pb, pl, pr = (padding,) * 4 if isinstance(padding, int) else padding
+        oh = (h + pt + pb - kh) // stride + 1
+        ow = (wd + pl + pr - kw) // stride + 1
+        y = self.rt.empty((bsz, cout, oh, ow), self.dtype)
+        params = (bsz, cin, h, wd, cout, oh, ow, kh, kw, stride, pt, pl, int(b is not None))
+        self.rt.dispatch(
+            self._pipeline("conv2d"),
+            "conv2d",
+            params,
+            [x, w, b if b is not None else self._dummy, y],
+            (math.ceil(oh * ow / 64), cout, bsz),
+        )
+        return y
+
+    # ---- normalisation ----------------------------------------------------------------
+
+    def group_norm(
+        self, x: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float, silu: bool = False
+    ) -> Tensor:
+        bsz, c = x.shape[:2]
+        s = x.numel // (bsz * c)
+        if c % groups:
+            raise ValueError(f"group_norm: {c} channels do not split into {groups} groups")
+        stats = self.rt.empty((bsz * groups, 2), "f32")
+        params = (bsz, c, s, groups, float(eps), int(silu))
+        self.rt.dispatch(
+            self._pipeline("group_norm", "stats_main"), "group_norm", params, [x, stats], (bsz * groups, 1, 1)
+        )
+        y = self.rt.empty(x.shape, self.dtype)
+        self.rt.dispatch(
+            self._pipeline("group_norm", "apply_main"),
+            "group_norm",
+            params,
+            [x, stats, gamma, beta, y],
+            self._grid_1d(x.numel),
+        )
+        return y
+
+    def layer_norm(self, x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> Tensor:
+        d = x.shape[-1]
+        rows = x.numel // d
+        y = self.rt.empty(x.shape, self.dtype)
+        gx = min(rows, self.rt.caps.max_workgroups)
+        self.rt.dispatch(
+            self._pipeline("layer_norm"),
+            "layer_norm",
+            (rows, d, float(eps)),
+            [x, gamma, beta, y],
+            (gx, math.ceil(rows / gx), 1),
+        )
+        return y
+
+    # ---- element-wise -----------------------------------------------------------------
+
+    def activation(self, x: Tensor, kind: str) -> Tensor:
+        y = self.rt.empty(x.shape, self.dtype)
+        self.rt.dispatch(
+            self._pipeline("activation", ACT=ACT[kind]), kind, (x.numel,), [x, y], self._grid_1d(x.numel)
+        )
+        return y
+
+    def silu(self, x: Tensor) -> Tensor:
+        return self.activation(x, "silu")
+
+    def geglu(self, x: Tensor) -> Tensor:
+        """(..., 2F) -> (..., F): first half times GELU of the second half."""
+        f2 = x.shape[-1]
+        m, f = x.numel // f2, f2 // 2
+        y = self.rt.empty((*x.shape[:-1], f), self.dtype)
+        self.rt.dispatch(self._pipeline("geglu"), "geglu", (m, f), [x, y], self._grid_1d(m * f))
+        return y
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        """a + b for equal shapes, or a (B, C, ...) + b (B, C) broadcast over the rest."""
+        if a.shape == b.shape:
+            s, bcast = 1, 0
+        elif a.shape[:2] == b.shape and len(b.shape) == 2:
+            s, bcast = a.numel // b.numel, 1
+        else:
+            raise ValueError(f"add: shapes {a.shape} and {b.shape} do not broadcast")
+        y = self.rt.empty(a.shape, self.dtype)
+        self.rt.dispatch(self._pipeline("add"), "add", (a.numel, s, bcast), [a, b, y], self._grid_1d(a.numel))
+        return y
+
+    # ---- layout -----------------------------------------------------------------------
+
+    def upsample_nearest(self, x: Tensor, size: tuple[int, int]) -> Tensor:
+        bsz, c, h, w = x.shape
+        oh, ow = size
+        y = self.rt.empty((bsz, c, oh, ow), self.dtype)
+        self.rt.dispatch(
+            self._pipeline("upsample"), "upsample", (bsz * c, h, w, oh, ow), [x, y], self._grid_1d(y.numel)
+        )
+        return y
+
+    def concat_channels(self, a: Tensor, b: Tensor) -> Tensor:
+        bsz, ca = a.shape[:2]
+        cb = b.shape[1]
+        if a.shape[2:] != b.shape[2:] or b.shape[0] != bsz:
+            raise ValueError(f"concat: {a.shape} and {b.shape} differ outside the channel axis")
+        s = a.numel // (bsz * ca)
+        y = self.rt.empty((bsz, ca + cb, *a.shape[2:]), self.dtype)
+        self.rt.dispatch(self._pipeline("concat"), "concat", (bsz, ca, cb, s), [a, b, y], self._grid_1d(y.numel))
+        return y
+
+    def transpose(self, x: Tensor) -> Tensor:
+        """(B, R, C) -> (B, C, R)."""
+        bsz, r, c = x.shape
+        y = self.rt.empty((bsz, c, r), self.dtype)
+        self.rt.dispatch(self._pipeline("transpose"), "transpose", (bsz, r, c), [x, y], self._grid_1d(x.numel))
+        return y
+
+    def embedding(self, ids: Tensor, tok: Tensor, pos: Tensor) -> Tensor:
+        bsz, t = ids.shape
+        v, d = tok.shape
+        y = self.rt.empty((bsz, t, d), self.dtype)
+        self.rt.dispatch(
+            self._pipeline("embedding"), "embedding", (bsz, t, d, v), [ids, tok, pos, y], self._grid_1d(y.numel)
+        )
+        return y
+
+    # ---- attention --------------------------------------------------------------------
+
+    def softmax_(self, s: Tensor, tq: int = 1, causal: bool = False) -> Tensor:
+        """In-place softmax over the last axis of an f32 tensor."""
+        n = s.shape[-1]
+        rows = s.numel // n
+        gx = min(rows, self.rt.caps.max_workgroups)
+        self.rt.dispatch(
+            self._pipeline("softmax"),
+            "softmax",
+            (rows, n, tq, int(causal)),
+            [s],
+            (gx, math.ceil(rows / gx), 1),
+        )
+        return s
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        heads: int,
+        causal: bool = False,
+        scale: float | None = None,
+    ) -> Tensor:
+        """softmax(Q K^T * scale) V per head. q (B, Tq, H*dh); k, v (B, Tk, H*dh) -> (B, Tq, H*dh)."""
+        bsz, tq, width = q.shape
+        tk = k.shape[1]
+        dh = width // heads
+        scale = float(scale if scale is not None else dh**-0.5)
+        o = self.rt.empty((bsz, tq, width), self.dtype)
+        # The score matrix of every (batch, head) pair may not fit one storage binding (SD at
+        # 64x64 latents: 4096 x 4096 x 4 B per pair), so pairs are processed in chunks.
+        per_pair = tq * tk * 4
+        chunk = max(1, min(bsz * heads, self.rt.caps.max_binding_bytes // per_pair))
+        scores_p = self._pipeline("attention", "scores")
+        sum_p = self._pipeline("attention", "weighted_sum")
+        for bh0 in range(0, bsz * heads, chunk):
+            nbh = min(chunk, bsz * heads - bh0)
+            s = self.rt.empty((nbh, tq, tk), "f32")
+            params = (heads, tq, tk, dh, width, width, bh0, scale)
+            self.rt.dispatch(scores_p, "attention", params, [q, k, s], (math.ceil(tk / 16), math.ceil(tq / 16), nbh))
+            self.softmax_(s, tq, causal)
+            self.rt.dispatch(
+                sum_p, "attention", params, [None, None, s, v, o], (math.ceil(dh / 16), math.ceil(tq / 16), nbh)
+            )
+        return o
