@@ -42,7 +42,7 @@ class GenerationResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def _load_components(model_path: Path):
+def _load_components(model_path: Path, tokenizer_dir: Path | None):
     """(ModelConfig, tokenizer, {component: state dict}) from a diffusers folder or single file."""
     from .models import params
     from .models.config import load_model_config
@@ -52,12 +52,21 @@ def _load_components(model_path: Path):
     if model_path.is_file():
         from .weights.single_file import load_single_file
 
-        config, states, tokenizer = load_single_file(model_path)
-        return config, tokenizer, states
+        config, states = load_single_file(model_path)
+        # A single-file checkpoint has no vocabulary: take the one given, or a tokenizer/
+        # folder beside the file.
+        tok = tokenizer_dir or config.tokenizer_dir or model_path.parent / "tokenizer"
+        if not Path(tok).is_dir():
+            raise ModelError(
+                f"{model_path} is a single-file checkpoint and carries no tokenizer; pass "
+                f"tokenizer_dir (CLI: --tokenizer) pointing at an SD 1.x CLIP tokenizer folder "
+                f"(vocab.json + merges.txt), or put one at {model_path.parent / 'tokenizer'}"
+            )
+        return config, CLIPTokenizer(tok), states
     if not model_path.is_dir():
         raise ModelError(f"model path {model_path} does not exist; give a diffusers model folder or a .safetensors checkpoint")
     config = load_model_config(model_path)
-    tokenizer = CLIPTokenizer(config.tokenizer_dir)
+    tokenizer = CLIPTokenizer(tokenizer_dir or config.tokenizer_dir)
     states = {
         "text_encoder": load_component(model_path, "text_encoder", params.clip_param_shapes(config.text_encoder)),
         "unet": load_component(model_path, "unet", params.unet_param_shapes(config.unet)),
@@ -74,11 +83,11 @@ def _selection(gpu: GPU, profile) -> Selection:
     raise InputError(f"profile {profile!r} is not supported; use None, 'reference' or a mapping op -> variant")
 
 
-def load_pipeline(model_dir, precision: str = "fp32", profile=None) -> Pipeline:
+def load_pipeline(model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None) -> Pipeline:
     """Load a model (diffusers folder or SD 1.x single-file checkpoint) onto the GPU."""
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    config, tokenizer, states = _load_components(Path(model_dir))
+    config, tokenizer, states = _load_components(Path(model_dir), tokenizer_dir and Path(tokenizer_dir))
     if config.text_encoder.hidden_act not in ACTIVATIONS:
         raise ModelError(
             f"text encoder activation {config.text_encoder.hidden_act!r} is not supported; "

@@ -75,6 +75,7 @@ def generate(
     precision: Precision = typer.Option(Precision.fp32, help="fp16 needs the shader-f16 feature."),
     init_image: Path = typer.Option(None, help="Start from this image (img2img)."),
     strength: float = typer.Option(0.8, help="img2img: how much of the init image to repaint."),
+    tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
 ):
     """Generate an image from a prompt (or from an image and a prompt)."""
@@ -86,7 +87,7 @@ def generate(
     if init_image is not None and not init_image.is_file():
         raise InputError(f"init image {init_image} does not exist")
     with console.status(f"loading {model}"):
-        pipe = load_pipeline(model, precision=precision.value)
+        pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer)
     height, width = height or pipe.native_size[0], width or pipe.native_size[1]
     columns = (TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
