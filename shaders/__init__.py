@@ -1,0 +1,1 @@
+"""WGSL sources, one folder per op and one file per variant (see engine/kernels.py)."""

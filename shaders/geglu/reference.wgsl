@@ -1,0 +1,28 @@
+// GEGLU: the projection's output (M, 2F) is split into value and gate halves along the last
+// dimension; y = value * GELU(gate), y: (M, F). GELU is the exact (erf) form.
+struct Params { M: u32, F: u32 }
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<T>;
+@group(0) @binding(2) var<storage, read_write> y: array<T>;
+
+fn erf_approx(z: f32) -> f32 {
+    let a = abs(z);
+    let t = 1.0 / (1.0 + 0.3275911 * a);
+    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+    return sign(z) * (1.0 - poly * exp(-a * a));
+}
+
+@compute @workgroup_size(256)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let i = (wid.y * nwg.x + wid.x) * 256u + li;
+    if (i >= p.M * p.F) { return; }
+    let m = i / p.F;
+    let f = i % p.F;
+    let value = f32(x[m * 2u * p.F + f]);
+    let gate = f32(x[m * 2u * p.F + p.F + f]);
+    y[i] = T(value * 0.5 * gate * (1.0 + erf_approx(gate * 0.7071067811865476)));
+}
