@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 from functools import cache
+from pathlib import Path
 
 import pytest
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_model.npz"
 
 
 @cache
@@ -47,3 +50,25 @@ def fresh_rng(request):
     seed = int(os.environ.get("FARM_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
     print(f"{request.node.name}: FARM_TEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from engine.make_model import make_model
+
+    """engine.make_model("tiny", seed=0): the model the goldens were made from. Read-only:
+    tests that change files copy it first."""
+    return make_model("tiny", 0, tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict:
+    import numpy as np
+
+    if not GOLDEN.is_file():
+        pytest.fail(
+            f"{GOLDEN} missing; run /work/venv-gold/bin/python tests/golden/make_goldens.py"
+        )
+    with np.load(GOLDEN) as g:
+        return {k: g[k] for k in g.files}

@@ -29,7 +29,7 @@ def main() -> None:
     try:
         app(standalone_mode=True)
     except EngineError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
 
 

@@ -123,3 +123,27 @@ def test_bad_model_paths(tmp_path, gpu):
         engine.load_pipeline(tmp_path / "nope")
     with pytest.raises(EngineError, match="precision 'int8'"):
         engine.load_pipeline(tmp_path, precision="int8")
+
+
+def test_fp16_without_shader_f16_falls_back_to_fp32_with_a_warning(tiny_model_dir, gpu, monkeypatch):
+    import dataclasses
+
+    import engine.pipeline as pipeline_mod
+    from engine.device import GPU
+
+    caps = dataclasses.replace(gpu.caps, features=gpu.caps.features - {"shader-f16"})
+    monkeypatch.setattr(pipeline_mod, "get_gpu", lambda: GPU(gpu.adapter, gpu.device, caps))
+    with pytest.warns(UserWarning, match="lacks shader-f16; running in fp32"):
+        p = engine.load_pipeline(tiny_model_dir, precision="fp16")
+    assert p.precision == "fp32"
+    r = p.generate("a dog", steps=1, height=64, width=64)
+    assert any("lacks shader-f16" in w for w in r.warnings)
+
+
+def test_activations_are_pooled_so_peak_memory_does_not_grow_with_steps(tiny_model_dir, gpu):
+    p = engine.load_pipeline(tiny_model_dir)
+    p.generate("a dog", steps=2, height=64, width=64)
+    after_two = p.rt.peak_bytes
+    p.generate("a dog", steps=6, height=64, width=64)
+    assert p.rt.peak_bytes == after_two
+    assert p.rt.static_bytes < after_two  # weights plus the pool, both counted
