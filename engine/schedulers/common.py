@@ -251,7 +251,7 @@ class SigmaSchedule(StepIndex):
     trained on DDPM inputs, therefore gets x / sqrt(σ² + 1). Timesteps are float32 and,
     with "linspace" spacing, fractional: the UNet's sinusoidal embedding takes them as is.
 
-    Subclasses set num_train_timesteps, timestep_spacing, steps_offset and sigmas_by_t.
+    Subclasses check their own options, then call _init_sigmas.
     """
 
     num_train_timesteps: int
@@ -259,6 +259,22 @@ class SigmaSchedule(StepIndex):
     steps_offset: int
     sigmas_by_t: np.ndarray  # (T,) σ_t float32
     sigmas: np.ndarray  # (n + 1,) σ at each inference timestep, then 0
+
+    def _init_sigmas(
+        self, num_train_timesteps, beta_start, beta_end, beta_schedule, trained_betas,
+        timestep_spacing, steps_offset,
+    ) -> None:
+        check_timestep_spacing(timestep_spacing)
+        self.num_train_timesteps = int(num_train_timesteps)
+        self.timestep_spacing = timestep_spacing
+        self.steps_offset = int(steps_offset)
+        betas = make_betas(beta_schedule, beta_start, beta_end, self.num_train_timesteps, trained_betas)
+        self.sigmas_by_t = train_sigmas(alphas_cumprod(betas))
+        self.num_inference_steps: int | None = None
+        # before set_timesteps: the whole training schedule, as diffusers starts out
+        self.timesteps = np.arange(self.num_train_timesteps, dtype=np.float32)[::-1].copy()
+        self.sigmas = np.concatenate([self.sigmas_by_t[::-1], [0.0]]).astype(np.float32)
+        self._reset_step_index()
 
     def _set_sigma_timesteps(self, num_inference_steps: int) -> None:
         n = check_num_inference_steps(num_inference_steps, self.num_train_timesteps)

@@ -22,12 +22,8 @@ import numpy as np
 from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     SigmaSchedule,
-    alphas_cumprod,
-    check_timestep_spacing,
-    make_betas,
     require_default,
     require_epsilon,
-    train_sigmas,
 )
 
 
@@ -48,19 +44,10 @@ class EulerAncestralDiscreteScheduler(SigmaSchedule, Scheduler):
     ):
         require_epsilon(prediction_type)
         require_default("rescale_betas_zero_snr", rescale_betas_zero_snr, False)
-        check_timestep_spacing(timestep_spacing)
-        self.num_train_timesteps = int(num_train_timesteps)
-        self.timestep_spacing = timestep_spacing
-        self.steps_offset = int(steps_offset)
-
-        betas = make_betas(
-            beta_schedule, beta_start, beta_end, self.num_train_timesteps, trained_betas
+        self._init_sigmas(
+            num_train_timesteps, beta_start, beta_end, beta_schedule, trained_betas,
+            timestep_spacing, steps_offset,
         )
-        self.sigmas_by_t = train_sigmas(alphas_cumprod(betas))
-        self.num_inference_steps: int | None = None
-        self.timesteps = np.arange(self.num_train_timesteps, dtype=np.float32)[::-1].copy()
-        self.sigmas = np.concatenate([self.sigmas_by_t[::-1], [0.0]]).astype(np.float32)
-        self._reset_step_index()
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         self._set_sigma_timesteps(num_inference_steps)
