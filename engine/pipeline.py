@@ -117,7 +117,11 @@ class Pipeline:
         self.notes = list(notes)
         self.text_encoder = CLIPTextEncoder(config.text_encoder, GPUWeights(self.rt, states["text_encoder"], dtype), self.ops)
         self.unet_model = UNet2DCondition(config.unet, GPUWeights(self.rt, states["unet"], dtype), self.ops)
-        self.vae = AutoencoderKL(config.vae, GPUWeights(self.rt, states["vae"], dtype), self.ops)
+        # Like diffusers, a VAE marked force_upcast runs in fp32 inside an fp16 pipeline: SD 1.x
+        # decoders overflow fp16's range on real weights.
+        self.vae_dtype = "f32" if dtype == "f16" and config.vae.force_upcast else dtype
+        vae_ops = self.ops if self.vae_dtype == dtype else Ops(self.rt, self.ops.pipelines, selection, self.vae_dtype)
+        self.vae = AutoencoderKL(config.vae, GPUWeights(self.rt, states["vae"], self.vae_dtype), vae_ops)
         self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
         self.latent_channels = config.unet.in_channels
         size = config.unet.sample_size
@@ -162,11 +166,11 @@ class Pipeline:
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """(B, 4, h, w) latents -> (B, 3, 8h, 8w) float32, vae.decode(latents / scaling).sample."""
         z = np.asarray(latents, dtype=np.float32) / np.float32(self.config.vae.scaling_factor)
-        return self.rt.read(self.vae.decode(self.rt.upload(z, self.dtype))).astype(np.float32)
+        return self.rt.read(self.vae.decode(self.rt.upload(z, self.vae_dtype))).astype(np.float32)
 
     def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(B, 3, H, W) in [-1, 1] -> (mean, logvar) of the latent distribution, unscaled."""
-        moments = self.rt.read(self.vae.encode(self.rt.upload(np.asarray(image, np.float32), self.dtype)))
+        moments = self.rt.read(self.vae.encode(self.rt.upload(np.asarray(image, np.float32), self.vae_dtype)))
         mean, logvar = np.split(moments.astype(np.float32), 2, axis=1)
         return mean, np.clip(logvar, -30.0, 20.0)
 

@@ -147,3 +147,22 @@ def test_activations_are_pooled_so_peak_memory_does_not_grow_with_steps(tiny_mod
     p.generate("a dog", steps=6, height=64, width=64)
     assert p.rt.peak_bytes == after_two
     assert p.rt.static_bytes < after_two  # weights plus the pool, both counted
+
+
+def test_fp16_pipeline_runs_a_force_upcast_vae_in_fp32(tiny_model_dir, gpu, tmp_path):
+    import json
+    import shutil
+
+    if not gpu.caps.has_f16:
+        pytest.skip("adapter lacks shader-f16")
+    assert engine.load_pipeline(tiny_model_dir, precision="fp16").vae_dtype == (
+        "f32" if json.loads((tiny_model_dir / "vae" / "config.json").read_text()).get("force_upcast", True) else "f16"
+    )
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    cfg_path = model / "vae" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["force_upcast"] = False
+    cfg_path.write_text(json.dumps(cfg))
+    p = engine.load_pipeline(model, precision="fp16")
+    assert p.vae_dtype == "f16" and p.decode(np.zeros((1, 4, 8, 8), np.float32)).dtype == np.float32
