@@ -11,6 +11,7 @@ reference variant.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -23,11 +24,21 @@ SHADER_ROOT = Path(__file__).resolve().parent.parent / "shaders"
 
 @dataclass(frozen=True)
 class Variant:
+    """One way to compute an op: its WGSL file, what it needs, and how to dispatch it.
+
+    `launch(ops, constants, *args)` records the dispatches and returns the output tensor.
+    `constants` declares the tunable constants a profile may set, with their allowed values.
+    `applies(shape) -> str | None` says why the variant cannot run on a shape (None: it can).
+    """
+
     op: str
     name: str
     entry: str = "main"
     requires: frozenset[str] = frozenset()  # adapter features the variant cannot run without
     doc: str = ""
+    launch: Callable | None = field(default=None, compare=False)
+    constants: dict[str, tuple] = field(default_factory=dict, compare=False, hash=False)
+    applies: Callable[[dict], str | None] | None = field(default=None, compare=False)
 
     @property
     def path(self) -> Path:
@@ -37,10 +48,25 @@ class Variant:
 REGISTRY: dict[str, dict[str, Variant]] = {}
 
 
-def register(op: str, name: str, *, entry: str = "main", requires=(), doc: str = "") -> Variant:
-    v = Variant(op, name, entry, frozenset(requires), doc)
-    REGISTRY.setdefault(op, {})[name] = v
-    return v
+def register(
+    op: str,
+    name: str,
+    *,
+    entry: str = "main",
+    requires=(),
+    doc: str = "",
+    constants: dict[str, tuple] | None = None,
+    applies: Callable[[dict], str | None] | None = None,
+):
+    """Decorator registering `launch` as variant `name` of `op` (usable bare: returns Variant)."""
+
+    def wrap(launch: Callable | None) -> Callable | None:
+        REGISTRY.setdefault(op, {})[name] = Variant(
+            op, name, entry, frozenset(requires), doc, launch, dict(constants or {}), applies
+        )
+        return launch
+
+    return wrap
 
 
 def variants(op: str) -> dict[str, Variant]:
@@ -109,31 +135,96 @@ class PipelineCache:
         return pipeline
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A profile entry: for `op` on shapes matching `when`, use `variant` with `constants`.
+
+    `when` maps a shape field to a value (equality) or to {"min": a, "max": b} (inclusive).
+    """
+
+    op: str
+    variant: str
+    when: tuple = ()  # ((field, value-or-range), ...) kept hashable
+    constants: tuple = ()  # ((name, value), ...)
+
+    def matches(self, shape: dict) -> bool:
+        for key, cond in self.when:
+            v = shape.get(key)
+            if v is None:
+                return False
+            if isinstance(cond, tuple):  # (min, max), either may be None
+                lo, hi = cond
+                if (lo is not None and v < lo) or (hi is not None and v > hi):
+                    return False
+            elif v != cond:
+                return False
+        return True
+
+
+@dataclass
+class Decision:
+    op: str
+    shape: dict
+    variant: str
+    constants: dict
+    why: str
+
+
 @dataclass
 class Selection:
     """Which variant each op uses on this adapter: the data every dispatch consults.
 
-    `choices` maps op -> variant name (from a profile); ops it does not name use "reference".
-    Fallbacks (a chosen variant the adapter cannot run) are recorded in `warnings`.
+    `rules` come from a profile, first match wins; an op no rule matches uses "reference".
+    A matched variant the adapter cannot run (missing feature) or that does not apply to the
+    shape falls back to "reference", and the reason is kept in `warnings`. Every distinct
+    (op, shape) decision is kept in `decisions` for `farm engine explain`.
     """
 
     features: frozenset[str]
-    choices: dict[str, str] = field(default_factory=dict)
+    rules: list[Rule] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    decisions: dict[tuple, Decision] = field(default_factory=dict)
+    profile_name: str = "reference"
 
-    def variant(self, op: str) -> Variant:
+    def choose(self, op: str, shape: dict | None = None) -> tuple[Variant, dict]:
+        shape = shape or {}
+        key = (op, tuple(sorted(shape.items())))
+        known = self.decisions.get(key)
         table = variants(op)
-        name = self.choices.get(op, "reference")
-        v = table.get(name)
-        if v is None:
-            raise EngineError(
-                f"profile selects unknown variant {name!r} for op {op!r}; valid: {', '.join(sorted(table))}"
-            )
-        missing = v.requires - self.features
-        if missing:
-            msg = f"{op}: variant {name!r} needs {', '.join(sorted(missing))}; using 'reference'"
-            if msg not in self.warnings:
-                self.warnings.append(msg)
-                warnings.warn(msg, stacklevel=2)
-            v = table["reference"]
-        return v
+        if known is not None:
+            return table[known.variant], known.constants
+        v, consts, why = table["reference"], {}, "no profile rule matches"
+        for rule in self.rules:
+            if rule.op != op or not rule.matches(shape):
+                continue
+            cand = table.get(rule.variant)
+            if cand is None:
+                raise EngineError(
+                    f"profile selects unknown variant {rule.variant!r} for op {op!r}; valid: {', '.join(sorted(table))}"
+                )
+            missing = cand.requires - self.features
+            reason = None
+            if missing:
+                reason = f"needs {', '.join(sorted(missing))}"
+            elif cand.applies is not None:
+                reason = cand.applies(shape)
+            if reason:
+                msg = f"{op} {dict(shape)}: variant {cand.name!r} {reason}; using 'reference'"
+                if msg not in self.warnings:
+                    self.warnings.append(msg)
+                    warnings.warn(msg, stacklevel=3)
+                why = f"profile chose {cand.name!r}, but it {reason}"
+                break
+            v, consts = cand, dict(rule.constants)
+            why = f"profile {self.profile_name!r} rule {dict(rule.when) or 'any shape'}"
+            break
+        self.decisions[key] = Decision(op, dict(shape), v.name, consts, why)
+        return v, consts
+
+    def variant(self, op: str, shape: dict | None = None) -> Variant:
+        return self.choose(op, shape)[0]
+
+    @classmethod
+    def forcing(cls, features, choices: dict[str, str], name: str = "custom") -> Selection:
+        """Every shape of each named op uses the named variant (ablations, tuning)."""
+        return cls(frozenset(features), [Rule(op, v) for op, v in choices.items()], profile_name=name)

@@ -3,28 +3,27 @@
 Shapes follow PyTorch: images NCHW, tokens (B, T, C), linear weights (out, in). Every op
 allocates its output from the runtime's pool and leaves its inputs untouched, so a model
 reads like the diffusers module it mirrors.
+
+Ops with several variants (linear, conv2d, group_norm, activation, geglu, attention) describe
+the call by a `shape` dict, the key profiles match on, and call the chosen variant's launcher.
+The reference launchers are in this file; the optimized ones in engine/variants/, one module
+per op.
 """
 
 from __future__ import annotations
 
 import math
 
-from .kernels import PipelineCache, Selection, register
+from .kernels import PipelineCache, Selection, Variant, register
 from .runtime import WG_1D, Runtime, Tensor
 
-register("linear", "reference", doc="one invocation per output, f32 accumulation")
-register("conv2d", "reference", doc="direct convolution, one invocation per output")
-register("group_norm", "reference", entry="stats_main", doc="statistics pass, then apply pass")
-register("layer_norm", "reference", doc="one workgroup per row, two-pass statistics")
-register("activation", "reference", doc="SiLU / GELU (erf) / QuickGELU by override ACT")
-register("geglu", "reference", doc="value * GELU(gate) over the split projection")
-register("add", "reference", doc="element-wise or per-channel broadcast add")
-register("softmax", "reference", doc="row softmax in f32, optional causal mask")
-register("attention", "reference", entry="scores", doc="scores, softmax, weighted sum; materialised")
-register("upsample", "reference", doc="nearest-neighbour resize")
-register("concat", "reference", doc="channel concatenation")
-register("transpose", "reference", doc="swap the last two axes")
-register("embedding", "reference", doc="token + position embedding gather")
+register("layer_norm", "reference", doc="one workgroup per row, two-pass statistics")(None)
+register("add", "reference", doc="element-wise or per-channel broadcast add")(None)
+register("softmax", "reference", doc="row softmax in f32, optional causal mask")(None)
+register("upsample", "reference", doc="nearest-neighbour resize")(None)
+register("concat", "reference", doc="channel concatenation")(None)
+register("transpose", "reference", doc="swap the last two axes")(None)
+register("embedding", "reference", doc="token + position embedding gather")(None)
 
 ACT = {"silu": 0, "gelu": 1, "quick_gelu": 2}
 
@@ -37,13 +36,24 @@ class Ops:
         self.pipelines = pipelines
         self.selection = selection
         self.dtype = dtype
-        self._dummy = rt.upload(__import__("numpy").zeros(4, dtype="float32"), dtype, static=True)
+        self.dummy = rt.upload(__import__("numpy").zeros(4, dtype="float32"), dtype, static=True)
 
     # ---- helpers ----------------------------------------------------------------------
 
     def _pipeline(self, op: str, entry: str | None = None, **constants):
+        """The pipeline of an op without variants (its reference)."""
         v = self.selection.variant(op)
         return self.pipelines.get(v, self.dtype, constants or None, entry)
+
+    def pipeline(self, variant: Variant, entry: str | None = None, **constants):
+        return self.pipelines.get(variant, self.dtype, constants or None, entry)
+
+    def _launch(self, op: str, shape: dict, *args):
+        variant, constants = self.selection.choose(op, shape)
+        return variant.launch(self, variant, constants, *args)
+
+    def grid_1d(self, n: int) -> tuple[int, int, int]:
+        return self._grid_1d(n)
 
     def _grid_1d(self, n: int) -> tuple[int, int, int]:
         groups = max(1, math.ceil(n / WG_1D))
@@ -61,16 +71,7 @@ class Ops:
         n_out, k = w.shape[0], math.prod(w.shape[1:])
         if x.shape[-1] != k:
             raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
-        m = x.numel // k
-        y = self.rt.empty((*x.shape[:-1], n_out), self.dtype)
-        self.rt.dispatch(
-            self._pipeline("linear"),
-            "linear",
-            (m, n_out, k, int(b is not None)),
-            [x, w, b if b is not None else self._dummy, y],
-            (math.ceil(n_out / 16), math.ceil(m / 16), 1),
-        )
-        return y
+        return self._launch("linear", {"m": x.numel // k, "n": n_out, "k": k}, x, w, b)
 
     def conv2d(
         self,
@@ -85,19 +86,9 @@ class Ops:
         cout, cin_w, kh, kw = w.shape
         if cin != cin_w:
             raise ValueError(f"conv2d: input {x.shape} does not match weight {w.shape}")
-        pt, pb, pl, pr = (padding,) * 4 if isinstance(padding, int) else padding
-        oh = (h + pt + pb - kh) // stride + 1
-        ow = (wd + pl + pr - kw) // stride + 1
-        y = self.rt.empty((bsz, cout, oh, ow), self.dtype)
-        params = (bsz, cin, h, wd, cout, oh, ow, kh, kw, stride, pt, pl, int(b is not None))
-        self.rt.dispatch(
-            self._pipeline("conv2d"),
-            "conv2d",
-            params,
-            [x, w, b if b is not None else self._dummy, y],
-            (math.ceil(oh * ow / 64), cout, bsz),
-        )
-        return y
+        pads = (padding,) * 4 if isinstance(padding, int) else tuple(padding)
+        shape = {"cin": cin, "cout": cout, "h": h, "w": wd, "k": kh, "stride": stride, "b": bsz}
+        return self._launch("conv2d", shape, x, w, b, stride, pads)
 
     # ---- normalisation ----------------------------------------------------------------
 
@@ -105,23 +96,10 @@ class Ops:
         self, x: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float, silu: bool = False
     ) -> Tensor:
         bsz, c = x.shape[:2]
-        s = x.numel // (bsz * c)
         if c % groups:
             raise ValueError(f"group_norm: {c} channels do not split into {groups} groups")
-        stats = self.rt.empty((bsz * groups, 2), "f32")
-        params = (bsz, c, s, groups, float(eps), int(silu))
-        self.rt.dispatch(
-            self._pipeline("group_norm", "stats_main"), "group_norm", params, [x, stats], (bsz * groups, 1, 1)
-        )
-        y = self.rt.empty(x.shape, self.dtype)
-        self.rt.dispatch(
-            self._pipeline("group_norm", "apply_main"),
-            "group_norm",
-            params,
-            [x, stats, gamma, beta, y],
-            self._grid_1d(x.numel),
-        )
-        return y
+        shape = {"c": c, "s": x.numel // (bsz * c), "groups": groups, "b": bsz}
+        return self._launch("group_norm", shape, x, gamma, beta, groups, eps, silu)
 
     def layer_norm(self, x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> Tensor:
         d = x.shape[-1]
@@ -140,11 +118,7 @@ class Ops:
     # ---- element-wise -----------------------------------------------------------------
 
     def activation(self, x: Tensor, kind: str) -> Tensor:
-        y = self.rt.empty(x.shape, self.dtype)
-        self.rt.dispatch(
-            self._pipeline("activation", ACT=ACT[kind]), kind, (x.numel,), [x, y], self._grid_1d(x.numel)
-        )
-        return y
+        return self._launch("activation", {"kind": kind, "n": x.numel}, x, kind)
 
     def silu(self, x: Tensor) -> Tensor:
         return self.activation(x, "silu")
@@ -152,10 +126,7 @@ class Ops:
     def geglu(self, x: Tensor) -> Tensor:
         """(..., 2F) -> (..., F): first half times GELU of the second half."""
         f2 = x.shape[-1]
-        m, f = x.numel // f2, f2 // 2
-        y = self.rt.empty((*x.shape[:-1], f), self.dtype)
-        self.rt.dispatch(self._pipeline("geglu"), "geglu", (m, f), [x, y], self._grid_1d(m * f))
-        return y
+        return self._launch("geglu", {"m": x.numel // f2, "f": f2 // 2}, x)
 
     def add(self, a: Tensor, b: Tensor) -> Tensor:
         """a + b for equal shapes, or a (B, C, ...) + b (B, C) broadcast over the rest."""
@@ -233,23 +204,110 @@ class Ops:
     ) -> Tensor:
         """softmax(Q K^T * scale) V per head. q (B, Tq, H*dh); k, v (B, Tk, H*dh) -> (B, Tq, H*dh)."""
         bsz, tq, width = q.shape
-        tk = k.shape[1]
         dh = width // heads
         scale = float(scale if scale is not None else dh**-0.5)
-        o = self.rt.empty((bsz, tq, width), self.dtype)
-        # The score matrix of every (batch, head) pair may not fit one storage binding (SD at
-        # 64x64 latents: 4096 x 4096 x 4 B per pair), so pairs are processed in chunks.
-        per_pair = tq * tk * 4
-        chunk = max(1, min(bsz * heads, self.rt.caps.max_binding_bytes // per_pair))
-        scores_p = self._pipeline("attention", "scores")
-        sum_p = self._pipeline("attention", "weighted_sum")
-        for bh0 in range(0, bsz * heads, chunk):
-            nbh = min(chunk, bsz * heads - bh0)
-            s = self.rt.empty((nbh, tq, tk), "f32")
-            params = (heads, tq, tk, dh, width, width, bh0, scale)
-            self.rt.dispatch(scores_p, "attention", params, [q, k, s], (math.ceil(tk / 16), math.ceil(tq / 16), nbh))
-            self.softmax_(s, tq, causal)
-            self.rt.dispatch(
-                sum_p, "attention", params, [None, None, s, v, o], (math.ceil(dh / 16), math.ceil(tq / 16), nbh)
-            )
-        return o
+        shape = {"tq": tq, "tk": k.shape[1], "dh": dh, "heads": heads, "b": bsz, "causal": int(causal)}
+        return self._launch("attention", shape, q, k, v, heads, causal, scale)
+
+
+# ---- reference launchers -------------------------------------------------------------------
+# Each takes (ops, variant, constants, *the op's arguments) and returns the output tensor.
+
+
+@register("linear", "reference", doc="one invocation per output, f32 accumulation")
+def linear_reference(ops: Ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    n_out, k = w.shape[0], math.prod(w.shape[1:])
+    m = x.numel // k
+    y = ops.rt.empty((*x.shape[:-1], n_out), ops.dtype)
+    ops.rt.dispatch(
+        ops.pipeline(v), "linear", (m, n_out, k, int(b is not None)),
+        [x, w, b if b is not None else ops.dummy, y], (math.ceil(n_out / 16), math.ceil(m / 16), 1),
+    )
+    return y
+
+
+def conv_out_size(h: int, w: int, kh: int, kw: int, stride: int, pads) -> tuple[int, int]:
+    pt, pb, pl, pr = pads
+    return (h + pt + pb - kh) // stride + 1, (w + pl + pr - kw) // stride + 1
+
+
+@register("conv2d", "reference", doc="direct convolution, one invocation per output")
+def conv2d_reference(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+    bsz, cin, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
+    y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
+    params = (bsz, cin, h, wd, cout, oh, ow, kh, kw, stride, pads[0], pads[2], int(b is not None))
+    ops.rt.dispatch(
+        ops.pipeline(v), "conv2d", params, [x, w, b if b is not None else ops.dummy, y],
+        (math.ceil(oh * ow / 64), cout, bsz),
+    )
+    return y
+
+
+@register("group_norm", "reference", entry="stats_main", doc="statistics pass, then apply pass")
+def group_norm_reference(ops: Ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu) -> Tensor:
+    bsz, c = x.shape[:2]
+    s = x.numel // (bsz * c)
+    stats = ops.rt.empty((bsz * groups, 2), "f32")
+    params = (bsz, c, s, groups, float(eps), int(silu))
+    ops.rt.dispatch(ops.pipeline(v, "stats_main"), "group_norm", params, [x, stats], (bsz * groups, 1, 1))
+    y = ops.rt.empty(x.shape, ops.dtype)
+    ops.rt.dispatch(
+        ops.pipeline(v, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y], ops.grid_1d(x.numel)
+    )
+    return y
+
+
+@register("activation", "reference", doc="SiLU / GELU (erf) / QuickGELU by override ACT")
+def activation_reference(ops: Ops, v: Variant, consts: dict, x: Tensor, kind: str) -> Tensor:
+    y = ops.rt.empty(x.shape, ops.dtype)
+    ops.rt.dispatch(ops.pipeline(v, ACT=ACT[kind]), kind, (x.numel,), [x, y], ops.grid_1d(x.numel))
+    return y
+
+
+@register("geglu", "reference", doc="value * GELU(gate) over the split projection")
+def geglu_reference(ops: Ops, v: Variant, consts: dict, x: Tensor) -> Tensor:
+    f2 = x.shape[-1]
+    m, f = x.numel // f2, f2 // 2
+    y = ops.rt.empty((*x.shape[:-1], f), ops.dtype)
+    ops.rt.dispatch(ops.pipeline(v), "geglu", (m, f), [x, y], ops.grid_1d(m * f))
+    return y
+
+
+@register("attention", "reference", entry="scores", doc="scores, softmax, weighted sum; materialised")
+def attention_reference(ops: Ops, v: Variant, consts: dict, q, k, vv, heads, causal, scale) -> Tensor:
+    bsz, tq, width = q.shape
+    tk = k.shape[1]
+    dh = width // heads
+    o = ops.rt.empty((bsz, tq, width), ops.dtype)
+    # The score matrix of every (batch, head) pair may not fit one storage binding (SD at
+    # 64x64 latents: 4096 x 4096 x 4 B per pair), so pairs are processed in chunks.
+    per_pair = tq * tk * 4
+    chunk = max(1, min(bsz * heads, ops.rt.caps.max_binding_bytes // per_pair))
+    scores_p = ops.pipeline(v, "scores")
+    sum_p = ops.pipeline(v, "weighted_sum")
+    for bh0 in range(0, bsz * heads, chunk):
+        nbh = min(chunk, bsz * heads - bh0)
+        s = ops.rt.empty((nbh, tq, tk), "f32")
+        params = (heads, tq, tk, dh, width, width, bh0, scale)
+        ops.rt.dispatch(scores_p, "attention", params, [q, k, s], (math.ceil(tk / 16), math.ceil(tq / 16), nbh))
+        ops.softmax_(s, tq, causal)
+        ops.rt.dispatch(
+            sum_p, "attention", params, [None, None, s, vv, o], (math.ceil(dh / 16), math.ceil(tq / 16), nbh)
+        )
+    return o
+
+
+def _load_variants() -> None:
+    """Import every module of engine/variants/ so its launchers register themselves."""
+    import importlib
+    import pkgutil
+
+    from . import variants as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{info.name}")
+
+
+_load_variants()

@@ -79,7 +79,7 @@ def _selection(gpu: GPU, profile) -> Selection:
     if profile in (None, "reference"):
         return Selection(gpu.caps.features)
     if isinstance(profile, dict):
-        return Selection(gpu.caps.features, dict(profile))
+        return Selection.forcing(gpu.caps.features, dict(profile))
     raise InputError(f"profile {profile!r} is not supported; use None, 'reference' or a mapping op -> variant")
 
 

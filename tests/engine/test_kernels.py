@@ -28,7 +28,7 @@ def rt(gpu):
 def ops(request, rt, gpu):
     if request.param == "f16" and not gpu.caps.has_f16:
         pytest.skip("adapter lacks shader-f16")
-    return Ops(rt, PipelineCache(gpu), Selection(gpu.caps.features), request.param)
+    return Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), request.param)
 
 
 def rand(rng, *shape, scale=1.0):
@@ -132,7 +132,7 @@ def test_activation(ops, fresh_rng, kind):
 
 def test_gelu_erf_approximation_bound(rt, gpu):
     """The erf approximation's documented bound (A&S 7.1.26: 1.5e-7) holds on a dense grid."""
-    ops = Ops(rt, PipelineCache(gpu), Selection(gpu.caps.features), "f32")
+    ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f32")
     x = np.linspace(-10, 10, 200_001, dtype=np.float32)
     y = rt.read(ops.activation(rt.upload(x), "gelu")).astype(np.float64)
     exact = _gelu(x.astype(np.float64))
@@ -203,7 +203,7 @@ def test_attention(ops, fresh_rng, tq, tk, heads, dh, causal):
 
 def test_attention_splits_score_matrix_over_binding_limit(rt, gpu, fresh_rng, monkeypatch):
     """With a tiny binding limit the (batch, head) pairs run in several chunks, same result."""
-    ops = Ops(rt, PipelineCache(gpu), Selection(gpu.caps.features), "f32")
+    ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f32")
     qx, kx, vx = (rand(fresh_rng, 2, 40, 3 * 8) for _ in range(3))
     ref = np_attention(qx.astype(np.float64), kx.astype(np.float64), vx.astype(np.float64), 3)
     limits = dict(gpu.caps.limits, **{"max-storage-buffer-binding-size": 2 * 40 * 40 * 4})
