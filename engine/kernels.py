@@ -146,6 +146,7 @@ class Rule:
     variant: str
     when: tuple = ()  # ((field, value-or-range), ...) kept hashable
     constants: tuple = ()  # ((name, value), ...)
+    why: str = field(default="", compare=False)
 
     def matches(self, shape: dict) -> bool:
         for key, cond in self.when:
@@ -216,7 +217,7 @@ class Selection:
                 why = f"profile chose {cand.name!r}, but it {reason}"
                 break
             v, consts = cand, dict(rule.constants)
-            why = f"profile {self.profile_name!r} rule {dict(rule.when) or 'any shape'}"
+            why = f"profile {self.profile_name!r}: {rule.why or dict(rule.when) or 'any shape'}"
             break
         self.decisions[key] = Decision(op, dict(shape), v.name, consts, why)
         return v, consts

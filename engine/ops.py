@@ -31,8 +31,9 @@ ACT = {"silu": 0, "gelu": 1, "quick_gelu": 2}
 class Ops:
     """Op functions bound to one runtime, pipeline cache, selection and element type."""
 
-    def __init__(self, rt: Runtime, pipelines: PipelineCache, selection: Selection, dtype: str):
+    def __init__(self, rt: Runtime, pipelines: PipelineCache | None, selection: Selection, dtype: str):
         self.rt = rt
+        self.calls: list | None = None  # (op, shape, args) of every variant-op call, when recording
         self.pipelines = pipelines
         self.selection = selection
         self.dtype = dtype
@@ -43,13 +44,17 @@ class Ops:
     def _pipeline(self, op: str, entry: str | None = None, **constants):
         """The pipeline of an op without variants (its reference)."""
         v = self.selection.variant(op)
-        return self.pipelines.get(v, self.dtype, constants or None, entry)
+        return self.pipeline(v, entry, **constants)
 
     def pipeline(self, variant: Variant, entry: str | None = None, **constants):
+        if self.pipelines is None:  # tracing shapes: nothing is compiled
+            return None
         return self.pipelines.get(variant, self.dtype, constants or None, entry)
 
     def _launch(self, op: str, shape: dict, *args):
         variant, constants = self.selection.choose(op, shape)
+        if self.calls is not None:
+            self.calls.append((op, shape, args))
         return variant.launch(self, variant, constants, *args)
 
     def grid_1d(self, n: int) -> tuple[int, int, int]:
@@ -87,7 +92,9 @@ class Ops:
         if cin != cin_w:
             raise ValueError(f"conv2d: input {x.shape} does not match weight {w.shape}")
         pads = (padding,) * 4 if isinstance(padding, int) else tuple(padding)
-        shape = {"cin": cin, "cout": cout, "h": h, "w": wd, "k": kh, "stride": stride, "b": bsz}
+        oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
+        tiles = bsz * math.ceil(oh / 4) * math.ceil(ow / 4)  # 4x4 output tiles (Winograd's rule)
+        shape = {"cin": cin, "cout": cout, "h": h, "w": wd, "k": kh, "stride": stride, "b": bsz, "tiles": tiles}
         return self._launch("conv2d", shape, x, w, b, stride, pads)
 
     # ---- normalisation ----------------------------------------------------------------

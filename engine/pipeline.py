@@ -76,11 +76,13 @@ def _load_components(model_path: Path, tokenizer_dir: Path | None):
 
 
 def _selection(gpu: GPU, profile) -> Selection:
-    if profile in (None, "reference"):
-        return Selection(gpu.caps.features)
-    if isinstance(profile, dict):
+    """A profile spec (None/"auto", "reference", a shipped name, a path, a profile document, or
+    a plain {op: variant} mapping) -> the selection every dispatch consults."""
+    from .profiles import resolve_profile
+
+    if isinstance(profile, dict) and "schema" not in profile:
         return Selection.forcing(gpu.caps.features, dict(profile))
-    raise InputError(f"profile {profile!r} is not supported; use None, 'reference' or a mapping op -> variant")
+    return resolve_profile(profile, gpu.caps).selection(gpu.caps)
 
 
 def load_pipeline(model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None) -> Pipeline:
@@ -127,6 +129,12 @@ class Pipeline:
         size = config.unet.sample_size
         h, w = (size, size) if isinstance(size, int) else size
         self.native_size = (h * self.vae_scale_factor, w * self.vae_scale_factor)  # (height, width)
+
+    def set_profile(self, profile) -> None:
+        """Switch kernel selection (a profile spec, as load_pipeline takes) without reloading."""
+        self.selection = _selection(self.gpu, profile)
+        self.ops.selection = self.selection
+        self.vae.ops.selection = self.selection
 
     # ---- the networks, host arrays in and out --------------------------------------------
 

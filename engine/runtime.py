@@ -119,6 +119,34 @@ class KernelTime:
     total_ms: float = 0.0
 
 
+class TraceRuntime:
+    """A runtime that only follows shapes: no GPU memory, no dispatches. Running a model on it
+    reveals every (op, shape) the model would dispatch, which `explain` and `tune` need, in
+    milliseconds and without weights."""
+
+    def __init__(self, caps):
+        self.caps = caps
+        self.dispatches = 0
+        self.static_bytes = 0
+        self.peak_bytes = 0
+
+    def empty(self, shape, dtype: str = "f32") -> Tensor:
+        return Tensor(_Storage(None, 0, None), shape, dtype)
+
+    def upload(self, array, dtype: str | None = None, static: bool = False) -> Tensor:
+        dtype = dtype or {np.float32: "f32", np.float16: "f16", np.int32: "i32", np.uint32: "u32"}[array.dtype.type]
+        return Tensor(_Storage(None, 0, None), np.shape(array), dtype)
+
+    def dispatch(self, *args, **kwargs):
+        self.dispatches += 1
+
+    def flush(self):
+        pass
+
+    def sync(self):
+        pass
+
+
 class Runtime:
     """Allocation, upload/readback and dispatch recording on one GPU."""
 
@@ -148,6 +176,12 @@ class Runtime:
         self._query_labels: list[str] = []
 
     # ---- memory -------------------------------------------------------------------------
+
+    def reset_peak(self):
+        """Forget free pool buffers and start a new peak measurement from what is live now."""
+        self.flush()
+        self.pool.trim()
+        self.peak_bytes = self.static_bytes + self.pool.pooled_bytes
 
     def _note_peak(self):
         self.peak_bytes = max(self.peak_bytes, self.static_bytes + self.pool.pooled_bytes)
@@ -318,8 +352,9 @@ class Runtime:
             self._fence = self.device.create_buffer(size=4, usage=self._usage)
         self.device.queue.read_buffer(self._fence, 0, 4)
 
-    def set_profiling(self, on: bool, capacity: int = 4096):
-        """Time every dispatch with timestamp queries (needs the timestamp-query feature)."""
+    def set_profiling(self, on: bool, capacity: int = 2048):
+        """Time every dispatch with timestamp queries (needs the timestamp-query feature).
+        A query set holds at most 4096 queries, two per dispatch; more dispatches flush early."""
         self.flush()
         if on and not self.caps.has_timestamps:
             raise GPUError("per-kernel timing needs the adapter's timestamp-query feature")

@@ -19,6 +19,12 @@ class GPUWeights:
             for name, arr in state.items()
         }
 
+    @classmethod
+    def of_tensors(cls, tensors: dict[str, Tensor], dtype: str) -> GPUWeights:
+        w = cls.__new__(cls)
+        w.dtype, w.tensors = dtype, dict(tensors)
+        return w
+
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
 

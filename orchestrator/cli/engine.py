@@ -76,6 +76,7 @@ def generate(
     init_image: Path = typer.Option(None, help="Start from this image (img2img)."),
     strength: float = typer.Option(0.8, help="img2img: how much of the init image to repaint."),
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
+    profile: str = typer.Option("auto", help="Kernel profile: auto, reference, a shipped name, or a JSON file."),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
 ):
     """Generate an image from a prompt (or from an image and a prompt)."""
@@ -87,7 +88,7 @@ def generate(
     if init_image is not None and not init_image.is_file():
         raise InputError(f"init image {init_image} does not exist")
     with console.status(f"loading {model}"):
-        pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer)
+        pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer, profile=profile)
     height, width = height or pipe.native_size[0], width or pipe.native_size[1]
     columns = (TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
@@ -124,3 +125,155 @@ def generate(
         f"UNet {t['unet_step_ms']:.0f} ms/step, VAE {t['vae_decode_ms']:.0f} ms, "
         f"peak GPU {result.peak_gpu_bytes / 2**20:.1f} MiB"
     )
+
+
+def _config_for(model: Path | None, preset: Preset | None):
+    """A model's configs from its folder, or a preset's without writing any weights."""
+    from engine.errors import InputError
+    from engine.make_model import preset_configs
+    from engine.models.config import ModelConfig, load_model_config
+
+    if (model is None) == (preset is None):
+        raise InputError("give exactly one of --model DIR or --preset tiny|sd14")
+    if model is not None:
+        return load_model_config(model)
+    from engine.models.config import CLIPTextConfig, UNetConfig, VAEConfig
+
+    c, src = preset_configs(preset.value), Path(f"<preset {preset.value}>")
+    return ModelConfig(
+        source=src,
+        text_encoder=CLIPTextConfig.from_dict(c["text_encoder"], src),
+        unet=UNetConfig.from_dict(c["unet"], src),
+        vae=VAEConfig.from_dict(c["vae"], src),
+        scheduler=c["scheduler"],
+        tokenizer_dir=None,
+    )
+
+
+def _native(config, height, width):
+    f = config.vae_scale_factor
+    s = config.unet.sample_size
+    h, w = (s, s) if isinstance(s, int) else s
+    return height or h * f, width or w * f
+
+
+@app.command()
+def explain(
+    model: Path = typer.Option(None, help="diffusers model folder."),
+    preset: Preset = typer.Option(None, help="Or a preset's architecture (no weights needed)."),
+    profile: str = typer.Option("auto", help="auto, reference, a shipped profile's name, or a JSON file."),
+    precision: Precision = typer.Option(Precision.fp16, help="Element type the kernels would run in."),
+    height: int = typer.Option(None), width: int = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+):
+    """Show which kernel variant each op of the model uses on this adapter, and why."""
+    from rich.table import Table
+
+    from engine.device import get_gpu
+    from engine.explain import explain as run_explain
+    from engine.profiles import resolve_profile
+
+    config = _config_for(model, preset)
+    caps = get_gpu().caps
+    prof = resolve_profile(profile, caps)
+    height, width = _native(config, height, width)
+    dtype = "f16" if precision == Precision.fp16 and caps.has_f16 else "f32"
+    rows = run_explain(config, prof.selection(caps), caps, dtype, height, width)
+    if as_json:
+        typer.echo(json.dumps({"profile": prof.name, "adapter": caps.device, "dtype": dtype,
+                               "rows": [r.__dict__ for r in rows]}, indent=2))
+        return
+    console.print(f"profile [bold]{prof.name}[/] ({prof.source}) on {caps.device}, {dtype}, {width}x{height}")
+    table = Table("network", "op", "shape", "variant", "calls", "why")
+    for r in rows:
+        shape = " ".join(f"{k}={v}" for k, v in r.shape.items())
+        table.add_row(r.network, r.op, shape, r.variant, str(r.calls), r.why)
+    console.print(table)
+
+
+@app.command()
+def tune(
+    out: Path = typer.Option(..., help="Profile JSON to write (atomically, at the end)."),
+    model: Path = typer.Option(None, help="diffusers model folder."),
+    preset: Preset = typer.Option(None, help="Or a preset's architecture."),
+    precision: Precision = typer.Option(Precision.fp16),
+    height: int = typer.Option(None), width: int = typer.Option(None),
+    repeats: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
+    time_budget: float = typer.Option(600.0, help="Seconds; past it only reference variants are timed."),
+):
+    """Time every applicable variant of every (op, shape) of the model on this GPU; write a profile."""
+    from engine.device import get_gpu
+    from engine.tune import tune as run_tune
+
+    config = _config_for(model, preset)
+    gpu = get_gpu()
+    height, width = _native(config, height, width)
+    dtype = "f16" if precision == Precision.fp16 and gpu.caps.has_f16 else "f32"
+    with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("", total=None)
+        doc = run_tune(config, gpu, dtype, height, width, out, warmup=warmup, repeats=repeats,
+                       time_budget_s=time_budget,
+                       progress=lambda i, n, what: bar.update(task, completed=i, total=n, description=what[:60]))
+    changed = sum(1 for m in doc["measurements"] if m["chosen"] != "reference")
+    console.print(f"wrote {out}: {len(doc['measurements'])} (op, shape) pairs measured, {changed} use an optimized variant")
+
+
+@app.command()
+def bench(
+    model: Path = typer.Option(None, help="diffusers model folder."),
+    preset: Preset = typer.Option(None, help="Or make a random-weight model of this preset first."),
+    precision: Precision = typer.Option(Precision.fp32),
+    resolution: int = typer.Option(None, help="Image side in pixels (default: native)."),
+    ablation: bool = typer.Option(True, help="Run the ablation rows (reference -> optimized -> tuned)."),
+    tuned: Path = typer.Option(None, help="A tuned profile for the last row."),
+    reps: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
+    e2e_steps: int = typer.Option(0, help="Also time a whole generation of this many steps (20: the paper)."),
+    json_out: Path = typer.Option(None, "--json", help="Write the results as JSON here."),
+):
+    """The paper's ablation table on this adapter: UNet step latency and peak memory per row."""
+    import tempfile
+
+    from rich.table import Table
+
+    from engine import load_pipeline
+    from engine.bench import rows_as_json, run_ablation
+    from engine.errors import InputError
+
+    if (model is None) == (preset is None):
+        raise InputError("give exactly one of --model DIR or --preset tiny|sd14")
+    with tempfile.TemporaryDirectory() as tmp:
+        if preset is not None:
+            from engine.make_model import make_model
+
+            with console.status(f"making a random-weight {preset.value} model"):
+                model = make_model(preset.value, 0, Path(tmp) / preset.value, dtype=precision.value)
+        with console.status(f"loading {model}"):
+            pipe = load_pipeline(model, precision=precision.value, profile="reference")
+    res = resolution or pipe.native_size[0]
+    with Progress(TextColumn("ablation"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("", total=None)
+        rows = run_ablation(pipe, res, res, reps=reps, warmup=warmup, e2e_steps=e2e_steps, tuned=tuned,
+                            progress=lambda i, n, what: bar.update(task, completed=i, total=n, description=what))
+    caps = pipe.gpu.caps
+    base = rows[0].unet_step_ms["median"]
+    table = Table("configuration", "UNet step ms (median)", "min-max", "vs reference", "peak GPU MiB",
+                  *(["end-to-end ms"] if e2e_steps else []),
+                  title=f"{caps.device} ({caps.backend}), {pipe.precision}, {res}x{res}, UNet batch 2")
+    for r in rows:
+        u = r.unet_step_ms
+        table.add_row(r.name, f"{u['median']:.1f}", f"{u['min']:.1f}-{u['max']:.1f}",
+                      f"{(u['median'] / base - 1) * 100:+.1f}%", f"{r.peak_gpu_bytes / 2**20:.0f}",
+                      *([f"{r.end_to_end_ms:.0f}"] if e2e_steps else []))
+    console.print(table)
+    if rows[-1].kernel_ms:
+        k = Table("kernel", "ms", title=f"per-kernel GPU time, one UNet step, {rows[-1].name}")
+        for name, ms in list(rows[-1].kernel_ms.items())[:12]:
+            k.add_row(name, f"{ms:.2f}")
+        console.print(k)
+    if json_out:
+        json_out.write_text(json.dumps({"date": __import__("datetime").date.today().isoformat(),
+                                        "adapter": caps.device, "backend": caps.backend, "driver": caps.description,
+                                        "precision": pipe.precision, "resolution": res,
+                                        "rows": rows_as_json(rows)}, indent=2))

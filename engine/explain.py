@@ -1,0 +1,101 @@
+"""Which kernel variant runs where, and why: the models are run on a shape-only runtime (no
+weights, no GPU work), so every (op, shape) of a model is known in milliseconds, even for SD
+1.4 on a CPU adapter. `explain` reports the selection's decisions; `trace_calls` gives the
+tuner one example call of each distinct (op, shape)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernels import Selection
+from .models import params
+from .models.clip import CLIPTextEncoder
+from .models.common import GPUWeights
+from .models.unet import UNet2DCondition
+from .models.vae import AutoencoderKL
+from .ops import Ops
+from .runtime import Tensor, TraceRuntime, _Storage
+
+
+@dataclass
+class ExplainRow:
+    network: str
+    op: str
+    shape: dict
+    variant: str
+    calls: int
+    why: str
+
+
+def _shape_weights(shapes: dict[str, tuple], dtype: str) -> GPUWeights:
+    return GPUWeights.of_tensors({k: Tensor(_Storage(None, 0, None), s, dtype) for k, s in shapes.items()}, dtype)
+
+
+def _fake(shape, dtype) -> Tensor:
+    return Tensor(_Storage(None, 0, None), shape, dtype)
+
+
+def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2):
+    """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone.
+    Returns [(network, [(op, shape, args), ...])]."""
+    f = 2 ** (len(config.vae.block_out_channels) - 1)
+    h, w = height // f, width // f
+    rt = TraceRuntime(caps)
+    out = []
+    for network in ("text_encoder", "unet", "vae_decoder"):
+        ops = Ops(rt, None, selection, dtype)
+        ops.calls = []
+        if network == "text_encoder":
+            cfg = config.text_encoder
+            CLIPTextEncoder(cfg, _shape_weights(params.clip_param_shapes(cfg), dtype), ops)(_fake((batch, 77), "u32"))
+        elif network == "unet":
+            cfg = config.unet
+            UNet2DCondition(cfg, _shape_weights(params.unet_param_shapes(cfg), dtype), ops)(
+                _fake((batch, cfg.in_channels, h, w), dtype),
+                _fake((batch, cfg.block_out_channels[0]), dtype),
+                _fake((batch, 77, cfg.cross_attention_dim), dtype),
+            )
+        else:
+            cfg = config.vae
+            AutoencoderKL(cfg, _shape_weights(params.vae_param_shapes(cfg), dtype), ops).decode(
+                _fake((1, cfg.latent_channels, h, w), dtype)
+            )
+        out.append((network, ops.calls))
+    return out
+
+
+def explain(config, selection: Selection, caps, dtype: str, height: int, width: int) -> list[ExplainRow]:
+    rows = []
+    for network, calls in trace_calls(config, selection, caps, dtype, height, width):
+        counts = Counter((op, tuple(sorted(shape.items()))) for op, shape, _ in calls)
+        for (op, key), n in counts.items():
+            d = selection.decisions[(op, key)]
+            rows.append(ExplainRow(network, op, dict(key), d.variant, n, d.why))
+    return rows
+
+
+def distinct_calls(config, caps, dtype: str, height: int, width: int) -> list[tuple[str, dict, tuple]]:
+    """One example (op, shape, args) per distinct (op, shape) of the whole model."""
+    seen = {}
+    for _, calls in trace_calls(config, Selection(frozenset(caps.features)), caps, dtype, height, width):
+        for op, shape, args in calls:
+            seen.setdefault((op, tuple(sorted(shape.items()))), (op, shape, args))
+    return list(seen.values())
+
+
+def random_like(rt, args: tuple, rng: np.random.Generator) -> tuple:
+    """Real GPU tensors of the traced argument shapes (fresh random values), scalars kept."""
+    real = []
+    for a in args:
+        if isinstance(a, Tensor):
+            if a.dtype == "u32":
+                real.append(rt.upload(rng.integers(0, 100, a.shape).astype(np.uint32), "u32"))
+            else:
+                scale = 1.0 / np.sqrt(max(a.shape[-1], 1))
+                real.append(rt.upload((rng.standard_normal(a.shape) * scale).astype(np.float32), a.dtype))
+        else:
+            real.append(a)
+    return tuple(real)

@@ -1,0 +1,234 @@
+"""Kernel-selection profiles: data that says, per GPU family, which variant each op uses on
+which shapes. A profile is a versioned JSON document (schema in schema.json beside this file):
+
+    {"schema": "devicefarm.profile/1", "name": "adreno", "priority": 10,
+     "match": {"vendor": ["qualcomm"], "device": "(?i)adreno"},
+     "rules": [{"op": "attention", "when": {"dh": 40}, "variant": "flash"}, ...],
+     "measurements": [...]}                       # written by `farm engine tune`
+
+`match` fields (all optional, all must hold): vendor, architecture, backend, adapter_type
+(lists of accepted values, case-insensitive), vendor_id (list of ints), device (a regular
+expression searched in the adapter's device name). Rules are tried in order, the first whose
+`when` holds for the call's shape wins; `when` maps a shape field to a value or to
+{"min": a, "max": b}. Ops no rule covers use their reference variant.
+
+The shipped profiles live beside this file; `auto` picks the matching one of highest
+priority. The built-in `reference` profile has no rules (every reference kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import ops as _ops  # noqa: F401  (registers every variant a profile may name)
+from ..errors import EngineError
+from ..kernels import REGISTRY, Rule, Selection
+
+SCHEMA_ID = "devicefarm.profile/1"
+PROFILE_DIR = Path(__file__).resolve().parent
+MATCH_LISTS = ("vendor", "architecture", "backend", "adapter_type")
+SHAPE_FIELDS = {
+    "linear": ("m", "n", "k"),
+    "conv2d": ("cin", "cout", "h", "w", "k", "stride", "b", "tiles"),
+    "group_norm": ("c", "s", "groups", "b"),
+    "activation": ("kind", "n"),
+    "geglu": ("m", "f"),
+    "attention": ("tq", "tk", "dh", "heads", "b", "causal"),
+}
+
+
+class ProfileError(EngineError):
+    """A profile document is invalid; the message names the file, the field and the choices."""
+
+
+@dataclass
+class Profile:
+    name: str
+    rules: list[Rule]
+    match: dict = field(default_factory=dict)
+    priority: int = 0
+    description: str = ""
+    measurements: list = field(default_factory=list)
+    source: str = "<built-in>"
+
+    def matches(self, caps) -> bool:
+        m = self.match
+        for key in MATCH_LISTS:
+            if key in m and str(getattr(caps, key)).lower() not in [str(v).lower() for v in m[key]]:
+                return False
+        if "vendor_id" in m and caps.vendor_id not in m["vendor_id"]:
+            return False
+        return not ("device" in m and not re.search(m["device"], caps.device))
+
+    def selection(self, caps) -> Selection:
+        return Selection(frozenset(caps.features), list(self.rules), profile_name=self.name)
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA_ID,
+            "name": self.name,
+            "description": self.description,
+            "priority": self.priority,
+            "match": self.match,
+            "rules": [
+                {
+                    "op": r.op,
+                    "variant": r.variant,
+                    **({"when": {k: _cond_json(v) for k, v in r.when}} if r.when else {}),
+                    **({"constants": dict(r.constants)} if r.constants else {}),
+                    **({"why": r.why} if r.why else {}),
+                }
+                for r in self.rules
+            ],
+            "measurements": self.measurements,
+        }
+
+
+def _cond_json(cond):
+    if not isinstance(cond, tuple):
+        return cond
+    return {k: v for k, v in zip(("min", "max"), cond, strict=True) if v is not None}
+
+
+REFERENCE = Profile("reference", [], description="every op's reference variant: the baseline")
+
+
+def _fail(source: str, where: str, msg: str):
+    raise ProfileError(f"profile {source}: {where}: {msg}")
+
+
+def _rule(source: str, i: int, r) -> Rule:
+    where = f"rules[{i}]"
+    if not isinstance(r, dict):
+        _fail(source, where, "must be an object with op, variant, and optional when/constants")
+    unknown = set(r) - {"op", "variant", "when", "constants", "why"}
+    if unknown:
+        _fail(source, where, f"unknown key(s) {sorted(unknown)}; allowed: op, variant, when, constants, why")
+    op = r.get("op")
+    if op not in SHAPE_FIELDS:
+        _fail(source, f"{where}.op", f"{op!r} is not an op with variants; choose one of {', '.join(SHAPE_FIELDS)}")
+    table = REGISTRY.get(op, {})
+    variant = r.get("variant")
+    if variant not in table:
+        _fail(source, f"{where}.variant", f"{variant!r} is not a variant of {op}; choose one of {', '.join(sorted(table))}")
+    when = r.get("when", {})
+    if not isinstance(when, dict):
+        _fail(source, f"{where}.when", "must be an object mapping shape fields to values or {min, max}")
+    conds = []
+    for key, cond in when.items():
+        if key not in SHAPE_FIELDS[op]:
+            _fail(source, f"{where}.when.{key}", f"not a shape field of {op}; choose from {', '.join(SHAPE_FIELDS[op])}")
+        if isinstance(cond, dict):
+            bad = set(cond) - {"min", "max"}
+            if bad or not cond or not all(isinstance(v, int) for v in cond.values()):
+                _fail(source, f"{where}.when.{key}", "a range is {\"min\": int, \"max\": int} (either may be omitted)")
+            conds.append((key, (cond.get("min"), cond.get("max"))))
+        elif isinstance(cond, int | str):
+            conds.append((key, cond))
+        else:
+            _fail(source, f"{where}.when.{key}", f"{cond!r} is neither a value nor a range")
+    if not isinstance(r.get("why", ""), str):
+        _fail(source, f"{where}.why", "must be a string")
+    consts = r.get("constants", {})
+    allowed = table[variant].constants
+    for name, value in consts.items():
+        if name not in allowed:
+            _fail(source, f"{where}.constants.{name}", f"not a constant of {op}/{variant}; choose from {', '.join(allowed) or 'none'}")
+        if value not in allowed[name]:
+            _fail(source, f"{where}.constants.{name}", f"{value!r} out of range; allowed: {list(allowed[name])}")
+    return Rule(op, variant, tuple(conds), tuple(sorted(consts.items())), r.get("why", ""))
+
+
+def parse_profile(doc, source: str = "<dict>") -> Profile:
+    """Validate a profile document and build a Profile; errors name the field and the choices."""
+    if not isinstance(doc, dict):
+        raise ProfileError(f"profile {source}: must be a JSON object")
+    if doc.get("schema") != SCHEMA_ID:
+        _fail(source, "schema", f"{doc.get('schema')!r} is not supported; expected {SCHEMA_ID!r}")
+    unknown = set(doc) - {"schema", "name", "description", "priority", "match", "rules", "measurements"}
+    if unknown:
+        _fail(source, "top level", f"unknown key(s) {sorted(unknown)}")
+    name = doc.get("name")
+    if not isinstance(name, str) or not name:
+        _fail(source, "name", "a non-empty string is required")
+    match = doc.get("match", {})
+    if not isinstance(match, dict) or set(match) - {*MATCH_LISTS, "vendor_id", "device"}:
+        _fail(source, "match", f"keys must be among {', '.join((*MATCH_LISTS, 'vendor_id', 'device'))}")
+    for key in MATCH_LISTS:
+        if key in match and not (isinstance(match[key], list) and all(isinstance(v, str) for v in match[key])):
+            _fail(source, f"match.{key}", "must be a list of strings")
+    if "vendor_id" in match and not (isinstance(match["vendor_id"], list) and all(isinstance(v, int) for v in match["vendor_id"])):
+        _fail(source, "match.vendor_id", "must be a list of integers")
+    if "device" in match:
+        try:
+            re.compile(match["device"])
+        except (re.error, TypeError) as exc:
+            _fail(source, "match.device", f"not a regular expression: {exc}")
+    rules = doc.get("rules", [])
+    if not isinstance(rules, list):
+        _fail(source, "rules", "must be a list")
+    priority = doc.get("priority", 0)
+    if not isinstance(priority, int):
+        _fail(source, "priority", "must be an integer")
+    return Profile(
+        name=name,
+        rules=[_rule(source, i, r) for i, r in enumerate(rules)],
+        match=match,
+        priority=priority,
+        description=str(doc.get("description", "")),
+        measurements=list(doc.get("measurements", [])),
+        source=source,
+    )
+
+
+def load_profile_file(path: Path) -> Profile:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ProfileError(f"profile {path} cannot be read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile {path} is not valid JSON: {exc}") from exc
+    return parse_profile(doc, str(path))
+
+
+def shipped_profiles() -> list[Profile]:
+    return [load_profile_file(p) for p in sorted(PROFILE_DIR.glob("*.json")) if p.name != "schema.json"]
+
+
+def auto_profile(caps) -> Profile:
+    """The shipped profile that matches the adapter, highest priority first; else reference."""
+    matching = [p for p in shipped_profiles() if p.matches(caps)]
+    return max(matching, key=lambda p: p.priority) if matching else REFERENCE
+
+
+def resolve_profile(spec, caps) -> Profile:
+    """None/"auto", "reference", a shipped profile's name, a path, or a document dict."""
+    if spec is None or spec == "auto":
+        return auto_profile(caps)
+    if isinstance(spec, Profile):
+        profile = spec
+    elif isinstance(spec, dict):
+        profile = parse_profile(spec)
+    elif spec == "reference":
+        return REFERENCE
+    else:
+        by_name = {p.name: p for p in shipped_profiles()}
+        if str(spec) in by_name:
+            return by_name[str(spec)]
+        path = Path(spec)
+        if not path.is_file():
+            raise ProfileError(
+                f"profile {spec!r} is neither a file nor a shipped profile; shipped: "
+                f"{', '.join(['auto', 'reference', *sorted(by_name)])}"
+            )
+        profile = load_profile_file(path)
+    if profile.match and not profile.matches(caps):
+        warnings.warn(
+            f"profile {profile.name!r} was written for {profile.match}, not for {caps.device!r}; using it anyway",
+            stacklevel=2,
+        )
+    return profile

@@ -1,0 +1,128 @@
+"""On-device autotuning: for every distinct (op, shape) of a model, time every variant (and
+constant setting) the adapter can run, and write a profile for this exact GPU that picks the
+fastest, with the measurements inside.
+
+Timing: warm-up runs, then the median of `repeats` runs, each measured with GPU timestamp
+queries around every dispatch (ticks times the queue's timestamp period) when the adapter
+has timestamp-query, else wall-clock to GPU completion. The profile is written to a temporary
+file and renamed into place at the end, so an interrupted tune leaves no half-written profile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .explain import distinct_calls, random_like
+from .kernels import PipelineCache, Selection, variants
+from .ops import Ops
+from .profiles import SCHEMA_ID
+from .runtime import Runtime
+
+MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
+
+
+def _settings(variant) -> list[dict]:
+    if not variant.constants:
+        return [{}]
+    names = sorted(variant.constants)
+    combos = itertools.product(*(variant.constants[n] for n in names))
+    return [dict(zip(names, c, strict=True)) for c in itertools.islice(combos, MAX_CONSTANT_SETTINGS)]
+
+
+def _time(rt: Runtime, fn: Callable, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    rt.sync()
+    samples = []
+    use_gpu_clock = rt.caps.has_timestamps
+    if use_gpu_clock:
+        rt.set_profiling(True)
+    try:
+        for _ in range(repeats):
+            if use_gpu_clock:
+                rt.take_kernel_times()
+                fn()
+                samples.append(sum(k.total_ms for k in rt.take_kernel_times().values()))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                rt.sync()
+                samples.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if use_gpu_clock:
+            rt.set_profiling(False)
+    return samples
+
+
+def tune(
+    config,
+    gpu,
+    dtype: str,
+    height: int,
+    width: int,
+    out: Path,
+    warmup: int = 1,
+    repeats: int = 5,
+    time_budget_s: float = 600.0,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict:
+    """Measure, choose, and write the profile document to `out` (atomically). Returns it."""
+    caps = gpu.caps
+    calls = distinct_calls(config, caps, dtype, height, width)
+    rt = Runtime(gpu)
+    pipelines = PipelineCache(gpu)
+    rng = np.random.default_rng(0)
+    rules, measurements = [], []
+    deadline = time.monotonic() + time_budget_s
+    for i, (op, shape, args) in enumerate(calls):
+        if progress:
+            progress(i, len(calls), f"{op} {shape}")
+        real = random_like(rt, args, rng)
+        results = []
+        for v in variants(op).values():
+            if v.requires - caps.features or (v.applies and v.applies(shape)):
+                continue
+            for consts in _settings(v):
+                if time.monotonic() > deadline and v.name != "reference":
+                    continue  # out of time: only the baseline is still measured
+                ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), dtype)
+                samples = _time(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
+                results.append({"variant": v.name, "constants": consts, "median_ms": statistics.median(samples),
+                                "min_ms": min(samples), "max_ms": max(samples)})
+        best = min(results, key=lambda r: r["median_ms"])
+        measurements.append({"op": op, "shape": shape, "results": results, "chosen": best["variant"]})
+        if best["variant"] != "reference" or best["constants"]:
+            rule = {"op": op, "variant": best["variant"], "when": shape}
+            if best["constants"]:
+                rule["constants"] = best["constants"]
+            rules.append(rule)
+    if progress:
+        progress(len(calls), len(calls), "done")
+    doc = {
+        "schema": SCHEMA_ID,
+        "name": f"tuned-{re.sub(r'[^a-z0-9]+', '-', caps.device.lower()).strip('-')}",
+        "description": f"measured by farm engine tune on {caps.device} ({caps.backend}, {caps.description}), "
+        f"{dtype}, {height}x{width}, {time.strftime('%Y-%m-%d')}",
+        "priority": 100,
+        "match": {"vendor_id": [caps.vendor_id], "device": f"^{re.escape(caps.device)}$"},
+        "rules": rules,
+        "measurements": measurements,
+    }
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return doc

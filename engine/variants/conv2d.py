@@ -1,0 +1,158 @@
+"""The optimized conv2d variants: implicit GEMM (any kernel, stride, padding) and Winograd
+F(4x4, 3x3) for 3x3 stride-1 convolutions, plus `winograd_pays`, the rule profiles cite for
+when Winograd is worth its transforms.
+
+Both tile a matrix product through workgroup memory with the same override constants (the
+workgroup shape WG_M x WG_N, the register block TM x TN, the slab depth BK); their WGSL is in
+shaders/conv2d/implicit_gemm.wgsl and shaders/conv2d/winograd.wgsl. Winograd transforms each
+weight tensor once and keeps the result for as long as the weight tensor lives, so weights
+must not be rewritten in place while a model uses them.
+"""
+
+from __future__ import annotations
+
+import math
+from weakref import WeakKeyDictionary
+
+from ..errors import EngineError
+from ..kernels import Variant, register
+from ..ops import Ops, conv_out_size
+from ..runtime import Tensor
+
+# Tunable tiling of both GEMMs; the defaults repeat the WGSL `override` defaults so the launcher
+# can size the grid. TM and TN are capped by the shader's register-block capacity RB = 4.
+GEMM_CONSTANTS = {"WG_M": (8, 16), "WG_N": (8, 16), "TM": (1, 2, 4), "TN": (1, 2, 4), "BK": (8, 16, 32)}
+GEMM_DEFAULTS = {"WG_M": 16, "WG_N": 16, "TM": 4, "TN": 4, "BK": 16}
+
+WINOGRAD_TILE = 4  # output tile edge m of F(m x m, 3x3)
+WINOGRAD_POSITIONS = 36  # (m + 2)^2 products per tile
+
+
+def _gemm_tiling(ops: Ops, consts: dict) -> dict:
+    """The full set of tiling constants, checked against the choices and the adapter's limits."""
+    tiling = {**GEMM_DEFAULTS, **consts}
+    for name, value in tiling.items():
+        if name not in GEMM_CONSTANTS or value not in GEMM_CONSTANTS[name]:
+            allowed = GEMM_CONSTANTS.get(name)
+            raise EngineError(f"conv2d tiling constant {name}={value!r} is not one of {allowed}")
+    limits = ops.rt.caps.limits
+    threads = tiling["WG_M"] * tiling["WG_N"]
+    max_threads = int(limits.get("max-compute-invocations-per-workgroup", 256))
+    if threads > max_threads:
+        raise EngineError(f"conv2d tiling WG_M*WG_N={threads} exceeds this adapter's {max_threads} invocations")
+    shared = 4 * tiling["BK"] * (tiling["WG_M"] * tiling["TM"] + tiling["WG_N"] * tiling["TN"])
+    max_shared = int(limits.get("max-compute-workgroup-storage-size", 16384))
+    if shared > max_shared:
+        raise EngineError(
+            f"conv2d tiling {tiling} needs {shared} B of workgroup memory, above this adapter's "
+            f"{max_shared} B; lower BK, TM or TN"
+        )
+    return tiling
+
+
+# ---- implicit GEMM --------------------------------------------------------------------------
+
+
+@register(
+    "conv2d",
+    "implicit_gemm",
+    doc="conv as a GEMM over (pixels x Cout x Cin*KH*KW), workgroup tiles, register blocking",
+    constants=GEMM_CONSTANTS,
+)
+def conv2d_implicit_gemm(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+    bsz, cin, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
+    tiling = _gemm_tiling(ops, consts)
+    m, k = bsz * oh * ow, cin * kh * kw
+    m_tiles = math.ceil(m / (tiling["WG_M"] * tiling["TM"]))
+    gx = min(m_tiles, ops.rt.caps.max_workgroups)  # the pixel tiles fold over x and z
+    y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
+    params = (bsz, cin, h, wd, cout, oh, ow, kh, kw, stride, pads[0], pads[2], int(b is not None), m, k, gx)
+    ops.rt.dispatch(
+        ops.pipeline(v, **tiling), "conv2d", params, [x, w, b if b is not None else ops.dummy, y],
+        (gx, math.ceil(cout / (tiling["WG_N"] * tiling["TN"])), math.ceil(m_tiles / gx)),
+    )
+    return y
+
+
+# ---- Winograd F(4x4, 3x3) -------------------------------------------------------------------
+
+
+def winograd_applies(shape: dict) -> str | None:
+    if shape.get("k") != 3 or shape.get("stride") != 1:
+        return "winograd needs a 3x3 stride-1 convolution"
+    return None
+
+
+def winograd_pays(shape: dict, min_channels: int = 64, min_tiles: int = 32) -> bool:
+    """TFLite GPU's rule for Winograd 4x4: a 3x3 stride-1 convolution with at least
+    `min_channels` input and output channels and at least `min_tiles` 4x4 output tiles per image
+    (TFLite counts tiles of one image, not of the batch). The shape dict carries no padding, so
+    the output is taken to be the input's size, as with SD's padding of 1."""
+    if winograd_applies(shape) is not None:
+        return False
+    tiles = math.ceil(shape["h"] / WINOGRAD_TILE) * math.ceil(shape["w"] / WINOGRAD_TILE)
+    return shape["cin"] >= min_channels and shape["cout"] >= min_channels and tiles >= min_tiles
+
+
+# U = G g G^T per weight tensor, keyed by the weight's storage so reshaped views share it and
+# the entry goes when the weight does.
+_TRANSFORMED: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def _transformed_weights(ops: Ops, v: Variant, w: Tensor) -> Tensor:
+    u = _TRANSFORMED.get(w.storage)
+    if u is not None and u.shape[1:] == (w.shape[1], w.shape[0]):
+        return u
+    cout, cin = w.shape[:2]
+    u = ops.rt.empty((WINOGRAD_POSITIONS, cin, cout), "f32")  # (36, Cin, Cout)
+    params = (0, cin, 0, 0, cout, 0, 0, 0, 0, 0, 0, 0, 0)
+    ops.rt.dispatch(
+        ops.pipeline(v, "weights_main"), "conv2d_winograd_weights", params,
+        [None, w, None, u], ops.grid_1d(cout * cin),
+    )
+    _TRANSFORMED[w.storage] = u
+    return u
+
+
+@register(
+    "conv2d",
+    "winograd",
+    entry="gemm_main",
+    doc="Winograd F(4x4,3x3): input transform, 36 batched GEMMs, output transform; weights transformed once",
+    constants=GEMM_CONSTANTS,
+    applies=winograd_applies,
+)
+def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+    bsz, cin, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    if (kh, kw) != (3, 3) or stride != 1:
+        raise EngineError(f"winograd needs a 3x3 stride-1 convolution, got {kh}x{kw} stride {stride}")
+    oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
+    tiling = _gemm_tiling(ops, consts)
+    th, tw = math.ceil(oh / WINOGRAD_TILE), math.ceil(ow / WINOGRAD_TILE)
+    n_tiles = bsz * th * tw
+    params = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
+
+    u = _transformed_weights(ops, v, w)  # (36, Cin, Cout)
+    vt = ops.rt.empty((WINOGRAD_POSITIONS, cin, n_tiles), "f32")
+    ops.rt.dispatch(
+        ops.pipeline(v, "input_main"), "conv2d_winograd_input", params, [x, None, None, None, vt],
+        ops.grid_1d(cin * n_tiles),
+    )
+    mx = ops.rt.empty((WINOGRAD_POSITIONS, cout, n_tiles), "f32")
+    ops.rt.dispatch(
+        ops.pipeline(v, "gemm_main", **tiling), "conv2d_winograd_gemm", params, [None, None, None, u, vt, mx],
+        (
+            math.ceil(n_tiles / (tiling["WG_M"] * tiling["TM"])),
+            math.ceil(cout / (tiling["WG_N"] * tiling["TN"])),
+            WINOGRAD_POSITIONS,
+        ),
+    )
+    y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
+    ops.rt.dispatch(
+        ops.pipeline(v, "output_main"), "conv2d_winograd_output", params,
+        [None, None, b if b is not None else ops.dummy, None, None, mx, y], ops.grid_1d(cout * n_tiles),
+    )
+    return y

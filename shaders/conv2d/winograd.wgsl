@@ -1,0 +1,236 @@
+// Winograd F(4x4, 3x3) convolution, stride 1, NCHW, all transform arithmetic in f32.
+//
+//   symbol   meaning                                         layout
+//   g        one 3x3 filter of w (Cout, Cin, 3, 3)
+//   d        a 6x6 input tile; output tile (ty, tx) reads rows 4ty - pad_t .. +5
+//   U        G g G^T, the transformed filters                u (36, Cin, Cout), f32
+//   V        B^T d B, the transformed input tiles            v (36, Cin, P), f32
+//   Mx       sum over ci of U * V, per position xi of 36     mx (36, Cout, P), f32
+//   Y        A^T Mx A + b, a 4x4 output tile                 y (B, Cout, OH, OW)
+//   P        B * TH * TW tiles, TH = ceil(OH / 4), TW = ceil(OW / 4)
+//
+// Entry points, in the order they run: weights_main (once per weight tensor), input_main,
+// gemm_main (36 independent (P x Cin) @ (Cin x Cout) products, one per z of the grid) and
+// output_main. Interpolation points 0, +-1, +-2 and infinity (Lavin & Gray 2016), the ones
+// TFLite GPU's Winograd4x4To36 / Winograd36To4x4 use.
+struct Params {
+    B: u32, Cin: u32, H: u32, W: u32,
+    Cout: u32, OH: u32, OW: u32, pad_t: u32,
+    pad_l: u32, TH: u32, TW: u32, P: u32,
+    has_bias: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<T>;
+@group(0) @binding(2) var<storage, read> w: array<T>;
+@group(0) @binding(3) var<storage, read> b: array<T>;
+@group(0) @binding(4) var<storage, read_write> u: array<f32>;
+@group(0) @binding(5) var<storage, read_write> v: array<f32>;
+@group(0) @binding(6) var<storage, read_write> mx: array<f32>;
+@group(0) @binding(7) var<storage, read_write> y: array<T>;
+
+// ---- the three one-dimensional transforms ---------------------------------------------------
+
+fn g_col(g0: f32, g1: f32, g2: f32) -> array<f32, 6> {  // G (6x3) times a column
+    let even = (g0 + g2) * (1.0 / 6.0);
+    let odd = g1 * (1.0 / 6.0);
+    let even24 = g0 * (1.0 / 24.0) + g2 * (1.0 / 6.0);
+    let odd12 = g1 * (1.0 / 12.0);
+    return array<f32, 6>(0.25 * g0, -even - odd, -even + odd, even24 + odd12, even24 - odd12, g2);
+}
+
+fn bt_col(d: array<f32, 6>) -> array<f32, 6> {  // B^T (6x6) times a column
+    return array<f32, 6>(
+        4.0 * d[0] - 5.0 * d[2] + d[4],
+        -4.0 * (d[1] + d[2]) + d[3] + d[4],
+        4.0 * (d[1] - d[2]) - d[3] + d[4],
+        2.0 * (d[3] - d[1]) - d[2] + d[4],
+        2.0 * (d[1] - d[3]) - d[2] + d[4],
+        4.0 * d[1] - 5.0 * d[3] + d[5],
+    );
+}
+
+fn at_col(m: array<f32, 6>) -> array<f32, 4> {  // A^T (4x6) times a column
+    let s12 = m[1] + m[2];
+    let d12 = m[1] - m[2];
+    let s34 = m[3] + m[4];
+    let d34 = m[3] - m[4];
+    return array<f32, 4>(m[0] + s12 + s34, d12 + 2.0 * d34, s12 + 4.0 * s34, d12 + 8.0 * d34 + m[5]);
+}
+
+fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.y * nwg.x + wid.x) * 256u + lid;
+}
+
+// ---- U = G g G^T, one invocation per (co, ci) -----------------------------------------------
+
+@compute @workgroup_size(256)
+fn weights_main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = flat_index(wid, nwg, lid);
+    if (i >= p.Cout * p.Cin) { return; }
+    let co = i % p.Cout;
+    let ci = i / p.Cout;
+    let base = (co * p.Cin + ci) * 9u;
+    var gt: array<array<f32, 6>, 3>;  // (G g)^T: gt[c][r] = (G g)[r][c]
+    for (var c = 0u; c < 3u; c++) {
+        gt[c] = g_col(f32(w[base + c]), f32(w[base + 3u + c]), f32(w[base + 6u + c]));
+    }
+    for (var r = 0u; r < 6u; r++) {
+        let row = g_col(gt[0][r], gt[1][r], gt[2][r]);
+        for (var c = 0u; c < 6u; c++) {
+            u[((r * 6u + c) * p.Cin + ci) * p.Cout + co] = row[c];
+        }
+    }
+}
+
+// ---- V = B^T d B, one invocation per (ci, tile) ----------------------------------------------
+
+@compute @workgroup_size(256)
+fn input_main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = flat_index(wid, nwg, lid);
+    if (i >= p.Cin * p.P) { return; }
+    let t = i % p.P;
+    let ci = i / p.P;
+    let bi = t / (p.TH * p.TW);
+    let ty = (t / p.TW) % p.TH;
+    let tx = t % p.TW;
+    let plane = (bi * p.Cin + ci) * p.H * p.W;
+    let iy0 = i32(ty * 4u) - i32(p.pad_t);
+    let ix0 = i32(tx * 4u) - i32(p.pad_l);
+
+    var bd: array<array<f32, 6>, 6>;  // bd[c] = B^T times column c of d
+    for (var c = 0u; c < 6u; c++) {
+        let ix = ix0 + i32(c);
+        var col: array<f32, 6>;
+        for (var r = 0u; r < 6u; r++) {
+            let iy = iy0 + i32(r);
+            var val = 0.0;
+            if (iy >= 0 && iy < i32(p.H) && ix >= 0 && ix < i32(p.W)) {
+                val = f32(x[plane + u32(iy) * p.W + u32(ix)]);
+            }
+            col[r] = val;
+        }
+        bd[c] = bt_col(col);
+    }
+    for (var r = 0u; r < 6u; r++) {
+        let row = bt_col(array<f32, 6>(bd[0][r], bd[1][r], bd[2][r], bd[3][r], bd[4][r], bd[5][r]));
+        for (var c = 0u; c < 6u; c++) {
+            v[((r * 6u + c) * p.Cin + ci) * p.P + t] = row[c];
+        }
+    }
+}
+
+// ---- Mx[xi] = U[xi]^T V[xi]: batched, tiled GEMM (same blocking as implicit_gemm.wgsl) -------
+// m = tile (P), n = co (Cout), k = ci (Cin); z of the grid = xi.
+
+override WG_M: u32 = 16;
+override WG_N: u32 = 16;
+override TM: u32 = 4;
+override TN: u32 = 4;
+override BK: u32 = 16;
+override BM: u32 = WG_M * TM;
+override BN: u32 = WG_N * TN;
+const RB: u32 = 4u;
+
+var<workgroup> v_tile: array<f32, BK * BM>;  // [kk][mm]
+var<workgroup> u_tile: array<f32, BK * BN>;  // [kk][nn]
+
+@compute @workgroup_size(WG_M, WG_N)
+fn gemm_main(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    let threads = WG_M * WG_N;
+    let m0 = wid.x * BM;
+    let n0 = wid.y * BN;
+    let xi = wid.z;
+    let vbase = xi * p.Cin * p.P;
+    let ubase = xi * p.Cin * p.Cout;
+
+    var acc: array<f32, RB * RB>;
+    for (var k0 = 0u; k0 < p.Cin; k0 += BK) {
+        for (var i = li; i < BK * BM; i += threads) {
+            let mm = i % BM;
+            let kk = i / BM;
+            var val = 0.0;
+            if (m0 + mm < p.P && k0 + kk < p.Cin) { val = v[vbase + (k0 + kk) * p.P + m0 + mm]; }
+            v_tile[i] = val;
+        }
+        for (var i = li; i < BK * BN; i += threads) {
+            let nn = i % BN;
+            let kk = i / BN;
+            var val = 0.0;
+            if (n0 + nn < p.Cout && k0 + kk < p.Cin) { val = u[ubase + (k0 + kk) * p.Cout + n0 + nn]; }
+            u_tile[i] = val;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BK; kk++) {
+            var a: array<f32, RB>;
+            var c: array<f32, RB>;
+            for (var i = 0u; i < TM; i++) { a[i] = v_tile[kk * BM + lid.x + i * WG_M]; }
+            for (var j = 0u; j < TN; j++) { c[j] = u_tile[kk * BN + lid.y + j * WG_N]; }
+            for (var i = 0u; i < TM; i++) {
+                for (var j = 0u; j < TN; j++) {
+                    acc[i * RB + j] = fma(a[i], c[j], acc[i * RB + j]);
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var j = 0u; j < TN; j++) {
+        let n = n0 + lid.y + j * WG_N;
+        if (n >= p.Cout) { continue; }
+        for (var i = 0u; i < TM; i++) {
+            let m = m0 + lid.x + i * WG_M;
+            if (m >= p.P) { continue; }
+            mx[(xi * p.Cout + n) * p.P + m] = acc[i * RB + j];
+        }
+    }
+}
+
+// ---- Y = A^T Mx A + b, one invocation per (co, tile); partial edge tiles clipped --------------
+
+@compute @workgroup_size(256)
+fn output_main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = flat_index(wid, nwg, lid);
+    if (i >= p.Cout * p.P) { return; }
+    let t = i % p.P;
+    let co = i / p.P;
+    let bi = t / (p.TH * p.TW);
+    let ty = (t / p.TW) % p.TH;
+    let tx = t % p.TW;
+    let stride = p.Cout * p.P;  // between consecutive positions xi
+    let base = co * p.P + t;
+
+    var am: array<array<f32, 4>, 6>;  // am[c] = A^T times column c of Mx
+    for (var c = 0u; c < 6u; c++) {
+        var col: array<f32, 6>;
+        for (var r = 0u; r < 6u; r++) { col[r] = mx[(r * 6u + c) * stride + base]; }
+        am[c] = at_col(col);
+    }
+    var bias = 0.0;
+    if (p.has_bias != 0u) { bias = f32(b[co]); }
+    let out = (bi * p.Cout + co) * p.OH * p.OW;
+    for (var r = 0u; r < 4u; r++) {
+        let oy = ty * 4u + r;
+        if (oy >= p.OH) { break; }
+        let row = at_col(array<f32, 6>(am[0][r], am[1][r], am[2][r], am[3][r], am[4][r], am[5][r]));
+        for (var c = 0u; c < 4u; c++) {
+            let ox = tx * 4u + c;
+            if (ox >= p.OW) { break; }
+            y[out + oy * p.OW + ox] = T(row[c] + bias);
+        }
+    }
+}

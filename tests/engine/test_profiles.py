@@ -1,0 +1,164 @@
+"""Kernel-selection profiles: every shipped file validates, invalid ones are refused with the
+valid choices listed, adapters get the right family's profile, and the tiny UNet computes the
+same function (within the fp32 bar, 1e-4) whichever variant each op uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from engine.device import DeviceCaps
+from engine.kernels import REGISTRY, Selection
+from engine.profiles import (
+    REFERENCE,
+    SCHEMA_ID,
+    ProfileError,
+    auto_profile,
+    load_profile_file,
+    parse_profile,
+    resolve_profile,
+    shipped_profiles,
+)
+
+FAMILIES = {"adreno", "adreno6xx", "apple", "mali", "nvidia", "amd", "intel", "software"}
+
+
+def caps(**kw) -> DeviceCaps:
+    base = dict(vendor="", architecture="", device="", description="", adapter_type="IntegratedGPU",
+                backend="Vulkan", vendor_id=0, device_id=0, features=frozenset({"shader-f16"}), limits={})
+    return DeviceCaps(**{**base, **kw})
+
+
+def test_every_shipped_profile_validates_and_names_real_variants():
+    profiles = shipped_profiles()
+    assert {p.name for p in profiles} >= FAMILIES
+    for p in profiles:
+        again = parse_profile(p.to_json(), p.source)  # round trip through the document form
+        assert again.rules == p.rules
+        for r in p.rules:
+            assert r.variant in REGISTRY[r.op]
+
+
+@pytest.mark.parametrize(
+    "adapter,expected",
+    [
+        (caps(vendor_id=20803, device="Adreno (TM) 740"), "adreno"),
+        (caps(vendor_id=20803, device="Adreno (TM) 650"), "adreno6xx"),
+        (caps(vendor_id=5045, device="Mali-G715"), "mali"),
+        (caps(device="Apple M2", backend="Metal"), "apple"),
+        (caps(vendor_id=4318, device="NVIDIA H100 80GB HBM3", adapter_type="DiscreteGPU"), "nvidia"),
+        (caps(vendor_id=65541, device="llvmpipe (LLVM 15.0.6, 256 bits)", adapter_type="CPU"), "software"),
+        (caps(vendor_id=1234, device="Some Future GPU"), "reference"),
+    ],
+)
+def test_auto_picks_the_family_profile(adapter, expected):
+    assert auto_profile(adapter).name == expected
+
+
+def test_paper_rules_flash_only_for_head_dim_40_on_adreno():
+    sel = auto_profile(caps(vendor_id=20803, device="Adreno (TM) 740")).selection(
+        caps(features=frozenset({"shader-f16", "subgroup"})))
+    assert sel.variant("attention", {"dh": 40, "causal": 0, "tq": 4096, "tk": 4096}).name == "flash"
+    assert sel.variant("attention", {"dh": 80, "causal": 0, "tq": 1024, "tk": 1024}).name == "partial_softmax"
+    conv = {"k": 3, "stride": 1, "cin": 320, "cout": 320, "tiles": 512}
+    assert sel.variant("conv2d", conv).name == "winograd"
+    assert sel.variant("conv2d", {**conv, "cin": 64, "cout": 64}).name != "winograd"  # Adreno wants >= 128
+
+
+def doc(**rules_or_top):
+    d = {"schema": SCHEMA_ID, "name": "t", "rules": []}
+    d.update(rules_or_top)
+    return d
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (doc(schema="devicefarm.profile/9"), "expected 'devicefarm.profile/1'"),
+        (doc(rules=[{"op": "convolution", "variant": "reference"}]), "choose one of linear, conv2d"),
+        (doc(rules=[{"op": "attention", "variant": "fast"}]), "choose one of flash, partial_softmax, reference"),
+        (doc(rules=[{"op": "attention", "variant": "reference", "when": {"tokens": 4}}]), "choose from tq, tk, dh"),
+        (doc(rules=[{"op": "attention", "variant": "reference", "constants": {"BLOCK": 3}}]), "not a constant"),
+        (doc(match={"gpu": ["x"]}), "keys must be among"),
+        (doc(extra=1), "unknown key"),
+    ],
+)
+def test_invalid_profiles_are_refused_with_the_choices(bad, message):
+    with pytest.raises(ProfileError, match=message):
+        parse_profile(bad, "bad.json")
+
+
+def test_constants_out_of_range_list_the_allowed_values():
+    for op, table in REGISTRY.items():
+        for name, v in table.items():
+            for const, allowed in v.constants.items():
+                bad = max(int(a) for a in allowed) * 1000 + 7
+                with pytest.raises(ProfileError, match=r"out of range; allowed"):
+                    parse_profile(doc(rules=[{"op": op, "variant": name, "constants": {const: bad}}]))
+                return
+    pytest.fail("no variant declares tunable constants")
+
+
+def test_profile_for_another_gpu_is_used_with_a_warning(tmp_path):
+    p = tmp_path / "other.json"
+    p.write_text(json.dumps(doc(match={"vendor_id": [4318]}, rules=[{"op": "group_norm", "variant": "fused"}])))
+    with pytest.warns(UserWarning, match="was written for"):
+        prof = resolve_profile(str(p), caps(vendor_id=5045))
+    assert prof.rules[0].variant == "fused"
+    with pytest.raises(ProfileError, match="neither a file nor a shipped profile"):
+        resolve_profile("no-such-profile", caps())
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        load_profile_file(bad)
+
+
+def test_missing_feature_falls_back_with_a_warning(monkeypatch):
+    from engine.kernels import Variant
+
+    probe = Variant("attention", "probe", requires=frozenset({"no-such-feature"}))
+    monkeypatch.setitem(REGISTRY["attention"], "probe", probe)
+    sel = Selection.forcing(frozenset({"shader-f16"}), {"attention": "probe"})
+    with pytest.warns(UserWarning, match="needs no-such-feature; using 'reference'"):
+        assert sel.variant("attention", {"dh": 40}).name == "reference"
+    assert sel.warnings and "probe" in sel.decisions[("attention", (("dh", 40),))].why
+
+
+# ---- the whole UNet under every variant ------------------------------------------------------
+
+def every_variant():
+    for op, table in sorted(REGISTRY.items()):
+        for name in sorted(table):
+            if name != "reference":
+                yield op, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,variant", list(every_variant()))
+def test_unet_with_each_variant_matches_diffusers(tiny_model_dir, golden, gpu, op, variant):
+    import engine
+
+    if REGISTRY[op][variant].requires - gpu.caps.features:
+        pytest.skip(f"adapter lacks {REGISTRY[op][variant].requires}")
+    pipe = engine.load_pipeline(tiny_model_dir, profile={op: variant})
+    out = pipe.unet(golden["unet_sample"], golden["unet_timesteps"], golden["unet_encoder_hidden_states"])
+    assert np.linalg.norm(out - golden["unet_out"]) / np.linalg.norm(golden["unet_out"]) <= 1e-4
+    used = {d.variant for d in pipe.selection.decisions.values() if d.op == op}
+    assert variant in used or pipe.selection.warnings, f"{variant} never ran for {op}: {used}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_unet_under_each_shipped_profile_matches_reference_profile(tiny_model_dir, golden, gpu, name):
+    import engine
+
+    pipe = engine.load_pipeline(tiny_model_dir, profile=REFERENCE)
+    args = (golden["unet_odd_sample"], golden["unet_timesteps"], golden["unet_encoder_hidden_states"])
+    ref = pipe.unet(*args)
+    prof = next(p for p in shipped_profiles() if p.name == name)
+    pipe.set_profile(dataclasses.replace(prof, match={}))  # force it onto this adapter
+    out = pipe.unet(*args)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) <= 1e-4

@@ -1,0 +1,132 @@
+"""The attention variants of engine/variants/attention.py (partial_softmax, flash) against a
+float64 numpy reference and against the reference variant, on fresh random inputs with
+poisoned outputs. Tolerances as in test_kernels.py: fp32 within 2e-5 and fp16 within 1e-2
+relative to the largest reference magnitude."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.kernels import PipelineCache, Selection
+from engine.ops import Ops
+from engine.runtime import Runtime
+from engine.variants import attention as attn
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"f32": 2e-5, "f16": 1e-2}
+NP = {"f32": np.float32, "f16": np.float16}
+VARIANTS = ["partial_softmax", "flash"]
+
+
+@pytest.fixture(scope="module")
+def rt(gpu):
+    return Runtime(gpu, poison=True)
+
+
+def make_ops(rt, gpu, dtype, variant=None):
+    if dtype == "f16" and not gpu.caps.has_f16:
+        pytest.skip("adapter lacks shader-f16")
+    features = gpu.caps.features
+    selection = Selection.forcing(features, {"attention": variant}) if variant else Selection(frozenset(features))
+    return Ops(rt, PipelineCache(gpu), selection, dtype)
+
+
+def np_attention(qx, kx, vx, heads, causal=False):
+    b, tq, c = qx.shape
+    dh = c // heads
+    qh = qx.reshape(b, tq, heads, dh).transpose(0, 2, 1, 3)  # (B, H, Tq, dh)
+    kh = kx.reshape(b, -1, heads, dh).transpose(0, 2, 1, 3)  # (B, H, Tk, dh)
+    vh = vx.reshape(b, -1, heads, dh).transpose(0, 2, 1, 3)
+    s = qh @ kh.transpose(0, 1, 3, 2) / np.sqrt(dh)  # (B, H, Tq, Tk)
+    if causal:
+        s = np.where(np.triu(np.ones(s.shape[-2:], bool), 1), -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return (p @ vh).transpose(0, 2, 1, 3).reshape(b, tq, c)
+
+
+def rel_err(got, ref):
+    return np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6)
+
+
+def run(ops, arrays, heads, causal):
+    y = ops.attention(*(ops.rt.upload(a, ops.dtype) for a in arrays), heads, causal=causal)
+    got = ops.rt.read(y).astype(np.float64)
+    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "b,tq,tk,heads,dh,causal",
+    [
+        (2, 64, 64, 2, 40, False),  # SD's 64x64 level head dim
+        (2, 48, 48, 1, 80, False),  # 32x32 level
+        (1, 40, 40, 2, 160, False),  # 16x16 level
+        (2, 77, 77, 2, 64, True),  # CLIP's causal self-attention
+        (2, 256, 77, 1, 40, False),  # cross-attention to the text tokens
+        (2, 33, 19, 3, 24, False),  # odd sizes, partial tiles everywhere
+        (1, 33, 33, 1, 8, True),  # odd causal, the smallest head dim
+        (1, 1024, 1024, 2, 40, False),  # SD-like, larger
+    ],
+)
+def test_attention_variant(rt, gpu, fresh_rng, variant, dtype, b, tq, tk, heads, dh, causal):
+    ops = make_ops(rt, gpu, dtype, variant)
+    ref_ops = make_ops(rt, gpu, dtype)
+    qx, kx, vx = (fresh_rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
+    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+    got = run(ops, (qx, kx, vx), heads, causal)
+    assert {d.variant for d in ops.selection.decisions.values()} == {variant}
+    err = rel_err(got, np_attention(*seen, heads, causal))
+    assert err <= TOL[dtype], f"{variant} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+    err = rel_err(got, run(ref_ops, (qx, kx, vx), heads, causal))
+    assert err <= TOL[dtype], f"{variant} vs reference variant: max relative error {err:.3g} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("variant,per_chunk", [("partial_softmax", 3), ("flash", None)])
+def test_attention_variant_over_binding_limit(rt, gpu, fresh_rng, monkeypatch, variant, per_chunk):
+    """With a tiny binding limit partial_softmax splits the (batch, head) pairs into chunks;
+    flash stores no score matrix and runs in one dispatch. Same result either way."""
+    ops = make_ops(rt, gpu, "f32", variant)
+    qx, kx, vx = (fresh_rng.standard_normal((2, 40, 3 * 8)).astype(np.float32) for _ in range(3))
+    ref = np_attention(qx.astype(np.float64), kx.astype(np.float64), vx.astype(np.float64), 3)
+    limits = dict(gpu.caps.limits, **{"max-storage-buffer-binding-size": 2 * 40 * 40 * 4})
+    monkeypatch.setattr(rt, "caps", type(gpu.caps)(**{**gpu.caps.__dict__, "limits": limits}))
+    before = rt.dispatches
+    got = run(ops, (qx, kx, vx), 3, False)
+    expected = 3 * per_chunk if per_chunk else 1  # 6 pairs in chunks of 2
+    assert rt.dispatches - before == expected
+    assert rel_err(got, ref) <= TOL["f32"]
+
+
+def test_flash_default_blocks_fit_every_webgpu_adapter():
+    """The default blocks stay within WebGPU's guaranteed 16 KiB of workgroup memory, and
+    every MAX_DH fits the register accumulators."""
+    for max_dh in attn.FLASH_MAX_DH:
+        br, bc = attn.FLASH_BLOCKS[max_dh]
+        assert attn.flash_workgroup_bytes(br, bc, max_dh) <= attn.WEBGPU_MIN_WORKGROUP_STORAGE
+        assert attn.FLASH_NT * attn.FLASH_ACC_MAX >= max_dh
+
+
+def test_flash_falls_back_for_head_dims_it_cannot_hold(gpu):
+    selection = Selection.forcing(gpu.caps.features, {"attention": "flash"})
+    with pytest.warns(UserWarning, match="head dims up to 160"):
+        chosen = selection.variant("attention", {"tq": 16, "tk": 16, "dh": 256, "heads": 1, "b": 1, "causal": 0})
+    assert chosen.name == "reference"
+    assert selection.variant("attention", {"tq": 16, "tk": 16, "dh": 160, "heads": 1, "b": 1, "causal": 0}).name == "flash"
+
+
+def test_flash_refuses_blocks_beyond_the_workgroup_storage_limit(rt, gpu, monkeypatch):
+    from engine.errors import EngineError
+    from engine.kernels import Rule
+
+    limits = dict(gpu.caps.limits, **{"max-compute-workgroup-storage-size": 8192})
+    monkeypatch.setattr(rt, "caps", type(gpu.caps)(**{**gpu.caps.__dict__, "limits": limits}))
+    selection = Selection(frozenset(gpu.caps.features), [Rule("attention", "flash")])
+    ops = Ops(rt, PipelineCache(gpu), selection, "f32")
+    x = rt.upload(np.zeros((1, 8, 160), np.float32))
+    with pytest.raises(EngineError, match="max-compute-workgroup-storage-size"):
+        ops.attention(x, x, x, 1)

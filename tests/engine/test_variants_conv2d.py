@@ -1,0 +1,227 @@
+"""The optimized conv2d variants (implicit GEMM, Winograd F(4x4, 3x3)) against a float64 numpy
+convolution and against the reference variant, on fresh random inputs, outputs poisoned.
+
+Tolerances, relative to the largest reference magnitude: implicit GEMM sums the same products
+as the reference in another order, so it gets the reference kernels' 2e-5 (fp32). Winograd's
+transforms add rounding (measured by test_winograd_error_is_bounded: about 3-6x the direct
+error, around 1e-5 at 320 channels), so it gets 1e-4 in fp32. fp16: 1e-2 for both, against
+the reference computed from the fp16-rounded inputs (accumulation and transforms are f32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.errors import EngineError
+from engine.kernels import PipelineCache, Rule, Selection
+from engine.ops import Ops
+from engine.runtime import Runtime
+from engine.variants.conv2d import winograd_applies, winograd_pays
+
+pytestmark = pytest.mark.gpu
+
+TOL = {("implicit_gemm", "f32"): 2e-5, ("winograd", "f32"): 1e-4, ("implicit_gemm", "f16"): 1e-2, ("winograd", "f16"): 1e-2}
+NP = {"f32": np.float32, "f16": np.float16}
+
+
+@pytest.fixture(scope="module")
+def rt(gpu):
+    return Runtime(gpu, poison=True)
+
+
+@pytest.fixture(scope="module")
+def pipelines(gpu):
+    return PipelineCache(gpu)  # shared so each shader compiles once per module
+
+
+def make_ops(rt, pipelines, dtype: str, variant: str, constants: dict | None = None) -> Ops:
+    caps = rt.gpu.caps
+    if dtype == "f16" and not caps.has_f16:
+        pytest.skip("adapter lacks shader-f16")
+    rule = Rule("conv2d", variant, constants=tuple(sorted((constants or {}).items())))
+    selection = Selection(frozenset(caps.features), [rule], profile_name=f"test-{variant}")
+    return Ops(rt, pipelines, selection, dtype)
+
+
+def np_conv(x, w, b, stride, pads):
+    """float64 direct convolution; x (B, Cin, H, W), w (Cout, Cin, KH, KW)."""
+    pt, pb, pl, pr = pads
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    kh, kw = w.shape[2:]
+    oh = (xp.shape[2] - kh) // stride + 1
+    ow = (xp.shape[3] - kw) // stride + 1
+    y = np.zeros((x.shape[0], w.shape[0], oh, ow))
+    for ky in range(kh):
+        for kx in range(kw):
+            patch = xp[:, :, ky : ky + stride * oh : stride, kx : kx + stride * ow : stride]
+            y += np.einsum("bchw,oc->bohw", patch, w[:, :, ky, kx])
+    return y + (0 if b is None else b[None, :, None, None])
+
+
+def conv_inputs(rng, bsz, cin, cout, hw, k, bias=True):
+    x = rng.standard_normal((bsz, cin, *hw)).astype(np.float32)
+    w = (rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32) if bias else None
+    return x, w, b
+
+
+def rel_err(got, ref) -> float:
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+def run_and_compare(rt, pipelines, rng, variant, dtype, bsz, cin, cout, hw, k, stride, pads, bias=True, constants=None):
+    """Run `variant` and the reference on the same inputs; check both agreements."""
+    ops = make_ops(rt, pipelines, dtype, variant, constants)
+    ref_ops = make_ops(rt, pipelines, dtype, "reference")
+    x, w, b = conv_inputs(rng, bsz, cin, cout, hw, k, bias)
+    xt, wt = rt.upload(x, dtype), rt.upload(w, dtype)
+    bt = rt.upload(b, dtype) if bias else None
+    y = rt.read(ops.conv2d(xt, wt, bt, stride=stride, padding=pads)).astype(np.float64)
+    assert ops.selection.decisions, "the op did not go through the selection"
+    assert next(iter(ops.selection.decisions.values())).variant == variant
+    y_ref = rt.read(ref_ops.conv2d(xt, wt, bt, stride=stride, padding=pads)).astype(np.float64)
+
+    def q(a):
+        return None if a is None else np.asarray(a, dtype=NP[dtype]).astype(np.float64)
+
+    expect = np_conv(q(x), q(w), q(b), stride, pads)
+    tol = TOL[(variant, dtype)]
+    assert y.shape == expect.shape
+    assert np.isfinite(y).all(), "kernel left poisoned (NaN) elements or overflowed"
+    err_np, err_ref = rel_err(y, expect), rel_err(y, y_ref)
+    assert err_np <= tol, f"{variant} vs numpy: max relative error {err_np:.3g} > {tol}"
+    assert err_ref <= tol, f"{variant} vs reference variant: max relative error {err_ref:.3g} > {tol}"
+
+
+# (batch, cin, cout, (h, w), k, stride, pads)
+SD_LIKE = [
+    pytest.param(1, 64, 64, (16, 16), 3, 1, (1, 1, 1, 1), id="64ch-16x16"),
+    pytest.param(2, 5, 7, (9, 7), 3, 1, (1, 1, 1, 1), id="odd-9x7-cin5"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize(
+    "bsz,cin,cout,hw,k,stride,pads",
+    [
+        *SD_LIKE,
+        pytest.param(2, 32, 20, (9, 7), 1, 1, (0, 0, 0, 0), id="1x1"),
+        pytest.param(1, 16, 24, (9, 8), 3, 2, (0, 1, 0, 1), id="stride2-vae-pad"),
+        pytest.param(1, 12, 8, (11, 10), 3, 2, (1, 1, 1, 1), id="stride2-pad1"),
+        pytest.param(1, 6, 5, (9, 7), 5, 1, (2, 2, 2, 2), id="5x5"),
+    ],
+)
+def test_implicit_gemm(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride, pads):
+    run_and_compare(rt, pipelines, fresh_rng, "implicit_gemm", dtype, bsz, cin, cout, hw, k, stride, pads)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize(
+    "bsz,cin,cout,hw,k,stride,pads",
+    [
+        *SD_LIKE,
+        pytest.param(1, 8, 12, (10, 6), 3, 1, (1, 1, 1, 1), id="edge-tiles-10x6"),
+        pytest.param(2, 3, 4, (5, 13), 3, 1, (1, 1, 1, 1), id="edge-tiles-5x13-batch2"),
+        pytest.param(1, 4, 4, (3, 3), 3, 1, (1, 1, 1, 1), id="one-partial-tile"),
+    ],
+)
+def test_winograd(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride, pads):
+    run_and_compare(rt, pipelines, fresh_rng, "winograd", dtype, bsz, cin, cout, hw, k, stride, pads)
+
+
+@pytest.mark.parametrize("variant", ["implicit_gemm", "winograd"])
+def test_320_channels_8x8_f32(rt, pipelines, fresh_rng, variant):
+    run_and_compare(rt, pipelines, fresh_rng, variant, "f32", 1, 320, 320, (8, 8), 3, 1, (1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("variant", ["implicit_gemm", "winograd"])
+def test_no_bias(rt, pipelines, fresh_rng, variant):
+    run_and_compare(rt, pipelines, fresh_rng, variant, "f32", 1, 9, 10, (7, 9), 3, 1, (1, 1, 1, 1), bias=False)
+
+
+@pytest.mark.parametrize("variant", ["implicit_gemm", "winograd"])
+@pytest.mark.parametrize(
+    "constants",
+    [{"WG_M": 8, "WG_N": 8, "TM": 2, "TN": 1, "BK": 8}, {"WG_M": 16, "WG_N": 8, "TM": 1, "TN": 4, "BK": 32}],
+)
+def test_tiling_constants(rt, pipelines, fresh_rng, variant, constants):
+    run_and_compare(
+        rt, pipelines, fresh_rng, variant, "f32", 2, 20, 36, (9, 7), 3, 1, (1, 1, 1, 1), constants=constants
+    )
+
+
+def test_bad_tiling_constant_is_named(rt, pipelines, fresh_rng):
+    ops = make_ops(rt, pipelines, "f32", "implicit_gemm", {"TM": 8})
+    x, w, b = conv_inputs(fresh_rng, 1, 4, 4, (5, 5), 3)
+    with pytest.raises(EngineError, match="TM=8"):
+        ops.conv2d(rt.upload(x), rt.upload(w), rt.upload(b), padding=1)
+
+
+def test_winograd_transforms_weights_once(rt, pipelines, fresh_rng):
+    ops = make_ops(rt, pipelines, "f32", "winograd")
+    x, w, b = conv_inputs(fresh_rng, 1, 8, 8, (8, 8), 3)
+    xt, wt, bt = rt.upload(x), rt.upload(w), rt.upload(b)
+    counts = []
+    outs = []
+    for _ in range(2):
+        before = rt.dispatches
+        outs.append(rt.read(ops.conv2d(xt, wt, bt, padding=1)))
+        counts.append(rt.dispatches - before)
+    assert counts == [4, 3], f"dispatches per call {counts}: the weight transform should run once"
+    np.testing.assert_array_equal(outs[0], outs[1])
+    # A new weight tensor is transformed anew, not served from the cache.
+    w2 = -w
+    y2 = rt.read(ops.conv2d(xt, rt.upload(w2), bt, padding=1)).astype(np.float64)
+    assert rel_err(y2, np_conv(x.astype(np.float64), w2, b, 1, (1, 1, 1, 1))) <= TOL[("winograd", "f32")]
+
+
+def test_winograd_applies_only_to_3x3_stride1(rt, pipelines, fresh_rng):
+    shape = {"cin": 64, "cout": 64, "h": 32, "w": 32, "k": 3, "stride": 1, "b": 1}
+    assert winograd_applies(shape) is None
+    assert "3x3 stride-1" in winograd_applies({**shape, "k": 1})
+    assert "3x3 stride-1" in winograd_applies({**shape, "stride": 2})
+    # Forced on a 1x1 convolution, the selection falls back to the reference, with a warning.
+    ops = make_ops(rt, pipelines, "f32", "winograd")
+    x, w, b = conv_inputs(fresh_rng, 1, 4, 4, (5, 5), 1)
+    with pytest.warns(UserWarning, match="winograd needs a 3x3 stride-1"):
+        y = ops.conv2d(rt.upload(x), rt.upload(w), rt.upload(b))
+    assert next(iter(ops.selection.decisions.values())).variant == "reference"
+    assert rel_err(rt.read(y).astype(np.float64), np_conv(x.astype(np.float64), w, b, 1, (0,) * 4)) <= 2e-5
+
+
+def test_winograd_pays_follows_tflite():
+    sd = {"cin": 320, "cout": 320, "h": 64, "w": 64, "k": 3, "stride": 1, "b": 2}
+    assert winograd_pays(sd)
+    assert not winograd_pays({**sd, "cin": 4})  # conv_in of the UNet
+    assert not winograd_pays({**sd, "cout": 32})
+    assert not winograd_pays({**sd, "stride": 2})
+    assert not winograd_pays({**sd, "k": 1})
+    assert not winograd_pays({**sd, "h": 16, "w": 28})  # 4 x 7 = 28 tiles < 32
+    assert winograd_pays({**sd, "h": 16, "w": 29})  # 4 x 8 = 32 tiles
+    assert not winograd_pays(sd, min_channels=512)
+    assert not winograd_pays({**sd, "h": 32, "w": 32}, min_tiles=128)  # Adreno 6xx threshold
+
+
+def test_winograd_error_is_bounded(rt, pipelines, fresh_rng, capsys):
+    """Measure Winograd's error: max relative error against float64 numpy on the same
+    fp32-representable inputs, next to the direct (reference) kernel's. F(4x4, 3x3) adds
+    rounding in its transforms (coefficients up to 8 in A^T, 5 in B^T); we assert it stays
+    within 10x the direct error and 1e-4 (measured on lavapipe: 3-6x, below 1.2e-5)."""
+    ops = make_ops(rt, pipelines, "f32", "winograd")
+    ref_ops = make_ops(rt, pipelines, "f32", "reference")
+    for cin, hw in ((64, (16, 16)), (320, (8, 8))):
+        x, w, b = conv_inputs(fresh_rng, 1, cin, cin, hw, 3)
+        xt, wt, bt = rt.upload(x), rt.upload(w), rt.upload(b)
+        exact = np_conv(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), 1, (1, 1, 1, 1))
+        err_wino = rel_err(rt.read(ops.conv2d(xt, wt, bt, padding=1)).astype(np.float64), exact)
+        err_direct = rel_err(rt.read(ref_ops.conv2d(xt, wt, bt, padding=1)).astype(np.float64), exact)
+        with capsys.disabled():
+            print(
+                f"\nwinograd error, {cin} ch {hw[0]}x{hw[1]} fp32: winograd {err_wino:.3g}, "
+                f"direct {err_direct:.3g}, ratio {err_wino / max(err_direct, 1e-12):.2f}"
+            )
+        assert err_wino <= 1e-4, f"winograd fp32 error {err_wino:.3g} > 1e-4"
+        assert err_wino <= 10 * max(err_direct, 1e-7), (
+            f"winograd error {err_wino:.3g} is more than 10x the direct kernel's {err_direct:.3g}"
+        )

@@ -1,0 +1,154 @@
+"""The fused group_norm and tiled linear variants against numpy and against the reference
+variant, on fresh random inputs with outputs poisoned with NaN.
+
+Tolerances as in test_kernels.py: fp32 within 2e-5 relative (to the largest reference
+magnitude) of float64 numpy on the same inputs, fp16 within 1e-2 relative of numpy on the
+fp16-rounded inputs. Shapes are SD-like but small enough for lavapipe, plus odd sizes that
+exercise every edge (K % 4 != 0, partial tiles, groups smaller than a workgroup)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.kernels import PipelineCache, Rule, Selection
+from engine.ops import Ops
+from engine.runtime import Runtime
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"f32": 2e-5, "f16": 1e-2}
+NP = {"f32": np.float32, "f16": np.float16}
+
+
+@pytest.fixture(scope="module")
+def rt(gpu):
+    return Runtime(gpu, poison=True)
+
+
+def make_ops(rt, gpu, dtype, choices):
+    return Ops(rt, PipelineCache(gpu), Selection.forcing(gpu.caps.features, choices), dtype)
+
+
+def need_f16(gpu, dtype):
+    if dtype == "f16" and not gpu.caps.has_f16:
+        pytest.skip("adapter lacks shader-f16")
+
+
+@pytest.fixture(params=["f32", "f16"])
+def dtype(request, gpu):
+    need_f16(gpu, request.param)
+    return request.param
+
+
+def rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def q(dtype, a):
+    """The value the kernel actually sees: rounded to the storage type, then float64."""
+    return np.asarray(a, dtype=NP[dtype]).astype(np.float64)
+
+
+def rel_err(got, ref) -> float:
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+def np_group_norm(x, groups, eps):
+    """float64 group normalisation without the affine."""
+    xr = x.reshape(x.shape[0], groups, -1)
+    return ((xr - xr.mean(-1, keepdims=True)) / np.sqrt(xr.var(-1, keepdims=True) + eps)).reshape(x.shape)
+
+
+def run_both(rt, gpu, dtype, op, variant, call):
+    """(variant output, reference output) as float64, the variant's run checked to be the one
+    that ran and to leave no poisoned element."""
+    outs = []
+    for name in (variant, "reference"):
+        ops = make_ops(rt, gpu, dtype, {op: name})
+        y = rt.read(call(ops)).astype(np.float64)
+        assert np.isfinite(y).all(), f"{op}/{name} left poisoned (NaN) elements or overflowed"
+        assert [d.variant for d in ops.selection.decisions.values()] == [name]
+        outs.append(y)
+    return outs
+
+
+@pytest.mark.parametrize(
+    "c,groups,hw,silu",
+    [
+        (320, 32, (32, 32), True),  # SD UNet block, 10 channels x 1024 pixels per group
+        (128, 32, (48, 48), False),  # VAE-like, 4 channels per group
+        (6, 3, (5, 7), True),  # odd sizes, group (70) smaller than a workgroup
+        (64, 32, (1, 1), False),  # 2 elements per group
+    ],
+)
+def test_group_norm_fused(rt, gpu, dtype, fresh_rng, c, groups, hw, silu):
+    eps = 1e-5 if c > 64 else 1e-6
+    x = rand(fresh_rng, 2, c, *hw, scale=3.0) + 1.5
+    g, b = rand(fresh_rng, c) + 1, rand(fresh_rng, c)
+
+    def call(ops):
+        return ops.group_norm(*(rt.upload(a, dtype) for a in (x, g, b)), groups, eps, silu)
+
+    got, ref_gpu = run_both(rt, gpu, dtype, "group_norm", "fused", call)
+    ref = np_group_norm(q(dtype, x), groups, eps)
+    ref = ref * q(dtype, g)[None, :, None, None] + q(dtype, b)[None, :, None, None]
+    if silu:
+        ref = ref / (1 + np.exp(-ref))
+    assert rel_err(got, ref) <= TOL[dtype], "fused vs numpy"
+    assert rel_err(got, ref_gpu) <= TOL[dtype], "fused vs reference variant"
+
+
+def test_group_norm_fused_large_offset(rt, gpu, fresh_rng):
+    """A group whose mean dwarfs its spread: one-pass E[x^2] - E[x]^2 would lose it in f32."""
+    x = rand(fresh_rng, 1, 32, 16, 16) + 300.0
+    g, b = np.ones(32, np.float32), np.zeros(32, np.float32)
+    ops = make_ops(rt, gpu, "f32", {"group_norm": "fused"})
+    y = ops.group_norm(*(rt.upload(a, "f32") for a in (x, g, b)), 8, 1e-5)
+    ref = np_group_norm(x.astype(np.float64), 8, 1e-5)
+    assert rel_err(rt.read(y).astype(np.float64), ref) <= 1e-4  # the inputs themselves carry f32 rounding of ~300 * 6e-8
+
+
+@pytest.mark.parametrize(
+    "dtype,m,k,n,bias",
+    [
+        ("f32", 512, 320, 1280, True),  # SD feed-forward in, fewer tokens
+        ("f32", 154, 768, 96, False),  # CLIP-length rows, cross-attention K
+        ("f16", 154, 768, 96, False),
+        ("f16", 256, 640, 320, True),
+        ("f32", 77, 37, 45, True),  # K % 4 != 0: scalar loads, partial tiles
+        ("f16", 77, 37, 45, True),
+        ("f32", 3, 5, 2, False),  # smaller than one tile in every direction
+        ("f16", 3, 5, 2, False),
+        ("f32", 65, 36, 67, True),  # vec4 loads, one row and column past a tile
+    ],
+)
+def test_linear_tiled(rt, gpu, fresh_rng, dtype, m, k, n, bias):
+    need_f16(gpu, dtype)
+    x, w, b = rand(fresh_rng, m, k), rand(fresh_rng, n, k, scale=k**-0.5), rand(fresh_rng, n)
+
+    def call(ops):
+        bt = rt.upload(b, dtype) if bias else None
+        return ops.linear(rt.upload(x, dtype), rt.upload(w, dtype), bt)
+
+    got, ref_gpu = run_both(rt, gpu, dtype, "linear", "tiled", call)
+    ref = q(dtype, x) @ q(dtype, w).T + (q(dtype, b) if bias else 0)
+    assert rel_err(got, ref) <= TOL[dtype], "tiled vs numpy"
+    assert rel_err(got, ref_gpu) <= TOL[dtype], "tiled vs reference variant"
+
+
+@pytest.mark.parametrize("tiles", [(32, 32, 8), (32, 64, 32), (64, 32, 16)])
+@pytest.mark.parametrize("k", [24, 19])
+def test_linear_tiled_constants(rt, gpu, fresh_rng, tiles, k):
+    """Every tile shape a tuner may choose is exact, on both load paths."""
+    tm, tn, tk = tiles
+    m, n = 70, 90
+    x, w = rand(fresh_rng, m, k), rand(fresh_rng, n, k, scale=k**-0.5)
+    sel = Selection(
+        frozenset(gpu.caps.features),
+        [Rule("linear", "tiled", constants=(("TILE_M", tm), ("TILE_N", tn), ("TILE_K", tk)))],
+    )
+    ops = Ops(rt, PipelineCache(gpu), sel, "f32")
+    y = rt.read(ops.linear(rt.upload(x, "f32"), rt.upload(w, "f32"))).astype(np.float64)
+    assert np.isfinite(y).all()
+    assert rel_err(y, x.astype(np.float64) @ w.astype(np.float64).T) <= TOL["f32"]

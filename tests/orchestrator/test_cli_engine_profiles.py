@@ -1,0 +1,81 @@
+"""`farm engine explain | tune | bench` on the tiny model: real runs on the test adapter, kept
+short (few repetitions, a small time budget)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.profiles import load_profile_file
+from orchestrator.cli import app
+
+runner = CliRunner()
+pytestmark = pytest.mark.gpu
+
+
+def test_explain_lists_every_op_with_its_variant_and_reason(tiny_model_dir):
+    r = runner.invoke(app, ["engine", "explain", "--model", str(tiny_model_dir), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    ops = {row["op"] for row in data["rows"]}
+    assert {"linear", "conv2d", "group_norm", "attention", "geglu"} <= ops
+    assert {row["network"] for row in data["rows"]} == {"text_encoder", "unet", "vae_decoder"}
+    assert all(row["why"] and row["calls"] >= 1 for row in data["rows"])
+    ref = json.loads(runner.invoke(app, ["engine", "explain", "--preset", "sd14", "--profile", "reference", "--json"]).output)
+    assert {row["variant"] for row in ref["rows"]} == {"reference"}
+    assert any(row["shape"].get("dh") == 40 and row["shape"]["tq"] == 4096 for row in ref["rows"])
+
+
+def test_explain_refuses_an_invalid_profile_listing_choices(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"schema": "devicefarm.profile/1", "name": "x",
+                               "rules": [{"op": "attention", "variant": "turbo"}]}))
+    r = runner.invoke(app, ["engine", "explain", "--preset", "tiny", "--profile", str(bad)])
+    assert r.exit_code != 0
+    assert "turbo" in str(r.exception) and "reference" in str(r.exception)
+
+
+def test_tune_writes_a_valid_profile_for_this_gpu(tiny_model_dir, tmp_path):
+    out = tmp_path / "tuned.json"
+    r = runner.invoke(app, ["engine", "tune", "--model", str(tiny_model_dir), "--out", str(out),
+                            "--precision", "fp32", "--repeats", "1", "--warmup", "0", "--time-budget", "20"])
+    assert r.exit_code == 0, r.output
+    prof = load_profile_file(out)
+    m = prof.measurements
+    assert m and all(x["results"] and x["chosen"] in {res["variant"] for res in x["results"]} for x in m)
+    assert all(res["median_ms"] >= 0 for x in m for res in x["results"])
+    import engine
+    from engine.device import get_gpu
+
+    assert prof.matches(get_gpu().caps)
+    pipe = engine.load_pipeline(tiny_model_dir, profile=str(out))
+    assert pipe.generate("a cat", steps=1, height=64, width=64).image.shape == (64, 64, 3)
+
+
+def test_interrupted_tune_leaves_no_profile(tiny_model_dir, tmp_path, gpu):
+    from engine.models.config import load_model_config
+    from engine.tune import tune
+
+    out = tmp_path / "tuned.json"
+
+    def stop(i, n, what):
+        if i == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(load_model_config(tiny_model_dir), gpu, "f32", 64, 64, out, warmup=0, repeats=1, progress=stop)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_bench_ablation_prints_the_table_and_writes_json(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    r = runner.invoke(app, ["engine", "bench", "--model", str(tiny_model_dir), "--reps", "1", "--warmup", "0",
+                            "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    names = [row["name"] for row in data["rows"]]
+    assert names[0] == "reference" and any("Winograd" in n for n in names)
+    assert all(row["unet_step_ms"]["median"] > 0 and row["peak_gpu_bytes"] > 0 for row in data["rows"])
+    assert "vs reference" in r.output
