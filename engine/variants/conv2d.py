@@ -35,6 +35,8 @@ def _gemm_tiling(ops: Ops, consts: dict) -> dict:
         if name not in GEMM_CONSTANTS or value not in GEMM_CONSTANTS[name]:
             allowed = GEMM_CONSTANTS.get(name)
             raise EngineError(f"conv2d tiling constant {name}={value!r} is not one of {allowed}")
+    if tiling["WG_N"] % tiling["TM"]:  # the shaders' A-slab gather relies on it
+        raise EngineError(f"conv2d tiling needs WG_N divisible by TM, got WG_N={tiling['WG_N']}, TM={tiling['TM']}")
     limits = ops.rt.caps.limits
     threads = tiling["WG_M"] * tiling["WG_N"]
     max_threads = int(limits.get("max-compute-invocations-per-workgroup", 256))

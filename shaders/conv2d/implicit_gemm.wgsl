@@ -46,26 +46,29 @@ fn main(
     let taps = p.KH * p.KW;
     let plane = p.OH * p.OW;
 
+    // Every allowed tiling has WG_N % TM == 0, so threads is a multiple of BM and each
+    // invocation gathers the same pixel column mm of every A slab: decode it once.
+    let mm = li % BM;
+    let m = m0 + mm;
+    let m_ok = m < p.M;
+    let pix = m % plane;
+    let x_img = (m / plane) * p.Cin * p.H * p.W;
+    let iy0 = i32((pix / p.OW) * p.stride) - i32(p.pad_t);
+    let ix0 = i32((pix % p.OW) * p.stride) - i32(p.pad_l);
+
     var acc: array<f32, RB * RB>;
     for (var k0 = 0u; k0 < p.K; k0 += BK) {
         // Gather the BK x BM slab of A, pixel index fastest (contiguous ox reads).
-        for (var i = li; i < BK * BM; i += threads) {
-            let mm = i % BM;
-            let kk = i / BM;
-            let m = m0 + mm;
+        for (var kk = li / BM; kk < BK; kk += threads / BM) {
             let k = k0 + kk;
             var v = 0.0;
-            if (m < p.M && k < p.K) {
-                let bi = m / plane;
-                let pix = m % plane;
-                let oy = pix / p.OW;
-                let ox = pix % p.OW;
+            if (m_ok && k < p.K) {
                 let ci = k / taps;
                 let tap = k % taps;
-                let iy = i32(oy * p.stride + tap / p.KW) - i32(p.pad_t);
-                let ix = i32(ox * p.stride + tap % p.KW) - i32(p.pad_l);
+                let iy = iy0 + i32(tap / p.KW);
+                let ix = ix0 + i32(tap % p.KW);
                 if (iy >= 0 && iy < i32(p.H) && ix >= 0 && ix < i32(p.W)) {
-                    v = f32(x[((bi * p.Cin + ci) * p.H + u32(iy)) * p.W + u32(ix)]);
+                    v = f32(x[x_img + (ci * p.H + u32(iy)) * p.W + u32(ix)]);
                 }
             }
             a_tile[kk * BM + mm] = v;
