@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import EngineError
 from .explain import distinct_calls, random_like
 from .kernels import PipelineCache, Selection, variants
 from .ops import Ops
@@ -31,11 +32,13 @@ MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
 
 def _settings(variant) -> list[dict]:
+    """The variant's defaults ({}), then settings spread evenly over its constants' product."""
     if not variant.constants:
         return [{}]
     names = sorted(variant.constants)
-    combos = itertools.product(*(variant.constants[n] for n in names))
-    return [dict(zip(names, c, strict=True)) for c in itertools.islice(combos, MAX_CONSTANT_SETTINGS)]
+    combos = list(itertools.product(*(variant.constants[n] for n in names)))
+    step = max(1, len(combos) // (MAX_CONSTANT_SETTINGS - 1))
+    return [{}] + [dict(zip(names, c, strict=True)) for c in combos[step // 2 :: step][: MAX_CONSTANT_SETTINGS - 1]]
 
 
 def _time(rt: Runtime, fn: Callable, warmup: int, repeats: int) -> list[float]:
@@ -97,7 +100,11 @@ def tune(
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
                 ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), dtype)
-                samples = _time(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
+                try:
+                    samples = _time(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
+                except EngineError:
+                    rt.set_profiling(False)
+                    continue  # a setting this shape or adapter cannot take (e.g. a head dim above MAX_DH)
                 results.append({"variant": v.name, "constants": consts, "median_ms": statistics.median(samples),
                                 "min_ms": min(samples), "max_ms": max(samples)})
         best = min(results, key=lambda r: r["median_ms"])
