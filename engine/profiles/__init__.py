@@ -199,9 +199,10 @@ def shipped_profiles() -> list[Profile]:
     return [load_profile_file(p) for p in sorted(PROFILE_DIR.glob("*.json")) if p.name != "schema.json"]
 
 
-def auto_profile(caps) -> Profile:
-    """The shipped profile that matches the adapter, highest priority first; else reference."""
-    matching = [p for p in shipped_profiles() if p.matches(caps)]
+def auto_profile(caps, tuned: bool = True) -> Profile:
+    """The shipped profile that matches the adapter, highest priority first; else reference.
+    tuned=False skips profiles measured for one exact GPU (to get its family's profile)."""
+    matching = [p for p in shipped_profiles() if p.matches(caps) and (tuned or not p.measurements)]
     return max(matching, key=lambda p: p.priority) if matching else REFERENCE
 
 
