@@ -17,7 +17,7 @@ from .models.common import GPUWeights
 from .models.unet import UNet2DCondition
 from .models.vae import AutoencoderKL
 from .ops import Ops
-from .runtime import Tensor, TraceRuntime, _Storage
+from .runtime import Tensor, TraceRuntime
 
 
 @dataclass
@@ -30,12 +30,8 @@ class ExplainRow:
     why: str
 
 
-def _shape_weights(shapes: dict[str, tuple], dtype: str) -> GPUWeights:
-    return GPUWeights.of_tensors({k: Tensor(_Storage(None, 0, None), s, dtype) for k, s in shapes.items()}, dtype)
-
-
-def _fake(shape, dtype) -> Tensor:
-    return Tensor(_Storage(None, 0, None), shape, dtype)
+def _shape_weights(rt: TraceRuntime, shapes: dict[str, tuple], dtype: str) -> GPUWeights:
+    return GPUWeights.of_tensors({k: rt.empty(s, dtype) for k, s in shapes.items()}, dtype)
 
 
 def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2):
@@ -50,18 +46,18 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
         ops.calls = []
         if network == "text_encoder":
             cfg = config.text_encoder
-            CLIPTextEncoder(cfg, _shape_weights(params.clip_param_shapes(cfg), dtype), ops)(_fake((batch, 77), "u32"))
+            CLIPTextEncoder(cfg, _shape_weights(rt, params.clip_param_shapes(cfg), dtype), ops)(rt.empty((batch, 77), "u32"))
         elif network == "unet":
             cfg = config.unet
-            UNet2DCondition(cfg, _shape_weights(params.unet_param_shapes(cfg), dtype), ops)(
-                _fake((batch, cfg.in_channels, h, w), dtype),
-                _fake((batch, cfg.block_out_channels[0]), dtype),
-                _fake((batch, 77, cfg.cross_attention_dim), dtype),
+            UNet2DCondition(cfg, _shape_weights(rt, params.unet_param_shapes(cfg), dtype), ops)(
+                rt.empty((batch, cfg.in_channels, h, w), dtype),
+                rt.empty((batch, cfg.block_out_channels[0]), dtype),
+                rt.empty((batch, 77, cfg.cross_attention_dim), dtype),
             )
         else:
             cfg = config.vae
-            AutoencoderKL(cfg, _shape_weights(params.vae_param_shapes(cfg), dtype), ops).decode(
-                _fake((1, cfg.latent_channels, h, w), dtype)
+            AutoencoderKL(cfg, _shape_weights(rt, params.vae_param_shapes(cfg), dtype), ops).decode(
+                rt.empty((1, cfg.latent_channels, h, w), dtype)
             )
         out.append((network, ops.calls))
     return out

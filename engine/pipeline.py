@@ -126,9 +126,7 @@ class Pipeline:
         self.vae = AutoencoderKL(config.vae, GPUWeights(self.rt, states["vae"], self.vae_dtype), vae_ops)
         self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
         self.latent_channels = config.unet.in_channels
-        size = config.unet.sample_size
-        h, w = (size, size) if isinstance(size, int) else size
-        self.native_size = (h * self.vae_scale_factor, w * self.vae_scale_factor)  # (height, width)
+        self.native_size = config.native_size  # (height, width)
 
     def set_profile(self, profile) -> None:
         """Switch kernel selection (a profile spec, as load_pipeline takes) without reloading."""

@@ -26,6 +26,11 @@ DTYPES = {"f32": np.float32, "f16": np.float16, "u32": np.uint32, "i32": np.int3
 WG_1D = 256  # invocations per workgroup of the one-dimensional kernels
 
 
+def dtype_of(array: np.ndarray) -> str:
+    """The tensor element type of a host array."""
+    return {np.float32: "f32", np.float16: "f16", np.int32: "i32", np.uint32: "u32"}[array.dtype.type]
+
+
 def _align(n: int, a: int = 16) -> int:
     return (n + a - 1) // a * a
 
@@ -134,8 +139,7 @@ class TraceRuntime:
         return Tensor(_Storage(None, 0, None), shape, dtype)
 
     def upload(self, array, dtype: str | None = None, static: bool = False) -> Tensor:
-        dtype = dtype or {np.float32: "f32", np.float16: "f16", np.int32: "i32", np.uint32: "u32"}[array.dtype.type]
-        return Tensor(_Storage(None, 0, None), np.shape(array), dtype)
+        return self.empty(np.shape(array), dtype or dtype_of(np.asarray(array)))
 
     def dispatch(self, *args, **kwargs):
         self.dispatches += 1
@@ -213,9 +217,7 @@ class Runtime:
 
     def upload(self, array: np.ndarray, dtype: str | None = None, static: bool = False) -> Tensor:
         """Copy a host array to the GPU. Static tensors (weights) bypass the pool."""
-        dtype = dtype or {np.float32: "f32", np.float16: "f16", np.int32: "i32", np.uint32: "u32"}[
-            array.dtype.type
-        ]
+        dtype = dtype or dtype_of(array)
         data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
         if static:
             self._check_binding(data.nbytes, data.shape, "a weight")

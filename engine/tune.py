@@ -103,7 +103,6 @@ def tune(
                 try:
                     samples = _time(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
                 except EngineError:
-                    rt.set_profiling(False)
                     continue  # a setting this shape or adapter cannot take (e.g. a head dim above MAX_DH)
                 results.append({"variant": v.name, "constants": consts, "median_ms": statistics.median(samples),
                                 "min_ms": min(samples), "max_ms": max(samples)})

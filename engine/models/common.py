@@ -15,7 +15,7 @@ class GPUWeights:
     def __init__(self, rt: Runtime, state: dict[str, np.ndarray], dtype: str):
         self.dtype = dtype
         self.tensors: dict[str, Tensor] = {
-            name: rt.upload(np.asarray(arr, dtype=np.float32), dtype, static=True)
+            name: rt.upload(arr, dtype, static=True)
             for name, arr in state.items()
         }
 

@@ -598,6 +598,13 @@ class ModelConfig:
     def vae_scale_factor(self) -> int:
         return self.vae.vae_scale_factor
 
+    @property
+    def native_size(self) -> tuple[int, int]:
+        """(height, width) in pixels the UNet was configured for."""
+        s = self.unet.sample_size
+        h, w = (s, s) if isinstance(s, int) else s
+        return h * self.vae_scale_factor, w * self.vae_scale_factor
+
     def check_consistency(self) -> ModelConfig:
         """Cross-component shape agreements the forward pass relies on."""
         te, unet, vae = self.text_encoder, self.unet, self.vae

@@ -151,10 +151,7 @@ def _config_for(model: Path | None, preset: Preset | None):
 
 
 def _native(config, height, width):
-    f = config.vae_scale_factor
-    s = config.unet.sample_size
-    h, w = (s, s) if isinstance(s, int) else s
-    return height or h * f, width or w * f
+    return height or config.native_size[0], width or config.native_size[1]
 
 
 @app.command()
