@@ -3,6 +3,8 @@
 # generate an image from a prompt with it on this machine's WebGPU adapter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" errors without one; give them a private one.
+[ -n "${XDG_RUNTIME_DIR:-}" ] || export XDG_RUNTIME_DIR="$(mktemp -d)"
 bash scripts/bootstrap.sh
 model=models/tiny
 [ -f "$model/model_index.json" ] || .venv/bin/farm engine make-model --preset tiny --seed 0 --out "$model"
