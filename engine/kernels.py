@@ -29,6 +29,8 @@ class Variant:
     `launch(ops, constants, *args)` records the dispatches and returns the output tensor.
     `constants` declares the tunable constants a profile may set, with their allowed values.
     `applies(shape) -> str | None` says why the variant cannot run on a shape (None: it can).
+    `candidates` are the constant settings a tuner tries besides the defaults (when empty, it
+    spreads a few settings over the product of `constants`).
     """
 
     op: str
@@ -39,6 +41,7 @@ class Variant:
     launch: Callable | None = field(default=None, compare=False)
     constants: dict[str, tuple] = field(default_factory=dict, compare=False, hash=False)
     applies: Callable[[dict], str | None] | None = field(default=None, compare=False)
+    candidates: tuple = field(default=(), compare=False, hash=False)
 
     @property
     def path(self) -> Path:
@@ -56,13 +59,15 @@ def register(
     requires=(),
     doc: str = "",
     constants: dict[str, tuple] | None = None,
+    candidates=(),
     applies: Callable[[dict], str | None] | None = None,
 ):
     """Decorator registering `launch` as variant `name` of `op` (usable bare: returns Variant)."""
 
     def wrap(launch: Callable | None) -> Callable | None:
         REGISTRY.setdefault(op, {})[name] = Variant(
-            op, name, entry, frozenset(requires), doc, launch, dict(constants or {}), applies
+            op, name, entry, frozenset(requires), doc, launch, dict(constants or {}), applies,
+            tuple(dict(c) for c in candidates),
         )
         return launch
 

@@ -93,7 +93,7 @@ class Ops:
             raise ValueError(f"conv2d: input {x.shape} does not match weight {w.shape}")
         pads = (padding,) * 4 if isinstance(padding, int) else tuple(padding)
         oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
-        tiles = bsz * math.ceil(oh / 4) * math.ceil(ow / 4)  # 4x4 output tiles (Winograd's rule)
+        tiles = math.ceil(oh / 4) * math.ceil(ow / 4)  # 4x4 output tiles of one image (Winograd's rule)
         shape = {"cin": cin, "cout": cout, "h": h, "w": wd, "k": kh, "stride": stride, "b": bsz, "tiles": tiles}
         return self._launch("conv2d", shape, x, w, b, stride, pads)
 

@@ -32,7 +32,10 @@ MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
 
 def _settings(variant) -> list[dict]:
-    """The variant's defaults ({}), then settings spread evenly over its constants' product."""
+    """The variant's defaults ({}), then its declared candidates, or else settings spread evenly
+    over its constants' product."""
+    if variant.candidates:
+        return [{}] + [dict(c) for c in variant.candidates]
     if not variant.constants:
         return [{}]
     names = sorted(variant.constants)

@@ -3,7 +3,8 @@ F(4x4, 3x3) for 3x3 stride-1 convolutions, plus `winograd_pays`, the rule profil
 when Winograd is worth its transforms.
 
 Both tile a matrix product through workgroup memory with the same override constants (the
-workgroup shape WG_M x WG_N, the register block TM x TN, the slab depth BK); their WGSL is in
+tile TILE_M x TILE_N of pixels x output channels, the slab depth TILE_K), with the 4 x 4
+register blocks and vec4 workgroup tiles of the tiled linear kernel; their WGSL is in
 shaders/conv2d/implicit_gemm.wgsl and shaders/conv2d/winograd.wgsl. Winograd transforms each
 weight tensor once and keeps the result for as long as the weight tensor lives, so weights
 must not be rewritten in place while a model uses them.
@@ -19,10 +20,19 @@ from ..kernels import Variant, register
 from ..ops import Ops, conv_out_size
 from ..runtime import Tensor
 
-# Tunable tiling of both GEMMs; the defaults repeat the WGSL `override` defaults so the launcher
-# can size the grid. TM and TN are capped by the shader's register-block capacity RB = 4.
-GEMM_CONSTANTS = {"WG_M": (8, 16), "WG_N": (8, 16), "TM": (1, 2, 4), "TN": (1, 2, 4), "BK": (8, 16, 32)}
-GEMM_DEFAULTS = {"WG_M": 16, "WG_N": 16, "TM": 4, "TN": 4, "BK": 16}
+# Tunable tiling of both GEMMs (TILE_M pixels or Winograd tiles x TILE_N output channels per
+# workgroup, TILE_K deep slabs); every invocation owns a 4 x 4 register block, so a workgroup
+# has TILE_M * TILE_N / 16 invocations. The defaults repeat the WGSL `override` defaults.
+GEMM_CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (16, 32, 64), "TILE_K": (8, 16, 32)}
+GEMM_DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
+# What the tuner tries besides the defaults: wide pixel tiles for many pixels, small tiles
+# (more workgroups) for the 8x8 and 16x16 levels of SD, a deeper slab for long K.
+GEMM_CANDIDATES = (
+    {"TILE_M": 128, "TILE_N": 32, "TILE_K": 16},
+    {"TILE_M": 64, "TILE_N": 32, "TILE_K": 16},
+    {"TILE_M": 32, "TILE_N": 32, "TILE_K": 16},
+    {"TILE_M": 64, "TILE_N": 64, "TILE_K": 32},
+)
 
 WINOGRAD_TILE = 4  # output tile edge m of F(m x m, 3x3)
 WINOGRAD_POSITIONS = 36  # (m + 2)^2 products per tile
@@ -35,19 +45,21 @@ def _gemm_tiling(ops: Ops, consts: dict) -> dict:
         if name not in GEMM_CONSTANTS or value not in GEMM_CONSTANTS[name]:
             allowed = GEMM_CONSTANTS.get(name)
             raise EngineError(f"conv2d tiling constant {name}={value!r} is not one of {allowed}")
-    if tiling["WG_N"] % tiling["TM"]:  # the shaders' A-slab gather relies on it
-        raise EngineError(f"conv2d tiling needs WG_N divisible by TM, got WG_N={tiling['WG_N']}, TM={tiling['TM']}")
+    if tiling["TILE_K"] % (tiling["TILE_N"] // 16):  # the A-slab gather steps k by TILE_N / 16
+        raise EngineError(f"conv2d tiling needs TILE_K divisible by TILE_N / 16, got {tiling}")
     limits = ops.rt.caps.limits
-    threads = tiling["WG_M"] * tiling["WG_N"]
+    threads = tiling["TILE_M"] * tiling["TILE_N"] // 16
     max_threads = int(limits.get("max-compute-invocations-per-workgroup", 256))
     if threads > max_threads:
-        raise EngineError(f"conv2d tiling WG_M*WG_N={threads} exceeds this adapter's {max_threads} invocations")
-    shared = 4 * tiling["BK"] * (tiling["WG_M"] * tiling["TM"] + tiling["WG_N"] * tiling["TN"])
+        raise EngineError(
+            f"conv2d tiling {tiling} needs {threads} invocations per workgroup, above this adapter's {max_threads}"
+        )
+    shared = 4 * tiling["TILE_K"] * (tiling["TILE_M"] + tiling["TILE_N"])
     max_shared = int(limits.get("max-compute-workgroup-storage-size", 16384))
     if shared > max_shared:
         raise EngineError(
             f"conv2d tiling {tiling} needs {shared} B of workgroup memory, above this adapter's "
-            f"{max_shared} B; lower BK, TM or TN"
+            f"{max_shared} B; lower TILE_K, TILE_M or TILE_N"
         )
     return tiling
 
@@ -60,6 +72,7 @@ def _gemm_tiling(ops: Ops, consts: dict) -> dict:
     "implicit_gemm",
     doc="conv as a GEMM over (pixels x Cout x Cin*KH*KW), workgroup tiles, register blocking",
     constants=GEMM_CONSTANTS,
+    candidates=GEMM_CANDIDATES,
 )
 def conv2d_implicit_gemm(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
     bsz, cin, h, wd = x.shape
@@ -67,13 +80,15 @@ def conv2d_implicit_gemm(ops: Ops, v: Variant, consts: dict, x, w, b, stride: in
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     tiling = _gemm_tiling(ops, consts)
     m, k = bsz * oh * ow, cin * kh * kw
-    m_tiles = math.ceil(m / (tiling["WG_M"] * tiling["TM"]))
+    m_tiles = math.ceil(m / tiling["TILE_M"])
     gx = min(m_tiles, ops.rt.caps.max_workgroups)  # the pixel tiles fold over x and z
     y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
-    params = (bsz, cin, h, wd, cout, oh, ow, kh, kw, stride, pads[0], pads[2], int(b is not None), m, k, gx)
+    params = (bsz, cin, h, wd, cout, oh, ow, stride, pads[0], pads[2], int(b is not None), m, k, gx, 0, 0)
+    entry = "main_vec4" if k % 4 == 0 else "main"
     ops.rt.dispatch(
-        ops.pipeline(v, **tiling), "conv2d", params, [x, w, b if b is not None else ops.dummy, y],
-        (gx, math.ceil(cout / (tiling["WG_N"] * tiling["TN"])), math.ceil(m_tiles / gx)),
+        ops.pipeline(v, entry, KH=kh, KW=kw, **tiling), "conv2d", params,
+        [x, w, b if b is not None else ops.dummy, y],
+        (gx, math.ceil(cout / tiling["TILE_N"]), math.ceil(m_tiles / gx)),
     )
     return y
 
@@ -124,6 +139,7 @@ def _transformed_weights(ops: Ops, v: Variant, w: Tensor) -> Tensor:
     entry="gemm_main",
     doc="Winograd F(4x4,3x3): input transform, 36 batched GEMMs, output transform; weights transformed once",
     constants=GEMM_CONSTANTS,
+    candidates=GEMM_CANDIDATES,
     applies=winograd_applies,
 )
 def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
@@ -147,8 +163,8 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
     ops.rt.dispatch(
         ops.pipeline(v, "gemm_main", **tiling), "conv2d_winograd_gemm", params, [None, None, None, u, vt, mx],
         (
-            math.ceil(n_tiles / (tiling["WG_M"] * tiling["TM"])),
-            math.ceil(cout / (tiling["WG_N"] * tiling["TN"])),
+            math.ceil(n_tiles / tiling["TILE_M"]),
+            math.ceil(cout / tiling["TILE_N"]),
             WINOGRAD_POSITIONS,
         ),
     )

@@ -10,7 +10,7 @@
 //   P        B * TH * TW tiles, TH = ceil(OH / 4), TW = ceil(OW / 4)
 //
 // Entry points, in the order they run: weights_main (once per weight tensor), input_main,
-// gemm_main (36 independent (P x Cin) @ (Cin x Cout) products, one per z of the grid) and
+// gemm_main (36 independent (Cout x Cin) @ (Cin x P) products, one per z of the grid) and
 // output_main. Interpolation points 0, +-1, +-2 and infinity (Lavin & Gray 2016), the ones
 // TFLite GPU's Winograd4x4To36 / Winograd36To4x4 use.
 struct Params {
@@ -127,73 +127,75 @@ fn input_main(
     }
 }
 
-// ---- Mx[xi] = U[xi]^T V[xi]: batched, tiled GEMM (same blocking as implicit_gemm.wgsl) -------
-// m = tile (P), n = co (Cout), k = ci (Cin); z of the grid = xi.
+// ---- Mx[xi] = U[xi]^T V[xi]: batched, tiled GEMM (the blocking of implicit_gemm.wgsl) -------
+// m = tile (P), n = co (Cout), k = ci (Cin); z of the grid = xi. Both operands are k-major
+// (rows of V are tiles, rows of U are output channels), so a slab is read row by row,
+// coalesced, and invocation (lid.x, lid.y) owns 4 channels x 4 consecutive tiles.
 
-override WG_M: u32 = 16;
-override WG_N: u32 = 16;
-override TM: u32 = 4;
-override TN: u32 = 4;
-override BK: u32 = 16;
-override BM: u32 = WG_M * TM;
-override BN: u32 = WG_N * TN;
-const RB: u32 = 4u;
+override TILE_M: u32 = 64;  // tiles per workgroup tile, multiple of 4
+override TILE_N: u32 = 64;  // output channels per workgroup tile, multiple of 16
+override TILE_K: u32 = 16;  // input channels per staged slab
+const R: u32 = 4u;
 
-var<workgroup> v_tile: array<f32, BK * BM>;  // [kk][mm]
-var<workgroup> u_tile: array<f32, BK * BN>;  // [kk][nn]
+var<workgroup> Vs: array<vec4<f32>, TILE_K * TILE_M / R>;  // [kk][m/4]
+var<workgroup> Us: array<vec4<f32>, TILE_K * TILE_N / R>;  // [kk][n/4]
 
-@compute @workgroup_size(WG_M, WG_N)
+fn store_mx(xi: u32, n: u32, m0: u32, acc: vec4<f32>) {
+    if (n >= p.Cout) { return; }
+    for (var i = 0u; i < R; i++) {
+        if (m0 + i < p.P) { mx[(xi * p.Cout + n) * p.P + m0 + i] = acc[i]; }
+    }
+}
+
+@compute @workgroup_size(TILE_M / 4, TILE_N / 4)
 fn gemm_main(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    let threads = WG_M * WG_N;
-    let m0 = wid.x * BM;
-    let n0 = wid.y * BN;
+    let nthreads = (TILE_M / R) * (TILE_N / R);
+    let m0 = wid.x * TILE_M;
+    let n0 = wid.y * TILE_N;
     let xi = wid.z;
     let vbase = xi * p.Cin * p.P;
     let ubase = xi * p.Cin * p.Cout;
 
-    var acc: array<f32, RB * RB>;
-    for (var k0 = 0u; k0 < p.Cin; k0 += BK) {
-        for (var i = li; i < BK * BM; i += threads) {
-            let mm = i % BM;
-            let kk = i / BM;
+    var c0 = vec4<f32>();
+    var c1 = vec4<f32>();
+    var c2 = vec4<f32>();
+    var c3 = vec4<f32>();
+    for (var k0 = 0u; k0 < p.Cin; k0 += TILE_K) {
+        for (var i = li; i < TILE_K * TILE_M; i += nthreads) {
+            let mm = i % TILE_M;
+            let kk = i / TILE_M;
             var val = 0.0;
             if (m0 + mm < p.P && k0 + kk < p.Cin) { val = v[vbase + (k0 + kk) * p.P + m0 + mm]; }
-            v_tile[i] = val;
+            Vs[kk * (TILE_M / R) + mm / R][mm % R] = val;
         }
-        for (var i = li; i < BK * BN; i += threads) {
-            let nn = i % BN;
-            let kk = i / BN;
+        for (var i = li; i < TILE_K * TILE_N; i += nthreads) {
+            let nn = i % TILE_N;
+            let kk = i / TILE_N;
             var val = 0.0;
             if (n0 + nn < p.Cout && k0 + kk < p.Cin) { val = u[ubase + (k0 + kk) * p.Cout + n0 + nn]; }
-            u_tile[i] = val;
+            Us[kk * (TILE_N / R) + nn / R][nn % R] = val;
         }
         workgroupBarrier();
-        for (var kk = 0u; kk < BK; kk++) {
-            var a: array<f32, RB>;
-            var c: array<f32, RB>;
-            for (var i = 0u; i < TM; i++) { a[i] = v_tile[kk * BM + lid.x + i * WG_M]; }
-            for (var j = 0u; j < TN; j++) { c[j] = u_tile[kk * BN + lid.y + j * WG_N]; }
-            for (var i = 0u; i < TM; i++) {
-                for (var j = 0u; j < TN; j++) {
-                    acc[i * RB + j] = fma(a[i], c[j], acc[i * RB + j]);
-                }
-            }
+        for (var kk = 0u; kk < TILE_K; kk++) {
+            let a = Vs[kk * (TILE_M / R) + lid.x];
+            let c = Us[kk * (TILE_N / R) + lid.y];
+            c0 += c.x * a;
+            c1 += c.y * a;
+            c2 += c.z * a;
+            c3 += c.w * a;
         }
         workgroupBarrier();
     }
-    for (var j = 0u; j < TN; j++) {
-        let n = n0 + lid.y + j * WG_N;
-        if (n >= p.Cout) { continue; }
-        for (var i = 0u; i < TM; i++) {
-            let m = m0 + lid.x + i * WG_M;
-            if (m >= p.P) { continue; }
-            mx[(xi * p.Cout + n) * p.P + m] = acc[i * RB + j];
-        }
-    }
+    let n = n0 + lid.y * R;
+    let m = m0 + lid.x * R;
+    store_mx(xi, n, m, c0);
+    store_mx(xi, n + 1u, m, c1);
+    store_mx(xi, n + 2u, m, c2);
+    store_mx(xi, n + 3u, m, c3);
 }
 
 // ---- Y = A^T Mx A + b, one invocation per (co, tile); partial edge tiles clipped --------------

@@ -143,7 +143,11 @@ def test_no_bias(rt, pipelines, fresh_rng, variant):
 @pytest.mark.parametrize("variant", ["implicit_gemm", "winograd"])
 @pytest.mark.parametrize(
     "constants",
-    [{"WG_M": 8, "WG_N": 8, "TM": 2, "TN": 1, "BK": 8}, {"WG_M": 16, "WG_N": 8, "TM": 1, "TN": 4, "BK": 32}],
+    [
+        {"TILE_M": 32, "TILE_N": 16, "TILE_K": 8},
+        {"TILE_M": 128, "TILE_N": 32, "TILE_K": 32},
+        {"TILE_M": 64, "TILE_N": 64, "TILE_K": 8},
+    ],
 )
 def test_tiling_constants(rt, pipelines, fresh_rng, variant, constants):
     run_and_compare(
@@ -152,9 +156,9 @@ def test_tiling_constants(rt, pipelines, fresh_rng, variant, constants):
 
 
 def test_bad_tiling_constant_is_named(rt, pipelines, fresh_rng):
-    ops = make_ops(rt, pipelines, "f32", "implicit_gemm", {"TM": 8})
+    ops = make_ops(rt, pipelines, "f32", "implicit_gemm", {"TILE_M": 48})
     x, w, b = conv_inputs(fresh_rng, 1, 4, 4, (5, 5), 3)
-    with pytest.raises(EngineError, match="TM=8"):
+    with pytest.raises(EngineError, match="TILE_M=48"):
         ops.conv2d(rt.upload(x), rt.upload(w), rt.upload(b), padding=1)
 
 
