@@ -82,10 +82,17 @@ def tune(
     repeats: int = 5,
     time_budget_s: float = 600.0,
     progress: Callable[[int, int, str], None] | None = None,
+    ops: set[str] | None = None,
 ) -> dict:
-    """Measure, choose, and write the profile document to `out` (atomically). Returns it."""
+    """Measure, choose, and write the profile document to `out` (atomically). Returns it.
+    `ops` limits the tuning to those ops (the profile then has rules for them only)."""
     caps = gpu.caps
     calls = distinct_calls(config, caps, dtype, height, width)
+    if ops:
+        unknown = set(ops) - {op for op, _, _ in calls}
+        if unknown:
+            raise EngineError(f"the model has no {', '.join(sorted(unknown))} calls to tune")
+        calls = [c for c in calls if c[0] in ops]
     rt = Runtime(gpu)
     pipelines = PipelineCache(gpu)
     rng = np.random.default_rng(0)
@@ -109,6 +116,8 @@ def tune(
                     continue  # a setting this shape or adapter cannot take (e.g. a head dim above MAX_DH)
                 results.append({"variant": v.name, "constants": consts, "median_ms": statistics.median(samples),
                                 "min_ms": min(samples), "max_ms": max(samples)})
+        if not results:
+            raise EngineError(f"no variant of {op} could run {shape} in {dtype} on {caps.device}")
         best = min(results, key=lambda r: r["median_ms"])
         measurements.append({"op": op, "shape": shape, "results": results, "chosen": best["variant"]})
         if best["variant"] != "reference" or best["constants"]:

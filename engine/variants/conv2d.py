@@ -5,16 +5,14 @@ when Winograd is worth its transforms.
 Both tile a matrix product through workgroup memory with the same override constants (the
 tile TILE_M x TILE_N of pixels x output channels, the slab depth TILE_K), with the 4 x 4
 register blocks and vec4 workgroup tiles of the tiled linear kernel; their WGSL is in
-shaders/conv2d/implicit_gemm.wgsl and shaders/conv2d/winograd.wgsl. Winograd transforms each
-weight tensor once and keeps the result for as long as the weight tensor lives, so weights
-must not be rewritten in place while a model uses them.
+shaders/conv2d/implicit_gemm.wgsl and shaders/conv2d/winograd.wgsl. Winograd's transformed
+filters would take 4x the weights' memory (36 values per 3x3 filter), so its GEMM computes
+each one from the filter while staging it, and no copy of the weights exists.
 """
 
 from __future__ import annotations
 
 import math
-from weakref import WeakKeyDictionary
-
 from ..errors import EngineError
 from ..kernels import Variant, register
 from ..ops import Ops, conv_out_size
@@ -31,6 +29,7 @@ GEMM_CANDIDATES = (
     {"TILE_M": 128, "TILE_N": 32, "TILE_K": 16},
     {"TILE_M": 64, "TILE_N": 32, "TILE_K": 16},
     {"TILE_M": 32, "TILE_N": 32, "TILE_K": 16},
+    {"TILE_M": 64, "TILE_N": 16, "TILE_K": 16},
     {"TILE_M": 64, "TILE_N": 64, "TILE_K": 32},
 )
 
@@ -113,31 +112,11 @@ def winograd_pays(shape: dict, min_channels: int = 64, min_tiles: int = 32) -> b
     return shape["cin"] >= min_channels and shape["cout"] >= min_channels and tiles >= min_tiles
 
 
-# U = G g G^T per weight tensor, keyed by the weight's storage so reshaped views share it and
-# the entry goes when the weight does.
-_TRANSFORMED: WeakKeyDictionary = WeakKeyDictionary()
-
-
-def _transformed_weights(ops: Ops, v: Variant, w: Tensor) -> Tensor:
-    u = _TRANSFORMED.get(w.storage)
-    if u is not None and u.shape[1:] == (w.shape[1], w.shape[0]):
-        return u
-    cout, cin = w.shape[:2]
-    u = ops.rt.empty((WINOGRAD_POSITIONS, cin, cout), "f32")  # (36, Cin, Cout)
-    params = (0, cin, 0, 0, cout, 0, 0, 0, 0, 0, 0, 0, 0)
-    ops.rt.dispatch(
-        ops.pipeline(v, "weights_main"), "conv2d_winograd_weights", params,
-        [None, w, None, u], ops.grid_1d(cout * cin),
-    )
-    _TRANSFORMED[w.storage] = u
-    return u
-
-
 @register(
     "conv2d",
     "winograd",
     entry="gemm_main",
-    doc="Winograd F(4x4,3x3): input transform, 36 batched GEMMs, output transform; weights transformed once",
+    doc="Winograd F(4x4,3x3): input transform, 36 batched GEMMs (filters transformed on the fly), output transform",
     constants=GEMM_CONSTANTS,
     candidates=GEMM_CANDIDATES,
     applies=winograd_applies,
@@ -153,7 +132,6 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
     n_tiles = bsz * th * tw
     params = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
 
-    u = _transformed_weights(ops, v, w)  # (36, Cin, Cout)
     vt = ops.rt.empty((WINOGRAD_POSITIONS, cin, n_tiles), "f32")
     ops.rt.dispatch(
         ops.pipeline(v, "input_main"), "conv2d_winograd_input", params, [x, None, None, None, vt],
@@ -161,7 +139,7 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
     )
     mx = ops.rt.empty((WINOGRAD_POSITIONS, cout, n_tiles), "f32")
     ops.rt.dispatch(
-        ops.pipeline(v, "gemm_main", **tiling), "conv2d_winograd_gemm", params, [None, None, None, u, vt, mx],
+        ops.pipeline(v, "gemm_main", **tiling), "conv2d_winograd_gemm", params, [None, w, None, None, vt, mx],
         (
             math.ceil(n_tiles / tiling["TILE_M"]),
             math.ceil(cout / tiling["TILE_N"]),

@@ -3,13 +3,13 @@
 //   symbol   meaning                                         layout
 //   g        one 3x3 filter of w (Cout, Cin, 3, 3)
 //   d        a 6x6 input tile; output tile (ty, tx) reads rows 4ty - pad_t .. +5
-//   U        G g G^T, the transformed filters                u (36, Cin, Cout), f32
+//   U        G g G^T, the transformed filters                computed in gemm_main, never stored
 //   V        B^T d B, the transformed input tiles            v (36, Cin, P), f32
 //   Mx       sum over ci of U * V, per position xi of 36     mx (36, Cout, P), f32
 //   Y        A^T Mx A + b, a 4x4 output tile                 y (B, Cout, OH, OW)
 //   P        B * TH * TW tiles, TH = ceil(OH / 4), TW = ceil(OW / 4)
 //
-// Entry points, in the order they run: weights_main (once per weight tensor), input_main,
+// Entry points, in the order they run: input_main,
 // gemm_main (36 independent (Cout x Cin) @ (Cin x P) products, one per z of the grid) and
 // output_main. Interpolation points 0, +-1, +-2 and infinity (Lavin & Gray 2016), the ones
 // TFLite GPU's Winograd4x4To36 / Winograd36To4x4 use.
@@ -23,19 +23,32 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<T>;
 @group(0) @binding(2) var<storage, read> w: array<T>;
 @group(0) @binding(3) var<storage, read> b: array<T>;
-@group(0) @binding(4) var<storage, read_write> u: array<f32>;
 @group(0) @binding(5) var<storage, read_write> v: array<f32>;
 @group(0) @binding(6) var<storage, read_write> mx: array<f32>;
 @group(0) @binding(7) var<storage, read_write> y: array<T>;
 
 // ---- the three one-dimensional transforms ---------------------------------------------------
 
-fn g_col(g0: f32, g1: f32, g2: f32) -> array<f32, 6> {  // G (6x3) times a column
-    let even = (g0 + g2) * (1.0 / 6.0);
-    let odd = g1 * (1.0 / 6.0);
-    let even24 = g0 * (1.0 / 24.0) + g2 * (1.0 / 6.0);
-    let odd12 = g1 * (1.0 / 12.0);
-    return array<f32, 6>(0.25 * g0, -even - odd, -even + odd, even24 + odd12, even24 - odd12, g2);
+// The rows of G (6x3): U = G g G^T, so U[r][c] = G[r] . (g G[c]^T) for position xi = 6r + c.
+var<private> G: array<vec3<f32>, 6> = array<vec3<f32>, 6>(
+    vec3<f32>(0.25, 0.0, 0.0),
+    vec3<f32>(-1.0 / 6.0, -1.0 / 6.0, -1.0 / 6.0),
+    vec3<f32>(-1.0 / 6.0, 1.0 / 6.0, -1.0 / 6.0),
+    vec3<f32>(1.0 / 24.0, 1.0 / 12.0, 1.0 / 6.0),
+    vec3<f32>(1.0 / 24.0, -1.0 / 12.0, 1.0 / 6.0),
+    vec3<f32>(0.0, 0.0, 1.0),
+);
+
+// U[xi] of filter g = w[co, ci]: nine loads and twelve multiply-adds, so the transformed filters
+// (4x the weights) never take memory.
+fn u_at(co: u32, ci: u32, gr: vec3<f32>, gc: vec3<f32>) -> f32 {
+    let base = (co * p.Cin + ci) * 9u;
+    let t = vec3<f32>(
+        dot(vec3<f32>(f32(w[base]), f32(w[base + 1u]), f32(w[base + 2u])), gc),
+        dot(vec3<f32>(f32(w[base + 3u]), f32(w[base + 4u]), f32(w[base + 5u])), gc),
+        dot(vec3<f32>(f32(w[base + 6u]), f32(w[base + 7u]), f32(w[base + 8u])), gc),
+    );
+    return dot(gr, t);
 }
 
 fn bt_col(d: array<f32, 6>) -> array<f32, 6> {  // B^T (6x6) times a column
@@ -59,31 +72,6 @@ fn at_col(m: array<f32, 6>) -> array<f32, 4> {  // A^T (4x6) times a column
 
 fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + lid;
-}
-
-// ---- U = G g G^T, one invocation per (co, ci) -----------------------------------------------
-
-@compute @workgroup_size(256)
-fn weights_main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let i = flat_index(wid, nwg, lid);
-    if (i >= p.Cout * p.Cin) { return; }
-    let co = i % p.Cout;
-    let ci = i / p.Cout;
-    let base = (co * p.Cin + ci) * 9u;
-    var gt: array<array<f32, 6>, 3>;  // (G g)^T: gt[c][r] = (G g)[r][c]
-    for (var c = 0u; c < 3u; c++) {
-        gt[c] = g_col(f32(w[base + c]), f32(w[base + 3u + c]), f32(w[base + 6u + c]));
-    }
-    for (var r = 0u; r < 6u; r++) {
-        let row = g_col(gt[0][r], gt[1][r], gt[2][r]);
-        for (var c = 0u; c < 6u; c++) {
-            u[((r * 6u + c) * p.Cin + ci) * p.Cout + co] = row[c];
-        }
-    }
 }
 
 // ---- V = B^T d B, one invocation per (ci, tile) ----------------------------------------------
@@ -128,9 +116,9 @@ fn input_main(
 }
 
 // ---- Mx[xi] = U[xi]^T V[xi]: batched, tiled GEMM (the blocking of implicit_gemm.wgsl) -------
-// m = tile (P), n = co (Cout), k = ci (Cin); z of the grid = xi. Both operands are k-major
-// (rows of V are tiles, rows of U are output channels), so a slab is read row by row,
-// coalesced, and invocation (lid.x, lid.y) owns 4 channels x 4 consecutive tiles.
+// m = tile (P), n = co (Cout), k = ci (Cin); z of the grid = xi. V is k-major (rows of tiles),
+// read row by row, coalesced; the U slab is computed from w while it is staged (u_at).
+// Invocation (lid.x, lid.y) owns 4 channels x 4 consecutive tiles.
 
 override TILE_M: u32 = 64;  // tiles per workgroup tile, multiple of 4
 override TILE_N: u32 = 64;  // output channels per workgroup tile, multiple of 16
@@ -158,7 +146,8 @@ fn gemm_main(
     let n0 = wid.y * TILE_N;
     let xi = wid.z;
     let vbase = xi * p.Cin * p.P;
-    let ubase = xi * p.Cin * p.Cout;
+    let gr = G[xi / 6u];
+    let gc = G[xi % 6u];
 
     var c0 = vec4<f32>();
     var c1 = vec4<f32>();
@@ -173,10 +162,10 @@ fn gemm_main(
             Vs[kk * (TILE_M / R) + mm / R][mm % R] = val;
         }
         for (var i = li; i < TILE_K * TILE_N; i += nthreads) {
-            let nn = i % TILE_N;
-            let kk = i / TILE_N;
+            let kk = i % TILE_K;  // consecutive invocations read consecutive filters of w
+            let nn = i / TILE_K;
             var val = 0.0;
-            if (n0 + nn < p.Cout && k0 + kk < p.Cin) { val = u[ubase + (k0 + kk) * p.Cout + n0 + nn]; }
+            if (n0 + nn < p.Cout && k0 + kk < p.Cin) { val = u_at(n0 + nn, k0 + kk, gr, gc); }
             Us[kk * (TILE_N / R) + nn / R][nn % R] = val;
         }
         workgroupBarrier();
