@@ -1,10 +1,12 @@
 """Run-time GPU state: tensors, the buffer pool they are drawn from, command recording and
 GPU timing.
 
-A `Tensor` is a shaped view of a pooled buffer. Buffers go back to the pool when the last
-tensor using them is garbage collected, and are reused by the next allocation of the same
-size; that is safe without fences because WebGPU orders every dispatch after the ones
-recorded before it. Dispatches are recorded into one open compute pass and submitted on
+A `Tensor` is a shaped view of a pooled buffer. Buffers are made in size classes (at most
+25% above the tensor), go back to the pool when the last tensor using them is garbage
+collected, and are reused by the next allocation of the same class; that is safe without
+fences because WebGPU orders every dispatch after the ones recorded before it. A kernel binds
+only its tensor's bytes, never the slack. Peak GPU memory is weights plus every buffer the
+pool holds, free or not; the pipeline trims the free ones between stages. Dispatches are recorded into one open compute pass and submitted on
 `flush()` (before any upload or readback). With profiling on, each dispatch gets its own
 pass bracketed by timestamp queries, and its GPU time is added to its label.
 """
@@ -15,6 +17,7 @@ import math
 import struct
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +27,9 @@ from .errors import GPUError
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "u32": np.uint32, "i32": np.int32}
 WG_1D = 256  # invocations per workgroup of the one-dimensional kernels
+CLASS_BITS = 2  # 2**CLASS_BITS buffer size classes per power of two (at most 25% slack)
+CLASSES_PER_DOUBLING = 2**CLASS_BITS
+MIN_CLASS_BYTES = 256
 
 
 def dtype_of(array: np.ndarray) -> str:
@@ -35,14 +41,27 @@ def _align(n: int, a: int = 16) -> int:
     return (n + a - 1) // a * a
 
 
+def size_class(nbytes: int) -> int:
+    """The byte size of the pool buffer that holds a request of `nbytes`: `nbytes` rounded up
+    to one of CLASSES_PER_DOUBLING evenly spaced sizes in each power-of-two range (so a buffer
+    is at most 1/CLASSES_PER_DOUBLING larger than the tensor it was made for), in steps of at
+    least MIN_CLASS_BYTES. Tensors of nearby sizes then share buffers instead of each size keeping
+    its own."""
+    if nbytes <= MIN_CLASS_BYTES:
+        return MIN_CLASS_BYTES
+    step = 1 << max(MIN_CLASS_BYTES.bit_length() - 1, nbytes.bit_length() - 1 - CLASS_BITS)
+    return (nbytes + step - 1) // step * step
+
+
 class _Storage:
-    """One GPU buffer; returns itself to the pool when no tensor refers to it any more."""
+    """One GPU buffer; returns itself to its pool when no tensor refers to it any more.
+    Weights have no pool: they live until `release_weights`."""
 
     __slots__ = ("buffer", "nbytes", "pool", "__weakref__")
 
     def __init__(self, buffer, nbytes: int, pool: BufferPool | None):
         self.buffer = buffer
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # of the buffer, which may be larger than the tensors viewing it
         self.pool = pool
 
     def __del__(self):
@@ -51,7 +70,7 @@ class _Storage:
 
 
 class Tensor:
-    """A shaped, typed view of a GPU buffer (row-major, contiguous)."""
+    """A shaped, typed view of a GPU buffer (row-major, contiguous, from the buffer's start)."""
 
     __slots__ = ("storage", "shape", "dtype")
 
@@ -72,6 +91,12 @@ class Tensor:
     def nbytes(self) -> int:
         return self.numel * np.dtype(DTYPES[self.dtype]).itemsize
 
+    @property
+    def binding_bytes(self) -> int:
+        """The bytes a kernel binds: the tensor, padded to 16 as every buffer used to be; the
+        rest of a size-class buffer stays outside the binding."""
+        return _align(max(self.nbytes, 4))
+
     def reshape(self, *shape: int) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], tuple):
             shape = shape[0]
@@ -87,35 +112,133 @@ class Tensor:
 
 
 class BufferPool:
-    """Free buffers by exact byte size, plus the accounting behind peak GPU memory."""
+    """Free activation buffers by size class, plus the accounting behind peak GPU memory.
 
-    def __init__(self):
+    Buffers are created at their class size (`size_class`) and never shrink or move between
+    classes; `trim` destroys the free ones. `pooled_bytes` is what the pool really holds on
+    the GPU: every buffer it created and has not destroyed, free or in use."""
+
+    def __init__(self, create, max_buffer_bytes: int | None = None):
+        self.create = create  # nbytes -> a new buffer
+        self.max_buffer_bytes = max_buffer_bytes
         self.free: dict[int, list] = defaultdict(list)
-        self.pooled_bytes = 0  # every pool buffer ever created and not destroyed
+        self.pooled_bytes = 0
         self.in_use_bytes = 0
+        self.created = 0  # buffers created, for tests and the memory estimate
 
-    def take(self, nbytes: int):
-        bucket = self.free.get(nbytes)
+    def buffer_bytes(self, nbytes: int) -> int:
+        size = size_class(nbytes)
+        if self.max_buffer_bytes is not None and size > self.max_buffer_bytes:
+            size = _align(max(nbytes, 4))  # the class would not fit one buffer; the tensor does
+        return size
+
+    def take(self, nbytes: int) -> tuple[object, int, bool]:
+        """(buffer, its size, whether it was newly created) for a tensor of `nbytes`."""
+        size = self.buffer_bytes(nbytes)
+        bucket = self.free.get(size)
         if bucket:
-            self.in_use_bytes += nbytes
-            return bucket.pop()
-        return None
-
-    def add(self, nbytes: int):
-        self.pooled_bytes += nbytes
-        self.in_use_bytes += nbytes
+            buf, new = bucket.pop(), False
+        else:
+            buf, new = self.create(size), True
+            self.pooled_bytes += size
+            self.created += 1
+        self.in_use_bytes += size
+        return buf, size, new
 
     def release(self, buffer, nbytes: int):
         self.free[nbytes].append(buffer)
         self.in_use_bytes -= nbytes
 
+    @property
+    def free_bytes(self) -> int:
+        return self.pooled_bytes - self.in_use_bytes
+
     def trim(self):
-        """Destroy every free buffer (between jobs, not between steps)."""
+        """Destroy every free buffer (between pipeline stages and jobs, not between steps).
+        The caller flushes first: a free buffer may still be named by recorded commands."""
         for nbytes, bucket in self.free.items():
             for buf in bucket:
                 buf.destroy()
                 self.pooled_bytes -= nbytes
         self.free.clear()
+
+
+class PeakWatch:
+    """The highest GPU memory (weights + pool) seen while the watch is open."""
+
+    def __init__(self, bytes_now: int):
+        self.start_bytes = bytes_now
+        self.peak_bytes = bytes_now
+
+
+class _Memory:
+    """What Runtime and TraceRuntime share: the pool, the weights' byte count and the peak
+    accounting, so a shape-only run accounts memory exactly as a real one does."""
+
+    def _init_memory(self, create_buffer, max_buffer_bytes: int | None):
+        self.pool = BufferPool(create_buffer, max_buffer_bytes)
+        self.static_bytes = 0  # weights and other buffers that live until released
+        self.peak_bytes = 0
+        self._watches: list[PeakWatch] = []
+
+    @property
+    def gpu_bytes(self) -> int:
+        """What this runtime holds on the GPU now: weights plus every pool buffer."""
+        return self.static_bytes + self.pool.pooled_bytes
+
+    def _note_peak(self):
+        now = self.gpu_bytes
+        self.peak_bytes = max(self.peak_bytes, now)
+        for w in self._watches:
+            w.peak_bytes = max(w.peak_bytes, now)
+
+    @contextmanager
+    def watch_peak(self):
+        """Yield a PeakWatch of the memory high-water mark inside the `with` block."""
+        w = PeakWatch(self.gpu_bytes)
+        self._watches.append(w)
+        try:
+            yield w
+        finally:
+            self._watches.remove(w)
+
+    def trim(self):
+        """Destroy the pool's free buffers, after submitting the commands that may use them."""
+        self.flush()
+        self.pool.trim()
+
+    def reset_peak(self):
+        """Forget free pool buffers and start a new peak measurement from what is live now."""
+        self.trim()
+        self.peak_bytes = self.gpu_bytes
+
+    def _pooled(self, shape, dtype: str) -> Tensor:
+        nbytes = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+        buf, size, new = self.pool.take(nbytes)
+        if new:
+            self._note_peak()
+        return Tensor(_Storage(buf, size, self.pool), shape, dtype)
+
+    def _static(self, buffer, nbytes: int, shape, dtype: str) -> Tensor:
+        self.static_bytes += nbytes
+        self._note_peak()
+        return Tensor(_Storage(buffer, nbytes, None), shape, dtype)
+
+    def release_weights(self, tensors) -> None:
+        """Destroy the buffers of weights (tensors made by upload(static=True)) now. Any
+        tensor still viewing them must not be used again."""
+        self.flush()  # recorded commands may still read them
+        seen = set()
+        for t in tensors:
+            s = t.storage
+            if s.pool is not None:
+                raise ValueError(f"{t} is a pooled activation, not a weight")
+            if id(s) in seen or s.buffer is None:
+                continue
+            seen.add(id(s))
+            s.buffer.destroy()
+            s.buffer = None
+            self.static_bytes -= s.nbytes
 
 
 @dataclass
@@ -124,22 +247,44 @@ class KernelTime:
     total_ms: float = 0.0
 
 
-class TraceRuntime:
+class _TraceBuffer:
+    """A buffer that exists only as a size, for TraceRuntime."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def destroy(self):
+        pass
+
+
+class TraceRuntime(_Memory):
     """A runtime that only follows shapes: no GPU memory, no dispatches. Running a model on it
     reveals every (op, shape) the model would dispatch, which `explain` and `tune` need, in
-    milliseconds and without weights."""
+    milliseconds and without weights; its pool and weight accounting are Runtime's, so it also
+    gives the peak GPU memory a real run would report (benchmarks/memory_estimate.py).
+    Readbacks return zeros."""
 
     def __init__(self, caps):
         self.caps = caps
         self.dispatches = 0
-        self.static_bytes = 0
-        self.peak_bytes = 0
+        limit = getattr(caps, "limits", {}).get("max-buffer-size")
+        self._init_memory(_TraceBuffer, None if limit is None else int(limit))
 
     def empty(self, shape, dtype: str = "f32") -> Tensor:
-        return Tensor(_Storage(None, 0, None), shape, dtype)
+        return self._pooled(shape, dtype)
 
     def upload(self, array, dtype: str | None = None, static: bool = False) -> Tensor:
-        return self.empty(np.shape(array), dtype or dtype_of(np.asarray(array)))
+        dtype = dtype or dtype_of(np.asarray(array))
+        shape = np.shape(array)
+        if static:
+            nbytes = _align(max(math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize, 4))
+            return self._static(_TraceBuffer(nbytes), nbytes, shape, dtype)
+        return self.empty(shape, dtype)
+
+    def read(self, t: Tensor) -> np.ndarray:
+        return np.zeros(t.shape, DTYPES[t.dtype])
 
     def dispatch(self, *args, **kwargs):
         self.dispatches += 1
@@ -151,7 +296,7 @@ class TraceRuntime:
         pass
 
 
-class Runtime:
+class Runtime(_Memory):
     """Allocation, upload/readback and dispatch recording on one GPU."""
 
     def __init__(self, gpu: GPU, poison: bool = False):
@@ -160,11 +305,10 @@ class Runtime:
         self.gpu = gpu
         self.device = gpu.device
         self.caps = gpu.caps
-        self.pool = BufferPool()
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self._uniform_usage = wgpu.BufferUsage.UNIFORM
-        self.static_bytes = 0  # weights and other buffers that live as long as the runtime
-        self.peak_bytes = 0
+        limit = self.caps.limits.get("max-buffer-size")
+        self._init_memory(self._create_buffer, None if limit is None else int(limit))
         self._params: dict[bytes, object] = {}
         self._encoder = None
         self._pass = None
@@ -181,14 +325,8 @@ class Runtime:
 
     # ---- memory -------------------------------------------------------------------------
 
-    def reset_peak(self):
-        """Forget free pool buffers and start a new peak measurement from what is live now."""
-        self.flush()
-        self.pool.trim()
-        self.peak_bytes = self.static_bytes + self.pool.pooled_bytes
-
-    def _note_peak(self):
-        self.peak_bytes = max(self.peak_bytes, self.static_bytes + self.pool.pooled_bytes)
+    def _create_buffer(self, nbytes: int, what: str = "an activation buffer"):
+        return gpu_call(f"allocating {what} of {nbytes} bytes", self.device.create_buffer, size=nbytes, usage=self._usage)
 
     def _check_binding(self, nbytes: int, shape, what: str):
         limit = self.caps.max_binding_bytes
@@ -200,38 +338,24 @@ class Runtime:
             )
 
     def empty(self, shape, dtype: str = "f32") -> Tensor:
-        nbytes_exact = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
-        self._check_binding(nbytes_exact, shape, "an activation")
-        nbytes = _align(max(nbytes_exact, 4))
-        buf = self.pool.take(nbytes)
-        if buf is None:
-            buf = gpu_call(
-                f"allocating {nbytes} bytes", self.device.create_buffer, size=nbytes, usage=self._usage
-            )
-            self.pool.add(nbytes)
-            self._note_peak()
-        if self.poison:
+        self._check_binding(math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize, shape, "an activation")
+        t = self._pooled(shape, dtype)
+        if self.poison:  # the whole buffer, so a kernel reading past its tensor sees NaN too
             self.flush()
-            self.device.queue.write_buffer(buf, 0, b"\xff" * nbytes)
-        return Tensor(_Storage(buf, nbytes, self.pool), shape, dtype)
+            self.device.queue.write_buffer(t.buffer, 0, b"\xff" * t.storage.nbytes)
+        return t
 
     def upload(self, array: np.ndarray, dtype: str | None = None, static: bool = False) -> Tensor:
-        """Copy a host array to the GPU. Static tensors (weights) bypass the pool."""
+        """Copy a host array to the GPU. Static tensors (weights) bypass the pool and live
+        until `release_weights`."""
         dtype = dtype or dtype_of(array)
         data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
         if static:
             self._check_binding(data.nbytes, data.shape, "a weight")
             nbytes = _align(max(data.nbytes, 4))
-            buf = gpu_call(
-                f"allocating a weight of {nbytes} bytes",
-                self.device.create_buffer,
-                size=nbytes,
-                usage=self._usage,
-            )
+            buf = self._create_buffer(nbytes, "a weight")
             self.queue_write(buf, data)
-            self.static_bytes += nbytes
-            self._note_peak()
-            return Tensor(_Storage(buf, nbytes, None), data.shape, dtype)
+            return self._static(buf, nbytes, data.shape, dtype)
         t = self.empty(data.shape, dtype)
         self.flush()  # a pooled buffer may still be read by recorded, unsubmitted commands
         self.queue_write(t.buffer, data)
@@ -269,7 +393,7 @@ class Runtime:
         (None skips a binding number the entry point does not use)."""
         entries = [{"binding": 0, "resource": {"buffer": self.params_buffer(params)}}]
         entries += [
-            {"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.storage.nbytes}}
+            {"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.binding_bytes}}
             for i, t in enumerate(tensors)
             if t is not None
         ]

@@ -10,14 +10,29 @@ from ..runtime import Runtime, Tensor
 
 
 class GPUWeights:
-    """A component's parameters on the GPU, by state-dict name (the weights of the blueprint)."""
+    """A component's parameters on the GPU, by state-dict name (the weights of the blueprint).
 
-    def __init__(self, rt: Runtime, state: dict[str, np.ndarray], dtype: str):
+    Normally uploaded once, at construction. A pipeline that stages its weights builds an
+    empty one (`state=None`) and moves parameters on and off the GPU with `load`/`release`
+    around each use; the models look names up at call time, so they see whichever are
+    loaded."""
+
+    def __init__(self, rt: Runtime, state: dict[str, np.ndarray] | None, dtype: str):
         self.dtype = dtype
-        self.tensors: dict[str, Tensor] = {
-            name: rt.upload(arr, dtype, static=True)
-            for name, arr in state.items()
-        }
+        self.tensors: dict[str, Tensor] = {}
+        if state is not None:
+            self.load(rt, state)
+
+    def load(self, rt: Runtime, state: dict[str, np.ndarray]) -> None:
+        """Upload the parameters of `state` that are not on the GPU yet."""
+        for name, arr in state.items():
+            if name not in self.tensors:
+                self.tensors[name] = rt.upload(arr, self.dtype, static=True)
+
+    def release(self, rt: Runtime, names=None) -> None:
+        """Free the GPU copies of `names` (default: all) now."""
+        names = list(self.tensors) if names is None else [n for n in names if n in self.tensors]
+        rt.release_weights([self.tensors.pop(n) for n in names])
 
     @classmethod
     def of_tensors(cls, tensors: dict[str, Tensor], dtype: str) -> GPUWeights:

@@ -13,6 +13,7 @@ each one from the filter while staging it, and no copy of the weights exists.
 from __future__ import annotations
 
 import math
+
 from ..errors import EngineError
 from ..kernels import Variant, register
 from ..ops import Ops, conv_out_size

@@ -25,6 +25,15 @@ class Precision(StrEnum):
     fp16 = "fp16"
 
 
+class Residency(StrEnum):
+    resident = "resident"
+    staged = "staged"
+
+
+RESIDENCY_HELP = ("resident: all weights stay on the GPU; staged: each network's weights go up for its "
+                  "stage only (lower peak GPU memory, one upload per network per generation).")
+
+
 @app.command()
 def info(as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON.")):
     """Show the WebGPU adapter, its features and limits."""
@@ -77,6 +86,7 @@ def generate(
     strength: float = typer.Option(0.8, help="img2img: how much of the init image to repaint."),
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
     profile: str = typer.Option("auto", help="Kernel profile: auto, reference, a shipped name, or a JSON file."),
+    residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
 ):
     """Generate an image from a prompt (or from an image and a prompt)."""
@@ -88,7 +98,8 @@ def generate(
     if init_image is not None and not init_image.is_file():
         raise InputError(f"init image {init_image} does not exist")
     with console.status(f"loading {model}"):
-        pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer, profile=profile)
+        pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer, profile=profile,
+                             residency=residency.value)
     height, width = height or pipe.native_size[0], width or pipe.native_size[1]
     columns = (TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
@@ -110,7 +121,9 @@ def generate(
         "steps": steps,
         "scheduler": scheduler,
         "timings_ms": {k.removesuffix("_ms"): round(v, 2) for k, v in result.timings.items()},
+        "residency": pipe.residency,
         "peak_gpu_bytes": result.peak_gpu_bytes,
+        "stage_peak_gpu_bytes": result.stage_peak_gpu_bytes,
         "warnings": result.warnings,
     }
     if as_json:
@@ -123,7 +136,8 @@ def generate(
         f"{out}  {width}x{height}, {steps} steps {scheduler}, {pipe.precision} on {pipe.gpu.caps.device}: "
         f"total {t['total_ms']:.0f} ms, text {t['text_encoder_ms']:.0f} ms, "
         f"UNet {t['unet_step_ms']:.0f} ms/step, VAE {t['vae_decode_ms']:.0f} ms, "
-        f"peak GPU {result.peak_gpu_bytes / 2**20:.1f} MiB"
+        f"peak GPU {result.peak_gpu_bytes / 2**20:.1f} MiB ({pipe.residency}: "
+        + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in result.stage_peak_gpu_bytes.items()) + ")"
     )
 
 
@@ -226,6 +240,7 @@ def bench(
     tuned: Path = typer.Option(None, help="A tuned profile for the last row."),
     reps: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
     e2e_steps: int = typer.Option(0, help="Also time a whole generation of this many steps (20: the paper)."),
+    residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
     json_out: Path = typer.Option(None, "--json", help="Write the results as JSON here."),
 ):
     """The paper's ablation table on this adapter: UNet step latency and peak memory per row."""
@@ -246,7 +261,7 @@ def bench(
             with console.status(f"making a random-weight {preset.value} model"):
                 model = make_model(preset.value, 0, Path(tmp) / preset.value, dtype=precision.value)
         with console.status(f"loading {model}"):
-            pipe = load_pipeline(model, precision=precision.value, profile="reference")
+            pipe = load_pipeline(model, precision=precision.value, profile="reference", residency=residency.value)
     res = resolution or pipe.native_size[0]
     with Progress(TextColumn("ablation"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -257,13 +272,17 @@ def bench(
     base = rows[0].unet_step_ms["median"]
     table = Table("configuration", "UNet step ms (median)", "min-max", "vs reference", "peak GPU MiB",
                   *(["end-to-end ms"] if e2e_steps else []),
-                  title=f"{caps.device} ({caps.backend}), {pipe.precision}, {res}x{res}, UNet batch 2")
+                  title=f"{caps.device} ({caps.backend}), {pipe.precision}, {pipe.residency} weights, {res}x{res}, "
+                        f"UNet batch 2")
     for r in rows:
         u = r.unet_step_ms
         table.add_row(r.name, f"{u['median']:.1f}", f"{u['min']:.1f}-{u['max']:.1f}",
                       f"{(u['median'] / base - 1) * 100:+.1f}%", f"{r.peak_gpu_bytes / 2**20:.0f}",
                       *([f"{r.end_to_end_ms:.0f}"] if e2e_steps else []))
     console.print(table)
+    if rows[-1].stage_peak_gpu_bytes:
+        console.print("peak GPU MiB by stage, last row's generation: " + ", ".join(
+            f"{k} {v / 2**20:.0f}" for k, v in rows[-1].stage_peak_gpu_bytes.items()))
     if rows[-1].kernel_ms:
         k = Table("kernel", "ms", title=f"per-kernel GPU time, one UNet step, {rows[-1].name}")
         for name, ms in list(rows[-1].kernel_ms.items())[:12]:
@@ -272,5 +291,5 @@ def bench(
     if json_out:
         json_out.write_text(json.dumps({"date": __import__("datetime").date.today().isoformat(),
                                         "adapter": caps.device, "backend": caps.backend, "driver": caps.description,
-                                        "precision": pipe.precision, "resolution": res,
+                                        "precision": pipe.precision, "residency": pipe.residency, "resolution": res,
                                         "rows": rows_as_json(rows)}, indent=2))

@@ -166,3 +166,8 @@ def test_fp16_pipeline_runs_a_force_upcast_vae_in_fp32(tiny_model_dir, gpu, tmp_
     cfg_path.write_text(json.dumps(cfg))
     p = engine.load_pipeline(model, precision="fp16")
     assert p.vae_dtype == "f16" and p.decode(np.zeros((1, 4, 8, 8), np.float32)).dtype == np.float32
+
+
+def test_unknown_residency_is_refused_naming_the_choices(tiny_model_dir, gpu):
+    with pytest.raises(InputError, match="resident, staged"):
+        engine.load_pipeline(tiny_model_dir, residency="lazy")

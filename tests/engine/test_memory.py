@@ -1,0 +1,172 @@
+"""GPU memory: the buffer pool's size classes and trimming, staged weight residency (same
+image as resident, lower peak), per-stage peaks, and the shape-only estimate
+(benchmarks/memory_estimate.py) agreeing with the real runtime's accounting."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engine
+from engine.models.config import load_model_config
+from engine.pipeline import Pipeline
+from engine.runtime import CLASSES_PER_DOUBLING, MIN_CLASS_BYTES, Runtime, size_class
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = {"text_encoder", "unet", "vae_decode"}
+
+
+def test_size_classes_round_up_by_at_most_one_class_step():
+    assert size_class(1) == MIN_CLASS_BYTES
+    prev = 0
+    for n in sorted({*range(1, 5000, 7), *(2**k + d for k in range(12, 31) for d in (-1, 0, 1, 2**k // 3))}):
+        c = size_class(n)
+        assert n <= c and c - n < max(MIN_CLASS_BYTES, n // CLASSES_PER_DOUBLING + 1), n
+        assert c % 16 == 0 and size_class(c) == c and c >= prev  # classes are fixed points, in order
+        prev = c
+    assert size_class(2**20) == 2**20 and size_class(2**20 + 1) == 2**20 + 2**18
+
+
+@pytest.fixture
+def rt(gpu):
+    return Runtime(gpu, poison=True)
+
+
+@pytest.mark.gpu
+def test_pool_reuses_a_buffer_for_a_nearby_size_and_binds_only_the_tensor(rt, fresh_rng):
+    from engine.kernels import PipelineCache, Selection
+    from engine.ops import Ops
+
+    a = rt.empty((1000,), "f32")  # 4000 B -> the 4096 B class
+    buf, size = a.buffer, a.storage.nbytes
+    assert size == size_class(4000) and rt.pool.pooled_bytes == size
+    del a
+    gc.collect()
+    b = rt.empty((1010,), "f32")  # 4040 B: another size, the same class
+    assert b.buffer is buf and rt.pool.created == 1 and rt.pool.pooled_bytes == size
+    assert b.binding_bytes == 4048 < size
+    # a kernel on a tensor in a larger buffer reads and writes the tensor's elements only
+    ops = Ops(rt, PipelineCache(rt.gpu), Selection(frozenset(rt.caps.features)), "f32")
+    x = fresh_rng.standard_normal(1010).astype(np.float32)
+    y = fresh_rng.standard_normal(1010).astype(np.float32)
+    out = ops.add(rt.upload(x), rt.upload(y))
+    assert out.storage.nbytes > out.nbytes
+    np.testing.assert_allclose(rt.read(out), x + y, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_trim_destroys_free_buffers_only_and_peak_counts_what_is_allocated(rt):
+    live = rt.empty((256, 256), "f32")
+    for n in (1000, 3000, 9000):
+        rt.empty((n,), "f32")  # freed at once
+    gc.collect()
+    held = rt.pool.pooled_bytes
+    assert held == sum(size_class(n) for n in (256 * 256 * 4, 4000, 12000, 36000))
+    assert rt.peak_bytes == rt.static_bytes + held
+    rt.trim()
+    assert rt.pool.pooled_bytes == live.storage.nbytes == rt.pool.in_use_bytes
+    with rt.watch_peak() as w:
+        rt.empty((100,), "f32")
+    assert w.peak_bytes == rt.static_bytes + live.storage.nbytes + size_class(400)
+    np.testing.assert_array_equal(rt.read(rt.upload(np.arange(5, dtype=np.float32))), np.arange(5))
+
+
+@pytest.mark.gpu
+def test_released_weights_leave_the_accounting(rt):
+    w = [rt.upload(np.ones((64, 64), np.float32), static=True) for _ in range(3)]
+    assert rt.static_bytes == 3 * 64 * 64 * 4
+    rt.release_weights([w[0], w[1], w[1].reshape(-1)])
+    assert rt.static_bytes == 64 * 64 * 4 and w[0].buffer is None
+    with pytest.raises(ValueError, match="pooled activation"):
+        rt.release_weights([rt.empty((4,))])
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_model_dir, gpu):
+    return {r: engine.load_pipeline(tiny_model_dir, residency=r, profile="reference") for r in ("resident", "staged")}
+
+
+@pytest.mark.gpu
+def test_staged_weights_give_the_same_image_at_a_lower_peak(pipes):
+    res = {r: p.generate("a red fox", steps=2, height=64, width=64, seed=3) for r, p in pipes.items()}
+    np.testing.assert_array_equal(res["staged"].image, res["resident"].image)
+    np.testing.assert_array_equal(res["staged"].latents, res["resident"].latents)
+    resident, staged = res["resident"], res["staged"]
+    assert staged.peak_gpu_bytes < resident.peak_gpu_bytes
+    for r in (resident, staged):
+        assert set(r.stage_peak_gpu_bytes) == STAGES
+        assert r.peak_gpu_bytes == max(r.stage_peak_gpu_bytes.values())
+    assert staged.timings["weights_upload_ms"] > 0 and "weights_upload_ms" not in resident.timings
+    # staged: nothing on the GPU between generations; each stage holds only its own network
+    p = pipes["staged"]
+    assert p.rt.static_bytes == 16 and p.rt.pool.pooled_bytes == 0  # 16: the ops' placeholder tensor
+    w = {n: sum(t.nbytes for t in g.tensors.values()) for n, g in p.weights.items()}
+    assert w == {"text_encoder": 0, "unet": 0, "vae": 0}
+    assert staged.stage_peak_gpu_bytes["text_encoder"] < resident.stage_peak_gpu_bytes["text_encoder"]
+
+
+@pytest.mark.gpu
+def test_staged_network_calls_upload_and_release_their_weights(pipes):
+    p, q = pipes["staged"], pipes["resident"]
+    ids = p.tokenize(["a cat"])
+    np.testing.assert_array_equal(p.encode_text(ids), q.encode_text(ids))
+    z = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(p.decode(z), q.decode(z))
+    idle = p.rt.static_bytes
+    unet = sum(t.nbytes for t in q.weights["unet"].tensors.values())
+    with p.weights_on_gpu("unet"), p.weights_on_gpu("unet"):  # nested holds upload once
+        assert unet <= p.rt.static_bytes - idle < unet + 16 * len(q.weights["unet"].tensors)
+    assert p.rt.static_bytes == idle
+
+
+@pytest.mark.gpu
+def test_img2img_reports_the_vae_encode_stage(pipes):
+    img = np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    res = {r: p.generate("a boat", steps=2, height=64, width=64, init_image=img, strength=0.5) for r, p in pipes.items()}
+    np.testing.assert_array_equal(res["staged"].image, res["resident"].image)
+    assert set(res["staged"].stage_peak_gpu_bytes) == STAGES | {"vae_encode"}
+
+
+def _memory_estimate():
+    spec = importlib.util.spec_from_file_location("memory_estimate", ROOT / "benchmarks" / "memory_estimate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residency", ["resident", "staged"])
+def test_shape_only_estimate_matches_the_runtime_on_the_tiny_model(tiny_model_dir, pipes, residency):
+    real = pipes[residency].generate("any prompt", steps=3, height=64, width=64, seed=1)
+    config = load_model_config(tiny_model_dir)
+    est = _memory_estimate().estimate(config, pipes[residency].rt.caps, "fp32", residency, 64, 64, "reference")
+    assert est["peak_gpu_bytes"] == real.peak_gpu_bytes
+    assert est["stage_peak_gpu_bytes"] == real.stage_peak_gpu_bytes
+    weights = est["weights_bytes"]
+    if residency == "staged":  # the UNet stage holds the UNet's weights and nothing else
+        assert real.stage_peak_gpu_bytes["unet"] > weights["unet"]
+
+
+def test_sd14_estimate_runs_on_shapes_alone(tmp_path):
+    """SD 1.4 at 512x512 fp16 on the H100's capabilities, in about a second on any machine."""
+    me = _memory_estimate()
+    out = tmp_path / "est.json"
+    me.main(["--preset", "sd14", "--precision", "fp16", "--profile", "reference", "--json", str(out)])
+    import json
+
+    rows = {r["residency"]: r for r in json.loads(out.read_text())}
+    w = rows["resident"]["weights_bytes"]
+    assert 1.6e9 < w["unet"] < 1.8e9  # 860M fp16 parameters
+    assert rows["staged"]["peak_gpu_bytes"] < rows["resident"]["peak_gpu_bytes"]
+    assert rows["staged"]["stage_peak_gpu_bytes"]["unet"] > w["unet"]
+
+
+def test_shape_only_pipeline_needs_no_adapter():
+    me = _memory_estimate()
+    p = Pipeline.shape_only(me.config_for(None, "tiny"), me.H100, "fp16", "staged", "reference")
+    r = p.generate("x", steps=1, height=64, width=64)
+    assert r.image.shape == (64, 64, 3) and r.peak_gpu_bytes > 0 and p.rt.dispatches > 0
