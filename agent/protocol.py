@@ -1,0 +1,297 @@
+"""The one contract between the orchestrator and the agents: JobSpec (what to run), JobResult
+(what came back: raw samples, per-kernel timings, thermal readings, artifacts), DeviceInfo
+(what the device is) and the bundle Manifest (what a build ships). Every document carries
+`protocol`; a document of another protocol version is refused on both sides with an error
+naming both versions, because a silently misread result would poison the regression history.
+
+Plain dataclasses and JSON, so the device side needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PROTOCOL_VERSION = 1
+
+JobKind = Literal["generate", "latency", "tune"]
+JOB_KINDS: tuple[str, ...] = typing.get_args(JobKind)
+JobStatus = Literal["succeeded", "failed"]
+
+
+class ProtocolError(ValueError):
+    """A document that does not follow the protocol (version, kind, field or type)."""
+
+
+# ---- job specification --------------------------------------------------------------------
+
+
+@dataclass
+class Cooldown:
+    """Wait, before the job, until the device's hottest thermal reading is at most
+    `max_celsius`, polling every `poll_s`, for at most `max_wait_s`."""
+
+    max_celsius: float = 40.0
+    max_wait_s: float = 300.0
+    poll_s: float = 5.0
+
+
+@dataclass
+class JobSpec:
+    """What one job runs. `model` is a model folder relative to the installed build (or an
+    absolute path on the device); `build` is the id of the installed build to run it with."""
+
+    job_id: str
+    kind: JobKind
+    model: str
+    build: str | None = None
+    precision: Literal["fp32", "fp16"] = "fp16"
+    height: int | None = None  # None: the model's native size
+    width: int | None = None
+    profile: str = "auto"  # "auto", "reference", a shipped profile name, or a path in the build
+    # generate and latency
+    prompt: str = "a photograph of an astronaut riding a horse"
+    negative_prompt: str = ""
+    seed: int = 0
+    steps: int = 20
+    scheduler: str = "pndm"
+    guidance_scale: float = 7.5
+    # latency
+    warmup: int = 1
+    repetitions: int = 5
+    unet_repetitions: int = 10
+    kernel_timings: bool = True
+    # tune
+    tune_repeats: int = 5
+    tune_time_budget_s: float = 600.0
+    # every kind
+    time_limit_s: float = 3600.0
+    cooldown: Cooldown | None = None
+    protocol: int = PROTOCOL_VERSION
+
+    def __post_init__(self):
+        if self.kind not in JOB_KINDS:
+            raise ProtocolError(f"unknown job kind {self.kind!r}; known kinds: {', '.join(JOB_KINDS)}")
+        for name in ("steps", "repetitions", "unet_repetitions", "tune_repeats"):
+            if getattr(self, name) < 1:
+                raise ProtocolError(f"JobSpec.{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.time_limit_s <= 0:
+            raise ProtocolError("JobSpec.warmup must be >= 0 and time_limit_s > 0")
+
+
+# ---- job result ---------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One raw measurement: no aggregation happens on the device."""
+
+    metric: str  # carries its unit: unet_step_ms, e2e_ms, peak_gpu_bytes, ...
+    value: float
+    unit: str
+    repetition: int = 0
+
+
+@dataclass
+class KernelTiming:
+    kernel: str  # the dispatch label, e.g. "conv2d", "attention/flash"
+    calls: int
+    total_ms: float
+    repetition: int = 0
+
+
+@dataclass
+class ThermalReading:
+    phase: Literal["before", "after"]
+    zone: str
+    celsius: float
+
+
+@dataclass
+class Artifact:
+    path: str  # relative to the job's output folder
+    sha256: str
+    size: int
+    kind: str = "file"  # image, profile, log, ...
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    kind: JobKind
+    status: JobStatus
+    error: str | None = None
+    started_at: float = 0.0  # unix seconds
+    finished_at: float = 0.0
+    device: str = ""  # adapter description the job ran on
+    engine: dict[str, Any] = field(default_factory=dict)  # profile, precision, decisions, timings
+    samples: list[Sample] = field(default_factory=list)
+    kernel_timings: list[KernelTiming] = field(default_factory=list)
+    thermal: list[ThermalReading] = field(default_factory=list)
+    cooldown_wait_s: float | None = None
+    cooldown_timed_out: bool = False
+    artifacts: list[Artifact] = field(default_factory=list)
+    log_tail: str = ""
+    protocol: int = PROTOCOL_VERSION
+
+
+# ---- device information -------------------------------------------------------------------
+
+
+@dataclass
+class ThermalZone:
+    name: str
+    celsius: float
+    source: str = ""  # /sys/class/thermal/thermal_zone3, dumpsys thermalservice, kgsl, ...
+
+
+@dataclass
+class Battery:
+    level_percent: float | None = None
+    celsius: float | None = None
+    status: str | None = None  # charging, discharging, full, ...
+    plugged: str | None = None
+
+
+@dataclass
+class DeviceInfo:
+    serial: str
+    model: str  # marketing or product model, e.g. "SM-S918B", "MacBookPro18,3"
+    manufacturer: str
+    os: str  # android, linux, darwin, windows
+    os_version: str
+    adapter: dict[str, Any]  # engine.device.DeviceCaps.as_dict(): vendor, architecture, device, ...
+    cpu: str = ""
+    cpu_cores: int = 0
+    memory_bytes: int = 0
+    thermal: list[ThermalZone] = field(default_factory=list)
+    battery: Battery | None = None
+    clocks_mhz: dict[str, float] = field(default_factory=dict)  # gpu, cpu0, ... where readable
+    properties: dict[str, str] = field(default_factory=dict)  # getprop values used, soc, board...
+    virtual: bool = False  # a simulated device (its GPU is still the host's real adapter)
+    agent_version: str = ""
+    protocol: int = PROTOCOL_VERSION
+
+
+# ---- bundle manifest ----------------------------------------------------------------------
+
+
+@dataclass
+class ManifestFile:
+    path: str  # relative, forward slashes
+    sha256: str
+    size: int
+    mode: int = 0o644
+
+
+@dataclass
+class Manifest:
+    """The list of files of a build; signed (Ed25519 over `canonical_bytes()`) by the farm."""
+
+    build: str
+    version: str
+    created: float
+    files: list[ManifestFile]
+    source_revision: str = ""
+    protocol: int = PROTOCOL_VERSION
+
+    def canonical_bytes(self) -> bytes:
+        return json.dumps(to_dict(self), sort_keys=True, separators=(",", ":")).encode()
+
+
+# ---- (de)serialisation ----------------------------------------------------------------------
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def to_json(obj, indent: int | None = 2) -> str:
+    return json.dumps(to_dict(obj), indent=indent, sort_keys=True)
+
+
+def from_dict(cls, data: Any, where: str | None = None):
+    """Build dataclass `cls` from parsed JSON, checking the protocol version, unknown and
+    missing fields and basic types; errors name the offending field."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{where}: expected an object, got {type(data).__name__}")
+    if "protocol" in {f.name for f in dataclasses.fields(cls)}:
+        version = data.get("protocol", PROTOCOL_VERSION)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{where} speaks protocol {version}, this side speaks {PROTOCOL_VERSION}: "
+                "upgrade the older of the orchestrator and the agent (deploy a new build)"
+            )
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where}: missing field {f.name!r}")
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{where}.{f.name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+def from_json(cls, text: str | bytes):
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"{cls.__name__}: not valid JSON ({exc})") from None
+    return from_dict(cls, data)
+
+
+def _coerce(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ProtocolError as exc:
+                errors.append(str(exc))
+        raise ProtocolError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ProtocolError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list")
+        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected an object")
+        return {str(k): _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ProtocolError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp in (str, bool) and not isinstance(value, tp):
+        raise ProtocolError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
