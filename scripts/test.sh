@@ -6,5 +6,13 @@ cd "$(dirname "$0")/.."
 # Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" errors without one; give them a private one.
 [ -n "${XDG_RUNTIME_DIR:-}" ] || export XDG_RUNTIME_DIR="$(mktemp -d)"
 bash scripts/bootstrap.sh test
+# The virtual phone is tested with Google's own adb client too (Debian package adb).
+if ! command -v adb >/dev/null; then
+  echo "installing Google's adb client (Debian package adb) for the virtual-phone tests"
+  if [ "$(id -u)" = 0 ]; then sudo_=""; else sudo_="sudo -n"; fi
+  $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq adb >/dev/null 2>&1 ||
+    { $sudo_ apt-get update -qq >/dev/null && $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq adb >/dev/null; } ||
+    { echo "error: could not install adb (apt-get install adb)" >&2; exit 1; }
+fi
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"
