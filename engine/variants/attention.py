@@ -16,19 +16,55 @@ from ..runtime import Tensor
 TILE = 16  # the 16x16 tiles of partial_softmax.wgsl
 ROW_WG = 256  # invocations per row in partial_softmax.wgsl:row_stats
 
-# flash.wgsl: NT invocations per query row, each with ACC_MAX register accumulators.
-FLASH_NT = 8
-FLASH_ACC_MAX = 20
+# flash.wgsl: SPLIT invocations share a query row (each owns DV / SPLIT of its vec4 head-dim
+# columns) and each owns RPI rows; q, the accumulator and the block's scores live in private
+# arrays bounded by these constants of the shader (MAX_DVS, MAX_RPI, MAX_BC).
+FLASH_MAX_DVS = 16
+FLASH_MAX_RPI = 2
+FLASH_MAX_BC = 64
+# Head dims a profile may fix MAX_DH to; by default MAX_DH is dh rounded up to 4 * SPLIT, so
+# the padding costs at most 4 * SPLIT - 1 columns.
 FLASH_MAX_DH = (40, 64, 80, 128, 160)
-# Default blocks (BR query rows, BC keys) per MAX_DH, chosen so the workgroup memory stays
-# within 16 KiB, the limit WebGPU guarantees on every adapter; a profile may ask for more.
-FLASH_BLOCKS = {40: (32, 32), 64: (16, 16), 80: (16, 16), 128: (8, 16), 160: (8, 16)}
+# Defaults by SPLIT (which follows the head dim): (BR query rows, BC keys). They keep every
+# head dim up to 160 within 16 KiB of workgroup memory, the limit WebGPU guarantees on every
+# adapter, and at most 10 vec4 columns (40 floats of q, 40 of acc) per invocation.
+FLASH_SPLIT_FOR_DH = ((40, 1), (80, 2), (160, 4))  # (largest dh, SPLIT)
+FLASH_BLOCKS = {1: (64, 16), 2: (32, 16), 4: (32, 8)}
 WEBGPU_MIN_WORKGROUP_STORAGE = 16384
 
 
-def flash_workgroup_bytes(br: int, bc: int, max_dh: int) -> int:
-    """Workgroup memory of flash.wgsl: the Q block, one K/V block and the block's scores."""
-    return 4 * (br * max_dh + bc * max_dh + br * bc)
+def flash_workgroup_bytes(br: int, bc: int, max_dh: int, split: int = 1) -> int:
+    """Workgroup memory of flash.wgsl: K and V blocks as vec4, plus the partial dots of split rows."""
+    dv = -(-max_dh // 4)
+    part = br * bc * split if split > 1 else 1
+    return 2 * 16 * bc * dv + 4 * part
+
+
+def flash_config(dh: int, consts: dict) -> dict[str, int]:
+    """The override constants flash.wgsl runs with for head dim `dh`: the profile's, else the
+    defaults. Raises EngineError naming the bad constant when they cannot serve `dh`."""
+    widest = max(dh, int(consts.get("MAX_DH") or 0))
+    split = int(consts.get("SPLIT") or next((s for d, s in FLASH_SPLIT_FOR_DH if widest <= d), 4))
+    if split not in (1, 2, 4):
+        raise EngineError(f"attention/flash: SPLIT={split}; use 1, 2 or 4")
+    max_dh = int(consts.get("MAX_DH") or 4 * split * -(-dh // (4 * split)))
+    if max_dh < dh:
+        raise EngineError(f"attention/flash: MAX_DH={max_dh} is below the head dim {dh}; use a larger MAX_DH")
+    dv = -(-max_dh // 4)
+    if dv % split or dv // split > FLASH_MAX_DVS:
+        raise EngineError(
+            f"attention/flash: MAX_DH={max_dh} ({dv} vec4 columns) cannot be split over SPLIT={split} "
+            f"invocations of at most {FLASH_MAX_DVS} columns each; choose a SPLIT that divides {dv} "
+            f"and is at least {-(-dv // FLASH_MAX_DVS)}"
+        )
+    br, bc = FLASH_BLOCKS[split]
+    br, bc = int(consts.get("BR", br)), int(consts.get("BC", bc))
+    rpi = int(consts.get("RPI", 1))
+    if not 1 <= rpi <= FLASH_MAX_RPI or br % rpi:
+        raise EngineError(f"attention/flash: RPI={rpi} with BR={br}; RPI must be 1..{FLASH_MAX_RPI} and divide BR")
+    if not 1 <= bc <= FLASH_MAX_BC:
+        raise EngineError(f"attention/flash: BC={bc}; use 1..{FLASH_MAX_BC}")
+    return {"BR": br, "BC": bc, "MAX_DH": max_dh, "SPLIT": split, "RPI": rpi}
 
 
 @register(
@@ -80,8 +116,18 @@ def flash_applies(shape: dict) -> str | None:
 @register(
     "attention",
     "flash",
-    doc="tiled attention with online softmax in f32 registers; the score matrix is never stored",
-    constants={"BR": (8, 16, 32), "BC": (8, 16, 32, 64), "MAX_DH": FLASH_MAX_DH},
+    doc="tiled attention with online softmax; q, scores and accumulator in f32 registers, K/V blocks "
+    "in workgroup memory; the score matrix is never stored",
+    constants={
+        "BR": (8, 16, 32, 64, 128),
+        "BC": (8, 16, 32, 64),
+        "MAX_DH": FLASH_MAX_DH,
+        "SPLIT": (1, 2, 4),
+        "RPI": (1, 2),
+    },
+    # For the tuner, beside the defaults: two rows per invocation (twice the FMAs per workgroup
+    # read), longer key blocks, and more invocations per row (fewer registers each).
+    candidates=({"RPI": 2}, {"BC": 32}, {"RPI": 2, "BC": 8}, {"SPLIT": 2}, {"SPLIT": 4}, {"BR": 128}),
     applies=flash_applies,
 )
 def attention_flash(
@@ -90,21 +136,29 @@ def attention_flash(
     bsz, tq, width = q.shape
     tk = k.shape[1]
     dh = width // heads
-    max_dh = int(consts.get("MAX_DH") or min((d for d in FLASH_MAX_DH if d >= dh), default=0))
-    if max_dh < dh:
-        raise EngineError(f"attention/flash: MAX_DH={max_dh} is below the head dim {dh}; use a larger MAX_DH")
-    br, bc = FLASH_BLOCKS[max_dh]
-    br, bc = int(consts.get("BR", br)), int(consts.get("BC", bc))
-    need = flash_workgroup_bytes(br, bc, max_dh)
+    cfg = flash_config(dh, consts)
+    br, bc, max_dh, split = cfg["BR"], cfg["BC"], cfg["MAX_DH"], cfg["SPLIT"]
+    need = flash_workgroup_bytes(br, bc, max_dh, split)
     limit = int(ops.rt.caps.limits["max-compute-workgroup-storage-size"])
     if need > limit:
         raise EngineError(
-            f"attention/flash: BR={br}, BC={bc}, MAX_DH={max_dh} need {need} bytes of workgroup "
-            f"memory, above this adapter's max-compute-workgroup-storage-size of {limit}; "
+            f"attention/flash: BR={br}, BC={bc}, MAX_DH={max_dh}, SPLIT={split} need {need} bytes of "
+            f"workgroup memory, above this adapter's max-compute-workgroup-storage-size of {limit}; "
             "choose smaller blocks in the profile"
         )
+    invocations = br // cfg["RPI"] * split
+    lim = ops.rt.caps.limits
+    max_inv = min(
+        int(lim.get("max-compute-invocations-per-workgroup", 256)), int(lim.get("max-compute-workgroup-size-x", 256))
+    )
+    if invocations > max_inv:
+        raise EngineError(
+            f"attention/flash: BR={br}, RPI={cfg['RPI']}, SPLIT={split} make {invocations} invocations "
+            f"per workgroup, above this adapter's limit of {max_inv} (max-compute-invocations-per-workgroup, "
+            "max-compute-workgroup-size-x); choose a smaller BR or a larger RPI in the profile"
+        )
     o = ops.rt.empty((bsz, tq, width), ops.dtype)
-    pipeline = ops.pipeline(v, BR=br, BC=bc, MAX_DH=max_dh)
+    pipeline = ops.pipeline(v, **cfg)
     params = (heads, tq, tk, dh, width, width, int(causal), scale)
     ops.rt.dispatch(pipeline, "attention/flash", params, [q, k, vv, o], (math.ceil(tq / br), bsz * heads, 1))
     return o

@@ -5,9 +5,18 @@
 //   m_i   = running max of a_ij over the keys seen, l_i = running sum of exp(a_ij - m_i)
 //   acc_i = running sum of exp(a_ij - m_i) V[b, j, h*dh + :]
 // On a new block with max m', the old terms are rescaled by exp(m_i - m'). O = acc_i / l_i.
-// NT invocations share a query row: invocation t owns head-dim columns t, t + NT, ..., so its
-// part of acc_i is at most MAX_DH / NT values, kept in registers. Q, K and V (in turn) and the
-// block's scores are staged in workgroup memory: 4 * (BR*MAX_DH + BC*MAX_DH + BR*BC) bytes.
+// The scores are kept in base 2 (q is pre-scaled by scale * log2(e), exp2 replaces exp).
+//
+// Registers, not workgroup memory, hold the per-row state. The head dim is padded with zeros
+// to MAX_DH = 4 * DV and handled as DV vec4 columns. SPLIT invocations share a query row:
+// invocation `lane` owns the vec4 columns lane, lane + SPLIT, ... (DVS = DV / SPLIT of them),
+// of q (pre-scaled) and of the accumulator acc, for RPI query rows i0 + g + r * NG. Every
+// loop that indexes a private array runs to an override bound, so the driver can unroll it and
+// keep the arrays in registers. Per block of BC keys: K and V are staged in workgroup memory as vec4
+// (32 * BC * DV bytes, loads coalesced along the head dim); each invocation computes its
+// rows' BC (partial) dot products in registers; with SPLIT > 1 the partial dots are summed
+// through workgroup memory (4 * BR * BC * SPLIT bytes); then the online softmax and
+// acc += p V run in registers (f32 whatever T is).
 // With causal = 1, keys j > i are masked (CLIP) and blocks past the last row are skipped.
 struct Params {
     H: u32, Tq: u32, Tk: u32, dh: u32,
@@ -19,101 +28,163 @@ struct Params {
 @group(0) @binding(3) var<storage, read> v: array<T>;
 @group(0) @binding(4) var<storage, read_write> o: array<T>;
 
-override BR: u32 = 16u;      // query rows per workgroup
+override BR: u32 = 64u;      // query rows per workgroup
 override BC: u32 = 16u;      // keys per block
-override MAX_DH: u32 = 40u;  // largest head dim this pipeline serves (<= NT * ACC_MAX)
-const NT = 8u;               // invocations per query row
-const ACC_MAX = 20u;         // register accumulators per invocation: 160 / NT
+override MAX_DH: u32 = 40u;  // largest head dim served, padded; a multiple of 4 * SPLIT
+override SPLIT: u32 = 1u;    // invocations sharing one query row (1, 2 or 4)
+override RPI: u32 = 1u;      // query rows per invocation (1 or 2)
+override DV: u32 = (MAX_DH + 3u) / 4u;  // vec4 columns of the (padded) head dim
+override DVS: u32 = DV / SPLIT;         // vec4 columns per invocation
+override NG: u32 = BR / RPI;            // row groups: invocation li = g * SPLIT + lane
+const MAX_DVS = 16u;  // private array bounds (the launcher checks DVS, RPI, BC against them)
+const MAX_RPI = 2u;
+const MAX_BC = 64u;
 const NEG_BIG = -3.0e38;
+const LOG2E = 1.4426950408889634;
 
-var<workgroup> q_tile: array<f32, BR * MAX_DH>;   // [r][d]
-var<workgroup> kv_tile: array<f32, BC * MAX_DH>;  // [c][d], K then V
-var<workgroup> a_tile: array<f32, BR * BC>;       // [r][c]
+var<workgroup> k_tile: array<vec4<f32>, BC * DV>;  // [c][dv]
+var<workgroup> v_tile: array<vec4<f32>, BC * DV>;  // [c][dv]
+// Partial dots [c][r][li] of the SPLIT invocations of a row (one float when SPLIT = 1).
+var<workgroup> part: array<f32, BC * RPI * NG * SPLIT * min(SPLIT - 1u, 1u) + 1u>;
 
-@compute @workgroup_size(BR * NT)
+// Head-dim elements 4*dv .. 4*dv+3 of row `row` of a (rows, stride) tensor, 0 past dh.
+fn load_q(row: u32, stride: u32, h: u32, dv: u32) -> vec4<f32> {
+    let d0 = 4u * dv;
+    let base = row * stride + h * p.dh + d0;
+    if (d0 + 4u <= p.dh) { return vec4<f32>(f32(q[base]), f32(q[base + 1u]), f32(q[base + 2u]), f32(q[base + 3u])); }
+    var x = vec4<f32>(0.0);
+    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { x[e] = f32(q[base + e]); } }
+    return x;
+}
+
+fn load_k(row: u32, h: u32, dv: u32) -> vec4<f32> {
+    let d0 = 4u * dv;
+    let base = row * p.kv_stride + h * p.dh + d0;
+    if (d0 + 4u <= p.dh) { return vec4<f32>(f32(k[base]), f32(k[base + 1u]), f32(k[base + 2u]), f32(k[base + 3u])); }
+    var x = vec4<f32>(0.0);
+    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { x[e] = f32(k[base + e]); } }
+    return x;
+}
+
+fn load_v(row: u32, h: u32, dv: u32) -> vec4<f32> {
+    let d0 = 4u * dv;
+    let base = row * p.kv_stride + h * p.dh + d0;
+    if (d0 + 4u <= p.dh) { return vec4<f32>(f32(v[base]), f32(v[base + 1u]), f32(v[base + 2u]), f32(v[base + 3u])); }
+    var x = vec4<f32>(0.0);
+    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { x[e] = f32(v[base + e]); } }
+    return x;
+}
+
+@compute @workgroup_size(NG * SPLIT)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let wg = BR * NT;
+    let wg = NG * SPLIT;
     let i0 = wid.x * BR;
     let bh = wid.y;
     let b = bh / p.H;
     let h = bh % p.H;
-    let r = li / NT;
-    let t = li % NT;
-    let i = i0 + r;
-    let dh = p.dh;
-    let n_acc = (MAX_DH + NT - 1u) / NT;
+    let g = li / SPLIT;
+    let lane = li % SPLIT;
+    let qscale = p.scale * LOG2E;
 
-    for (var e = li; e < BR * dh; e += wg) {
-        let rr = e / dh;
-        let d = e % dh;
-        var x = 0.0;
-        if (i0 + rr < p.Tq) { x = f32(q[(b * p.Tq + i0 + rr) * p.q_stride + h * dh + d]); }
-        q_tile[rr * MAX_DH + d] = x;
+    // Row r of this invocation is i0 + g + r * NG; rows past Tq compute on zeros, unstored.
+    var qr: array<vec4<f32>, MAX_RPI * MAX_DVS>;
+    var acc: array<vec4<f32>, MAX_RPI * MAX_DVS>;
+    var m: array<f32, MAX_RPI>;
+    var l: array<f32, MAX_RPI>;
+    var s: array<f32, MAX_RPI * MAX_BC>;  // the block's scores, then probabilities
+    for (var r = 0u; r < RPI; r++) {
+        let i = i0 + g + r * NG;
+        for (var d = 0u; d < DVS; d++) {
+            var x = vec4<f32>(0.0);
+            if (i < p.Tq) { x = load_q(b * p.Tq + i, p.q_stride, h, d * SPLIT + lane) * qscale; }
+            qr[r * DVS + d] = x;
+            acc[r * DVS + d] = vec4<f32>(0.0);
+        }
+        m[r] = NEG_BIG;
+        l[r] = 0.0;
     }
-
-    var m = NEG_BIG;
-    var l = 0.0;
-    var acc: array<f32, ACC_MAX>;
-    for (var c = 0u; c < ACC_MAX; c++) { acc[c] = 0.0; }
 
     var kv_end = p.Tk;
     if (p.causal != 0u) { kv_end = min(p.Tk, i0 + BR); }
     for (var j0 = 0u; j0 < kv_end; j0 += BC) {
-        workgroupBarrier();  // the previous block is done with kv_tile and a_tile
-        for (var e = li; e < BC * dh; e += wg) {
-            let c = e / dh;
-            let d = e % dh;
-            var x = 0.0;
-            if (j0 + c < p.Tk) { x = f32(k[(b * p.Tk + j0 + c) * p.kv_stride + h * dh + d]); }
-            kv_tile[c * MAX_DH + d] = x;
-        }
-        workgroupBarrier();
-        for (var c = t; c < BC; c += NT) {
-            let j = j0 + c;
-            var x = NEG_BIG;
-            if (j < p.Tk && (p.causal == 0u || j <= i)) {
-                var dot = 0.0;
-                for (var d = 0u; d < dh; d++) { dot += q_tile[r * MAX_DH + d] * kv_tile[c * MAX_DH + d]; }
-                x = dot * p.scale;
+        workgroupBarrier();  // the previous block is done with the tiles and `part`
+        for (var e = li; e < BC * DV; e += wg) {
+            let j = j0 + e / DV;
+            var kx = vec4<f32>(0.0);
+            var vx = vec4<f32>(0.0);
+            if (j < p.Tk) {
+                kx = load_k(b * p.Tk + j, h, e % DV);
+                vx = load_v(b * p.Tk + j, h, e % DV);
             }
-            a_tile[r * BC + c] = x;
+            k_tile[e] = kx;
+            v_tile[e] = vx;
         }
         workgroupBarrier();
-        // K is consumed: stage V in its place while each row's new max is read off a_tile.
-        for (var e = li; e < BC * dh; e += wg) {
-            let c = e / dh;
-            let d = e % dh;
-            var x = 0.0;
-            if (j0 + c < p.Tk) { x = f32(v[(b * p.Tk + j0 + c) * p.kv_stride + h * dh + d]); }
-            kv_tile[c * MAX_DH + d] = x;
-        }
-        var m_new = m;
-        for (var c = 0u; c < BC; c++) { m_new = max(m_new, a_tile[r * BC + c]); }
-        workgroupBarrier();
-        // Each score becomes a probability once, by the invocation that computed it. Masked
-        // keys hold NEG_BIG; every row sees a real key in its first block, so m_new is finite
-        // and exp(NEG_BIG - m_new) is exactly 0.
-        for (var c = t; c < BC; c += NT) { a_tile[r * BC + c] = exp(a_tile[r * BC + c] - m_new); }
-        workgroupBarrier();
-        let alpha = exp(m - m_new);
-        l *= alpha;
-        for (var n = 0u; n < n_acc; n++) { acc[n] *= alpha; }
+
         for (var c = 0u; c < BC; c++) {
-            let pr = a_tile[r * BC + c];
-            l += pr;
-            for (var n = 0u; n < n_acc; n++) {
-                let d = t + n * NT;
-                if (d < dh) { acc[n] += pr * kv_tile[c * MAX_DH + d]; }
+            for (var r = 0u; r < RPI; r++) {
+                var sv = vec4<f32>(0.0);
+                for (var d = 0u; d < DVS; d++) { sv = fma(qr[r * DVS + d], k_tile[c * DV + d * SPLIT + lane], sv); }
+                s[r * BC + c] = (sv.x + sv.y) + (sv.z + sv.w);
             }
         }
-        m = m_new;
+        if (SPLIT > 1u) {
+            // Every invocation of a row adds the row's SPLIT partial dots in the same order,
+            // so they agree on the scores (and on m and l).
+            for (var c = 0u; c < BC; c++) {
+                for (var r = 0u; r < RPI; r++) { part[(c * RPI + r) * wg + li] = s[r * BC + c]; }
+            }
+            workgroupBarrier();
+            for (var c = 0u; c < BC; c++) {
+                for (var r = 0u; r < RPI; r++) {
+                    var x = 0.0;
+                    for (var u = 0u; u < SPLIT; u++) { x += part[(c * RPI + r) * wg + g * SPLIT + u]; }
+                    s[r * BC + c] = x;
+                }
+            }
+        }
+
+        for (var r = 0u; r < RPI; r++) {
+            let i = i0 + g + r * NG;
+            // Masked keys score NEG_BIG. Key 0 is in every row's first block, so m_new is
+            // finite from then on and exp2(NEG_BIG - m_new) is exactly 0.
+            var m_new = m[r];
+            for (var c = 0u; c < BC; c++) {
+                let j = j0 + c;
+                var x = s[r * BC + c];
+                if (j >= p.Tk || (p.causal != 0u && j > i)) { x = NEG_BIG; }
+                s[r * BC + c] = x;
+                m_new = max(m_new, x);
+            }
+            var l_blk = 0.0;
+            for (var c = 0u; c < BC; c++) {
+                let pr = exp2(s[r * BC + c] - m_new);
+                s[r * BC + c] = pr;
+                l_blk += pr;
+            }
+            let alpha = exp2(m[r] - m_new);
+            l[r] = l[r] * alpha + l_blk;
+            m[r] = m_new;
+            for (var d = 0u; d < DVS; d++) { acc[r * DVS + d] *= alpha; }
+        }
+        for (var c = 0u; c < BC; c++) {
+            for (var d = 0u; d < DVS; d++) {
+                let vx = v_tile[c * DV + d * SPLIT + lane];
+                for (var r = 0u; r < RPI; r++) { acc[r * DVS + d] = fma(vec4<f32>(s[r * BC + c]), vx, acc[r * DVS + d]); }
+            }
+        }
     }
 
-    if (i < p.Tq) {
-        let inv_l = 1.0 / l;
-        for (var n = 0u; n < n_acc; n++) {
-            let d = t + n * NT;
-            if (d < dh) { o[(b * p.Tq + i) * (p.H * dh) + h * dh + d] = T(acc[n] * inv_l); }
+    for (var r = 0u; r < RPI; r++) {
+        let i = i0 + g + r * NG;
+        if (i < p.Tq) {
+            let inv_l = 1.0 / l[r];
+            let base = (b * p.Tq + i) * (p.H * p.dh) + h * p.dh;
+            for (var d = 0u; d < DVS; d++) {
+                let y = acc[r * DVS + d] * inv_l;
+                let d0 = 4u * (d * SPLIT + lane);
+                for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { o[base + d0 + e] = T(y[e]); } }
+            }
         }
     }
 }

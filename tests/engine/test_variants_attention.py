@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kernels import PipelineCache, Selection
+from engine.kernels import PipelineCache, Selection, variants
 from engine.ops import Ops
 from engine.runtime import Runtime
 from engine.variants import attention as attn
@@ -102,13 +102,81 @@ def test_attention_variant_over_binding_limit(rt, gpu, fresh_rng, monkeypatch, v
     assert rel_err(got, ref) <= TOL["f32"]
 
 
+# flash.wgsl's code paths: SPLIT invocations per row (1: no partial-dot reduction; 2, 4), RPI
+# rows per invocation, a head dim below MAX_DH (zero-padded vec4 columns) and not a multiple
+# of 4 (the scalar tail of the loads and stores), Tq / Tk not multiples of BR / BC, Tk < BC,
+# causal with Tq != Tk.
+FLASH_SETTINGS = [
+    ((1, 70, 50, 2, 36, True), {"SPLIT": 2, "RPI": 2, "BR": 16, "BC": 8}),
+    ((1, 37, 29, 1, 20, True), {"SPLIT": 4, "BR": 8, "BC": 16}),
+    ((2, 45, 9, 2, 40, False), {"RPI": 2, "BR": 32, "BC": 32}),
+    ((1, 50, 77, 1, 24, False), {"MAX_DH": 40, "RPI": 2, "BC": 64}),
+    ((1, 40, 40, 1, 128, False), {}),
+    ((1, 23, 31, 2, 156, True), {"RPI": 2, "BR": 16}),
+    ((1, 24, 24, 1, 60, False), {"MAX_DH": 64, "SPLIT": 1, "BC": 16}),
+    ((1, 30, 30, 1, 3, True), {}),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("shape,consts", FLASH_SETTINGS)
+def test_flash_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
+    b, tq, tk, heads, dh, causal = shape
+    ops = make_ops(rt, gpu, dtype)
+    variant = variants("attention")["flash"]
+    qx, kx, vx = (fresh_rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
+    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
+    y = variant.launch(ops, variant, consts, *tensors, heads, causal, dh**-0.5)
+    got = rt.read(y).astype(np.float64)
+    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
+    err = rel_err(got, np_attention(*seen, heads, causal))
+    assert err <= TOL[dtype], f"flash {consts} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+
+
 def test_flash_default_blocks_fit_every_webgpu_adapter():
-    """The default blocks stay within WebGPU's guaranteed 16 KiB of workgroup memory, and
-    every MAX_DH fits the register accumulators."""
-    for max_dh in attn.FLASH_MAX_DH:
-        br, bc = attn.FLASH_BLOCKS[max_dh]
-        assert attn.flash_workgroup_bytes(br, bc, max_dh) <= attn.WEBGPU_MIN_WORKGROUP_STORAGE
-        assert attn.FLASH_NT * attn.FLASH_ACC_MAX >= max_dh
+    """For every head dim flash serves, the defaults stay within WebGPU's guaranteed 16 KiB of
+    workgroup memory and 256 invocations per workgroup, and within the shader's register arrays."""
+    for dh in range(1, max(attn.FLASH_MAX_DH) + 1):
+        cfg = attn.flash_config(dh, {})
+        assert cfg["MAX_DH"] >= dh and cfg["MAX_DH"] - dh < 4 * cfg["SPLIT"]
+        need = attn.flash_workgroup_bytes(cfg["BR"], cfg["BC"], cfg["MAX_DH"], cfg["SPLIT"])
+        assert need <= attn.WEBGPU_MIN_WORKGROUP_STORAGE, (dh, cfg, need)
+        assert cfg["BR"] // cfg["RPI"] * cfg["SPLIT"] <= 256
+        assert cfg["MAX_DH"] // 4 // cfg["SPLIT"] <= attn.FLASH_MAX_DVS
+
+
+def test_flash_register_bounds_match_the_shader():
+    import re
+
+    source = variants("attention")["flash"].path.read_text()
+    for name in ("MAX_DVS", "MAX_RPI", "MAX_BC"):
+        found = re.search(rf"const {name} = (\d+)u;", source)
+        assert found and int(found.group(1)) == getattr(attn, f"FLASH_{name}"), name
+
+
+@pytest.mark.parametrize(
+    "dh,consts,match",
+    [
+        (160, {"SPLIT": 2}, "SPLIT=2"),
+        (40, {"MAX_DH": 40, "SPLIT": 4}, "divides 10"),
+        (80, {"MAX_DH": 64}, "below the head dim"),
+        (40, {"RPI": 2, "BR": 9}, "RPI=2"),
+    ],
+)
+def test_flash_rejects_constants_that_cannot_serve_the_head_dim(dh, consts, match):
+    from engine.errors import EngineError
+
+    with pytest.raises(EngineError, match=match):
+        attn.flash_config(dh, consts)
+
+
+def test_flash_profile_constants_of_the_old_kernel_still_run():
+    """The H100 profile's {"BC": 8, "BR": 32, "MAX_DH": 40} keeps its meaning (rows per
+    workgroup, keys per block, padded head dim)."""
+    assert attn.flash_config(40, {"BC": 8, "BR": 32, "MAX_DH": 40}) == {
+        "BR": 32, "BC": 8, "MAX_DH": 40, "SPLIT": 1, "RPI": 1,
+    }
 
 
 def test_flash_falls_back_for_head_dims_it_cannot_hold(gpu):
