@@ -1,18 +1,45 @@
-"""`farm-agent`: the device-side command. For now it reports what the device's GPU is; jobs,
-bundles and the network agent are added on top of this entry point."""
+"""`farm-agent`: the device-side command. `info` says what the device is, `install` checks and
+installs a signed bundle, `run` runs one job (generate, latency, tune) and leaves its
+JobResult in the output folder, `serve` is the network agent, `simulate` starts a virtual
+phone. The agent's root folder (builds, store, locks, logs, farm.pub) comes from --root, else
+$FARM_AGENT_ROOT, else ~/.local/share/devicefarm-agent.
+
+Exit codes of `run`: 0 the job succeeded, 1 it failed (the result says why), 2 bad input (a
+malformed or unknown job document), 75 the device is busy with another job (EX_TEMPFAIL).
+User errors print one `error: ...` line, never a traceback."""
 
 from __future__ import annotations
 
 import json
-import platform
+import signal
 import sys
+import threading
+from pathlib import Path
 
 import typer
 
 from engine.errors import EngineError
 
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_BUSY = 75
+ROOT_ENV = "FARM_AGENT_ROOT"
+DEFAULT_ROOT = Path("~/.local/share/devicefarm-agent")
+
 app = typer.Typer(name="farm-agent", help="The devicefarm agent that runs on each device.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
+
+ROOT_OPTION = typer.Option(None, "--root", envvar=ROOT_ENV, help=f"Agent root folder (default: ${ROOT_ENV}, "
+                           f"else {DEFAULT_ROOT}).", show_default=False)
+
+
+def agent_root(root: Path | None) -> Path:
+    return (root or DEFAULT_ROOT).expanduser()
+
+
+def fail(message: str, code: int = EXIT_FAILED):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
 
 
 @app.callback()
@@ -21,20 +48,139 @@ def _root():
 
 
 @app.command()
-def info(as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON.")):
-    """Report this device's WebGPU adapter and operating system."""
-    from engine.device import get_gpu
+def info(as_json: bool = typer.Option(False, "--json", help="Print the DeviceInfo as JSON.")):
+    """Report this device: model, OS, WebGPU adapter, temperatures, battery."""
+    from agent.deviceinfo import collect_local, hottest_celsius
+    from agent.protocol import to_json
 
-    data = {
-        "adapter": get_gpu().caps.as_dict(),
-        "os": {"system": platform.system(), "release": platform.release(), "machine": platform.machine()},
-        "python": platform.python_version(),
-    }
+    try:
+        device = collect_local()
+    except EngineError as exc:
+        fail(str(exc))
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(to_json(device))
+        return
+    a = device.adapter
+    hottest = hottest_celsius(device)
+    typer.echo(f"{device.model or 'unknown model'} ({device.manufacturer or 'unknown maker'}), "
+               f"{device.os} {device.os_version}: {a.get('device')} ({a.get('backend')}, {a.get('adapter_type')})"
+               + (f", hottest zone {hottest:.1f} C" if hottest is not None else ""))
+
+
+@app.command()
+def install(
+    bundle_dir: Path = typer.Argument(..., help="Bundle folder: manifest.json, manifest.sig, files/."),
+    root: Path = ROOT_OPTION,
+    public_key: Path = typer.Option(None, help="The farm's public key (default: farm.pub in the root)."),
+):
+    """Verify a signed bundle against the farm's key and install it as the current build."""
+    from agent.bundle import BundleError, install_bundle
+
+    root = agent_root(root)
+    if not bundle_dir.is_dir():
+        fail(f"bundle folder {bundle_dir} does not exist", EXIT_BAD_INPUT)
+    try:
+        build = install_bundle(bundle_dir, root, public_key)
+    except (BundleError, OSError) as exc:
+        fail(f"install refused: {exc}")
+    typer.echo(f"installed build {build.build_id} ({len(build.manifest.files)} files) at {build.path}; now current")
+
+
+def _read_spec(job: str):
+    from agent.protocol import JobSpec, ProtocolError, from_json
+
+    try:
+        text = sys.stdin.read() if job == "-" else Path(job).read_text()
+    except OSError as exc:
+        fail(f"cannot read job file {job}: {exc.strerror or exc}", EXIT_BAD_INPUT)
+    try:
+        return from_json(JobSpec, text)
+    except ProtocolError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+
+
+@app.command()
+def run(
+    job: str = typer.Argument(..., help="JobSpec JSON file ('-': standard input)."),
+    out: Path = typer.Option(..., "--out", help="Output folder: result.json, job.log, artifacts."),
+    root: Path = ROOT_OPTION,
+    quiet: bool = typer.Option(False, "--quiet", help="No progress lines on stderr."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole JobResult as JSON."),
+):
+    """Run one job on this device; progress is one JSON object per line on stderr."""
+    from agent.jobs import AgentBusy, Interrupted, run_job
+    from agent.protocol import to_json
+
+    spec = _read_spec(job)
+
+    def progress(event: dict) -> None:
+        if not quiet:
+            sys.stderr.write(json.dumps(event, default=str) + "\n")
+            sys.stderr.flush()
+
+    def on_term(signum, frame):
+        raise Interrupted(f"the agent received signal {signum}")
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, on_term)  # so the child dies and the lock is freed
+    try:
+        result = run_job(spec, out, agent_root(root), progress=progress)
+    except AgentBusy as exc:
+        fail(str(exc), EXIT_BUSY)
+    except Interrupted as exc:  # arrived outside the child's run: the lock is released all the same
+        fail(f"job interrupted: {exc}")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if as_json:
+        typer.echo(to_json(result))
     else:
-        a = data["adapter"]
-        typer.echo(f"{a['device']} ({a['backend']}, {a['adapter_type']}) on {data['os']['system']} {data['os']['release']}")
+        typer.echo(f"{result.status}: job {result.job_id} ({result.kind}) -> {Path(out) / 'result.json'}")
+        if result.error:
+            typer.echo(f"error: {result.error}")
+    raise typer.Exit(0 if result.status == "succeeded" else EXIT_FAILED)
+
+
+@app.command()
+def serve(
+    port: int = typer.Option(8765, help="TCP port to listen on."),
+    token_file: Path = typer.Option(..., help="File holding the bearer token clients must send."),
+    root: Path = ROOT_OPTION,
+    host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+):
+    """Serve this device to the farm over HTTP (for devices not reached through ADB)."""
+    from agent.serve import ServeError
+    from agent.serve import serve as run_server
+
+    try:
+        run_server(agent_root(root), token_file, host=host, port=port)
+    except ServeError as exc:
+        fail(str(exc))
+
+
+@app.command()
+def simulate(
+    port: int = typer.Option(..., help="TCP port the virtual phone's adbd listens on."),
+    serial: str = typer.Option(..., help="The phone's serial number."),
+    model: str = typer.Option("Pixel 7", help="Phone model to imitate."),
+    root: Path = typer.Option(None, help="Folder for the phone's sandboxed filesystem."),
+    auth: bool = typer.Option(False, "--auth", help="Require RSA authentication, like a real phone."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+):
+    """Run a virtual phone that speaks ADB, with this host's real WebGPU adapter."""
+    try:
+        from agent.simulator import run_simulator
+    except ImportError as exc:
+        fail(f"the virtual phone is not available in this build ({exc})")
+    try:
+        run_simulator(port, serial, model=model, root=root, auth=auth, host=host,
+                      ready=lambda bound: typer.echo(f"virtual phone {serial} ({model}) listening on {host}:{bound}"
+                                                     f"{'' if auth else ' (no authentication)'}"))
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
 
 
 def main() -> None:
@@ -42,4 +188,8 @@ def main() -> None:
         app()
     except EngineError as exc:
         typer.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
+
+
+if __name__ == "__main__":  # `python -m agent.cli`: how the virtual phone and bundles run the agent
+    main()

@@ -1,0 +1,621 @@
+"""Signed, content-addressed build bundles: how the orchestrator packs a build (engine, shaders,
+agent, model weights, profiles) and how the agent checks and installs it. A bundle is trusted
+only through the farm's Ed25519 signature over the manifest and each file's sha256 in it; the
+agent refuses anything else before a single byte reaches its store.
+
+A bundle, as built and as pushed to a device:
+
+    <bundle>/manifest.json     protocol.Manifest as JSON
+    <bundle>/manifest.sig      raw 64-byte Ed25519 signature of Manifest.canonical_bytes()
+    <bundle>/files/<path>      one file per manifest entry; a partial bundle (a re-deploy)
+                               holds only the files the device's store lacks
+
+The agent's root on the device:
+
+    <root>/farm.pub                   the farm's public key (PEM), provisioned once
+    <root>/store/<sha[:2]>/<sha>      content-addressed blobs, read-only, written by
+                                      temp file + fsync + os.replace (never seen half written)
+    <root>/builds/<build_id>/         the build as a tree: <path> for each manifest entry
+                                      (hard links to the store where possible, else copies;
+                                      executable files are always copies so their mode is
+                                      their own), plus manifest.json and manifest.sig
+    <root>/builds/current             symlink -> <build_id>, replaced atomically after the
+                                      whole tree is in place (a one-line file on platforms
+                                      without symlinks)
+
+Build ids are immutable: installing a different manifest under an installed build id is
+refused. Names starting with "." under store/ and builds/ are temporaries of an install in
+progress and are swept by the next install (installs hold root/.install.lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from agent.protocol import Manifest, ManifestFile, ProtocolError, from_json, to_json
+
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
+FILES = "files"
+FARM_KEY = "farm.pub"
+CURRENT = "current"
+# Names a build tree keeps for itself, so no manifest path may take them.
+RESERVED_PATHS = frozenset({MANIFEST, SIGNATURE})
+# Left out of folders given to build_bundle: interpreter caches and desktop litter.
+DEFAULT_EXCLUDE = ("__pycache__", "*.pyc", "*.pyo", ".DS_Store", ".git")
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_BUILD_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")
+_CHUNK = 1 << 20
+
+
+class BundleError(ValueError):
+    """A bundle, key or install that cannot be trusted or completed; the message names the
+    offending file and the reason."""
+
+
+@dataclass
+class InstalledBuild:
+    build_id: str
+    path: Path  # <root>/builds/<build_id>
+    manifest: Manifest
+
+
+# ---- keys -----------------------------------------------------------------------------------
+
+
+def generate_keypair(private_path: Path, public_path: Path, overwrite: bool = False) -> Ed25519PrivateKey:
+    """Write a new Ed25519 key pair as PEM: the private key with mode 0600 (created so, never
+    widened afterwards), the public key world-readable. Refuses to replace existing files
+    unless `overwrite`."""
+    private_path, public_path = Path(private_path), Path(public_path)
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
+    for path in (private_path, public_path):
+        if path.exists() and not overwrite:
+            raise BundleError(f"{path}: already exists; refusing to overwrite a key (pass overwrite=True)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        private_path.unlink()  # so O_CREAT applies 0600 to a fresh inode
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_pem)
+    public_path.write_bytes(public_pem)
+    return key
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    """Read a PEM Ed25519 private key; on POSIX refuses one readable by group or others."""
+    path = Path(path)
+    if os.name == "posix" and path.stat().st_mode & 0o077:
+        raise BundleError(f"{path}: private key is readable by others (mode "
+                          f"{stat.S_IMODE(path.stat().st_mode):o}); fix with `chmod 600 {path}`")
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError) as exc:
+        raise BundleError(f"{path}: not an unencrypted PEM private key ({exc})") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise BundleError(f"{path}: expected an Ed25519 key, got {type(key).__name__}")
+    return key
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    """Read an Ed25519 public key: PEM (SubjectPublicKeyInfo) or an OpenSSH `ssh-ed25519` line."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        if data.lstrip().startswith(b"ssh-"):
+            key = serialization.load_ssh_public_key(data.strip())
+        else:
+            key = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise BundleError(f"{path}: not a PEM or OpenSSH public key ({exc})") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise BundleError(f"{path}: expected an Ed25519 key, got {type(key).__name__}")
+    return key
+
+
+def provision_public_key(root: Path, public_key: Ed25519PublicKey | Path) -> Path:
+    """Install the farm's public key as <root>/farm.pub (done once per device)."""
+    key = public_key if isinstance(public_key, Ed25519PublicKey) else load_public_key(public_key)
+    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _atomic_write(root / FARM_KEY, pem, mode=0o644)
+    return root / FARM_KEY
+
+
+def farm_public_key(root: Path) -> Ed25519PublicKey:
+    path = Path(root) / FARM_KEY
+    if not path.is_file():
+        raise BundleError(f"{path}: no farm public key is provisioned on this device; "
+                          "provision it once with bundle.provision_public_key")
+    return load_public_key(path)
+
+
+# ---- building -------------------------------------------------------------------------------
+
+
+def build_bundle(sources: dict[str, Path], out_dir: Path, build_id: str, version: str,
+                 private_key: Ed25519PrivateKey | Path, source_revision: str = "",
+                 exclude: Iterable[str] = DEFAULT_EXCLUDE) -> Manifest:
+    """Pack `sources` (bundle path -> file or folder) into `out_dir` (absent or empty) and sign
+    the manifest. Folders are walked recursively, following symlinks (a Hugging Face snapshot
+    is a folder of symlinks into its blob cache), leaving out names matching `exclude`."""
+    key = private_key if isinstance(private_key, Ed25519PrivateKey) else load_private_key(private_key)
+    _check_build_id(build_id)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise BundleError(f"{out_dir}: output folder is not empty")
+    exclude = tuple(exclude)
+    entries: dict[str, Path] = {}
+    for bundle_path, source in sorted(sources.items()):
+        source = Path(source)
+        _check_path(bundle_path)
+        if source.is_file():
+            _add_entry(entries, bundle_path, source)
+        elif source.is_dir():
+            for rel, file in _walk_source(source, exclude):
+                _add_entry(entries, f"{bundle_path}/{rel}", file)
+        else:
+            raise BundleError(f"{bundle_path}: source {source} is neither a file nor a folder")
+    files = []
+    for path, source in sorted(entries.items()):
+        target = out_dir / FILES / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest, size = _copy_hashing(source, target)
+        mode = 0o755 if source.stat().st_mode & 0o111 else 0o644
+        os.chmod(target, mode)
+        files.append(ManifestFile(path=path, sha256=digest, size=size, mode=mode))
+    manifest = Manifest(build=build_id, version=version, created=time.time(), files=files,
+                        source_revision=source_revision)
+    _check_manifest(manifest)
+    (out_dir / MANIFEST).write_text(to_json(manifest))
+    (out_dir / SIGNATURE).write_bytes(key.sign(manifest.canonical_bytes()))
+    return manifest
+
+
+def _walk_source(folder: Path, exclude: tuple[str, ...]) -> Iterator[tuple[str, Path]]:
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a symlink loop
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not _excluded(d, exclude))
+        for name in sorted(filenames):
+            if _excluded(name, exclude):
+                continue
+            file = Path(dirpath) / name
+            if file.is_file():
+                yield file.relative_to(folder).as_posix(), file
+
+
+def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    from fnmatch import fnmatch
+
+    return any(fnmatch(name, p) for p in patterns)
+
+
+def _add_entry(entries: dict[str, Path], path: str, source: Path) -> None:
+    _check_path(path)
+    if path in entries:
+        raise BundleError(f"{path}: given twice ({entries[path]} and {source})")
+    entries[path] = source
+
+
+# ---- verifying ------------------------------------------------------------------------------
+
+
+def verify_bundle(bundle_dir: Path, public_key: Ed25519PublicKey | Path, partial: bool = False) -> Manifest:
+    """Check a bundle and return its manifest: the signature first (nothing else in an unsigned
+    document is read as trusted), then the manifest's paths and hashes, then every file under
+    files/: no symlinks, nothing outside the manifest, each size and sha256 as signed. With
+    `partial`, files may be absent (a re-deploy that sends only what the store lacks)."""
+    manifest = _signed_manifest(Path(bundle_dir), public_key)
+    present = _check_present_files(Path(bundle_dir), manifest)
+    if not partial:
+        absent = [f.path for f in manifest.files if f.path not in present]
+        if absent:
+            raise BundleError(f"{FILES}/{absent[0]}: listed in the manifest but missing from the bundle"
+                              + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
+    return manifest
+
+
+def _signed_manifest(bundle_dir: Path, public_key) -> Manifest:
+    key = _public_key(public_key)
+    manifest_path, sig_path = bundle_dir / MANIFEST, bundle_dir / SIGNATURE
+    for path in (manifest_path, sig_path):
+        if path.is_symlink() or not path.is_file():
+            what = "the manifest signature (unsigned bundle)" if path is sig_path else "the manifest"
+            raise BundleError(f"{path.name}: missing or not a regular file: a bundle needs {what}")
+    text = manifest_path.read_bytes()
+    try:
+        manifest = from_json(Manifest, text)
+    except ProtocolError as exc:
+        raise BundleError(f"{MANIFEST}: {exc}") from None
+    try:
+        key.verify(sig_path.read_bytes(), manifest.canonical_bytes())
+    except InvalidSignature:
+        raise BundleError(f"{MANIFEST}: manifest signature does not verify with the provisioned key") from None
+    _check_manifest(manifest)
+    return manifest
+
+
+def _check_present_files(bundle_dir: Path, manifest: Manifest) -> dict[str, Path]:
+    """Every entry under the bundle must be expected and intact; returns path -> file."""
+    expected = {f.path: f for f in manifest.files}
+    for entry in bundle_dir.iterdir():
+        if entry.name not in (MANIFEST, SIGNATURE, FILES):
+            raise BundleError(f"{entry.name}: not part of a bundle (only {MANIFEST}, {SIGNATURE}, {FILES}/)")
+    files_dir = bundle_dir / FILES
+    present: dict[str, Path] = {}
+    if not files_dir.exists() and not files_dir.is_symlink():
+        return present
+    if files_dir.is_symlink() or not files_dir.is_dir():
+        raise BundleError(f"{FILES}: must be a real folder, not a symlink or a file")
+    for dirpath, dirnames, filenames in os.walk(files_dir):  # never follows symlinks
+        base = Path(dirpath)
+        for name in dirnames + filenames:
+            entry = base / name
+            rel = entry.relative_to(files_dir).as_posix()
+            if entry.is_symlink():
+                raise BundleError(f"{FILES}/{rel}: is a symlink (-> {os.readlink(entry)}); bundles hold regular files only")
+            if name in dirnames:
+                if rel in expected:
+                    raise BundleError(f"{FILES}/{rel}: is a folder, the manifest lists a file")
+                continue
+            if rel not in expected:
+                raise BundleError(f"{FILES}/{rel}: not in the manifest")
+            if not entry.is_file():
+                raise BundleError(f"{FILES}/{rel}: not a regular file")
+            _check_file(entry, expected[rel], f"{FILES}/{rel}")
+            present[rel] = entry
+    return present
+
+
+def _check_file(path: Path, entry: ManifestFile, label: str) -> None:
+    size = path.stat().st_size
+    if size != entry.size:
+        raise BundleError(f"{label}: size mismatch (manifest {entry.size} bytes, file {size})")
+    if _sha256(path) != entry.sha256:
+        raise BundleError(f"{label}: sha256 mismatch")
+
+
+def _check_manifest(manifest: Manifest) -> None:
+    _check_build_id(manifest.build)
+    seen: set[str] = set()
+    for f in manifest.files:
+        _check_path(f.path)
+        if f.path in seen:
+            raise BundleError(f"{FILES}/{f.path}: listed twice in the manifest")
+        seen.add(f.path)
+        if not _SHA256.fullmatch(f.sha256):
+            raise BundleError(f"{FILES}/{f.path}: sha256 {f.sha256!r} is not 64 lowercase hex digits")
+        if f.size < 0 or not 0 <= f.mode <= 0o777:
+            raise BundleError(f"{FILES}/{f.path}: bad size {f.size} or mode {f.mode:o}")
+    for path in seen:  # "a" and "a/b" cannot both be files
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in seen:
+                raise BundleError(f"{FILES}/{path}: its parent {'/'.join(parts[:i])} is listed as a file")
+
+
+def _check_path(path: str) -> None:
+    """A manifest path: relative, forward slashes, no '..', '.' or empty parts, no drive."""
+    label = f"{FILES}/{path}"
+    if not path or "\x00" in path:
+        raise BundleError(f"{label}: empty path or NUL byte")
+    if "\\" in path:
+        raise BundleError(f"{label}: backslash in path (paths use forward slashes)")
+    if path.startswith("/") or re.match(r"[A-Za-z]:", path):
+        raise BundleError(f"{label}: absolute path")
+    parts = path.split("/")
+    if ".." in parts:
+        raise BundleError(f"{label}: path traversal ('..')")
+    if any(p in ("", ".") for p in parts):
+        raise BundleError(f"{label}: empty or '.' path component")
+    if path in RESERVED_PATHS:
+        raise BundleError(f"{label}: reserved name (the build tree keeps its manifest there)")
+
+
+def _check_build_id(build_id: str) -> None:
+    if not _BUILD_ID.fullmatch(build_id or "") or build_id == CURRENT:
+        raise BundleError(f"build id {build_id!r}: use letters, digits and ._+- (not starting with "
+                          f"'.' or '-', at most 128, not {CURRENT!r})")
+
+
+def _public_key(key) -> Ed25519PublicKey:
+    if isinstance(key, Ed25519PublicKey):
+        return key
+    if isinstance(key, str | os.PathLike):
+        return load_public_key(Path(key))
+    raise BundleError(f"expected an Ed25519 public key or its file, got {type(key).__name__}")
+
+
+# ---- installing -----------------------------------------------------------------------------
+
+
+def blob_path(root: Path, sha256: str) -> Path:
+    return Path(root) / "store" / sha256[:2] / sha256
+
+
+def missing_files(manifest: Manifest, root: Path) -> list[ManifestFile]:
+    """The manifest entries whose blob the store lacks (absent or of the wrong size), one per
+    distinct sha256: a re-deploy sends only these; install takes the rest from the store."""
+    out, seen = [], set()
+    for f in manifest.files:
+        if f.sha256 in seen:
+            continue
+        seen.add(f.sha256)
+        blob = blob_path(root, f.sha256)
+        if not (blob.is_file() and not blob.is_symlink() and blob.stat().st_size == f.size):
+            out.append(f)
+    return out
+
+
+def install_bundle(bundle_dir: Path, root: Path, public_key: Ed25519PublicKey | Path | None = None,
+                   activate: bool = True) -> InstalledBuild:
+    """Verify a (possibly partial) bundle, add its files to the store, materialize the build
+    tree and, with `activate`, point builds/current at it. `public_key` None means the
+    provisioned <root>/farm.pub. Nothing becomes visible before it is complete: an install
+    that fails part-way leaves the store without partial blobs and `current` unchanged."""
+    bundle_dir, root = Path(bundle_dir), Path(root)
+    key = farm_public_key(root) if public_key is None else _public_key(public_key)
+    with _install_lock(root):
+        _sweep_temporaries(root)
+        # 1. trust: signature, manifest, the files that came
+        manifest = _signed_manifest(bundle_dir, key)
+        present = _check_present_files(bundle_dir, manifest)
+        # 2. the files that did not come must already be in the store, intact
+        coming = {f.sha256 for f in manifest.files if f.path in present}
+        for f in manifest.files:
+            if f.path in present or f.sha256 in coming:
+                continue
+            blob = blob_path(root, f.sha256)
+            if not blob.is_file():
+                raise BundleError(f"{FILES}/{f.path}: not in the bundle and not in the device's store "
+                                  f"(sha256 {f.sha256[:12]}...); send the files missing_files() lists")
+            _check_file(blob, f, f"{FILES}/{f.path} (store blob {f.sha256[:12]}...)")
+        # 3. store the files that came (skipping blobs already there and intact)
+        for f in manifest.files:
+            if f.path in present:
+                _store_blob(present[f.path], f, root)
+        # 4. the build tree, then 5. the switch
+        build = _materialize(bundle_dir, manifest, root)
+        if activate:
+            activate_build(root, build.build_id)
+        return build
+
+
+def _store_blob(source: Path, entry: ManifestFile, root: Path) -> None:
+    blob = blob_path(root, entry.sha256)
+    if blob.is_file() and not blob.is_symlink():
+        try:
+            _check_file(blob, entry, "store blob")
+            return
+        except BundleError:
+            pass  # a damaged blob: replace it with the verified copy below
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    tmp = blob.parent / f".tmp-{entry.sha256[:12]}-{uuid.uuid4().hex}"
+    try:
+        # Hash again while copying: the bundle file could change between check and copy.
+        digest, size = _copy_hashing(source, tmp, fsync=True)
+        if digest != entry.sha256 or size != entry.size:
+            raise BundleError(f"{FILES}/{entry.path}: changed while being installed (sha256 mismatch)")
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, blob)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(blob.parent)
+
+
+def _materialize(bundle_dir: Path, manifest: Manifest, root: Path) -> InstalledBuild:
+    builds = root / "builds"
+    builds.mkdir(parents=True, exist_ok=True)
+    final = builds / manifest.build
+    if final.exists():
+        existing = _read_build(final)
+        if existing is None:
+            raise BundleError(f"{final}: exists but holds no readable {MANIFEST}; remove it and install again")
+        if existing.manifest.canonical_bytes() != manifest.canonical_bytes():
+            raise BundleError(f"build {manifest.build!r} is already installed with a different manifest; "
+                              "build ids are immutable, build again under a new id")
+        if _tree_intact(final, manifest):
+            return existing
+    tmp = builds / f".tmp-{manifest.build}-{uuid.uuid4().hex}"
+    try:
+        tmp.mkdir()
+        for f in manifest.files:
+            target = tmp / f.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            blob = blob_path(root, f.sha256)
+            if f.mode & 0o111 or not _try_link(blob, target):
+                shutil.copyfile(blob, target)
+                os.chmod(target, f.mode)
+        shutil.copyfile(bundle_dir / MANIFEST, tmp / MANIFEST)
+        shutil.copyfile(bundle_dir / SIGNATURE, tmp / SIGNATURE)
+        for dirpath, _, _ in os.walk(tmp):
+            _fsync_dir(Path(dirpath))
+        if final.exists():  # same manifest, damaged tree: swap it for the fresh one
+            old = builds / f".old-{manifest.build}-{uuid.uuid4().hex}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(builds)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return InstalledBuild(manifest.build, final, manifest)
+
+
+def _tree_intact(tree: Path, manifest: Manifest) -> bool:
+    for f in manifest.files:
+        path = tree / f.path
+        if path.is_symlink() or not path.is_file() or path.stat().st_size != f.size:
+            return False
+    return True
+
+
+def _try_link(blob: Path, target: Path) -> bool:
+    try:
+        os.link(blob, target)
+        return True
+    except OSError:  # another filesystem, or one without hard links (FAT on a phone's sdcard)
+        return False
+
+
+def activate_build(root: Path, build_id: str) -> InstalledBuild:
+    """Point <root>/builds/current at an installed build (also how to roll back)."""
+    builds = Path(root) / "builds"
+    _check_build_id(build_id)
+    build = _read_build(builds / build_id)
+    if build is None:
+        raise BundleError(f"build {build_id!r} is not installed under {builds}")
+    tmp = builds / f".tmp-current-{uuid.uuid4().hex}"
+    try:
+        os.symlink(build_id, tmp, target_is_directory=True)
+    except (OSError, NotImplementedError):  # no symlinks here (Windows without privilege)
+        tmp.write_text(build_id + "\n")
+    try:
+        os.replace(tmp, builds / CURRENT)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(builds)
+    return build
+
+
+def list_builds(root: Path) -> list[InstalledBuild]:
+    """Installed builds, oldest first (by manifest creation time)."""
+    builds = Path(root) / "builds"
+    if not builds.is_dir():
+        return []
+    out = []
+    for entry in builds.iterdir():
+        if entry.name.startswith(".") or entry.name == CURRENT or entry.is_symlink():
+            continue
+        build = _read_build(entry)
+        if build is not None:
+            out.append(build)
+    return sorted(out, key=lambda b: (b.manifest.created, b.build_id))
+
+
+def current_build(root: Path) -> InstalledBuild | None:
+    link = Path(root) / "builds" / CURRENT
+    if link.is_symlink():
+        name = os.readlink(link)
+    elif link.is_file():
+        name = link.read_text().strip()
+    else:
+        return None
+    if "/" in name or "\\" in name:  # always written relative by activate_build
+        return None
+    return _read_build(link.parent / name)
+
+
+def _read_build(path: Path) -> InstalledBuild | None:
+    try:
+        manifest = from_json(Manifest, (path / MANIFEST).read_bytes())
+    except (OSError, ProtocolError):
+        return None
+    return InstalledBuild(manifest.build, path, manifest)
+
+
+# ---- file helpers ---------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _copy_hashing(source: Path, target: Path, fsync: bool = False) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with open(source, "rb") as src, open(target, "xb") as dst:
+        while chunk := src.read(_CHUNK):
+            h.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+        if fsync:
+            dst.flush()
+            os.fsync(dst.fileno())
+    return h.hexdigest(), size
+
+
+def _atomic_write(path: Path, data: bytes, mode: int) -> None:
+    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sweep_temporaries(root: Path) -> None:
+    """Remove what an install killed part-way left behind (we hold the install lock)."""
+    for folder in [root / "builds", *sorted((root / "store").glob("??"))]:
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            if entry.name.startswith((".tmp-", ".old-")):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        entry.unlink()
+
+
+@contextlib.contextmanager
+def _install_lock(root: Path):
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: the agent runs one job at a time anyway
+        yield
+        return
+    with open(root / ".install.lock", "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

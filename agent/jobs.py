@@ -1,0 +1,686 @@
+"""Running one job on this device: the device lock, the optional cool-down, the child process
+that does the GPU work under a time limit, and the JobResult and log every job leaves behind.
+
+    run_job(spec, out_dir, root)                      the agent process
+      1. lock      <root>/locks/device.lock (pid, job, start); a live holder -> AgentBusy,
+                   a dead or overdue one is recovered with a log line
+      2. cool down poll the hottest thermal zone until <= cooldown.max_celsius
+      3. plan      resolve model and profile against the installed build -> out_dir/plan.json
+      4. child     `python -m agent.jobs out_dir/plan.json`: loads the engine, runs the kind,
+                   streams progress events and finally the JobResult as JSON lines on its
+                   stdout; its stderr (engine warnings, tracebacks) is out_dir/job.log.
+                   Killed with its process group at spec.time_limit_s.
+      5. result    out_dir/result.json, written atomically, also when the job failed
+
+The GPU work runs in a child so that a hung driver or a runaway job can be killed without
+taking the agent down, and so the agent process itself never holds a GPU device. Samples are
+raw, one per repetition; nothing is aggregated on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.protocol import (
+    Artifact,
+    JobResult,
+    JobSpec,
+    KernelTiming,
+    ProtocolError,
+    Sample,
+    ThermalReading,
+    from_dict,
+    to_dict,
+    to_json,
+)
+
+ProgressFn = Callable[[dict], None]  # one event: {"event": ..., "job_id": ..., "t": ..., ...}
+ThermalFn = Callable[[], "float | None"]  # the hottest zone now, in Celsius
+
+LOCK_NAME = "device.lock"
+LOCK_MARGIN_S = 120.0  # past time limit + cool-down, a lock whose holder still lives is overdue
+LOG_TAIL_CHARS = 4000
+SHIPPED_PROFILES = ("auto", "reference")
+RESULT_EVENT = "result"
+
+
+class AgentBusy(RuntimeError):
+    """Another job holds this device (the CLI exits 75, EX_TEMPFAIL: try again later)."""
+
+
+class JobError(Exception):
+    """A job that cannot start here (model or build missing); it ends as a failed result."""
+
+
+class Interrupted(Exception):
+    """The agent was told to stop (SIGTERM) mid-job: the child is killed, the result says so."""
+
+
+# ---- small file helpers ---------------------------------------------------------------------
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file + rename, so a reader never sees half a document."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def artifact(out_dir: Path, path: Path, kind: str) -> Artifact:
+    return Artifact(path=path.relative_to(out_dir).as_posix(), sha256=sha256_file(path),
+                    size=path.stat().st_size, kind=kind)
+
+
+def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def agent_log(root: Path, line: str) -> None:
+    """One line in <root>/logs/agent.log: what happened to the device outside any job's log."""
+    logs = Path(root) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "agent.log", "a", encoding="utf-8") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
+
+
+# ---- the device lock -----------------------------------------------------------------------
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process on Windows
+        import ctypes
+
+        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # QUERY_LIMITED_INFORMATION
+        if not handle:
+            return False
+        code = ctypes.c_ulong()
+        ctypes.windll.kernel32.GetExitCodeProcess(handle, ctypes.byref(code))
+        ctypes.windll.kernel32.CloseHandle(handle)
+        return code.value == 259  # STILL_ACTIVE
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def read_lock(root: Path) -> dict | None:
+    """The lock's record, or None when the device is free. An unreadable record is returned
+    as {"corrupt": True, "mtime": ...}."""
+    path = Path(root) / "locks" / LOCK_NAME
+    try:
+        text = path.read_text()
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError
+        return data
+    except ValueError:
+        return {"corrupt": True, "mtime": mtime}
+
+
+def lock_problem(record: dict, now: float | None = None) -> str | None:
+    """Why a lock record is stale, or None if its holder is alive and within its time."""
+    now = time.time() if now is None else now
+    if record.get("corrupt"):
+        # A lock is written in one small write; an empty one for seconds was left by a crash.
+        return "unreadable lock file" if now - record.get("mtime", 0) > 5 else None
+    pids = [p for p in (record.get("pid"), record.get("child_pid")) if isinstance(p, int)]
+    if record.get("host", socket.gethostname()) == socket.gethostname() and not any(map(pid_alive, pids)):
+        return f"its process {record.get('pid')} is gone"
+    allowed = float(record.get("time_limit_s", 0)) + float(record.get("cooldown_max_s", 0)) + LOCK_MARGIN_S
+    age = now - float(record.get("started_at", 0))
+    if age > allowed:
+        return f"it is {age:.0f} s old, past its time limit + cool-down + margin ({allowed:.0f} s)"
+    return None
+
+
+def busy_message(record: dict) -> str:
+    if record.get("corrupt"):
+        return "device busy: a job is taking the lock right now"
+    return (f"device busy with job {record.get('job_id')!r} since {_iso(float(record.get('started_at', 0)))} "
+            f"(agent pid {record.get('pid')}); retry when it has finished")
+
+
+class DeviceLock:
+    """<root>/locks/device.lock, created exclusively; released on exit. `notes` collects the
+    stale-lock recoveries, for the job's log."""
+
+    def __init__(self, root: Path, spec: JobSpec):
+        self.path = Path(root) / "locks" / LOCK_NAME
+        self.root = Path(root)
+        self.record = {
+            "job_id": spec.job_id,
+            "kind": spec.kind,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": time.time(),
+            "time_limit_s": spec.time_limit_s,
+            "cooldown_max_s": spec.cooldown.max_wait_s if spec.cooldown else 0.0,
+        }
+        self.notes: list[str] = []
+
+    def __enter__(self) -> DeviceLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                held = read_lock(self.root)
+                if held is None:
+                    continue  # released between our two looks
+                why = lock_problem(held)
+                if why is None:
+                    raise AgentBusy(busy_message(held)) from None
+                note = f"recovered stale lock of job {held.get('job_id')!r} (pid {held.get('pid')}): {why}"
+                agent_log(self.root, note)
+                self.notes.append(note)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.record))
+            return self
+        raise AgentBusy("device busy: the lock keeps being taken by other jobs")
+
+    def update(self, **fields) -> None:
+        self.record.update(fields)
+        atomic_write_text(self.path, json.dumps(self.record))
+
+    def __exit__(self, *exc) -> None:
+        held = read_lock(self.root)
+        if held is not None and held.get("pid") == os.getpid() and held.get("job_id") == self.record["job_id"]:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+# ---- cool-down ----------------------------------------------------------------------------
+
+
+def read_hottest_celsius() -> float | None:
+    """The device's hottest thermal zone now, from agent.deviceinfo, without touching the GPU."""
+    from agent.deviceinfo import hottest_celsius, read_thermal_local
+
+    return hottest_celsius(read_thermal_local())
+
+
+def cool_down(cooldown, thermal: ThermalFn, log: Callable[[str], None], emit: ProgressFn,
+              sleep: Callable[[float], None] = time.sleep) -> tuple[float, bool]:
+    """Poll until the hottest zone is at most cooldown.max_celsius; (seconds waited, timed out)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            celsius = thermal()
+        except Exception as exc:  # a thermal reader must never fail the job
+            log(f"cool-down: cannot read temperatures ({exc}); not waiting")
+            return time.monotonic() - t0, False
+        waited = time.monotonic() - t0
+        if celsius is None:
+            log("cool-down: this device reports no temperatures; not waiting")
+            return waited, False
+        emit({"event": "cooldown", "celsius": celsius, "max_celsius": cooldown.max_celsius, "waited_s": round(waited, 3)})
+        if celsius <= cooldown.max_celsius:
+            log(f"cool-down: {celsius:.1f} C <= {cooldown.max_celsius:.1f} C after {waited:.1f} s")
+            return waited, False
+        if waited >= cooldown.max_wait_s:
+            log(f"cool-down: still {celsius:.1f} C > {cooldown.max_celsius:.1f} C after {waited:.1f} s; "
+                "running anyway (cooldown_timed_out)")
+            return waited, True
+        sleep(max(0.0, min(cooldown.poll_s, cooldown.max_wait_s - waited)))
+
+
+# ---- the plan: what the child runs --------------------------------------------------------
+
+
+def _find_build(root: Path, build_id: str | None):
+    """The InstalledBuild named (or the current one), or None when nothing is installed."""
+    from agent.bundle import current_build, list_builds
+
+    if build_id is None:
+        return current_build(root)
+    for b in list_builds(root):
+        if b.build_id == build_id:
+            return b
+    installed = ", ".join(b.build_id for b in list_builds(root)) or "none"
+    raise JobError(f"build {build_id!r} is not installed under {root / 'builds'} (installed: {installed}); "
+                   "install it first (farm-agent install)")
+
+
+def make_plan(spec: JobSpec, root: Path, out_dir: Path) -> dict:
+    """Resolve the model and the profile against the build; errors name what is missing."""
+    model = Path(spec.model)
+    need_build = not model.is_absolute() or (
+        spec.profile not in SHIPPED_PROFILES and not Path(spec.profile).is_absolute() and spec.profile.endswith(".json"))
+    build = _find_build(root, spec.build) if (need_build or spec.build) else None
+    if not model.is_absolute():
+        if build is None:
+            raise JobError(f"model {spec.model!r} is relative to a build, but no build is installed under "
+                           f"{root / 'builds'}; install a bundle (farm-agent install) or give an absolute model path")
+        model = build.path / spec.model
+    if not model.exists():
+        where = f"build {build.build_id!r}" if build is not None and not Path(spec.model).is_absolute() else "this device"
+        raise JobError(f"model {spec.model!r} not found in {where} (looked at {model})")
+    profile = spec.profile
+    if profile not in SHIPPED_PROFILES and build is not None and (build.path / profile).is_file():
+        profile = str(build.path / profile)  # else a shipped profile's name or a device path
+    return {
+        "spec": to_dict(spec),
+        "model": str(model),
+        "profile": profile,
+        "build": build.build_id if build is not None else None,
+        "build_path": str(build.path) if build is not None else None,
+        "out_dir": str(out_dir),
+        "root": str(root),
+    }
+
+
+def _child_env(plan: dict) -> dict:
+    """The child imports the build's engine and agent when the build ships them, else ours."""
+    paths = [str(Path(__file__).resolve().parent.parent)]
+    build_path = plan.get("build_path")
+    if build_path and (Path(build_path) / "engine" / "__init__.py").is_file() \
+            and (Path(build_path) / "agent" / "jobs.py").is_file():
+        paths.insert(0, build_path)
+    env = dict(os.environ)
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# ---- the agent side -----------------------------------------------------------------------
+
+
+def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | None = None, *,
+            thermal: ThermalFn | None = None) -> JobResult:
+    """Run one job under the device lock and write out_dir/result.json and out_dir/job.log.
+    Returns the JobResult (status "failed" for anything that went wrong in the job); raises
+    AgentBusy when another job holds the device. `thermal` replaces the thermal reader."""
+    out_dir, root = Path(out_dir).resolve(), Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    with DeviceLock(root, spec) as lock:  # before touching out_dir: it may be a running job's
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "result.json").unlink(missing_ok=True)  # a reader must never take an old one for ours
+        log_path = out_dir / "job.log"
+        log_path.write_text("")
+        result = JobResult(job_id=spec.job_id, kind=spec.kind, status="failed", started_at=time.time())
+
+        def log(line: str) -> None:
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(f"[agent {time.strftime('%H:%M:%S')}] {line}\n")
+
+        def emit(event: dict) -> None:
+            event = {"event": event.pop("event"), "job_id": spec.job_id, "t": round(time.time(), 3), **event}
+            if progress is not None:
+                with contextlib.suppress(Exception):  # a broken listener must not break the job
+                    progress(event)
+
+        for note in lock.notes:
+            log(note)
+        log(f"job {spec.job_id} ({spec.kind}) on agent pid {os.getpid()}, time limit {spec.time_limit_s:g} s")
+        emit({"event": "started", "kind": spec.kind})
+        atomic_write_text(out_dir / "job.json", to_json(spec))
+        try:
+            if spec.cooldown is not None:
+                result.cooldown_wait_s, result.cooldown_timed_out = cool_down(
+                    spec.cooldown, thermal or read_hottest_celsius, log, emit)
+            plan = make_plan(spec, root, out_dir)
+            atomic_write_text(out_dir / "plan.json", json.dumps(plan, indent=2))
+            _run_child(plan, spec, result, lock, log, emit, log_path)
+        except JobError as exc:
+            result.error = str(exc)
+            log(f"error: {exc}")
+        except Interrupted as exc:
+            result.error = f"job interrupted: {exc}"
+            log(result.error)
+        except Exception as exc:  # the agent's own bug: still a result, never a bare traceback
+            result.error = f"agent error: {type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+        result.finished_at = time.time()
+        log(f"{result.status}{': ' + result.error if result.error else ''} "
+            f"after {result.finished_at - result.started_at:.1f} s")
+        result.log_tail = log_tail(log_path)
+        result.artifacts.append(artifact(out_dir, log_path, "log"))
+        atomic_write_text(out_dir / "result.json", to_json(result))
+        emit({"event": "finished", "status": result.status, "error": result.error})
+        return result
+
+
+def _run_child(plan: dict, spec: JobSpec, result: JobResult, lock: DeviceLock, log, emit, log_path: Path) -> None:
+    """Start the child, relay its events, enforce the time limit, merge its result."""
+    cmd = [sys.executable, "-m", "agent.jobs", str(Path(plan["out_dir"]) / "plan.json")]
+    popen_kw = {"start_new_session": True} if os.name == "posix" else {
+        "creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
+    with open(log_path, "ab") as child_err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=child_err,
+                                env=_child_env(plan), **popen_kw)
+    lock.update(child_pid=proc.pid)
+    box: dict = {}
+
+    def relay():
+        for raw in proc.stdout:
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                continue  # only our JSON lines go to this pipe
+            if isinstance(event, dict) and event.get("event") == RESULT_EVENT:
+                box["result"] = event.get("result")
+            elif isinstance(event, dict) and "event" in event:
+                emit(event)
+
+    reader = threading.Thread(target=relay, name=f"job-{spec.job_id}-events", daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=spec.time_limit_s)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        reader.join(timeout=5)
+        result.error = f"time limit of {spec.time_limit_s:g} s exceeded"
+        log(f"killed the job process {proc.pid}: {result.error}")
+        return
+    except BaseException:  # the agent is being stopped: take the child down with it
+        _kill(proc)
+        log(f"killed the job process {proc.pid} (the agent is stopping)")
+        raise
+    finally:
+        lock.update(child_pid=None)
+    reader.join(timeout=10)
+    data = box.get("result")
+    if data is None:
+        result.error = f"the job process exited with code {proc.returncode} without a result; see the log"
+        return
+    try:
+        child = from_dict(JobResult, data)
+    except ProtocolError as exc:
+        result.error = f"the job process returned an unreadable result: {exc}"
+        return
+    for name in ("status", "error", "device", "engine", "samples", "kernel_timings", "thermal", "artifacts"):
+        setattr(result, name, getattr(child, name))
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        if os.name == "posix":
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
+        else:
+            proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+# ---- the child side: the GPU work -----------------------------------------------------------
+
+
+class _Child:
+    """The job inside the child process; fills `result` as it goes, so a failure part-way
+    still reports what was measured up to then."""
+
+    def __init__(self, plan: dict, emit: ProgressFn):
+        self.plan = plan
+        self.spec = from_dict(JobSpec, plan["spec"])
+        self.out_dir = Path(plan["out_dir"])
+        self.emit = emit
+        self.result = JobResult(job_id=self.spec.job_id, kind=self.spec.kind, status="failed")
+        self.caps = None
+
+    # -- helpers
+
+    def phase(self, name: str, **extra) -> None:
+        print(f"[job] {name} {json.dumps(extra) if extra else ''}".rstrip(), file=sys.stderr, flush=True)
+        self.emit({"event": "phase", "phase": name, **extra})
+
+    def steps(self, phase: str, repetition: int | None = None):
+        def report(done: int, total: int) -> None:
+            self.emit({"event": "step", "phase": phase, "done": done, "total": total, "repetition": repetition})
+        return report
+
+    def sample(self, metric: str, value: float, unit: str, repetition: int = 0) -> None:
+        self.result.samples.append(Sample(metric, float(value), unit, repetition))
+
+    def generation_samples(self, g, repetition: int) -> None:
+        """e2e_ms, every stage's ms, peak_gpu_bytes and each stage's peak, of one generation.
+        The generation's unet_step_ms is left out: it is a median over steps (aggregated), and
+        unet_step_ms means one timed CFG step (latency jobs); unet_total_ms stays."""
+        for key, ms in g.timings.items():
+            if key == "unet_step_ms":
+                continue
+            self.sample("e2e_ms" if key == "total_ms" else key, ms, "ms", repetition)
+        self.sample("peak_gpu_bytes", g.peak_gpu_bytes, "bytes", repetition)
+        for stage, nbytes in g.stage_peak_gpu_bytes.items():
+            self.sample(f"{stage}_peak_gpu_bytes", nbytes, "bytes", repetition)
+
+    def thermal(self, phase: str) -> None:
+        """Best effort: a device without readable zones just has none."""
+        try:
+            from agent.deviceinfo import collect_local
+
+            info = collect_local(adapter=self.caps.as_dict() if self.caps else {"device": "not queried"})
+        except Exception as exc:
+            print(f"[job] thermal readings unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return
+        for zone in info.thermal:
+            self.result.thermal.append(ThermalReading(phase, zone.name, float(zone.celsius)))
+        if info.battery is not None and info.battery.celsius is not None:
+            self.result.thermal.append(ThermalReading(phase, "battery", float(info.battery.celsius)))
+
+    def engine_info(self, pipe=None, **extra) -> None:
+        caps = self.caps
+        info = {"model": self.plan["model"], "build": self.plan["build"], "requested_profile": self.spec.profile,
+                "requested_precision": self.spec.precision, "adapter": caps.as_dict()}
+        if pipe is not None:
+            decisions = Counter(f"{d.op}/{d.variant}" for d in pipe.selection.decisions.values())
+            info |= {"profile": pipe.selection.profile_name, "precision": pipe.precision,
+                     "residency": pipe.residency, "selection": dict(sorted(decisions.items())),
+                     "warnings": list(dict.fromkeys(pipe.notes + pipe.selection.warnings))}
+        self.result.engine = info | extra
+
+    def size(self, pipe) -> tuple[int, int]:
+        return self.spec.height or pipe.native_size[0], self.spec.width or pipe.native_size[1]
+
+    def load(self):
+        from engine import load_pipeline
+
+        self.phase("load", model=self.plan["model"], profile=self.plan["profile"])
+        t0 = time.perf_counter()
+        pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.plan["profile"])
+        self.sample("load_ms", (time.perf_counter() - t0) * 1e3, "ms")
+        return pipe
+
+    def generate_once(self, pipe, height: int, width: int, phase: str, repetition: int | None = None):
+        s = self.spec
+        return pipe.generate(s.prompt, negative_prompt=s.negative_prompt, steps=s.steps,
+                             guidance_scale=s.guidance_scale, seed=s.seed, height=height, width=width,
+                             scheduler=s.scheduler, progress=self.steps(phase, repetition))
+
+    # -- the kinds
+
+    def run(self) -> JobResult:
+        from engine.device import get_gpu
+
+        self.caps = get_gpu().caps
+        self.result.device = self.caps.device
+        self.engine_info()
+        self.thermal("before")
+        getattr(self, f"run_{self.spec.kind}")()
+        self.thermal("after")
+        self.result.status = "succeeded"
+        return self.result
+
+    def run_generate(self) -> None:
+        from PIL import Image
+        from PIL.PngImagePlugin import PngInfo
+
+        pipe = self.load()
+        height, width = self.size(pipe)
+        self.phase("generate", height=height, width=width, steps=self.spec.steps)
+        g = self.generate_once(pipe, height, width, "generate")
+        self.generation_samples(g, 0)
+        meta = PngInfo()
+        for key in ("job_id", "prompt", "negative_prompt", "seed", "steps", "scheduler", "guidance_scale"):
+            meta.add_text(key, str(getattr(self.spec, key)))
+        path = self.out_dir / "image.png"
+        Image.fromarray(g.image).save(path, pnginfo=meta)
+        self.result.artifacts.append(artifact(self.out_dir, path, "image"))
+        self.engine_info(pipe, height=height, width=width, generation_warnings=g.warnings)
+
+    def run_latency(self) -> None:
+        """Warm-ups, then spec.unet_repetitions timed UNet CFG steps (batch 2, reading the result
+        back, so each is timed to GPU completion), then as many profiled steps for per-kernel
+        GPU times (profiling splits passes, so they are kept apart from the timed ones), then
+        spec.repetitions timed end-to-end generations."""
+        import numpy as np
+
+        s = self.spec
+        pipe = self.load()
+        rt = pipe.rt
+        height, width = self.size(pipe)
+        f = pipe.vae_scale_factor
+        rng = np.random.default_rng(s.seed)
+        sample = rng.standard_normal((2, pipe.latent_channels, height // f, width // f), dtype=np.float32)
+        t = 981  # the first timestep of a 1000-step schedule; step cost does not depend on it
+        ctx_np = pipe.encode_text(pipe.tokenize([s.negative_prompt, s.prompt]))  # (2, 77, D)
+        timed_kernels = s.kernel_timings and self.caps.has_timestamps
+        with pipe.weights_on_gpu("unet"):
+            ctx = rt.upload(ctx_np, pipe.dtype)
+            self.phase("unet_warmup", repetitions=s.warmup)
+            for _ in range(s.warmup):
+                pipe._unet(sample, t, ctx)
+            rt.sync()
+            self.phase("unet_step", repetitions=s.unet_repetitions)
+            with rt.watch_peak() as watch:
+                for r in range(s.unet_repetitions):
+                    t0 = time.perf_counter()
+                    pipe._unet(sample, t, ctx)  # reads eps back: waits for the GPU
+                    self.sample("unet_step_ms", (time.perf_counter() - t0) * 1e3, "ms", r)
+                    self.emit({"event": "step", "phase": "unet_step", "done": r + 1, "total": s.unet_repetitions})
+            self.sample("unet_step_peak_gpu_bytes", watch.peak_bytes, "bytes")
+            if timed_kernels:
+                self.phase("kernel_timings", repetitions=s.unet_repetitions)
+                rt.set_profiling(True)
+                try:
+                    rt.take_kernel_times()
+                    for r in range(s.unet_repetitions):
+                        pipe._unet(sample, t, ctx)
+                        for label, kt in sorted(rt.take_kernel_times().items()):
+                            self.result.kernel_timings.append(KernelTiming(label, kt.calls, kt.total_ms, r))
+                finally:
+                    rt.set_profiling(False)
+            del ctx
+        for r in range(s.warmup):
+            self.phase("e2e_warmup", repetition=r)
+            self.generate_once(pipe, height, width, "e2e_warmup", r)
+        for r in range(s.repetitions):
+            self.phase("e2e", repetition=r, repetitions=s.repetitions)
+            self.generation_samples(self.generate_once(pipe, height, width, "e2e", r), r)
+        clock = ("off" if not s.kernel_timings else "unavailable (no timestamp-query)" if not timed_kernels
+                 else "gpu timestamp queries" + (" (CPU adapter: not wall-clock comparable)"
+                                                 if self.caps.adapter_type.lower() == "cpu" else ""))
+        self.engine_info(pipe, height=height, width=width, unet_batch=2, unet_timestep=t, kernel_timing=clock,
+                         kernel_timing_repetitions=s.unet_repetitions if timed_kernels else 0)
+
+    def run_tune(self) -> None:
+        from engine.device import get_gpu
+        from engine.models.config import load_model_config
+        from engine.tune import tune
+
+        s = self.spec
+        config = load_model_config(self.plan["model"])
+        gpu = get_gpu()
+        height, width = s.height or config.native_size[0], s.width or config.native_size[1]
+        dtype = "f16" if s.precision == "fp16" and gpu.caps.has_f16 else "f32"
+        path = self.out_dir / "profile.json"
+        self.phase("tune", height=height, width=width, dtype=dtype)
+        t0 = time.perf_counter()
+        doc = tune(config, gpu, dtype, height, width, path, warmup=s.warmup, repeats=s.tune_repeats,
+                   time_budget_s=s.tune_time_budget_s,
+                   progress=lambda i, n, what: self.emit({"event": "step", "phase": "tune", "done": i, "total": n,
+                                                          "what": what}))
+        self.sample("tune_ms", (time.perf_counter() - t0) * 1e3, "ms")
+        self.result.artifacts.append(artifact(self.out_dir, path, "profile"))
+        self.engine_info(None, profile=doc["name"], precision="fp16" if dtype == "f16" else "fp32",
+                         height=height, width=width, tuned_pairs=len(doc["measurements"]),
+                         optimized_pairs=sum(1 for m in doc["measurements"] if m["chosen"] != "reference"),
+                         rules=len(doc["rules"]))
+
+
+def error_text(exc: BaseException) -> str:
+    from engine.errors import EngineError
+
+    return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+
+
+def child_main(plan_path: str) -> int:
+    """The child's entry point. Its stdout carries only JSON event lines; anything else the
+    process prints (Python or native) goes to stderr, which is the job's log."""
+    events = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    lock = threading.Lock()
+
+    def emit(event: dict) -> None:
+        with lock:
+            events.write(json.dumps(event, default=str) + "\n")
+
+    plan = json.loads(Path(plan_path).read_text())
+    job = _Child(plan, emit)
+    try:
+        result = job.run()
+    except BaseException as exc:  # noqa: B036  (KeyboardInterrupt too: always hand back a result)
+        traceback.print_exc()
+        result = job.result
+        result.status = "failed"
+        result.error = error_text(exc)
+    emit({"event": RESULT_EVENT, "result": to_dict(result)})
+    events.close()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m agent.jobs PLAN.json (started by agent.jobs.run_job)")
+    sys.exit(child_main(sys.argv[1]))

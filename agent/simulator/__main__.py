@@ -1,0 +1,29 @@
+"""`python -m agent.simulator --port P --serial S [--model NAME] [--root DIR] [--auth]`:
+serve one virtual phone until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from agent.simulator.models import MODELS
+from agent.simulator.phone import run_simulator
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m agent.simulator", description=__doc__.split("\n")[1])
+    parser.add_argument("--port", type=int, required=True, help="TCP port (0: a free one); avoid 5555-5585")
+    parser.add_argument("--serial", required=True, help="the serial number the phone reports")
+    parser.add_argument("--model", default="Pixel 7", choices=sorted(MODELS), help="phone model to pose as")
+    parser.add_argument("--root", type=Path, default=None, help="sandbox folder (default: a temporary one)")
+    parser.add_argument("--auth", action="store_true", help="require RSA authentication of hosts")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run_simulator(args.port, args.serial, model=args.model, root=args.root, auth=args.auth, host=args.host,
+                  ready=lambda port: print(f"virtual phone {args.serial} listening on {args.host}:{port}", flush=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""Signed bundles: build/verify round trip, every way a bundle is refused (each naming the
+file), content-addressed install, partial re-deploys and interrupted installs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from agent import bundle as B
+from agent.protocol import Manifest, from_json, to_json
+
+
+@pytest.fixture
+def keys(tmp_path):
+    private, public = tmp_path / "keys" / "farm.key", tmp_path / "keys" / "farm.pub"
+    B.generate_keypair(private, public)
+    return B.load_private_key(private), B.load_public_key(public), private, public
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = tmp_path / "src"
+    files = {
+        "engine/__init__.py": b'"""engine"""\n',
+        "engine/ops/conv2d.py": b"def conv2d():\n    return 1\n",
+        "engine/__pycache__/conv2d.cpython-311.pyc": b"\x00junk",
+        "shaders/conv2d/winograd.wgsl": b"@compute @workgroup_size(64) fn main() {}\n",
+        "model/unet/diffusion_pytorch_model.safetensors": os.urandom(200_000),
+        "model/model_index.json": b'{"_class_name": "StableDiffusionPipeline"}',
+        "profiles/adreno.json": b'{"match": {"vendor": "qualcomm"}}',
+        "agent/run.sh": b"#!/bin/sh\necho hi\n",
+    }
+    files["model/unet/copy.safetensors"] = files["model/unet/diffusion_pytorch_model.safetensors"]
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    os.chmod(root / "agent/run.sh", 0o755)
+    return root
+
+
+def build(src: Path, out: Path, private_key, build_id="b1", **overrides) -> Manifest:
+    sources = {"engine": src / "engine", "shaders": src / "shaders", "models/tiny": src / "model",
+               "profiles/adreno.json": src / "profiles/adreno.json", "agent/run.sh": src / "agent/run.sh"}
+    sources.update(overrides)
+    return B.build_bundle(sources, out, build_id, "0.1.0", private_key, source_revision="abc123")
+
+
+def resign(bundle: Path, private_key, mutate) -> None:
+    """Rewrite and re-sign the manifest: what a compromised or buggy build step could emit."""
+    manifest = from_json(Manifest, (bundle / B.MANIFEST).read_text())
+    mutate(manifest)
+    (bundle / B.MANIFEST).write_text(to_json(manifest))
+    (bundle / B.SIGNATURE).write_bytes(private_key.sign(manifest.canonical_bytes()))
+
+
+def store_entries(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "store").rglob("*") if p.is_file())
+
+
+# ---- keys, build, verify --------------------------------------------------------------------
+
+
+def test_keypair_files(keys, tmp_path):
+    _, _, private, public = keys
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    with pytest.raises(B.BundleError, match="refusing to overwrite"):
+        B.generate_keypair(private, public)
+    os.chmod(private, 0o644)
+    with pytest.raises(B.BundleError, match="chmod 600"):
+        B.load_private_key(private)
+    with pytest.raises(B.BundleError, match="not a PEM"):
+        B.load_public_key(private)
+
+
+def test_build_verify_round_trip(keys, src, tmp_path):
+    priv, pub, *_ = keys
+    manifest = build(src, tmp_path / "bundle", priv)
+    paths = [f.path for f in manifest.files]
+    assert paths == sorted(paths)
+    assert "engine/ops/conv2d.py" in paths and "models/tiny/unet/diffusion_pytorch_model.safetensors" in paths
+    assert not any("__pycache__" in p for p in paths)
+    by_path = {f.path: f for f in manifest.files}
+    assert by_path["agent/run.sh"].mode == 0o755 and by_path["engine/__init__.py"].mode == 0o644
+    data = (src / "engine/ops/conv2d.py").read_bytes()
+    assert by_path["engine/ops/conv2d.py"].sha256 == hashlib.sha256(data).hexdigest()
+    assert B.verify_bundle(tmp_path / "bundle", pub) == manifest
+    assert B.verify_bundle(tmp_path / "bundle", tmp_path / "keys/farm.pub") == manifest
+
+
+def test_build_follows_source_symlinks(keys, tmp_path):
+    priv, pub, *_ = keys
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir(), snapshot.mkdir()
+    (blobs / "abc").write_bytes(b"weights")
+    (snapshot / "unet.safetensors").symlink_to(blobs / "abc")  # how a Hugging Face snapshot looks
+    manifest = B.build_bundle({"model": snapshot}, tmp_path / "bundle", "b1", "1", priv)
+    assert [f.path for f in manifest.files] == ["model/unet.safetensors"]
+    assert not (tmp_path / "bundle/files/model/unet.safetensors").is_symlink()
+    B.verify_bundle(tmp_path / "bundle", pub)
+
+
+def test_build_refuses_bad_input(keys, src, tmp_path):
+    priv, *_ = keys
+    with pytest.raises(B.BundleError, match="files/../x: path traversal"):
+        B.build_bundle({"../x": src / "agent/run.sh"}, tmp_path / "o1", "b1", "1", priv)
+    with pytest.raises(B.BundleError, match="build id"):
+        B.build_bundle({"x": src / "agent/run.sh"}, tmp_path / "o2", "../b", "1", priv)
+    (tmp_path / "o3").mkdir(), (tmp_path / "o3" / "f").write_text("x")
+    with pytest.raises(B.BundleError, match="not empty"):
+        B.build_bundle({"x": src / "agent/run.sh"}, tmp_path / "o3", "b1", "1", priv)
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bundle(keys, src, tmp_path):
+    build(src, tmp_path / "bundle", keys[0])
+    return tmp_path / "bundle"
+
+
+def test_tampered_file(bundle, keys):
+    target = bundle / "files/engine/ops/conv2d.py"
+    data = bytearray(target.read_bytes())
+    data[0] ^= 1
+    target.write_bytes(bytes(data))
+    with pytest.raises(B.BundleError, match=r"^files/engine/ops/conv2d.py: sha256 mismatch$"):
+        B.verify_bundle(bundle, keys[1])
+    target.write_bytes(bytes(data) + b"more")
+    with pytest.raises(B.BundleError, match=r"files/engine/ops/conv2d.py: size mismatch"):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_tampered_manifest(bundle, keys):
+    text = (bundle / B.MANIFEST).read_text().replace('"0.1.0"', '"0.1.1"')
+    (bundle / B.MANIFEST).write_text(text)
+    with pytest.raises(B.BundleError, match="manifest signature does not verify with the provisioned key"):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_wrong_key(bundle, tmp_path):
+    other = B.generate_keypair(tmp_path / "o.key", tmp_path / "o.pub").public_key()
+    with pytest.raises(B.BundleError, match="manifest signature does not verify"):
+        B.verify_bundle(bundle, other)
+
+
+def test_unsigned(bundle, keys):
+    (bundle / B.SIGNATURE).unlink()
+    with pytest.raises(B.BundleError, match=r"manifest.sig: .*unsigned bundle"):
+        B.verify_bundle(bundle, keys[1])
+
+
+@pytest.mark.parametrize("bad_path, reason", [
+    ("../x", "path traversal"),
+    ("engine/../../x", "path traversal"),
+    ("/etc/passwd", "absolute path"),
+    ("C:/Windows/x", "absolute path"),
+    ("engine\\x.py", "backslash"),
+    ("engine//x.py", "empty or '.'"),
+    ("manifest.json", "reserved name"),
+])
+def test_bad_paths_refused_even_when_signed(bundle, keys, bad_path, reason):
+    def mutate(m):
+        m.files[0].path = bad_path
+
+    resign(bundle, keys[0], mutate)
+    with pytest.raises(B.BundleError, match=re.escape(f"files/{bad_path}: {reason}")):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_bad_sha_refused(bundle, keys):
+    def mutate(m):
+        m.files[0].sha256 = "../../../../etc/passwd"
+
+    resign(bundle, keys[0], mutate)
+    with pytest.raises(B.BundleError, match="is not 64 lowercase hex"):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_symlink_escaping(bundle, keys, tmp_path):
+    outside = tmp_path / "secret"
+    outside.write_text("x")
+    target = bundle / "files/engine/ops/conv2d.py"
+    target.unlink()
+    target.symlink_to(outside)
+    with pytest.raises(B.BundleError, match="files/engine/ops/conv2d.py: is a symlink"):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_symlinked_folder(bundle, keys, tmp_path):
+    (bundle / "files/evil").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(B.BundleError, match="files/evil: is a symlink"):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_extra_file_not_in_manifest(bundle, keys):
+    (bundle / "files/engine/extra.py").write_text("import os\n")
+    with pytest.raises(B.BundleError, match="files/engine/extra.py: not in the manifest"):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_extra_top_level_entry(bundle, keys):
+    (bundle / "run-me.sh").write_text("rm -rf /\n")
+    with pytest.raises(B.BundleError, match="run-me.sh: not part of a bundle"):
+        B.verify_bundle(bundle, keys[1])
+
+
+def test_missing_file_in_full_bundle(bundle, keys):
+    (bundle / "files/profiles/adreno.json").unlink()
+    with pytest.raises(B.BundleError, match="files/profiles/adreno.json: listed in the manifest but missing"):
+        B.verify_bundle(bundle, keys[1])
+    assert B.verify_bundle(bundle, keys[1], partial=True).build == "b1"
+
+
+# ---- install --------------------------------------------------------------------------------
+
+
+def test_install(bundle, keys, tmp_path):
+    root = tmp_path / "agent"
+    build = B.install_bundle(bundle, root, keys[1])
+    assert build.build_id == "b1" and build.path == root / "builds/b1"
+    for f in build.manifest.files:
+        tree_file = build.path / f.path
+        assert tree_file.read_bytes() == (bundle / "files" / f.path).read_bytes()
+        blob = B.blob_path(root, f.sha256)
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == f.sha256
+        if f.mode & 0o111:
+            assert stat.S_IMODE(tree_file.stat().st_mode) == f.mode and tree_file.stat().st_ino != blob.stat().st_ino
+        else:
+            assert tree_file.stat().st_ino == blob.stat().st_ino  # hard link into the store
+    assert len(store_entries(root)) == len({f.sha256 for f in build.manifest.files})  # dedup
+    assert from_json(Manifest, (build.path / B.MANIFEST).read_text()) == build.manifest
+    assert (root / "builds/current").is_symlink() and os.readlink(root / "builds/current") == "b1"
+    assert B.current_build(root) == build
+    assert B.list_builds(root) == [build]
+    assert B.missing_files(build.manifest, root) == []
+
+
+def test_reinstall_is_idempotent(bundle, keys, tmp_path):
+    root = tmp_path / "agent"
+    first = B.install_bundle(bundle, root, keys[1])
+    inode = (first.path / "engine/ops/conv2d.py").stat().st_ino
+    before = store_entries(root)
+    second = B.install_bundle(bundle, root, keys[1])
+    assert second == first
+    assert (second.path / "engine/ops/conv2d.py").stat().st_ino == inode  # the tree was kept
+    assert store_entries(root) == before
+    assert not [p for p in root.rglob(".*") if p.name != ".install.lock"]
+
+
+def test_install_uses_provisioned_key(bundle, keys, tmp_path):
+    root = tmp_path / "agent"
+    with pytest.raises(B.BundleError, match="no farm public key is provisioned"):
+        B.install_bundle(bundle, root)
+    B.provision_public_key(root, keys[3])
+    assert B.install_bundle(bundle, root).build_id == "b1"
+
+
+def test_same_build_id_different_content_refused(bundle, keys, src, tmp_path):
+    root = tmp_path / "agent"
+    B.install_bundle(bundle, root, keys[1])
+    (src / "engine/ops/conv2d.py").write_text("changed\n")
+    build(src, tmp_path / "again", keys[0])
+    with pytest.raises(B.BundleError, match="build ids are immutable"):
+        B.install_bundle(tmp_path / "again", root, keys[1])
+
+
+def partial_copy(bundle: Path, out: Path, paths: set[str]) -> Path:
+    out.mkdir()
+    shutil.copy(bundle / B.MANIFEST, out / B.MANIFEST)
+    shutil.copy(bundle / B.SIGNATURE, out / B.SIGNATURE)
+    for path in paths:
+        (out / "files" / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(bundle / "files" / path, out / "files" / path)
+    return out
+
+
+def test_missing_files_and_partial_install(bundle, keys, src, tmp_path):
+    root = tmp_path / "agent"
+    b1 = B.install_bundle(bundle, root, keys[1])
+    (src / "engine/ops/conv2d.py").write_text("def conv2d():\n    return 2\n")
+    (src / "model/unet/new.safetensors").write_bytes(b"new weights")
+    m2 = build(src, tmp_path / "b2-full", keys[0], build_id="b2")
+    missing = B.missing_files(m2, root)
+    assert sorted(f.path for f in missing) == ["engine/ops/conv2d.py", "models/tiny/unet/new.safetensors"]
+    # the store lost a blob (partial store): it is asked for again
+    weights = next(f for f in m2.files if f.path.endswith("diffusion_pytorch_model.safetensors"))
+    os.chmod(B.blob_path(root, weights.sha256), 0o644)
+    B.blob_path(root, weights.sha256).unlink()
+    missing = B.missing_files(m2, root)
+    assert len(missing) == 3  # copy.safetensors shares the blob: asked for once
+    # a re-deploy sends only those
+    partial = partial_copy(tmp_path / "b2-full", tmp_path / "b2-partial", {f.path for f in missing})
+    b2 = B.install_bundle(partial, root, keys[1])
+    assert (b2.path / "engine/ops/conv2d.py").read_text().endswith("return 2\n")
+    assert (b2.path / "models/tiny/unet/copy.safetensors").read_bytes() == \
+        (src / "model/unet/diffusion_pytorch_model.safetensors").read_bytes()
+    assert (b2.path / "shaders/conv2d/winograd.wgsl").stat().st_ino == \
+        (b1.path / "shaders/conv2d/winograd.wgsl").stat().st_ino
+    assert B.current_build(root).build_id == "b2"
+    assert [b.build_id for b in B.list_builds(root)] == ["b1", "b2"]
+    assert B.missing_files(m2, root) == []
+    # rollback
+    assert B.activate_build(root, "b1").build_id == "b1" and B.current_build(root).build_id == "b1"
+
+
+def test_partial_bundle_without_the_store_refused(bundle, keys, tmp_path):
+    partial = partial_copy(bundle, tmp_path / "partial", {"engine/__init__.py"})
+    root = tmp_path / "agent"
+    with pytest.raises(B.BundleError, match=r"files/agent/run.sh: not in the bundle and not in the device's store"):
+        B.install_bundle(partial, root, keys[1])
+    assert store_entries(root) == [] and B.current_build(root) is None
+
+
+def test_corrupt_store_blob_refused_for_absent_file(bundle, keys, tmp_path):
+    root = tmp_path / "agent"
+    m = B.install_bundle(bundle, root, keys[1]).manifest
+    shutil.rmtree(root / "builds/b1")  # force a fresh tree
+    entry = next(f for f in m.files if f.path == "profiles/adreno.json")
+    blob = B.blob_path(root, entry.sha256)
+    os.chmod(blob, 0o644)
+    blob.write_text('{"match": {"vendor": "evil!!!!"}}'[: entry.size].ljust(entry.size))
+    partial = partial_copy(bundle, tmp_path / "partial", {f.path for f in m.files} - {entry.path})
+    with pytest.raises(B.BundleError, match=r"files/profiles/adreno.json \(store blob .*\): sha256 mismatch"):
+        B.install_bundle(partial, root, keys[1])
+    # a full bundle repairs the damaged blob
+    B.install_bundle(bundle, root, keys[1])
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() == entry.sha256
+
+
+def test_interrupted_copy_leaves_no_partial_blob(bundle, keys, src, tmp_path, monkeypatch):
+    root = tmp_path / "agent"
+    B.install_bundle(bundle, root, keys[1])
+    (src / "engine/ops/conv2d.py").write_text("v2\n")
+    (src / "model/unet/new.safetensors").write_bytes(os.urandom(100_000))
+    build(src, tmp_path / "b2", keys[0], build_id="b2")
+    calls = []
+    real_copy = B._copy_hashing
+
+    def dying_copy(source, target, fsync=False):
+        calls.append(target)
+        if len(calls) == 2:  # the second blob: half written, then the disk "fills"
+            with open(target, "xb") as f:
+                f.write(Path(source).read_bytes()[:1000])
+            raise OSError(28, "No space left on device")
+        return real_copy(source, target, fsync)
+
+    monkeypatch.setattr(B, "_copy_hashing", dying_copy)
+    with pytest.raises(OSError, match="No space left"):
+        B.install_bundle(tmp_path / "b2", root, keys[1])
+    monkeypatch.undo()
+    for blob in store_entries(root):
+        assert not blob.name.startswith("."), f"temporary left behind: {blob}"
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
+    assert B.current_build(root).build_id == "b1"
+    assert not (root / "builds/b2").exists()
+    assert B.install_bundle(tmp_path / "b2", root, keys[1]).build_id == "b2"
+
+
+def test_interrupted_tree_leaves_current_unchanged(bundle, keys, src, tmp_path, monkeypatch):
+    root = tmp_path / "agent"
+    B.install_bundle(bundle, root, keys[1])
+    (src / "engine/ops/conv2d.py").write_text("v2\n")
+    build(src, tmp_path / "b2", keys[0], build_id="b2")
+    calls = []
+
+    def dying_link(blob, target):
+        calls.append(target)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the agent killed while linking
+        return os.link(blob, target) is None
+
+    monkeypatch.setattr(B, "_try_link", dying_link)
+    with pytest.raises(KeyboardInterrupt):
+        B.install_bundle(tmp_path / "b2", root, keys[1])
+    assert B.current_build(root).build_id == "b1"
+    assert sorted(p.name for p in (root / "builds").iterdir()) == ["b1", "current"]
+    monkeypatch.undo()
+    assert B.install_bundle(tmp_path / "b2", root, keys[1]).build_id == "b2"
+
+
+def test_stale_temporaries_are_swept(bundle, keys, tmp_path):
+    root = tmp_path / "agent"
+    b = B.install_bundle(bundle, root, keys[1])
+    shard = B.blob_path(root, b.manifest.files[0].sha256).parent
+    (shard / ".tmp-deadbeef-1").write_bytes(b"half")  # what a killed agent leaves
+    (root / "builds/.tmp-b9-1").mkdir()
+    B.install_bundle(bundle, root, keys[1])
+    assert not (shard / ".tmp-deadbeef-1").exists() and not (root / "builds/.tmp-b9-1").exists()
