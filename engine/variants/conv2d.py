@@ -36,6 +36,7 @@ GEMM_CANDIDATES = (
 
 WINOGRAD_TILE = 4  # output tile edge m of F(m x m, 3x3)
 WINOGRAD_POSITIONS = 36  # (m + 2)^2 products per tile
+WINOGRAD_SCRATCH_BYTES = 32 << 20  # bound on each of the transformed input and product buffers
 
 
 def _gemm_tiling(ops: Ops, consts: dict) -> dict:
@@ -131,25 +132,28 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
     tiling = _gemm_tiling(ops, consts)
     th, tw = math.ceil(oh / WINOGRAD_TILE), math.ceil(ow / WINOGRAD_TILE)
     n_tiles = bsz * th * tw
-    params = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
-
-    vt = ops.rt.empty((WINOGRAD_POSITIONS, cin, n_tiles), "f32")
-    ops.rt.dispatch(
-        ops.pipeline(v, "input_main"), "conv2d_winograd_input", params, [x, None, None, None, vt],
-        ops.grid_1d(cin * n_tiles),
-    )
-    mx = ops.rt.empty((WINOGRAD_POSITIONS, cout, n_tiles), "f32")
-    ops.rt.dispatch(
-        ops.pipeline(v, "gemm_main", **tiling), "conv2d_winograd_gemm", params, [None, w, None, None, vt, mx],
-        (
-            math.ceil(n_tiles / tiling["TILE_M"]),
-            math.ceil(cout / tiling["TILE_N"]),
-            WINOGRAD_POSITIONS,
-        ),
-    )
+    # V (36, Cin, tiles) and Mx (36, Cout, tiles) are f32 scratch: walk the tiles in chunks so
+    # each stays under WINOGRAD_SCRATCH_BYTES whatever the resolution.
+    per_tile = WINOGRAD_POSITIONS * max(cin, cout) * 4
+    chunk = max(tiling["TILE_M"], WINOGRAD_SCRATCH_BYTES // per_tile // tiling["TILE_M"] * tiling["TILE_M"])
+    chunk = min(chunk, n_tiles)
     y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
-    ops.rt.dispatch(
-        ops.pipeline(v, "output_main"), "conv2d_winograd_output", params,
-        [None, None, b if b is not None else ops.dummy, None, None, mx, y], ops.grid_1d(cout * n_tiles),
-    )
+    input_p = ops.pipeline(v, "input_main")
+    gemm_p = ops.pipeline(v, "gemm_main", **tiling)
+    output_p = ops.pipeline(v, "output_main")
+    for t0 in range(0, n_tiles, chunk):
+        pc = min(chunk, n_tiles - t0)
+        params = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None), t0, pc)
+        vt = ops.rt.empty((WINOGRAD_POSITIONS, cin, pc), "f32")
+        ops.rt.dispatch(input_p, "conv2d_winograd_input", params, [x, None, None, None, vt], ops.grid_1d(cin * pc))
+        mx = ops.rt.empty((WINOGRAD_POSITIONS, cout, pc), "f32")
+        ops.rt.dispatch(
+            gemm_p, "conv2d_winograd_gemm", params, [None, w, None, None, vt, mx],
+            (math.ceil(pc / tiling["TILE_M"]), math.ceil(cout / tiling["TILE_N"]), WINOGRAD_POSITIONS),
+        )
+        ops.rt.dispatch(
+            output_p, "conv2d_winograd_output", params,
+            [None, None, b if b is not None else ops.dummy, None, None, mx, y], ops.grid_1d(cout * pc),
+        )
+        del vt, mx
     return y

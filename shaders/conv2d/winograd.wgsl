@@ -4,10 +4,13 @@
 //   g        one 3x3 filter of w (Cout, Cin, 3, 3)
 //   d        a 6x6 input tile; output tile (ty, tx) reads rows 4ty - pad_t .. +5
 //   U        G g G^T, the transformed filters                computed in gemm_main, never stored
-//   V        B^T d B, the transformed input tiles            v (36, Cin, P), f32
-//   Mx       sum over ci of U * V, per position xi of 36     mx (36, Cout, P), f32
+//   V        B^T d B, the transformed input tiles            v (36, Cin, PC), f32
+//   Mx       sum over ci of U * V, per position xi of 36     mx (36, Cout, PC), f32
 //   Y        A^T Mx A + b, a 4x4 output tile                 y (B, Cout, OH, OW)
 //   P        B * TH * TW tiles, TH = ceil(OH / 4), TW = ceil(OW / 4)
+//   T0, PC   the tiles T0 .. T0 + PC - 1 this round of dispatches computes: the launcher walks
+//            P in chunks so V and Mx stay small at any resolution (they are 36 x channels x
+//            tiles, e.g. 600 MB each for a 256-channel 512x512 VAE conv in one piece)
 //
 // Entry points, in the order they run: input_main,
 // gemm_main (36 independent (Cout x Cin) @ (Cin x P) products, one per z of the grid) and
@@ -17,7 +20,7 @@ struct Params {
     B: u32, Cin: u32, H: u32, W: u32,
     Cout: u32, OH: u32, OW: u32, pad_t: u32,
     pad_l: u32, TH: u32, TW: u32, P: u32,
-    has_bias: u32,
+    has_bias: u32, T0: u32, PC: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<T>;
@@ -83,9 +86,10 @@ fn input_main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let i = flat_index(wid, nwg, lid);
-    if (i >= p.Cin * p.P) { return; }
-    let t = i % p.P;
-    let ci = i / p.P;
+    if (i >= p.Cin * p.PC) { return; }
+    let tc = i % p.PC;
+    let t = p.T0 + tc;
+    let ci = i / p.PC;
     let bi = t / (p.TH * p.TW);
     let ty = (t / p.TW) % p.TH;
     let tx = t % p.TW;
@@ -110,7 +114,7 @@ fn input_main(
     for (var r = 0u; r < 6u; r++) {
         let row = bt_col(array<f32, 6>(bd[0][r], bd[1][r], bd[2][r], bd[3][r], bd[4][r], bd[5][r]));
         for (var c = 0u; c < 6u; c++) {
-            v[((r * 6u + c) * p.Cin + ci) * p.P + t] = row[c];
+            v[((r * 6u + c) * p.Cin + ci) * p.PC + tc] = row[c];
         }
     }
 }
@@ -131,7 +135,7 @@ var<workgroup> Us: array<vec4<f32>, TILE_K * TILE_N / R>;  // [kk][n/4]
 fn store_mx(xi: u32, n: u32, m0: u32, acc: vec4<f32>) {
     if (n >= p.Cout) { return; }
     for (var i = 0u; i < R; i++) {
-        if (m0 + i < p.P) { mx[(xi * p.Cout + n) * p.P + m0 + i] = acc[i]; }
+        if (m0 + i < p.PC) { mx[(xi * p.Cout + n) * p.PC + m0 + i] = acc[i]; }
     }
 }
 
@@ -145,7 +149,7 @@ fn gemm_main(
     let m0 = wid.x * TILE_M;
     let n0 = wid.y * TILE_N;
     let xi = wid.z;
-    let vbase = xi * p.Cin * p.P;
+    let vbase = xi * p.Cin * p.PC;
     let gr = G[xi / 6u];
     let gc = G[xi % 6u];
 
@@ -158,7 +162,7 @@ fn gemm_main(
             let mm = i % TILE_M;
             let kk = i / TILE_M;
             var val = 0.0;
-            if (m0 + mm < p.P && k0 + kk < p.Cin) { val = v[vbase + (k0 + kk) * p.P + m0 + mm]; }
+            if (m0 + mm < p.PC && k0 + kk < p.Cin) { val = v[vbase + (k0 + kk) * p.PC + m0 + mm]; }
             Vs[kk * (TILE_M / R) + mm / R][mm % R] = val;
         }
         for (var i = li; i < TILE_K * TILE_N; i += nthreads) {
@@ -196,14 +200,15 @@ fn output_main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let i = flat_index(wid, nwg, lid);
-    if (i >= p.Cout * p.P) { return; }
-    let t = i % p.P;
-    let co = i / p.P;
+    if (i >= p.Cout * p.PC) { return; }
+    let tc = i % p.PC;
+    let t = p.T0 + tc;
+    let co = i / p.PC;
     let bi = t / (p.TH * p.TW);
     let ty = (t / p.TW) % p.TH;
     let tx = t % p.TW;
-    let stride = p.Cout * p.P;  // between consecutive positions xi
-    let base = co * p.P + t;
+    let stride = p.Cout * p.PC;  // between consecutive positions xi
+    let base = co * p.PC + tc;
 
     var am: array<array<f32, 4>, 6>;  // am[c] = A^T times column c of Mx
     for (var c = 0u; c < 6u; c++) {

@@ -227,3 +227,25 @@ def test_winograd_error_is_bounded(rt, pipelines, fresh_rng, capsys):
         assert err_wino <= 10 * max(err_direct, 1e-7), (
             f"winograd error {err_wino:.3g} is more than 10x the direct kernel's {err_direct:.3g}"
         )
+
+
+def test_winograd_walks_tiles_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
+    """With a small scratch bound the tiles are processed in several rounds (partial last
+    round included) and the result is unchanged; no scratch buffer exceeds the bound."""
+    import engine.variants.conv2d as conv_mod
+
+    bsz, cin, cout, hw = 2, 6, 5, (21, 18)  # 6 x 5 = 30 tiles per image, 60 in all
+    bound = conv_mod.WINOGRAD_POSITIONS * cin * 4 * 32  # 32 tiles per round: 60 = 32 + 28
+    monkeypatch.setattr(conv_mod, "WINOGRAD_SCRATCH_BYTES", bound)
+    sizes = []
+    empty = rt.empty
+
+    def spy(shape, dtype):
+        if dtype == "f32" and len(shape) == 3 and shape[0] == conv_mod.WINOGRAD_POSITIONS:
+            sizes.append(shape)
+        return empty(shape, dtype)
+
+    monkeypatch.setattr(rt, "empty", spy)
+    constants = {"TILE_M": 32, "TILE_N": 16, "TILE_K": 8}
+    run_and_compare(rt, pipelines, fresh_rng, "winograd", "f32", bsz, cin, cout, hw, 3, 1, (1, 1, 1, 1), constants=constants)
+    assert [s[2] for s in sizes] == [32, 32, 28, 28], sizes
