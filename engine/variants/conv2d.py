@@ -36,7 +36,7 @@ GEMM_CANDIDATES = (
 
 WINOGRAD_TILE = 4  # output tile edge m of F(m x m, 3x3)
 WINOGRAD_POSITIONS = 36  # (m + 2)^2 products per tile
-WINOGRAD_SCRATCH_BYTES = 32 << 20  # bound on each of the transformed input and product buffers
+WINOGRAD_SCRATCH_BYTES = 16 << 20  # bound on each of the transformed input and product buffers
 
 
 def _gemm_tiling(ops: Ops, consts: dict) -> dict:
