@@ -397,7 +397,10 @@ def read_thermal_local(with_clocks: bool = False):
     """The host's temperatures: /sys/class/thermal where present, and NVIDIA GPUs through
     nvidia-smi when installed. With `with_clocks`, returns (zones, clocks_mhz)."""
     zones: dict[str, tuple[str, str]] = {}
-    base = Path(THERMAL_DIR)
+    # FARM_AGENT_THERMAL_DIR replaces the zone folder: the virtual phone points its agent at
+    # a copy of its own simulated zones, so cool-down reads the phone, not the host.
+    override = os.environ.get("FARM_AGENT_THERMAL_DIR")
+    base = Path(override or THERMAL_DIR)
     if base.is_dir():
         for zone in base.glob("thermal_zone*"):
             zones[zone.name] = (_read(zone / "type"), _read(zone / "temp"))
@@ -406,7 +409,7 @@ def read_thermal_local(with_clocks: bool = False):
     cpu0 = parse_clock_mhz(_read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq"), unit="khz")
     if cpu0 is not None:
         clocks["cpu0"] = cpu0
-    if shutil.which("nvidia-smi"):
+    if shutil.which("nvidia-smi") and not override:
         gpu_zones, gpu_clocks = parse_nvidia_smi(_command(
             ["nvidia-smi", "--query-gpu=index,name,temperature.gpu,clocks.sm",
              "--format=csv,noheader,nounits"]))

@@ -30,6 +30,7 @@ from agent.simulator.fs import SandboxFS, fs_error
 from agent.simulator.thermal import ThermalModel
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+THERMAL_MIRROR_S = 0.5  # how often the agent's copy of the thermal zones is refreshed
 LIST_OPS = (";", "&&", "||")
 REDIRECTS = (">", ">>", "<", ">&")
 DEFAULT_ENV = {
@@ -385,10 +386,20 @@ class Shell:
             cwd = self.fs.host_path(session.cwd)
         except OSError:
             cwd = self.fs.base
+        thermal_dir = self.fs.base.parent / "agent-thermal"
+        env["FARM_AGENT_THERMAL_DIR"] = str(thermal_dir)
+        self._mirror_thermal(thermal_dir)
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True)
         self.thermal.job_started()
+
+        async def mirror() -> None:  # the agent reads the phone's zones, kept current
+            while True:
+                await asyncio.sleep(THERMAL_MIRROR_S)
+                self._mirror_thermal(thermal_dir)
+
+        mirroring = asyncio.ensure_future(mirror())
 
         async def feed() -> None:
             with contextlib.suppress(OSError, RuntimeError):  # the agent may exit without reading
@@ -416,10 +427,23 @@ class Shell:
             code = await proc.wait()
         finally:
             feeder.cancel()
+            mirroring.cancel()
             if proc.returncode is None:  # the stream was closed: kill the agent and its children
                 await self._kill(proc)
             self.thermal.job_finished()
         return code if code >= 0 else 128 - code
+
+    def _mirror_thermal(self, folder: Path) -> None:
+        """Copy the simulated /sys/class/thermal zones to real files the agent can read (each
+        file replaced atomically, so a reader never sees half a number)."""
+        for zone in self.fs.glob("/sys/class/thermal/thermal_zone*"):
+            target = folder / zone.rsplit("/", 1)[1]
+            target.mkdir(parents=True, exist_ok=True)
+            for name in ("type", "temp"):
+                with contextlib.suppress(OSError):
+                    tmp = target / f".{name}.tmp"
+                    tmp.write_bytes(self.fs.read_bytes(f"{zone}/{name}"))
+                    os.replace(tmp, target / name)
 
     async def _kill(self, proc: asyncio.subprocess.Process) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -325,6 +325,25 @@ def test_thermal_rises_while_agent_runs_and_falls_after(tmp_path):
         watcher.close()
 
 
+def test_agent_on_the_phone_reads_the_phones_thermal_zones(tmp_path):
+    """The agent's cool-down reads the phone's simulated zones (mirrored for it while it runs),
+    not the host's: its readings start at the phone's and rise with the phone's load."""
+    code = ("import time; from agent.deviceinfo import read_thermal_local, hottest_celsius\n"
+            "for _ in range(3):\n    print(hottest_celsius(read_thermal_local()), flush=True); time.sleep(0.6)")
+    agent = AgentSettings(command=(sys.executable, "-c", code))
+    with VirtualPhone(serial="thermo", root=tmp_path / "p", thermal=FAST_THERMAL, agent=agent) as p:
+        d = connect(p.port)
+        zones = d.shell("cat /sys/class/thermal/thermal_zone*/temp").split()
+        phone_hottest = max(int(z) for z in zones) / 1000
+        out, err, status = shell_v2(d, "farm-agent")
+        assert status == 0, err
+        readings = [float(v) for v in out.decode().split()]
+        assert len(readings) == 3
+        assert readings[0] == pytest.approx(phone_hottest, abs=3.0), (readings, phone_hottest)
+        assert readings[-1] > readings[0] + 5, readings
+        d.close()
+
+
 def test_farm_agent_paths_translate_both_ways(tmp_path):
     code = "import os, sys; print(os.getcwd()); print(sys.argv[1]); print(open(sys.argv[2]).read()); sys.exit(4)"
     agent = AgentSettings(command=(sys.executable, "-c", code))

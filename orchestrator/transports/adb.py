@@ -1,0 +1,477 @@
+"""The adb transport: a phone reached over ADB (TCP, or USB when adb-shell's usb extra is
+installed) through adb-shell, with no adb server in between. It owns the host's RSA key
+(generated on first use, kept 0600), the socket tuning (TCP_NODELAY: adb-shell writes each
+message as two send() calls, and Nagle's algorithm would hold the second ~40 ms), and the
+device-side layout under a device root (default /data/local/tmp/devicefarm):
+
+    <root>/store/<aa>/<sha>             the agent's blob store (read, via one `stat` per batch)
+    <root>/incoming/.partial/<sha>      files being pushed; only complete files leave it, by `mv`
+    <root>/incoming/<build>/            the staged bundle: manifest.json, manifest.sig, files/...
+    <root>/incoming/jobs/<job>.json     job documents
+    <root>/jobs/<job>/                  a job's output folder (result.json, job.log, artifacts)
+
+A deploy asks the device which blobs it lacks (its store and what an interrupted deploy
+already staged), pushes only those to temporary names and moves each into place once whole,
+then runs `farm-agent install` on the staged folder. A job runs `farm-agent run --json` over
+shell v2 (exit code and stderr apart), streams the agent's JSON progress lines from stderr,
+and pulls result.json's artifacts. Everything on the device goes through the agent command,
+toybox commands and sync; nothing here imports the agent's job code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+
+from adb_shell import exceptions as adb_errors
+from adb_shell.adb_device import AdbDevice
+from adb_shell.transport.tcp_transport import TcpTransport
+
+from agent.bundle import FILES, MANIFEST, SIGNATURE
+from agent.deviceinfo import collect_android
+from agent.protocol import (
+    DeviceInfo,
+    JobResult,
+    JobSpec,
+    Manifest,
+    ProtocolError,
+    from_json,
+    to_json,
+)
+from orchestrator.transports.base import (
+    BundleRefused,
+    DeviceBusy,
+    DeviceOffline,
+    DeviceTimeout,
+    DeviceUnauthorized,
+    InfraFailure,
+    ProgressFn,
+    ProtocolMismatch,
+    SendReport,
+    Transport,
+    TransportError,
+    check_name,
+    emit,
+    sha256_file,
+)
+
+DEFAULT_KEY = Path("~/.config/devicefarm/adbkey")
+DEFAULT_ROOT = "/data/local/tmp/devicefarm"
+EXIT_BUSY = 75
+EXIT_BAD_INPUT = 2
+EXIT_NOT_FOUND = 127
+LOG_TAIL_CHARS = 4000
+_COMMAND_CHARS = 3000  # keep each shell line well under the 4 KiB an old adbd takes in an OPEN
+
+
+class NoDelayTcpTransport(TcpTransport):
+    """adb-shell's TCP transport with TCP_NODELAY, a peer close reported as an error (adb-shell
+    would otherwise spin until its read timeout) and a note of whether the device asked for
+    authentication (so a silent phone after AUTH reads as 'unauthorized', not 'timed out')."""
+
+    def __init__(self, host: str, port: int, nodelay: bool = True):
+        super().__init__(host, port)
+        self.nodelay = nodelay
+        self.auth_requested = False
+        self.tcp_connected = False
+
+    def connect(self, transport_timeout_s):
+        self.auth_requested = self.tcp_connected = False
+        super().connect(transport_timeout_s)
+        self.tcp_connected = True
+        if self.nodelay:
+            self._connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def bulk_read(self, numbytes, transport_timeout_s):
+        data = super().bulk_read(numbytes, transport_timeout_s)
+        if not data:
+            raise ConnectionResetError(f"{self._host}:{self._port} closed the connection")
+        if numbytes == 24 and data[:4] == b"AUTH":
+            self.auth_requested = True
+        return data
+
+
+def load_or_create_adb_key(path: Path) -> Path:
+    """The host's ADB RSA key at `path` (and `path`.pub), generated on first use. The private
+    key is created 0600 in a 0700 folder; an existing key readable by others is refused."""
+    from adb_shell.auth.keygen import keygen
+
+    path = Path(path).expanduser()
+    if path.is_file():
+        if os.name == "posix" and path.stat().st_mode & 0o077:
+            raise TransportError("adb", f"{path}: ADB private key is readable by others (mode "
+                                 f"{path.stat().st_mode & 0o777:o}); fix with `chmod 600 {path}`")
+        return path
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700)
+    work = Path(tempfile.mkdtemp(prefix=".adbkey-", dir=path.parent))  # 0700: no one sees it half made
+    try:
+        keygen(str(work / "adbkey"))
+        os.chmod(work / "adbkey", 0o600)
+        os.replace(work / "adbkey.pub", path.with_name(path.name + ".pub"))
+        os.replace(work / "adbkey", path)
+    finally:
+        for leftover in work.iterdir():
+            leftover.unlink()
+        work.rmdir()
+    return path
+
+
+class AdbTransport(Transport):
+    """One Android device over ADB. `host`/`port` for TCP (`adb tcpip 5555`, or a virtual phone);
+    `host=None` for USB (`usb_serial` picks one of several). `timeout_s` bounds every exchange
+    with the device except a running job, which gets its time limit plus `job_margin_s`."""
+
+    def __init__(self, host: str | None = None, port: int = 5555, *, usb_serial: str | None = None,
+                 key_path: Path = DEFAULT_KEY, device_root: str = DEFAULT_ROOT,
+                 agent_command: str = "farm-agent", timeout_s: float = 10.0, auth_timeout_s: float = 10.0,
+                 job_margin_s: float = 120.0, tcp_nodelay: bool = True, name: str | None = None):
+        self.host, self.port, self.usb_serial = host, port, usb_serial
+        self.name = name or (f"{host}:{port}" if host else f"usb:{usb_serial or 'any'}")
+        self.key_path = Path(key_path).expanduser()
+        self.root = device_root.rstrip("/") or "/"
+        self.agent = agent_command
+        self.timeout_s, self.auth_timeout_s, self.job_margin_s = timeout_s, auth_timeout_s, job_margin_s
+        self.tcp_nodelay = tcp_nodelay
+        self._device: AdbDevice | None = None
+        self._handle: NoDelayTcpTransport | None = None
+
+    # ---- connection ------------------------------------------------------------------------
+
+    def _signer(self):
+        from adb_shell.auth.sign_pythonrsa import PythonRSASigner
+
+        key = load_or_create_adb_key(self.key_path)
+        return PythonRSASigner.FromRSAKeyPath(str(key))
+
+    def _connect(self) -> AdbDevice:
+        if self._device is not None:
+            return self._device
+        signer = self._signer()
+        if self.host is not None:
+            self._handle = NoDelayTcpTransport(self.host, self.port, self.tcp_nodelay)
+            device = AdbDevice(self._handle, default_transport_timeout_s=self.timeout_s)
+        else:
+            device = self._usb_device()
+        with self._errors("connect", connecting=True):
+            device.connect(rsa_keys=[signer], auth_timeout_s=self.auth_timeout_s, read_timeout_s=self.timeout_s,
+                           transport_timeout_s=self.timeout_s)
+        self._device = device
+        return device
+
+    def _usb_device(self) -> AdbDevice:
+        from adb_shell.adb_device import AdbDeviceUsb
+
+        try:
+            return AdbDeviceUsb(serial=self.usb_serial, default_transport_timeout_s=self.timeout_s)
+        except adb_errors.InvalidTransportError:
+            raise TransportError(self.name, "USB needs adb-shell's usb extra: pip install 'adb-shell[usb]' "
+                                 "(libusb1); or connect over TCP after `adb tcpip 5555`") from None
+        except adb_errors.UsbDeviceNotFoundError as exc:
+            raise DeviceOffline(self.name, f"no USB device found ({exc}); check the cable and "
+                                "that USB debugging is on") from None
+
+    def close(self) -> None:
+        if self._device is not None:
+            with contextlib.suppress(Exception):
+                self._device.close()
+        elif self._handle is not None:  # a connect that failed part-way
+            with contextlib.suppress(Exception):
+                self._handle.close()
+        self._device = None
+
+    @contextlib.contextmanager
+    def _errors(self, what: str, connecting: bool = False) -> Iterator[None]:
+        """Turn adb-shell's and the socket's exceptions into TransportErrors; any of them leaves
+        the connection unusable, so it is closed and the next call reconnects."""
+        try:
+            yield
+        except TransportError:
+            raise
+        except adb_errors.DeviceAuthError as exc:
+            self.close()
+            raise DeviceUnauthorized(self.name, f"{what}: {exc}") from None
+        except (adb_errors.TcpTimeoutException, adb_errors.AdbTimeoutError, TimeoutError) as exc:
+            self.close()
+            if connecting and self._handle is not None and self._handle.auth_requested:
+                raise DeviceUnauthorized(
+                    self.name, f"the device did not accept this host's RSA key ({self.key_path}.pub) within "
+                    f"{self.auth_timeout_s:g} s: unlock the phone and tap 'Allow' on the USB debugging "
+                    "prompt (tick 'Always allow from this computer')") from None
+            if connecting and self._handle is not None and not self._handle.tcp_connected:
+                raise DeviceOffline(self.name, f"{what}: no answer within {self.timeout_s:g} s ({exc})") from None
+            raise DeviceTimeout(self.name, f"{what}: the device stopped answering ({exc})") from None
+        except (ConnectionRefusedError, socket.gaierror) as exc:
+            self.close()
+            raise DeviceOffline(self.name, f"{what}: {exc}") from None
+        except (ConnectionError, adb_errors.AdbConnectionError, adb_errors.UsbReadFailedError,
+                adb_errors.UsbWriteFailedError, OSError) as exc:
+            self.close()
+            raise DeviceOffline(self.name, f"{what}: connection lost ({exc})") from None
+        except (adb_errors.InvalidResponseError, adb_errors.InvalidChecksumError,
+                adb_errors.InvalidCommandError) as exc:
+            self.close()
+            raise TransportError(self.name, f"{what}: garbled ADB stream ({exc})") from None
+
+    # ---- device primitives -----------------------------------------------------------------
+
+    def shell(self, command: str, timeout_s: float | None = None,
+              on_stderr_line: Callable[[str], None] | None = None) -> tuple[str, str, int]:
+        """Run `command` over shell v2: (stdout, stderr, exit code). adb-shell has no v2 API, so
+        this speaks the packet format ([id u8][len u32 LE][data]) over its stream primitives.
+        stderr lines go to `on_stderr_line` as they arrive."""
+        device = self._connect()
+        timeout = timeout_s or self.timeout_s
+        out, err, code = bytearray(), bytearray(), None
+        buf, line = bytearray(), bytearray()
+        with self._errors(f"shell {command[:60]!r}"):
+            info = device._open(b"shell,v2,raw:" + command.encode(), timeout, timeout, None)
+            for chunk in device._read_until_close(info):
+                buf += chunk
+                while len(buf) >= 5:
+                    kind, length = struct.unpack_from("<BI", buf)
+                    if len(buf) < 5 + length:
+                        break
+                    data = bytes(buf[5:5 + length])
+                    del buf[:5 + length]
+                    if kind == 1:
+                        out += data
+                    elif kind == 2:
+                        err += data
+                        if on_stderr_line is not None:
+                            line += data
+                            while b"\n" in line:
+                                one, _, rest = bytes(line).partition(b"\n")
+                                line[:] = rest
+                                on_stderr_line(one.decode(errors="replace"))
+                    elif kind == 3:
+                        code = data[0]
+        if code is None:
+            raise DeviceOffline(self.name, f"shell {command[:60]!r}: the stream closed without an exit code")
+        return out.decode(errors="replace"), err.decode(errors="replace"), code
+
+    def push(self, source: Path | bytes, device_path: str, mode: int = 0o644,
+             progress: Callable[[int], None] | None = None) -> None:
+        device = self._connect()
+        stream = io.BytesIO(source) if isinstance(source, bytes) else str(source)
+        callback = (lambda _path, n, _total: progress(n)) if progress is not None else None
+        with self._errors(f"push {device_path}"):
+            device.push(stream, device_path, st_mode=0o100000 | mode, progress_callback=callback,
+                        transport_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s)
+
+    def pull(self, device_path: str) -> bytes:
+        device = self._connect()
+        sink = io.BytesIO()
+        with self._errors(f"pull {device_path}"):
+            try:
+                device.pull(device_path, sink, transport_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s)
+            except adb_errors.AdbCommandFailureException as exc:
+                raise FileNotFoundError(f"{device_path}: {exc}") from None
+        return sink.getvalue()
+
+    def sizes(self, paths: list[str]) -> dict[str, int]:
+        """Sizes of the regular files among `paths` that exist, one `stat` per batch of paths."""
+        found: dict[str, int] = {}
+        for batch in _batches(paths):
+            out, _, _ = self.shell("stat -c '%F %s %n' " + " ".join(shlex.quote(p) for p in batch))
+            for line in out.splitlines():
+                kind, _, rest = line.partition(" file ")  # "regular file 123 /path", "regular empty file 0 /p"
+                size, _, path = rest.partition(" ")
+                if kind.startswith("regular") and size.isdigit():
+                    found[path] = int(size)
+        return found
+
+    def _run_checked(self, command: str, what: str) -> str:
+        out, err, code = self.shell(command)
+        if code != 0:
+            raise TransportError(self.name, f"{what} failed (exit {code}): {(err or out).strip()[-500:]}")
+        return out
+
+    def _agent_missing(self, err: str) -> TransportError:
+        return TransportError(self.name, f"the agent command {self.agent!r} is not on the device ({err.strip()}); "
+                              "install it (README: Connecting real devices) or set agent_command")
+
+    # ---- the Transport interface -------------------------------------------------------------
+
+    def info(self) -> DeviceInfo:
+        def run(command: str) -> str:
+            out, err, _ = self.shell(command)
+            return out + err
+
+        serial = run("getprop ro.serialno").strip() or self.name
+        out, err, code = self.shell(f"{self.agent} info --json")
+        adapter, agent_version, notes = {}, "", {}
+        if code == 0:
+            try:
+                reported = from_json(DeviceInfo, out)
+            except ProtocolError as exc:
+                raise ProtocolMismatch(self.name, f"`{self.agent} info --json`: {exc}") from None
+            adapter, agent_version = reported.adapter, reported.agent_version
+        else:
+            notes["agent"] = f"unavailable (exit {code}): {err.strip()[-200:]}"
+        device = collect_android(run, adapter, serial)
+        device.agent_version = agent_version
+        device.virtual = run("getprop ro.devicefarm.virtual").strip() == "1"
+        device.properties.update(notes)
+        return device
+
+    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
+        started = time.monotonic()
+        bundle_dir = Path(bundle_dir)
+        manifest_bytes = (bundle_dir / MANIFEST).read_bytes()
+        try:
+            manifest = from_json(Manifest, manifest_bytes)
+        except ProtocolError as exc:
+            raise ProtocolMismatch(self.name, f"{bundle_dir / MANIFEST}: {exc}") from None
+        check_name(self.name, "build id", manifest.build)
+        # 1. already the current build? (build ids are immutable on the agent, but compare bytes)
+        out, _, _ = self.shell(f"sha256sum {shlex.quote(self.root + '/builds/current/' + MANIFEST)}")
+        if out.split()[:1] == [_sha256(manifest_bytes)]:
+            emit(progress, {"event": "bundle_current", "build": manifest.build})
+            return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
+        # 2. what the device lacks: blobs neither in the store nor staged by an earlier attempt
+        staging = f"{self.root}/incoming/{manifest.build}"
+        partial = f"{self.root}/incoming/.partial"
+        self._run_checked(f"rm -rf {shlex.quote(partial)} && mkdir -p {shlex.quote(partial)} "
+                          f"{shlex.quote(staging + '/' + FILES)}", "preparing the staging folder")
+        firsts = list({f.sha256: f for f in reversed(manifest.files)}.values())[::-1]  # one per blob
+        blob = {f.sha256: f"{self.root}/store/{f.sha256[:2]}/{f.sha256}" for f in firsts}
+        staged = {f.sha256: f"{staging}/{FILES}/{f.path}" for f in firsts}
+        have = self.sizes([*blob.values(), *staged.values()])
+        lacking = [f for f in firsts if have.get(blob[f.sha256]) != f.size and have.get(staged[f.sha256]) != f.size]
+        total = sum(f.size for f in lacking)
+        emit(progress, {"event": "bundle_plan", "build": manifest.build, "files": len(lacking), "bytes": total})
+        # 3. push each to a temporary name, then move it into place whole
+        parents = sorted({str(PurePosixPath(staged[f.sha256]).parent) for f in lacking})
+        for batch in _batches(parents):
+            self._run_checked("mkdir -p " + " ".join(shlex.quote(p) for p in batch), "mkdir")
+        sent = 0
+        for f in lacking:
+            tmp = f"{partial}/{f.sha256}"
+
+            def on_chunk(n: int, f=f) -> None:
+                nonlocal sent
+                sent += n
+                emit(progress, {"event": "push", "path": f.path, "bytes_sent": sent, "bytes_total": total})
+
+            self.push(bundle_dir / FILES / f.path, tmp, f.mode, on_chunk)
+            self._run_checked(f"mv {shlex.quote(tmp)} {shlex.quote(staged[f.sha256])}", f"moving {f.path} into place")
+        for name in (MANIFEST, SIGNATURE):
+            self.push((bundle_dir / name).read_bytes(), f"{partial}/{name}")
+            self._run_checked(f"mv {shlex.quote(partial + '/' + name)} {shlex.quote(staging + '/' + name)}", "staging")
+        # 4. the agent verifies every file against the signed manifest and installs
+        out, err, code = self.shell(f"{self.agent} install {shlex.quote(staging)} --root {shlex.quote(self.root)}",
+                                    timeout_s=max(self.timeout_s, 600.0))
+        if code == EXIT_NOT_FOUND:
+            raise self._agent_missing(err)
+        if code != 0:
+            raise BundleRefused(self.name, f"build {manifest.build}: {(err or out).strip().removeprefix('error: ')}")
+        self._run_checked(f"rm -rf {shlex.quote(staging)} {shlex.quote(partial)}", "cleaning up")
+        emit(progress, {"event": "bundle_installed", "build": manifest.build})
+        return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
+                          manifest.build, True)
+
+    def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
+        out_dir = Path(out_dir)
+        check_name(self.name, "job id", spec.job_id)
+        job_dir = f"{self.root}/jobs/{spec.job_id}"
+        spec_path = f"{self.root}/incoming/jobs/{spec.job_id}.json"
+        self.push(to_json(spec).encode(), spec_path)
+        limit = spec.time_limit_s + (spec.cooldown.max_wait_s if spec.cooldown else 0.0) + self.job_margin_s
+        other: list[str] = []
+
+        def on_line(line: str) -> None:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict) and "event" in event:
+                emit(progress, event)
+            else:
+                other.append(line)
+
+        command = (f"{self.agent} run {shlex.quote(spec_path)} --out {shlex.quote(job_dir)} "
+                   f"--root {shlex.quote(self.root)} --json")
+        try:
+            out, err, code = self.shell(command, timeout_s=limit, on_stderr_line=on_line)
+        except (DeviceOffline, DeviceTimeout) as exc:
+            raise InfraFailure(self.name, f"job {spec.job_id}: {exc.detail}", self._log_tail(job_dir)) from None
+        message = "\n".join(other).strip()
+        if code == EXIT_BUSY:
+            raise DeviceBusy(self.name, message.removeprefix("error: "))
+        if code == EXIT_BAD_INPUT:
+            raise ProtocolMismatch(self.name, f"the agent refused job {spec.job_id}: {message}")
+        if code == EXIT_NOT_FOUND:
+            raise self._agent_missing(message)
+        if code not in (0, 1):
+            why = f"signal {code - 128}" if code > 128 else f"exit code {code}"
+            raise InfraFailure(self.name, f"job {spec.job_id}: the agent died ({why}) without a result",
+                               self._log_tail(job_dir))
+        result = self._result(spec, out, job_dir)
+        self._fetch_artifacts(result, job_dir, out_dir)
+        return result
+
+    # ---- job helpers --------------------------------------------------------------------------
+
+    def _result(self, spec: JobSpec, stdout: str, job_dir: str) -> JobResult:
+        try:
+            text = stdout if stdout.strip().startswith("{") else self.pull(f"{job_dir}/result.json").decode()
+            result = from_json(JobResult, text)
+        except FileNotFoundError:
+            raise InfraFailure(self.name, f"job {spec.job_id}: the agent exited without result.json",
+                               self._log_tail(job_dir)) from None
+        except ProtocolError as exc:
+            raise ProtocolMismatch(self.name, f"job {spec.job_id}: {exc}") from None
+        if result.job_id != spec.job_id:
+            raise InfraFailure(self.name, f"asked for job {spec.job_id}, the agent answered for {result.job_id}")
+        return result
+
+    def _fetch_artifacts(self, result: JobResult, job_dir: str, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for a in result.artifacts:
+            rel = PurePosixPath(a.path)
+            if rel.is_absolute() or ".." in rel.parts:
+                raise ProtocolMismatch(self.name, f"artifact path {a.path!r} leaves the job folder")
+            target = out_dir / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.part")
+            tmp.write_bytes(self.pull(f"{job_dir}/{a.path}"))
+            if sha256_file(tmp) != a.sha256:
+                tmp.unlink()
+                raise InfraFailure(self.name, f"artifact {a.path} arrived with another sha256 than the result's")
+            os.replace(tmp, target)
+        (out_dir / "result.json").write_text(to_json(result))
+
+    def _log_tail(self, job_dir: str) -> str:
+        """The end of job.log, best effort: the connection may be what failed."""
+        try:
+            return self.pull(f"{job_dir}/job.log").decode(errors="replace")[-LOG_TAIL_CHARS:]
+        except (TransportError, FileNotFoundError):
+            return ""
+
+
+def _batches(items: list[str], limit: int = _COMMAND_CHARS) -> Iterator[list[str]]:
+    batch, size = [], 0
+    for item in items:
+        if batch and size + len(item) + 3 > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += len(item) + 3
+    if batch:
+        yield batch
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,206 @@
+"""The http transport: a network agent (`farm-agent serve`) on a Mac, a Linux or Windows GPU
+host, or anything else reached over the network. Every request carries the bearer token and
+the protocol version header; the agent's answers map onto the transport errors (401
+unauthorized, 409 protocol mismatch, 503 busy). Deploys ask /v1/store/missing, PUT only those
+files (the agent writes each to a temporary name and renames it whole), then install. Jobs
+are posted without waiting and followed through their event feed, so progress streams and a
+dead agent is noticed within the request timeout, not at the end of the job's time limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path, PurePosixPath
+from urllib.parse import quote
+
+from agent.bundle import FILES, MANIFEST, SIGNATURE
+from agent.protocol import (
+    PROTOCOL_VERSION,
+    DeviceInfo,
+    JobResult,
+    JobSpec,
+    Manifest,
+    ProtocolError,
+    from_json,
+    to_json,
+)
+from orchestrator.transports.base import (
+    BundleRefused,
+    DeviceBusy,
+    DeviceOffline,
+    DeviceTimeout,
+    DeviceUnauthorized,
+    InfraFailure,
+    ProgressFn,
+    ProtocolMismatch,
+    SendReport,
+    Transport,
+    TransportError,
+    emit,
+    sha256_file,
+)
+
+PROTOCOL_HEADER = "X-Farm-Protocol"
+CHUNK = 1 << 20
+
+
+class HttpTransport(Transport):
+    """One network agent at `url` (http://host:8765). `timeout_s` bounds each request;
+    `poll_s` is how often a running job's events are fetched."""
+
+    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, poll_s: float = 0.5,
+                 job_margin_s: float = 120.0, name: str | None = None):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s, self.poll_s, self.job_margin_s = timeout_s, poll_s, job_margin_s
+        self.name = name or self.url.split("://", 1)[-1]
+
+    @classmethod
+    def from_token_file(cls, url: str, token_file: Path, **kw) -> HttpTransport:
+        token = Path(token_file).expanduser().read_text().strip()
+        if not token:
+            raise TransportError(url, f"token file {token_file} is empty")
+        return cls(url, token, **kw)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body=None, sink: Path | None = None) -> tuple[int, bytes]:
+        """(status, body) for 2xx answers; other statuses raise the matching TransportError.
+        `body` may be bytes, a Path (streamed) or None. With `sink`, a 200 body goes to that file."""
+        headers = {"Authorization": f"Bearer {self.token}", PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
+        data = body
+        if isinstance(body, Path):
+            headers["Content-Length"] = str(body.stat().st_size)
+            data = open(body, "rb")  # noqa: SIM115  (closed below; urllib streams it)
+        elif body is not None:
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                if sink is not None:
+                    with open(sink, "wb") as f:
+                        while chunk := resp.read(CHUNK):
+                            f.write(chunk)
+                    return resp.status, b""
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            raise self._status_error(exc.code, exc.read(), method, path) from None
+        except urllib.error.URLError as exc:
+            reason = exc.reason
+            if isinstance(reason, TimeoutError | socket.timeout):
+                raise DeviceTimeout(self.name, f"{method} {path}: no answer within {self.timeout_s:g} s") from None
+            raise DeviceOffline(self.name, f"{method} {path}: {reason}") from None
+        except TimeoutError:
+            raise DeviceTimeout(self.name, f"{method} {path}: no answer within {self.timeout_s:g} s") from None
+        except (ConnectionError, OSError) as exc:
+            raise DeviceOffline(self.name, f"{method} {path}: connection lost ({exc})") from None
+        finally:
+            if isinstance(body, Path):
+                data.close()
+
+    def _status_error(self, status: int, raw: bytes, method: str, path: str) -> TransportError:
+        try:
+            message = json.loads(raw).get("error", "")
+        except (ValueError, AttributeError):
+            message = raw.decode(errors="replace")[:500]
+        where = f"{method} {path}: HTTP {status}: {message}"
+        if status == 401:
+            return DeviceUnauthorized(self.name, f"{where} (check the token file given to `farm-agent serve`)")
+        if status == 409:
+            return ProtocolMismatch(self.name, where)
+        if status == 503:
+            return DeviceBusy(self.name, message)
+        if status >= 500:
+            return InfraFailure(self.name, where)
+        return TransportError(self.name, where)
+
+    def _json(self, method: str, path: str, body=None):
+        status, raw = self._request(method, path, body)
+        return status, json.loads(raw) if raw.strip() else None
+
+    # ---- the Transport interface --------------------------------------------------------------
+
+    def info(self) -> DeviceInfo:
+        _, raw = self._request("GET", "/v1/info")
+        try:
+            return from_json(DeviceInfo, raw)
+        except ProtocolError as exc:
+            raise ProtocolMismatch(self.name, str(exc)) from None
+
+    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
+        started = time.monotonic()
+        bundle_dir = Path(bundle_dir)
+        manifest_bytes = (bundle_dir / MANIFEST).read_bytes()
+        try:
+            manifest = from_json(Manifest, manifest_bytes)
+        except ProtocolError as exc:
+            raise ProtocolMismatch(self.name, f"{bundle_dir / MANIFEST}: {exc}") from None
+        _, builds = self._json("GET", "/v1/builds")
+        if builds and builds.get("current") == manifest.build:  # build ids are immutable on the agent
+            emit(progress, {"event": "bundle_current", "build": manifest.build})
+            return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
+        _, answer = self._json("POST", "/v1/store/missing", manifest_bytes)
+        lacking = answer["missing"]
+        total = sum(f["size"] for f in lacking)
+        emit(progress, {"event": "bundle_plan", "build": manifest.build, "files": len(lacking), "bytes": total})
+        base = f"/v1/bundles/{quote(manifest.build)}"
+        sent = 0
+        for f in lacking:
+            self._request("PUT", f"{base}/{FILES}/{quote(f['path'])}", bundle_dir / FILES / f["path"])
+            sent += f["size"]
+            emit(progress, {"event": "push", "path": f["path"], "bytes_sent": sent, "bytes_total": total})
+        for name in (MANIFEST, SIGNATURE):
+            self._request("PUT", f"{base}/{name}", bundle_dir / name)
+        try:
+            self._request("POST", f"{base}/install", b"")
+        except TransportError as exc:
+            if type(exc) is TransportError:  # a 4xx: the agent refused the bundle
+                raise BundleRefused(self.name, exc.detail) from None
+            raise
+        emit(progress, {"event": "bundle_installed", "build": manifest.build})
+        return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
+                          manifest.build, True)
+
+    def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
+        status, raw = self._request("POST", "/v1/jobs", to_json(spec).encode())
+        job = f"/v1/jobs/{quote(spec.job_id)}"
+        limit = spec.time_limit_s + (spec.cooldown.max_wait_s if spec.cooldown else 0.0) + self.job_margin_s
+        deadline = time.monotonic() + limit
+        seen = 0
+        while status == 202:
+            try:
+                _, events = self._json("GET", f"{job}/events?since={seen}")
+                for event in events["events"]:
+                    emit(progress, event)
+                seen = events["next"]
+                status, raw = self._request("GET", job)
+            except (DeviceOffline, DeviceTimeout) as exc:
+                raise InfraFailure(self.name, f"job {spec.job_id}: lost the agent ({exc.detail})") from None
+            if status == 202:
+                if time.monotonic() > deadline:
+                    raise InfraFailure(self.name, f"job {spec.job_id}: still running {limit:g} s after it started")
+                time.sleep(self.poll_s)
+        try:
+            result = from_json(JobResult, raw)
+        except ProtocolError as exc:
+            raise ProtocolMismatch(self.name, f"job {spec.job_id}: {exc}") from None
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for a in result.artifacts:
+            rel = PurePosixPath(a.path)
+            if rel.is_absolute() or ".." in rel.parts:
+                raise ProtocolMismatch(self.name, f"artifact path {a.path!r} leaves the job folder")
+            target = out_dir / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.part")
+            self._request("GET", f"{job}/artifacts/{quote(a.path)}", sink=tmp)
+            if sha256_file(tmp) != a.sha256:
+                tmp.unlink()
+                raise InfraFailure(self.name, f"artifact {a.path} arrived with another sha256 than the result's")
+            os.replace(tmp, target)
+        (out_dir / "result.json").write_text(to_json(result))
+        return result

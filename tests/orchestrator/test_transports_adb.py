@@ -1,0 +1,379 @@
+"""The adb transport against the virtual phone: device info, resumable deploys (nothing partial
+ever at a final path), a generate job end to end with byte-identical artifacts, an agent
+killed mid-job, busy devices, refused RSA keys, phones that stop answering, and bundles
+signed with another key. A small TCP proxy between transport and phone cuts or freezes the
+connection where a test needs it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.bundle import build_bundle, generate_keypair
+from agent.protocol import JobSpec, Manifest
+from agent.simulator import VirtualPhone
+from orchestrator.transports import (
+    BundleRefused,
+    DeviceBusy,
+    DeviceOffline,
+    DeviceTimeout,
+    DeviceUnauthorized,
+    InfraFailure,
+)
+from orchestrator.transports.adb import DEFAULT_ROOT, AdbTransport
+
+DEVICE_ROOT = DEFAULT_ROOT.lstrip("/")
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory, tiny_model_dir):
+    """The farm's signing key and a bundle of the tiny model plus a few small files; a second
+    bundle of the same files signed with another key."""
+    tmp = tmp_path_factory.mktemp("farm")
+    extra = tmp / "extra"
+    (extra / "profiles").mkdir(parents=True)
+    (extra / "profiles/test.json").write_text('{"rules": []}\n')
+    (extra / "VERSION").write_text("0.1.0\n")
+    key = generate_keypair(tmp / "farm.key", tmp / "farm.pub")
+    sources = {"models/tiny": tiny_model_dir, "profiles": extra / "profiles", "VERSION": extra / "VERSION"}
+    manifest = build_bundle(sources, tmp / "bundle", "b1", "0.1.0", key)
+    rogue = generate_keypair(tmp / "rogue.key", tmp / "rogue.pub")
+    build_bundle(sources, tmp / "rogue-bundle", "b1", "0.1.0", rogue)
+    return {"bundle": tmp / "bundle", "rogue": tmp / "rogue-bundle", "pub": tmp / "farm.pub", "manifest": manifest}
+
+
+def provision(phone: VirtualPhone, farm: dict) -> Path:
+    """farm.pub into the device root inside the phone's sandbox; returns the root's host path."""
+    root = phone.root / "fs" / DEVICE_ROOT
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "farm.pub").write_bytes(farm["pub"].read_bytes())
+    return root
+
+
+@pytest.fixture
+def phone(tmp_path, farm):
+    with VirtualPhone(serial="sim-transport", root=tmp_path / "phone") as p:
+        p.device_root = provision(p, farm)
+        yield p
+
+
+def transport(port: int, tmp_path: Path, **kw) -> AdbTransport:
+    return AdbTransport("127.0.0.1", port, key_path=tmp_path / "keys" / "adbkey", **kw)
+
+
+@pytest.fixture
+def adb(phone, tmp_path):
+    t = transport(phone.port, tmp_path)
+    yield t
+    t.close()
+
+
+def distinct_bytes(manifest: Manifest) -> int:
+    return sum({f.sha256: f.size for f in manifest.files}.values())
+
+
+def job(job_id: str, **kw) -> JobSpec:
+    return JobSpec(**({"job_id": job_id, "kind": "generate", "model": "models/tiny", "precision": "fp32",
+                       "steps": 2, "scheduler": "euler", "time_limit_s": 120.0} | kw))
+
+
+class Proxy:
+    """TCP proxy to the phone: `cut_after` host->device bytes it closes both sides; `freeze()`
+    stops forwarding while keeping the sockets open (a phone that stops answering)."""
+
+    def __init__(self, port: int, cut_after: int | None = None):
+        self.target, self.cut_after = port, cut_after
+        self.forwarded = 0
+        self.frozen = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                while self.frozen.is_set():
+                    time.sleep(0.05)
+                if counted and self.cut_after is not None and self.forwarded + len(data) > self.cut_after:
+                    dst.sendall(data[: self.cut_after - self.forwarded])
+                    self.close_connections()
+                    return
+                dst.sendall(data)
+                if counted:
+                    self.forwarded += len(data)
+        except OSError:
+            pass
+        self.close_connections()
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    def close_connections(self) -> None:
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self.server.close()
+        self.frozen.clear()
+        self.close_connections()
+
+
+# ---- info ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_info_reports_the_phone_and_its_adapter(adb, phone, tmp_path):
+    t0 = time.monotonic()
+    info = adb.info()
+    print(f"info: {time.monotonic() - t0:.2f} s")
+    assert (info.serial, info.model, info.os, info.virtual) == ("sim-transport", "Virtual Pixel 7", "android", True)
+    assert info.adapter.get("device") and info.agent_version
+    assert info.thermal and info.battery is not None  # (the virtual phone has no /proc/meminfo)
+    # the host key was made on first use, private part 0600
+    key = tmp_path / "keys" / "adbkey"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.with_name("adbkey.pub").is_file()
+
+
+# ---- deploys -----------------------------------------------------------------------------------
+
+
+def test_send_bundle_then_nothing_to_send(adb, phone, farm):
+    manifest = farm["manifest"]
+    events = []
+    first = adb.send_bundle(farm["bundle"], progress=events.append)
+    assert first.installed and first.bytes_sent == distinct_bytes(manifest)
+    assert first.files_sent + first.files_skipped == len(manifest.files)
+    assert events[-1] == {"event": "bundle_installed", "build": "b1"}
+    assert any(e["event"] == "push" for e in events)
+    root = phone.device_root
+    assert (root / "builds/current/manifest.json").read_bytes() == (farm["bundle"] / "manifest.json").read_bytes()
+    assert not (root / "incoming/b1").exists() and not (root / "incoming/.partial").exists()
+    second = adb.send_bundle(farm["bundle"])
+    assert (second.bytes_sent, second.files_sent, second.installed) == (0, 0, False)
+    assert second.files_skipped == len(manifest.files)
+    print(f"first send {first.seconds:.2f} s ({first.bytes_sent} bytes), second {second.seconds:.3f} s")
+
+
+def _partial_files(root: Path, manifest: Manifest) -> list[str]:
+    """Files at a final path (store blob or staged bundle file) whose content is not whole."""
+    by_path = {f.path: f for f in manifest.files}
+    by_sha = {f.sha256: f for f in manifest.files}
+    bad = []
+    for path in (root / "incoming/b1/files").rglob("*") if (root / "incoming/b1/files").exists() else []:
+        entry = by_path.get(path.relative_to(root / "incoming/b1/files").as_posix())
+        if path.is_file() and (entry is None or hashlib.sha256(path.read_bytes()).hexdigest() != entry.sha256):
+            bad.append(str(path))
+    for path in (root / "store").rglob("*") if (root / "store").exists() else []:
+        if path.is_file() and not path.name.startswith(".") and (
+                path.name not in by_sha or hashlib.sha256(path.read_bytes()).hexdigest() != path.name):
+            bad.append(str(path))
+    return bad
+
+
+def test_dropped_connection_resumes_and_never_leaves_a_partial_file(phone, farm, tmp_path):
+    manifest = farm["manifest"]
+    total = distinct_bytes(manifest)
+    proxy = Proxy(phone.port, cut_after=total // 2)
+    seen_partial: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # look for half-written files at final paths while the push runs
+        while not stop.is_set():
+            try:
+                seen_partial.extend(_partial_files(phone.device_root, manifest))
+            except OSError:  # a file renamed away while we read it
+                pass
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        cut = transport(proxy.port, tmp_path)
+        with pytest.raises(DeviceOffline, match="connection lost|closed"):
+            cut.send_bundle(farm["bundle"])
+        cut.close()
+        staged = sum(p.stat().st_size for p in (phone.device_root / "incoming/b1/files").rglob("*") if p.is_file())
+        assert 0 < staged < total
+        assert not (phone.device_root / "builds").exists()
+        resumed = transport(phone.port, tmp_path)
+        report = resumed.send_bundle(farm["bundle"])
+        resumed.close()
+    finally:
+        stop.set()
+        watcher.join()
+        proxy.close()
+    assert report.installed and report.bytes_sent == total - staged, (report, staged, total)
+    assert report.files_skipped > 0
+    assert not seen_partial, seen_partial[:3]
+    assert (phone.device_root / "builds/current/manifest.json").is_file()
+
+
+def test_bundle_signed_with_another_key_is_refused_naming_the_file(adb, phone, farm):
+    with pytest.raises(BundleRefused, match=r"manifest\.json: manifest signature does not verify") as err:
+        adb.send_bundle(farm["rogue"])
+    assert err.value.state == "ready"
+    assert not (phone.device_root / "builds").exists()
+    assert adb.send_bundle(farm["bundle"]).installed  # the right bundle still goes through
+
+
+# ---- jobs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_generate_job_end_to_end_with_identical_artifacts(adb, phone, farm, tmp_path):
+    adb.send_bundle(farm["bundle"])
+    events = []
+    t0 = time.monotonic()
+    result = adb.run(job("e2e", prompt="a red bicycle", seed=3), tmp_path / "out", progress=events.append)
+    print(f"generate job over adb: {time.monotonic() - t0:.2f} s")
+    assert result.status == "succeeded", result.error + result.log_tail
+    image = next(a for a in result.artifacts if a.kind == "image")
+    local = (tmp_path / "out" / image.path).read_bytes()
+    on_device = (phone.device_root / "jobs/e2e" / image.path).read_bytes()
+    assert hashlib.sha256(local).hexdigest() == image.sha256 and local == on_device
+    assert (tmp_path / "out/job.log").is_file() and (tmp_path / "out/result.json").is_file()
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "started" and "step" in kinds and kinds[-1] == "finished"
+
+
+def test_busy_device_raises_device_busy(adb, phone):
+    locks = phone.device_root / "locks"
+    locks.mkdir(parents=True)
+    (locks / "device.lock").write_text(json.dumps({"job_id": "other", "pid": os.getpid(), "host": socket.gethostname(),
+                                                   "started_at": time.time(), "time_limit_s": 60.0}))
+    with pytest.raises(DeviceBusy, match="busy with job 'other'") as err:
+        adb.run(job("b"), Path("/nonexistent-out"))
+    assert err.value.state == "busy"
+
+
+@pytest.mark.gpu
+def test_agent_killed_mid_job_is_infra_failure_and_the_next_job_runs(adb, phone, farm, tmp_path):
+    adb.send_bundle(farm["bundle"])
+    lock = phone.device_root / "locks/device.lock"
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = adb.run(job("doomed", steps=50), tmp_path / "doomed")
+        except Exception as exc:  # checked below
+            box["error"] = exc
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    deadline = time.monotonic() + 60
+    record = {}
+    while time.monotonic() < deadline and not record.get("child_pid"):
+        try:
+            record = json.loads(lock.read_text())
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    assert record.get("child_pid"), "the job never started"
+    time.sleep(0.5)
+    os.kill(record["pid"], signal.SIGKILL)  # the agent dies (OOM killer, crash); its child is orphaned
+    runner.join(60)
+    error = box.get("error")
+    assert isinstance(error, InfraFailure), box
+    assert "signal 9" in str(error) and "job doomed (generate)" in error.log_tail
+    t0 = time.monotonic()
+    while True:  # the orphaned child dies at its next progress write; then the lock is stale
+        try:
+            result = adb.run(job("after"), tmp_path / "after")
+            break
+        except DeviceBusy:
+            assert time.monotonic() - t0 < 30, "the device lock was never released"
+            time.sleep(0.5)
+    print(f"next job ran {time.monotonic() - t0:.2f} s after the kill was reported")
+    assert result.status == "succeeded", result.error
+    assert "recovered stale lock of job 'doomed'" in (tmp_path / "after/job.log").read_text()
+
+
+# ---- authentication and unresponsive phones ----------------------------------------------------------
+
+
+def test_unknown_key_on_a_phone_that_refuses_new_keys_is_unauthorized(tmp_path, farm):
+    with VirtualPhone(serial="locked", root=tmp_path / "locked", auth=True, accept_new_keys=False) as p:
+        t = transport(p.port, tmp_path, auth_timeout_s=1.0, timeout_s=5.0)
+        t0 = time.monotonic()
+        with pytest.raises(DeviceUnauthorized, match="tap 'Allow'") as err:
+            t.shell("echo hi")
+        assert time.monotonic() - t0 < 4 and err.value.state == "unauthorized"
+    # a phone that accepts the key (the user tapped Allow) lets the same transport in
+    with VirtualPhone(serial="open", root=tmp_path / "open", auth=True, accept_new_keys=True) as p:
+        t = transport(p.port, tmp_path)
+        assert t.shell("echo hi") == ("hi\n", "", 0)
+        t.close()
+        assert (tmp_path / "keys/adbkey.pub").read_text().split()[0] == (p.root / "adb_keys").read_text().split()[0]
+
+
+def test_refuses_a_key_file_others_can_read(tmp_path, phone):
+    t = transport(phone.port, tmp_path)
+    t.shell("true")
+    t.close()
+    os.chmod(tmp_path / "keys/adbkey", 0o644)
+    with pytest.raises(Exception, match="chmod 600"):
+        transport(phone.port, tmp_path).shell("true")
+
+
+def test_closed_port_is_offline(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(DeviceOffline) as err:
+        transport(port, tmp_path).info()
+    assert err.value.state == "offline" and f"127.0.0.1:{port}" in str(err.value)
+
+
+def test_silent_listener_times_out_within_the_timeout(tmp_path):
+    server = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never answers
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DeviceTimeout):
+            transport(server.getsockname()[1], tmp_path, timeout_s=1.0).shell("true")
+        assert time.monotonic() - t0 < 3
+    finally:
+        server.close()
+
+
+def test_phone_that_stops_answering_mid_session_times_out(phone, farm, tmp_path):
+    proxy = Proxy(phone.port)
+    t = transport(proxy.port, tmp_path, timeout_s=1.0)
+    try:
+        assert t.shell("echo hi")[0] == "hi\n"
+        proxy.freeze()
+        t0 = time.monotonic()
+        with pytest.raises((DeviceTimeout, DeviceOffline)) as err:
+            t.send_bundle(farm["bundle"])
+        elapsed = time.monotonic() - t0
+        assert elapsed < 3, elapsed
+        assert isinstance(err.value, DeviceTimeout) and err.value.state == "unresponsive"
+    finally:
+        proxy.close()
+        t.close()
