@@ -14,5 +14,7 @@ if ! command -v adb >/dev/null; then
     { $sudo_ apt-get update -qq >/dev/null && $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq adb >/dev/null; } ||
     { echo "error: could not install adb (apt-get install adb)" >&2; exit 1; }
 fi
+# The store tests run against PostgreSQL too: use a reachable server or start a local one.
+export FARM_TEST_POSTGRES_URL="$(bash scripts/ensure-postgres.sh)"
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from engine.errors import EngineError
 
+from . import db as db_cmd
 from . import engine as engine_cmd
 
 app = typer.Typer(
@@ -21,6 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(engine_cmd.app, name="engine")
+app.add_typer(db_cmd.app, name="db")
 
 err_console = Console(stderr=True)
 

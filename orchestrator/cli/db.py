@@ -1,0 +1,40 @@
+"""`farm db ...`: the store's schema: bring a database to the newest migration."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="Manage the farm's SQL database.", no_args_is_help=True)
+console = Console()
+
+
+@app.command()
+def upgrade(
+    url: str = typer.Option(None, "--url", help="Database URL (default: FARM_DATABASE_URL, "
+                            "farm.toml, else the SQLite file in the data dir)."),
+    revision: str = typer.Option("head", help="Target revision."),
+):
+    """Create or migrate the database schema to the newest revision."""
+    from orchestrator.db import migrate
+    from orchestrator.settings import load_settings
+
+    settings = load_settings(database_url=url)
+    try:
+        migrate.upgrade(settings.database_url, revision)
+    except Exception as exc:  # a bad URL, an unreachable server, a revision unknown here
+        console.print(f"[bold red]error:[/] database upgrade failed for {_safe(settings.database_url)}: "
+                      f"{exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(f"database {_safe(settings.database_url)} is at revision {migrate.head_revision()}",
+                  highlight=False, soft_wrap=True)
+
+
+def _safe(url: str) -> str:
+    """The URL with any password hidden."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001
+        return url

@@ -1,0 +1,405 @@
+"""The farm's SQL schema as SQLAlchemy 2 typed models: hosts and their devices, builds and their
+files, profiles, deployments, jobs, and what a job's runs measured (raw samples, per-kernel
+timings, images, thermal readings), plus the nightly schedules. Alembic migrations are written
+from this metadata; the app never calls create_all.
+
+Portability between SQLite (the embedded default) and PostgreSQL (production) decides the
+types: enums are VARCHAR plus a CHECK constraint (no native enum types to migrate), JSON is
+sqlalchemy.JSON, and every timestamp is timezone-aware UTC (`UTCDateTime`), because SQLite
+keeps no zone and a naive/aware mix breaks every comparison the lease and stale-job queries do.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Double,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Fixed names, so migrations can refer to constraints on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC timestamp on every backend: stored as UTC, read back aware."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware one (UTC)")
+        value = value.astimezone(dt.UTC)
+        # SQLite stores text without a zone; keep one fixed format so text order is time order.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        dt.datetime: UTCDateTime(),
+        float: Double(),
+        dict[str, Any]: JSON(),
+        list[Any]: JSON(),
+    }
+
+
+def _enum(cls: type[StrEnum], name: str) -> Enum:
+    """A portable enum: a VARCHAR with a CHECK constraint named ck_<table>_<name>."""
+    return Enum(
+        cls,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=max(len(m.value) for m in cls) + 8,  # room for a new value without a migration
+        values_callable=lambda e: [m.value for m in e],
+        validate_strings=True,
+    )
+
+
+# ---- enums --------------------------------------------------------------------------------
+
+
+class TransportKind(StrEnum):
+    adb = "adb"
+    http = "http"
+    local = "local"
+
+
+class DeviceState(StrEnum):
+    available = "available"
+    busy = "busy"
+    offline = "offline"
+    unauthorized = "unauthorized"
+    quarantined = "quarantined"
+
+
+class DeploymentStatus(StrEnum):
+    pending = "pending"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+
+
+class JobKind(StrEnum):
+    generate = "generate"
+    latency = "latency"
+    tune = "tune"
+
+
+class JobState(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    infra_failed = "infra_failed"
+    cancelled = "cancelled"
+
+
+class RunStatus(StrEnum):
+    succeeded = "succeeded"
+    failed = "failed"
+
+
+# ---- fleet --------------------------------------------------------------------------------
+
+
+class Host(Base):
+    """A machine running a worker; phones are plugged into one host and driven from its queue."""
+
+    __tablename__ = "hosts"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    last_seen: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    devices: Mapped[list[Device]] = relationship(back_populates="host")
+
+
+class Device(Base):
+    """One physical (or virtual) device. GPU identity is copied out of DeviceInfo.adapter into
+    columns because regression series are keyed by it; the whole last DeviceInfo is kept too."""
+
+    __tablename__ = "devices"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    serial: Mapped[str] = mapped_column(String(255), unique=True)
+    host_id: Mapped[int | None] = mapped_column(ForeignKey("hosts.id", ondelete="SET NULL"))
+    transport: Mapped[TransportKind] = mapped_column(_enum(TransportKind, "transport"))
+    address: Mapped[str] = mapped_column(String(255), default="")
+    # identity (from DeviceInfo)
+    model: Mapped[str] = mapped_column(String(255), default="")
+    manufacturer: Mapped[str] = mapped_column(String(255), default="")
+    os: Mapped[str] = mapped_column(String(64), default="")
+    os_version: Mapped[str] = mapped_column(String(255), default="")
+    gpu_vendor: Mapped[str] = mapped_column(String(255), default="")
+    gpu_architecture: Mapped[str] = mapped_column(String(255), default="")
+    gpu_device: Mapped[str] = mapped_column(String(255), default="")
+    gpu_driver: Mapped[str] = mapped_column(String(255), default="")  # adapter description
+    gpu_backend: Mapped[str] = mapped_column(String(64), default="")
+    virtual: Mapped[bool] = mapped_column(default=False)
+    info: Mapped[dict[str, Any] | None]  # the last DeviceInfo, as sent
+    # health
+    state: Mapped[DeviceState] = mapped_column(_enum(DeviceState, "state"), default=DeviceState.offline)
+    state_reason: Mapped[str] = mapped_column(Text, default="")
+    last_seen: Mapped[dt.datetime | None]
+    # one job at a time: whoever holds an unexpired lease drives the device
+    lease_holder: Mapped[str | None] = mapped_column(String(255))
+    lease_until: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    host: Mapped[Host | None] = relationship(back_populates="devices")
+
+
+# ---- builds and profiles ------------------------------------------------------------------
+
+
+class Build(Base):
+    """A content-addressed bundle; `name` is the manifest's build id, `manifest_sha256` the
+    hash of its canonical bytes (what was signed)."""
+
+    __tablename__ = "builds"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    version: Mapped[str] = mapped_column(String(64))
+    source_revision: Mapped[str] = mapped_column(String(128), default="")
+    manifest_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    files: Mapped[list[BuildFile]] = relationship(
+        back_populates="build", cascade="all, delete-orphan", order_by="BuildFile.path"
+    )
+
+
+class BuildFile(Base):
+    __tablename__ = "build_files"
+    __table_args__ = (UniqueConstraint("build_id", "path"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    build_id: Mapped[int] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"))
+    path: Mapped[str] = mapped_column(String(1024))
+    sha256: Mapped[str] = mapped_column(String(64), index=True)  # which builds share a blob
+    size: Mapped[int] = mapped_column(BigInteger)
+    mode: Mapped[int] = mapped_column(default=0o644)
+
+    build: Mapped[Build] = relationship(back_populates="files")
+
+
+class Profile(Base):
+    """A kernel-selection profile (engine/profiles JSON), shipped or tuned on one device."""
+
+    __tablename__ = "profiles"
+    __table_args__ = (UniqueConstraint("name", "sha256"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    sha256: Mapped[str] = mapped_column(String(64))
+    gpu_vendor: Mapped[str] = mapped_column(String(255), default="")
+    gpu_architecture: Mapped[str] = mapped_column(String(255), default="")
+    gpu_device: Mapped[str] = mapped_column(String(255), default="")
+    tuned_on_device_id: Mapped[int | None] = mapped_column(ForeignKey("devices.id", ondelete="SET NULL"))
+    data: Mapped[dict[str, Any]]
+    created: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Deployment(Base):
+    """One build pushed to one device."""
+
+    __tablename__ = "deployments"
+    __table_args__ = (Index("ix_deployments_device_build", "device_id", "build_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    build_id: Mapped[int] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"))
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    status: Mapped[DeploymentStatus] = mapped_column(
+        _enum(DeploymentStatus, "status"), default=DeploymentStatus.pending
+    )
+    bytes_sent: Mapped[int] = mapped_column(BigInteger, default=0)
+    files_sent: Mapped[int] = mapped_column(default=0)
+    files_skipped: Mapped[int] = mapped_column(default=0)
+    duration_s: Mapped[float | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None]
+
+
+# ---- jobs and what they measured ----------------------------------------------------------
+
+
+class Job(Base):
+    """One unit of work for one device. `attempts` counts executions (each a Run when it
+    brought back a result); `heartbeat_at` is refreshed by the worker running it, so jobs of a
+    dead worker can be found and requeued."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_state_heartbeat", "state", "heartbeat_at"),
+        Index("ix_jobs_device_created", "device_id", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[JobKind] = mapped_column(_enum(JobKind, "kind"))
+    spec: Mapped[dict[str, Any]]  # a JobSpec as a dict (agent.protocol.to_dict)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
+    schedule_id: Mapped[int | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
+    state: Mapped[JobState] = mapped_column(_enum(JobState, "state"), default=JobState.queued)
+    attempts: Mapped[int] = mapped_column(default=0)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None]
+    heartbeat_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+    log_tail: Mapped[str] = mapped_column(Text, default="")
+    error: Mapped[str | None] = mapped_column(Text)
+
+    device: Mapped[Device] = relationship()
+    build: Mapped[Build | None] = relationship()
+    runs: Mapped[list[Run]] = relationship(back_populates="job", order_by="Run.attempt")
+
+
+class Run(Base):
+    """One execution attempt of a job that came back with a JobResult. Device and build are
+    copied from the job so the series queries need no join through jobs."""
+
+    __tablename__ = "runs"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt"),
+        Index("ix_runs_device_build", "device_id", "build_id"),
+        Index("ix_runs_build", "build_id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int]
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
+    status: Mapped[RunStatus] = mapped_column(_enum(RunStatus, "status"))
+    error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+    adapter: Mapped[str] = mapped_column(String(255), default="")  # JobResult.device
+    engine: Mapped[dict[str, Any]]  # profile, precision, kernel decisions, stage timings
+    cooldown_wait_s: Mapped[float | None]
+    cooldown_timed_out: Mapped[bool] = mapped_column(default=False)
+    artifacts: Mapped[list[Any]]  # every Artifact, as sent
+    log_tail: Mapped[str] = mapped_column(Text, default="")
+
+    job: Mapped[Job] = relationship(back_populates="runs")
+    samples: Mapped[list[Sample]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+    kernel_timings: Mapped[list[KernelTiming]] = relationship(
+        cascade="all, delete-orphan", passive_deletes=True
+    )
+    images: Mapped[list[Image]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+    thermal: Mapped[list[ThermalReading]] = relationship(
+        cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Sample(Base):
+    """One raw measurement; the metric name carries its unit (unet_step_ms, peak_gpu_bytes)."""
+
+    __tablename__ = "samples"
+    __table_args__ = (Index("ix_samples_metric_run", "metric", "run_id"), Index("ix_samples_run", "run_id"))
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    metric: Mapped[str] = mapped_column(String(128))
+    unit: Mapped[str] = mapped_column(String(32))
+    value: Mapped[float]
+    repetition: Mapped[int] = mapped_column(default=0)
+
+
+class KernelTiming(Base):
+    __tablename__ = "kernel_timings"
+    __table_args__ = (
+        Index("ix_kernel_timings_run", "run_id"),
+        Index("ix_kernel_timings_kernel_run", "kernel", "run_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kernel: Mapped[str] = mapped_column(String(255))
+    calls: Mapped[int]
+    total_ms: Mapped[float]
+    repetition: Mapped[int] = mapped_column(default=0)
+
+
+class Image(Base):
+    """A generated image kept on the control plane; `path` is where it was fetched to."""
+
+    __tablename__ = "images"
+    __table_args__ = (Index("ix_images_run", "run_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    path: Mapped[str] = mapped_column(String(1024))
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt: Mapped[str] = mapped_column(Text, default="")
+    seed: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class ThermalReading(Base):
+    __tablename__ = "thermal_readings"
+    __table_args__ = (Index("ix_thermal_readings_run", "run_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    phase: Mapped[str] = mapped_column(String(16))  # before, after
+    zone: Mapped[str] = mapped_column(String(255))
+    celsius: Mapped[float]
+
+
+# ---- schedules ----------------------------------------------------------------------------
+
+
+class Schedule(Base):
+    """A recurring suite (nightly latency runs): a cron expression read in `timezone`."""
+
+    __tablename__ = "schedules"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    cron: Mapped[str] = mapped_column(String(255))
+    timezone: Mapped[str] = mapped_column(String(64), default="UTC")
+    enabled: Mapped[bool] = mapped_column(default=True)
+    suite: Mapped[dict[str, Any]]  # build selector, devices, job specs
+    last_run_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

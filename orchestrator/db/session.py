@@ -1,0 +1,56 @@
+"""Engines and sessions for the store. SQLite gets the settings that make it a safe multi-process
+store: WAL (readers never block the writer), foreign keys enforced, a busy timeout instead of
+instant "database is locked", and BEGIN IMMEDIATE so a transaction takes the write lock up front
+(pysqlite's deferred BEGIN lets a read-then-write transaction fail with SQLITE_BUSY without
+waiting, and leaves SAVEPOINTs broken).
+
+The price of BEGIN IMMEDIATE: on SQLite every open transaction, even one that only reads, holds
+the write lock until it ends. Keep transactions short and never hold one across a device
+operation (a deploy, a job): commit, talk to the device, then open a new one. That is the rule
+for PostgreSQL too, where an idle transaction holds its row locks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def make_engine(url: str, **kwargs) -> Engine:
+    """An engine for `url`; a SQLite file's folder is created when missing."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        kwargs.setdefault("pool_pre_ping", True)
+        return create_engine(parsed, **kwargs)
+
+    database = parsed.database or ""
+    if database and database != ":memory:" and not database.startswith("file:"):
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    connect_args = kwargs.pop("connect_args", {})
+    connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_MS / 1000)
+    engine = create_engine(parsed, connect_args=connect_args, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves (see below)
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")  # durable with WAL except on power loss
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded objects usable after commit (the CLI prints them)."""
+    return sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,432 @@
+"""Data access for the store: every function takes a session, does its reads and writes,
+flushes, and leaves the commit to the caller (a CLI command or a Celery task decides where
+its transaction ends). Writes that other processes race for (device leases, job state
+changes, idempotent creates) are single conditional statements or unique constraints, never
+read-then-write in Python, so they hold on SQLite and PostgreSQL alike without row locks
+(with_for_update() is silently ignored on SQLite)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.util import identity_key
+
+from agent.protocol import DeviceInfo, JobResult, JobSpec, Manifest, to_dict
+
+from .models import (
+    Build,
+    BuildFile,
+    Deployment,
+    DeploymentStatus,
+    Device,
+    DeviceState,
+    Host,
+    Image,
+    Job,
+    JobKind,
+    JobState,
+    KernelTiming,
+    Run,
+    RunStatus,
+    Sample,
+    ThermalReading,
+    TransportKind,
+    utcnow,
+)
+
+
+class StoreError(Exception):
+    """A request the store refuses (unknown id, forbidden transition); the message says why."""
+
+
+class InvalidTransition(StoreError):
+    pass
+
+
+# ---- hosts and devices --------------------------------------------------------------------
+
+# What a transport's error state means for the device's health record (transports/base.py).
+TRANSPORT_STATES: dict[str, DeviceState] = {
+    "ready": DeviceState.available,
+    "busy": DeviceState.busy,
+    "offline": DeviceState.offline,
+    "unauthorized": DeviceState.unauthorized,
+    "unresponsive": DeviceState.offline,
+    "incompatible": DeviceState.available,  # reachable; a matching build fixes it
+    "error": DeviceState.offline,
+}
+
+
+def get_or_create_host(session: Session, name: str) -> Host:
+    host = session.scalar(select(Host).where(Host.name == name))
+    if host is None:
+        host = _insert_or_get(session, Host(name=name), select(Host).where(Host.name == name))
+    host.last_seen = utcnow()
+    session.flush()
+    return host
+
+
+def upsert_device(
+    session: Session,
+    serial: str,
+    transport: TransportKind | str,
+    address: str = "",
+    *,
+    info: DeviceInfo | None = None,
+    host: str | None = None,
+) -> Device:
+    """Create or update the device `serial`; `info` (when given) refreshes its identity and
+    marks it seen. A new device starts offline until something reports it available."""
+    query = select(Device).where(Device.serial == serial)
+    device = session.scalar(query)
+    if device is None:
+        device = _insert_or_get(
+            session, Device(serial=serial, transport=TransportKind(transport), address=address), query
+        )
+    device.transport = TransportKind(transport)
+    if address:
+        device.address = address
+    if host is not None:
+        device.host = get_or_create_host(session, host)
+    if info is not None:
+        adapter = info.adapter or {}
+        device.model, device.manufacturer = info.model, info.manufacturer
+        device.os, device.os_version = info.os, info.os_version
+        device.gpu_vendor = str(adapter.get("vendor") or "")
+        device.gpu_architecture = str(adapter.get("architecture") or "")
+        device.gpu_device = str(adapter.get("device") or "")
+        device.gpu_driver = str(adapter.get("description") or "")
+        device.gpu_backend = str(adapter.get("backend") or "")
+        device.virtual = info.virtual
+        device.info = to_dict(info)
+        device.last_seen = utcnow()
+    session.flush()
+    return device
+
+
+def get_device(session: Session, ref: int | str) -> Device:
+    """A device by id or serial; StoreError naming it when unknown."""
+    query = select(Device).where(Device.id == ref if isinstance(ref, int) else Device.serial == ref)
+    device = session.scalar(query)
+    if device is None:
+        raise StoreError(f"no device {ref!r}; `farm devices list` shows the known ones")
+    return device
+
+
+def set_device_state(
+    session: Session, device_id: int, state: DeviceState | str, reason: str = "", *, force: bool = False
+) -> Device:
+    """Record a device's health. Quarantine is sticky: only `force` (an operator's release or
+    quarantine) moves a device into or out of it, so a flapping phone that a person
+    quarantined is not put back into service by the next successful poll."""
+    device = get_device(session, device_id)
+    state = DeviceState(state)
+    quarantine_involved = DeviceState.quarantined in (device.state, state)
+    if quarantine_involved and device.state != state and not force:
+        return device
+    device.state, device.state_reason = state, reason
+    if state != DeviceState.offline:
+        device.last_seen = utcnow()
+    session.flush()
+    return device
+
+
+def acquire_device_lease(session: Session, device_id: int, holder: str, seconds: float) -> bool:
+    """Take (or renew) the device's lease for `seconds`; False when someone else holds an
+    unexpired one or the device is quarantined. One conditional UPDATE: the database decides."""
+    now = utcnow()
+    result = session.execute(
+        update(Device)
+        .where(
+            Device.id == device_id,
+            Device.state != DeviceState.quarantined,
+            or_(Device.lease_holder.is_(None), Device.lease_until < now, Device.lease_holder == holder),
+        )
+        .values(lease_holder=holder, lease_until=now + dt.timedelta(seconds=seconds))
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+    _expire_device(session, device_id)
+    return result.rowcount == 1
+
+
+def release_device_lease(session: Session, device_id: int, holder: str) -> bool:
+    """Give the lease back; False when `holder` did not hold it (it expired and was taken)."""
+    result = session.execute(
+        update(Device)
+        .where(Device.id == device_id, Device.lease_holder == holder)
+        .values(lease_holder=None, lease_until=None)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+    _expire_device(session, device_id)
+    return result.rowcount == 1
+
+
+def _expire_device(session: Session, device_id: int) -> None:
+    # The UPDATE bypassed the ORM: drop stale lease values of an already loaded Device.
+    device = session.identity_map.get(identity_key(Device, device_id))
+    if device is not None:
+        session.expire(device, ["lease_holder", "lease_until"])
+
+
+# ---- builds and deployments ---------------------------------------------------------------
+
+
+def manifest_sha256(manifest: Manifest) -> str:
+    return hashlib.sha256(manifest.canonical_bytes()).hexdigest()
+
+
+def create_build(session: Session, manifest: Manifest) -> Build:
+    """Record a build and its files; the same manifest again returns the existing build."""
+    digest = manifest_sha256(manifest)
+    query = select(Build).where(Build.manifest_sha256 == digest)
+    build = session.scalar(query)
+    if build is not None:
+        return build
+    clash = session.scalar(select(Build).where(Build.name == manifest.build))
+    if clash is not None:
+        raise StoreError(f"build {manifest.build!r} already exists with another manifest "
+                         f"({clash.manifest_sha256[:12]} != {digest[:12]}): give the new build another id")
+    build = Build(
+        name=manifest.build,
+        version=manifest.version,
+        source_revision=manifest.source_revision,
+        manifest_sha256=digest,
+        created=dt.datetime.fromtimestamp(manifest.created, dt.UTC),
+        files=[BuildFile(path=f.path, sha256=f.sha256, size=f.size, mode=f.mode) for f in manifest.files],
+    )
+    return _insert_or_get(session, build, query)
+
+
+def record_deployment(
+    session: Session,
+    build_id: int,
+    device_id: int,
+    status: DeploymentStatus | str,
+    *,
+    bytes_sent: int = 0,
+    files_sent: int = 0,
+    files_skipped: int = 0,
+    duration_s: float | None = None,
+    error: str | None = None,
+    deployment_id: int | None = None,
+) -> Deployment:
+    """Start a deployment (no `deployment_id`) or update one; a final status stamps finished_at."""
+    status = DeploymentStatus(status)
+    if deployment_id is None:
+        deployment = Deployment(build_id=build_id, device_id=device_id)
+        session.add(deployment)
+    else:
+        deployment = session.get(Deployment, deployment_id)
+        if deployment is None:
+            raise StoreError(f"no deployment {deployment_id}")
+    deployment.status = status
+    deployment.bytes_sent, deployment.files_sent, deployment.files_skipped = bytes_sent, files_sent, files_skipped
+    deployment.duration_s, deployment.error = duration_s, error
+    if status in (DeploymentStatus.succeeded, DeploymentStatus.failed):
+        deployment.finished_at = utcnow()
+    session.flush()
+    return deployment
+
+
+# ---- jobs ---------------------------------------------------------------------------------
+
+# queued -> running -> a result state. running -> queued and infra_failed -> queued are the
+# retries of infrastructure failures (a dead worker, a lost device); a result is final.
+ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.queued: frozenset({JobState.running, JobState.cancelled}),
+    JobState.running: frozenset(
+        {JobState.succeeded, JobState.failed, JobState.infra_failed, JobState.cancelled, JobState.queued}
+    ),
+    JobState.infra_failed: frozenset({JobState.queued}),
+    JobState.succeeded: frozenset(),
+    JobState.failed: frozenset(),
+    JobState.cancelled: frozenset(),
+}
+FINAL_STATES = frozenset(s for s, nxt in ALLOWED_TRANSITIONS.items() if not nxt)
+
+
+def create_job(
+    session: Session,
+    kind: JobKind | str,
+    spec: JobSpec | dict[str, Any],
+    device_id: int,
+    build_id: int | None = None,
+    idempotency_key: str | None = None,
+    *,
+    schedule_id: int | None = None,
+) -> Job:
+    """Queue a job. With an `idempotency_key`, asking again (a retried CLI call, a schedule
+    firing twice) returns the job made the first time, even when both asks race."""
+    spec_dict = to_dict(spec) if isinstance(spec, JobSpec) else dict(spec)
+    job = Job(
+        kind=JobKind(kind),
+        spec=spec_dict,
+        device_id=device_id,
+        build_id=build_id,
+        schedule_id=schedule_id,
+        idempotency_key=idempotency_key,
+    )
+    if idempotency_key is None:
+        session.add(job)
+        session.flush()
+        return job
+    query = select(Job).where(Job.idempotency_key == idempotency_key)
+    existing = session.scalar(query)
+    return existing if existing is not None else _insert_or_get(session, job, query)
+
+
+def get_job(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise StoreError(f"no job {job_id}; `farm jobs list` shows the known ones")
+    return job
+
+
+def transition_job(
+    session: Session,
+    job_id: int,
+    state: JobState | str,
+    *,
+    error: str | None = None,
+    log_tail: str | None = None,
+    worker: str | None = None,
+) -> Job:
+    """Move a job to `state` if the rules allow it from its current state. The UPDATE is
+    conditional on the state it was read in, so of two workers racing to start the same job
+    exactly one wins; the other gets InvalidTransition."""
+    job = get_job(session, job_id)
+    session.refresh(job)
+    target, current = JobState(state), job.state
+    if target not in ALLOWED_TRANSITIONS[current]:
+        raise InvalidTransition(f"job {job_id} cannot go from {current} to {target}")
+    now = utcnow()
+    values: dict[str, Any] = {"state": target}
+    if target == JobState.running:
+        values.update(attempts=Job.attempts + 1, started_at=now, heartbeat_at=now, finished_at=None,
+                      worker=worker, error=None)
+    elif target == JobState.queued:
+        values.update(worker=None, heartbeat_at=None)
+    else:
+        values.update(finished_at=now)
+    if error is not None:
+        values["error"] = error
+    if log_tail is not None:
+        values["log_tail"] = log_tail
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == current)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        session.expire(job)
+        raise InvalidTransition(f"job {job_id} changed state concurrently (was {current}); not moved to {target}")
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def heartbeat_job(session: Session, job_id: int) -> None:
+    """The worker running a job says it is alive; see find_stale_running_jobs."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.running)
+        .values(heartbeat_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+
+
+def find_stale_running_jobs(session: Session, older_than: dt.timedelta) -> list[Job]:
+    """Jobs still marked running whose worker has not been heard from for `older_than`
+    (a killed worker leaves them so): candidates for requeue or infra_failed."""
+    cutoff = utcnow() - older_than
+    last_heard = func.coalesce(Job.heartbeat_at, Job.started_at)
+    return list(
+        session.scalars(
+            select(Job).where(Job.state == JobState.running, last_heard < cutoff).order_by(Job.id)
+        )
+    )
+
+
+# ---- results ------------------------------------------------------------------------------
+
+
+def record_result(session: Session, job_id: int, result: JobResult, attempt: int | None = None) -> Run:
+    """Store what one attempt of a job brought back: a Run with its raw samples, kernel
+    timings, thermal readings and images. Idempotent per (job, attempt): recording the same
+    attempt again (a redelivered task) returns the stored run and writes nothing. The job's
+    state is left to transition_job, in the same transaction."""
+    job = get_job(session, job_id)
+    attempt = job.attempts if attempt is None else attempt
+    query = select(Run).where(Run.job_id == job_id, Run.attempt == attempt)
+    existing = session.scalar(query)
+    if existing is not None:
+        return existing
+    spec = job.spec or {}
+    run = Run(
+        job_id=job_id,
+        attempt=attempt,
+        device_id=job.device_id,
+        build_id=job.build_id,
+        status=RunStatus(result.status),
+        error=result.error,
+        started_at=_from_unix(result.started_at),
+        finished_at=_from_unix(result.finished_at),
+        adapter=result.device,
+        engine=result.engine,
+        cooldown_wait_s=result.cooldown_wait_s,
+        cooldown_timed_out=result.cooldown_timed_out,
+        artifacts=[to_dict(a) for a in result.artifacts],
+        log_tail=result.log_tail,
+    )
+    stored = _insert_or_get(session, run, query)
+    if stored is not run:  # another process stored this attempt first
+        return stored
+    _bulk(session, Sample, ({"run_id": run.id, "metric": s.metric, "unit": s.unit, "value": s.value,
+                            "repetition": s.repetition} for s in result.samples))
+    _bulk(session, KernelTiming, ({"run_id": run.id, "kernel": k.kernel, "calls": k.calls,
+                                  "total_ms": k.total_ms, "repetition": k.repetition}
+                                 for k in result.kernel_timings))
+    _bulk(session, ThermalReading, ({"run_id": run.id, "phase": t.phase, "zone": t.zone,
+                                    "celsius": t.celsius} for t in result.thermal))
+    _bulk(session, Image, ({"run_id": run.id, "path": a.path, "sha256": a.sha256, "size": a.size,
+                           "prompt": spec.get("prompt", ""), "seed": spec.get("seed")}
+                          for a in result.artifacts if a.kind == "image"))
+    if result.log_tail:
+        job.log_tail = result.log_tail
+    session.flush()
+    session.expire(run, ["samples", "kernel_timings", "thermal", "images"])
+    return run
+
+
+def _from_unix(seconds: float) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(seconds, dt.UTC) if seconds else None
+
+
+def _bulk(session: Session, model, rows: Iterable[dict]) -> None:
+    rows = list(rows)
+    if rows:
+        session.execute(model.__table__.insert(), rows)
+
+
+def _insert_or_get(session: Session, obj, query):
+    """Insert `obj`; when a unique constraint says another transaction got there first, return
+    that row instead (the losing insert is rolled back to a savepoint, the session survives)."""
+    try:
+        with session.begin_nested():
+            session.add(obj)
+    except IntegrityError:
+        existing = session.scalar(query)
+        if existing is None:
+            raise
+        return existing
+    return obj

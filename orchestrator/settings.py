@@ -1,0 +1,104 @@
+"""The farm's one typed settings object. It is read once, at the entry point (the `farm` CLI,
+a worker, beat), and passed down; nothing below the entry point reads the environment.
+
+Order of precedence, lowest first:
+
+1. defaults: database in the data dir (SQLite), embedded broker, host name from the OS;
+2. the config file `<config_dir>/farm.toml` (optional; same keys as the fields below);
+3. `FARM_*` environment variables (`FARM_DATABASE_URL`, `FARM_BROKER_URL`, `FARM_DATA_DIR`,
+   `FARM_CONFIG_DIR`, `FARM_HOST_NAME`);
+4. the command line: the CLI passes its options to `load_settings(**overrides)`.
+
+The config file is looked for in the config dir named by the command line, else by
+`FARM_CONFIG_DIR`, else the default, so a config file cannot move itself.
+
+| field        | default                                                        |
+|--------------|----------------------------------------------------------------|
+| data_dir     | $XDG_DATA_HOME/devicefarm, else ~/.local/share/devicefarm      |
+| config_dir   | $XDG_CONFIG_HOME/devicefarm, else ~/.config/devicefarm         |
+| database_url | sqlite:///<data_dir>/farm.db                                   |
+| broker_url   | None: the embedded filesystem broker under <data_dir>/broker   |
+| host_name    | socket.gethostname()                                           |
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+CONFIG_FILE_NAME = "farm.toml"
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    base = os.environ.get(var)
+    return (Path(base) if base else Path.home() / fallback) / "devicefarm"
+
+
+def default_data_dir() -> Path:
+    return _xdg("XDG_DATA_HOME", ".local/share")
+
+
+def default_config_dir() -> Path:
+    return _xdg("XDG_CONFIG_HOME", ".config")
+
+
+class Settings(BaseSettings):
+    """Where the farm keeps its state and how it reaches its database and broker."""
+
+    model_config = SettingsConfigDict(env_prefix="FARM_", extra="forbid")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    config_dir: Path = Field(default_factory=default_config_dir)
+    database_url: str | None = None  # filled in from data_dir when not given
+    broker_url: str | None = None  # None: the embedded filesystem broker in data_dir
+    host_name: str = Field(default_factory=socket.gethostname)
+
+    @model_validator(mode="after")
+    def _derive(self) -> Settings:
+        self.data_dir = self.data_dir.expanduser()
+        self.config_dir = self.config_dir.expanduser()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'farm.db'}"
+        return self
+
+    @property
+    def config_file(self) -> Path:
+        return self.config_dir / CONFIG_FILE_NAME
+
+    @property
+    def broker_dir(self) -> Path:
+        """The embedded broker's folders live here when broker_url is None."""
+        return self.data_dir / "broker"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The config file's location is itself a setting: take it from the command line or
+        # the environment before reading the file.
+        init_kwargs = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
+        config_dir = init_kwargs.get("config_dir") or os.environ.get("FARM_CONFIG_DIR")
+        config_file = Path(config_dir).expanduser() if config_dir else default_config_dir()
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=config_file / CONFIG_FILE_NAME)
+        return (init_settings, env_settings, toml)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """The settings for this process; `overrides` are command-line values (None = not given)."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

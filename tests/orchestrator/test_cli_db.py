@@ -1,0 +1,32 @@
+"""`farm db upgrade`: migrates the database the settings name, or the one given by --url."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.db import check
+
+
+def test_db_upgrade_with_url(tmp_path):
+    url = f"sqlite:///{tmp_path / 'farm.db'}"
+    result = CliRunner().invoke(app, ["db", "upgrade", "--url", url])
+    assert result.exit_code == 0, result.output
+    assert "at revision" in result.output
+    check(url)
+
+
+def test_db_upgrade_reads_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("FARM_DATABASE_URL", raising=False)
+    result = CliRunner().invoke(app, ["db", "upgrade"])
+    assert result.exit_code == 0, result.output
+    check(f"sqlite:///{tmp_path / 'data' / 'farm.db'}")
+
+
+def test_db_upgrade_bad_revision_is_one_error_line(tmp_path):
+    result = CliRunner().invoke(app, ["db", "upgrade", "--url", f"sqlite:///{tmp_path / 'f.db'}",
+                                      "--revision", "nope"])
+    assert result.exit_code == 1
+    assert "error:" in result.output and "Traceback" not in result.output

@@ -1,0 +1,430 @@
+"""The SQL store on SQLite and PostgreSQL: the migration creates exactly the models' schema,
+device leases are exclusive under concurrency, job creation is idempotent, job transitions
+follow the rules, results round-trip, stale jobs are found, device health is recorded."""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing
+import threading
+import time
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import func, inspect, select, text, update
+from sqlalchemy.exc import IntegrityError
+
+from agent.protocol import (
+    Artifact,
+    DeviceInfo,
+    JobResult,
+    JobSpec,
+    KernelTiming,
+    Manifest,
+    ManifestFile,
+    Sample,
+    ThermalReading,
+)
+from orchestrator.db import (
+    SchemaMismatch,
+    check,
+    make_engine,
+    make_session_factory,
+    migrate,
+    store,
+    upgrade,
+)
+from orchestrator.db.models import (
+    Base,
+    DeploymentStatus,
+    Device,
+    DeviceState,
+    Job,
+    JobState,
+    Run,
+    utcnow,
+)
+from orchestrator.db.models import Sample as SampleRow
+
+ADAPTER = {"vendor": "qualcomm", "architecture": "adreno-7xx", "device": "Adreno (TM) 740",
+           "description": "Qualcomm Technologies Inc. Adreno Vulkan Driver", "backend": "Vulkan"}
+
+
+def _info(serial="R5CW1234", **kw) -> DeviceInfo:
+    return DeviceInfo(serial=serial, model="SM-S918B", manufacturer="samsung", os="android",
+                      os_version="14", adapter=ADAPTER, **kw)
+
+
+def _device(session, serial="R5CW1234") -> Device:
+    device = store.upsert_device(session, serial, "adb", "127.0.0.1:5555", info=_info(serial), host="lab-1")
+    store.set_device_state(session, device.id, DeviceState.available)
+    return device
+
+
+def _manifest(build="b-0001") -> Manifest:
+    return Manifest(build=build, version="0.1.0", created=1_700_000_000.0, source_revision="abc123",
+                    files=[ManifestFile("engine/a.py", "a" * 64, 10), ManifestFile("unet/w.bin", "b" * 64, 1 << 33)])
+
+
+# ---- schema -------------------------------------------------------------------------------
+
+
+def test_upgrade_from_empty_creates_exactly_the_models_schema(db_url):
+    with pytest.raises(SchemaMismatch, match="farm db upgrade"):
+        check(db_url)
+    upgrade(db_url)
+    check(db_url)
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}),
+                                    Base.metadata)
+            assert diff == []
+            tables = set(inspect(conn).get_table_names())
+        assert tables == set(Base.metadata.tables) | {"alembic_version"}
+        command.check(migrate.alembic_config(db_url))  # alembic's own "nothing to autogenerate"
+        # Enum columns are guarded by CHECK constraints on both backends.
+        insert = ("INSERT INTO devices (serial, transport, address, model, manufacturer, os, os_version, "
+                  "gpu_vendor, gpu_architecture, gpu_device, gpu_driver, gpu_backend, virtual, state, "
+                  "state_reason, created_at) VALUES (:serial, 'adb', '', '', '', '', '', '', '', '', '', '', "
+                  "false, :state, '', CURRENT_TIMESTAMP)")
+        with engine.begin() as conn:
+            conn.execute(text(insert), {"serial": "s1", "state": "available"})
+        with pytest.raises(IntegrityError, match="ck_devices_state"), engine.begin() as conn:
+            conn.execute(text(insert), {"serial": "s2", "state": "on-fire"})
+    finally:
+        engine.dispose()
+    command.downgrade(migrate.alembic_config(db_url), "base")
+    upgrade(db_url)
+    check(db_url)
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = 'f00dfeed'"))
+        with pytest.raises(SchemaMismatch, match="f00dfeed.*newer devicefarm"):
+            check(engine)
+    finally:
+        engine.dispose()
+
+
+# ---- devices ------------------------------------------------------------------------------
+
+
+def test_device_upsert_and_states(Session):
+    with Session() as s:
+        device = store.upsert_device(s, "R5CW1234", "adb", "127.0.0.1:5555", info=_info(), host="lab-1")
+        assert device.state == DeviceState.offline  # until something reports it reachable
+        s.commit()
+    with Session() as s:
+        device = store.get_device(s, "R5CW1234")
+        assert (device.gpu_vendor, device.gpu_architecture, device.gpu_device) == (
+            "qualcomm", "adreno-7xx", "Adreno (TM) 740")
+        assert device.info["adapter"]["backend"] == "Vulkan" and device.host.name == "lab-1"
+        assert device.last_seen.tzinfo is not None and utcnow() - device.last_seen < dt.timedelta(minutes=1)
+        # again: same row, address updated
+        again = store.upsert_device(s, "R5CW1234", "adb", "10.0.0.7:5555")
+        assert again.id == device.id and again.address == "10.0.0.7:5555"
+
+        store.set_device_state(s, device.id, store.TRANSPORT_STATES["unauthorized"], "RSA key not accepted")
+        assert (device.state, device.state_reason) == (DeviceState.unauthorized, "RSA key not accepted")
+        store.set_device_state(s, device.id, "quarantined", "reboots under load", force=True)
+        store.set_device_state(s, device.id, DeviceState.available)  # a poll must not un-quarantine
+        assert device.state == DeviceState.quarantined and device.state_reason == "reboots under load"
+        assert not store.acquire_device_lease(s, device.id, "w1", 60)
+        store.set_device_state(s, device.id, DeviceState.available, "released", force=True)
+        assert device.state == DeviceState.available
+        s.commit()
+        with pytest.raises(store.StoreError, match="no device 'nope'"):
+            store.get_device(s, "nope")
+        with pytest.raises(ValueError):
+            store.set_device_state(s, device.id, "on-fire")
+
+
+def test_lease_acquire_renew_release_expire(Session):
+    with Session() as s:
+        device_id = _device(s).id
+        s.commit()
+    with Session() as a, Session() as b:
+        assert store.acquire_device_lease(a, device_id, "worker-a", 60)
+        a.commit()
+        assert not store.acquire_device_lease(b, device_id, "worker-b", 60)
+        b.commit()
+        assert store.acquire_device_lease(a, device_id, "worker-a", 60)  # renewal
+        a.commit()
+        assert not store.release_device_lease(b, device_id, "worker-b")
+        b.commit()
+        assert store.release_device_lease(a, device_id, "worker-a")
+        a.commit()
+        assert store.acquire_device_lease(b, device_id, "worker-b", 0.05)
+        b.commit()
+        time.sleep(0.1)  # expired: anyone may take it
+        assert store.acquire_device_lease(a, device_id, "worker-a", 60)
+        a.commit()
+        device = a.get(Device, device_id)
+        assert device.lease_holder == "worker-a" and device.lease_until > utcnow()
+
+
+def test_lease_is_exclusive_under_concurrency(Session):
+    with Session() as s:
+        device_id = _device(s).id
+        s.commit()
+    n_threads, attempts = 8, 40
+    holding, max_holding, acquired, errors = [0], [0], [0], []
+    guard = threading.Lock()
+    start = threading.Barrier(n_threads)
+
+    def worker(name):
+        try:
+            start.wait()
+            for _ in range(attempts):
+                with Session() as s:
+                    got = store.acquire_device_lease(s, device_id, name, 30)
+                    s.commit()
+                if not got:
+                    continue
+                with guard:
+                    holding[0] += 1
+                    max_holding[0] = max(max_holding[0], holding[0])
+                    acquired[0] += 1
+                time.sleep(0.001)
+                with guard:
+                    holding[0] -= 1
+                with Session() as s:
+                    assert store.release_device_lease(s, device_id, name)
+                    s.commit()
+        except Exception as exc:  # noqa: BLE001  (reported by the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert max_holding[0] == 1  # never two holders at once
+    assert acquired[0] > n_threads  # and the lease did change hands
+
+
+def _lease_worker(url: str, device_id: int, name: str, attempts: int) -> list[tuple[float, float]]:
+    """In a separate process: take the lease `attempts` times; the times it was held."""
+    engine = make_engine(url)
+    Session = make_session_factory(engine)  # noqa: N806
+    held = []
+    try:
+        for _ in range(attempts):
+            with Session() as s:
+                got = store.acquire_device_lease(s, device_id, name, 30)
+                s.commit()
+            if got:
+                begin = time.monotonic()  # system-wide clock: comparable across processes
+                time.sleep(0.002)
+                held.append((begin, time.monotonic()))
+                with Session() as s:
+                    store.release_device_lease(s, device_id, name)
+                    s.commit()
+    finally:
+        engine.dispose()
+    return held
+
+
+def test_lease_is_exclusive_across_processes(db_url, Session):
+    with Session() as s:
+        device_id = _device(s).id
+        s.commit()
+    with multiprocessing.get_context("spawn").Pool(6) as pool:
+        spans = pool.starmap(_lease_worker, [(db_url, device_id, f"p{i}", 30) for i in range(6)])
+    intervals = sorted(span for worker in spans for span in worker)
+    assert len(intervals) > 6
+    overlaps = sum(1 for (_, end), (begin, _) in zip(intervals, intervals[1:], strict=False) if begin < end)
+    assert overlaps == 0
+
+
+# ---- builds and deployments ---------------------------------------------------------------
+
+
+def test_create_build_is_idempotent_and_deployment_recorded(Session):
+    with Session() as s:
+        device = _device(s)
+        build = store.create_build(s, _manifest())
+        assert store.create_build(s, _manifest()).id == build.id
+        s.commit()
+        assert [(f.path, f.size) for f in build.files] == [("engine/a.py", 10), ("unet/w.bin", 1 << 33)]
+        assert build.manifest_sha256 == store.manifest_sha256(_manifest()) and build.created.tzinfo
+        other = _manifest()
+        other.version = "0.2.0"
+        with pytest.raises(store.StoreError, match="already exists with another manifest"):
+            store.create_build(s, other)
+        dep = store.record_deployment(s, build.id, device.id, DeploymentStatus.running)
+        dep = store.record_deployment(s, build.id, device.id, "succeeded", bytes_sent=123, files_sent=1,
+                                      files_skipped=1, duration_s=2.5, deployment_id=dep.id)
+        s.commit()
+        assert (dep.status, dep.bytes_sent, dep.finished_at is not None) == ("succeeded", 123, True)
+
+
+# ---- jobs ---------------------------------------------------------------------------------
+
+
+def test_job_creation_is_idempotent(Session):
+    with Session() as s:
+        device_id = _device(s).id
+        spec = JobSpec(job_id="j1", kind="latency", model="models/tiny")
+        job = store.create_job(s, "latency", spec, device_id, idempotency_key="nightly/2026-11-21/R5CW1234")
+        again = store.create_job(s, "latency", spec, device_id, idempotency_key="nightly/2026-11-21/R5CW1234")
+        assert again.id == job.id and job.spec["model"] == "models/tiny" and job.state == JobState.queued
+        s.commit()
+
+    # Racing creators with one key (a schedule firing on two beats) make one job.
+    results, errors = [], []
+    start = threading.Barrier(6)
+
+    def create():
+        try:
+            start.wait()
+            with Session() as s:
+                results.append(store.create_job(s, "generate", {"job_id": "g"}, device_id, idempotency_key="race").id)
+                s.commit()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(set(results)) == 1
+    with Session() as s:
+        assert s.scalar(select(func.count()).select_from(Job).where(Job.idempotency_key == "race")) == 1
+        assert store.create_job(s, "tune", {}, device_id).id != store.create_job(s, "tune", {}, device_id).id
+
+
+def test_job_transition_rules(Session):
+    with Session() as s:
+        device_id = _device(s).id
+        job = store.create_job(s, "latency", {}, device_id)
+        with pytest.raises(store.InvalidTransition, match="from queued to succeeded"):
+            store.transition_job(s, job.id, JobState.succeeded)
+        job = store.transition_job(s, job.id, "running", worker="lab-1/w1")
+        assert (job.attempts, job.worker, job.started_at.tzinfo is not None) == (1, "lab-1/w1", True)
+        job = store.transition_job(s, job.id, "infra_failed", error="device offline")
+        job = store.transition_job(s, job.id, "queued")
+        job = store.transition_job(s, job.id, "running")
+        assert job.attempts == 2 and job.error is None
+        job = store.transition_job(s, job.id, "succeeded", log_tail="done")
+        assert job.finished_at is not None and job.log_tail == "done"
+        for target in JobState:
+            with pytest.raises(store.InvalidTransition):
+                store.transition_job(s, job.id, target)
+        cancelled = store.create_job(s, "tune", {}, device_id)
+        store.transition_job(s, cancelled.id, "cancelled")
+        with pytest.raises(store.InvalidTransition):
+            store.transition_job(s, cancelled.id, "running")
+        with pytest.raises(store.StoreError, match="no job 999999"):
+            store.transition_job(s, 999999, "running")
+        racy = store.create_job(s, "latency", {}, device_id)
+        s.commit()
+        racy_id = racy.id
+
+    # Workers racing to start the same job: exactly one wins, on every backend.
+    winners, errors = [], []
+    barrier = threading.Barrier(4)
+
+    def start(name):
+        try:
+            barrier.wait()
+            with Session() as s:
+                try:
+                    store.transition_job(s, racy_id, "running", worker=name)
+                    s.commit()
+                    winners.append(name)
+                except store.InvalidTransition:
+                    s.rollback()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(f"w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(winners) == 1
+    with Session() as s:
+        job = s.get(Job, racy_id)
+        assert (job.worker, job.attempts) == (winners[0], 1)
+
+
+def test_find_stale_running_jobs(Session):
+    with Session() as s:
+        device_id = _device(s).id
+        stale, fresh, queued = (store.create_job(s, "latency", {}, device_id) for _ in range(3))
+        store.transition_job(s, stale.id, "running")
+        store.transition_job(s, fresh.id, "running")
+        s.execute(update(Job).where(Job.id == stale.id).values(heartbeat_at=utcnow() - dt.timedelta(minutes=10)))
+        s.commit()
+        found = store.find_stale_running_jobs(s, dt.timedelta(minutes=5))
+        assert [j.id for j in found] == [stale.id]
+        store.heartbeat_job(s, stale.id)
+        s.commit()
+        assert store.find_stale_running_jobs(s, dt.timedelta(minutes=5)) == []
+
+
+# ---- results ------------------------------------------------------------------------------
+
+
+def test_record_result_round_trip(Session):
+    with Session() as s:
+        device_id = _device(s).id
+        build = store.create_build(s, _manifest())
+        spec = JobSpec(job_id="j7", kind="generate", model="models/tiny", prompt="a red fox", seed=42)
+        job = store.create_job(s, "generate", spec, device_id, build.id)
+        store.transition_job(s, job.id, "running")
+        result = JobResult(
+            job_id="j7", kind="generate", status="succeeded", started_at=1_700_000_100.5,
+            finished_at=1_700_000_112.25, device="Adreno (TM) 740",
+            engine={"profile": "adreno-7xx", "precision": "fp16"},
+            samples=[Sample("unet_step_ms", 450.0 + i, "ms", i) for i in range(5)]
+            + [Sample("peak_gpu_bytes", 1.9e9, "bytes")],
+            kernel_timings=[KernelTiming("attention/flash", 32, 120.5, 0), KernelTiming("conv2d", 64, 210.0, 0)],
+            thermal=[ThermalReading("before", "gpu", 38.5), ThermalReading("after", "gpu", 51.0)],
+            cooldown_wait_s=12.0,
+            artifacts=[Artifact("image.png", "c" * 64, 4096, "image"), Artifact("job.log", "d" * 64, 10, "log")],
+            log_tail="ok",
+        )
+        run = store.record_result(s, job.id, result)
+        store.transition_job(s, job.id, "succeeded")
+        assert store.record_result(s, job.id, result).id == run.id  # a redelivered task writes nothing
+        s.commit()
+        run_id = run.id
+
+    with Session() as s:
+        run = s.get(Run, run_id)
+        assert (run.attempt, run.status, run.device_id, run.build_id) == (1, "succeeded", device_id, build.id)
+        assert run.started_at == dt.datetime(2023, 11, 14, 22, 15, 0, 500000, tzinfo=dt.UTC)
+        assert run.engine == {"profile": "adreno-7xx", "precision": "fp16"} and run.cooldown_wait_s == 12.0
+        assert sorted((x.metric, x.value, x.unit, x.repetition) for x in run.samples) == sorted(
+            [("unet_step_ms", 450.0 + i, "ms", i) for i in range(5)] + [("peak_gpu_bytes", 1.9e9, "bytes", 0)])
+        assert sorted((k.kernel, k.calls, k.total_ms) for k in run.kernel_timings) == [
+            ("attention/flash", 32, 120.5), ("conv2d", 64, 210.0)]
+        assert sorted((t.phase, t.zone, t.celsius) for t in run.thermal) == [
+            ("after", "gpu", 51.0), ("before", "gpu", 38.5)]
+        assert [(i.path, i.sha256, i.prompt, i.seed) for i in run.images] == [("image.png", "c" * 64, "a red fox", 42)]
+        assert [a["path"] for a in run.artifacts] == ["image.png", "job.log"]
+        assert s.get(Job, run.job_id).state == JobState.succeeded
+        # the series query the dashboards use: one metric on one device, by build
+        values = s.scalars(
+            select(SampleRow.value).join(Run).where(SampleRow.metric == "unet_step_ms", Run.device_id == device_id)
+        ).all()
+        assert sorted(values) == [450.0, 451.0, 452.0, 453.0, 454.0]
+
+
+def test_sqlite_engine_settings(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'sub' / 'farm.db'}")
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
+    finally:
+        engine.dispose()
+    assert make_session_factory(engine).kw["expire_on_commit"] is False
