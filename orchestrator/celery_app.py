@@ -1,0 +1,98 @@
+"""The Celery application: which broker and result backend the farm uses and how tasks are
+delivered. With `settings.broker_url` set (production) the broker and result backend are that
+Redis; without it the embedded default needs no server: kombu's filesystem transport in
+<data_dir>/broker (polled every 0.1 s; the measured alternatives are in
+shared/notes/infra-facts.md) and a SQLite result backend next to it, with real worker
+processes, never eager mode. Delivery is at-least-once (acks late, reject on worker loss,
+prefetch 1), so every task re-reads the database and is idempotent (orchestrator/tasks.py).
+Phones are driven by the worker on the host they are plugged into: each host consumes its own
+queue, `host.<name>`, plus the shared `farm` queue for maintenance work.
+
+A worker is started with `celery -A orchestrator.celery_app worker -Q host.<name>,farm -c N`;
+`app` is built from load_settings() on first access (the worker's entry point), so importing
+this module has no side effects."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from orchestrator.settings import Settings, load_settings
+
+DEFAULT_QUEUE = "farm"
+# Above the longest job (JobSpec.time_limit_s defaults to 1 h, plus cool-down and margins): a
+# message not acked within this time is delivered again by Redis while still running.
+VISIBILITY_TIMEOUT_S = 6 * 3600
+POLLING_INTERVAL_S = 0.1
+STALE_SWEEP_S = 60.0  # beat runs requeue_stale_jobs this often
+
+
+def host_queue(host_name: str) -> str:
+    """The queue the worker on `host_name` consumes: jobs for devices plugged into that host."""
+    return f"host.{host_name}"
+
+
+def worker_queues(settings: Settings) -> list[str]:
+    """What a worker on this host listens to: its own host queue and the shared queue."""
+    return [host_queue(settings.host_name), DEFAULT_QUEUE]
+
+
+def _embedded_broker(settings: Settings) -> tuple[str, dict, str]:
+    root = settings.broker_dir
+    queue, processed, control = root / "queue", root / "processed", root / "control"
+    for folder in (queue, processed, control):
+        folder.mkdir(parents=True, exist_ok=True)
+    options = {
+        # One folder for in and out: every process on this machine sees every message.
+        "data_folder_in": str(queue),
+        "data_folder_out": str(queue),
+        "processed_folder": str(processed),
+        "store_processed": True,
+        "control_folder": str(control),
+        "polling_interval": POLLING_INTERVAL_S,
+    }
+    backend = f"db+sqlite:///{settings.data_dir / 'celery-results.db'}"
+    return "filesystem://", options, backend
+
+
+def make_celery(settings: Settings) -> Celery:
+    """The farm's Celery app for `settings`; `app.farm_settings` is what tasks read."""
+    if settings.broker_url:
+        broker, options, backend = settings.broker_url, {"visibility_timeout": VISIBILITY_TIMEOUT_S}, settings.broker_url
+    else:
+        broker, options, backend = _embedded_broker(settings)
+    app = Celery("devicefarm", broker=broker, backend=backend, include=["orchestrator.tasks"])
+    app.conf.update(
+        broker_transport_options=options,
+        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_connection_retry_on_startup=True,
+        task_default_queue=DEFAULT_QUEUE,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_always_eager=False,
+        worker_prefetch_multiplier=1,
+        worker_lost_wait=2.0,  # a killed child's task is rerun after this (infra-facts.md)
+        result_expires=7 * 24 * 3600,
+        timezone="UTC",
+        beat_schedule={
+            "requeue-stale-jobs": {"task": "orchestrator.tasks.requeue_stale_jobs",
+                                   "schedule": STALE_SWEEP_S, "options": {"queue": DEFAULT_QUEUE}},
+        },
+    )
+    app.farm_settings = settings
+    return app
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Celery:
+    # `celery -A orchestrator.celery_app` looks up `app`: build it on first use only.
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = make_celery(load_settings())
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

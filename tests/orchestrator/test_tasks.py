@@ -1,0 +1,172 @@
+"""Celery tasks with real worker processes on the embedded filesystem broker and a migrated
+SQLite store: a build deployed and a generate job run on the local transport end to end, a job
+dispatched three times runs once, a device leased by someone else delays the job until it is
+free, and a job left running by a dead worker is requeued and then succeeds."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+
+from agent.bundle import build_bundle, generate_keypair, provision_public_key
+from orchestrator.celery_app import DEFAULT_QUEUE, host_queue, make_celery
+from orchestrator.db import make_engine, make_session_factory, store, upgrade
+from orchestrator.db.models import (
+    Deployment,
+    DeploymentStatus,
+    Device,
+    Job,
+    JobState,
+    Run,
+    Sample,
+    utcnow,
+)
+from orchestrator.settings import Settings
+from orchestrator.tasks import dispatch_jobs
+
+pytestmark = pytest.mark.gpu
+HOST = "testhost"
+SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "scheduler": "euler", "time_limit_s": 120.0}
+FINAL = {JobState.succeeded, JobState.failed, JobState.infra_failed, JobState.cancelled}
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("celery-farm")
+    settings = Settings(data_dir=tmp / "data", config_dir=tmp / "config", host_name=HOST)
+    upgrade(settings.database_url)
+    key = generate_keypair(tmp / "farm.key", tmp / "farm.pub")
+    manifest = build_bundle({"models/tiny": tiny_model_dir}, settings.data_dir / "builds" / "b1", "b1", "0.1.0", key)
+    provision_public_key(tmp / "phone", tmp / "farm.pub")
+    engine = make_engine(settings.database_url)
+    Session = make_session_factory(engine)  # noqa: N806
+    with Session() as session, session.begin():
+        device_id = store.upsert_device(session, "local-1", "local", str(tmp / "phone"), host=HOST).id
+        build_id = store.create_build(session, manifest).id
+
+    env = os.environ | {"FARM_DATA_DIR": str(settings.data_dir), "FARM_CONFIG_DIR": str(settings.config_dir),
+                        "FARM_DATABASE_URL": settings.database_url, "FARM_HOST_NAME": HOST}
+    env.pop("FARM_BROKER_URL", None)
+    log = open(tmp / "worker.log", "w")  # noqa: SIM115  (closed at teardown)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "orchestrator.celery_app", "worker", "-Q",
+         f"{host_queue(HOST)},{DEFAULT_QUEUE}", "-c", "2", "-n", f"w1@{HOST}", "--without-gossip",
+         "--without-mingle", "-l", "info"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+    app = make_celery(settings)
+    try:
+        yield {"app": app, "Session": Session, "device_id": device_id, "build_id": build_id,
+               "log": tmp / "worker.log", "worker": worker}
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        log.close()
+        engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def deployed(farm):
+    """b1 installed on the device through the deploy task."""
+    deployment_id = farm["app"].signature("orchestrator.tasks.deploy", args=(farm["build_id"], farm["device_id"])) \
+        .apply_async(queue=host_queue(HOST)).get(timeout=60)
+    with farm["Session"]() as session:
+        deployment = session.get(Deployment, deployment_id)
+        assert deployment.status == DeploymentStatus.succeeded, deployment.error or _log(farm)
+        assert deployment.files_sent > 0
+    return farm
+
+
+def _log(farm) -> str:
+    return farm["log"].read_text()[-4000:]
+
+
+def _new_job(farm) -> int:
+    with farm["Session"]() as session, session.begin():
+        return store.create_job(session, "generate", SPEC, farm["device_id"], farm["build_id"]).id
+
+
+def _wait_final(farm, job_id: int, timeout_s: float = 60.0, seen: list | None = None) -> Job:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with farm["Session"]() as session:
+            job = session.get(Job, job_id)
+            if seen is not None and (not seen or seen[-1] != job.state):
+                seen.append(job.state)
+            if job.state in FINAL:
+                return job
+        time.sleep(0.05)
+    pytest.fail(f"job {job_id} still {job.state} after {timeout_s} s; worker log:\n{_log(farm)}")
+
+
+def _runs(farm, job_id: int) -> list[Run]:
+    with farm["Session"]() as session:
+        return list(session.scalars(select(Run).where(Run.job_id == job_id)))
+
+
+def test_generate_job_goes_queued_running_succeeded(deployed):
+    farm = deployed
+    job_id = _new_job(farm)
+    seen = [JobState.queued]
+    dispatch_jobs(farm["app"], [job_id])
+    job = _wait_final(farm, job_id, seen=seen)
+    assert job.state == JobState.succeeded, f"{job.error}\n{_log(farm)}"
+    assert seen == [JobState.queued, JobState.running, JobState.succeeded]
+    assert job.attempts == 1 and job.worker == f"w1@{HOST}"
+    (run,) = _runs(farm, job_id)
+    with farm["Session"]() as session:
+        assert session.scalar(select(func.count()).select_from(Sample).where(Sample.run_id == run.id)) > 0
+        assert session.get(Device, farm["device_id"]).lease_holder is None
+
+
+def test_same_job_dispatched_three_times_runs_once(deployed):
+    farm = deployed
+    job_id = _new_job(farm)
+    outcomes = dispatch_jobs(farm["app"], [job_id, job_id]).get(timeout=60)
+    outcomes += dispatch_jobs(farm["app"], [job_id]).get(timeout=60)
+    assert sorted(outcomes) == ["skipped", "skipped", "succeeded"]
+    job = _wait_final(farm, job_id)
+    assert (job.state, job.attempts, len(_runs(farm, job_id))) == (JobState.succeeded, 1, 1)
+
+
+def test_leased_device_delays_the_job_until_released(deployed):
+    farm = deployed
+    with farm["Session"]() as session, session.begin():
+        assert store.acquire_device_lease(session, farm["device_id"], "operator", 600)
+    job_id = _new_job(farm)
+    result = dispatch_jobs(farm["app"], [job_id])
+    time.sleep(1.5)
+    with farm["Session"]() as session:
+        assert session.get(Job, job_id).state == JobState.queued
+    with farm["Session"]() as session, session.begin():
+        assert store.release_device_lease(session, farm["device_id"], "operator")
+    job = _wait_final(farm, job_id)
+    assert (job.state, job.attempts) == (JobState.succeeded, 1), job.error
+    assert result.get(timeout=30) == ["succeeded"]
+
+
+def test_job_left_running_by_a_dead_worker_is_requeued(deployed):
+    farm = deployed
+    job_id = _new_job(farm)
+    long_ago = utcnow() - dt.timedelta(hours=1)
+    with farm["Session"]() as session, session.begin():
+        store.transition_job(session, job_id, JobState.running, worker="dead@host")
+        session.execute(update(Job).where(Job.id == job_id).values(heartbeat_at=long_ago, started_at=long_ago))
+        assert store.acquire_device_lease(session, farm["device_id"], f"job{job_id}:dead", 600)
+    requeued = farm["app"].signature("orchestrator.tasks.requeue_stale_jobs", kwargs={"older_than_s": 60}) \
+        .apply_async(queue=DEFAULT_QUEUE).get(timeout=30)
+    assert requeued == [job_id]
+    job = _wait_final(farm, job_id)
+    assert (job.state, job.attempts) == (JobState.succeeded, 2), job.error
+    (run,) = _runs(farm, job_id)
+    assert run.attempt == 2
