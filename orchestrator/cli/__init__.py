@@ -11,7 +11,9 @@ from rich.console import Console
 
 from engine.errors import EngineError
 
+from . import builds as builds_cmd
 from . import db as db_cmd
+from . import devices as devices_cmd
 from . import engine as engine_cmd
 
 app = typer.Typer(
@@ -23,6 +25,8 @@ app = typer.Typer(
 )
 app.add_typer(engine_cmd.app, name="engine")
 app.add_typer(db_cmd.app, name="db")
+app.add_typer(devices_cmd.app, name="devices")
+app.add_typer(builds_cmd.app, name="builds")
 
 err_console = Console(stderr=True)
 

@@ -1,0 +1,173 @@
+"""`farm builds ...`: signed build bundles. `create` packs this checkout's engine, shaders and
+agent with a model folder (and optional extra profiles), signs the manifest with the farm key
+(<config_dir>/farm.key, made on first use), writes the bundle to <data_dir>/builds/<name> (where
+the deploy task reads it) and records it in the store; `list` and `show` read the store."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from orchestrator.db.models import Build
+
+from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+
+app = typer.Typer(help="Create and inspect signed build bundles.", no_args_is_help=True)
+
+REPO = Path(__file__).resolve().parents[2]
+PRIVATE_KEY = "farm.key"
+PUBLIC_KEY = "farm.pub"  # copy it to each device's agent root (farm-agent checks bundles with it)
+PACKAGES = ("engine", "shaders", "agent")
+
+
+def farm_key(config_dir: Path) -> Path:
+    """The farm's private key path, generating the pair (private 0600) on first use."""
+    from agent.bundle import generate_keypair
+
+    private, public = config_dir / PRIVATE_KEY, config_dir / PUBLIC_KEY
+    if not private.exists():
+        # The public key is derived from the private one: a stale farm.pub alone is replaced.
+        generate_keypair(private, public, overwrite=True)
+        console.print(f"generated the farm signing key {private}; provision [bold]{public}[/] on each "
+                      "device (it is the key devices check bundles with):", highlight=False)
+        console.print(public.read_text().strip(), highlight=False, soft_wrap=True)
+    return private
+
+
+def _source_revision() -> str:
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _default_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("devicefarm")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def build_dict(build: Build, files: bool = False) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "id": build.id,
+        "name": build.name,
+        "version": build.version,
+        "source_revision": build.source_revision,
+        "manifest_sha256": build.manifest_sha256,
+        "created": iso(build.created),
+        "file_count": len(build.files),
+        "bytes": sum(f.size for f in build.files),
+    }
+    if files:
+        data["files"] = [{"path": f.path, "sha256": f.sha256, "size": f.size, "mode": f.mode} for f in build.files]
+    return data
+
+
+@app.command()
+def create(
+    model: Path = typer.Option(..., "--model", help="diffusers-layout model folder (shipped as models/<name>)."),
+    profiles: Path = typer.Option(None, "--profiles", help="Folder of extra kernel profiles (shipped as "
+                                  "profiles/; engine/profiles always ship)."),
+    version: str = typer.Option(None, "--version", help="Build version (default: the package version)."),
+    name: str = typer.Option(None, "--name", help="Build id (default: <model>-<version>-<UTC time>)."),
+):
+    """Pack, sign and register a build bundle."""
+    from agent.bundle import BundleError, build_bundle
+    from orchestrator.db import store
+
+    settings = _settings()
+    model = model.expanduser()
+    if not (model / "model_index.json").is_file() and not (model / "unet").is_dir():
+        fail(f"{model}: not a diffusers model folder (no model_index.json or unet/)")
+    if profiles is not None and not profiles.expanduser().is_dir():
+        fail(f"{profiles}: profiles folder not found")
+    version = version or _default_version()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    name = name or f"{model.resolve().name}-{version}-{stamp}"
+    builds_dir = settings.data_dir / "builds"
+    final = builds_dir / name
+    with open_store(settings) as sessions:
+        if final.exists():
+            fail(f"{final}: a build named {name!r} already exists; give another --name or --version")
+        sources = {pkg: REPO / pkg for pkg in PACKAGES}
+        sources[f"models/{model.resolve().name}"] = model
+        if profiles is not None:
+            sources["profiles"] = profiles.expanduser()
+        # Packed under a temporary name and renamed when complete, so a failure leaves nothing.
+        staging = builds_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            key = farm_key(settings.config_dir)
+            with console.status(f"packing build {name}"):
+                manifest = build_bundle(sources, staging, name, version, key, source_revision=_source_revision())
+            with sessions() as session:
+                build = store.create_build(session, manifest)
+                staging.rename(final)
+                try:
+                    session.commit()
+                except Exception:
+                    shutil.rmtree(final, ignore_errors=True)
+                    raise
+                data = build_dict(build)
+        except (BundleError, store.StoreError, OSError) as exc:
+            fail(str(exc))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    console.print(f"created build [bold]{name}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
+                  f"manifest {data['manifest_sha256'][:12]}) in {final}", highlight=False, soft_wrap=True)
+
+
+@app.command("list")
+def list_builds(as_json: bool = JSON_OPTION):
+    """List the builds, newest first."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import selectinload
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        builds = session.scalars(select(Build).options(selectinload(Build.files))
+                                 .order_by(Build.created.desc(), Build.id.desc())).all()
+        rows = [build_dict(b) for b in builds]
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        console.print("no builds; create one with `farm builds create --model DIR`")
+        return
+    table = Table("name", "version", "files", "MB", "created", "revision")
+    for r in rows:
+        table.add_row(r["name"], r["version"], str(r["file_count"]), f"{r['bytes'] / 1e6:.1f}",
+                      r["created"][:19].replace("T", " "), r["source_revision"] or "-")
+    console.print(table)
+
+
+@app.command()
+def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = JSON_OPTION):
+    """Show one build and its files."""
+    from sqlalchemy import select
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        build = session.scalar(select(Build).where(Build.name == name))
+        if build is None:
+            fail(f"no build {name!r}; `farm builds list` shows the known ones")
+        data = build_dict(build, files=True)
+    if as_json:
+        _print_json(data)
+        return
+    for key in ("name", "version", "source_revision", "manifest_sha256", "created"):
+        console.print(f"{key}: {data[key] or '-'}", highlight=False)
+    console.print(f"bundle: {_settings().data_dir / 'builds' / name}", highlight=False, soft_wrap=True)
+    table = Table("path", "bytes", "sha256")
+    for f in data["files"]:
+        table.add_row(f["path"], f"{f['size']:,}", f["sha256"][:12])
+    console.print(table)

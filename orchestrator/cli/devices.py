@@ -1,0 +1,289 @@
+"""`farm devices ...`: the fleet as the store knows it: add, list, show, remove, quarantine and
+release devices, and `discover`, which asks every known device what it is through its
+transport and records the answer (GPU identity, state, last seen). Also owns `open_store`, the
+one way a CLI command reaches the database: settings read here, schema checked at head."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from orchestrator.db.models import Device, DeviceState, TransportKind
+
+app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
+console = Console()
+
+JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON.")
+
+
+# ---- shared by the store-backed commands --------------------------------------------------
+
+
+def fail(message: str) -> NoReturn:
+    """One red line and exit code 1: how every error a user can cause ends."""
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@contextmanager
+def open_store(settings) -> Iterator[Any]:
+    """A session factory on the settings' database, after checking that its schema is the one
+    this code needs (the CLI never migrates on its own: `farm db upgrade` does)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from orchestrator.db import make_engine, make_session_factory, migrate
+
+    engine = make_engine(settings.database_url)
+    try:
+        try:
+            migrate.check(engine)
+        except migrate.SchemaMismatch as exc:
+            fail(str(exc))
+        except SQLAlchemyError as exc:
+            fail(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
+        yield make_session_factory(engine)
+    finally:
+        engine.dispose()
+
+
+def iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _settings():
+    from orchestrator.settings import load_settings
+
+    return load_settings()
+
+
+# ---- presentation -------------------------------------------------------------------------
+
+
+def device_dict(device: Device) -> dict[str, Any]:
+    return {
+        "id": device.id,
+        "serial": device.serial,
+        "transport": str(device.transport),
+        "address": device.address,
+        "host": device.host.name if device.host is not None else None,
+        "state": str(device.state),
+        "state_reason": device.state_reason,
+        "last_seen": iso(device.last_seen),
+        "model": device.model,
+        "manufacturer": device.manufacturer,
+        "os": device.os,
+        "os_version": device.os_version,
+        "virtual": device.virtual,
+        "gpu": {
+            "vendor": device.gpu_vendor,
+            "architecture": device.gpu_architecture,
+            "device": device.gpu_device,
+            "driver": device.gpu_driver,
+            "backend": device.gpu_backend,
+        },
+        "lease_holder": device.lease_holder,
+        "lease_until": iso(device.lease_until),
+        "created_at": iso(device.created_at),
+    }
+
+
+_STATE_STYLE = {"available": "green", "busy": "yellow", "offline": "red", "unauthorized": "red",
+                "quarantined": "magenta"}
+
+
+def _state(device: Device) -> str:
+    state = str(device.state)
+    return f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]"
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+# ---- commands -----------------------------------------------------------------------------
+
+
+@app.command()
+def add(
+    serial: str = typer.Argument(..., help="The device's unique name (adb serial, host name, ...)."),
+    transport: TransportKind = typer.Option(..., "--transport", help="How the farm reaches it."),
+    address: str = typer.Option("", "--address", help="local: agent root folder; adb: host:port or "
+                                "usb:SERIAL; http: the agent's URL (token in <config_dir>/tokens/SERIAL)."),
+):
+    """Register a device; it stays offline until `farm devices discover` reaches it."""
+    from sqlalchemy import select
+
+    from orchestrator.db import store
+
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        if session.scalar(select(Device).where(Device.serial == serial)) is not None:
+            fail(f"device {serial!r} already exists; `farm devices remove {serial}` first to re-add it")
+        device = store.upsert_device(session, serial, transport, address, host=settings.host_name)
+        session.commit()
+        console.print(f"added device {device.serial} ({device.transport}, {device.address or 'default address'})",
+                      highlight=False)
+
+
+@app.command("list")
+def list_devices(as_json: bool = JSON_OPTION):
+    """List the devices with their state and GPU."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import selectinload
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        devices = session.scalars(select(Device).options(selectinload(Device.host)).order_by(Device.serial)).all()
+        if as_json:
+            _print_json([device_dict(d) for d in devices])
+            return
+        if not devices:
+            console.print("no devices; add one with `farm devices add SERIAL --transport ... --address ...`")
+            return
+        table = Table("serial", "transport", "state", "gpu", "model", "last seen")
+        for d in devices:
+            gpu = d.gpu_device or d.gpu_vendor or "-"
+            table.add_row(d.serial, str(d.transport), _state(d), gpu, d.model or "-",
+                          d.last_seen.strftime("%Y-%m-%d %H:%M:%S") if d.last_seen else "never")
+        console.print(table)
+
+
+@app.command()
+def show(serial: str = typer.Argument(..., help="Device serial."), as_json: bool = JSON_OPTION):
+    """Show one device: identity, GPU, health and lease."""
+    from orchestrator.db import store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            device = store.get_device(session, serial)
+        except store.StoreError as exc:
+            fail(str(exc))
+        data = device_dict(device)
+        if as_json:
+            _print_json(data)
+            return
+        table = Table(show_header=False, box=None)
+        for key, value in data.items():
+            if key == "gpu":
+                for gk, gv in value.items():
+                    table.add_row(f"gpu {gk}", gv or "-")
+            elif key == "state":
+                table.add_row(key, _state(device))
+            else:
+                table.add_row(key, "-" if value in (None, "") else str(value))
+        console.print(table)
+
+
+@app.command()
+def remove(
+    serial: str = typer.Argument(..., help="Device serial."),
+    force: bool = typer.Option(False, "--force", help="Also delete its jobs, deployments and results."),
+):
+    """Forget a device. Refused while it has jobs or results, unless --force."""
+    from sqlalchemy import func, select
+
+    from orchestrator.db import store
+    from orchestrator.db.models import Deployment, Job, Run
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            device = store.get_device(session, serial)
+        except store.StoreError as exc:
+            fail(str(exc))
+        history = sum(session.scalar(select(func.count()).select_from(m).where(m.device_id == device.id)) or 0
+                      for m in (Job, Run, Deployment))
+        if history and not force:
+            fail(f"device {serial!r} has {history} jobs, runs or deployments; "
+                 "`farm devices quarantine` it, or pass --force to delete them too")
+        session.delete(device)
+        session.commit()
+    console.print(f"removed device {serial}", highlight=False)
+
+
+@app.command()
+def quarantine(
+    serial: str = typer.Argument(..., help="Device serial."),
+    reason: str = typer.Option(..., "--reason", help="Why (shown in listings)."),
+):
+    """Take a device out of service until `farm devices release`; discovery will not bring it back."""
+    _set_state(serial, DeviceState.quarantined, reason)
+
+
+@app.command()
+def release(serial: str = typer.Argument(..., help="Device serial.")):
+    """Put a quarantined device back in service (available until a probe says otherwise)."""
+    _set_state(serial, DeviceState.available, "released by operator")
+
+
+def _set_state(serial: str, state: DeviceState, reason: str) -> None:
+    from orchestrator.db import store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            device = store.get_device(session, serial)
+            if state == DeviceState.available and device.state != DeviceState.quarantined:
+                fail(f"device {serial!r} is not quarantined (it is {device.state})")
+            store.set_device_state(session, device.id, state, reason, force=True)
+        except store.StoreError as exc:
+            fail(str(exc))
+        session.commit()
+    console.print(f"device {serial} is {state}" + (f": {reason}" if state == DeviceState.quarantined else ""),
+                  highlight=False)
+
+
+@app.command()
+def discover(as_json: bool = JSON_OPTION):
+    """Probe every known device through its transport; record its identity and state."""
+    from sqlalchemy import select
+
+    from orchestrator.db import store
+    from orchestrator.tasks import make_transport
+    from orchestrator.transports import TransportError
+
+    settings = _settings()
+    outcomes: list[dict[str, Any]] = []
+    with open_store(settings) as sessions:
+        with sessions() as session:
+            devices = session.scalars(select(Device).order_by(Device.serial)).all()
+        if not devices and not as_json:
+            console.print("no devices to probe; add one with `farm devices add`")
+            return
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+        with Progress(*columns, console=console, transient=True, disable=as_json) as progress:
+            task = progress.add_task("probing", total=len(devices))
+            for device in devices:
+                progress.update(task, description=f"probing {device.serial}")
+                # No transaction is open while the device is asked (orchestrator/db/session.py).
+                info, error = None, None
+                try:
+                    with make_transport(device, settings) as transport:
+                        info = transport.info()
+                except TransportError as exc:
+                    error = exc
+                except (OSError, ValueError) as exc:  # a malformed address, a missing token file
+                    error = TransportError(device.serial, f"{exc.__class__.__name__}: {exc}")
+                with sessions() as session:
+                    if info is not None:
+                        store.upsert_device(session, device.serial, device.transport, info=info,
+                                            host=settings.host_name)
+                        row = store.set_device_state(session, device.id, DeviceState.available)
+                    else:
+                        state = store.TRANSPORT_STATES.get(str(error.state), DeviceState.offline)
+                        row = store.set_device_state(session, device.id, state, error.detail)
+                    session.commit()
+                    outcomes.append(device_dict(row) | {"error": str(error) if error else None})
+                progress.advance(task)
+    if as_json:
+        _print_json(outcomes)
+        return
+    table = Table("serial", "state", "gpu", "note")
+    for o in outcomes:
+        table.add_row(o["serial"], o["state"], o["gpu"]["device"] or "-", o["error"] or o["state_reason"] or "")
+    console.print(table)

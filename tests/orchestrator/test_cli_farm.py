@@ -1,0 +1,162 @@
+"""`farm devices ...` and `farm builds ...` through CliRunner on a fresh SQLite store: the
+listings and their --json, quarantine, the one-line error for a database not at head, a signed
+build bundle the agent accepts, and discovery of a local-transport device."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+from typer.testing import CliRunner
+
+from agent.bundle import provision_public_key, verify_bundle
+from orchestrator.cli import app
+
+
+@pytest.fixture
+def farm(tmp_path, monkeypatch):
+    """Settings for a fresh farm in tmp_path (not yet migrated) and an invoke helper."""
+    monkeypatch.setenv("FARM_DATABASE_URL", f"sqlite:///{tmp_path / 'farm.db'}")
+    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FARM_HOST_NAME", "testhost")
+    runner = CliRunner()
+
+    def invoke(*args: str, ok: bool = True):
+        result = runner.invoke(app, list(args))
+        if ok:
+            assert result.exit_code == 0, result.output
+        return result
+
+    invoke.tmp = tmp_path
+    return invoke
+
+
+@pytest.fixture
+def farm_db(farm):
+    farm("db", "upgrade")
+    return farm
+
+
+def test_not_upgraded_database_is_one_clear_error(farm):
+    for args in (["devices", "list"], ["builds", "list"], ["devices", "add", "p1", "--transport", "local"]):
+        result = farm(*args, ok=False)
+        assert result.exit_code == 1, result.output
+        assert "farm db upgrade" in result.output
+        assert "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_add_list_show_remove(farm_db):
+    farm = farm_db
+    farm("devices", "add", "phone-1", "--transport", "adb", "--address", "127.0.0.1:5555")
+    farm("devices", "add", "gpu-host", "--transport", "local", "--address", str(farm.tmp / "agent"))
+
+    dup = farm("devices", "add", "phone-1", "--transport", "adb", ok=False)
+    assert dup.exit_code == 1 and "already exists" in dup.output
+
+    listing = json.loads(farm("devices", "list", "--json").output)
+    assert [d["serial"] for d in listing] == ["gpu-host", "phone-1"]
+    phone = listing[1]
+    assert phone["transport"] == "adb" and phone["address"] == "127.0.0.1:5555"
+    assert phone["state"] == "offline" and phone["host"] == "testhost" and phone["last_seen"] is None
+
+    assert "phone-1" in farm("devices", "list").output
+    shown = json.loads(farm("devices", "show", "phone-1", "--json").output)
+    assert shown["serial"] == "phone-1" and shown["gpu"]["device"] == ""
+    assert "127.0.0.1:5555" in farm("devices", "show", "phone-1").output
+
+    farm("devices", "remove", "phone-1")
+    assert [d["serial"] for d in json.loads(farm("devices", "list", "--json").output)] == ["gpu-host"]
+    for args in (["devices", "show", "phone-1"], ["devices", "remove", "phone-1"]):
+        missing = farm(*args, ok=False)
+        assert missing.exit_code == 1 and "no device 'phone-1'" in missing.output
+        assert "Traceback" not in missing.output
+
+
+def test_bad_transport_is_a_usage_error(farm_db):
+    result = farm_db("devices", "add", "x", "--transport", "carrier-pigeon", ok=False)
+    assert result.exit_code == 2
+
+
+def test_quarantine_and_release(farm_db):
+    farm = farm_db
+    farm("devices", "add", "phone-1", "--transport", "adb", "--address", "127.0.0.1:5555")
+    not_quarantined = farm("devices", "release", "phone-1", ok=False)
+    assert not_quarantined.exit_code == 1 and "not quarantined" in not_quarantined.output
+
+    farm("devices", "quarantine", "phone-1", "--reason", "screen cracked, thermals flap")
+    shown = json.loads(farm("devices", "show", "phone-1", "--json").output)
+    assert shown["state"] == "quarantined" and shown["state_reason"] == "screen cracked, thermals flap"
+
+    farm("devices", "release", "phone-1")
+    shown = json.loads(farm("devices", "show", "phone-1", "--json").output)
+    assert shown["state"] == "available"
+
+
+def test_discover_unreachable_device_is_marked_offline(farm_db):
+    farm = farm_db
+    farm("devices", "add", "phone-1", "--transport", "adb", "--address", "127.0.0.1:1")
+    farm("devices", "quarantine", "phone-2", "--reason", "x", ok=False)  # unknown: refused
+    out = json.loads(farm("devices", "discover", "--json").output)
+    assert out[0]["serial"] == "phone-1" and out[0]["state"] == "offline" and out[0]["error"]
+    shown = json.loads(farm("devices", "show", "phone-1", "--json").output)
+    assert shown["state"] == "offline" and shown["state_reason"]
+
+
+def test_builds_create_list_show(farm_db, tiny_model_dir):
+    farm = farm_db
+    assert json.loads(farm("builds", "list", "--json").output) == []
+    created = farm("builds", "create", "--model", str(tiny_model_dir), "--version", "1.2.3", "--name", "b1")
+    assert "generated the farm signing key" in created.output and "created build" in created.output
+
+    config = farm.tmp / "config"
+    assert stat.S_IMODE((config / "farm.key").stat().st_mode) == 0o600
+    bundle = farm.tmp / "data" / "builds" / "b1"
+    manifest = verify_bundle(bundle, config / "farm.pub")
+    paths = {f.path for f in manifest.files}
+    assert "models/tiny/model_index.json" in paths
+    assert "engine/__init__.py" in paths and "agent/jobs.py" in paths
+    assert any(p.startswith("shaders/") and p.endswith(".wgsl") for p in paths)
+    assert not any("__pycache__" in p for p in paths)
+    assert [p for p in (farm.tmp / "data" / "builds").iterdir()] == [bundle]  # no staging left
+
+    listing = json.loads(farm("builds", "list", "--json").output)
+    assert [(b["name"], b["version"]) for b in listing] == [("b1", "1.2.3")]
+    assert listing[0]["file_count"] == len(manifest.files)
+    assert "b1" in farm("builds", "list").output
+    shown = json.loads(farm("builds", "show", "b1", "--json").output)
+    assert {f["path"] for f in shown["files"]} == paths
+
+    # a second build reuses the key (no new one), and the same name is refused
+    second = farm("builds", "create", "--model", str(tiny_model_dir), "--version", "1.2.4")
+    assert "generated the farm signing key" not in second.output
+    verify_bundle(farm.tmp / "data" / "builds" / json.loads(farm("builds", "list", "--json").output)[0]["name"],
+                  config / "farm.pub")
+    again = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "b1", ok=False)
+    assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_builds_bad_input_is_one_error(farm_db, tmp_path):
+    result = farm_db("builds", "create", "--model", str(tmp_path / "nope"), ok=False)
+    assert result.exit_code == 1 and "not a diffusers model folder" in result.output
+    result = farm_db("builds", "show", "nope", ok=False)
+    assert result.exit_code == 1 and "no build 'nope'" in result.output
+    assert not (tmp_path / "data" / "builds").exists()
+
+
+@pytest.mark.gpu
+def test_discover_local_device(farm_db, tiny_model_dir):
+    farm = farm_db
+    farm("builds", "create", "--model", str(tiny_model_dir), "--name", "b1")  # makes the farm key
+    root = farm.tmp / "agent"
+    provision_public_key(root, farm.tmp / "config" / "farm.pub")
+    farm("devices", "add", "gpu-host", "--transport", "local", "--address", str(root))
+
+    output = farm("devices", "discover").output
+    assert "gpu-host" in output
+    shown = json.loads(farm("devices", "show", "gpu-host", "--json").output)
+    assert shown["state"] == "available", shown
+    assert shown["gpu"]["backend"] and (shown["gpu"]["device"] or shown["gpu"]["vendor"])
+    assert shown["last_seen"] is not None and shown["os"]
