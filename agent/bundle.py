@@ -59,7 +59,7 @@ RESERVED_PATHS = frozenset({MANIFEST, SIGNATURE})
 DEFAULT_EXCLUDE = ("__pycache__", "*.pyc", "*.pyo", ".DS_Store", ".git")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_BUILD_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")  # build and job ids: safe as folder names
 _CHUNK = 1 << 20
 
 
@@ -138,7 +138,7 @@ def provision_public_key(root: Path, public_key: Ed25519PublicKey | Path) -> Pat
     pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _atomic_write(root / FARM_KEY, pem, mode=0o644)
+    atomic_write(root / FARM_KEY, pem, mode=0o644)
     return root / FARM_KEY
 
 
@@ -296,7 +296,7 @@ def _check_file(path: Path, entry: ManifestFile, label: str) -> None:
     size = path.stat().st_size
     if size != entry.size:
         raise BundleError(f"{label}: size mismatch (manifest {entry.size} bytes, file {size})")
-    if _sha256(path) != entry.sha256:
+    if sha256_file(path) != entry.sha256:
         raise BundleError(f"{label}: sha256 mismatch")
 
 
@@ -338,7 +338,7 @@ def _check_path(path: str) -> None:
 
 
 def _check_build_id(build_id: str) -> None:
-    if not _BUILD_ID.fullmatch(build_id or "") or build_id == CURRENT:
+    if not NAME_PATTERN.fullmatch(build_id or "") or build_id == CURRENT:
         raise BundleError(f"build id {build_id!r}: use letters, digits and ._+- (not starting with "
                           f"'.' or '-', at most 128, not {CURRENT!r})")
 
@@ -546,7 +546,7 @@ def _read_build(path: Path) -> InstalledBuild | None:
 # ---- file helpers ---------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -567,7 +567,8 @@ def _copy_hashing(source: Path, target: Path, fsync: bool = False) -> tuple[str,
     return h.hexdigest(), size
 
 
-def _atomic_write(path: Path, data: bytes, mode: int) -> None:
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write via a temporary file, fsync and rename: a reader never sees half a file."""
     tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
     try:
         with open(tmp, "xb") as f:

@@ -20,7 +20,6 @@ raw, one per repetition; nothing is aggregated on the device.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -34,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.bundle import atomic_write, sha256_file
 from agent.protocol import (
     Artifact,
     JobResult,
@@ -73,25 +73,7 @@ class Interrupted(Exception):
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file + rename, so a reader never sees half a document."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    atomic_write(path, text.encode("utf-8"))
 
 
 def artifact(out_dir: Path, path: Path, kind: str) -> Artifact:

@@ -29,7 +29,6 @@ import contextlib
 import hmac
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +41,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from agent.bundle import (
+    NAME_PATTERN,
+    BundleError,
+    current_build,
+    install_bundle,
+    list_builds,
+    missing_files,
+)
 from agent.jobs import AgentBusy, busy_message, lock_problem, read_lock, run_job
 from agent.protocol import (
     PROTOCOL_VERSION,
@@ -59,7 +66,6 @@ PROTOCOL_HEADER = "X-Farm-Protocol"
 MAX_JSON_BYTES = 16 << 20
 CHUNK = 1 << 20
 EVENTS_KEPT = 1000
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")
 
 
 class ServeError(Exception):
@@ -87,7 +93,7 @@ def load_token(path: Path) -> str:
 
 
 def _check_name(kind: str, value: str) -> str:
-    if not _NAME.fullmatch(value):
+    if not NAME_PATTERN.fullmatch(value):
         raise HTTPError(400, f"{kind} {value!r}: use letters, digits and ._+- (not starting with '.' or '-')")
     return value
 
@@ -330,8 +336,6 @@ class AgentHandler(BaseHTTPRequestHandler):
         self._json(200, to_json(self.server.info()))
 
     def get_builds(self, p, q) -> None:
-        from agent.bundle import current_build, list_builds
-
         current = current_build(self.server.root)
         self._json(200, {"current": current.build_id if current else None,
                          "builds": [{"build_id": b.build_id, "version": b.manifest.version,
@@ -339,8 +343,6 @@ class AgentHandler(BaseHTTPRequestHandler):
                                     for b in list_builds(self.server.root)]})
 
     def store_missing(self, p, q) -> None:
-        from agent.bundle import missing_files
-
         manifest = self._document(Manifest, self._read_json())
         missing = missing_files(manifest, self.server.root)
         self._json(200, {"build": manifest.build, "missing": [to_dict(f) for f in missing],
@@ -373,8 +375,6 @@ class AgentHandler(BaseHTTPRequestHandler):
         self._json(201, {"stored": rel, "size": length})
 
     def install(self, p, q) -> None:
-        from agent.bundle import BundleError, install_bundle
-
         staging = self._staging(p[1])
         if self.headers.get("Content-Length") not in (None, "0"):
             self.rfile.read(self._length())  # the body carries nothing; drain it

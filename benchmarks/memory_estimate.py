@@ -44,21 +44,12 @@ H100 = DeviceCaps(
 
 def config_for(model: Path | None, preset: str | None):
     """A ModelConfig from a diffusers folder, or a preset's without writing any weights."""
-    from engine.make_model import preset_configs
-    from engine.models.config import (
-        CLIPTextConfig,
-        ModelConfig,
-        UNetConfig,
-        VAEConfig,
-        load_model_config,
-    )
+    from engine.make_model import preset_model_config
+    from engine.models.config import load_model_config
 
     if model is not None:
         return load_model_config(model)
-    c, src = preset_configs(preset), Path(f"<preset {preset}>")
-    return ModelConfig(source=src, text_encoder=CLIPTextConfig.from_dict(c["text_encoder"], src),
-                       unet=UNetConfig.from_dict(c["unet"], src), vae=VAEConfig.from_dict(c["vae"], src),
-                       scheduler=c["scheduler"], tokenizer_dir=None)
+    return preset_model_config(preset)
 
 
 def caps_for(adapter: str) -> DeviceCaps:

@@ -41,6 +41,7 @@ from engine.models.config import (
     SD14_UNET,
     SD14_VAE,
     CLIPTextConfig,
+    ModelConfig,
     UNetConfig,
     VAEConfig,
 )
@@ -277,6 +278,19 @@ def preset_configs(preset: str) -> dict[str, dict[str, Any]]:
         return {"text_encoder": text, "unet": unet, "vae": vae, "scheduler": dict(SD14_SCHEDULER)}
     raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
+
+
+def preset_model_config(preset: str) -> ModelConfig:
+    """A preset's ModelConfig, without writing any weights (explain, tune, memory estimates)."""
+    c, src = preset_configs(preset), Path(f"<preset {preset}>")
+    return ModelConfig(
+        source=src,
+        text_encoder=CLIPTextConfig.from_dict(c["text_encoder"], src),
+        unet=UNetConfig.from_dict(c["unet"], src),
+        vae=VAEConfig.from_dict(c["vae"], src),
+        scheduler=c["scheduler"],
+        tokenizer_dir=None,
+    )
 
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

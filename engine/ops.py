@@ -57,6 +57,13 @@ class Ops:
             self.calls.append((op, shape, args))
         return variant.launch(self, variant, constants, *args)
 
+    def score_chunks(self, pairs: int, tq: int, tk: int):
+        """(first, count) ranges of (batch, head) pairs whose f32 score matrices fit one storage
+        binding: all pairs may not (SD at 64x64 latents: 4096 x 4096 x 4 B per pair)."""
+        chunk = max(1, min(pairs, self.rt.caps.max_binding_bytes // (tq * tk * 4)))
+        for first in range(0, pairs, chunk):
+            yield first, min(chunk, pairs - first)
+
     def grid_1d(self, n: int) -> tuple[int, int, int]:
         return self._grid_1d(n)
 
@@ -288,14 +295,9 @@ def attention_reference(ops: Ops, v: Variant, consts: dict, q, k, vv, heads, cau
     tk = k.shape[1]
     dh = width // heads
     o = ops.rt.empty((bsz, tq, width), ops.dtype)
-    # The score matrix of every (batch, head) pair may not fit one storage binding (SD at
-    # 64x64 latents: 4096 x 4096 x 4 B per pair), so pairs are processed in chunks.
-    per_pair = tq * tk * 4
-    chunk = max(1, min(bsz * heads, ops.rt.caps.max_binding_bytes // per_pair))
     scores_p = ops.pipeline(v, "scores")
     sum_p = ops.pipeline(v, "weighted_sum")
-    for bh0 in range(0, bsz * heads, chunk):
-        nbh = min(chunk, bsz * heads - bh0)
+    for bh0, nbh in ops.score_chunks(bsz * heads, tq, tk):
         s = ops.rt.empty((nbh, tq, tk), "f32")
         params = (heads, tq, tk, dh, width, width, bh0, scale)
         ops.rt.dispatch(scores_p, "attention", params, [q, k, s], (math.ceil(tk / 16), math.ceil(tq / 16), nbh))

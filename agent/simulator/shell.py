@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.bundle import sha256_file
 from agent.simulator.android import AndroidState
 from agent.simulator.fs import SandboxFS, fs_error
 from agent.simulator.thermal import ThermalModel
@@ -630,7 +631,7 @@ class Shell:
                 if host is None:
                     digest = hashlib.sha256(self.fs.read_bytes(p, s.cwd)).hexdigest()
                 else:
-                    digest = await asyncio.to_thread(_sha256_file, host)
+                    digest = await asyncio.to_thread(sha256_file, host)
                 await io.out(f"{digest}  {p}\n".encode())
             except OSError as exc:
                 await io.err(f"sha256sum: {p}: {exc.strerror}\n".encode())
@@ -849,11 +850,3 @@ def _appender(buf: bytearray) -> Writer:
         buf.extend(data)
 
     return write
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()

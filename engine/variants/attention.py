@@ -80,14 +80,10 @@ def attention_partial_softmax(
     tk = k.shape[1]
     dh = width // heads
     o = ops.rt.empty((bsz, tq, width), ops.dtype)
-    # As in the reference, A of all (batch, head) pairs may not fit one storage binding.
-    per_pair = tq * tk * 4
-    chunk = max(1, min(bsz * heads, ops.rt.caps.max_binding_bytes // per_pair))
     scores_p = ops.pipeline(v, "scores")
     stats_p = ops.pipeline(v, "row_stats")
     sum_p = ops.pipeline(v, "weighted_sum")
-    for bh0 in range(0, bsz * heads, chunk):
-        nbh = min(chunk, bsz * heads - bh0)
+    for bh0, nbh in ops.score_chunks(bsz * heads, tq, tk):
         rows = nbh * tq
         a = ops.rt.empty((nbh, tq, tk), "f32")  # (chunk, Tq, Tk)
         stats = ops.rt.empty((rows, 2), "f32")  # (chunk * Tq, [L, S])

@@ -144,24 +144,14 @@ def generate(
 def _config_for(model: Path | None, preset: Preset | None):
     """A model's configs from its folder, or a preset's without writing any weights."""
     from engine.errors import InputError
-    from engine.make_model import preset_configs
-    from engine.models.config import ModelConfig, load_model_config
+    from engine.make_model import preset_model_config
+    from engine.models.config import load_model_config
 
     if (model is None) == (preset is None):
         raise InputError("give exactly one of --model DIR or --preset tiny|sd14")
     if model is not None:
         return load_model_config(model)
-    from engine.models.config import CLIPTextConfig, UNetConfig, VAEConfig
-
-    c, src = preset_configs(preset.value), Path(f"<preset {preset.value}>")
-    return ModelConfig(
-        source=src,
-        text_encoder=CLIPTextConfig.from_dict(c["text_encoder"], src),
-        unet=UNetConfig.from_dict(c["unet"], src),
-        vae=VAEConfig.from_dict(c["vae"], src),
-        scheduler=c["scheduler"],
-        tokenizer_dir=None,
-    )
+    return preset_model_config(preset.value)
 
 
 def _native(config, height, width):

@@ -36,7 +36,7 @@ from adb_shell import exceptions as adb_errors
 from adb_shell.adb_device import AdbDevice
 from adb_shell.transport.tcp_transport import TcpTransport
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE
+from agent.bundle import FILES, MANIFEST, SIGNATURE, sha256_file
 from agent.deviceinfo import collect_android
 from agent.protocol import (
     DeviceInfo,
@@ -61,7 +61,6 @@ from orchestrator.transports.base import (
     TransportError,
     check_name,
     emit,
-    sha256_file,
 )
 
 DEFAULT_KEY = Path("~/.config/devicefarm/adbkey")

@@ -7,18 +7,16 @@ can mark the device and decide whether to retry without parsing messages."""
 from __future__ import annotations
 
 import abc
-import hashlib
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from agent.bundle import NAME_PATTERN
 from agent.protocol import DeviceInfo, JobResult, JobSpec
 
 DeviceState = Literal["ready", "busy", "offline", "unauthorized", "unresponsive", "incompatible", "error"]
 ProgressFn = Callable[[dict], None]  # one event: {"event": "push" | "step" | ..., ...}
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")  # what the agent accepts as a build or job id
 
 
 class TransportError(Exception):
@@ -125,14 +123,6 @@ class Transport(abc.ABC):
         self.close()
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def emit(progress: ProgressFn | None, event: dict) -> None:
     """Call a progress listener; a broken listener must not break a deploy or a job."""
     if progress is not None:
@@ -144,6 +134,6 @@ def emit(progress: ProgressFn | None, event: dict) -> None:
 
 def check_name(device: str, kind: str, value: str) -> str:
     """A build or job id becomes a folder name on the device: refuse anything else up front."""
-    if not _NAME.fullmatch(value):
+    if not NAME_PATTERN.fullmatch(value):  # what the agent accepts as a build or job id
         raise TransportError(device, f"{kind} {value!r} is not a plain name (letters, digits, . _ + -)")
     return value

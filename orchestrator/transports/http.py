@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path, PurePosixPath
 from urllib.parse import quote
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE
+from agent.bundle import FILES, MANIFEST, SIGNATURE, sha256_file
 from agent.protocol import (
     PROTOCOL_VERSION,
     DeviceInfo,
@@ -41,7 +41,6 @@ from orchestrator.transports.base import (
     Transport,
     TransportError,
     emit,
-    sha256_file,
 )
 
 PROTOCOL_HEADER = "X-Farm-Protocol"

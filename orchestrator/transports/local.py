@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files
+from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files, sha256_file
 from agent.protocol import (
     DeviceInfo,
     JobResult,
@@ -36,7 +36,6 @@ from orchestrator.transports.base import (
     TransportError,
     check_name,
     emit,
-    sha256_file,
 )
 
 EXIT_BUSY = 75
