@@ -8,6 +8,5 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 model=models/tiny
 [ -f "$model/model_index.json" ] || .venv/bin/farm engine make-model --preset tiny --seed 0 --out "$model"
-.venv/bin/farm engine info
 exec .venv/bin/farm engine generate --model "$model" --prompt "a red bicycle leaning on a wall" \
   --steps 20 --seed 0 --out out/tiny.png "$@"
