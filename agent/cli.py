@@ -167,6 +167,8 @@ def simulate(
     root: Path = typer.Option(None, help="Folder for the phone's sandboxed filesystem."),
     auth: bool = typer.Option(False, "--auth", help="Require RSA authentication, like a real phone."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    trust: Path = typer.Option(None, help="Farm public key (farm.pub) to provision on the phone, so it "
+                               "accepts that farm's signed builds (provisioned when the file appears)."),
 ):
     """Run a virtual phone that speaks ADB, with this host's real WebGPU adapter."""
     try:
@@ -174,7 +176,9 @@ def simulate(
     except ImportError as exc:
         fail(f"the virtual phone is not available in this build ({exc})")
     try:
-        run_simulator(port, serial, model=model, root=root, auth=auth, host=host,
+        if trust is not None and not trust.is_file():
+            typer.echo(f"{trust} does not exist yet: builds are refused until it does", err=True)
+        run_simulator(port, serial, model=model, root=root, auth=auth, host=host, trust=trust,
                       ready=lambda bound: typer.echo(f"virtual phone {serial} ({model}) listening on {host}:{bound}"
                                                      f"{'' if auth else ' (no authentication)'}"))
     except KeyboardInterrupt:

@@ -272,6 +272,11 @@ def _find_build(root: Path, build_id: str | None):
                    "install it first (farm-agent install)")
 
 
+# A build's default kernel profile: a shipped profile's name, "reference", or a path in the build
+# (written by `farm builds create --default-profile`); used when a job asks for "auto".
+DEFAULT_PROFILE_FILE = "profiles/DEFAULT"
+
+
 def make_plan(spec: JobSpec, root: Path, out_dir: Path) -> dict:
     """Resolve the model and the profile against the build; errors name what is missing."""
     model = Path(spec.model)
@@ -287,6 +292,9 @@ def make_plan(spec: JobSpec, root: Path, out_dir: Path) -> dict:
         where = f"build {build.build_id!r}" if build is not None and not Path(spec.model).is_absolute() else "this device"
         raise JobError(f"model {spec.model!r} not found in {where} (looked at {model})")
     profile = spec.profile
+    if profile == "auto" and build is not None and (build.path / DEFAULT_PROFILE_FILE).is_file():
+        # The build names the profile its jobs use unless a job asks for one.
+        profile = (build.path / DEFAULT_PROFILE_FILE).read_text().strip() or "auto"
     if profile not in SHIPPED_PROFILES and build is not None and (build.path / profile).is_file():
         profile = str(build.path / profile)  # else a shipped profile's name or a device path
     return {

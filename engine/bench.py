@@ -31,6 +31,7 @@ class AblationRow:
     stage_peak_gpu_bytes: dict = field(default_factory=dict)
 
 
+FLASH_VARIANTS = ("flash", "flash_gemm")  # the score matrix never stored
 PAPER_FLASH = Rule("attention", "flash", (("dh", 40), ("causal", 0)), why="the paper: flash for head dim 40")
 TFLITE_WINOGRAD = Rule(
     "conv2d", "winograd", (("k", 3), ("stride", 1), ("cin", (64, None)), ("cout", (64, None)), ("tiles", (32, None))),
@@ -43,7 +44,7 @@ def ablation_profiles(caps, tuned=None) -> list[Profile]:
     paper's head-dim-40 rule when the family has none); Winograd by TFLite GPU's default rule.
     The last row is the tuned profile given, or the shipped one tuned for this exact GPU."""
     family = auto_profile(caps, tuned=False)
-    flash = [r for r in family.rules if r.op == "attention" and r.variant == "flash"] or [PAPER_FLASH]
+    flash = [r for r in family.rules if r.op == "attention" and r.variant in FLASH_VARIANTS] or [PAPER_FLASH]
     gn = [Rule("group_norm", "fused")]
     mm = gn + [Rule("linear", "tiled")]
     pfs = mm + [Rule("attention", "partial_softmax")]

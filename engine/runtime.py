@@ -30,6 +30,7 @@ WG_1D = 256  # invocations per workgroup of the one-dimensional kernels
 CLASS_BITS = 2  # 2**CLASS_BITS buffer size classes per power of two (at most 25% slack)
 CLASSES_PER_DOUBLING = 2**CLASS_BITS
 MIN_CLASS_BYTES = 256
+SUBMIT_EVERY = 64  # dispatches per queue submit (see Runtime.dispatch)
 
 
 def dtype_of(array: np.ndarray) -> str:
@@ -314,6 +315,7 @@ class Runtime(_Memory):
         self._pass = None
         self._fence = None
         self.dispatches = 0
+        self._recorded = 0  # dispatches recorded since the last submit
         # Tests fill every new activation with NaN so a kernel that skips an element fails.
         self.poison = poison
         # profiling
@@ -416,6 +418,12 @@ class Runtime(_Memory):
             cpass.end()
             self._pass = None
         self.dispatches += 1
+        self._recorded += 1
+        # Submit in batches so the GPU runs the first kernels while the rest are recorded:
+        # with one submit per UNet step, recording (~1k dispatches through Python) and GPU time
+        # added up. Profiling keeps its own batches (each flush then waits for its timestamps).
+        if self._recorded >= SUBMIT_EVERY and not self.profiling:
+            self.flush()
 
     def _begin_pass(self, label: str):
         if self._encoder is None:
@@ -454,6 +462,7 @@ class Runtime(_Memory):
             self._encoder.resolve_query_set(self._query_set, 0, 2 * n, resolve, 0)
         gpu_call("submitting GPU work", self.device.queue.submit, [self._encoder.finish()])
         self._encoder = None
+        self._recorded = 0
         if resolve is not None:
             ticks = np.frombuffer(self.device.queue.read_buffer(resolve), dtype=np.uint64).reshape(n, 2)
             period = self.caps.timestamp_period_ns

@@ -1,7 +1,8 @@
 """The Celery application: which broker and result backend the farm uses and how tasks are
 delivered. With `settings.broker_url` set (production) the broker and result backend are that
-Redis; without it the embedded default needs no server: kombu's filesystem transport in
-<data_dir>/broker (polled every 0.1 s; the measured alternatives are in
+Redis; without it the embedded default needs no server: kombu's filesystem transport with
+atomic message writes (orchestrator/fsbroker.py) in <data_dir>/broker (polled every 0.1 s;
+the measured alternatives are in
 shared/notes/infra-facts.md) and a SQLite result backend next to it, with real worker
 processes, never eager mode. Delivery is at-least-once (acks late, reject on worker loss,
 prefetch 1), so every task re-reads the database and is idempotent (orchestrator/tasks.py).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from orchestrator import fsbroker
 from orchestrator.settings import Settings, load_settings
 
 DEFAULT_QUEUE = "farm"
@@ -24,6 +26,7 @@ DEFAULT_QUEUE = "farm"
 VISIBILITY_TIMEOUT_S = 6 * 3600
 POLLING_INTERVAL_S = 0.1
 STALE_SWEEP_S = 60.0  # beat runs requeue_stale_jobs this often
+SCHEDULE_TICK_S = 15.0  # beat checks the database's schedules this often (a firing is late by at most this)
 
 
 def host_queue(host_name: str) -> str:
@@ -46,12 +49,14 @@ def _embedded_broker(settings: Settings) -> tuple[str, dict, str]:
         "data_folder_in": str(queue),
         "data_folder_out": str(queue),
         "processed_folder": str(processed),
-        "store_processed": True,
+        # Claimed messages are moved here, then deleted once decoded; undecodable ones stay
+        # as <name>.bad (orchestrator/fsbroker.py).
+        "store_processed": False,
         "control_folder": str(control),
         "polling_interval": POLLING_INTERVAL_S,
     }
     backend = f"db+sqlite:///{settings.data_dir / 'celery-results.db'}"
-    return "filesystem://", options, backend
+    return f"{fsbroker.SCHEME}://", options, backend
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -79,6 +84,9 @@ def make_celery(settings: Settings) -> Celery:
         beat_schedule={
             "requeue-stale-jobs": {"task": "orchestrator.tasks.requeue_stale_jobs",
                                    "schedule": STALE_SWEEP_S, "options": {"queue": DEFAULT_QUEUE}},
+            # The farm's own schedules live in the database (`farm schedules`); beat only ticks.
+            "check-schedules": {"task": "orchestrator.tasks.check_schedules",
+                                "schedule": SCHEDULE_TICK_S, "options": {"queue": DEFAULT_QUEUE}},
         },
     )
     app.farm_settings = settings

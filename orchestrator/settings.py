@@ -6,7 +6,7 @@ Order of precedence, lowest first:
 1. defaults: database in the data dir (SQLite), embedded broker, host name from the OS;
 2. the config file `<config_dir>/farm.toml` (optional; same keys as the fields below);
 3. `FARM_*` environment variables (`FARM_DATABASE_URL`, `FARM_BROKER_URL`, `FARM_DATA_DIR`,
-   `FARM_CONFIG_DIR`, `FARM_HOST_NAME`);
+   `FARM_CONFIG_DIR`, `FARM_HOST_NAME`, `FARM_DEVICES`);
 4. the command line: the CLI passes its options to `load_settings(**overrides)`.
 
 The config file is looked for in the config dir named by the command line, else by
@@ -19,6 +19,7 @@ The config file is looked for in the config dir named by the command line, else 
 | database_url | sqlite:///<data_dir>/farm.db                                   |
 | broker_url   | None: the embedded filesystem broker under <data_dir>/broker   |
 | host_name    | socket.gethostname()                                           |
+| devices      | "": devices a worker registers on its host at start, comma-separated `SERIAL=TRANSPORT:ADDRESS` (e.g. `phone-1=adb:10.0.0.7:5555`) |
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Settings(BaseSettings):
     database_url: str | None = None  # filled in from data_dir when not given
     broker_url: str | None = None  # None: the embedded filesystem broker in data_dir
     host_name: str = Field(default_factory=socket.gethostname)
+    devices: str = ""  # what `farm worker` registers on its host: SERIAL=TRANSPORT:ADDRESS,...
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:
@@ -71,6 +73,10 @@ class Settings(BaseSettings):
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'farm.db'}"
         return self
+
+    def device_entries(self) -> list[tuple[str, str, str]]:
+        """`devices` parsed into (serial, transport, address); ValueError naming a bad entry."""
+        return [parse_device_entry(entry) for entry in self.devices.split(",") if entry.strip()]
 
     @property
     def config_file(self) -> Path:
@@ -97,6 +103,20 @@ class Settings(BaseSettings):
         config_file = Path(config_dir).expanduser() if config_dir else default_config_dir()
         toml = TomlConfigSettingsSource(settings_cls, toml_file=config_file / CONFIG_FILE_NAME)
         return (init_settings, env_settings, toml)
+
+
+TRANSPORTS = ("adb", "http", "local")
+
+
+def parse_device_entry(entry: str) -> tuple[str, str, str]:
+    """`SERIAL=TRANSPORT:ADDRESS` (the address may hold colons: host:port, a URL) ->
+    (serial, transport, address)."""
+    serial, sep, rest = entry.strip().partition("=")
+    transport, _, address = rest.partition(":")
+    if not sep or not serial or transport not in TRANSPORTS:
+        raise ValueError(f"bad device entry {entry.strip()!r}: expected SERIAL=TRANSPORT:ADDRESS with "
+                         f"TRANSPORT one of {', '.join(TRANSPORTS)} (e.g. phone-1=adb:10.0.0.7:5555)")
+    return serial, transport, address
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -16,5 +16,8 @@ if ! command -v adb >/dev/null; then
 fi
 # The store tests run against PostgreSQL too: use a reachable server or start a local one.
 export FARM_TEST_POSTGRES_URL="$(bash scripts/ensure-postgres.sh)"
+# The broker tests run worker processes on Redis too (tests/orchestrator/test_compose.py needs no server).
+export FARM_TEST_REDIS_URL="$(bash scripts/ensure-redis.sh)"
+bash scripts/ensure-chromium.sh  # the HTML dashboard is tested in headless Chromium
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"

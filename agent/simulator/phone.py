@@ -10,6 +10,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from agent.simulator.fs import SandboxFS
 from agent.simulator.models import get_model
 from agent.simulator.shell import AgentSettings, Shell
 from agent.simulator.thermal import ThermalModel, ThermalSettings
+
+# Where farm transports put the agent on a phone (orchestrator/transports/adb.py DEFAULT_ROOT).
+AGENT_ROOT = "/data/local/tmp/devicefarm"
 
 
 class VirtualPhone:
@@ -110,13 +114,39 @@ class VirtualPhone:
         self.stop()
 
 
+TRUST_POLL_S = 1.0
+
+
+def _provision_when_present(phone: VirtualPhone, trust: Path, stop_event: threading.Event | None) -> None:
+    from agent.bundle import provision_public_key
+
+    target = phone.fs.host_path(AGENT_ROOT)
+    if trust.is_file():
+        provision_public_key(target, trust)
+        return
+
+    def wait() -> None:
+        while not trust.is_file():
+            if stop_event is not None and stop_event.is_set():
+                return
+            time.sleep(TRUST_POLL_S)
+        provision_public_key(target, trust)
+
+    threading.Thread(target=wait, name=f"trust-{phone.serial}", daemon=True).start()
+
+
 def run_simulator(port: int, serial: str, model: str = "Pixel 7", root: Path | None = None,
                   auth: bool = False, host: str = "127.0.0.1",
                   ready: Callable[[int], None] | None = None, *,
-                  stop_event: threading.Event | None = None) -> None:
+                  stop_event: threading.Event | None = None, trust: Path | None = None) -> None:
     """Serve one virtual phone on host:port (0 picks a free port; `ready(port)` is called once
-    it listens) until SIGINT or SIGTERM (on the main thread) or until `stop_event` is set."""
+    it listens) until SIGINT or SIGTERM (on the main thread) or until `stop_event` is set.
+    `trust` is a farm public key to provision in the phone's agent root, as an operator
+    does once per real phone; until that file exists (a farm that has not made its key yet)
+    the phone serves without it and provisions it as soon as it appears."""
     phone = VirtualPhone(serial=serial, model=model, root=root, auth=auth, host=host, port=port)
+    if trust is not None:
+        _provision_when_present(phone, Path(trust), stop_event)
 
     async def watch(event: threading.Event) -> None:
         while not event.is_set():  # polled: a thread blocked in wait() would outlive the loop

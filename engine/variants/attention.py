@@ -1,8 +1,10 @@
 """The attention kernels of "Speed Is All You Need" (arXiv 2304.11267) as variants of op
 "attention": `partial_softmax` still writes the f32 score matrix A but never softmax(A) (row
 statistics in one reduction dispatch, normalisation inside the matmul with V), and `flash`
-never writes A (tiled, online softmax). Both take q (B, Tq, H*dh), k and v (B, Tk, H*dh) and
-return (B, Tq, H*dh), like the reference in engine/ops.py.
+never writes A (tiled, online softmax, one query row per invocation). `flash_gemm` is the same
+algorithm as two register-blocked GEMMs per key block (S = QK^T, then O += PV, with the online
+softmax between them). All take q (B, Tq, H*dh), k and v (B, Tk, H*dh) and return
+(B, Tq, H*dh), like the reference in engine/ops.py.
 """
 
 from __future__ import annotations
@@ -157,4 +159,90 @@ def attention_flash(
     pipeline = ops.pipeline(v, **cfg)
     params = (heads, tq, tk, dh, width, width, int(causal), scale)
     ops.rt.dispatch(pipeline, "attention/flash", params, [q, k, vv, o], (math.ceil(tq / br), bsz * heads, 1))
+    return o
+
+
+# flash_gemm.wgsl: its accumulator columns per invocation (a0..a3) and the settings tried by default.
+GEMM_MAX_CO = 4
+GEMM_MAX_DH = 160
+GEMM_BQ = (64, 32, 16, 8, 4)
+
+
+def gemm_workgroup_bytes(bq: int, tx: int, co: int) -> int:
+    """Workgroup memory of flash_gemm.wgsl: qs, kv, pt and red, all vec4<f32> rows of odd pitch."""
+    dvp, typ, bk = (co * tx) | 1, (bq // 4) | 1, 4 * tx
+    return 16 * (bq * dvp + bk * dvp + bk * typ + tx * typ)
+
+
+def gemm_config(dh: int, consts: dict, storage_limit: int, invocation_limit: int) -> dict[str, int]:
+    """The override constants flash_gemm.wgsl runs with for head dim `dh`. The profile's BQ and
+    TX win; what it leaves open is chosen to give the most invocations per workgroup within the
+    adapter's limits (TX defaults to the head dim's vec4 count, capped at 10, so that SD's
+    40 / 80 / 160 pad nothing). Raises EngineError naming the bad constant or the limit."""
+    dv = -(-dh // 4)
+    tx0 = min(dv, 10)
+    txs = [int(consts["TX"])] if "TX" in consts else sorted({tx0, -(-tx0 // 2), -(-tx0 // 4), 1}, reverse=True)
+    bqs = [int(consts["BQ"])] if "BQ" in consts else list(GEMM_BQ)
+    best, why = None, ""
+    for tx in txs:
+        co = -(-dv // max(tx, 1))
+        if tx < 1 or co > GEMM_MAX_CO:
+            why = why or (f"TX={tx} leaves {co} vec4 head-dim columns per invocation for head dim {dh} "
+                          f"(at most {GEMM_MAX_CO}); use a TX of at least {-(-dv // GEMM_MAX_CO)}")
+            continue
+        for bq in bqs:
+            if bq < 4 or bq % 4:
+                raise EngineError(f"attention/flash_gemm: BQ={bq}; use a multiple of 4")
+            need = gemm_workgroup_bytes(bq, tx, co)
+            if need > storage_limit:
+                why = why or (f"BQ={bq}, TX={tx} need {need} bytes of workgroup memory for head dim {dh}, above "
+                              f"this adapter's max-compute-workgroup-storage-size of {storage_limit}; choose smaller blocks")
+                continue
+            if tx * bq // 4 > invocation_limit:
+                why = why or (f"BQ={bq}, TX={tx} make {tx * bq // 4} invocations per workgroup, above this "
+                              f"adapter's limit of {invocation_limit}; choose a smaller BQ or TX")
+                continue
+            if best is None or tx * bq > best["TX"] * best["BQ"]:
+                best = {"BQ": bq, "TX": tx, "CO": co}
+    if best is None:
+        raise EngineError(f"attention/flash_gemm: {why}")
+    return best
+
+
+def gemm_applies(shape: dict) -> str | None:
+    dh = shape.get("dh", 0)
+    if dh > GEMM_MAX_DH:
+        return f"supports head dims up to {GEMM_MAX_DH} (got {dh})"
+    return None
+
+
+@register(
+    "attention",
+    "flash_gemm",
+    doc="flash attention as two register-blocked GEMMs per key block (S = QK^T and O += PV, 4x4 "
+    "register blocks), online softmax between them, P in workgroup memory; the score matrix is never stored",
+    constants={"BQ": (16, 32, 64, 128), "TX": (4, 5, 8, 10, 20)},
+    # For the tuner, beside the defaults: fewer rows per workgroup (more workgroups, less memory
+    # each), fewer invocations per row (shorter key blocks, more head-dim columns each), and
+    # with those, more rows.
+    candidates=({"BQ": 32}, {"BQ": 16}, {"TX": 5}, {"BQ": 32, "TX": 5}, {"BQ": 128, "TX": 5}),
+    applies=gemm_applies,
+)
+def attention_flash_gemm(
+    ops, v: Variant, consts: dict, q: Tensor, k: Tensor, vv: Tensor, heads: int, causal: bool, scale: float
+) -> Tensor:
+    bsz, tq, width = q.shape
+    tk = k.shape[1]
+    dh = width // heads
+    lim = ops.rt.caps.limits
+    invocations = min(
+        int(lim.get("max-compute-invocations-per-workgroup", 256)), int(lim.get("max-compute-workgroup-size-x", 256))
+    )
+    cfg = gemm_config(dh, consts, int(lim.get("max-compute-workgroup-storage-size", WEBGPU_MIN_WORKGROUP_STORAGE)),
+                      invocations)
+    o = ops.rt.empty((bsz, tq, width), ops.dtype)
+    params = (heads, tq, tk, dh, width, width, int(causal), scale)
+    ops.rt.dispatch(
+        ops.pipeline(v, **cfg), "attention/flash_gemm", params, [q, k, vv, o], (math.ceil(tq / cfg["BQ"]), bsz * heads, 1)
+    )
     return o

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..kernels import Variant, register
+from ..kernels import Variant, register, variants
 from ..runtime import Tensor
 
 DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
@@ -27,6 +27,32 @@ def linear_tiled(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor 
     entry = "main_vec4" if k % 4 == 0 else "main"
     ops.rt.dispatch(
         ops.pipeline(v, entry, **tiles),
+        "linear",
+        (m, n_out, k, int(b is not None)),
+        [x, w, b if b is not None else ops.dummy, y],
+        (math.ceil(n_out / tiles["TILE_N"]), math.ceil(m / tiles["TILE_M"]), 1),
+    )
+    return y
+
+
+@register(
+    "linear",
+    "tiled_f16",
+    requires=("shader-f16",),
+    doc="the tiled blocking with vec4<f16> workgroup tiles and f16 FMAs, each tile's products added "
+    "to an f32 accumulator; f16 models with K % 4 == 0 (otherwise the f32 tiled kernel)",
+    constants={"TILE_M": (32, 64), "TILE_N": (32, 64), "TILE_K": (8, 16, 32)},
+)
+def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    n_out, k = w.shape[0], math.prod(w.shape[1:])
+    if ops.dtype != "f16" or k % 4:
+        tiled = variants("linear")["tiled"]
+        return linear_tiled(ops, tiled, consts, x, w, b)
+    m = x.numel // k
+    tiles = {**DEFAULTS, **consts}
+    y = ops.rt.empty((*x.shape[:-1], n_out), ops.dtype)
+    ops.rt.dispatch(
+        ops.pipeline(v, "main", **tiles),
         "linear",
         (m, n_out, k, int(b is not None)),
         [x, w, b if b is not None else ops.dummy, y],

@@ -12,9 +12,17 @@ from rich.console import Console
 from engine.errors import EngineError
 
 from . import builds as builds_cmd
+from . import dashboard as dashboard_cmd
 from . import db as db_cmd
+from . import demo as demo_cmd
+from . import deploy as deploy_cmd
 from . import devices as devices_cmd
 from . import engine as engine_cmd
+from . import jobs as jobs_cmd
+from . import regressions as regressions_cmd
+from . import results as results_cmd
+from . import schedules as schedules_cmd
+from . import stack as stack_cmd
 
 app = typer.Typer(
     name="farm",
@@ -27,6 +35,18 @@ app.add_typer(engine_cmd.app, name="engine")
 app.add_typer(db_cmd.app, name="db")
 app.add_typer(devices_cmd.app, name="devices")
 app.add_typer(builds_cmd.app, name="builds")
+app.add_typer(jobs_cmd.app, name="jobs")
+app.add_typer(results_cmd.app, name="results")
+app.add_typer(schedules_cmd.app, name="schedules")
+app.add_typer(regressions_cmd.app, name="regressions")
+results_cmd.app.command("compare")(regressions_cmd.compare)
+app.command("bisect")(regressions_cmd.bisect)
+app.add_typer(dashboard_cmd.app, name="dashboard")
+app.command("deploy")(deploy_cmd.deploy)
+app.command("worker")(stack_cmd.worker)
+app.command("beat")(stack_cmd.beat)
+app.command("up")(stack_cmd.up)
+app.command("demo")(demo_cmd.demo)
 
 err_console = Console(stderr=True)
 

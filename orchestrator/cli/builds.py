@@ -82,17 +82,34 @@ def create(
                                   "profiles/; engine/profiles always ship)."),
     version: str = typer.Option(None, "--version", help="Build version (default: the package version)."),
     name: str = typer.Option(None, "--name", help="Build id (default: <model>-<version>-<UTC time>)."),
+    default_profile: str = typer.Option(None, "--default-profile", help="Kernel profile the build's jobs use "
+                                        "unless they name one: reference, a shipped profile (nvidia, adreno, ...) "
+                                        "or profiles/<file> from --profiles. Default: auto (chosen per GPU)."),
 ):
     """Pack, sign and register a build bundle."""
+    data = make_build(_settings(), model, profiles, version, name, default_profile=default_profile)
+    console.print(f"created build [bold]{data['name']}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
+                  f"manifest {data['manifest_sha256'][:12]}) in {data['bundle']}", highlight=False, soft_wrap=True)
+
+
+def make_build(settings, model: Path, profiles: Path | None = None, version: str | None = None,
+               name: str | None = None, *, default_profile: str | None = None) -> dict[str, Any]:
+    """Pack this checkout with `model` into a signed bundle under <data_dir>/builds/<name> and
+    record it; returns the build's listing (plus `bundle`, its folder). Nothing is left behind
+    when it fails (one red line and exit 1)."""
     from agent.bundle import BundleError, build_bundle
+    from agent.jobs import DEFAULT_PROFILE_FILE
     from orchestrator.db import store
 
-    settings = _settings()
     model = model.expanduser()
     if not (model / "model_index.json").is_file() and not (model / "unet").is_dir():
         fail(f"{model}: not a diffusers model folder (no model_index.json or unet/)")
     if profiles is not None and not profiles.expanduser().is_dir():
         fail(f"{profiles}: profiles folder not found")
+    if default_profile is not None:
+        choices = default_profile_choices(profiles)
+        if default_profile not in choices:
+            fail(f"unknown default profile {default_profile!r}; choose from {', '.join(choices)}")
     version = version or _default_version()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     name = name or f"{model.resolve().name}-{version}-{stamp}"
@@ -103,10 +120,16 @@ def create(
             fail(f"{final}: a build named {name!r} already exists; give another --name or --version")
         sources = {pkg: REPO / pkg for pkg in PACKAGES}
         sources[f"models/{model.resolve().name}"] = model
-        if profiles is not None:
-            sources["profiles"] = profiles.expanduser()
         # Packed under a temporary name and renamed when complete, so a failure leaves nothing.
         staging = builds_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        profiles_dir = builds_dir / f".tmp-{name}-profiles-{uuid.uuid4().hex[:8]}"
+        if profiles is not None or default_profile is not None:
+            profiles_dir.mkdir(parents=True)
+            if profiles is not None:
+                shutil.copytree(profiles.expanduser(), profiles_dir, dirs_exist_ok=True)
+            if default_profile is not None:
+                (profiles_dir / DEFAULT_PROFILE_FILE.split("/")[-1]).write_text(default_profile + "\n")
+            sources["profiles"] = profiles_dir
         try:
             key = farm_key(settings.config_dir)
             with console.status(f"packing build {name}"):
@@ -124,8 +147,16 @@ def create(
             fail(str(exc))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    console.print(f"created build [bold]{name}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
-                  f"manifest {data['manifest_sha256'][:12]}) in {final}", highlight=False, soft_wrap=True)
+            shutil.rmtree(profiles_dir, ignore_errors=True)
+    return data | {"bundle": str(final)}
+
+
+def default_profile_choices(profiles: Path | None) -> list[str]:
+    """What --default-profile accepts: the engine's shipped profiles and reference, and the
+    JSON files of the --profiles folder (as profiles/<file>)."""
+    shipped = sorted(p.stem for p in (REPO / "engine" / "profiles").glob("*.json"))
+    extra = sorted(f"profiles/{p.name}" for p in profiles.expanduser().glob("*.json")) if profiles else []
+    return ["auto", "reference", *shipped, *extra]
 
 
 @app.command("list")

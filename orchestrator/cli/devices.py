@@ -58,10 +58,12 @@ def iso(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def _settings():
+def _settings(**overrides):
+    """The settings for this command: FARM_* environment and config file, then `overrides`
+    (command-line values; None = not given)."""
     from orchestrator.settings import load_settings
 
-    return load_settings()
+    return load_settings(**overrides)
 
 
 # ---- presentation -------------------------------------------------------------------------
@@ -238,14 +240,37 @@ def _set_state(serial: str, state: DeviceState, reason: str) -> None:
                   highlight=False)
 
 
+def probe(settings, sessions, device: Device) -> dict[str, Any]:
+    """Ask one device what it is through its transport and record the answer (identity, state,
+    this host); returns its listing with the error, if any. No transaction is open while the
+    device is asked (orchestrator/db/session.py)."""
+    from orchestrator.db import store
+    from orchestrator.tasks import make_transport
+    from orchestrator.transports import TransportError
+
+    info, error = None, None
+    try:
+        with make_transport(device, settings) as transport:
+            info = transport.info()
+    except TransportError as exc:
+        error = exc
+    except (OSError, ValueError) as exc:  # a malformed address, a missing token file
+        error = TransportError(device.serial, f"{exc.__class__.__name__}: {exc}")
+    with sessions() as session:
+        if info is not None:
+            store.upsert_device(session, device.serial, device.transport, info=info, host=settings.host_name)
+            row = store.set_device_state(session, device.id, DeviceState.available)
+        else:
+            state = store.TRANSPORT_STATES.get(str(error.state), DeviceState.offline)
+            row = store.set_device_state(session, device.id, state, error.detail)
+        session.commit()
+        return device_dict(row) | {"error": str(error) if error else None}
+
+
 @app.command()
 def discover(as_json: bool = JSON_OPTION):
     """Probe every known device through its transport; record its identity and state."""
     from sqlalchemy import select
-
-    from orchestrator.db import store
-    from orchestrator.tasks import make_transport
-    from orchestrator.transports import TransportError
 
     settings = _settings()
     outcomes: list[dict[str, Any]] = []
@@ -260,25 +285,7 @@ def discover(as_json: bool = JSON_OPTION):
             task = progress.add_task("probing", total=len(devices))
             for device in devices:
                 progress.update(task, description=f"probing {device.serial}")
-                # No transaction is open while the device is asked (orchestrator/db/session.py).
-                info, error = None, None
-                try:
-                    with make_transport(device, settings) as transport:
-                        info = transport.info()
-                except TransportError as exc:
-                    error = exc
-                except (OSError, ValueError) as exc:  # a malformed address, a missing token file
-                    error = TransportError(device.serial, f"{exc.__class__.__name__}: {exc}")
-                with sessions() as session:
-                    if info is not None:
-                        store.upsert_device(session, device.serial, device.transport, info=info,
-                                            host=settings.host_name)
-                        row = store.set_device_state(session, device.id, DeviceState.available)
-                    else:
-                        state = store.TRANSPORT_STATES.get(str(error.state), DeviceState.offline)
-                        row = store.set_device_state(session, device.id, state, error.detail)
-                    session.commit()
-                    outcomes.append(device_dict(row) | {"error": str(error) if error else None})
+                outcomes.append(probe(settings, sessions, device))
                 progress.advance(task)
     if as_json:
         _print_json(outcomes)

@@ -129,6 +129,20 @@ class JobState(StrEnum):
     cancelled = "cancelled"
 
 
+class AlertKind(StrEnum):
+    regression = "regression"  # a metric got worse beyond its series' minimum effect
+    improvement = "improvement"  # better beyond it: recorded so a baseline move is visible
+    fidelity = "fidelity"  # the same seed, prompt and device gave a different image
+    data_stoppage = "data_stoppage"  # a device or series stopped reporting
+
+
+class AlertState(StrEnum):
+    new = "new"
+    acknowledged = "acknowledged"
+    invalid = "invalid"
+    fixed = "fixed"
+
+
 class RunStatus(StrEnum):
     succeeded = "succeeded"
     failed = "failed"
@@ -246,10 +260,12 @@ class Deployment(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     build_id: Mapped[int] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"))
     device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True)
     status: Mapped[DeploymentStatus] = mapped_column(
         _enum(DeploymentStatus, "status"), default=DeploymentStatus.pending
     )
     bytes_sent: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_total: Mapped[int | None] = mapped_column(BigInteger)  # what this deployment has to send
     files_sent: Mapped[int] = mapped_column(default=0)
     files_skipped: Mapped[int] = mapped_column(default=0)
     duration_s: Mapped[float | None]
@@ -261,6 +277,29 @@ class Deployment(Base):
 # ---- jobs and what they measured ----------------------------------------------------------
 
 
+class Batch(Base):
+    """Jobs submitted together and analysed together: one firing of a schedule, one `farm jobs
+    submit`, one `farm demo`. `finished_at` is stamped once, by whichever job ends last (a
+    conditional UPDATE), and then the batch's analysis is sent; `summary` is what it found."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_schedule_created", "schedule_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    schedule_id: Mapped[int | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
+    build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    # Rounds of more repetitions an inconclusive analysis may launch (each a batch of its own).
+    max_extra_rounds: Mapped[int] = mapped_column(default=2)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None]
+    summary: Mapped[dict[str, Any] | None]
+
+    build: Mapped[Build | None] = relationship()
+    jobs: Mapped[list[Job]] = relationship(back_populates="batch", order_by="Job.id")
+
+
 class Job(Base):
     """One unit of work for one device. `attempts` counts executions (each a Run when it
     brought back a result); `heartbeat_at` is refreshed by the worker running it, so jobs of a
@@ -270,6 +309,8 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_state_heartbeat", "state", "heartbeat_at"),
         Index("ix_jobs_device_created", "device_id", "created_at"),
+        Index("ix_jobs_state_id", "state", "id"),  # `farm jobs list --state`, newest first
+        Index("ix_jobs_build", "build_id"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -278,6 +319,7 @@ class Job(Base):
     device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
     build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
     schedule_id: Mapped[int | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
+    batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True)
     state: Mapped[JobState] = mapped_column(_enum(JobState, "state"), default=JobState.queued)
     attempts: Mapped[int] = mapped_column(default=0)
     idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
@@ -291,6 +333,7 @@ class Job(Base):
 
     device: Mapped[Device] = relationship()
     build: Mapped[Build | None] = relationship()
+    batch: Mapped[Batch | None] = relationship(back_populates="jobs")
     runs: Mapped[list[Run]] = relationship(back_populates="job", order_by="Run.attempt")
 
 
@@ -402,4 +445,54 @@ class Schedule(Base):
     enabled: Mapped[bool] = mapped_column(default=True)
     suite: Mapped[dict[str, Any]]  # build selector, devices, job specs
     last_run_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+# ---- regression tracking ------------------------------------------------------------------
+
+
+class Alert(Base):
+    """Something the analysis found, for a person to triage. `series` is the key the samples
+    were grouped by (device, OS/driver, model, resolution, steps, precision, profile, metric);
+    `ratio` is new median / baseline median with its bootstrap interval."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (
+        Index("ix_alerts_state_created", "state", "created_at"),
+        Index("ix_alerts_device_created", "device_id", "created_at"),
+        Index("ix_alerts_build", "build_id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[AlertKind] = mapped_column(_enum(AlertKind, "kind"))
+    state: Mapped[AlertState] = mapped_column(_enum(AlertState, "state"), default=AlertState.new)
+    device_id: Mapped[int | None] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"))
+    baseline_build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
+    batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"))
+    metric: Mapped[str] = mapped_column(String(128), default="")
+    series: Mapped[dict[str, Any]]
+    ratio: Mapped[float | None]
+    ci_low: Mapped[float | None]
+    ci_high: Mapped[float | None]
+    p_value: Mapped[float | None]
+    summary: Mapped[str] = mapped_column(Text, default="")  # one line a person reads first
+    detail: Mapped[dict[str, Any]]  # attribution, samples counts, images, thermal flags
+    note: Mapped[str] = mapped_column(Text, default="")  # the triager's words
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    device: Mapped[Device | None] = relationship()
+    build: Mapped[Build | None] = relationship(foreign_keys=[build_id])
+    baseline_build: Mapped[Build | None] = relationship(foreign_keys=[baseline_build_id])
+
+
+class SeriesSetting(Base):
+    """Per-series overrides of the analysis (the minimum effect that counts as a change)."""
+
+    __tablename__ = "series_settings"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    series_key: Mapped[str] = mapped_column(String(1024), unique=True)  # canonical JSON of the key
+    min_effect: Mapped[float]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, or_, select, update
@@ -20,6 +21,7 @@ from sqlalchemy.orm.util import identity_key
 from agent.protocol import DeviceInfo, JobResult, JobSpec, Manifest, to_dict
 
 from .models import (
+    Batch,
     Build,
     BuildFile,
     Deployment,
@@ -35,6 +37,7 @@ from .models import (
     Run,
     RunStatus,
     Sample,
+    Schedule,
     ThermalReading,
     TransportKind,
     utcnow,
@@ -117,6 +120,12 @@ def get_device(session: Session, ref: int | str) -> Device:
     if device is None:
         raise StoreError(f"no device {ref!r}; `farm devices list` shows the known ones")
     return device
+
+
+def in_service_devices(session: Session) -> list[Device]:
+    """Every device that is not quarantined, by serial: what `--all` means everywhere."""
+    return list(session.scalars(select(Device).where(Device.state != DeviceState.quarantined)
+                                .order_by(Device.serial)))
 
 
 def set_device_state(
@@ -205,6 +214,34 @@ def create_build(session: Session, manifest: Manifest) -> Build:
     return _insert_or_get(session, build, query)
 
 
+def get_build(session: Session, ref: int | str | None = None) -> Build:
+    """A build by id or name; the newest one when `ref` is None. StoreError when unknown."""
+    if ref is None:
+        build = session.scalar(select(Build).order_by(Build.created.desc(), Build.id.desc()).limit(1))
+        if build is None:
+            raise StoreError("no builds yet; `farm builds create --model DIR` makes one")
+        return build
+    build = session.scalar(select(Build).where(Build.id == ref if isinstance(ref, int) else Build.name == ref))
+    if build is None:
+        raise StoreError(f"no build {ref!r}; `farm builds list` shows the known ones")
+    return build
+
+
+def build_models(build: Build) -> list[str]:
+    """The model folders a build ships (`models/<name>`, as job specs name them)."""
+    return sorted({"/".join(f.path.split("/")[:2]) for f in build.files
+                   if f.path.startswith("models/") and f.path.count("/") >= 2})
+
+
+def default_model(build: Build) -> str:
+    """The build's model folder when it ships exactly one; StoreError naming them otherwise."""
+    models = build_models(build)
+    if len(models) != 1:
+        raise StoreError(f"build {build.name} ships {len(models)} models ({', '.join(models) or 'none'}): "
+                         "name one with --model")
+    return models[0]
+
+
 def record_deployment(
     session: Session,
     build_id: int,
@@ -217,11 +254,12 @@ def record_deployment(
     duration_s: float | None = None,
     error: str | None = None,
     deployment_id: int | None = None,
+    batch_id: int | None = None,
 ) -> Deployment:
     """Start a deployment (no `deployment_id`) or update one; a final status stamps finished_at."""
     status = DeploymentStatus(status)
     if deployment_id is None:
-        deployment = Deployment(build_id=build_id, device_id=device_id)
+        deployment = Deployment(build_id=build_id, device_id=device_id, batch_id=batch_id)
         session.add(deployment)
     else:
         deployment = session.get(Deployment, deployment_id)
@@ -230,10 +268,24 @@ def record_deployment(
     deployment.status = status
     deployment.bytes_sent, deployment.files_sent, deployment.files_skipped = bytes_sent, files_sent, files_skipped
     deployment.duration_s, deployment.error = duration_s, error
+    if status == DeploymentStatus.succeeded and deployment.bytes_total is None:
+        deployment.bytes_total = bytes_sent
     if status in (DeploymentStatus.succeeded, DeploymentStatus.failed):
         deployment.finished_at = utcnow()
     session.flush()
     return deployment
+
+
+def record_deployment_progress(session: Session, deployment_id: int, bytes_sent: int,
+                               bytes_total: int | None) -> None:
+    """A running deployment's bytes so far (one UPDATE; a finished one is left alone)."""
+    session.execute(
+        update(Deployment)
+        .where(Deployment.id == deployment_id, Deployment.status == DeploymentStatus.running)
+        .values(bytes_sent=bytes_sent, bytes_total=bytes_total)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
 
 
 # ---- jobs ---------------------------------------------------------------------------------
@@ -241,7 +293,8 @@ def record_deployment(
 # queued -> running -> a result state. running -> queued and infra_failed -> queued are the
 # retries of infrastructure failures (a dead worker, a lost device); a result is final.
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.queued: frozenset({JobState.running, JobState.cancelled}),
+    # queued -> infra_failed: the job could not start (its build's deployment failed).
+    JobState.queued: frozenset({JobState.running, JobState.cancelled, JobState.infra_failed}),
     JobState.running: frozenset(
         {JobState.succeeded, JobState.failed, JobState.infra_failed, JobState.cancelled, JobState.queued}
     ),
@@ -251,6 +304,9 @@ ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.cancelled: frozenset(),
 }
 FINAL_STATES = frozenset(s for s, nxt in ALLOWED_TRANSITIONS.items() if not nxt)
+# States a job rests in unless someone acts: an infra failure that was not requeued (its
+# attempts are used up) ends its batch like a final state does.
+SETTLED_STATES = FINAL_STATES | {JobState.infra_failed}
 
 
 def create_job(
@@ -262,6 +318,7 @@ def create_job(
     idempotency_key: str | None = None,
     *,
     schedule_id: int | None = None,
+    batch_id: int | None = None,
 ) -> Job:
     """Queue a job. With an `idempotency_key`, asking again (a retried CLI call, a schedule
     firing twice) returns the job made the first time, even when both asks race."""
@@ -272,6 +329,7 @@ def create_job(
         device_id=device_id,
         build_id=build_id,
         schedule_id=schedule_id,
+        batch_id=batch_id,
         idempotency_key=idempotency_key,
     )
     if idempotency_key is None:
@@ -360,9 +418,11 @@ def find_stale_running_jobs(session: Session, older_than: dt.timedelta) -> list[
 # ---- results ------------------------------------------------------------------------------
 
 
-def record_result(session: Session, job_id: int, result: JobResult, attempt: int | None = None) -> Run:
+def record_result(session: Session, job_id: int, result: JobResult, attempt: int | None = None,
+                  artifacts_dir: Path | None = None) -> Run:
     """Store what one attempt of a job brought back: a Run with its raw samples, kernel
-    timings, thermal readings and images. Idempotent per (job, attempt): recording the same
+    timings, thermal readings and images (an image's path is where the transport fetched it:
+    `artifacts_dir` / its path in the result). Idempotent per (job, attempt): recording the same
     attempt again (a redelivered task) returns the stored run and writes nothing. The job's
     state is left to transition_job, in the same transaction."""
     job = get_job(session, job_id)
@@ -398,7 +458,7 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
                                  for k in result.kernel_timings))
     _bulk(session, ThermalReading, ({"run_id": run.id, "phase": t.phase, "zone": t.zone,
                                     "celsius": t.celsius} for t in result.thermal))
-    _bulk(session, Image, ({"run_id": run.id, "path": a.path, "sha256": a.sha256, "size": a.size,
+    _bulk(session, Image, ({"run_id": run.id, "path": str(artifacts_dir / a.path) if artifacts_dir else a.path, "sha256": a.sha256, "size": a.size,
                            "prompt": spec.get("prompt", ""), "seed": spec.get("seed")}
                           for a in result.artifacts if a.kind == "image"))
     if result.log_tail:
@@ -430,3 +490,138 @@ def _insert_or_get(session: Session, obj, query):
             raise
         return existing
     return obj
+
+
+# ---- batches ------------------------------------------------------------------------------
+
+
+def create_batch(
+    session: Session,
+    name: str,
+    *,
+    build_id: int | None = None,
+    schedule_id: int | None = None,
+    idempotency_key: str | None = None,
+    max_extra_rounds: int = 2,
+) -> Batch:
+    """A new batch of jobs; with an `idempotency_key` (a schedule's firing time), asking again
+    returns the batch made the first time."""
+    batch = Batch(name=name, build_id=build_id, schedule_id=schedule_id, idempotency_key=idempotency_key,
+                  max_extra_rounds=max_extra_rounds)
+    if idempotency_key is None:
+        session.add(batch)
+        session.flush()
+        return batch
+    return _insert_or_get(session, batch, select(Batch).where(Batch.idempotency_key == idempotency_key))
+
+
+def get_batch(session: Session, batch_id: int) -> Batch:
+    batch = session.get(Batch, batch_id)
+    if batch is None:
+        raise StoreError(f"no batch {batch_id}")
+    return batch
+
+
+def finish_batch_if_done(session: Session, batch_id: int) -> bool:
+    """Stamp the batch finished when none of its jobs can still change; True only for the one
+    caller whose conditional UPDATE did it (so its analysis is sent exactly once)."""
+    open_jobs = select(func.count()).select_from(Job).where(
+        Job.batch_id == batch_id, Job.state.not_in([s.value for s in SETTLED_STATES]))
+    if session.scalar(open_jobs):
+        return False
+    result = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.finished_at.is_(None))
+        .values(finished_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+    return result.rowcount == 1
+
+
+# ---- schedules ----------------------------------------------------------------------------
+
+
+def validate_cron(cron: str, timezone: str) -> None:
+    """StoreError unless `cron` is a five-field cron expression and `timezone` an IANA zone."""
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    from croniter import croniter
+
+    if len(cron.split()) != 5 or not croniter.is_valid(cron):
+        raise StoreError(f"invalid cron expression {cron!r}: five fields, minute hour day-of-month "
+                         "month day-of-week, e.g. '0 2 * * *' (02:00 every day)")
+    try:
+        ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise StoreError(f"unknown time zone {timezone!r}: use an IANA name such as UTC or "
+                         "Europe/Paris") from None
+
+
+def next_fire_time(cron: str, timezone: str, after: dt.datetime) -> dt.datetime:
+    """The first time strictly after `after` that `cron`, read as wall-clock time in `timezone`,
+    names; returned in UTC. Daylight-saving changes follow croniter's rules (a skipped hour
+    fires at the next valid time, a repeated hour once)."""
+    from zoneinfo import ZoneInfo
+
+    from croniter import croniter
+
+    local = after.astimezone(ZoneInfo(timezone))
+    return croniter(cron, local).get_next(dt.datetime).astimezone(dt.UTC)
+
+
+def last_fire_time(cron: str, timezone: str, at: dt.datetime) -> dt.datetime:
+    """The latest time at or before `at` that `cron` (wall clock in `timezone`) names, in UTC."""
+    from zoneinfo import ZoneInfo
+
+    from croniter import croniter
+
+    local = (at + dt.timedelta(seconds=1)).astimezone(ZoneInfo(timezone))
+    return croniter(cron, local).get_prev(dt.datetime).astimezone(dt.UTC)
+
+
+def get_schedule(session: Session, ref: int | str) -> Schedule:
+    query = select(Schedule).where(Schedule.id == ref if isinstance(ref, int) else Schedule.name == ref)
+    schedule = session.scalar(query)
+    if schedule is None:
+        raise StoreError(f"no schedule {ref!r}; `farm schedules list` shows the known ones")
+    return schedule
+
+
+def create_schedule(session: Session, name: str, cron: str, timezone: str, suite: dict[str, Any],
+                    *, enabled: bool = True) -> Schedule:
+    validate_cron(cron, timezone)
+    if session.scalar(select(Schedule).where(Schedule.name == name)) is not None:
+        raise StoreError(f"a schedule named {name!r} already exists")
+    schedule = Schedule(name=name, cron=cron, timezone=timezone, suite=suite, enabled=enabled,
+                        last_run_at=utcnow())  # fires from now on, not for the past
+    session.add(schedule)
+    session.flush()
+    return schedule
+
+
+def due_schedules(session: Session, now: dt.datetime) -> list[tuple[Schedule, dt.datetime]]:
+    """Enabled schedules whose next firing after their last run is at or before `now`, with
+    the latest firing time that is due (a beat that was down fires a missed schedule once, for
+    its latest firing, not once per miss)."""
+    due = []
+    for schedule in session.scalars(select(Schedule).where(Schedule.enabled).order_by(Schedule.id)):
+        fire = next_fire_time(schedule.cron, schedule.timezone, schedule.last_run_at or schedule.created_at)
+        if fire <= now:
+            due.append((schedule, max(fire, last_fire_time(schedule.cron, schedule.timezone, now))))
+    return due
+
+
+def claim_schedule_firing(session: Session, schedule_id: int, previous: dt.datetime | None,
+                          fired_at: dt.datetime) -> bool:
+    """Move the schedule's last_run_at from `previous` to `fired_at`; True for the one beat (or
+    run-now) that did, so two beats never fire the same schedule twice."""
+    condition = Schedule.last_run_at.is_(None) if previous is None else Schedule.last_run_at == previous
+    result = session.execute(
+        update(Schedule)
+        .where(Schedule.id == schedule_id, condition)
+        .values(last_run_at=fired_at)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+    return result.rowcount == 1

@@ -502,3 +502,26 @@ def test_google_adb_auth_refused_stays_unauthorized(google_adb, tmp_path):
         assert done.returncode != 0 and "hi" not in done.stdout
         assert not (p.root / "adb_keys").exists()
         google_adb("disconnect", serial, check=False)
+
+
+def test_trusted_key_is_provisioned_when_it_appears(tmp_path):
+    from agent.bundle import generate_keypair
+
+    trust = tmp_path / "config" / "farm.pub"
+    ready, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=run_simulator, args=(0, "trusting"), daemon=True,
+                         kwargs={"root": tmp_path / "r", "ready": lambda port: ready.set(), "stop_event": stop,
+                                 "trust": trust})
+    t.start()
+    try:
+        assert ready.wait(10)  # serving before the farm has a key
+        provisioned = tmp_path / "r" / "fs" / "data/local/tmp/devicefarm/farm.pub"
+        assert not provisioned.exists()
+        generate_keypair(tmp_path / "config" / "farm.key", trust)
+        deadline = time.monotonic() + 10
+        while not provisioned.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert provisioned.read_bytes() == trust.read_bytes()
+    finally:
+        stop.set()
+        t.join(5)

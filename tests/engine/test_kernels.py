@@ -220,3 +220,16 @@ def test_oversized_activation_is_refused_with_a_clear_message(rt):
     limit = rt.caps.max_binding_bytes
     with pytest.raises(GPUError, match="max-storage-buffer-binding-size"):
         rt.empty((limit // 4 + 1,), "f32")
+
+
+def test_chained_kernels_across_submit_batches(ops, fresh_rng, monkeypatch):
+    """Recorded work is submitted every SUBMIT_EVERY dispatches: a chain of dependent kernels
+    split over many submits, reusing pooled buffers, still computes the chain."""
+    import engine.runtime
+
+    monkeypatch.setattr(engine.runtime, "SUBMIT_EVERY", 3)
+    a, b = rand(fresh_rng, 4, 33), rand(fresh_rng, 4, 33)
+    y, bt = up(ops, a), up(ops, b)
+    for _ in range(10):
+        y = ops.add(y, bt)
+    check(ops, y, q(ops, a) + 10 * q(ops, b))

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 TOL = {"f32": 2e-5, "f16": 1e-2}
 NP = {"f32": np.float32, "f16": np.float16}
-VARIANTS = ["partial_softmax", "flash"]
+VARIANTS = ["partial_softmax", "flash", "flash_gemm"]
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +198,74 @@ def test_flash_refuses_blocks_beyond_the_workgroup_storage_limit(rt, gpu, monkey
     x = rt.upload(np.zeros((1, 8, 160), np.float32))
     with pytest.raises(EngineError, match="max-compute-workgroup-storage-size"):
         ops.attention(x, x, x, 1)
+
+
+# flash_gemm.wgsl's code paths: 1 to 4 accumulator columns per invocation, invocations per row (TX) that
+# do or do not divide the head dim's vec4 count (zero-padded columns), head dims not a multiple
+# of 4 (scalar tails), Tq / Tk not multiples of BQ / BK, Tk < BK, causal with Tq != Tk, and
+# SD's head dims at their own settings.
+GEMM_SETTINGS = [
+    ((1, 70, 50, 2, 36, True), {"BQ": 16, "TX": 3}),
+    ((1, 37, 29, 1, 20, True), {"BQ": 8, "TX": 2}),
+    ((2, 45, 9, 2, 40, False), {"BQ": 32}),
+    ((1, 50, 77, 1, 24, False), {"TX": 5}),
+    ((1, 40, 40, 1, 80, False), {"BQ": 16, "TX": 5}),
+    ((1, 23, 31, 2, 156, True), {}),
+    ((1, 33, 40, 1, 160, False), {"BQ": 4, "TX": 10}),
+    ((1, 30, 30, 1, 3, True), {}),
+    ((1, 20, 20, 1, 44, False), {"BQ": 4, "TX": 4}),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("shape,consts", GEMM_SETTINGS)
+def test_flash_gemm_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
+    b, tq, tk, heads, dh, causal = shape
+    ops = make_ops(rt, gpu, dtype)
+    variant = variants("attention")["flash_gemm"]
+    qx, kx, vx = (fresh_rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
+    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
+    y = variant.launch(ops, variant, consts, *tensors, heads, causal, dh**-0.5)
+    got = rt.read(y).astype(np.float64)
+    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
+    err = rel_err(got, np_attention(*seen, heads, causal))
+    assert err <= TOL[dtype], f"flash_gemm {consts} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+
+
+def test_flash_gemm_defaults_fit_the_adapter_limits():
+    """Up to head dim 80 the chosen defaults fit WebGPU's guaranteed 16 KiB of workgroup memory
+    and 256 invocations, up to 160 they fit 32 KiB (lavapipe's limit), always within the
+    shader's accumulator columns; on a 48 KiB adapter SD's 40 and 80 get 64-row blocks."""
+    for dh in range(1, attn.GEMM_MAX_DH + 1):
+        limit = attn.WEBGPU_MIN_WORKGROUP_STORAGE if dh <= 80 else 32768
+        cfg = attn.gemm_config(dh, {}, limit, 256)
+        assert 4 * cfg["TX"] * cfg["CO"] >= dh and cfg["CO"] <= attn.GEMM_MAX_CO, (dh, cfg)
+        need = attn.gemm_workgroup_bytes(cfg["BQ"], cfg["TX"], cfg["CO"])
+        assert need <= limit and cfg["TX"] * cfg["BQ"] // 4 <= 256, (dh, cfg)
+    assert attn.gemm_config(40, {}, 49152, 1024) == {"BQ": 64, "TX": 10, "CO": 1}
+    assert attn.gemm_config(80, {}, 49152, 1024) == {"BQ": 64, "TX": 10, "CO": 2}
+
+
+def test_flash_gemm_register_bounds_match_the_shader():
+    import re
+
+    source = variants("attention")["flash_gemm"].path.read_text()
+    for name in ("MAX_CO",):
+        found = re.search(rf"const {name} = (\d+)u;", source)
+        assert found and int(found.group(1)) == getattr(attn, f"GEMM_{name}"), name
+
+
+@pytest.mark.parametrize(
+    "dh,consts,limit,match",
+    [
+        (160, {"TX": 5}, 49152, "TX=5"),
+        (40, {"BQ": 6}, 49152, "BQ=6"),
+        (160, {"BQ": 64, "TX": 10}, 49152, "max-compute-workgroup-storage-size"),
+    ],
+)
+def test_flash_gemm_rejects_constants_it_cannot_run(dh, consts, limit, match):
+    from engine.errors import EngineError
+
+    with pytest.raises(EngineError, match=match):
+        attn.gemm_config(dh, consts, limit, 256)

@@ -152,3 +152,41 @@ def test_linear_tiled_constants(rt, gpu, fresh_rng, tiles, k):
     y = rt.read(ops.linear(rt.upload(x, "f32"), rt.upload(w, "f32"))).astype(np.float64)
     assert np.isfinite(y).all()
     assert rel_err(y, x.astype(np.float64) @ w.astype(np.float64).T) <= TOL["f32"]
+
+
+@pytest.mark.parametrize(
+    "m,k,n,bias,tiles",
+    [
+        (512, 320, 1280, True, {}),  # SD feed-forward in, fewer tokens
+        (154, 768, 96, False, {}),  # CLIP-length rows, cross-attention K
+        (130, 2560, 70, True, {"TILE_K": 32}),  # SD's longest K (feed-forward out), longest f16 partial sums
+        (77, 37, 45, True, {}),  # K % 4 != 0: the f32 tiled kernel serves it
+        (3, 4, 2, False, {}),  # smaller than one tile in every direction
+        (65, 36, 67, True, {"TILE_M": 32, "TILE_N": 64, "TILE_K": 8}),  # one row and column past a tile
+        (70, 24, 90, False, {"TILE_M": 64, "TILE_N": 32, "TILE_K": 16}),
+    ],
+)
+def test_linear_tiled_f16(rt, gpu, fresh_rng, m, k, n, bias, tiles):
+    need_f16(gpu, "f16")
+    x, w, b = rand(fresh_rng, m, k), rand(fresh_rng, n, k, scale=k**-0.5), rand(fresh_rng, n)
+    ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features),
+              [Rule("linear", "tiled_f16", constants=tuple(tiles.items()))]), "f16")
+    y = ops.linear(rt.upload(x, "f16"), rt.upload(w, "f16"), rt.upload(b, "f16") if bias else None)
+    got = rt.read(y).astype(np.float64)
+    assert np.isfinite(got).all(), "tiled_f16 left poisoned (NaN) elements or overflowed"
+    assert [d.variant for d in ops.selection.decisions.values()] == ["tiled_f16"]
+    ref = q("f16", x) @ q("f16", w).T + (q("f16", b) if bias else 0)
+    assert rel_err(got, ref) <= TOL["f16"], "tiled_f16 vs numpy"
+    ref_ops = make_ops(rt, gpu, "f16", {"linear": "reference"})
+    ref_gpu = rt.read(ref_ops.linear(rt.upload(x, "f16"), rt.upload(w, "f16"),
+                                     rt.upload(b, "f16") if bias else None)).astype(np.float64)
+    assert rel_err(got, ref_gpu) <= TOL["f16"], "tiled_f16 vs reference variant"
+
+
+def test_linear_tiled_f16_runs_f32_models_in_f32(rt, gpu, fresh_rng):
+    """On an f16-capable adapter an f32 model keeps f32 arithmetic (the f32 tiled kernel)."""
+    need_f16(gpu, "f16")
+    x, w = rand(fresh_rng, 40, 64), rand(fresh_rng, 24, 64, scale=64**-0.5)
+    ops = make_ops(rt, gpu, "f32", {"linear": "tiled_f16"})
+    got = rt.read(ops.linear(rt.upload(x, "f32"), rt.upload(w, "f32"))).astype(np.float64)
+    assert rel_err(got, x.astype(np.float64) @ w.astype(np.float64).T) <= TOL["f32"]

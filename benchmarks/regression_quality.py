@@ -1,0 +1,183 @@
+"""How often the regression analysis cries wolf and how often it misses: simulated nightly
+series with realistic noise, run through orchestrator.regression.compare (A/A: no change; A/B:
+the candidate slower by 2%, 5%, 10%) including the "inconclusive -> more repetitions" loop, and
+through detect_change_points on simulated build histories (a real step, single spikes, flat).
+
+    python benchmarks/regression_quality.py                       # table on stdout
+    python benchmarks/regression_quality.py --json out.json --series 2000
+
+The noise model (per series): a base latency drawn from 20-500 ms; each run (one night's
+repetitions on one device) multiplies it by a run-to-run drift exp(N(0, drift)); each
+repetition by exp(N(0, sigma)); each repetition is, with a probability drawn from 2-5% per
+series, an outlier 1.5-3x slower (a background task, a throttled frame). Extra repetitions
+asked for by an inconclusive verdict come from a new run of each build (a new drift draw).
+Targets: at most 5% of A/A series flagged per night; at least 90% of 5% shifts detected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orchestrator.regression import compare, detect_change_points  # noqa: E402
+from orchestrator.regression.compare import MAX_REPETITIONS  # noqa: E402
+
+REPETITIONS = 10  # per build per night: the default sample count
+SHIFTS = [0.0, 0.02, 0.05, 0.10]
+VERDICTS = ["regression", "improvement", "same", "inconclusive"]
+
+
+@dataclass(frozen=True)
+class Noise:
+    name: str
+    sigma: float  # within-run lognormal sigma (about the coefficient of variation)
+    drift: float  # run-to-run lognormal sigma
+    outlier_p: tuple[float, float] = (0.02, 0.05)
+    outlier_x: tuple[float, float] = (1.5, 3.0)
+
+
+NOISES = {
+    "quiet": Noise("quiet", 0.01, 0.005),
+    "typical": Noise("typical", 0.02, 0.01),
+    "noisy": Noise("noisy", 0.03, 0.015),
+}
+
+
+def draw_run(rng: np.random.Generator, base: float, n: int, noise: Noise, p_out: float) -> np.ndarray:
+    x = base * np.exp(rng.normal(0.0, noise.drift)) * np.exp(rng.normal(0.0, noise.sigma, n))  # (n,)
+    out = rng.random(n) < p_out
+    x[out] *= rng.uniform(*noise.outlier_x, out.sum())
+    return x
+
+
+def simulate_compare(shift: float, noise: Noise, n_series: int, seed: int, max_repetitions: int) -> dict:
+    rng = np.random.default_rng(seed)
+    first = dict.fromkeys(VERDICTS, 0)
+    final = dict.fromkeys(VERDICTS, 0)
+    reps, rounds = [], []
+    for _ in range(n_series):
+        base, p_out = rng.uniform(20, 500), rng.uniform(*noise.outlier_p)
+        b = draw_run(rng, base, REPETITIONS, noise, p_out)
+        c = draw_run(rng, base * (1 + shift), REPETITIONS, noise, p_out)
+        res = compare(b, c, max_repetitions=max_repetitions)
+        first[res.verdict] += 1
+        k = 1
+        while res.verdict == "inconclusive" and res.more_repetitions_suggested > 0:
+            extra = res.more_repetitions_suggested
+            b = np.concatenate([b, draw_run(rng, base, extra, noise, p_out)])
+            c = np.concatenate([c, draw_run(rng, base * (1 + shift), extra, noise, p_out)])
+            res = compare(b, c, max_repetitions=max_repetitions)
+            k += 1
+        final[res.verdict] += 1
+        reps.append(b.size)
+        rounds.append(k)
+    frac = lambda d: {v: d[v] / n_series for v in VERDICTS}  # noqa: E731
+    return {
+        "shift": shift, "noise": noise.name, "series": n_series, "max_repetitions": max_repetitions,
+        "first_look": frac(first), "after_loop": frac(final),
+        "mean_repetitions_per_build": float(np.mean(reps)),
+        "p90_repetitions_per_build": float(np.percentile(reps, 90)),
+        "mean_rounds": float(np.mean(rounds)),
+    }
+
+
+def simulate_history(kind: str, noise: Noise, n_hist: int, length: int, seed: int) -> dict:
+    """Histories of per-build medians (REPETITIONS samples each, one run per build)."""
+    rng = np.random.default_rng(seed)
+    detected = false_alarm = 0
+    located = []
+    for _ in range(n_hist):
+        base, p_out = rng.uniform(20, 500), rng.uniform(*noise.outlier_p)
+        step_at = int(rng.integers(3, length - 3 + 1))
+        spike_at = int(rng.integers(0, length))
+        history = []
+        for i in range(length):
+            level = base
+            if kind.startswith("step") and i >= step_at:
+                level *= 1 + {"step5": 0.05, "step10": 0.10, "step5+spike": 0.05}[kind]
+            samples = draw_run(rng, level, REPETITIONS, noise, p_out)
+            if kind in ("spike", "step5+spike") and i == spike_at:
+                samples *= rng.uniform(1.3, 2.0)  # a throttled night: every repetition slower
+            history.append(samples)
+        cps = detect_change_points(history, seed=0)
+        idx = [cp.index for cp in cps]
+        if kind.startswith("step"):
+            near = [i for i in idx if abs(i - step_at) <= 1]
+            detected += bool(near)
+            false_alarm += any(abs(i - step_at) > 1 for i in idx)
+            if near:
+                located.append(abs(near[0] - step_at))
+        else:
+            false_alarm += bool(idx)
+    return {
+        "kind": kind, "noise": noise.name, "histories": n_hist, "length": length,
+        "detection_rate": detected / n_hist if kind.startswith("step") else None,
+        "exact_index_rate": (located.count(0) / n_hist) if kind.startswith("step") else None,
+        "false_alarm_rate": false_alarm / n_hist,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--series", type=int, default=2000, help="series per scenario (typical noise)")
+    ap.add_argument("--sensitivity-series", type=int, default=500, help="series per scenario, other noise levels")
+    ap.add_argument("--histories", type=int, default=500, help="histories per change-point scenario")
+    ap.add_argument("--length", type=int, default=30, help="builds per history")
+    ap.add_argument("--seed", type=int, default=20261121)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+
+    # 1. Comparisons: the default noise at full size, the bound on repetitions varied, then
+    #    the other noise levels.
+    runs = [(NOISES["typical"], args.series, MAX_REPETITIONS), (NOISES["typical"], args.series // 2, 60)]
+    runs += [(NOISES[n], args.sensitivity_series, MAX_REPETITIONS) for n in ("quiet", "noisy")]
+    comparisons = []
+    for j, (noise, n, max_reps) in enumerate(runs):
+        for i, shift in enumerate(SHIFTS):
+            comparisons.append(simulate_compare(shift, noise, n, args.seed + 100 * j + i, max_reps))
+    print(f"compare(): {REPETITIONS} repetitions per build, min_effect 3%, alpha 0.01, 95% interval")
+    print(f"{'noise':8} {'max reps':>8} {'shift':>6} {'series':>6} | {'first look: reg/imp/same/inc':>30} | "
+          f"{'after loop: reg/imp/same/inc':>30} | {'mean reps':>9}")
+    for r in comparisons:
+        f, a = r["first_look"], r["after_loop"]
+        fmt = lambda d: " ".join(f"{100 * d[v]:6.1f}" for v in VERDICTS)  # noqa: E731
+        print(f"{r['noise']:8} {r['max_repetitions']:8d} {100 * r['shift']:5.0f}% {r['series']:6d} | {fmt(f)} | "
+              f"{fmt(a)} | {r['mean_repetitions_per_build']:9.1f}")
+
+    # 2. Change points on build histories.
+    histories = []
+    for j, kind in enumerate(["flat", "spike", "step5", "step10", "step5+spike"]):
+        histories.append(simulate_history(kind, NOISES["typical"], args.histories, args.length, args.seed + 1000 + j))
+    print(f"\ndetect_change_points(): {args.length} builds, min_segment 3, 199 permutations, p <= 0.01")
+    print(f"{'history':12} {'n':>5} {'detected':>9} {'exact idx':>9} {'false alarm':>11}")
+    for h in histories:
+        pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        print(f"{h['kind']:12} {h['histories']:5d} {pct(h['detection_rate']):>9} {pct(h['exact_index_rate']):>9} "
+              f"{pct(h['false_alarm_rate']):>11}")
+    elapsed = time.perf_counter() - t0
+    print(f"\n{elapsed:.0f} s")
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "benchmark": "regression_quality",
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "seed": args.seed, "repetitions": REPETITIONS, "noise_models": {k: asdict(v) for k, v in NOISES.items()},
+            "compare": comparisons, "change_points": histories, "elapsed_s": round(elapsed, 1),
+        }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""`farm demo`: the whole farm on one machine with no configuration. It migrates the store,
+makes a tiny random-weight model, packs two signed builds of this checkout (A: kernels chosen
+per GPU by the shipped profiles; B: every reference kernel, so truly slower), starts the
+embedded stack (worker, beat, virtual phones reached over ADB, this host's GPU as a device),
+and for A then B deploys the build to every device and runs a latency suite and a generation
+on each, in parallel through Celery; each batch's analysis compares it with the series'
+baseline. It prints a table per device and build, the alerts B raised, builds the HTML
+dashboard, and stops every process it started. A second run makes new builds: the devices
+receive only the files they lack."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from .devices import _settings, console, fail
+
+DEMO_PREFIX = "demo "
+TIMEOUT_S = 600.0
+POLL_S = 0.5
+# A virtual phone heats toward 75 C under load (30 s time constant) and cools with a 60 s one:
+# waiting for 65 C between jobs shows real cool-down waits without the timeouts that would flag
+# (and exclude from the comparison) its runs.
+COOLDOWN = {"max_celsius": 65.0, "max_wait_s": 60.0, "poll_s": 1.0}
+# The demo's devices share this machine's CPU cores (lavapipe), so one run differs from the next
+# by more than the default 3%: the same build measured twice here came out 6.6% apart (a
+# false alert in the acceptance test). Its series get a 15% minimum effect, the per-series
+# setting the analysis has for noisy series; the reference build is 2-3x slower.
+DEMO_MIN_EFFECT = 0.15
+
+
+def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
+    """The demo's suite: a latency job (generations and UNet steps timed; 10 UNet steps, enough
+    for the analysis to call a change), then a generation."""
+    common = {"precision": precision, "steps": steps, "seed": 0, "cooldown": COOLDOWN, "time_limit_s": TIMEOUT_S,
+              "prompt": "a red bicycle leaning on a wall"}
+    return [{"kind": "latency", "spec": common | {"warmup": 1, "repetitions": 3, "unet_repetitions": 10}},
+            {"kind": "generate", "spec": dict(common)}]
+
+
+def demo(
+    phones: int = typer.Option(2, "--phones", min=0, help="Virtual phones to start."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 (any adapter) or fp16 (needs shader-f16)."),
+    steps: int = typer.Option(4, "--steps", min=1, help="Denoising steps per generation."),
+    timeout: float = typer.Option(TIMEOUT_S, "--timeout", help="Give up after this many seconds."),
+):
+    """Run the farm end to end on this machine: build, deploy, measure, report."""
+    from orchestrator.celery_app import make_celery
+    from orchestrator.db import make_engine, make_session_factory, upgrade
+    from orchestrator.tasks import launch_suite
+
+    from .builds import make_build
+    from .stack import start_stack
+
+    if precision not in ("fp16", "fp32"):
+        fail(f"unknown precision {precision!r}; choose fp16 or fp32")
+    started = time.monotonic()
+    settings = _settings()
+    with console.status("migrating the store"):
+        upgrade(settings.database_url)
+    model = settings.data_dir / "models" / "tiny"
+    if not (model / "model_index.json").is_file():
+        from engine.make_model import make_model
+
+        with console.status("making a tiny random-weight model"):
+            make_model("tiny", 0, model)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    builds = [make_build(settings, model, name=f"demo-{stamp}-a"),
+              make_build(settings, model, name=f"demo-{stamp}-b", default_profile="reference")]
+    for build, what in zip(builds, ("kernels chosen per GPU", "every reference kernel"), strict=True):
+        console.print(f"build [bold]{build['name']}[/] ({what}): {build['file_count']} files, "
+                      f"{build['bytes'] / 1e6:.1f} MB", highlight=False)
+    engine = make_engine(settings.database_url)
+    sessions = make_session_factory(engine)
+    ok, batches = True, []
+    try:
+        with start_stack(settings, phones=phones, host_gpu=True, concurrency=None, beat=True) as running:
+            console.print(f"stack up: {', '.join(running.devices)} (logs in {running.stack.log_dir})",
+                          highlight=False)
+            _set_min_effect(sessions, running.devices, builds[0]["name"], demo_jobs(precision, steps))
+            for build in builds:
+                # No extra rounds: an inconclusive metric is reported as such (the demo is bounded in time).
+                batch_id = launch_suite(make_celery(settings), f"{DEMO_PREFIX}{build['name']}",
+                                        demo_jobs(precision, steps), build=build["name"], devices=running.devices,
+                                        max_extra_rounds=0)
+                batches.append(batch_id)
+                ok = _follow(sessions, batch_id, running, started + timeout) and ok
+                console.print()
+        _report(sessions, batches)
+        _dashboard(settings, sessions)
+    finally:
+        engine.dispose()
+    console.print(f"demo finished in {time.monotonic() - started:.0f} s; every process it started has stopped",
+                  highlight=False)
+    if not ok:
+        raise typer.Exit(1)
+
+
+def _set_min_effect(sessions, serials: list[str], build: str, jobs: list[dict[str, Any]]) -> None:
+    """DEMO_MIN_EFFECT on every series the demo's latency jobs feed, on every device."""
+    from orchestrator import analysis
+    from orchestrator.db import store
+
+    with sessions() as session:
+        model = store.default_model(store.get_build(session, build))
+        for serial in serials:
+            device = store.get_device(session, serial)
+            for job in jobs:
+                if job["kind"] != "latency":
+                    continue
+                spec = analysis.SpecKey.of({"model": model} | job["spec"])
+                for metric in analysis.HEADLINE_METRICS:
+                    analysis.set_min_effect(session, analysis.series_key(device, spec, metric), DEMO_MIN_EFFECT)
+        session.commit()
+
+
+def _follow(sessions, batch_id: int, running, deadline: float) -> bool:
+    """Live table of deployments and job states until the batch is analysed; False when a job
+    did not succeed or time ran out."""
+    from sqlalchemy import select
+
+    from orchestrator.db.models import Batch, Deployment, Device, Job
+
+    with Live(console=console, auto_refresh=False) as live:
+        while True:
+            running.stack.check_alive()
+            with sessions() as session:
+                batch = session.get(Batch, batch_id)
+                devices = {d.id: d.serial for d in session.scalars(select(Device).where(
+                    Device.serial.in_(running.devices)))}
+                deployments = {d.device_id: d for d in session.scalars(
+                    select(Deployment).where(Deployment.batch_id == batch_id))}
+                jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.id)))
+                table = Table("device", "deploy", "sent", "files sent / already there", "latency", "generate",
+                              title=f"batch {batch_id}")
+                for device_id, serial in sorted(devices.items(), key=lambda kv: kv[1]):
+                    dep = deployments.get(device_id)
+                    states = {str(j.kind): str(j.state) for j in jobs if j.device_id == device_id}
+                    table.add_row(serial, str(dep.status) if dep else "queued",
+                                  f"{dep.bytes_sent / 2**20:.1f} MiB" if dep else "-",
+                                  f"{dep.files_sent} / {dep.files_skipped}" if dep else "-",
+                                  states.get("latency", "-"), states.get("generate", "-"))
+                live.update(table, refresh=True)
+                if batch.summary is not None:
+                    return all(str(j.state) == "succeeded" for j in jobs)
+            if time.monotonic() > deadline:
+                console.print("[bold red]error:[/] the demo ran out of time; the stack's logs are in "
+                              f"{running.stack.log_dir}", highlight=False)
+                return False
+            time.sleep(POLL_S)
+
+
+def _report(sessions, batch_ids: list[int]) -> None:
+    """A table per build (a row per device), then what each batch's analysis found."""
+    from orchestrator.db.models import Batch
+
+    failures, verdicts = [], []
+    with sessions() as session:
+        for batch_id in batch_ids:
+            batch = session.get(Batch, batch_id)
+            if batch.summary is None:
+                continue
+            console.print(_device_table(batch.summary))
+            failures += [r for r in batch.summary["jobs"] if r["state"] != "succeeded"]
+            verdicts.append((batch.summary["build"], batch.summary.get("analysis", {})))
+    for row in failures:
+        console.print(f"[bold red]{row['device']}[/]: {row['kind']} job {row['job']} {row['state']}: "
+                      f"{row['error'] or ''}", highlight=False, soft_wrap=True)
+    table = Table("build", "device", "metric", "baseline", "ratio", "95% CI", "verdict",
+                  title="analysis (against each series' last accepted build)")
+    for build, report in verdicts:
+        for c in report.get("comparisons", []):
+            ratio = f"{c['ratio']:.3f}" if c.get("ratio") is not None else "-"
+            ci = f"{c['ci_low']:.3f}-{c['ci_high']:.3f}" if c.get("ci_low") is not None else "-"
+            table.add_row(build, c["device"], c.get("metric", "-"), c.get("baseline_build", "-"), ratio, ci,
+                          c["verdict"])
+    console.print(table)
+    console.print("alerts: `farm regressions list`; details: `farm regressions show ID`")
+
+
+def _dashboard(settings, sessions) -> None:
+    from orchestrator.dashboard import build_site
+
+    out = settings.data_dir / "dashboard"
+    with console.status("building the HTML dashboard"):
+        build_site(sessions, out)
+    console.print(f"dashboard: {out / 'index.html'} (or `farm dashboard serve`)", highlight=False)
+
+
+def device_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """A batch summary's jobs merged per device: the latency job's medians, the largest peak,
+    the cool-down waits added up, the generated image."""
+    merged: dict[str, dict[str, Any]] = {}
+    for row in summary["jobs"]:
+        m = merged.setdefault(row["device"], {"device": row["device"], "gpu": row["gpu"], "unet_step_ms": None,
+                                              "e2e_ms": None, "peak_gpu_bytes": None, "cooldown_wait_s": 0.0,
+                                              "cooldown_timed_out": False, "image": None, "states": []})
+        m["states"].append(f"{row['kind']} {row['state']}")
+        if row["kind"] == "latency":
+            m["unet_step_ms"], m["e2e_ms"] = row["unet_step_ms"], row["e2e_ms"]
+        if row["peak_gpu_bytes"] is not None:
+            m["peak_gpu_bytes"] = max(m["peak_gpu_bytes"] or 0, row["peak_gpu_bytes"])
+        m["cooldown_wait_s"] += row["cooldown_wait_s"] or 0.0
+        m["cooldown_timed_out"] |= bool(row["cooldown_timed_out"])
+        m["image"] = row["image"] or m["image"]
+    return [merged[k] for k in sorted(merged)]
+
+
+def _device_table(summary: dict[str, Any]) -> Table:
+    def ms(v):
+        return f"{v:.1f}" if v is not None else "-"
+
+    table = Table("device", "GPU", "UNet step ms", "end-to-end ms", "peak GPU MiB", "cool-down s",
+                  title=f"build {summary['build']} (batch {summary['batch']})")
+    table.add_column("image", overflow="fold")
+    for r in device_rows(summary):
+        peak = f"{r['peak_gpu_bytes'] / 2**20:.1f}" if r["peak_gpu_bytes"] is not None else "-"
+        cool = f"{r['cooldown_wait_s']:.1f}" + (" (timed out)" if r["cooldown_timed_out"] else "")
+        gpu = (r["gpu"] or "-").split(" (")[0]  # "llvmpipe (LLVM 15.0.6, 256 bits)" -> "llvmpipe"
+        table.add_row(r["device"], gpu, ms(r["unet_step_ms"]), ms(r["e2e_ms"]), peak, cool,
+                      r["image"] or "-")
+    return table

@@ -1,0 +1,121 @@
+"""`farm deploy BUILD`: send a build to devices through their hosts' workers, in parallel,
+following each deployment's bytes as they are sent; only files a device lacks are pushed."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from .devices import JSON_OPTION, _print_json, _settings, console, fail, open_store
+
+DEFAULT_TIMEOUT_S = 1800.0
+POLL_S = 0.25
+
+
+def deploy(
+    build: str = typer.Argument(..., help="Build name or id (`farm builds list`)."),
+    device: list[str] = typer.Option(None, "--device", "-d", help="Device serial (repeatable)."),
+    all_devices: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
+    timeout: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Give up waiting after this many seconds "
+                                  "(the deployments go on)."),
+    as_json: bool = JSON_OPTION,
+):
+    """Deploy a build to devices; exits non-zero when any deployment fails."""
+
+    from orchestrator.celery_app import host_queue, make_celery
+    from orchestrator.db import store
+
+    if bool(device) == all_devices:
+        fail("name devices with --device SERIAL (repeatable) or pass --all")
+    settings = _settings()
+    with open_store(settings) as sessions:
+        with sessions() as session:
+            try:
+                build_row = store.get_build(session, int(build) if build.isdigit() else build)
+                if all_devices:
+                    targets = store.in_service_devices(session)
+                else:
+                    targets = [store.get_device(session, serial) for serial in dict.fromkeys(device)]
+            except store.StoreError as exc:
+                fail(str(exc))
+            if not targets:
+                fail("no devices to deploy to; `farm devices add` registers one")
+            bundle = settings.data_dir / "builds" / build_row.name
+            if not bundle.is_dir():
+                fail(f"{bundle}: the bundle of build {build_row.name} is not on this machine "
+                     "(workers read it from the shared data dir)")
+            plan = [(d.id, d.serial, host_queue(d.host.name if d.host else settings.host_name)) for d in targets]
+            build_id, build_name = build_row.id, build_row.name
+            # The deployments are found again by their batch (no clock comparisons across hosts).
+            batch_id = store.create_batch(session, f"deploy {build_name}", build_id=build_id).id
+            session.commit()
+        app = make_celery(settings)
+        signature = app.signature("orchestrator.tasks.deploy")
+        for device_id, _, queue in plan:
+            signature.clone(args=(build_id, device_id), kwargs={"batch_id": batch_id}).apply_async(queue=queue)
+        rows = _follow(sessions, batch_id, {device_id: serial for device_id, serial, _ in plan},
+                       timeout, quiet=as_json, title=f"deploying {build_name}")
+    if as_json:
+        _print_json(rows)
+    failed = [r for r in rows if r["status"] != "succeeded"]
+    if failed:
+        for r in failed if not as_json else ():  # the JSON carries each device's status and error
+            console.print(f"[bold red]error:[/] {r['device']}: {r['error'] or r['status']}", highlight=False)
+        raise typer.Exit(1)
+
+
+def _follow(sessions, batch_id: int, devices: dict[int, str], timeout: float, *, quiet: bool,
+            title: str) -> list[dict[str, Any]]:
+    """Watch the deployments of batch `batch_id` to `devices` until all end (or `timeout`)."""
+    from sqlalchemy import select
+
+    from orchestrator.db.models import Deployment
+
+    deadline = time.monotonic() + timeout
+    rows: dict[int, dict[str, Any]] = {}
+    with Live(console=console, transient=False, auto_refresh=False) as live:
+        if quiet:
+            live.stop()
+        while True:
+            with sessions() as session:
+                for dep in session.scalars(select(Deployment).where(
+                        Deployment.batch_id == batch_id).order_by(Deployment.id)):
+                    rows[dep.device_id] = _row(dep, devices[dep.device_id])
+            for device_id, serial in devices.items():
+                rows.setdefault(device_id, {"device": serial, "status": "queued", "bytes_sent": 0,
+                                            "bytes_total": None, "files_sent": 0, "files_skipped": 0,
+                                            "duration_s": None, "error": None})
+            if not quiet:
+                live.update(_table(title, [rows[d] for d in devices]), refresh=True)
+            if all(r["status"] in ("succeeded", "failed") for r in rows.values()):
+                break
+            if time.monotonic() > deadline:
+                for r in rows.values():
+                    if r["status"] not in ("succeeded", "failed"):
+                        r["error"] = f"still {r['status']} after {timeout:g} s (it goes on in its worker)"
+                break
+            time.sleep(POLL_S)
+    return [rows[d] for d in devices]
+
+
+def _row(dep, serial: str) -> dict[str, Any]:
+    return {"device": serial, "deployment": dep.id, "status": str(dep.status), "bytes_sent": dep.bytes_sent,
+            "bytes_total": dep.bytes_total, "files_sent": dep.files_sent, "files_skipped": dep.files_skipped,
+            "duration_s": dep.duration_s, "error": dep.error}
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _table(title: str, rows: list[dict[str, Any]]) -> Table:
+    table = Table("device", "status", "sent", "files sent", "files already there", "seconds", title=title)
+    for r in rows:
+        sent = _mib(r["bytes_sent"]) + (f" / {_mib(r['bytes_total'])}" if r["bytes_total"] else "")
+        seconds = f"{r['duration_s']:.1f}" if r["duration_s"] is not None else "-"
+        table.add_row(r["device"], r["status"], sent, str(r["files_sent"]), str(r["files_skipped"]), seconds)
+    return table

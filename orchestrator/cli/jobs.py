@@ -1,0 +1,417 @@
+"""`farm jobs ...`: submit generate, latency and tune jobs to devices (one batch, one job per
+device, sent to the workers of the hosts the devices are plugged into), follow them until they
+end, and list, show, cancel and read the logs of jobs. Reads go through
+orchestrator/db/queries.py; the job rows and their transitions through the store."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from orchestrator.db.models import Build, Job, JobKind, JobState
+
+from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+
+app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
+
+# What `submit --wait` ends with when a job is still not final at --timeout (1 means some job
+# did not succeed; 2 is a usage error).
+EXIT_TIMEOUT = 3
+POLL_S = 0.5
+# A job seen infra_failed has used its attempts: a retry is queued in the same transaction.
+ENDED = frozenset({JobState.succeeded, JobState.failed, JobState.infra_failed, JobState.cancelled})
+
+_STATE_STYLE = {"queued": "cyan", "running": "yellow", "succeeded": "green", "failed": "red",
+                "infra_failed": "red", "cancelled": "magenta"}
+
+
+def _state(state: JobState | str) -> str:
+    return f"[{_STATE_STYLE.get(str(state), 'white')}]{state}[/]"
+
+
+def _when(value: dt.datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
+
+
+def _fmt_metric(metric: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if metric.endswith("_bytes"):
+        return f"{value / 2**20:,.0f} MiB"
+    return f"{value:,.1f}"
+
+
+def job_dict(job: Job, runs: list[dict] | None = None) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "id": job.id,
+        "kind": str(job.kind),
+        "state": str(job.state),
+        "device": job.device.serial,
+        "build": job.build.name if job.build is not None else None,
+        "batch_id": job.batch_id,
+        "schedule_id": job.schedule_id,
+        "attempts": job.attempts,
+        "worker": job.worker,
+        "created_at": iso(job.created_at),
+        "started_at": iso(job.started_at),
+        "heartbeat_at": iso(job.heartbeat_at),
+        "finished_at": iso(job.finished_at),
+        "error": job.error,
+    }
+    if runs is not None:
+        data["spec"] = job.spec
+        data["runs"] = runs
+    return data
+
+
+# ---- submit -------------------------------------------------------------------------------
+
+
+def _resolution(value: str | None) -> tuple[int | None, int | None]:
+    if value is None:
+        return None, None
+    height, sep, width = value.lower().partition("x")
+    try:
+        h, w = int(height), int(width) if sep else int(height)
+    except ValueError:
+        fail(f"--resolution {value!r}: give HEIGHTxWIDTH (512x512) or one size (512)")
+    if h <= 0 or w <= 0 or h % 8 or w % 8:
+        fail(f"--resolution {value!r}: height and width must be positive multiples of 8")
+    return h, w
+
+
+def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -> dict[str, Any]:
+    """The job's spec as stored (a JobSpec without job_id and kind, which the task fills in),
+    read through the protocol the way the worker will read it, so a bad value fails here and
+    not on the device."""
+    from agent.protocol import JobSpec, ProtocolError, from_dict, to_dict
+    from engine.schedulers import SCHEDULERS
+
+    if fields["scheduler"] not in SCHEDULERS:
+        fail(f"--scheduler {fields['scheduler']!r}: choose one of {', '.join(SCHEDULERS)}")
+    cooldown_c, cooldown_wait = fields.pop("cooldown_celsius"), fields.pop("cooldown_wait_s")
+    if cooldown_wait is not None and cooldown_c is None:
+        fail("--cooldown-wait needs --cooldown CELSIUS")
+    fields["height"], fields["width"] = _resolution(fields.pop("resolution"))
+    if cooldown_c is not None:
+        fields["cooldown"] = {"max_celsius": cooldown_c} | ({} if cooldown_wait is None else
+                                                            {"max_wait_s": cooldown_wait})
+    fields |= {"job_id": "submit", "kind": str(kind), "model": model, "build": build.name}
+    try:
+        spec = from_dict(JobSpec, fields)
+    except ProtocolError as exc:
+        fail(str(exc).replace("JobSpec.", "").replace("JobSpec: ", ""))
+    data = to_dict(spec)
+    del data["job_id"], data["kind"]
+    return data
+
+
+@app.command()
+def submit(
+    kind: JobKind = typer.Argument(..., help="generate, latency or tune."),
+    build_name: str = typer.Option(None, "--build", help="Build to run (default: the newest build)."),
+    devices: list[str] = typer.Option(None, "--device", help="Device serial (repeatable)."),
+    all_devices: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
+    name: str = typer.Option(None, "--name", help="Batch name (default: <kind> <build> <UTC time>)."),
+    model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only "
+                              "models/<name>)."),
+    prompt: str = typer.Option("a photograph of an astronaut riding a horse", "--prompt"),
+    negative_prompt: str = typer.Option("", "--negative-prompt"),
+    seed: int = typer.Option(0, "--seed"),
+    steps: int = typer.Option(20, "--steps", help="Denoising steps."),
+    scheduler: str = typer.Option("pndm", "--scheduler", help="pndm, ddim, euler, euler_ancestral, dpmpp_2m."),
+    guidance_scale: float = typer.Option(7.5, "--guidance-scale"),
+    precision: str = typer.Option("fp16", "--precision", help="fp16 or fp32."),
+    resolution: str = typer.Option(None, "--resolution", help="HEIGHTxWIDTH (default: the model's "
+                                   "native size)."),
+    profile: str = typer.Option("auto", "--profile", help="auto, reference, a shipped profile name or "
+                                "a path in the build."),
+    warmup: int = typer.Option(1, "--warmup", help="latency/tune: untimed warm-up runs."),
+    repetitions: int = typer.Option(5, "--repetitions", help="latency: timed end-to-end generations."),
+    unet_repetitions: int = typer.Option(10, "--unet-repetitions", help="latency: timed UNet steps."),
+    kernel_timings: bool = typer.Option(True, "--kernel-timings/--no-kernel-timings",
+                                        help="latency: per-kernel GPU times."),
+    tune_repeats: int = typer.Option(5, "--tune-repeats", help="tune: timed runs per variant."),
+    tune_budget: float = typer.Option(600.0, "--tune-budget", help="tune: seconds at most."),
+    time_limit: float = typer.Option(3600.0, "--time-limit", help="Seconds a job may run on the device."),
+    cooldown: float = typer.Option(None, "--cooldown", help="Wait until the device is at most this "
+                                   "many degrees C before running."),
+    cooldown_wait: float = typer.Option(None, "--cooldown-wait", help="Longest cool-down wait, seconds."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the jobs until they end; exit 0 only if "
+                              f"all succeeded (1 otherwise, {EXIT_TIMEOUT} on --timeout)."),
+    timeout: float = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
+    as_json: bool = JSON_OPTION,
+):
+    """Queue one job per device as one batch and send them to the workers."""
+
+    from orchestrator.celery_app import make_celery
+    from orchestrator.db import store
+    from orchestrator.db.models import DeviceState
+    from orchestrator.tasks import dispatch_jobs
+
+    if bool(devices) == all_devices:
+        fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
+    if timeout is not None and not wait:
+        fail("--timeout only applies with --wait")
+    settings = _settings()
+    with open_store(settings) as sessions:
+        with sessions() as session:
+            try:
+                build = store.get_build(session, build_name)
+                model = model or store.default_model(build)
+            except store.StoreError as exc:
+                fail(str(exc))
+            if all_devices:
+                targets = store.in_service_devices(session)
+                if not targets:
+                    fail("no devices that are not quarantined; `farm devices list` shows them")
+            else:
+                targets = []
+                for serial in dict.fromkeys(devices):
+                    try:
+                        device = store.get_device(session, serial)
+                    except store.StoreError as exc:
+                        fail(str(exc))
+                    if device.state == DeviceState.quarantined:
+                        fail(f"device {serial!r} is quarantined ({device.state_reason or 'no reason given'}); "
+                             f"`farm devices release {serial}` first")
+                    targets.append(device)
+            spec = _build_spec(kind, build, model, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
+                               steps=steps, scheduler=scheduler, guidance_scale=guidance_scale,
+                               precision=precision, resolution=resolution, profile=profile, warmup=warmup,
+                               repetitions=repetitions, unet_repetitions=unet_repetitions,
+                               kernel_timings=kernel_timings, tune_repeats=tune_repeats,
+                               tune_time_budget_s=tune_budget, time_limit_s=time_limit,
+                               cooldown_celsius=cooldown, cooldown_wait_s=cooldown_wait)
+            stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            batch = store.create_batch(session, name or f"{kind} {build.name} {stamp}", build_id=build.id)
+            job_ids = [store.create_job(session, kind, spec, device.id, build.id, batch_id=batch.id).id
+                       for device in targets]
+            session.commit()
+            batch_id, batch_name, build_label = batch.id, batch.name, build.name
+            serials = [d.serial for d in targets]
+
+        # Sent after the commit, so a worker never looks for a job that is not there yet.
+        try:
+            dispatch_jobs(make_celery(settings), job_ids)
+        except Exception as exc:  # noqa: BLE001  (a broker that cannot be reached, in any of its forms)
+            with sessions() as session:
+                for job_id in job_ids:
+                    store.transition_job(session, job_id, JobState.cancelled, error=f"not sent: {exc}")
+                session.commit()
+            fail(f"could not send the jobs to the workers ({type(exc).__name__}: {exc}); "
+                 f"batch {batch_id}'s jobs are cancelled")
+
+        submitted = {"batch_id": batch_id, "batch": batch_name, "build": build_label, "kind": str(kind),
+                     "jobs": [{"id": j, "device": s} for j, s in zip(job_ids, serials, strict=True)]}
+        if not as_json:
+            console.print(f"batch {batch_id} ({batch_name}): {len(job_ids)} {kind} job(s) of build "
+                          f"[bold]{build_label}[/] queued: " + ", ".join(f"{j} on {s}" for j, s in
+                                                                        zip(job_ids, serials, strict=True)),
+                          highlight=False, soft_wrap=True)
+        if not wait:
+            if as_json:
+                _print_json(submitted)
+            return
+        states, timed_out = _follow(sessions, job_ids, timeout, quiet=as_json)
+
+    succeeded = all(s[2] == JobState.succeeded for s in states)
+    if as_json:
+        submitted["jobs"] = [{"id": j, "device": d, "state": str(st), "attempts": a, "error": e}
+                             for j, d, st, a, e in states]
+        submitted["timed_out"] = timed_out
+        _print_json(submitted)
+    elif timed_out:
+        console.print(f"[bold red]error:[/] gave up waiting after {timeout:g} s; the jobs go on "
+                      f"(`farm jobs list --batch {batch_id}`)", highlight=False, soft_wrap=True)
+    elif not succeeded:
+        failed = [f"{j} on {d}: {st}" + (f" ({e.splitlines()[0]})" if e else "") for j, d, st, _, e in states
+                  if st != JobState.succeeded]
+        console.print("[bold red]error:[/] " + "; ".join(failed), highlight=False, soft_wrap=True)
+    if timed_out:
+        raise typer.Exit(EXIT_TIMEOUT)
+    if not succeeded:
+        raise typer.Exit(1)
+
+
+def _follow(sessions, job_ids: list[int], timeout: float | None, quiet: bool):
+    """Poll the jobs' states (a short transaction each time) and show them in a live table
+    until every job has ended or `timeout` passes; returns the last states and whether it
+    timed out."""
+    from orchestrator.db import queries
+
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+
+    def read():
+        with sessions() as session:
+            return queries.job_states(session, job_ids)
+
+    def render(states) -> Table:
+        done = sum(1 for s in states if s[2] in ENDED)
+        table = Table("job", "device", "state", "attempts", "note",
+                      title=f"{done}/{len(states)} ended, {time.monotonic() - started:.0f} s")
+        for job_id, serial, state, attempts, error in states:
+            table.add_row(str(job_id), serial, _state(state), str(attempts), (error or "").splitlines()[0][:80]
+                          if error else "")
+        return table
+
+    def ended(states) -> bool:
+        return all(s[2] in ENDED for s in states)
+
+    def timed_out() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    states = read()
+    if quiet:  # --json: nothing but the document on stdout
+        while not ended(states) and not timed_out():
+            time.sleep(POLL_S)
+            states = read()
+        return states, not ended(states)
+    with Live(render(states), console=console, refresh_per_second=4) as live:
+        while not ended(states) and not timed_out():
+            time.sleep(POLL_S)
+            states = read()
+            live.update(render(states))
+    return states, not ended(states)
+
+
+# ---- inspect ------------------------------------------------------------------------------
+
+
+@app.command("list")
+def list_jobs(
+    state: JobState = typer.Option(None, "--state", help="Only jobs in this state."),
+    device: str = typer.Option(None, "--device", help="Only jobs of this device (serial)."),
+    build: str = typer.Option(None, "--build", help="Only jobs of this build (name)."),
+    batch: int = typer.Option(None, "--batch", help="Only jobs of this batch (id)."),
+    limit: int = typer.Option(50, "--limit", min=1, help="At most this many, newest first."),
+    as_json: bool = JSON_OPTION,
+):
+    """List jobs, newest first."""
+    from orchestrator.db import queries, store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            device_id = store.get_device(session, device).id if device else None
+            build_id = store.get_build(session, build).id if build else None
+        except store.StoreError as exc:
+            fail(str(exc))
+        jobs = queries.list_jobs(session, state=state, device_id=device_id, build_id=build_id, batch_id=batch,
+                                 limit=limit)
+        rows = [job_dict(j) for j in jobs]
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        console.print("no jobs" + (" match" if any((state, device, build, batch)) else
+                                   "; submit some with `farm jobs submit KIND --all`"))
+        return
+    table = Table("id", "kind", "device", "build", "batch", "state", "attempts", "created", "finished")
+    for j, r in zip(jobs, rows, strict=True):
+        table.add_row(str(r["id"]), r["kind"], r["device"], r["build"] or "-", str(r["batch_id"] or "-"),
+                      _state(r["state"]), str(r["attempts"]), _when(j.created_at), _when(j.finished_at))
+    console.print(table)
+
+
+@app.command()
+def show(job_id: int = typer.Argument(..., help="Job id."), as_json: bool = JSON_OPTION):
+    """Show one job: spec, state, attempts, timestamps, and its runs with their key medians."""
+    from orchestrator.db import queries, store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            job = store.get_job(session, job_id)
+        except store.StoreError as exc:
+            fail(str(exc))
+        meds = queries.medians(session, [r.id for r in job.runs], queries.KEY_METRICS)
+        runs = [{"id": r.id, "attempt": r.attempt, "status": str(r.status), "error": r.error,
+                 "started_at": iso(r.started_at), "finished_at": iso(r.finished_at), "adapter": r.adapter,
+                 "medians": meds.get(r.id, {})} for r in job.runs]
+        data = job_dict(job, runs)
+    if as_json:
+        _print_json(data)
+        return
+    table = Table(show_header=False, box=None)
+    for key, value in data.items():
+        if key in ("spec", "runs"):
+            continue
+        table.add_row(key, _state(value) if key == "state" else "-" if value in (None, "") else str(value))
+    console.print(table)
+    spec = Table("spec", "value", box=None)
+    for key, value in data["spec"].items():
+        spec.add_row(key, "-" if value is None else str(value))
+    console.print(spec)
+    if not runs:
+        console.print("no runs yet")
+        return
+    metrics = [m for m in queries.KEY_METRICS if any(m in r["medians"] for r in runs)]
+    table = Table("run", "attempt", "status", "finished", *metrics, "error")
+    for r in runs:
+        table.add_row(str(r["id"]), str(r["attempt"]), _state(r["status"]),
+                      (r["finished_at"] or "-")[:19].replace("T", " "),
+                      *(_fmt_metric(m, r["medians"].get(m)) for m in metrics),
+                      (r["error"] or "").splitlines()[0][:60] if r["error"] else "")
+    console.print(table)
+
+
+@app.command()
+def cancel(job_id: int = typer.Argument(..., help="Job id.")):
+    """Cancel a queued or running job.
+
+    A running job's device finishes what it is doing; that result is not recorded."""
+    from orchestrator.db import queries, store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            job = queries.cancel_job(session, job_id)
+        except store.StoreError as exc:
+            fail(str(exc))
+        session.commit()
+        batch_id = job.batch_id
+    console.print(f"job {job_id} cancelled", highlight=False)
+    if batch_id is not None:  # it may have been its batch's last open job: the analysis follows
+        from orchestrator.celery_app import make_celery
+        from orchestrator.tasks import settle_batch
+
+        settle_batch(make_celery(_settings()), batch_id)
+
+
+@app.command()
+def logs(
+    job_id: int = typer.Argument(..., help="Job id."),
+    lines: int = typer.Option(None, "--lines", "-n", min=1, help="Only the last N lines of each log."),
+):
+    """Print the log tail of a job and of each of its runs."""
+    from orchestrator.db import store
+
+    def tail(text: str) -> str:
+        out = text.rstrip("\n").splitlines()
+        return "\n".join(out[-lines:] if lines else out)
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            job = store.get_job(session, job_id)
+        except store.StoreError as exc:
+            fail(str(exc))
+        runs = list(job.runs)
+        console.print(f"[bold]job {job.id}[/] {job.kind} on {job.device.serial}: {_state(job.state)}, "
+                      f"{job.attempts} attempt(s)", highlight=False)
+        if job.error:
+            console.print(f"error: {job.error}", highlight=False, soft_wrap=True, markup=False)
+        for run in runs:
+            console.print(f"[bold]--- run {run.id} (attempt {run.attempt}, {run.status}) ---[/]", highlight=False)
+            if run.error:
+                console.print(f"error: {run.error}", highlight=False, soft_wrap=True, markup=False)
+            typer.echo(tail(run.log_tail) if run.log_tail else "(no log)")
+        # The job keeps the last log it was given; it is a run's own unless no run came back.
+        if job.log_tail and (not runs or job.log_tail != runs[-1].log_tail):
+            console.print("[bold]--- job ---[/]", highlight=False)
+            typer.echo(tail(job.log_tail))
+        elif not runs and not job.log_tail:
+            console.print("no log yet", highlight=False)

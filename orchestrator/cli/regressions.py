@@ -1,0 +1,330 @@
+"""`farm regressions ...` (triage the analysis' alerts), `farm results compare` (two builds,
+metric by metric, with ratios and confidence intervals) and `farm bisect` (run the builds
+between a good and a bad one on a device and name the first bad one)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+
+app = typer.Typer(help="Regressions, improvements, image changes and data stoppages found by the analysis.",
+                  no_args_is_help=True)
+
+
+def alert_dict(alert) -> dict[str, Any]:
+    return {"id": alert.id, "kind": str(alert.kind), "state": str(alert.state),
+            "device": alert.device.serial if alert.device else None,
+            "build": alert.build.name if alert.build else None,
+            "baseline_build": alert.baseline_build.name if alert.baseline_build else None,
+            "metric": alert.metric, "ratio": alert.ratio, "ci_low": alert.ci_low, "ci_high": alert.ci_high,
+            "p_value": alert.p_value, "summary": alert.summary, "note": alert.note, "series": alert.series,
+            "detail": alert.detail, "batch": alert.batch_id, "created_at": iso(alert.created_at),
+            "updated_at": iso(alert.updated_at)}
+
+
+@app.command("list")
+def list_alerts(
+    state: str = typer.Option(None, "--state", help="new, acknowledged, invalid or fixed (default: new and "
+                              "acknowledged)."),
+    kind: str = typer.Option(None, "--kind", help="regression, improvement, fidelity or data_stoppage."),
+    device: str = typer.Option(None, "--device", help="Device serial."),
+    build: str = typer.Option(None, "--build", help="Build name."),
+    all_states: bool = typer.Option(False, "--all", help="Every state."),
+    as_json: bool = JSON_OPTION,
+):
+    """List alerts, newest first."""
+    from sqlalchemy import select
+
+    from orchestrator.db import store
+    from orchestrator.db.models import Alert, AlertKind, AlertState
+
+    try:
+        states = (list(AlertState) if all_states else [AlertState(state)] if state
+                  else [AlertState.new, AlertState.acknowledged])
+        kinds = [AlertKind(kind)] if kind else list(AlertKind)
+    except ValueError as exc:
+        fail(f"{exc}; states: {', '.join(AlertState)}; kinds: {', '.join(AlertKind)}")
+    with open_store(_settings()) as sessions, sessions() as session:
+        query = select(Alert).where(Alert.state.in_(states), Alert.kind.in_(kinds))
+        try:
+            if device:
+                query = query.where(Alert.device_id == store.get_device(session, device).id)
+            if build:
+                query = query.where(Alert.build_id == store.get_build(session, build).id)
+        except store.StoreError as exc:
+            fail(str(exc))
+        rows = [alert_dict(a) for a in session.scalars(query.order_by(Alert.created_at.desc(), Alert.id.desc()))]
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        console.print("no alerts")
+        return
+    table = Table()
+    for header in ("id", "kind", "state"):
+        table.add_column(header, no_wrap=True)
+    for header in ("device", "build", "metric", "change", "CI", "top ops"):
+        table.add_column(header)
+    for r in rows:
+        change = f"{(r['ratio'] - 1) * 100:+.1f}%" if r["ratio"] is not None else "-"
+        ci = f"{r['ci_low']:.3f}-{r['ci_high']:.3f}" if r["ci_low"] is not None else "-"
+        detail = r["detail"] or {}
+        top = ", ".join(f"{m['op']} {m['share'] * 100:.0f}%" for m in detail.get("attribution_by_op", [])[:2])
+        table.add_row(str(r["id"]), r["kind"], r["state"], r["device"] or "-", r["build"] or "-", r["metric"] or "-",
+                      change, ci, top or "-")
+    console.print(table)
+
+
+@app.command()
+def show(alert_id: int = typer.Argument(..., help="Alert id."), as_json: bool = JSON_OPTION):
+    """Show one alert: the comparison, the kernels that moved, the images, the change points."""
+    from orchestrator.db.models import Alert
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        alert = session.get(Alert, alert_id)
+        if alert is None:
+            fail(f"no alert {alert_id}; `farm regressions list --all` shows them")
+        data = alert_dict(alert)
+    if as_json:
+        _print_json(data)
+        return
+    console.print(f"[bold]alert {data['id']}[/] {data['kind']} ({data['state']}): {data['summary']}", highlight=False)
+    detail = data["detail"] or {}
+    for key in ("baseline_build", "metric", "p_value", "batch", "note"):
+        if data[key] not in (None, ""):
+            console.print(f"{key}: {data[key]}", highlight=False)
+    for key in ("baseline_median", "candidate_median", "n_baseline", "n_candidate", "unit", "reason", "psnr_db"):
+        if key in detail:
+            console.print(f"{key}: {detail[key]}", highlight=False)
+    if detail.get("attribution_by_op"):
+        table = Table("op", "baseline ms", "candidate ms", "delta ms", "share", title="attribution by op")
+        for m in detail["attribution_by_op"]:
+            table.add_row(m["op"], f"{m['baseline_ms']:.2f}", f"{m['candidate_ms']:.2f}", f"{m['delta_ms']:+.2f}",
+                          f"{m['share'] * 100:.0f}%")
+        console.print(table)
+    if detail.get("attribution"):
+        table = Table("kernel", "baseline ms", "candidate ms", "delta ms", "share", title="kernel attribution")
+        for m in detail["attribution"]:
+            table.add_row(m["kernel"], f"{m['baseline_ms']:.2f}", f"{m['candidate_ms']:.2f}", f"{m['delta_ms']:+.2f}",
+                          f"{m['share'] * 100:.0f}%")
+        console.print(table)
+    if detail.get("images"):
+        console.print(f"image before: {detail['images']['before']}\nimage after:  {detail['images']['after']}",
+                      highlight=False)
+    for point in detail.get("change_points", []):
+        console.print(f"change point at build {point['build']} (ratio {point['ratio']:.3f}, p={point['p_value']:.3g})",
+                      highlight=False)
+
+
+def _triage(alert_id: int, state, note: str | None) -> None:
+    from orchestrator.db.models import Alert, utcnow
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        alert = session.get(Alert, alert_id)
+        if alert is None:
+            fail(f"no alert {alert_id}; `farm regressions list --all` shows them")
+        alert.state, alert.updated_at = state, utcnow()
+        if note:
+            alert.note = note
+        session.commit()
+    console.print(f"alert {alert_id} {state}", highlight=False)
+
+
+NOTE_OPTION = typer.Option(None, "--note", help="Why (kept on the alert).")
+
+
+@app.command()
+def ack(alert_id: int = typer.Argument(..., help="Alert id."), note: str = NOTE_OPTION):
+    """Acknowledge an alert: someone is on it."""
+    from orchestrator.db.models import AlertState
+
+    _triage(alert_id, AlertState.acknowledged, note)
+
+
+@app.command()
+def invalidate(alert_id: int = typer.Argument(..., help="Alert id."), note: str = NOTE_OPTION):
+    """Mark an alert invalid (noise, a broken device): its build becomes a baseline again."""
+    from orchestrator.db.models import AlertState
+
+    _triage(alert_id, AlertState.invalid, note)
+
+
+@app.command()
+def fixed(alert_id: int = typer.Argument(..., help="Alert id."), note: str = NOTE_OPTION):
+    """Mark an alert fixed."""
+    from orchestrator.db.models import AlertState
+
+    _triage(alert_id, AlertState.fixed, note)
+
+
+# ---- farm results compare -----------------------------------------------------------------
+
+
+def compare(
+    builds: list[str] = typer.Option(..., "--build", help="Baseline build, then candidate build (give it twice)."),
+    device: str = typer.Option(None, "--device", help="Device serial (default: every device that ran both)."),
+    include_flagged: bool = typer.Option(False, "--include-flagged", help="Keep thermally flagged runs."),
+    as_json: bool = JSON_OPTION,
+):
+    """Compare two builds metric by metric: medians, ratio, confidence interval, verdict."""
+    from sqlalchemy import select
+
+    from orchestrator import analysis
+    from orchestrator.db import store
+    from orchestrator.db.models import Device, Job, JobKind
+
+    if len(builds) != 2:
+        fail("give --build twice: the baseline build, then the candidate build")
+    rows: list[dict[str, Any]] = []
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            base, cand = (store.get_build(session, b) for b in builds)
+            devices = [store.get_device(session, device)] if device else list(
+                session.scalars(select(Device).order_by(Device.serial)))
+        except store.StoreError as exc:
+            fail(str(exc))
+        for dev in devices:
+            specs = {analysis.SpecKey.of(spec or {}) for spec in session.scalars(select(Job.spec).where(
+                Job.device_id == dev.id, Job.build_id == cand.id, Job.kind == JobKind.latency))}
+            for spec in sorted(specs, key=repr):
+                base_runs = analysis.runs_of(session, dev.id, base.id, JobKind.latency, spec)
+                cand_runs = analysis.runs_of(session, dev.id, cand.id, JobKind.latency, spec)
+                if not base_runs or not cand_runs:
+                    continue
+                for metric in analysis.HEADLINE_METRICS:
+                    try:
+                        row = analysis.compare_builds(session, dev, spec, metric, base, base_runs, cand, cand_runs,
+                                                      include_flagged)
+                        if row is not None:
+                            rows.append(row)
+                    except ValueError as exc:
+                        rows.append({"device": dev.serial, "metric": metric, "verdict": "refused", "reason": str(exc)})
+    if not rows:
+        fail(f"no device ran latency jobs of both {builds[0]} and {builds[1]} with the same settings")
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table("device", "metric", builds[0], builds[1], "ratio", "95% CI", "p", "verdict",
+                  title=f"{builds[1]} against {builds[0]}")
+    for r in rows:
+        if r["verdict"] == "refused":
+            table.add_row(r["device"], r["metric"], "-", "-", "-", "-", "-", f"refused: {r['reason']}")
+            continue
+
+        def num(v):
+            return "-" if v is None else f"{v:,.1f}"
+
+        table.add_row(r["device"], r["metric"], f"{num(r['baseline_median'])} (n={r['n_baseline']})",
+                      f"{num(r['candidate_median'])} (n={r['n_candidate']})",
+                      "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+                      "-" if r["ci_low"] is None else f"{r['ci_low']:.3f}-{r['ci_high']:.3f}",
+                      "-" if r["p_value"] is None else f"{r['p_value']:.2g}", r["verdict"])
+    console.print(table)
+
+
+# ---- farm bisect --------------------------------------------------------------------------
+
+
+def bisect(
+    good: str = typer.Option(..., "--good", help="A build without the regression."),
+    bad: str = typer.Option(..., "--bad", help="A build with it."),
+    device: str = typer.Option(..., "--device", help="Device serial to run on."),
+    metric: str = typer.Option("unet_step_ms", "--metric", help="Metric that regressed."),
+    repetitions: int = typer.Option(10, "--repetitions", min=5, help="Repetitions per build run."),
+    timeout: float = typer.Option(3600.0, "--timeout", help="Seconds to wait for each build's run."),
+    as_json: bool = JSON_OPTION,
+):
+    """Find the first bad build between --good and --bad (builds in the order they were made)."""
+    from sqlalchemy import select
+
+    from orchestrator import analysis
+    from orchestrator.celery_app import make_celery
+    from orchestrator.db import store
+    from orchestrator.db.models import Batch, Build, JobKind
+    from orchestrator.tasks import launch_suite
+
+    if metric not in analysis.HEADLINE_METRICS:
+        fail(f"unknown metric {metric!r}; choose from {', '.join(analysis.HEADLINE_METRICS)}")
+    settings = _settings()
+    app = make_celery(settings)
+    steps: list[dict[str, Any]] = []
+    with open_store(settings) as sessions:
+        with sessions() as session:
+            try:
+                good_b, bad_b = store.get_build(session, good), store.get_build(session, bad)
+                dev = store.get_device(session, device)
+            except store.StoreError as exc:
+                fail(str(exc))
+            order = list(session.scalars(select(Build).order_by(Build.created, Build.id)))
+            ids = [b.id for b in order]
+            lo, hi = ids.index(good_b.id), ids.index(bad_b.id)
+            if lo >= hi:
+                fail(f"{good} must be older than {bad}")
+            candidates = [(b.id, b.name) for b in order[lo:hi + 1]]
+            bad_runs = analysis.runs_of(session, dev.id, bad_b.id, JobKind.latency)
+            if not bad_runs:
+                fail(f"{bad} has no latency runs on {device}: nothing says what to reproduce")
+            spec_dict = dict(analysis.job_spec(session, bad_runs[-1]))
+        spec = analysis.SpecKey.of(spec_dict)
+        job_spec = {k: v for k, v in spec_dict.items() if k not in ("job_id", "build", "kind")}
+        job_spec |= {"repetitions": repetitions, "unet_repetitions": repetitions}
+
+        @functools.cache  # each build is measured once; the good build is the baseline of every step
+        def measured(index: int) -> list:
+            build_id, name = candidates[index]
+            with sessions() as session:
+                pending = not analysis.runs_of(session, dev.id, build_id, JobKind.latency, spec)
+            if pending:
+                batch_id = launch_suite(app, f"bisect {good}..{bad} {name}", [{"kind": "latency", "spec": job_spec}],
+                                        build=build_id, devices=[device])
+                with console.status(f"running {name} on {device}"):
+                    deadline = time.monotonic() + timeout
+                    while True:
+                        with sessions() as session:
+                            if session.get(Batch, batch_id).finished_at is not None:
+                                break
+                        if time.monotonic() > deadline:
+                            fail(f"{name} did not finish on {device} within {timeout:g} s")
+                        time.sleep(1.0)
+            with sessions() as session:
+                return analysis.runs_of(session, dev.id, build_id, JobKind.latency, spec)
+
+        def is_bad(index: int) -> bool:
+            runs = measured(index)
+            base_runs = measured(0)
+            with sessions() as session:
+                good_row, row = session.get(Build, candidates[0][0]), session.get(Build, candidates[index][0])
+                result = analysis.compare_builds(session, session.get(type(dev), dev.id), spec, metric, good_row,
+                                                 base_runs, row, runs)
+            if result is None:
+                fail(f"neither {good_row.name} nor {row.name} measured {metric} on {device}")
+            steps.append({"build": candidates[index][1], "verdict": result["verdict"], "ratio": result["ratio"],
+                          "ci_low": result["ci_low"], "ci_high": result["ci_high"]})
+            if not as_json:
+                console.print(f"{candidates[index][1]}: {result['verdict']} "
+                              f"(ratio {result['ratio'] or float('nan'):.3f})", highlight=False)
+            if result["verdict"] == "inconclusive":
+                fail(f"{candidates[index][1]} is inconclusive against {good} ({result['reason']}); "
+                     "bisect again with more --repetitions")
+            return result["verdict"] == "regression"
+
+        low, high = 0, len(candidates) - 1  # low is good, high is bad
+        if not is_bad(high):
+            fail(f"{bad} does not regress {metric} against {good} on {device}: nothing to bisect")
+        while high - low > 1:
+            mid = (low + high) // 2
+            if is_bad(mid):
+                high = mid
+            else:
+                low = mid
+    first_bad = candidates[high][1]
+    if as_json:
+        _print_json({"first_bad": first_bad, "last_good": candidates[low][1], "steps": steps})
+        return
+    console.print(f"first bad build: [bold]{first_bad}[/] (last good: {candidates[low][1]})", highlight=False)

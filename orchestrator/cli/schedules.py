@@ -1,0 +1,170 @@
+"""`farm schedules ...`: recurring suites kept in the database (cron expression read in a time
+zone). Beat (`farm beat`) fires each due schedule once: the build (the newest at firing time,
+or a named one) is deployed to the schedule's devices, its jobs run on each, and the batch's
+analysis follows when the last job settles."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+
+app = typer.Typer(help="Nightly (or any cron) suites: deploy, run, analyse.", no_args_is_help=True)
+
+JOB_KINDS = ("generate", "latency", "tune")
+
+
+def schedule_dict(schedule, now: dt.datetime) -> dict[str, Any]:
+    from orchestrator.db import store
+
+    suite = schedule.suite or {}
+    next_at = (store.next_fire_time(schedule.cron, schedule.timezone, max(now, schedule.last_run_at or now))
+               if schedule.enabled else None)
+    return {"id": schedule.id, "name": schedule.name, "cron": schedule.cron, "timezone": schedule.timezone,
+            "enabled": schedule.enabled, "build": suite.get("build"), "devices": suite.get("devices"),
+            "jobs": suite.get("jobs"), "last_run_at": iso(schedule.last_run_at), "next_run_at": iso(next_at)}
+
+
+@app.command()
+def add(
+    name: str = typer.Argument(..., help="Schedule name."),
+    cron: str = typer.Option(..., "--cron", help="Five-field cron expression, e.g. '0 2 * * *' (02:00 daily)."),
+    timezone: str = typer.Option("UTC", "--tz", help="IANA time zone the cron expression is read in."),
+    build: str = typer.Option(None, "--build", help="Build to run (default: the newest build at firing time)."),
+    device: list[str] = typer.Option(None, "--device", "-d", help="Device serial (repeatable; default: all)."),
+    job: list[str] = typer.Option(None, "--job", help="Job kind to run on each device, in order (repeatable; "
+                                  "default: latency)."),
+    model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only one)."),
+    precision: str = typer.Option(None, "--precision", help="fp16 or fp32 (default: the agent's)."),
+    steps: int = typer.Option(None, "--steps", min=1, help="Denoising steps."),
+    resolution: int = typer.Option(None, "--resolution", min=8, help="Image height and width."),
+    repetitions: int = typer.Option(None, "--repetitions", min=1, help="Timed generations per latency job."),
+    profile: str = typer.Option(None, "--profile", help="Kernel profile (auto, reference, a name or a path)."),
+    prompt: str = typer.Option(None, "--prompt", help="Prompt of generate and latency jobs."),
+    seed: int = typer.Option(None, "--seed", help="Seed."),
+    disabled: bool = typer.Option(False, "--disabled", help="Add it disabled."),
+):
+    """Add a schedule."""
+    from orchestrator.db import store
+
+    kinds = job or ["latency"]
+    bad = [k for k in kinds if k not in JOB_KINDS]
+    if bad:
+        fail(f"unknown job kind {bad[0]!r}; choose from {', '.join(JOB_KINDS)}")
+    if precision is not None and precision not in ("fp16", "fp32"):
+        fail(f"unknown precision {precision!r}; choose fp16 or fp32")
+    spec = {key: value for key, value in {
+        "model": model, "precision": precision, "steps": steps, "repetitions": repetitions,
+        "profile": profile, "prompt": prompt, "seed": seed,
+        "height": resolution, "width": resolution}.items() if value is not None}
+    suite = {"build": build, "devices": list(dict.fromkeys(device)) if device else "all",
+             "jobs": [{"kind": kind, "spec": spec} for kind in kinds]}
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        try:
+            if build is not None:
+                store.get_build(session, build)
+            for serial in device or ():
+                store.get_device(session, serial)
+            schedule = store.create_schedule(session, name, cron, timezone, suite, enabled=not disabled)
+        except store.StoreError as exc:
+            fail(str(exc))
+        session.commit()
+        data = schedule_dict(schedule, store.utcnow())
+    console.print(f"added schedule [bold]{name}[/] ({cron} {timezone}); next run {data['next_run_at'] or '-'}",
+                  highlight=False)
+
+
+@app.command("list")
+def list_schedules(as_json: bool = JSON_OPTION):
+    """List the schedules with their next firing."""
+    from sqlalchemy import select
+
+    from orchestrator.db import store
+    from orchestrator.db.models import Schedule
+
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        now = store.utcnow()
+        rows = [schedule_dict(s, now) for s in session.scalars(select(Schedule).order_by(Schedule.name))]
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table()
+    table.add_column("name", no_wrap=True)
+    for header in ("when", "on", "build", "devices", "jobs", "next run (UTC)"):
+        table.add_column(header)
+    for r in rows:
+        devices = r["devices"] if isinstance(r["devices"], str) else ", ".join(r["devices"] or [])
+        next_run = r["next_run_at"][:16].replace("T", " ") if r["next_run_at"] else "-"
+        table.add_row(r["name"], f"{r['cron']} {r['timezone']}", "yes" if r["enabled"] else "no",
+                      r["build"] or "newest", devices, ", ".join(j["kind"] for j in r["jobs"] or []), next_run)
+    console.print(table)
+
+
+def _set_enabled(name: str, enabled: bool) -> None:
+    from orchestrator.db import store
+
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        try:
+            schedule = store.get_schedule(session, name)
+        except store.StoreError as exc:
+            fail(str(exc))
+        if enabled and not schedule.enabled:
+            schedule.last_run_at = store.utcnow()  # resume from now: no burst of missed firings
+        schedule.enabled = enabled
+        session.commit()
+    console.print(f"schedule {name} {'enabled' if enabled else 'disabled'}", highlight=False)
+
+
+@app.command()
+def enable(name: str = typer.Argument(..., help="Schedule name.")):
+    """Enable a schedule (it fires from now on)."""
+    _set_enabled(name, True)
+
+
+@app.command()
+def disable(name: str = typer.Argument(..., help="Schedule name.")):
+    """Disable a schedule (kept, not fired)."""
+    _set_enabled(name, False)
+
+
+@app.command()
+def remove(name: str = typer.Argument(..., help="Schedule name.")):
+    """Remove a schedule (its past jobs and results stay)."""
+    from orchestrator.db import store
+
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        try:
+            session.delete(store.get_schedule(session, name))
+        except store.StoreError as exc:
+            fail(str(exc))
+        session.commit()
+    console.print(f"removed schedule {name}", highlight=False)
+
+
+@app.command("run-now")
+def run_now(name: str = typer.Argument(..., help="Schedule name.")):
+    """Fire a schedule now (its regular firings are unchanged)."""
+    from orchestrator.celery_app import make_celery
+    from orchestrator.db import store
+    from orchestrator.tasks import fire_schedule
+
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        try:
+            schedule_id = store.get_schedule(session, name).id
+        except store.StoreError as exc:
+            fail(str(exc))
+    try:
+        batch_id = fire_schedule(make_celery(settings), schedule_id, store.utcnow())
+    except store.StoreError as exc:
+        fail(str(exc))
+    console.print(f"schedule {name} fired: batch {batch_id}; follow it with `farm jobs list --batch {batch_id}`",
+                  highlight=False)

@@ -1,0 +1,162 @@
+"""`farm worker`, `farm beat` and `farm up`: the processes that do the farm's work. A worker
+drives the devices plugged into its host (queue host.<name>) plus shared maintenance work;
+beat ticks the database's schedules and the stale-job sweep; `up` runs the whole embedded
+stack (worker, beat, virtual phones) in one process tree until Ctrl-C."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from .devices import _settings, console, fail, open_store
+
+HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM_HOST_NAME, else the OS host name).")
+
+
+def register_devices(settings, entries: list[tuple[str, str, str]]) -> None:
+    """Record `entries` (serial, transport, address) as devices plugged into this host."""
+    from orchestrator.db import store
+
+    with open_store(settings) as sessions, sessions() as session:
+        for serial, transport, address in entries:
+            store.upsert_device(session, serial, transport, address, host=settings.host_name)
+        store.get_or_create_host(session, settings.host_name)
+        session.commit()
+
+
+def worker(
+    host: str = HOST_OPTION,
+    concurrency: int = typer.Option(2, "--concurrency", "-c", min=1, help="Jobs this worker runs at once "
+                                    "(one per device it drives is typical)."),
+    device: list[str] = typer.Option(None, "--device", help="SERIAL=TRANSPORT:ADDRESS of a device plugged into "
+                                     "this host (repeatable; FARM_DEVICES adds more)."),
+    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
+):
+    """Run a Celery worker for this host's devices (queues host.<name> and farm)."""
+    from orchestrator.celery_app import make_celery, worker_queues
+    from orchestrator.settings import parse_device_entry
+
+    settings = _settings(host_name=host)
+    try:
+        entries = settings.device_entries() + [parse_device_entry(d) for d in device or []]
+    except ValueError as exc:
+        fail(str(exc))
+    register_devices(settings, entries)
+    app = make_celery(settings)
+    app.worker_main(["worker", "-Q", ",".join(worker_queues(settings)), "-c", str(concurrency),
+                     "-n", f"farm@{settings.host_name}", "--without-gossip", "--without-mingle",
+                     "-l", loglevel])
+
+
+def beat(loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level.")):
+    """Run Celery beat: fires the database's schedules (`farm schedules`) and sweeps stale jobs.
+    Run one per farm (a second one fires nothing twice, but wastes work)."""
+    from orchestrator.celery_app import make_celery
+
+    settings = _settings()
+    with open_store(settings):
+        pass  # refuse to start against a database that is not at head
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    app = make_celery(settings)
+    app.start(["beat", "-s", str(settings.data_dir / "celerybeat-schedule"), "-l", loglevel])
+
+
+def up(
+    phones: int = typer.Option(2, "--phones", min=0, help="Virtual phones to start (reached over ADB)."),
+    host_gpu: bool = typer.Option(True, "--host-gpu/--no-host-gpu", help="Register this host's GPU as a device "
+                                  "(local transport)."),
+    concurrency: int = typer.Option(None, "--concurrency", "-c", help="Worker concurrency (default: one per device)."),
+):
+    """Run the embedded stack until Ctrl-C: a worker, beat and virtual phones, with this host's
+    GPU as a device. Every process it started is stopped when it returns."""
+    settings = _settings()
+    with open_store(settings):
+        pass
+    with start_stack(settings, phones=phones, host_gpu=host_gpu, concurrency=concurrency, beat=True) as stack:
+        console.print(f"[bold green]farm up[/]: {len(stack.devices)} devices on host {settings.host_name} "
+                      f"({', '.join(stack.devices)}); logs in {stack.stack.log_dir}. Ctrl-C stops everything.")
+        try:
+            while True:
+                stack.stack.check_alive()
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            console.print("stopping the stack")
+        except Exception as exc:  # noqa: BLE001  (a child died: say which, then stop the rest)
+            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(1) from None
+
+
+class RunningStack:
+    """The embedded stack with its devices registered; `with` stops it."""
+
+    def __init__(self, settings, stack, devices: list[str]):
+        self.settings, self.stack, self.devices = settings, stack, devices
+
+    def __enter__(self) -> RunningStack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with console.status("stopping worker, beat and phones"):
+            self.stack.stop()
+
+
+HOST_GPU_SERIAL = "host-gpu"
+
+
+def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | None, beat: bool) -> RunningStack:
+    """Start phones, register them (and the host GPU) as devices of this host, start the worker
+    (and beat), probe every device; stops what it started when anything fails."""
+    from agent.bundle import provision_public_key
+    from orchestrator.celery_app import make_celery
+    from orchestrator.stack import Stack, StackError
+
+    from .builds import PUBLIC_KEY, farm_key
+
+    farm_key(settings.config_dir)
+    public = settings.config_dir / PUBLIC_KEY
+    stack = Stack(settings)
+    try:
+        entries = []
+        if host_gpu:
+            root = settings.data_dir / "devices" / HOST_GPU_SERIAL
+            provision_public_key(root, public)
+            entries.append((HOST_GPU_SERIAL, "local", str(root)))
+        with console.status(f"starting {phones} virtual phones"):
+            for index in range(1, phones + 1):
+                serial = f"vphone-{index}"
+                _, port = stack.start_phone(serial, public, model="Pixel 7" if index % 2 else "Galaxy S23 Ultra")
+                entries.append((serial, "adb", f"127.0.0.1:{port}"))
+        if not entries:
+            fail("no devices: start phones (--phones N) or keep the host GPU")
+        register_devices(settings, entries)
+        with console.status("starting the worker"):
+            stack.start_worker(concurrency or len(entries))
+            if beat:
+                stack.start_beat()
+            stack.wait_worker_ready(make_celery(settings))
+        _probe_all(settings, [serial for serial, _, _ in entries])
+    except StackError as exc:
+        stack.stop()
+        fail(str(exc))
+    except BaseException:
+        stack.stop()
+        raise
+    return RunningStack(settings, stack, [serial for serial, _, _ in entries])
+
+
+def _probe_all(settings, serials: list[str]) -> None:
+    from sqlalchemy import select
+
+    from orchestrator.db.models import Device
+
+    from .devices import probe
+
+    with open_store(settings) as sessions:
+        with sessions() as session:
+            devices = list(session.scalars(select(Device).where(Device.serial.in_(serials))))
+        with console.status("probing devices"):
+            for device in devices:
+                outcome = probe(settings, sessions, device)
+                if outcome["error"]:
+                    console.print(f"[yellow]warning:[/] {device.serial}: {outcome['error']}", highlight=False)

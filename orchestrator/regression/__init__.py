@@ -1,0 +1,70 @@
+"""Regression analysis as pure functions over plain data: no database, no SQLAlchemy. The store
+fetches samples and writes Alert rows; the CLI and the nightly analysis call these.
+
+API (docs/regression.md has the method and its measured quality):
+
+    SeriesKey(device, os_driver, model, resolution, steps, precision, profile, metric)
+        .canonical() -> str             canonical JSON, SeriesSetting.series_key
+        .parse(text) -> SeriesKey        its inverse;  .as_dict() for Alert.series
+    check_series(samples: Iterable[SeriesSample], *, flagged_runs=(), include_flagged=False)
+        -> CheckedSeries(key, unit, values, excluded_runs)
+        ValueError on mixed keys, mixed units or non-finite values; samples of flagged runs
+        are left out unless include_flagged.
+    compare(baseline, candidate, *, min_effect=0.03, higher_is_worse=True, alpha=0.01,
+            confidence=0.95, n_boot=2000, seed=0, min_samples=5, max_repetitions=40)
+        -> Comparison(verdict, reason, medians, ratio, ci_low, ci_high, p_value,
+                      p_mannwhitney, p_ks, more_repetitions_suggested, ...)
+        verdict in "regression" | "improvement" | "same" | "inconclusive". The interval is a
+        percentile bootstrap of median(candidate) / median(baseline); p is
+        min(1, 2 * min(Mann-Whitney U, Kolmogorov-Smirnov)), both two-sided (Bonferroni for
+        taking the smaller). A change is called only when p <= alpha AND the whole interval
+        lies beyond 1 +/- min_effect; "same" when the whole interval lies inside it; fewer
+        than min_samples in either build is always "inconclusive". When inconclusive,
+        more_repetitions_suggested (> 0) is how many repetitions to add to each build before
+        comparing again, bounded so that no build exceeds max_repetitions; 0 there means the
+        inconclusive verdict is final.
+    detect_change_points(history, *, min_segment=3, sig_level=0.01, n_permutations=199,
+                         seed=0) -> list[ChangePoint(index, p_value, q, median_before,
+                                                     median_after, ratio)]
+        E-Divisive with a permutation test on per-build values (or sample groups, reduced to
+        their medians), in build order.
+    attribute(baseline, candidate, *, top=10) -> list[KernelMove(kernel, baseline_ms,
+                                                  candidate_ms, delta_ms, share)]
+        per-kernel total ms per repetition in, movers sorted by |delta_ms| out.
+    psnr(a, b) -> float;  compare_images(previous, current, *, min_psnr_db=30.0)
+        -> ImageCheck(psnr_db, changed)   uint8 (H, W, 3) arrays or PNG paths; inf if equal.
+    thermal_flag(*, cooldown_timed_out, readings=(), throttle_celsius=85.0,
+                 max_start_celsius=None) -> ThermalFlag(flagged, reasons, hottest_before,
+                                                        hottest_after)
+
+Comparisons exclude flagged runs by default: flag each run with thermal_flag(), pass the
+flagged run ids to check_series(), and compare() the values it returns.
+"""
+
+from orchestrator.regression.attribution import KernelMove, attribute
+from orchestrator.regression.changepoint import ChangePoint, detect_change_points
+from orchestrator.regression.compare import Comparison, Verdict, compare
+from orchestrator.regression.fidelity import ImageCheck, compare_images, load_image, psnr
+from orchestrator.regression.series import CheckedSeries, SeriesKey, SeriesSample, check_series
+from orchestrator.regression.thermal import ThermalFlag, ThermalReading, thermal_flag
+
+__all__ = [
+    "ChangePoint",
+    "CheckedSeries",
+    "Comparison",
+    "ImageCheck",
+    "KernelMove",
+    "SeriesKey",
+    "SeriesSample",
+    "ThermalFlag",
+    "ThermalReading",
+    "Verdict",
+    "attribute",
+    "check_series",
+    "compare",
+    "compare_images",
+    "detect_change_points",
+    "load_image",
+    "psnr",
+    "thermal_flag",
+]

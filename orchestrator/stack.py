@@ -1,0 +1,154 @@
+"""The embedded stack: a Celery worker, beat and virtual phones as child processes of one
+command (`farm up`, `farm demo`), each in its own process group with its log under
+<data_dir>/logs, stopped together: SIGTERM to every group (a worker finishes or hands back its
+task: acks are late), then SIGKILL to whatever is left after a grace period. The broker is
+whatever the settings say: the embedded filesystem broker needs no process of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.settings import Settings
+
+STOP_GRACE_S = 20.0
+READY_TIMEOUT_S = 60.0
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+class StackError(RuntimeError):
+    """A process of the stack failed to start; the message names it and quotes its log."""
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that gives a child process these settings (FARM_* variables)."""
+    env = dict(os.environ)
+    for name in ("FARM_BROKER_URL", "FARM_DEVICES"):
+        env.pop(name, None)
+    env.update(FARM_DATA_DIR=str(settings.data_dir), FARM_CONFIG_DIR=str(settings.config_dir),
+               FARM_DATABASE_URL=str(settings.database_url), FARM_HOST_NAME=settings.host_name)
+    if settings.broker_url:
+        env["FARM_BROKER_URL"] = settings.broker_url
+    return env
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log: Path
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def log_dir(self) -> Path:
+        return self.settings.data_dir / "logs"
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        with open(log, "w") as out:
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=settings_env(self.settings), start_new_session=True)
+        child = Child(name, process, log)
+        self.children.append(child)
+        return child
+
+    def _farm(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "orchestrator.cli", *args]
+
+    def start_worker(self, concurrency: int, name: str = "worker") -> Child:
+        return self._spawn(name, self._farm("worker", "--concurrency", str(concurrency)))
+
+    def start_beat(self) -> Child:
+        return self._spawn("beat", self._farm("beat"))
+
+    def start_phone(self, serial: str, trust: Path, model: str = "Pixel 7") -> tuple[Child, int]:
+        """A virtual phone on a free port of 127.0.0.1, its filesystem kept in
+        <data_dir>/phones/<serial> (so a later stack finds what was deployed); returns the port."""
+        root = self.settings.data_dir / "phones" / serial
+        child = self._spawn(f"phone-{serial}", [
+            sys.executable, "-m", "agent.cli", "simulate", "--port", "0", "--serial", serial,
+            "--model", model, "--root", str(root), "--trust", str(trust)])
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            match = LISTENING.search(child.log.read_text(errors="replace"))
+            if match:
+                return child, int(match.group(2))
+            if child.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise StackError(f"virtual phone {serial} did not start:\n{child.tail()}")
+
+    def wait_worker_ready(self, app, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Round-trip a ping through this host's queue: the worker is consuming."""
+        from celery.exceptions import TimeoutError as CeleryTimeout
+
+        from orchestrator.celery_app import host_queue
+
+        result = app.signature("orchestrator.tasks.ping", args=(1.0,)).apply_async(
+            queue=host_queue(self.settings.host_name))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                result.get(timeout=1.0)
+                return
+            except CeleryTimeout:
+                continue
+        raise StackError(f"the worker did not answer within {timeout_s:g} s:\n{self._tail('worker')}")
+
+    def _tail(self, name: str) -> str:
+        return next((c.tail() for c in self.children if c.name == name), "")
+
+    def check_alive(self) -> None:
+        """StackError naming the first child that exited."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise StackError(f"{child.name} exited with code {code}:\n{child.tail()}")
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every process group, wait up to `grace_s`, SIGKILL what is left; afterwards no
+        process this stack started is running."""
+        for child in self.children:
+            _signal_group(child.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in self.children:
+            _signal_group(child.process, signal.SIGKILL)  # the group: prefork children too
+            child.process.wait()
+        self.children.clear()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)  # start_new_session: the group id is the leader's pid
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,244 @@
+"""The batch analysis on the store (SQLite and PostgreSQL), fresh random samples with fixed
+seeds: a 30% slower build is a regression attributed to the kernel that moved, an unchanged
+one raises nothing, a regressed build is not a baseline while its alert is open, thermally
+flagged runs are left out, mixed units are refused, a changed image is a fidelity alert, a
+silent device a data-stoppage alert (once); then `farm regressions`, `farm results compare` and
+`farm bisect` through CliRunner on recorded runs (bisect finds the first bad build without
+running anything: every build already has its runs)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import numpy as np
+import pytest
+from PIL import Image as PILImage
+from typer.testing import CliRunner
+
+from agent.protocol import (
+    Artifact,
+    JobResult,
+    KernelTiming,
+    Manifest,
+    ManifestFile,
+    Sample,
+    ThermalReading,
+)
+from orchestrator import analysis
+from orchestrator.cli import app
+from orchestrator.db import make_engine, make_session_factory, store, upgrade
+from orchestrator.db.models import Alert, AlertKind, AlertState, JobState
+
+SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
+BASE_MS = 100.0
+
+
+def _manifest(name: str, created: float) -> Manifest:
+    return Manifest(build=name, version="0.1.0", created=created,
+                    files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)])
+
+
+def _latency(rng, slow: float, *, timed_out: bool = False, unit: str = "ms", reps: int = 10) -> JobResult:
+    """A latency result: UNet steps ~ BASE_MS * slow (2% lognormal noise); the attention kernel
+    carries the slowdown, conv2d stays put."""
+    steps = BASE_MS * slow * rng.lognormal(0.0, 0.02, reps)
+    kernels = []
+    for r in range(reps):
+        kernels += [KernelTiming("attention/flash", 4, 40.0 * slow + (slow - 1) * 60 + rng.normal(0, 0.3), r),
+                    KernelTiming("conv2d", 10, 50.0 + rng.normal(0, 0.3), r)]
+    return JobResult(job_id="j", kind="latency", status="succeeded", cooldown_timed_out=timed_out,
+                     samples=[Sample("unet_step_ms", float(v), unit, r) for r, v in enumerate(steps)],
+                     kernel_timings=kernels, thermal=[ThermalReading("before", "gpu", 35.0)])
+
+
+def _record(session, device_id: int, build_id: int, kind: str, result: JobResult, batch_id: int | None = None,
+            artifacts_dir=None) -> int:
+    job = store.create_job(session, kind, SPEC, device_id, build_id, batch_id=batch_id)
+    store.transition_job(session, job.id, JobState.running, worker="w")
+    store.record_result(session, job.id, result, artifacts_dir=artifacts_dir)
+    store.transition_job(session, job.id, JobState.succeeded)
+    return job.id
+
+
+@pytest.fixture
+def farm(Session):  # noqa: N803
+    """Device p1 and builds b1..b5, one day apart; b1, b2 at 100 ms, b3..b5 30% slower."""
+    rng = np.random.default_rng(20261121)
+    with Session() as s, s.begin():
+        device = store.upsert_device(s, "p1", "local", "/tmp/p1", host="h")
+        builds = [store.create_build(s, _manifest(f"b{i}", 1_700_000_000.0 + 86400 * i)) for i in range(1, 6)]
+        batches = {}
+        for build, slow in zip(builds, (1.0, 1.0, 1.3, 1.3, 1.3), strict=True):
+            batch = store.create_batch(s, f"nightly {build.name}", build_id=build.id)
+            _record(s, device.id, build.id, "latency", _latency(rng, slow), batch.id)
+            batches[build.name] = batch.id
+    return {"Session": Session, "device_id": device.id, "builds": {b.name: b.id for b in builds},
+            "batches": batches, "rng": rng}
+
+
+def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
+    Session = farm["Session"]  # noqa: N806
+    with Session() as s, s.begin():
+        same = analysis.analyze_batch(s, farm["batches"]["b2"])
+        regressed = analysis.analyze_batch(s, farm["batches"]["b3"])
+        later = analysis.analyze_batch(s, farm["batches"]["b4"])
+    (c2,) = [c for c in same["comparisons"] if c["metric"] == "unet_step_ms"]
+    # 10 samples of 2% noise each: no change is "same" or, when the interval is wider than the
+    # 3% minimum effect, "inconclusive" with more repetitions asked for; never an alert.
+    assert c2["baseline_build"] == "b1" and same["alerts"] == []
+    assert c2["verdict"] == "same" or (c2["verdict"] == "inconclusive" and c2["more_repetitions_suggested"] > 0)
+    assert same["more_repetitions"] == ([] if c2["verdict"] == "same" else [same["more_repetitions"][0]])
+    (c3,) = [c for c in regressed["comparisons"] if c["metric"] == "unet_step_ms"]
+    assert c3["baseline_build"] == "b2" and c3["verdict"] == "regression" and 1.25 < c3["ratio"] < 1.35
+    # b3 has an open regression alert: b4 is compared with b2, the last accepted build.
+    (c4,) = [c for c in later["comparisons"] if c["metric"] == "unet_step_ms"]
+    assert c4["baseline_build"] == "b2" and c4["verdict"] == "regression"
+    with Session() as s:
+        alert = s.get(Alert, regressed["alerts"][0])
+        assert (alert.kind, alert.state, alert.metric) == (AlertKind.regression, AlertState.new, "unet_step_ms")
+        assert alert.baseline_build.name == "b2" and alert.ci_low > 1.03
+        top = alert.detail["attribution"][0]
+        assert top["kernel"] == "attention/flash" and top["share"] > 0.9
+        assert alert.detail["attribution_by_op"][0]["op"] == "attention"
+        assert alert.series["device"] == "p1" and alert.series["metric"] == "unet_step_ms"
+    # Invalidated, b3 becomes a baseline again: b5 (as slow as b3) is then "same" against it.
+    with Session() as s, s.begin():
+        for alert_id in regressed["alerts"]:
+            s.get(Alert, alert_id).state = AlertState.invalid
+        newest = analysis.analyze_batch(s, farm["batches"]["b5"])
+    (c5,) = [c for c in newest["comparisons"] if c["metric"] == "unet_step_ms"]
+    assert c5["baseline_build"] == "b4" or c5["baseline_build"] == "b3"
+    assert c5["verdict"] != "regression"
+
+
+def test_flagged_runs_left_out_and_mixed_units_refused(farm):
+    Session = farm["Session"]  # noqa: N806
+    rng = farm["rng"]
+    with Session() as s, s.begin():
+        b6 = store.create_build(s, _manifest("b6", 1_700_000_000.0 + 86400 * 6))
+        batch = store.create_batch(s, "hot", build_id=b6.id)
+        _record(s, farm["device_id"], b6.id, "latency", _latency(rng, 1.3, timed_out=True), batch.id)
+        report = analysis.analyze_batch(s, batch.id)
+    (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
+    assert c["verdict"] == "inconclusive" and c["n_candidate"] == 0 and len(c["excluded_runs"]) == 1
+    assert report["alerts"] == []
+    with Session() as s, s.begin():
+        b7 = store.create_build(s, _manifest("b7", 1_700_000_000.0 + 86400 * 7))
+        batch = store.create_batch(s, "seconds", build_id=b7.id)
+        _record(s, farm["device_id"], b7.id, "latency", _latency(rng, 1.0, unit="s"), batch.id)
+        report = analysis.analyze_batch(s, batch.id)
+    (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
+    assert c["verdict"] == "refused" and "ms" in c["reason"] and "s" in c["reason"]
+
+
+def test_changed_image_and_silent_device_raise_alerts(farm, tmp_path):
+    Session = farm["Session"]  # noqa: N806
+    rng = np.random.default_rng(7)
+    pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    paths = []
+    for name, img in (("same1", pixels), ("same2", pixels.copy()), ("changed", 255 - pixels)):
+        path = tmp_path / f"{name}.png"
+        PILImage.fromarray(img).save(path)
+        paths.append(path)
+    ids = farm["builds"]
+    with Session() as s, s.begin():
+        for build, path in (("b1", paths[0]), ("b2", paths[1]), ("b3", paths[2])):
+            result = JobResult(job_id="g", kind="generate", status="succeeded",
+                               artifacts=[Artifact(path.name, "0" * 64, path.stat().st_size, "image")])
+            _record(s, farm["device_id"], ids[build], "generate", result, farm["batches"][build], tmp_path)
+    with Session() as s, s.begin():
+        unchanged = analysis.analyze_batch(s, farm["batches"]["b2"], now=_now(s))
+        changed = analysis.analyze_batch(s, farm["batches"]["b3"], now=_now(s))
+    assert [f["changed"] for f in unchanged["fidelity"]] == [False] and unchanged["fidelity"][0]["psnr_db"] == float("inf")
+    assert [f["changed"] for f in changed["fidelity"]] == [True]
+    with Session() as s:
+        fidelity = [s.get(Alert, i) for i in changed["alerts"] if s.get(Alert, i).kind == AlertKind.fidelity]
+        assert len(fidelity) == 1 and fidelity[0].detail["images"]["after"].endswith("changed.png")
+        assert fidelity[0].baseline_build.name == "b2"
+    # Three days without a run: one data-stoppage alert, not one per analysis.
+    with Session() as s, s.begin():
+        later = _now(s) + dt.timedelta(days=3)
+        first = analysis.raise_stoppages(s, later)
+        again = analysis.raise_stoppages(s, later)
+    assert len(first) == 1 and again == []
+    with Session() as s:
+        assert s.get(Alert, first[0]).kind == AlertKind.data_stoppage
+
+
+def _now(session) -> dt.datetime:
+    return store.utcnow()
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'farm.db'}"
+    monkeypatch.setenv("FARM_DATABASE_URL", url)
+    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
+    upgrade(url)
+    engine = make_engine(url)
+    runner = CliRunner()
+
+    def invoke(*args: str, code: int = 0):
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == code, result.output
+        return result
+
+    invoke.Session = make_session_factory(engine)
+    yield invoke
+    engine.dispose()
+
+
+def test_regressions_compare_and_bisect_cli(cli):
+    rng = np.random.default_rng(11)
+    with cli.Session() as s, s.begin():
+        device = store.upsert_device(s, "p1", "local", "/tmp/p1", host="h")
+        for i, slow in enumerate((1.0, 1.0, 1.0, 1.3, 1.3, 1.3), start=1):
+            build = store.create_build(s, _manifest(f"b{i}", 1_700_000_000.0 + 86400 * i))
+            batch = store.create_batch(s, f"nightly b{i}", build_id=build.id)
+            _record(s, device.id, build.id, "latency", _latency(rng, slow), batch.id)
+            if i == 4:
+                b4_batch = batch.id
+        report = analysis.analyze_batch(s, b4_batch)
+    alert_id = report["alerts"][0]
+
+    listed = json.loads(cli("regressions", "list", "--json").output)
+    assert [a["id"] for a in listed] == [alert_id] and listed[0]["build"] == "b4"
+    assert listed[0]["detail"]["attribution_by_op"][0]["op"] == "attention"
+    assert "regression" in cli("regressions", "list").output
+    shown = cli("regressions", "show", str(alert_id)).output
+    assert "attention/flash" in shown and "b3" in shown
+    cli("regressions", "ack", str(alert_id), "--note", "looking")
+    assert json.loads(cli("regressions", "list", "--json").output)[0]["state"] == "acknowledged"
+    cli("regressions", "invalidate", str(alert_id))
+    assert json.loads(cli("regressions", "list", "--json").output) == []
+    assert json.loads(cli("regressions", "list", "--all", "--json").output)[0]["note"] == "looking"
+
+    rows = json.loads(cli("results", "compare", "--build", "b1", "--build", "b6", "--json").output)
+    (step,) = [r for r in rows if r["metric"] == "unet_step_ms"]
+    assert step["verdict"] == "regression" and step["baseline_build"] == "b1" and 1.2 < step["ratio"] < 1.4
+    rows = json.loads(cli("results", "compare", "--build", "b1", "--build", "b2", "--json").output)
+    assert {r["metric"] for r in rows} == {"unet_step_ms"}  # the only metric these runs measured
+    assert all(r["verdict"] in ("same", "inconclusive") for r in rows if r["verdict"] != "refused")
+    assert "b2 against b1" in cli("results", "compare", "--build", "b1", "--build", "b2").output
+
+    found = json.loads(cli("bisect", "--good", "b1", "--bad", "b6", "--device", "p1", "--json").output)
+    assert found["first_bad"] == "b4" and found["last_good"] == "b3"
+    assert [step["build"] for step in found["steps"]][0] == "b6"  # the bad end is confirmed first
+    assert "first bad build: b4" in cli("bisect", "--good", "b1", "--bad", "b6", "--device", "p1").output
+
+    for args, message in ((["regressions", "show", "999"], "no alert 999"),
+                          (["regressions", "ack", "999"], "no alert 999"),
+                          (["regressions", "list", "--state", "sleepy"], "sleepy"),
+                          (["regressions", "list", "--device", "ghost"], "no device 'ghost'"),
+                          (["results", "compare", "--build", "b1"], "give --build twice"),
+                          (["results", "compare", "--build", "b1", "--build", "nope"], "no build 'nope'"),
+                          (["bisect", "--good", "b6", "--bad", "b1", "--device", "p1"], "must be older"),
+                          (["bisect", "--good", "b1", "--bad", "b2", "--device", "p1"], "nothing to bisect")):
+        result = cli(*args, code=1)
+        assert message in result.output and "Traceback" not in result.output, result.output
+

@@ -1,0 +1,100 @@
+"""`farm demo`, the README's main command, as a user runs it: a fresh machine (empty XDG
+folders, no FARM_* configuration), twice. Each run packs build A (kernels chosen per GPU) and
+build B (every reference kernel), deploys and measures both on every device, and analyses
+them. The issue's acceptance scenario is checked on what it stored: B regresses the UNet step
+on every device with attention and convolution at the top of the attribution, A raises no
+alert against the previous A; the second run sends only what the devices lack; the dashboard
+shows the alerts; no process the demo started is left running."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
+
+from orchestrator.db.models import Alert, AlertKind, Batch, Deployment, Job, JobState
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _processes_with(marker: str) -> list[str]:
+    """Command lines of live processes whose environment contains `marker`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
+def test_demo_twice_on_a_fresh_machine(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
+    env |= {"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+            "COLUMNS": "200", "DEMO_TEST_MARKER": str(tmp_path)}
+    outputs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "--phones", "1", "--steps", "2"],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+        outputs.append(done.stdout + done.stderr)
+        assert done.returncode == 0, outputs[-1][-6000:]
+        assert _processes_with(f"DEMO_TEST_MARKER={tmp_path}") == []  # every process it started is gone
+
+    data = tmp_path / "data" / "devicefarm"
+    engine = create_engine(f"sqlite:///{data / 'farm.db'}")
+    try:
+        with Session(engine) as session:
+            batches = session.scalars(select(Batch).order_by(Batch.id)).all()
+            assert [b.build.name[-2:] for b in batches] == ["-a", "-b", "-a", "-b"]
+            for batch in batches:
+                jobs = session.scalars(select(Job).where(Job.batch_id == batch.id)).all()
+                assert sorted(j.kind for j in jobs) == ["generate", "generate", "latency", "latency"]
+                assert {j.state for j in jobs} == {JobState.succeeded}, [j.error for j in jobs]
+                assert batch.summary is not None and batch.finished_at is not None
+            for index, batch in enumerate(batches):
+                for dep in session.scalars(select(Deployment).where(Deployment.batch_id == batch.id)):
+                    if index == 0:
+                        assert dep.files_sent > 50  # engine, shaders, agent, model: all new to the device
+                    else:  # the same checkout and model: only the manifest-level files differ
+                        assert dep.files_sent < 5 and dep.files_skipped > 50, (dep.files_sent, dep.files_skipped)
+
+            # Acceptance: B regresses the UNet step on every device, attention and convolution first.
+            alerts = session.scalars(select(Alert).where(Alert.kind == AlertKind.regression)).all()
+            b_builds = {batches[1].build_id, batches[3].build_id}
+            assert {a.build_id for a in alerts} <= b_builds, [a.summary for a in alerts]  # none for A
+            for batch in (batches[1], batches[3]):
+                step = [a for a in alerts if a.build_id == batch.build_id and a.metric == "unet_step_ms"]
+                assert sorted(a.device.serial for a in step) == ["host-gpu", "vphone-1"], \
+                    batch.summary["analysis"]["comparisons"]
+                for alert in step:
+                    assert alert.ratio > 1.1 and alert.ci_low > 1.03
+                    top = [m["op"] for m in alert.detail["attribution_by_op"][:2]]
+                    assert set(top) == {"attention", "conv2d"}, alert.detail["attribution_by_op"]
+            # The second A is compared with the first A (B is not accepted while its alerts are open).
+            second_a = [c for c in batches[2].summary["analysis"]["comparisons"] if c.get("metric") == "unet_step_ms"]
+            assert {c["baseline_build"] for c in second_a} == {batches[0].build.name}
+            assert all(c["verdict"] != "regression" for c in second_a)
+            images = [row["image"] for row in batches[3].summary["jobs"] if row["kind"] == "generate"]
+            assert len(images) == 2 and all(Path(p).is_file() for p in images)
+            names = [b.build.name for b in batches]
+            alert_ids = [a.id for a in alerts]
+    finally:
+        engine.dispose()
+    # The second run's output: both of its builds' tables, the analysis, the dashboard.
+    for name in names[2:]:
+        assert f"build {name}" in outputs[1]
+    for column in ("UNet step ms", "end-to-end ms", "peak GPU MiB", "cool-down s", "regression"):
+        assert column in outputs[1]
+    index = data / "dashboard" / "index.html"
+    assert index.is_file()
+    for alert_id in alert_ids:
+        assert (data / "dashboard" / "alerts" / f"alert-{alert_id}.html").is_file()

@@ -1,0 +1,91 @@
+"""The embedded broker's transport (orchestrator/fsbroker.py) through kombu's public API: a
+message is delivered whole and once while producers in other processes write large messages
+and several consumers poll the same folder, and an undecodable file in the queue is set aside
+without stopping the consumer or losing the messages behind it."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+from kombu import Connection
+
+from orchestrator import fsbroker  # noqa: F401  (registers farmfs://)
+
+QUEUE = "fsbroker-test"
+
+
+def _options(root: Path) -> dict:
+    for name in ("queue", "processed", "control"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+    return {"data_folder_in": str(root / "queue"), "data_folder_out": str(root / "queue"),
+            "processed_folder": str(root / "processed"), "control_folder": str(root / "control"),
+            "store_processed": False, "polling_interval": 0.01}
+
+
+def _produce(root: str, producer: int, count: int) -> None:
+    with Connection("farmfs://", transport_options=_options(Path(root))) as conn:
+        queue = conn.SimpleQueue(QUEUE)
+        for i in range(count):
+            # ~1 MB bodies: a write takes long enough that a non-atomic put is seen half-done.
+            queue.put({"producer": producer, "i": i, "pad": "x" * (1 << 20)})
+        queue.close()
+
+
+def _consume(root: str, expected: int, results) -> None:
+    got = []
+    with Connection("farmfs://", transport_options=_options(Path(root))) as conn:
+        queue = conn.SimpleQueue(QUEUE)
+        idle = 0
+        while idle < 50:
+            try:
+                message = queue.get(timeout=0.1)
+            except queue.Empty:
+                idle += 1
+                continue
+            idle = 0
+            body = message.payload
+            got.append((body["producer"], body["i"], len(body["pad"])))
+            message.ack()
+            if len(got) >= expected:
+                break
+        queue.close()
+    results.put(got)
+
+
+def test_messages_arrive_whole_and_once_under_concurrent_producers_and_consumers(tmp_path):
+    producers, per_producer, consumers = 3, 40, 3
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    readers = [ctx.Process(target=_consume, args=(str(tmp_path), producers * per_producer, results))
+               for _ in range(consumers)]
+    writers = [ctx.Process(target=_produce, args=(str(tmp_path), p, per_producer)) for p in range(producers)]
+    for process in readers + writers:
+        process.start()
+    for process in writers:
+        process.join(120)
+        assert process.exitcode == 0
+    received = []
+    for _ in readers:
+        received += results.get(timeout=120)
+    for process in readers:
+        process.join(30)
+        assert process.exitcode == 0  # no consumer died on a half-written file
+    assert sorted((p, i) for p, i, _ in received) == [(p, i) for p in range(producers) for i in range(per_producer)]
+    assert {n for _, _, n in received} == {1 << 20}
+    assert not list((tmp_path / "queue").iterdir()) and not list((tmp_path / "processed").iterdir())
+
+
+def test_an_undecodable_file_is_set_aside_and_the_next_message_delivered(tmp_path):
+    options = _options(tmp_path)
+    with Connection("farmfs://", transport_options=options) as conn:
+        queue = conn.SimpleQueue(QUEUE)
+        # Older than anything put below (kombu orders by the millisecond prefix of the name).
+        (tmp_path / "queue" / f"0_garbage.{QUEUE}.msg").write_bytes(b"")
+        queue.put({"n": 1})
+        message = queue.get(timeout=5)
+        assert message.payload == {"n": 1}
+        message.ack()
+        queue.close()
+    assert [p.name for p in (tmp_path / "processed").iterdir()] == [f"0_garbage.{QUEUE}.msg.bad"]
+    assert not list((tmp_path / "queue").iterdir())

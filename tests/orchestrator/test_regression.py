@@ -1,0 +1,228 @@
+"""orchestrator.regression: the statistics against scipy and numpy references on fresh random
+inputs (fixed seeds), the verdicts on clear cases, change points, attribution, PSNR, thermal
+flags and the series key."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+from scipy import stats
+
+from orchestrator.regression import (
+    SeriesKey,
+    SeriesSample,
+    ThermalReading,
+    attribute,
+    check_series,
+    compare,
+    compare_images,
+    detect_change_points,
+    psnr,
+    thermal_flag,
+)
+
+
+def latencies(rng: np.random.Generator, n: int, base: float = 100.0, sigma: float = 0.02) -> np.ndarray:
+    return base * np.exp(rng.normal(0.0, sigma, n))
+
+
+def key(**over) -> SeriesKey:
+    fields = dict(device="R58M1", os_driver="android-14/adreno-744", model="sd14", resolution="512x512",
+                  steps=20, precision="f16", profile="tuned", metric="unet_step_ms")
+    return SeriesKey(**{**fields, **over})
+
+
+# ---- compare ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_p_values_match_scipy(seed):
+    rng = np.random.default_rng(seed)
+    b, c = latencies(rng, 12), latencies(rng, 15, base=101.5)
+    res = compare(b, c)
+    p_mw = stats.mannwhitneyu(b, c, alternative="two-sided").pvalue
+    p_ks = stats.ks_2samp(b, c, alternative="two-sided").pvalue
+    assert res.p_mannwhitney == pytest.approx(p_mw, rel=1e-12)
+    assert res.p_ks == pytest.approx(p_ks, rel=1e-12)
+    assert res.p_value == pytest.approx(min(1.0, 2 * min(p_mw, p_ks)), rel=1e-12)
+    assert res.baseline_median == pytest.approx(np.median(b))
+    assert res.ratio == pytest.approx(np.median(c) / np.median(b))
+
+
+def test_bootstrap_interval_is_deterministic_and_brackets_the_ratio():
+    rng = np.random.default_rng(7)
+    b, c = latencies(rng, 10), latencies(rng, 10, base=104)
+    first, again, other = compare(b, c, seed=5), compare(b, c, seed=5), compare(b, c, seed=6)
+    assert (first.ci_low, first.ci_high) == (again.ci_low, again.ci_high)
+    assert (first.ci_low, first.ci_high) != (other.ci_low, other.ci_high)
+    assert first.ci_low <= first.ratio <= first.ci_high
+    wide = compare(b, c, seed=5, confidence=0.99)
+    assert wide.ci_low <= first.ci_low and wide.ci_high >= first.ci_high
+
+
+def test_clear_ten_percent_shift_is_a_regression():
+    rng = np.random.default_rng(11)
+    b, c = latencies(rng, 10), latencies(rng, 10, base=110)
+    res = compare(b, c)
+    assert res.verdict == "regression", res.reason
+    assert res.ci_low > 1.03 and res.p_value <= 0.01 and res.more_repetitions_suggested == 0
+    # A throughput-like metric (higher is better) reads the same data as an improvement.
+    assert compare(b, c, higher_is_worse=False).verdict == "improvement"
+    assert compare(c, b).verdict == "improvement"
+
+
+def test_a_a_is_never_a_change():
+    verdicts = set()
+    for seed in range(20):
+        rng = np.random.default_rng(100 + seed)
+        verdicts.add(compare(latencies(rng, 10), latencies(rng, 10)).verdict)
+    assert verdicts <= {"same", "inconclusive"}
+    rng = np.random.default_rng(5)
+    assert compare(latencies(rng, 30, sigma=0.01), latencies(rng, 30, sigma=0.01)).verdict == "same"
+
+
+def test_too_few_samples_is_inconclusive_never_a_guess():
+    b = [100.0, 101.0, 99.0]
+    c = [150.0, 151.0, 149.0]  # an obvious change, but three samples decide nothing
+    res = compare(b, c)
+    assert res.verdict == "inconclusive"
+    assert res.p_value is None and res.ci_low is None
+    assert res.more_repetitions_suggested == 2  # up to min_samples
+    assert res.ratio == pytest.approx(1.5)
+
+
+def test_more_repetitions_are_bounded():
+    rng = np.random.default_rng(3)
+    b, c = latencies(rng, 10, sigma=0.05), latencies(rng, 10, base=103, sigma=0.05)
+    res = compare(b, c, max_repetitions=40)
+    assert res.verdict == "inconclusive"
+    assert 5 <= res.more_repetitions_suggested <= 30
+    assert compare(b, c, max_repetitions=10).more_repetitions_suggested == 0  # final
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="non-finite"):
+        compare([1.0] * 5 + [math.nan], [1.0] * 6)
+    with pytest.raises(ValueError, match="min_effect"):
+        compare([1.0] * 6, [1.0] * 6, min_effect=3)
+
+
+# ---- series -------------------------------------------------------------------------------
+
+
+def test_series_key_canonical_round_trip():
+    k = key()
+    text = k.canonical()
+    assert SeriesKey.parse(text) == k
+    assert " " not in text and text.index('"device"') < text.index('"metric"')
+    with pytest.raises(ValueError, match="missing"):
+        SeriesKey.parse('{"device": "x"}')
+    with pytest.raises(ValueError, match="steps"):
+        key(steps="20")
+
+
+def test_mixed_units_and_keys_are_refused():
+    with pytest.raises(ValueError, match="mixes units"):
+        check_series([SeriesSample(key(), "ms", 10.0), SeriesSample(key(), "s", 0.01)])
+    with pytest.raises(ValueError, match="different series"):
+        check_series([SeriesSample(key(), "ms", 10.0), SeriesSample(key(profile="reference"), "ms", 12.0)])
+
+
+def test_flagged_runs_are_left_out_by_default():
+    samples = [SeriesSample(key(), "ms", v, run_id=r) for r, v in [(1, 10.0), (1, 11.0), (2, 30.0)]]
+    kept = check_series(samples, flagged_runs={2})
+    assert kept.values == (10.0, 11.0) and kept.excluded_runs == (2,)
+    assert check_series(samples, flagged_runs={2}, include_flagged=True).values == (10.0, 11.0, 30.0)
+
+
+# ---- change points ------------------------------------------------------------------------
+
+
+def test_change_point_found_at_a_real_step():
+    rng = np.random.default_rng(21)
+    history = np.r_[latencies(rng, 14, sigma=0.01), latencies(rng, 12, base=106, sigma=0.01)]
+    cps = detect_change_points(history)
+    assert [cp.index for cp in cps] == [14]
+    assert cps[0].p_value <= 0.01 and cps[0].ratio == pytest.approx(1.06, abs=0.01)
+    assert detect_change_points(history) == cps  # deterministic
+
+
+def test_sample_groups_are_reduced_to_medians():
+    rng = np.random.default_rng(22)
+    groups = [latencies(rng, 10, base=100 if i < 10 else 110) for i in range(20)]
+    assert [cp.index for cp in detect_change_points(groups)] == [10]
+
+
+def test_no_change_point_for_single_spikes_or_flat_series():
+    for seed in range(5):
+        rng = np.random.default_rng(30 + seed)
+        flat = latencies(rng, 30, sigma=0.01)
+        assert detect_change_points(flat) == []
+        spiky = flat.copy()
+        spiky[[8, 20]] *= 2.0  # two isolated throttled nights
+        assert detect_change_points(spiky) == []
+    end = latencies(np.random.default_rng(40), 20, sigma=0.01)
+    end[-2:] *= 1.5  # a step in the last two builds is shorter than a segment: not yet called
+    assert detect_change_points(end) == []
+
+
+# ---- attribution --------------------------------------------------------------------------
+
+
+def test_attribution_shares_and_order():
+    rng = np.random.default_rng(50)
+    base = {"attention": 40.0, "conv2d": 30.0, "groupnorm": 5.0, "gelu": 2.0}
+    after = {"attention": 55.0, "conv2d": 36.0, "groupnorm": 4.0, "gelu": 2.0, "naive_softmax": 3.0}
+    b = {k: v * np.exp(rng.normal(0, 0.005, 5)) for k, v in base.items()}
+    c = {k: v * np.exp(rng.normal(0, 0.005, 5)) for k, v in after.items()}
+    moves = attribute(b, c, top=None)
+    assert [m.kernel for m in moves[:3]] == ["attention", "conv2d", "naive_softmax"]
+    for m in moves:
+        ref_b = np.median(b[m.kernel]) if m.kernel in b else 0.0
+        assert m.delta_ms == pytest.approx(np.median(c[m.kernel]) - ref_b)
+    movers = [m for m in moves if m.delta_ms > 0]
+    assert sum(m.share for m in movers) == pytest.approx(1.0)
+    groupnorm = next(m for m in moves if m.kernel == "groupnorm")
+    assert groupnorm.share < 0  # moved against the net change
+    assert len(attribute(b, c, top=2)) == 2
+
+
+# ---- fidelity -----------------------------------------------------------------------------
+
+
+def test_psnr_matches_numpy_reference_and_identical_is_inf(tmp_path):
+    rng = np.random.default_rng(60)
+    a = rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+    b = np.clip(a.astype(int) + rng.integers(-3, 4, a.shape), 0, 255).astype(np.uint8)
+    mse = np.mean((a.astype(np.float64) - b) ** 2)
+    assert psnr(a, b) == pytest.approx(10 * np.log10(255**2 / mse), rel=1e-12)
+    assert psnr(a, a.copy()) == math.inf
+    assert compare_images(a, b) == (psnr(a, b), False)  # about 38 dB: within tolerance
+    noisy = rng.integers(0, 256, a.shape, dtype=np.uint8)
+    check = compare_images(a, noisy)
+    assert check.changed and check.psnr_db < 30
+    Image.fromarray(a).save(tmp_path / "a.png")
+    Image.fromarray(b).save(tmp_path / "b.png")
+    assert psnr(tmp_path / "a.png", str(tmp_path / "b.png")) == pytest.approx(psnr(a, b))
+    with pytest.raises(ValueError, match="differ in size"):
+        psnr(a, a[:16])
+
+
+# ---- thermal ------------------------------------------------------------------------------
+
+
+def test_thermal_flags():
+    cool = [("before", "gpu", 36.0), ("after", "gpu", 62.0), ("after", "battery", 38.0)]
+    ok = thermal_flag(cooldown_timed_out=False, readings=cool)
+    assert not ok.flagged and ok.reasons == () and ok.hottest_after == 62.0
+    timed_out = thermal_flag(cooldown_timed_out=True, readings=cool)
+    assert timed_out.flagged and timed_out.reasons == ("cool-down timed out",)
+    hot = thermal_flag(cooldown_timed_out=False, readings=[ThermalReading("after", "gpu", 91.0)])
+    assert hot.flagged and "gpu at 91.0 C after" in hot.reasons[0]
+    warm_start = thermal_flag(cooldown_timed_out=False, readings=cool, max_start_celsius=35.0)
+    assert warm_start.flagged and "cool-down target" in warm_start.reasons[0]
+    with pytest.raises(ValueError, match="phase"):
+        thermal_flag(cooldown_timed_out=False, readings=[("during", "gpu", 50.0)])

@@ -1,0 +1,130 @@
+"""Schedules: cron and time-zone validation, firing times across daylight-saving changes, due
+schedules and their one-time claim (on SQLite and PostgreSQL), and `farm schedules ...`
+through CliRunner, bad input included."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.db import store
+
+UTC = dt.UTC
+SUITE = {"build": None, "devices": "all", "jobs": [{"kind": "latency", "spec": {}}]}
+
+
+@pytest.mark.parametrize("cron,zone,message", [
+    ("0 2 * *", "UTC", "invalid cron expression"),
+    ("61 2 * * *", "UTC", "invalid cron expression"),
+    ("0 2 * * * *", "UTC", "invalid cron expression"),
+    ("every night", "UTC", "invalid cron expression"),
+    ("0 2 * * *", "Mars/Olympus", "unknown time zone"),
+])
+def test_bad_cron_or_zone_is_refused(cron, zone, message):
+    with pytest.raises(store.StoreError, match=message):
+        store.validate_cron(cron, zone)
+
+
+def test_fire_times_follow_the_zone_and_daylight_saving():
+    # 02:00 in Paris is 01:00 UTC in winter and 00:00 UTC in summer.
+    assert store.next_fire_time("0 2 * * *", "Europe/Paris", dt.datetime(2026, 11, 21, 12, tzinfo=UTC)) == \
+        dt.datetime(2026, 11, 22, 1, tzinfo=UTC)
+    assert store.next_fire_time("0 2 * * *", "Europe/Paris", dt.datetime(2026, 7, 1, 12, tzinfo=UTC)) == \
+        dt.datetime(2026, 7, 2, 0, tzinfo=UTC)
+    # Across the spring change (29 March 2026, 02:00 -> 03:00 in Paris) the next firing is still one.
+    fire = store.next_fire_time("30 1 * * *", "Europe/Paris", dt.datetime(2026, 3, 28, 12, tzinfo=UTC))
+    assert fire == dt.datetime(2026, 3, 29, 0, 30, tzinfo=UTC)
+    assert store.last_fire_time("*/15 * * * *", "UTC", dt.datetime(2026, 1, 1, 10, 14, tzinfo=UTC)) == \
+        dt.datetime(2026, 1, 1, 10, 0, tzinfo=UTC)
+
+
+def test_due_schedule_is_claimed_once(Session):  # noqa: N803
+    now = store.utcnow()
+    with Session() as session, session.begin():
+        nightly = store.create_schedule(session, "nightly", "0 2 * * *", "Europe/Paris", SUITE)
+        hourly = store.create_schedule(session, "hourly", "0 * * * *", "UTC", SUITE)
+        off = store.create_schedule(session, "off", "* * * * *", "UTC", SUITE, enabled=False)
+        # hourly's last firing was 3 hours ago: due (once, for the latest hour); nightly just made: not due
+        hourly.last_run_at = now - dt.timedelta(hours=3)
+        off.last_run_at = now - dt.timedelta(days=1)
+        nightly_id, hourly_id = nightly.id, hourly.id
+    with Session() as session:
+        due = store.due_schedules(session, now)
+    assert [(s.id, fire) for s, fire in due] == [(hourly_id, now.replace(minute=0, second=0, microsecond=0))]
+    (_, fire), previous = due[0], due[0][0].last_run_at
+    with Session() as session, session.begin():
+        assert store.claim_schedule_firing(session, hourly_id, previous, fire)
+    with Session() as session, session.begin():
+        assert not store.claim_schedule_firing(session, hourly_id, previous, fire)  # a second beat loses
+    with Session() as session:
+        assert store.due_schedules(session, now) == []
+        assert store.get_schedule(session, "hourly").last_run_at == fire
+        with pytest.raises(store.StoreError, match="no schedule 'weekly'"):
+            store.get_schedule(session, "weekly")
+    with Session() as session, session.begin(), pytest.raises(store.StoreError, match="already exists"):
+        store.create_schedule(session, "nightly", "0 3 * * *", "UTC", SUITE)
+    assert nightly_id != hourly_id
+
+
+@pytest.fixture
+def farm(tmp_path, monkeypatch):
+    monkeypatch.setenv("FARM_DATABASE_URL", f"sqlite:///{tmp_path / 'farm.db'}")
+    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FARM_HOST_NAME", "testhost")
+    runner = CliRunner()
+
+    def invoke(*args: str, code: int = 0):
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == code, result.output
+        return result
+
+    invoke("db", "upgrade")
+    invoke("devices", "add", "p1", "--transport", "local")
+    return invoke
+
+
+def test_schedules_cli_lifecycle(farm):
+    out = farm("schedules", "add", "nightly", "--cron", "0 2 * * *", "--tz", "Europe/Paris", "--job", "latency",
+               "--job", "generate", "--device", "p1", "--steps", "4", "--precision", "fp32").output
+    assert "next run" in out
+    (row,) = json.loads(farm("schedules", "list", "--json").output)
+    assert row["name"] == "nightly" and row["enabled"] and row["devices"] == ["p1"]
+    assert [j["kind"] for j in row["jobs"]] == ["latency", "generate"]
+    assert row["jobs"][0]["spec"] == {"steps": 4, "precision": "fp32"}
+    next_at = dt.datetime.fromisoformat(row["next_run_at"])
+    assert next_at.astimezone(dt.timezone(dt.timedelta(hours=1))).hour == 2  # 02:00 Paris (winter)
+    farm("schedules", "disable", "nightly")
+    (row,) = json.loads(farm("schedules", "list", "--json").output)
+    assert not row["enabled"] and row["next_run_at"] is None
+    farm("schedules", "enable", "nightly")
+    assert "nightly" in farm("schedules", "list").output
+    farm("schedules", "remove", "nightly")
+    assert json.loads(farm("schedules", "list", "--json").output) == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["schedules", "add", "x", "--cron", "0 25 * * *"], "invalid cron expression"),
+    (["schedules", "add", "x", "--cron", "0 2 * * *", "--tz", "Nowhere/City"], "unknown time zone"),
+    (["schedules", "add", "x", "--cron", "0 2 * * *", "--job", "bake"], "unknown job kind 'bake'"),
+    (["schedules", "add", "x", "--cron", "0 2 * * *", "--device", "ghost"], "no device 'ghost'"),
+    (["schedules", "add", "x", "--cron", "0 2 * * *", "--build", "b404"], "no build 'b404'"),
+    (["schedules", "enable", "ghost"], "no schedule 'ghost'"),
+    (["schedules", "remove", "ghost"], "no schedule 'ghost'"),
+    (["schedules", "run-now", "ghost"], "no schedule 'ghost'"),
+])
+def test_schedules_bad_input_is_one_error(farm, args, message):
+    result = farm(*args, code=1)
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert json.loads(farm("schedules", "list", "--json").output) == []  # nothing half-written
+
+
+def test_run_now_without_builds_is_one_error(farm):
+    farm("schedules", "add", "nightly", "--cron", "0 2 * * *")
+    result = farm("schedules", "run-now", "nightly", code=1)
+    assert "no builds yet" in result.output and "Traceback" not in result.output
