@@ -30,9 +30,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.regression import compare, detect_change_points  # noqa: E402
-from orchestrator.regression.compare import MAX_REPETITIONS  # noqa: E402
+from orchestrator.regression.compare import DEFAULT_DRIFT, MAX_REPETITIONS, estimate_drift  # noqa: E402
 
 REPETITIONS = 10  # per build per night: the default sample count
+HISTORY_RUNS = 14  # nights of history before the comparison, from which the drift is estimated
 SHIFTS = [0.0, 0.02, 0.05, 0.10]
 VERDICTS = ["regression", "improvement", "same", "inconclusive"]
 
@@ -60,23 +61,36 @@ def draw_run(rng: np.random.Generator, base: float, n: int, noise: Noise, p_out:
     return x
 
 
-def simulate_compare(shift: float, noise: Noise, n_series: int, seed: int, max_repetitions: int) -> dict:
+def simulate_compare(shift: float, noise: Noise, n_series: int, seed: int, max_repetitions: int,
+                     history_runs: int) -> dict:
+    """Per series: `history_runs` earlier nights at the baseline's level (the drift is
+    estimated from them, DEFAULT_DRIFT when there are too few), then one run of each build,
+    then the loop: each more-repetitions round is a new run of both builds, as the nightly
+    analysis schedules it."""
     rng = np.random.default_rng(seed)
     first = dict.fromkeys(VERDICTS, 0)
     final = dict.fromkeys(VERDICTS, 0)
-    reps, rounds = [], []
+    reps, rounds, drifts = [], [], []
     for _ in range(n_series):
         base, p_out = rng.uniform(20, 500), rng.uniform(*noise.outlier_p)
+        history = [draw_run(rng, base, REPETITIONS, noise, p_out) for _ in range(history_runs)]
+        estimated = estimate_drift(history)
+        drift = DEFAULT_DRIFT if estimated is None else estimated
+        drifts.append(drift)
         b = draw_run(rng, base, REPETITIONS, noise, p_out)
         c = draw_run(rng, base * (1 + shift), REPETITIONS, noise, p_out)
-        res = compare(b, c, max_repetitions=max_repetitions)
+        b_runs, c_runs = [0] * b.size, [0] * c.size
+        res = compare(b, c, baseline_runs=b_runs, candidate_runs=c_runs, drift=drift,
+                      max_repetitions=max_repetitions)
         first[res.verdict] += 1
         k = 1
         while res.verdict == "inconclusive" and res.more_repetitions_suggested > 0:
             extra = res.more_repetitions_suggested
             b = np.concatenate([b, draw_run(rng, base, extra, noise, p_out)])
             c = np.concatenate([c, draw_run(rng, base * (1 + shift), extra, noise, p_out)])
-            res = compare(b, c, max_repetitions=max_repetitions)
+            b_runs, c_runs = b_runs + [k] * extra, c_runs + [k] * extra
+            res = compare(b, c, baseline_runs=b_runs, candidate_runs=c_runs, drift=drift,
+                          max_repetitions=max_repetitions)
             k += 1
         final[res.verdict] += 1
         reps.append(b.size)
@@ -87,7 +101,9 @@ def simulate_compare(shift: float, noise: Noise, n_series: int, seed: int, max_r
         "first_look": frac(first), "after_loop": frac(final),
         "mean_repetitions_per_build": float(np.mean(reps)),
         "p90_repetitions_per_build": float(np.percentile(reps, 90)),
-        "mean_rounds": float(np.mean(rounds)),
+        "mean_rounds": float(np.mean(rounds)), "history_runs": history_runs,
+        "drift_estimate_median": float(np.median(drifts)),
+        "drift_estimate_p10_p90": [float(np.percentile(drifts, 10)), float(np.percentile(drifts, 90))],
     }
 
 
@@ -133,6 +149,9 @@ def main() -> None:
     ap.add_argument("--sensitivity-series", type=int, default=500, help="series per scenario, other noise levels")
     ap.add_argument("--histories", type=int, default=500, help="histories per change-point scenario")
     ap.add_argument("--length", type=int, default=30, help="builds per history")
+    ap.add_argument("--history-runs", type=int, default=HISTORY_RUNS,
+                    help="nights of history per series for the drift estimate (0: the default drift)")
+    ap.add_argument("--only-compare", action="store_true", help="skip the change-point histories")
     ap.add_argument("--seed", type=int, default=20261121)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
@@ -140,24 +159,26 @@ def main() -> None:
 
     # 1. Comparisons: the default noise at full size, the bound on repetitions varied, then
     #    the other noise levels.
-    runs = [(NOISES["typical"], args.series, MAX_REPETITIONS), (NOISES["typical"], args.series // 2, 60)]
-    runs += [(NOISES[n], args.sensitivity_series, MAX_REPETITIONS) for n in ("quiet", "noisy")]
+    #    Then the typical noise without history (the default drift: a new series).
+    runs = [(NOISES["typical"], args.series, MAX_REPETITIONS, args.history_runs)]
+    runs += [(NOISES[n], args.sensitivity_series, MAX_REPETITIONS, args.history_runs) for n in ("quiet", "noisy")]
+    runs += [(NOISES["typical"], args.sensitivity_series, MAX_REPETITIONS, 0)]
     comparisons = []
-    for j, (noise, n, max_reps) in enumerate(runs):
+    for j, (noise, n, max_reps, hist) in enumerate(runs):
         for i, shift in enumerate(SHIFTS):
-            comparisons.append(simulate_compare(shift, noise, n, args.seed + 100 * j + i, max_reps))
-    print(f"compare(): {REPETITIONS} repetitions per build, min_effect 3%, alpha 0.01, 95% interval")
-    print(f"{'noise':8} {'max reps':>8} {'shift':>6} {'series':>6} | {'first look: reg/imp/same/inc':>30} | "
-          f"{'after loop: reg/imp/same/inc':>30} | {'mean reps':>9}")
+            comparisons.append(simulate_compare(shift, noise, n, args.seed + 100 * j + i, max_reps, hist))
+    print(f"compare(): {REPETITIONS} repetitions per build per run, min_effect 3%, alpha 0.01, 95% interval")
+    print(f"{'noise':8} {'history':>7} {'shift':>6} {'series':>6} | {'first look: reg/imp/same/inc':>30} | "
+          f"{'after loop: reg/imp/same/inc':>30} | {'mean reps':>9} | {'drift est':>9}")
     for r in comparisons:
         f, a = r["first_look"], r["after_loop"]
         fmt = lambda d: " ".join(f"{100 * d[v]:6.1f}" for v in VERDICTS)  # noqa: E731
-        print(f"{r['noise']:8} {r['max_repetitions']:8d} {100 * r['shift']:5.0f}% {r['series']:6d} | {fmt(f)} | "
-              f"{fmt(a)} | {r['mean_repetitions_per_build']:9.1f}")
+        print(f"{r['noise']:8} {r['history_runs']:7d} {100 * r['shift']:5.0f}% {r['series']:6d} | {fmt(f)} | "
+              f"{fmt(a)} | {r['mean_repetitions_per_build']:9.1f} | {100 * r['drift_estimate_median']:8.2f}%")
 
     # 2. Change points on build histories.
     histories = []
-    for j, kind in enumerate(["flat", "spike", "step5", "step10", "step5+spike"]):
+    for j, kind in enumerate([] if args.only_compare else ["flat", "spike", "step5", "step10", "step5+spike"]):
         histories.append(simulate_history(kind, NOISES["typical"], args.histories, args.length, args.seed + 1000 + j))
     print(f"\ndetect_change_points(): {args.length} builds, min_segment 3, 199 permutations, p <= 0.01")
     print(f"{'history':12} {'n':>5} {'detected':>9} {'exact idx':>9} {'false alarm':>11}")

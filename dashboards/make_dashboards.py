@@ -1,7 +1,8 @@
 """Writes the Grafana dashboards of dashboards/*.json from the plain dictionaries below, so the
 JSON is reproducible and reviewed as code: `python dashboards/make_dashboards.py` rewrites
 them, and tests/orchestrator/test_dashboards_grafana.py checks the committed files equal its
-output, that every panel reads the provisioned PostgreSQL datasource, and that every SQL query
+output, that they conform to Grafana 11.6's dashboard schema (grafana-foundation-sdk and
+@grafana/schema), that every panel reads the provisioned PostgreSQL datasource, and that every SQL query
 runs against a migrated store.
 
 The dashboards target the Grafana pinned in docker-compose.yml (11.6, dashboard schemaVersion
@@ -36,19 +37,31 @@ def target(sql: str, fmt: str = "table", ref: str = "A") -> dict[str, Any]:
             "refId": ref}
 
 
+# Keys Grafana 11.6's panel schemas require (CUE fields with a default, which @grafana/schema types as
+# required), with those defaults; a panel's own options and custom field config take precedence.
+SCHEMA_REQUIRED: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # kind: (options, custom field config)
+    "barchart": ({"barWidth": 0.97, "fullHighlight": False, "groupWidth": 0.7, "xTickLabelMaxLength": 0}, {}),
+    "stat": ({"justifyMode": "auto", "orientation": "auto", "percentChangeColorMode": "standard",
+              "showPercentChange": False, "wideLayout": True}, {}),
+    "table": ({"frameIndex": 0}, {"align": "auto", "cellOptions": {"type": "auto"}, "inspect": False}),
+}
+
+
 def panel(pid: int, kind: str, title: str, grid: tuple[int, int, int, int], targets: list[dict], *,
           description: str = "", unit: str | None = None, options: dict | None = None,
           custom: dict | None = None, overrides: list | None = None, transformations: list | None = None,
           repeat: str | None = None) -> dict[str, Any]:
     x, y, w, h = grid
-    defaults: dict[str, Any] = {"custom": custom or {}}
+    required_options, required_custom = SCHEMA_REQUIRED.get(kind, ({}, {}))
+    options = {**required_options, **(options or {})}
+    defaults: dict[str, Any] = {"custom": {**required_custom, **(custom or {})}}
     if unit:
         defaults["unit"] = unit
     out: dict[str, Any] = {
         "id": pid, "type": kind, "title": title, "description": description, "datasource": DATASOURCE,
         "gridPos": {"x": x, "y": y, "w": w, "h": h}, "targets": targets,
         "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
-        "options": options or {}, "pluginVersion": GRAFANA_VERSION,
+        "options": options, "pluginVersion": GRAFANA_VERSION,
     }
     if transformations:
         out["transformations"] = transformations
@@ -59,8 +72,7 @@ def panel(pid: int, kind: str, title: str, grid: tuple[int, int, int, int], targ
 
 
 def query_variable(name: str, label: str, sql: str, *, multi: bool, include_all: bool) -> dict[str, Any]:
-    return {"type": "query", "name": name, "label": label, "datasource": DATASOURCE, "query": sql.strip(),
-            "definition": sql.strip(), "refresh": 1, "sort": 1, "multi": multi, "includeAll": include_all,
+    return {"type": "query", "name": name, "label": label, "datasource": DATASOURCE, "query": sql.strip(), "refresh": 1, "sort": 1, "multi": multi, "includeAll": include_all,
             "options": [], "hide": 0, "skipUrlSync": False, "regex": ""}
 
 
@@ -77,7 +89,7 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], variab
         "uid": uid, "title": title, "description": description, "tags": ["devicefarm"],
         "editable": False, "graphTooltip": 1, "timezone": "utc", "refresh": "5m",
         "time": {"from": time_from, "to": "now"},
-        "timepicker": {"hidden": False, "refresh_intervals": ["1m", "5m", "15m", "1h"], "time_options": []},
+        "timepicker": {"hidden": False, "refresh_intervals": ["1m", "5m", "15m", "1h"]},
         "schemaVersion": SCHEMA_VERSION, "version": 1, "fiscalYearStartMonth": 0, "liveNow": False,
         "weekStart": "", "links": [], "panels": panels, "templating": {"list": variables},
         "annotations": {"list": annotations or []},
@@ -169,12 +181,12 @@ def latency_dashboard() -> dict[str, Any]:
               custom={"drawStyle": "line", "showPoints": "always", "pointSize": 6, "lineWidth": 2,
                       "spanNulls": True, "fillOpacity": 0},
               overrides=band,
-              options={"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+              options={"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
                        "tooltip": {"mode": "multi", "sort": "none"}}),
         panel(2, "barchart", "$metric on $device by build", (16, 0, 8, 9), [target(LATENCY_BARS_SQL)],
               repeat="device", description="The median per build, builds in creation order.",
               options={"xField": "build", "orientation": "vertical", "showValue": "auto", "stacking": "none",
-                       "legend": {"displayMode": "list", "placement": "bottom", "showLegend": False},
+                       "legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": False},
                        "tooltip": {"mode": "single", "sort": "none"}, "xTickLabelRotation": -45}),
     ]
     annotation = {"name": "Alerts", "datasource": DATASOURCE, "enable": True, "hide": False, "iconColor": "red",
@@ -249,13 +261,13 @@ def kernels_dashboard() -> dict[str, Any]:
               [target(KERNELS_BY_BUILD_SQL)], unit="ms", transformations=matrix,
               description="Stacked: every kernel's share of one timed repetition, builds in creation order.",
               options={"xField": "build\\kernel", "orientation": "vertical", "stacking": "normal",
-                       "showValue": "never", "legend": {"displayMode": "table", "placement": "right",
+                       "showValue": "never", "legend": {"calcs": [], "displayMode": "table", "placement": "right",
                                                         "showLegend": True},
                        "tooltip": {"mode": "multi", "sort": "desc"}, "xTickLabelRotation": -45}),
         panel(2, "timeseries", "Kernels over builds on $device", (0, 10, 24, 9),
               [target(KERNELS_OVER_TIME_SQL, fmt="time_series")], unit="ms",
               custom={"drawStyle": "line", "showPoints": "always", "lineWidth": 1, "spanNulls": True},
-              options={"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+              options={"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
                        "tooltip": {"mode": "multi", "sort": "desc"}}),
         panel(3, "table", "Kernel timings per build on $device", (0, 19, 24, 10), [target(KERNELS_TABLE_SQL)],
               options={"showHeader": True, "cellHeight": "sm"}),
@@ -333,7 +345,7 @@ def health_dashboard() -> dict[str, Any]:
                        "properties": [{"id": "mappings", "value": state_mapping},
                                       {"id": "custom.cellOptions", "value": {"type": "color-background"}}]}]
     line = {"drawStyle": "line", "showPoints": "always", "lineWidth": 1, "spanNulls": False}
-    legend = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+    legend = {"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
               "tooltip": {"mode": "multi", "sort": "none"}}
     panels = [
         panel(1, "table", "Devices", (0, 0, 18, 8), [target(DEVICES_SQL)], overrides=state_override,

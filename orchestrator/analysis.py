@@ -185,12 +185,41 @@ def compare_builds(session: Session, device: Device, spec: SpecKey, metric: str,
     cand = rg.check_series(cand_samples, flagged_runs=flagged, include_flagged=include_flagged)
     if base.unit != cand.unit:
         raise ValueError(f"{metric}: baseline in {base.unit}, candidate in {cand.unit}: refusing to compare")
-    comparison = rg.compare(base.values, cand.values, min_effect=min_effect(session, key),
+    drift, drift_runs = series_drift(session, device, spec, metric, candidate)
+    comparison = rg.compare(base.values, cand.values, baseline_runs=base.run_ids, candidate_runs=cand.run_ids,
+                            drift=drift, min_effect=min_effect(session, key),
                             higher_is_worse=HEADLINE_METRICS.get(metric, True))
     return {"device": device.serial, "metric": metric, "unit": cand.unit, "series": key.as_dict(),
             "baseline_build": baseline.name, "candidate_build": candidate.name,
+            "drift_source": f"estimated from {drift_runs} earlier runs" if drift_runs else "default",
             "excluded_runs": sorted(set(base.excluded_runs) | set(cand.excluded_runs)),
             "thermal": {run_id: list(flags[run_id].reasons) for run_id in flagged}} | comparison.as_dict()
+
+
+DRIFT_HISTORY_RUNS = 30  # the newest earlier runs the drift is estimated from
+
+
+def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, candidate: Build) -> tuple[float, int]:
+    """(drift, runs used): the series' run-to-run drift, estimated (rg.estimate_drift) from the
+    newest DRIFT_HISTORY_RUNS runs of builds before `candidate` on this device and spec, runs
+    flagged for their thermal state left out; (rg.DEFAULT_DRIFT, 0) with too little history."""
+    earlier = [b.id for b in _earlier_builds(session, candidate)]
+    if not earlier:
+        return rg.DEFAULT_DRIFT, 0
+    rows = session.execute(
+        select(Run, Job.spec).join(Job, Job.id == Run.job_id)
+        .where(Run.device_id == device.id, Run.build_id.in_(earlier), Run.status == RunStatus.succeeded,
+               Job.kind == JobKind.latency).order_by(Run.id.desc())).all()
+    runs = [run for run, job_spec in rows if SpecKey.of(job_spec or {}) == spec][:DRIFT_HISTORY_RUNS]
+    flags = _flagged(session, runs)
+    runs = [run for run in reversed(runs) if not flags[run.id].flagged]  # oldest first
+    values: dict[int, list[float]] = defaultdict(list)
+    for run_id, value in session.execute(select(Sample.run_id, Sample.value).where(
+            Sample.run_id.in_([r.id for r in runs]), Sample.metric == metric).order_by(Sample.id)):
+        values[run_id].append(value)
+    history = [values[r.id] for r in runs if values[r.id]]
+    drift = rg.estimate_drift(history)
+    return (rg.DEFAULT_DRIFT, 0) if drift is None else (drift, len(history))
 
 
 def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = None) -> dict[str, Any]:
@@ -204,7 +233,9 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
         return report
     build = session.get(Build, batch.build_id)
     jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id)))
-    pairs = {(job.device_id, SpecKey.of(job.spec or {})): job for job in jobs if job.kind == JobKind.latency}
+    # A more-repetitions batch also reruns the baseline build; its jobs are not candidates.
+    pairs = {(job.device_id, SpecKey.of(job.spec or {})): job for job in jobs
+             if job.kind == JobKind.latency and job.build_id == build.id}
     for (device_id, spec), job in sorted(pairs.items(), key=lambda kv: kv[1].id):
         device = session.get(Device, device_id)
         candidate_runs = runs_of(session, device_id, build.id, JobKind.latency, spec)
@@ -237,7 +268,7 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
                 more = max(more, result["more_repetitions_suggested"])
         if more:
             report["more_repetitions"].append({"device": device.serial, "spec": dict(job.spec or {}),
-                                               "repetitions": more})
+                                               "repetitions": more, "baseline_build": baseline.id})
     report["fidelity"] = _check_fidelity(session, batch, build, jobs, report["alerts"])
     report["stoppages"] = raise_stoppages(session, now or utcnow())
     return report

@@ -384,7 +384,8 @@ def launch_suite(
     queue, all devices in parallel; the last job to settle sends the batch's analysis. With an
     `idempotency_key` (a schedule's firing), launching again changes nothing and resends only
     what has not run. An inconclusive analysis may launch `max_extra_rounds` follow-up batches
-    with more repetitions (default 2). Returns the batch id."""
+    with more repetitions (default 3). A job entry may name its own "build" (id or name): the
+    follow-up batches rerun the baseline build that way, next to the candidate. Returns the batch id."""
     settings = _settings(app)
     sends = []
     with _session(app) as session, session.begin():
@@ -399,25 +400,29 @@ def launch_suite(
             raise store.StoreError("a suite needs at least one job")
         batch = store.create_batch(session, name, build_id=build_row.id, schedule_id=schedule_id,
                                    idempotency_key=idempotency_key,
-                                   max_extra_rounds=2 if max_extra_rounds is None else max_extra_rounds)
-        model = None
+                                   max_extra_rounds=3 if max_extra_rounds is None else max_extra_rounds)
+        entry_builds = [build_row if entry.get("build") is None else store.get_build(session, entry["build"])
+                        for entry in jobs]
+        models: dict[int, str] = {}
         for device in targets:
-            job_ids = []
-            for index, entry in enumerate(jobs):
+            by_build: dict[int, list[int]] = {}
+            for index, (entry, job_build) in enumerate(zip(jobs, entry_builds, strict=True)):
                 spec = dict(entry.get("spec") or {})
                 if not spec.get("model"):
-                    model = model or store.default_model(build_row)
-                    spec["model"] = model
+                    if job_build.id not in models:
+                        models[job_build.id] = store.default_model(job_build)
+                    spec["model"] = models[job_build.id]
                 key = f"{idempotency_key}:{device.serial}:{index}" if idempotency_key else None
-                job = store.create_job(session, entry["kind"], spec, device.id, build_row.id, key,
+                job = store.create_job(session, entry["kind"], spec, device.id, job_build.id, key,
                                        schedule_id=schedule_id, batch_id=batch.id)
-                job_ids.append(job.id)
+                by_build.setdefault(job_build.id, []).append(job.id)
             host = device.host.name if device.host is not None else settings.host_name
-            sends.append((device.id, job_ids, host_queue(host)))
-        batch_id, build_id = batch.id, build_row.id
+            for job_build_id, job_ids in by_build.items():
+                sends.append((job_build_id, device.id, job_ids, host_queue(host)))
+        batch_id = batch.id
     signature = app.signature("orchestrator.tasks.deploy")
     group(signature.clone(args=(build_id, device_id), kwargs={"then_jobs": job_ids, "batch_id": batch_id})
-          .set(queue=queue) for device_id, job_ids, queue in sends).apply_async()
+          .set(queue=queue) for build_id, device_id, job_ids, queue in sends).apply_async()
     return batch_id
 
 
@@ -478,18 +483,27 @@ def analyze_batch(self, batch_id: int) -> dict:
     report_path = settings.data_dir / "reports" / f"batch-{batch_id}.json"
     report_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(report_path, json.dumps(summary, indent=2, default=str).encode())
-    if follow_up:
-        jobs_by_device: dict[str, list[dict]] = {}
-        for entry in follow_up:
-            spec = dict(entry["spec"]) | {"repetitions": entry["repetitions"],
-                                          "unet_repetitions": entry["repetitions"], "warmup": 1}
-            spec.pop("job_id", None)
-            jobs_by_device.setdefault(entry["device"], []).append({"kind": "latency", "spec": spec})
-        for device, jobs in jobs_by_device.items():
-            launch_suite(app, f"{name} (more repetitions, round {rounds + 1})", jobs, build=build_id,
-                         devices=[device], idempotency_key=f"more:{root}:{rounds + 1}:{device}",
-                         max_extra_rounds=max_rounds)
+    for device, jobs in more_repetitions_jobs(follow_up).items():
+        launch_suite(app, f"{name} (more repetitions, round {rounds + 1})", jobs, build=build_id,
+                     devices=[device], idempotency_key=f"more:{root}:{rounds + 1}:{device}",
+                     max_extra_rounds=max_rounds)
     return summary
+
+
+def more_repetitions_jobs(entries: list[dict]) -> dict[str, list[dict]]:
+    """Device serial -> the jobs of its more-repetitions round, from the analysis'
+    "more_repetitions" entries: a new latency run of the candidate (the batch's build) and one
+    of its baseline (the entry's "baseline_build"), each with the repetitions asked for.
+    Run-to-run drift averages only over runs, and the baseline's single earlier run would
+    otherwise bound what any number of candidate runs can show."""
+    jobs_by_device: dict[str, list[dict]] = {}
+    for entry in entries:
+        spec = dict(entry["spec"]) | {"repetitions": entry["repetitions"],
+                                      "unet_repetitions": entry["repetitions"], "warmup": 1}
+        spec.pop("job_id", None)
+        jobs_by_device.setdefault(entry["device"], []).extend(
+            [{"kind": "latency", "spec": spec}, {"kind": "latency", "spec": spec, "build": entry["baseline_build"]}])
+    return jobs_by_device
 
 
 def extra_round(idempotency_key: str | None) -> int:

@@ -19,5 +19,6 @@ export FARM_TEST_POSTGRES_URL="$(bash scripts/ensure-postgres.sh)"
 # The broker tests run worker processes on Redis too (tests/orchestrator/test_compose.py needs no server).
 export FARM_TEST_REDIS_URL="$(bash scripts/ensure-redis.sh)"
 bash scripts/ensure-chromium.sh  # the HTML dashboard is tested in headless Chromium
+bash scripts/ensure-grafana-schema.sh >/dev/null  # the Grafana dashboards are type-checked against @grafana/schema
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"

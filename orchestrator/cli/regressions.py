@@ -295,24 +295,38 @@ def bisect(
             with sessions() as session:
                 return analysis.runs_of(session, dev.id, build_id, JobKind.latency, spec)
 
-        def is_bad(index: int) -> bool:
-            runs = measured(index)
-            base_runs = measured(0)
+        def judged(base: int, index: int) -> dict[str, Any]:
+            base_runs, runs = measured(base), measured(index)  # before the session: they may wait for runs
             with sessions() as session:
-                good_row, row = session.get(Build, candidates[0][0]), session.get(Build, candidates[index][0])
-                result = analysis.compare_builds(session, session.get(type(dev), dev.id), spec, metric, good_row,
+                base_row, row = session.get(Build, candidates[base][0]), session.get(Build, candidates[index][0])
+                result = analysis.compare_builds(session, session.get(type(dev), dev.id), spec, metric, base_row,
                                                  base_runs, row, runs)
             if result is None:
-                fail(f"neither {good_row.name} nor {row.name} measured {metric} on {device}")
-            steps.append({"build": candidates[index][1], "verdict": result["verdict"], "ratio": result["ratio"],
-                          "ci_low": result["ci_low"], "ci_high": result["ci_high"]})
+                fail(f"neither {base_row.name} nor {row.name} measured {metric} on {device}")
+            return result
+
+        def is_bad(index: int) -> bool:
+            """The bad end must be a regression against the good one. A build in between is bad
+            when it regresses against the good build and is not an improvement on the bad one,
+            good when it improves on the bad build and does not regress against the good one:
+            a single run of each cannot prove "same" once run-to-run drift is counted, but it
+            can say which end a build sits with."""
+            name = candidates[index][1]
+            vs_good = judged(0, index)
+            vs_bad = judged(len(candidates) - 1, index) if index != len(candidates) - 1 else None
+            worse = vs_good["verdict"] == "regression"
+            better = vs_bad is not None and vs_bad["verdict"] == "improvement"
+            steps.append({"build": name, "verdict": vs_good["verdict"], "ratio": vs_good["ratio"],
+                          "ci_low": vs_good["ci_low"], "ci_high": vs_good["ci_high"],
+                          "verdict_against_bad": None if vs_bad is None else vs_bad["verdict"]})
             if not as_json:
-                console.print(f"{candidates[index][1]}: {result['verdict']} "
-                              f"(ratio {result['ratio'] or float('nan'):.3f})", highlight=False)
-            if result["verdict"] == "inconclusive":
-                fail(f"{candidates[index][1]} is inconclusive against {good} ({result['reason']}); "
-                     "bisect again with more --repetitions")
-            return result["verdict"] == "regression"
+                against_bad = "" if vs_bad is None else f"; against {bad}: {vs_bad['verdict']}"
+                console.print(f"{name}: {vs_good['verdict']} against {good} "
+                              f"(ratio {vs_good['ratio'] or float('nan'):.3f}){against_bad}", highlight=False)
+            if vs_bad is not None and worse == better:
+                fail(f"{name} cannot be placed: {vs_good['verdict']} against {good} ({vs_good['reason']}), "
+                     f"{vs_bad['verdict']} against {bad}; bisect again with more --repetitions")
+            return worse
 
         low, high = 0, len(candidates) - 1  # low is good, high is bad
         if not is_bad(high):

@@ -290,8 +290,10 @@ class Batch(Base):
     schedule_id: Mapped[int | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
     build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
     idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
-    # Rounds of more repetitions an inconclusive analysis may launch (each a batch of its own).
-    max_extra_rounds: Mapped[int] = mapped_column(default=2)
+    # Rounds of more repetitions an inconclusive analysis may launch (each a batch of its own
+    # that reruns the candidate and its baseline): with 10 repetitions a run, 3 rounds reach
+    # compare()'s 40-repetition bound.
+    max_extra_rounds: Mapped[int] = mapped_column(default=3)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
     summary: Mapped[dict[str, Any] | None]

@@ -502,7 +502,7 @@ def create_batch(
     build_id: int | None = None,
     schedule_id: int | None = None,
     idempotency_key: str | None = None,
-    max_extra_rounds: int = 2,
+    max_extra_rounds: int = 3,
 ) -> Batch:
     """A new batch of jobs; with an `idempotency_key` (a schedule's firing time), asking again
     returns the batch made the first time."""

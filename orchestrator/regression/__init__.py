@@ -10,19 +10,22 @@ API (docs/regression.md has the method and its measured quality):
         -> CheckedSeries(key, unit, values, excluded_runs)
         ValueError on mixed keys, mixed units or non-finite values; samples of flagged runs
         are left out unless include_flagged.
-    compare(baseline, candidate, *, min_effect=0.03, higher_is_worse=True, alpha=0.01,
-            confidence=0.95, n_boot=2000, seed=0, min_samples=5, max_repetitions=40)
+    compare(baseline, candidate, *, baseline_runs=None, candidate_runs=None, drift=0.01,
+            min_effect=0.03, higher_is_worse=True, alpha=0.01, confidence=0.95, n_boot=2000,
+            seed=0, min_samples=5, max_repetitions=40)
         -> Comparison(verdict, reason, medians, ratio, ci_low, ci_high, p_value,
-                      p_mannwhitney, p_ks, more_repetitions_suggested, ...)
+                      p_mannwhitney, p_ks, p_drift, runs_*, more_repetitions_suggested, ...)
         verdict in "regression" | "improvement" | "same" | "inconclusive". The interval is a
-        percentile bootstrap of median(candidate) / median(baseline); p is
-        min(1, 2 * min(Mann-Whitney U, Kolmogorov-Smirnov)), both two-sided (Bonferroni for
-        taking the smaller). A change is called only when p <= alpha AND the whole interval
-        lies beyond 1 +/- min_effect; "same" when the whole interval lies inside it; fewer
+        percentile bootstrap of median(candidate) / median(baseline) widened by the series'
+        run-to-run drift over the runs each build has (samples labelled by run); p is the
+        larger of min(1, 2 * min(Mann-Whitney U, Kolmogorov-Smirnov)) and the drift-aware
+        normal test of log ratio. A change is called only when p <= alpha AND the ratio lies
+        beyond 1 +/- min_effect; "same" when the whole interval lies inside that band; fewer
         than min_samples in either build is always "inconclusive". When inconclusive,
-        more_repetitions_suggested (> 0) is how many repetitions to add to each build before
-        comparing again, bounded so that no build exceeds max_repetitions; 0 there means the
-        inconclusive verdict is final.
+        more_repetitions_suggested (> 0) is the size of one more run of each build, bounded
+        so that no build exceeds max_repetitions; 0 there means the verdict is final.
+    estimate_drift(runs, *, min_runs=6) -> float | None
+        a series' run-to-run drift from its history (one sample array per run, in order).
     detect_change_points(history, *, min_segment=3, sig_level=0.01, n_permutations=199,
                          seed=0) -> list[ChangePoint(index, p_value, q, median_before,
                                                      median_after, ratio)]
@@ -43,12 +46,19 @@ flagged run ids to check_series(), and compare() the values it returns.
 
 from orchestrator.regression.attribution import KernelMove, attribute
 from orchestrator.regression.changepoint import ChangePoint, detect_change_points
-from orchestrator.regression.compare import Comparison, Verdict, compare
+from orchestrator.regression.compare import (
+    DEFAULT_DRIFT,
+    Comparison,
+    Verdict,
+    compare,
+    estimate_drift,
+)
 from orchestrator.regression.fidelity import ImageCheck, compare_images, load_image, psnr
 from orchestrator.regression.series import CheckedSeries, SeriesKey, SeriesSample, check_series
 from orchestrator.regression.thermal import ThermalFlag, ThermalReading, thermal_flag
 
 __all__ = [
+    "DEFAULT_DRIFT",
     "ChangePoint",
     "CheckedSeries",
     "Comparison",
@@ -64,6 +74,7 @@ __all__ = [
     "compare",
     "compare_images",
     "detect_change_points",
+    "estimate_drift",
     "load_image",
     "psnr",
     "thermal_flag",

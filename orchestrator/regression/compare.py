@@ -1,14 +1,27 @@
 """A new build's samples against its baseline's on one series: medians, the ratio of medians
-with a percentile-bootstrap confidence interval, a rank-test p-value, and a verdict that only
-calls a change when it is both significant and larger than the series' minimum effect.
+with a confidence interval, rank-test and drift-aware p-values, and a verdict that only calls a
+change when it is significant and larger than the series' minimum effect.
+
+Repetitions of one run (one night's session of one build on one device) share that run's
+conditions, so they are not independent of each other: a whole run sits higher or lower than
+the next by a run-to-run drift that more repetitions in the same run never average away. The
+rank tests and the bootstrap see only the repetitions; the drift term adds the runs' share.
 
 Notation:
-    b, c       baseline and candidate samples (one series, one unit), n_b and n_c of them
+    b, c       baseline and candidate samples (one series, one unit), n_b and n_c of them,
+               from k_b and k_c runs
     r          median(c) / median(b); r > 1 means the candidate's values are larger
-    [lo, hi]   percentile-bootstrap interval of r at level `confidence`
+    d          run-to-run drift: the standard deviation of a run's log level (0.01 is 1%),
+               from the series' history (estimate_drift) or DEFAULT_DRIFT
+    s_boot     bootstrap standard error of log r (repetitions resampled within each build)
+    s          sqrt(s_boot^2 + d^2 (1/k_b + 1/k_c)): the standard error of log r with drift
+    [lo, hi]   percentile-bootstrap interval of log r, each side widened by z d sqrt(1/k_b +
+               1/k_c) in quadrature (z for `confidence`), back on the ratio scale
     m          the minimum effect: changes inside [1 - m, 1 + m] do not matter
-    p          min(1, 2 * min(p_MW, p_KS)): Mann-Whitney U and Kolmogorov-Smirnov, both
+    p_rank     min(1, 2 * min(p_MW, p_KS)): Mann-Whitney U and Kolmogorov-Smirnov, both
                two-sided, Bonferroni-corrected for taking the smaller of two tests
+    p_drift    two-sided normal p of log r / s
+    p          max(p_rank, p_drift): significant only when both tests say so
 """
 
 from __future__ import annotations
@@ -26,6 +39,8 @@ Verdict = Literal["regression", "improvement", "same", "inconclusive"]
 
 MIN_SAMPLES = 5
 MAX_REPETITIONS = 40
+DEFAULT_DRIFT = 0.01  # run-to-run drift assumed for a series without enough history (1%)
+MIN_HISTORY_RUNS = 6  # runs of history estimate_drift() needs before it replaces the default
 
 
 @dataclass(frozen=True)
@@ -40,9 +55,13 @@ class Comparison:
     ci_low: float | None
     ci_high: float | None
     confidence: float
-    p_value: float | None  # min(1, 2 * min(p_mannwhitney, p_ks))
+    p_value: float | None  # max(p_rank, p_drift)
     p_mannwhitney: float | None
     p_ks: float | None
+    p_drift: float | None
+    runs_baseline: int
+    runs_candidate: int
+    drift: float
     alpha: float
     min_effect: float
     higher_is_worse: bool
@@ -68,8 +87,9 @@ def _check_values(name: str, values: Sequence[float]) -> np.ndarray:
 
 def bootstrap_ratio_ci(
     b: np.ndarray, c: np.ndarray, *, confidence: float, n_boot: int, seed: int
-) -> tuple[float, float]:
-    """Percentile interval of median(c*) / median(b*), each build resampled on its own."""
+) -> tuple[float, float, float]:
+    """(lo, hi, s_boot): the percentile interval of median(c*) / median(b*), each build
+    resampled on its own, and the standard deviation of log of that ratio over the resamples."""
     rng = np.random.default_rng(seed)
     mb = np.median(b[rng.integers(0, b.size, (n_boot, b.size))], axis=1)  # (n_boot,)
     mc = np.median(c[rng.integers(0, c.size, (n_boot, c.size))], axis=1)  # (n_boot,)
@@ -77,7 +97,39 @@ def bootstrap_ratio_ci(
         r = np.where(mb > 0, mc / mb, np.inf)
     tail = (1.0 - confidence) / 2.0
     lo, hi = np.quantile(r, [tail, 1.0 - tail])
-    return float(lo), float(hi)
+    finite = r[np.isfinite(r) & (r > 0)]
+    s_boot = float(np.std(np.log(finite))) if finite.size > 1 else math.inf
+    return float(lo), float(hi), s_boot
+
+
+def _run_count(labels: Sequence | None, n: int, name: str) -> int:
+    if labels is None:
+        return 1
+    if len(labels) != n:
+        raise ValueError(f"{name}: {len(labels)} run labels for {n} samples")
+    return max(1, len(set(labels)))
+
+
+def estimate_drift(runs: Sequence[Sequence[float]], *, min_runs: int = MIN_HISTORY_RUNS) -> float | None:
+    """The run-to-run drift d of a series from its history: one sample array per run, in
+    order. Consecutive runs' log medians differ by drift (twice) plus each median's own
+    sampling noise; d^2 = (c MAD of those differences)^2 / 2 - the mean variance of a run
+    median (pi/2 * (1.4826 MAD of the run's log samples)^2 / n), at least 0, with c = 1.4826
+    k / (k - 0.8) for k differences. MAD-based, so a
+    real step or a thermal outlier among the runs moves it little. None with fewer than
+    `min_runs` runs of at least 3 samples each."""
+    usable = [np.log(_check_values("run", r)) for r in runs if len(r) >= 3]
+    usable = [r for r in usable if np.all(np.isfinite(r))]
+    if len(usable) < min_runs:
+        return None
+    medians = np.array([np.median(r) for r in usable])  # (k,)
+    diffs = np.diff(medians)
+    # 1.4826 makes a MAD a normal standard deviation as n grows; k / (k - 0.8) undoes most of
+    # its downward bias on few values (Croux and Rousseeuw's small-sample factor).
+    spread = 1.4826 * diffs.size / (diffs.size - 0.8) * np.median(np.abs(diffs - np.median(diffs)))
+    within = np.mean([(math.pi / 2) * (1.4826 * np.median(np.abs(r - np.median(r)))) ** 2 / r.size
+                      for r in usable])
+    return float(math.sqrt(max(0.0, spread**2 / 2 - within)))
 
 
 def rank_p_values(b: np.ndarray, c: np.ndarray) -> tuple[float, float, float]:
@@ -93,30 +145,21 @@ def rank_p_values(b: np.ndarray, c: np.ndarray) -> tuple[float, float, float]:
     return min(1.0, 2.0 * min(p_mw, p_ks)), p_mw, p_ks
 
 
-def _more_repetitions(
-    n: int, log_ci: tuple[float, float], log_r: float, m: float, *, min_samples: int, max_repetitions: int
-) -> int:
-    """Repetitions per build expected to shrink the interval enough to decide: its half-width
-    scales as 1/sqrt(n), and it must fit between the estimate and the nearest edge of the
-    minimum-effect band. At least `min_samples`, and never beyond `max_repetitions` in all."""
+def _more_repetitions(n: int, per_run: int, *, max_repetitions: int) -> int:
+    """Repetitions to add to each build: one more run of the size the builds' runs have had
+    (run-to-run drift, which dominates, averages only over runs), never beyond
+    `max_repetitions` in all; 0 when there is no room left (the verdict is then final)."""
     room = max_repetitions - n
-    if room <= 0:
-        return 0
-    half = (log_ci[1] - log_ci[0]) / 2.0
-    edge = min(abs(log_r - math.log1p(m)), abs(log_r - math.log1p(-m)))
-    if half <= 0 or not math.isfinite(half):
-        needed = n + min_samples
-    elif edge <= 1e-12:
-        needed = max_repetitions
-    else:
-        needed = math.ceil(n * (half / edge) ** 2)
-    return min(room, max(min_samples, needed - n))
+    return max(0, min(room, max(MIN_SAMPLES, per_run)))
 
 
 def compare(
     baseline: Sequence[float],
     candidate: Sequence[float],
     *,
+    baseline_runs: Sequence | None = None,
+    candidate_runs: Sequence | None = None,
+    drift: float = DEFAULT_DRIFT,
     min_effect: float = 0.03,
     higher_is_worse: bool = True,
     alpha: float = 0.01,
@@ -127,23 +170,30 @@ def compare(
     max_repetitions: int = MAX_REPETITIONS,
 ) -> Comparison:
     """Compare a candidate build's samples with its baseline's on one series (same key, same
-    unit: check_series() first). Verdicts:
-      regression / improvement  p <= alpha and the whole interval [lo, hi] lies beyond 1 + m
-                                (or below 1 - m), worse or better per `higher_is_worse`
-      same                      the whole interval lies inside [1 - m, 1 + m]
+    unit: check_series() first). `baseline_runs` / `candidate_runs` label each sample with its
+    run (any hashable; None: all from one run); `drift` is the series' run-to-run drift.
+    Verdicts:
+      regression / improvement  p <= alpha (rank tests and drift-aware test) and r beyond
+                                1 + m (or below 1 - m), worse or better per `higher_is_worse`
+      same                      the whole interval [lo, hi] lies inside [1 - m, 1 + m]
       inconclusive              anything else, and always with fewer than `min_samples` in
                                 either build; more_repetitions_suggested says how many more
+                                (from a new run of each build: only new runs average drift)
     Deterministic: the bootstrap draws from numpy's default_rng(seed)."""
     if not 0 <= min_effect < 1:
         raise ValueError(f"min_effect must be in [0, 1), got {min_effect!r} (0.03 means 3%)")
     if not 0 < alpha < 1 or not 0 < confidence < 1:
         raise ValueError(f"alpha and confidence must be in (0, 1), got {alpha!r}, {confidence!r}")
+    if not 0 <= drift < 1 or not math.isfinite(drift):
+        raise ValueError(f"drift must be in [0, 1), got {drift!r} (0.01 means 1% run to run)")
     b = _check_values("baseline", baseline)
     c = _check_values("candidate", candidate)
+    k_b = _run_count(baseline_runs, b.size, "baseline")
+    k_c = _run_count(candidate_runs, c.size, "candidate")
     m = min_effect
     common = dict(
-        n_baseline=int(b.size), n_candidate=int(c.size), confidence=confidence, alpha=alpha,
-        min_effect=m, higher_is_worse=higher_is_worse,
+        n_baseline=int(b.size), n_candidate=int(c.size), runs_baseline=k_b, runs_candidate=k_c,
+        drift=drift, confidence=confidence, alpha=alpha, min_effect=m, higher_is_worse=higher_is_worse,
     )
     med_b = float(np.median(b)) if b.size else None
     med_c = float(np.median(c)) if c.size else None
@@ -156,40 +206,51 @@ def compare(
             verdict="inconclusive",
             reason=f"too few samples ({b.size} baseline, {c.size} candidate; {min_samples} needed)",
             baseline_median=med_b, candidate_median=med_c, ratio=ratio, ci_low=None, ci_high=None,
-            p_value=None, p_mannwhitney=None, p_ks=None,
+            p_value=None, p_mannwhitney=None, p_ks=None, p_drift=None,
             more_repetitions_suggested=max(0, min(min_samples, max_repetitions) - n), **common,
         )
     if med_b <= 0:
         raise ValueError(f"baseline median is {med_b}: the ratio of medians is undefined")
 
-    # 2. Effect size and its interval.
+    # 2. Effect size and its interval: the bootstrap's, widened by the runs' drift.
     r = med_c / med_b
-    lo, hi = bootstrap_ratio_ci(b, c, confidence=confidence, n_boot=n_boot, seed=seed)
+    boot_lo, boot_hi, s_boot = bootstrap_ratio_ci(b, c, confidence=confidence, n_boot=n_boot, seed=seed)
+    runs_var = drift**2 * (1.0 / k_b + 1.0 / k_c)
+    z = float(stats.norm.ppf(0.5 + confidence / 2.0))
+    log_r = math.log(r) if r > 0 else -math.inf
+    lo, hi = boot_lo, boot_hi
+    if math.isfinite(log_r) and boot_lo > 0 and math.isfinite(boot_hi):
+        lo = math.exp(log_r - math.hypot(log_r - math.log(boot_lo), z * math.sqrt(runs_var)))
+        hi = math.exp(log_r + math.hypot(math.log(boot_hi) - log_r, z * math.sqrt(runs_var)))
 
-    # 3. Significance.
-    p, p_mw, p_ks = rank_p_values(b, c)
+    # 3. Significance: the rank tests on the repetitions, and log r against its drift-aware error.
+    p_rank, p_mw, p_ks = rank_p_values(b, c)
+    s_total = math.sqrt(s_boot**2 + runs_var)
+    if s_total > 0 and math.isfinite(s_total) and math.isfinite(log_r):
+        p_drift = float(2.0 * stats.norm.sf(abs(log_r) / s_total))
+    else:
+        p_drift = 1.0 if log_r == 0 or not math.isfinite(s_total) else 0.0
+    p = max(p_rank, p_drift)
     significant = p <= alpha
 
     # 4. Verdict.
-    up, down = significant and lo > 1 + m, significant and hi < 1 - m
+    up, down = significant and r > 1 + m, significant and r < 1 - m
     if up or down:
         verdict: Verdict = "regression" if up == higher_is_worse else "improvement"
-        reason = f"p={p:.2g} <= {alpha} and interval [{lo:.4f}, {hi:.4f}] beyond {'1+' if up else '1-'}{m}"
+        reason = (f"p={p:.2g} <= {alpha} and ratio {r:.4f} beyond {'1+' if up else '1-'}{m} "
+                  f"(interval [{lo:.4f}, {hi:.4f}])")
     elif 1 - m <= lo and hi <= 1 + m:
         verdict, reason = "same", f"interval [{lo:.4f}, {hi:.4f}] within 1 +/- {m}"
     else:
         verdict = "inconclusive"
-        reason = f"p={p:.2g}, interval [{lo:.4f}, {hi:.4f}] straddles the +/-{m} band or is not significant"
+        reason = (f"p={p:.2g}, ratio {r:.4f}, interval [{lo:.4f}, {hi:.4f}]: not significant, or "
+                  f"significant but within 1 +/- {m} while the interval leaves it")
 
     more = 0
     if verdict == "inconclusive":
-        log_ci = (math.log(lo) if lo > 0 else -math.inf, math.log(hi) if hi > 0 else -math.inf)
-        more = _more_repetitions(
-            n, log_ci, math.log(r) if r > 0 else -math.inf, m,
-            min_samples=min_samples, max_repetitions=max_repetitions,
-        )
+        more = _more_repetitions(n, min(b.size, c.size) // max(k_b, k_c), max_repetitions=max_repetitions)
     return Comparison(
         verdict=verdict, reason=reason, baseline_median=med_b, candidate_median=med_c, ratio=r,
-        ci_low=lo, ci_high=hi, p_value=p, p_mannwhitney=p_mw, p_ks=p_ks,
+        ci_low=lo, ci_high=hi, p_value=p, p_mannwhitney=p_mw, p_ks=p_ks, p_drift=p_drift,
         more_repetitions_suggested=more, **common,
     )

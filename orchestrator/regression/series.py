@@ -83,6 +83,7 @@ class CheckedSeries:
     unit: str
     values: tuple[float, ...]
     excluded_runs: tuple[int, ...]  # flagged runs whose samples were left out
+    run_ids: tuple[int | None, ...] = ()  # the run of each value, for compare()'s run labels
 
 
 def check_series(
@@ -111,6 +112,7 @@ def check_series(
     if bad:
         raise ValueError(f"series {samples[0].key.canonical()} has non-finite values {bad[:5]}")
     flagged = set(flagged_runs) if not include_flagged else set()
-    kept = tuple(float(s.value) for s in samples if s.run_id is None or s.run_id not in flagged)
+    kept = [s for s in samples if s.run_id is None or s.run_id not in flagged]
     excluded = tuple(sorted({s.run_id for s in samples if s.run_id is not None and s.run_id in flagged}))
-    return CheckedSeries(key=samples[0].key, unit=samples[0].unit, values=kept, excluded_runs=excluded)
+    return CheckedSeries(key=samples[0].key, unit=samples[0].unit, values=tuple(float(s.value) for s in kept),
+                         excluded_runs=excluded, run_ids=tuple(s.run_id for s in kept))

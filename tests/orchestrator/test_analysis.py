@@ -77,6 +77,31 @@ def farm(Session):  # noqa: N803
             "batches": batches, "rng": rng}
 
 
+def test_drift_is_estimated_from_the_series_history(Session):  # noqa: N803
+    """Twelve nightly builds whose runs drift by 3% from night to night (2% repetition noise):
+    the series' drift is estimated from the earlier runs (numpy reference: the same estimator
+    on the same samples), and a 4% step that such drift easily makes is not called a change."""
+    rng = np.random.default_rng(99)
+    levels = np.exp(rng.normal(0.0, 0.03, 12))
+    with Session() as s, s.begin():
+        device = store.upsert_device(s, "p2", "local", "/tmp/p2", host="h")
+        builds = [store.create_build(s, _manifest(f"d{i}", 1_700_000_000.0 + 86400 * i)) for i in range(12)]
+        batch = None
+        for build, level in zip(builds, levels, strict=True):
+            batch = store.create_batch(s, f"nightly {build.name}", build_id=build.id)
+            _record(s, device.id, build.id, "latency", _latency(rng, float(level)), batch.id)
+        spec = analysis.SpecKey.of(SPEC)
+        drift, used = analysis.series_drift(s, device, spec, "unet_step_ms", builds[-1])
+        earlier = [[x.value for x in r.samples if x.metric == "unet_step_ms"]
+                   for b in builds[:-1] for r in analysis.runs_of(s, device.id, b.id, "latency", spec)]
+        assert used == 11 and drift == pytest.approx(analysis.rg.estimate_drift(earlier))
+        assert 0.01 < drift < 0.06
+        report = analysis.analyze_batch(s, batch.id)
+    (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
+    assert c["drift_source"] == "estimated from 11 earlier runs" and c["drift"] == pytest.approx(drift)
+    assert c["verdict"] != "regression" or c["ratio"] > 1 + 2.58 * drift  # called only beyond the drift
+
+
 def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     Session = farm["Session"]  # noqa: N806
     with Session() as s, s.begin():
@@ -87,8 +112,11 @@ def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     # 10 samples of 2% noise each: no change is "same" or, when the interval is wider than the
     # 3% minimum effect, "inconclusive" with more repetitions asked for; never an alert.
     assert c2["baseline_build"] == "b1" and same["alerts"] == []
+    assert c2["drift_source"] == "default"  # one earlier run: too little history to estimate it
     assert c2["verdict"] == "same" or (c2["verdict"] == "inconclusive" and c2["more_repetitions_suggested"] > 0)
-    assert same["more_repetitions"] == ([] if c2["verdict"] == "same" else [same["more_repetitions"][0]])
+    if c2["verdict"] == "inconclusive":  # the next round reruns the baseline build too
+        assert same["more_repetitions"] == [{"device": "p1", "spec": SPEC, "repetitions": 10,
+                                             "baseline_build": farm["builds"]["b1"]}]
     (c3,) = [c for c in regressed["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c3["baseline_build"] == "b2" and c3["verdict"] == "regression" and 1.25 < c3["ratio"] < 1.35
     # b3 has an open regression alert: b4 is compared with b2, the last accepted build.

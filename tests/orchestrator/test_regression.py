@@ -20,6 +20,7 @@ from orchestrator.regression import (
     compare,
     compare_images,
     detect_change_points,
+    estimate_drift,
     psnr,
     thermal_flag,
 )
@@ -47,9 +48,57 @@ def test_p_values_match_scipy(seed):
     p_ks = stats.ks_2samp(b, c, alternative="two-sided").pvalue
     assert res.p_mannwhitney == pytest.approx(p_mw, rel=1e-12)
     assert res.p_ks == pytest.approx(p_ks, rel=1e-12)
-    assert res.p_value == pytest.approx(min(1.0, 2 * min(p_mw, p_ks)), rel=1e-12)
+    assert res.p_value == pytest.approx(max(min(1.0, 2 * min(p_mw, p_ks)), res.p_drift), rel=1e-12)
     assert res.baseline_median == pytest.approx(np.median(b))
     assert res.ratio == pytest.approx(np.median(c) / np.median(b))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_drift_term_matches_its_definition(seed):
+    """The interval is the bootstrap's widened in quadrature by z d sqrt(1/k_b + 1/k_c) on the
+    log scale, and p_drift is the normal p of log r over sqrt(s_boot^2 + d^2 (1/k_b + 1/k_c)),
+    with s_boot recomputed here from the same resamples (numpy reference)."""
+    rng = np.random.default_rng(seed)
+    b, c = latencies(rng, 20), latencies(rng, 30, base=102)
+    b_runs, c_runs = [0] * 10 + [1] * 10, [5] * 10 + [6] * 10 + [7] * 10
+    no_drift = compare(b, c, baseline_runs=b_runs, candidate_runs=c_runs, drift=0.0)
+    res = compare(b, c, baseline_runs=b_runs, candidate_runs=c_runs, drift=0.012)
+    assert (res.runs_baseline, res.runs_candidate) == (2, 3)
+    extra = stats.norm.ppf(0.975) * 0.012 * math.sqrt(1 / 2 + 1 / 3)
+    log_r = math.log(res.ratio)
+    assert math.log(res.ci_low) == pytest.approx(log_r - math.hypot(log_r - math.log(no_drift.ci_low), extra))
+    assert math.log(res.ci_high) == pytest.approx(log_r + math.hypot(math.log(no_drift.ci_high) - log_r, extra))
+    boot = np.random.default_rng(0)  # compare()'s default seed, same draws in the same order
+    mb = np.median(b[boot.integers(0, b.size, (2000, b.size))], axis=1)
+    mc = np.median(c[boot.integers(0, c.size, (2000, c.size))], axis=1)
+    s_boot = np.std(np.log(mc / mb))
+    z = abs(log_r) / math.sqrt(s_boot**2 + 0.012**2 * (1 / 2 + 1 / 3))
+    assert res.p_drift == pytest.approx(2 * stats.norm.sf(z), rel=1e-9)
+    assert res.p_drift > no_drift.p_drift  # drift only ever weakens the evidence
+
+
+def test_run_to_run_drift_is_not_mistaken_for_a_change():
+    """Two single runs whose levels differ by a 4% drift (no change between the builds): the
+    repetitions alone make it overwhelmingly significant, the drift-aware test does not."""
+    rng = np.random.default_rng(21)
+    b, c = latencies(rng, 20, sigma=0.01), latencies(rng, 20, base=104, sigma=0.01)
+    assert compare(b, c, drift=0.0).verdict == "regression"
+    res = compare(b, c, drift=0.02)
+    assert res.p_mannwhitney < 1e-6 and res.p_drift > 0.01
+    assert res.verdict == "inconclusive" and res.more_repetitions_suggested == 20  # one more run of each
+
+
+def test_estimate_drift_recovers_the_run_to_run_spread():
+    rng = np.random.default_rng(8)
+    for drift in (0.005, 0.01, 0.03):
+        runs = [100 * math.exp(rng.normal(0, drift)) * np.exp(rng.normal(0, 0.02, 10)) for _ in range(400)]
+        assert estimate_drift(runs) == pytest.approx(drift, rel=0.25)
+    steady = [latencies(rng, 10) for _ in range(30)]
+    stepped = steady[:15] + [1.2 * r for r in steady[15:]]  # one real change among the runs
+    assert estimate_drift(stepped) == pytest.approx(estimate_drift(steady), abs=0.003)
+    assert estimate_drift(steady[:5]) is None  # too little history: the caller uses the default
+    with pytest.raises(ValueError, match="non-finite"):
+        estimate_drift([[1.0, 2.0, math.inf]] * 6)
 
 
 def test_bootstrap_interval_is_deterministic_and_brackets_the_ratio():
@@ -94,12 +143,13 @@ def test_too_few_samples_is_inconclusive_never_a_guess():
     assert res.ratio == pytest.approx(1.5)
 
 
-def test_more_repetitions_are_bounded():
+def test_more_repetitions_are_one_more_run_and_bounded():
     rng = np.random.default_rng(3)
     b, c = latencies(rng, 10, sigma=0.05), latencies(rng, 10, base=103, sigma=0.05)
     res = compare(b, c, max_repetitions=40)
     assert res.verdict == "inconclusive"
-    assert 5 <= res.more_repetitions_suggested <= 30
+    assert res.more_repetitions_suggested == 10  # a new run the size of the first
+    assert compare(b, c, max_repetitions=14).more_repetitions_suggested == 4  # up to the bound
     assert compare(b, c, max_repetitions=10).more_repetitions_suggested == 0  # final
 
 
@@ -108,6 +158,10 @@ def test_bad_values_are_refused():
         compare([1.0] * 5 + [math.nan], [1.0] * 6)
     with pytest.raises(ValueError, match="min_effect"):
         compare([1.0] * 6, [1.0] * 6, min_effect=3)
+    with pytest.raises(ValueError, match="drift"):
+        compare([1.0] * 6, [1.0] * 6, drift=-0.1)
+    with pytest.raises(ValueError, match="run labels"):
+        compare([1.0] * 6, [1.0] * 6, baseline_runs=[0] * 5)
 
 
 # ---- series -------------------------------------------------------------------------------

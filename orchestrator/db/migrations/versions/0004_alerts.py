@@ -53,7 +53,7 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id', name=op.f('pk_alerts'))
     )
     with op.batch_alter_table('batches', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('max_extra_rounds', sa.Integer(), nullable=False, server_default='2'))
+        batch_op.add_column(sa.Column('max_extra_rounds', sa.Integer(), nullable=False, server_default='3'))
 
     with op.batch_alter_table('alerts', schema=None) as batch_op:
         batch_op.create_index('ix_alerts_build', ['build_id'], unique=False)

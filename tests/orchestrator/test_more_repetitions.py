@@ -1,0 +1,58 @@
+"""The more-repetitions round of the nightly analysis: an inconclusive comparison asks for a
+new run of the candidate and of its baseline (run-to-run drift averages only over runs), and
+launch_suite turns those entries into one batch with jobs for both builds and a deployment of
+each build to the device, sent through the embedded broker (no worker: the messages are read
+back from the broker's folder)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from agent.protocol import Manifest, ManifestFile
+from orchestrator.celery_app import make_celery
+from orchestrator.db import make_engine, make_session_factory, store, upgrade
+from orchestrator.db.models import Job
+from orchestrator.settings import Settings
+from orchestrator.tasks import launch_suite, more_repetitions_jobs
+
+SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "job_id": 7}
+
+
+def _manifest(name: str, created: float) -> Manifest:
+    return Manifest(build=name, version="0.1.0", created=created,
+                    files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)])
+
+
+def test_more_repetitions_rerun_the_candidate_and_its_baseline(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="h")
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    Session = make_session_factory(engine)  # noqa: N806
+    with Session() as s, s.begin():
+        store.upsert_device(s, "p1", "local", str(tmp_path / "p1"), host="h")
+        base = store.create_build(s, _manifest("b1", 1_700_000_000.0)).id
+        cand = store.create_build(s, _manifest("b2", 1_700_086_400.0)).id
+    entries = [{"device": "p1", "spec": SPEC, "repetitions": 10, "baseline_build": base}]
+    jobs = more_repetitions_jobs(entries)
+    assert list(jobs) == ["p1"]
+    assert [j.get("build") for j in jobs["p1"]] == [None, base]
+    assert all(j["spec"]["repetitions"] == 10 and "job_id" not in j["spec"] for j in jobs["p1"])
+
+    app = make_celery(settings)
+    batch_id = launch_suite(app, "night (more repetitions, round 1)", jobs["p1"], build=cand, devices=["p1"],
+                            idempotency_key="more:1:1:p1", max_extra_rounds=3)
+    with Session() as s:
+        rows = s.query(Job).filter(Job.batch_id == batch_id).order_by(Job.id).all()
+        assert sorted(j.build_id for j in rows) == sorted([cand, base])
+        assert {j.kind.value for j in rows} == {"latency"} and {j.spec["repetitions"] for j in rows} == {10}
+        assert store.get_batch(s, batch_id).build_id == cand  # the batch analyses the candidate
+    deploys = []
+    for path in (settings.broker_dir / "queue").iterdir():
+        message = json.loads(path.read_text())
+        if message["headers"]["task"] == "orchestrator.tasks.deploy":
+            args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+            deploys.append((args[0], sorted(kwargs["then_jobs"]), message["properties"]["delivery_info"]["routing_key"]))
+    by_build = {j.build_id: j.id for j in rows}
+    assert sorted(deploys) == sorted([(cand, [by_build[cand]], "host.h"), (base, [by_build[base]], "host.h")])
+    engine.dispose()
