@@ -203,13 +203,11 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     """(drift, runs used): the series' run-to-run drift, estimated (rg.estimate_drift) from the
     newest DRIFT_HISTORY_RUNS runs of builds before `candidate` on this device and spec, runs
     flagged for their thermal state left out; (rg.DEFAULT_DRIFT, 0) with too little history."""
-    earlier = [b.id for b in _earlier_builds(session, candidate)]
-    if not earlier:
-        return rg.DEFAULT_DRIFT, 0
+    earlier = (Build.created < candidate.created) | ((Build.created == candidate.created) & (Build.id < candidate.id))
     rows = session.execute(
-        select(Run, Job.spec).join(Job, Job.id == Run.job_id)
-        .where(Run.device_id == device.id, Run.build_id.in_(earlier), Run.status == RunStatus.succeeded,
-               Job.kind == JobKind.latency).order_by(Run.id.desc())).all()
+        select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
+        .where(Run.device_id == device.id, earlier, Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
+        .order_by(Run.id.desc()).limit(20 * DRIFT_HISTORY_RUNS)).all()  # other specs' runs are filtered below
     runs = [run for run, job_spec in rows if SpecKey.of(job_spec or {}) == spec][:DRIFT_HISTORY_RUNS]
     flags = _flagged(session, runs)
     runs = [run for run in reversed(runs) if not flags[run.id].flagged]  # oldest first
