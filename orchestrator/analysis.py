@@ -142,10 +142,13 @@ def _by_op(kernels: dict[str, list[float]]) -> dict[str, list[float]]:
     return ops
 
 
+def _before(build: Build):
+    """SQL condition: a Build made before `build` (creation time, then id)."""
+    return (Build.created < build.created) | ((Build.created == build.created) & (Build.id < build.id))
+
+
 def _earlier_builds(session: Session, build: Build) -> list[Build]:
-    return list(session.scalars(select(Build).where(
-        (Build.created < build.created) | ((Build.created == build.created) & (Build.id < build.id)))
-        .order_by(Build.created.desc(), Build.id.desc())))
+    return list(session.scalars(select(Build).where(_before(build)).order_by(Build.created.desc(), Build.id.desc())))
 
 
 def _has_open_regression(session: Session, build_id: int, device_id: int, key: rg.SeriesKey) -> bool:
@@ -203,10 +206,9 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     """(drift, runs used): the series' run-to-run drift, estimated (rg.estimate_drift) from the
     newest DRIFT_HISTORY_RUNS runs of builds before `candidate` on this device and spec, runs
     flagged for their thermal state left out; (rg.DEFAULT_DRIFT, 0) with too little history."""
-    earlier = (Build.created < candidate.created) | ((Build.created == candidate.created) & (Build.id < candidate.id))
     rows = session.execute(
         select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
-        .where(Run.device_id == device.id, earlier, Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
+        .where(Run.device_id == device.id, _before(candidate), Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
         .order_by(Run.id.desc()).limit(20 * DRIFT_HISTORY_RUNS)).all()  # other specs' runs are filtered below
     runs = [run for run, job_spec in rows if SpecKey.of(job_spec or {}) == spec][:DRIFT_HISTORY_RUNS]
     flags = _flagged(session, runs)
