@@ -10,14 +10,11 @@ import os
 import uuid
 
 import pytest
+from ci_support import missing
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +27,7 @@ def pg_server_url() -> str:
             conn.execute(text("SELECT 1"))
     except Exception as exc:  # noqa: BLE001  (any failure to connect means "no server")
         message = f"no PostgreSQL at {make_url(url).render_as_string(hide_password=True)}: {exc}"
-        if _in_ci():
-            pytest.fail(message + " (CI needs one: scripts/ensure-postgres.sh)", pytrace=False)
-        pytest.skip(message)
+        missing(message, "CI needs one: scripts/ensure-postgres.sh")
     finally:
         engine.dispose()
     return url

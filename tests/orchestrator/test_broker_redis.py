@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from ci_support import missing
 
 from orchestrator.celery_app import host_queue, make_celery
 from orchestrator.settings import Settings
@@ -31,14 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 PING = "orchestrator.tasks.ping"
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
 def _no_redis(message: str):
-    if _in_ci():
-        pytest.fail(f"{message} (CI needs one: scripts/ensure-redis.sh installs it)", pytrace=False)
-    pytest.skip(message)
+    missing(message, "CI needs one: scripts/ensure-redis.sh installs it")
 
 
 def free_port() -> int:

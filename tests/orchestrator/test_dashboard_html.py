@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from ci_support import missing
 from typer.testing import CliRunner
 
 DEVICES = ("phone-a", "phone-b")
@@ -256,10 +257,6 @@ def test_farm_dashboard_build_on_an_unmigrated_store_is_one_error(tmp_path, monk
 # ---- in a real browser -----------------------------------------------------------------------
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
 @pytest.fixture(scope="module")
 def browser():
     """Headless Chromium (Debian's) through selenium, with the browser console log kept."""
@@ -267,9 +264,7 @@ def browser():
     driver_path = shutil.which("chromedriver")
     if not chromium or not driver_path:
         message = "no chromium/chromedriver: bash scripts/ensure-chromium.sh installs them"
-        if _in_ci():
-            pytest.fail(message + " (CI needs them)", pytrace=False)
-        pytest.skip(message)
+        missing(message, "CI needs them")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -43,7 +43,6 @@ import enum
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -53,6 +52,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from ci_support import missing
 from ruamel.yaml import YAML
 from sqlalchemy import text
 
@@ -244,16 +244,10 @@ def test_the_shape_check_catches_what_the_schema_refuses():
 # ---- Grafana 11.6's schema as grafana-foundation-sdk decodes it -------------------------------
 
 
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
 def require(ok: bool, message: str) -> None:
     """A missing schema source skips locally but fails in CI, where it is a broken install."""
     if not ok:
-        if in_ci():
-            pytest.fail(message + " (CI needs it)", pytrace=False)
-        pytest.skip(message)
+        missing(message)
 
 
 def foundation_sdk():
