@@ -9,6 +9,13 @@ prefetch 1), so every task re-reads the database and is idempotent (orchestrator
 Phones are driven by the worker on the host they are plugged into: each host consumes its own
 queue, `host.<name>`, plus the shared `farm` queue for maintenance work.
 
+Redis redelivers a message that was taken and not acknowledged after its visibility timeout;
+here that is the longest job the farm accepts plus a margin (visibility_timeout_s), so a
+running job is never delivered twice for being long, and a message held by a dead worker comes
+back within that time. The embedded broker brings such a message back as soon as another
+consumer sees that its owner process is gone (orchestrator/fsbroker.py). Either way the store
+is the truth: the reconciler (orchestrator/jobs.py) finds work whose owner is gone long before.
+
 A worker is started with `celery -A orchestrator.celery_app worker -Q host.<name>,farm -c N`;
 `app` is built from load_settings() on first access (the worker's entry point), so importing
 this module has no side effects."""
@@ -21,12 +28,17 @@ from orchestrator import fsbroker
 from orchestrator.settings import Settings, load_settings
 
 DEFAULT_QUEUE = "farm"
-# Above the longest job (JobSpec.time_limit_s defaults to 1 h, plus cool-down and margins): a
-# message not acked within this time is delivered again by Redis while still running.
-VISIBILITY_TIMEOUT_S = 6 * 3600
+# What a job may spend beyond its time limit before its message is acked: the agent's cool-down
+# wait (JobSpec.cooldown_wait_s is capped by it), deploy and fetch margins, a busy device's
+# longest retry countdown (an ETA message is held unacknowledged too).
+VISIBILITY_MARGIN_S = 900.0
 POLLING_INTERVAL_S = 0.1
-STALE_SWEEP_S = 60.0  # beat runs requeue_stale_jobs this often
 SCHEDULE_TICK_S = 15.0  # beat checks the database's schedules this often (a firing is late by at most this)
+
+
+def visibility_timeout_s(settings: Settings) -> float:
+    """Redis delivers an unacknowledged message again after this: above the longest job."""
+    return settings.max_job_time_s + VISIBILITY_MARGIN_S
 
 
 def host_queue(host_name: str) -> str:
@@ -62,13 +74,14 @@ def _embedded_broker(settings: Settings) -> tuple[str, dict, str]:
 def make_celery(settings: Settings) -> Celery:
     """The farm's Celery app for `settings`; `app.farm_settings` is what tasks read."""
     if settings.broker_url:
-        broker, options, backend = settings.broker_url, {"visibility_timeout": VISIBILITY_TIMEOUT_S}, settings.broker_url
+        broker, backend = settings.broker_url, settings.broker_url
+        options = {"visibility_timeout": visibility_timeout_s(settings)}
     else:
         broker, options, backend = _embedded_broker(settings)
     app = Celery("devicefarm", broker=broker, backend=backend, include=["orchestrator.tasks"])
     app.conf.update(
         broker_transport_options=options,
-        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        result_backend_transport_options={"visibility_timeout": visibility_timeout_s(settings)},
         broker_connection_retry_on_startup=True,
         task_default_queue=DEFAULT_QUEUE,
         task_serializer="json",
@@ -82,8 +95,9 @@ def make_celery(settings: Settings) -> Celery:
         result_expires=7 * 24 * 3600,
         timezone="UTC",
         beat_schedule={
-            "requeue-stale-jobs": {"task": "orchestrator.tasks.requeue_stale_jobs",
-                                   "schedule": STALE_SWEEP_S, "options": {"queue": DEFAULT_QUEUE}},
+            # Whatever lost its owner (a dead worker, a lost or never-sent message) is sent again.
+            "reconcile": {"task": "orchestrator.tasks.reconcile",
+                          "schedule": settings.reconcile_every_s, "options": {"queue": DEFAULT_QUEUE}},
             # The farm's own schedules live in the database (`farm schedules`); beat only ticks.
             "check-schedules": {"task": "orchestrator.tasks.check_schedules",
                                 "schedule": SCHEDULE_TICK_S, "options": {"queue": DEFAULT_QUEUE}},

@@ -1,12 +1,22 @@
-"""The embedded broker: kombu's filesystem transport with messages that appear whole.
+"""The embedded broker: kombu's filesystem transport with messages that appear whole and stay
+until they are acknowledged.
 
-kombu's own `_put` creates the message file in the queue folder and then writes it, so a
-consumer polling at that moment can move away an empty or half-written file and fail to
-decode it (the worker's consumer dies and the message is lost). Here a message is written
-and flushed under a staging name in a sibling folder and renamed into the queue folder,
-which on one filesystem is atomic: a consumer sees no file or the whole file. A file that
-still cannot be decoded (written by something else) is set aside as `<name>.bad` in the
-processed folder and logged, instead of stopping the consumer.
+Appearing whole: kombu's own `_put` creates the message file in the queue folder and then
+writes it, so a consumer polling at that moment can move away an empty or half-written file
+and fail to decode it. Here a message is written and flushed under a staging name in a sibling
+folder and renamed into the queue folder, which on one filesystem is atomic: a consumer sees no
+file or the whole file. A file that still cannot be decoded (written by something else) is set
+aside as `<name>.bad` in the processed folder and logged, instead of stopping the consumer.
+
+Acknowledgement: kombu's transport deletes a message when a consumer takes it, and "unacked"
+lives only in that consumer's memory, so a worker SIGKILLed while holding a message (a task
+running with acks_late, an ETA retry waiting for its time, a prefetched one) loses it. Here a
+taken message is claimed by renaming it into the processed folder under its name plus its
+owner (`<name>~<host>.<pid>.<process start time>`): invisible to other consumers, deleted only
+when acknowledged, and put back under its own name (so in its original order) when rejected
+with requeue or when the channel closes. Any consumer checks the claims every
+RESTORE_EVERY_S and puts back those whose owner process is gone, so a message held by a dead
+worker comes back within that time of the next consumer polling.
 
 The URL scheme is `farmfs://`; the transport options are kombu's filesystem ones.
 """
@@ -15,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from pathlib import Path
 from queue import Empty
 from time import monotonic
 
 from kombu.exceptions import ChannelError
-from kombu.transport import TRANSPORT_ALIASES, filesystem
+from kombu.transport import TRANSPORT_ALIASES, filesystem, virtual
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
 
@@ -29,9 +40,91 @@ log = logging.getLogger(__name__)
 
 SCHEME = "farmfs"
 STAGING_FOLDER = ".staging"
+CLAIM_SEPARATOR = "~"
+RESTORE_EVERY_S = 1.0
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot, which with the pid names one process
+    for good (a pid reused later has another start time); None when it does not run. Without
+    procfs only the pid is checked ("?")."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    # Field 22; the command name (field 2) may hold spaces and parentheses, so count from its end.
+    return stat[stat.rindex(")") + 2:].split()[19]
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() or c == "-" else "-" for c in socket.gethostname()) or "host"
+
+
+def owner_id(pid: int | None = None) -> str:
+    """This process's claim name: host, pid and start time."""
+    pid = os.getpid() if pid is None else pid
+    return f"{_host()}.{pid}.{_start_time(pid) or '?'}"
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the process that made a claim still runs; a claim made on another host counts as
+    alive (its owner cannot be checked from here)."""
+    host, _, rest = owner.partition(".")
+    pid_text, _, start = rest.partition(".")
+    if host != _host() or not pid_text.isdigit():
+        return True
+    now = _start_time(int(pid_text))
+    return now is not None and (now == start or "?" in (now, start))
+
+
+class QoS(virtual.QoS):
+    """Acknowledging deletes the claim file; rejecting with requeue and closing the channel put
+    it back in the queue under its own name."""
+
+    def ack(self, delivery_tag):
+        self.channel._settle_claim(delivery_tag, requeue=False)
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag, requeue=False):
+        self.channel._settle_claim(delivery_tag, requeue=requeue)
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self):
+        self._flush()
+        for delivery_tag in list(self._delivered):
+            self.channel._settle_claim(delivery_tag, requeue=True)
+        self._delivered.clear()
+        return []
 
 
 class Channel(filesystem.Channel):
+    QoS = QoS
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._claims: dict[str, Path] = {}  # delivery tag -> claim file
+        self._no_ack_queues: set[str] = set()
+        self._owner = owner_id()
+        self._next_restore = 0.0
+
+    def basic_consume(self, queue, no_ack, *args, **kwargs):
+        if no_ack:  # nothing will acknowledge these (remote control replies): no claim is kept
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def basic_get(self, queue, no_ack=False, **kwargs):
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        return super().basic_get(queue, no_ack, **kwargs)
+
     def _put(self, queue, payload, **kwargs):
         name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
         out = Path(self.data_folder_out)
@@ -49,14 +142,17 @@ class Channel(filesystem.Channel):
             raise ChannelError(f"cannot add message {name!r} to {out}: {exc}") from exc
 
     def _get(self, queue):
-        """The oldest message on `queue`, moved to the processed folder first so that only one
-        consumer gets it (kombu's order and claim, with undecodable files set aside)."""
+        """The oldest message on `queue`, claimed first (renamed into the processed folder with
+        this process as its owner) so that only one consumer gets it."""
+        if monotonic() >= self._next_restore:
+            self._next_restore = monotonic() + RESTORE_EVERY_S
+            self.restore_orphans()
         suffix = f"{queue}.msg"
         inbox, processed = Path(self.data_folder_in), Path(self.processed_folder)
         for name in sorted(os.listdir(inbox)):
             if name.partition(".")[2] != suffix:
                 continue
-            claimed = processed / name
+            claimed = processed / f"{name}{CLAIM_SEPARATOR}{self._owner}"
             try:
                 os.replace(inbox / name, claimed)
             except OSError:
@@ -67,14 +163,51 @@ class Channel(filesystem.Channel):
                 raise ChannelError(f"cannot read message {claimed}: {exc}") from exc
             try:
                 message = loads(bytes_to_str(payload))
-            except ValueError as exc:  # json.JSONDecodeError included
-                claimed.rename(claimed.with_name(name + ".bad"))
-                log.error("set aside an undecodable message on queue %s as %s.bad: %s", queue, claimed, exc)
+                delivery_tag = message["properties"]["delivery_tag"]
+            except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError included
+                claimed.rename(processed / f"{name}.bad")
+                log.error("set aside an undecodable message on queue %s as %s.bad: %s", queue, name, exc)
                 continue
-            if not self.store_processed:
+            if queue in self._no_ack_queues:
                 claimed.unlink(missing_ok=True)
+            else:
+                self._claims[delivery_tag] = claimed
             return message
         raise Empty()
+
+    def _settle_claim(self, delivery_tag, *, requeue: bool) -> None:
+        claimed = self._claims.pop(delivery_tag, None)
+        if claimed is None:
+            return
+        try:
+            if requeue:
+                os.replace(claimed, Path(self.data_folder_in) / claimed.name.rpartition(CLAIM_SEPARATOR)[0])
+            else:
+                claimed.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("cannot %s message %s: %s", "requeue" if requeue else "remove", claimed.name, exc)
+
+    def restore_orphans(self) -> list[str]:
+        """Put back every claimed message whose owner process is gone; returns their names."""
+        processed, inbox = Path(self.processed_folder), Path(self.data_folder_in)
+        restored = []
+        try:
+            names = os.listdir(processed)
+        except OSError:
+            return restored
+        for claim in names:
+            name, sep, owner = claim.rpartition(CLAIM_SEPARATOR)
+            if not sep or owner == self._owner or owner_alive(owner):
+                continue
+            try:
+                os.replace(processed / claim, inbox / name)
+            except OSError:
+                continue  # another consumer restored it first
+            restored.append(name)
+        if restored:
+            log.warning("put back %d message(s) claimed by consumers that are gone: %s", len(restored),
+                        ", ".join(restored[:5]))
+        return restored
 
 
 class Transport(filesystem.Transport):

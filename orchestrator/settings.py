@@ -20,6 +20,16 @@ The config file is looked for in the config dir named by the command line, else 
 | broker_url   | None: the embedded filesystem broker under <data_dir>/broker   |
 | host_name    | socket.gethostname()                                           |
 | devices      | "": devices a worker registers on its host at start, comma-separated `SERIAL=TRANSPORT:ADDRESS` (e.g. `phone-1=adb:10.0.0.7:5555`) |
+
+The reliability knobs (docs/reliability.md says what they promise):
+
+| field            | default | meaning |
+|------------------|---------|---------|
+| reconcile_every_s | 10     | beat runs the reconciler this often |
+| stale_after_s    | 60      | a running job or deployment silent this long has lost its worker |
+| message_grace_s  | 60      | a queued job's (or pending deployment's) message must start it within this, or it is sent again |
+| max_queue_wait_s | 86400   | a job still waiting for a busy device after this ends as infra_failed, saying why |
+| max_job_time_s   | 3600    | the longest time limit a job may ask for; Redis redelivers an unacknowledged message after this plus a margin |
 """
 
 from __future__ import annotations
@@ -65,6 +75,11 @@ class Settings(BaseSettings):
     broker_url: str | None = None  # None: the embedded filesystem broker in data_dir
     host_name: str = Field(default_factory=socket.gethostname)
     devices: str = ""  # what `farm worker` registers on its host: SERIAL=TRANSPORT:ADDRESS,...
+    reconcile_every_s: float = Field(10.0, gt=0)
+    stale_after_s: float = Field(60.0, gt=0)
+    message_grace_s: float = Field(60.0, gt=0)
+    max_queue_wait_s: float = Field(86400.0, gt=0)
+    max_job_time_s: float = Field(3600.0, gt=0)
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:

@@ -52,7 +52,7 @@ def demo(
     """Run the farm end to end on this machine: build, deploy, measure, report."""
     from orchestrator.celery_app import make_celery
     from orchestrator.db import make_engine, make_session_factory, upgrade
-    from orchestrator.tasks import launch_suite
+    from orchestrator.jobs import launch_suite
 
     from .builds import make_build
     from .stack import start_stack

@@ -26,8 +26,9 @@ def deploy(
 ):
     """Deploy a build to devices; exits non-zero when any deployment fails."""
 
-    from orchestrator.celery_app import host_queue, make_celery
+    from orchestrator.celery_app import make_celery
     from orchestrator.db import store
+    from orchestrator.jobs import deploy_build
 
     if bool(device) == all_devices:
         fail("name devices with --device SERIAL (repeatable) or pass --all")
@@ -48,15 +49,12 @@ def deploy(
             if not bundle.is_dir():
                 fail(f"{bundle}: the bundle of build {build_row.name} is not on this machine "
                      "(workers read it from the shared data dir)")
-            plan = [(d.id, d.serial, host_queue(d.host.name if d.host else settings.host_name)) for d in targets]
+            plan = [(d.id, d.serial, None) for d in targets]
             build_id, build_name = build_row.id, build_row.name
             # The deployments are found again by their batch (no clock comparisons across hosts).
             batch_id = store.create_batch(session, f"deploy {build_name}", build_id=build_id).id
             session.commit()
-        app = make_celery(settings)
-        signature = app.signature("orchestrator.tasks.deploy")
-        for device_id, _, queue in plan:
-            signature.clone(args=(build_id, device_id), kwargs={"batch_id": batch_id}).apply_async(queue=queue)
+        deploy_build(make_celery(settings), build_id, [device_id for device_id, _, _ in plan], batch_id)
         rows = _follow(sessions, batch_id, {device_id: serial for device_id, serial, _ in plan},
                        timeout, quiet=as_json, title=f"deploying {build_name}")
     if as_json:

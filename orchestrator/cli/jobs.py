@@ -152,7 +152,7 @@ def submit(
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
     from orchestrator.db.models import DeviceState
-    from orchestrator.tasks import dispatch_jobs
+    from orchestrator.jobs import check_time_limit, send_jobs
 
     if bool(devices) == all_devices:
         fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
@@ -188,6 +188,10 @@ def submit(
                                kernel_timings=kernel_timings, tune_repeats=tune_repeats,
                                tune_time_budget_s=tune_budget, time_limit_s=time_limit,
                                cooldown_celsius=cooldown, cooldown_wait_s=cooldown_wait)
+            try:
+                check_time_limit(settings, spec)
+            except store.StoreError as exc:
+                fail(str(exc))
             stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             batch = store.create_batch(session, name or f"{kind} {build.name} {stamp}", build_id=build.id)
             job_ids = [store.create_job(session, kind, spec, device.id, build.id, batch_id=batch.id).id
@@ -198,7 +202,7 @@ def submit(
 
         # Sent after the commit, so a worker never looks for a job that is not there yet.
         try:
-            dispatch_jobs(make_celery(settings), job_ids)
+            send_jobs(make_celery(settings), job_ids, strict=True)
         except Exception as exc:  # noqa: BLE001  (a broker that cannot be reached, in any of its forms)
             with sessions() as session:
                 for job_id in job_ids:
@@ -377,7 +381,7 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.")):
     console.print(f"job {job_id} cancelled", highlight=False)
     if batch_id is not None:  # it may have been its batch's last open job: the analysis follows
         from orchestrator.celery_app import make_celery
-        from orchestrator.tasks import settle_batch
+        from orchestrator.jobs import settle_batch
 
         settle_batch(make_celery(_settings()), batch_id)
 

@@ -247,7 +247,7 @@ def bisect(
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
     from orchestrator.db.models import Batch, Build, JobKind
-    from orchestrator.tasks import launch_suite
+    from orchestrator.jobs import launch_suite
 
     if metric not in analysis.HEADLINE_METRICS:
         fail(f"unknown metric {metric!r}; choose from {', '.join(analysis.HEADLINE_METRICS)}")

@@ -154,7 +154,7 @@ def run_now(name: str = typer.Argument(..., help="Schedule name.")):
     """Fire a schedule now (its regular firings are unchanged)."""
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
-    from orchestrator.tasks import fire_schedule
+    from orchestrator.jobs import fire_schedule
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:

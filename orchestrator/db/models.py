@@ -252,10 +252,16 @@ class Profile(Base):
 
 
 class Deployment(Base):
-    """One build pushed to one device."""
+    """One build pushed to one device. Like a job, a deployment that waits on a message has an
+    owner and a deadline: `pending` ones are due to start by `due_at` (or the reconciler sends
+    them again, with a new `dispatch_seq`), `running` ones say they are alive in `heartbeat_at`
+    (orchestrator/jobs.py)."""
 
     __tablename__ = "deployments"
-    __table_args__ = (Index("ix_deployments_device_build", "device_id", "build_id"),)
+    __table_args__ = (
+        Index("ix_deployments_device_build", "device_id", "build_id"),
+        Index("ix_deployments_status_due", "status", "due_at"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     build_id: Mapped[int] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"))
@@ -270,6 +276,10 @@ class Deployment(Base):
     files_skipped: Mapped[int] = mapped_column(default=0)
     duration_s: Mapped[float | None]
     error: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
+    dispatch_seq: Mapped[int] = mapped_column(default=0, server_default="0")  # which message may start it
+    due_at: Mapped[dt.datetime | None]  # pending: resent when still pending then
+    heartbeat_at: Mapped[dt.datetime | None]  # running: its worker's last sign of life
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
 
@@ -305,7 +315,10 @@ class Batch(Base):
 class Job(Base):
     """One unit of work for one device. `attempts` counts executions (each a Run when it
     brought back a result); `heartbeat_at` is refreshed by the worker running it, so jobs of a
-    dead worker can be found and requeued."""
+    dead worker can be found and requeued. A queued job is owned by the deployment it waits for
+    (`deployment_id`, until that deployment succeeded) or by its message, which must have
+    started it by `due_at`; otherwise the reconciler sends a new message with the next
+    `dispatch_seq`, and older messages are dropped when they arrive (orchestrator/jobs.py)."""
 
     __tablename__ = "jobs"
     __table_args__ = (
@@ -313,6 +326,7 @@ class Job(Base):
         Index("ix_jobs_device_created", "device_id", "created_at"),
         Index("ix_jobs_state_id", "state", "id"),  # `farm jobs list --state`, newest first
         Index("ix_jobs_build", "build_id"),
+        Index("ix_jobs_state_due", "state", "due_at"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -322,8 +336,12 @@ class Job(Base):
     build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
     schedule_id: Mapped[int | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
     batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True)
+    deployment_id: Mapped[int | None] = mapped_column(ForeignKey("deployments.id", ondelete="SET NULL"))
     state: Mapped[JobState] = mapped_column(_enum(JobState, "state"), default=JobState.queued)
     attempts: Mapped[int] = mapped_column(default=0)
+    dispatch_seq: Mapped[int] = mapped_column(default=0, server_default="0")
+    queued_at: Mapped[dt.datetime | None] = mapped_column(default=utcnow)  # since when it waits to run
+    due_at: Mapped[dt.datetime | None]
     idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
     worker: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -336,6 +354,7 @@ class Job(Base):
     device: Mapped[Device] = relationship()
     build: Mapped[Build | None] = relationship()
     batch: Mapped[Batch | None] = relationship(back_populates="jobs")
+    deployment: Mapped[Deployment | None] = relationship()
     runs: Mapped[list[Run]] = relationship(back_populates="job", order_by="Run.attempt")
 
 

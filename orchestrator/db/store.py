@@ -288,6 +288,97 @@ def record_deployment_progress(session: Session, deployment_id: int, bytes_sent:
     session.flush()
 
 
+def create_deployment(session: Session, build_id: int, device_id: int, *, batch_id: int | None = None,
+                      due_at: dt.datetime | None = None) -> Deployment:
+    """A pending deployment whose message must start it by `due_at` (now when None: the caller
+    sends it right after its commit, or the reconciler will)."""
+    deployment = Deployment(build_id=build_id, device_id=device_id, batch_id=batch_id,
+                            status=DeploymentStatus.pending, due_at=due_at or utcnow())
+    session.add(deployment)
+    session.flush()
+    return deployment
+
+
+def get_deployment(session: Session, deployment_id: int) -> Deployment:
+    deployment = session.get(Deployment, deployment_id)
+    if deployment is None:
+        raise StoreError(f"no deployment {deployment_id}")
+    return deployment
+
+
+def _update_deployment(session: Session, deployment_id: int, conditions: list, values: dict[str, Any]) -> bool:
+    result = session.execute(
+        update(Deployment).where(Deployment.id == deployment_id, *conditions).values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+    deployment = session.identity_map.get(identity_key(Deployment, deployment_id))
+    if deployment is not None:
+        session.expire(deployment)
+    return result.rowcount == 1
+
+
+def start_deployment(session: Session, deployment_id: int, seq: int | None) -> int | None:
+    """pending -> running for the message carrying dispatch sequence `seq` (any when None);
+    returns the attempt number, or None when another execution or a newer message has it."""
+    conditions = [Deployment.status == DeploymentStatus.pending]
+    if seq is not None:
+        conditions.append(Deployment.dispatch_seq == seq)
+    now = utcnow()
+    if not _update_deployment(session, deployment_id, conditions,
+                              {"status": DeploymentStatus.running, "attempts": Deployment.attempts + 1,
+                               "heartbeat_at": now, "started_at": now, "due_at": None, "error": None}):
+        return None
+    return session.scalar(select(Deployment.attempts).where(Deployment.id == deployment_id))
+
+
+def heartbeat_deployment(session: Session, deployment_id: int) -> None:
+    _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.running],
+                       {"heartbeat_at": utcnow()})
+
+
+def finish_deployment(session: Session, deployment_id: int, attempt: int, status: DeploymentStatus, *,
+                      error: str | None = None, bytes_sent: int = 0, files_sent: int = 0,
+                      files_skipped: int = 0, duration_s: float | None = None) -> bool:
+    """running -> succeeded/failed, only for the execution of attempt `attempt` (one the
+    reconciler gave up on cannot settle a newer one). False when it no longer owns it."""
+    values: dict[str, Any] = {"status": status, "error": error, "bytes_sent": bytes_sent, "files_sent": files_sent,
+                              "files_skipped": files_skipped, "duration_s": duration_s, "finished_at": utcnow()}
+    if status == DeploymentStatus.succeeded:
+        values["bytes_total"] = func.coalesce(Deployment.bytes_total, bytes_sent)
+    return _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.running,
+                                                       Deployment.attempts == attempt], values)
+
+
+def requeue_deployment(session: Session, deployment_id: int, attempt: int, due_at: dt.datetime, error: str) -> bool:
+    """A running deployment whose worker is gone goes back to pending (due by `due_at`)."""
+    return _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.running,
+                                                       Deployment.attempts == attempt],
+                              {"status": DeploymentStatus.pending, "due_at": due_at, "error": error,
+                               "heartbeat_at": None})
+
+
+def redispatch_deployment(session: Session, deployment_id: int, due_at: dt.datetime, *,
+                          new_message: bool) -> int | None:
+    """Like redispatch_job, for a pending deployment."""
+    values: dict[str, Any] = {"due_at": due_at}
+    if new_message:
+        values["dispatch_seq"] = Deployment.dispatch_seq + 1
+    if not _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.pending], values):
+        return None
+    return session.scalar(select(Deployment.dispatch_seq).where(Deployment.id == deployment_id))
+
+
+def find_due_deployments(session: Session, now: dt.datetime, stale_before: dt.datetime) -> list[Deployment]:
+    """Pending deployments past their deadline and running ones whose worker went silent."""
+    last_heard = func.coalesce(Deployment.heartbeat_at, Deployment.started_at)
+    return list(session.scalars(
+        select(Deployment).where(or_(
+            (Deployment.status == DeploymentStatus.pending) & or_(Deployment.due_at.is_(None), Deployment.due_at < now),
+            (Deployment.status == DeploymentStatus.running) & (last_heard < stale_before),
+        )).order_by(Deployment.id)))
+
+
 # ---- jobs ---------------------------------------------------------------------------------
 
 # queued -> running -> a result state. running -> queued and infra_failed -> queued are the
@@ -319,9 +410,13 @@ def create_job(
     *,
     schedule_id: int | None = None,
     batch_id: int | None = None,
+    deployment_id: int | None = None,
+    due_at: dt.datetime | None = None,
 ) -> Job:
     """Queue a job. With an `idempotency_key`, asking again (a retried CLI call, a schedule
-    firing twice) returns the job made the first time, even when both asks race."""
+    firing twice) returns the job made the first time, even when both asks race. A job waits
+    for `deployment_id` when given; otherwise its message must start it by `due_at` (now when
+    None: the caller sends it right after its commit, or the reconciler will)."""
     spec_dict = to_dict(spec) if isinstance(spec, JobSpec) else dict(spec)
     job = Job(
         kind=JobKind(kind),
@@ -331,6 +426,9 @@ def create_job(
         schedule_id=schedule_id,
         batch_id=batch_id,
         idempotency_key=idempotency_key,
+        deployment_id=deployment_id,
+        queued_at=utcnow(),
+        due_at=None if deployment_id is not None else (due_at or utcnow()),
     )
     if idempotency_key is None:
         session.add(job)
@@ -356,31 +454,41 @@ def transition_job(
     error: str | None = None,
     log_tail: str | None = None,
     worker: str | None = None,
+    attempt: int | None = None,
+    due_at: dt.datetime | None = None,
 ) -> Job:
     """Move a job to `state` if the rules allow it from its current state. The UPDATE is
     conditional on the state it was read in, so of two workers racing to start the same job
-    exactly one wins; the other gets InvalidTransition."""
+    exactly one wins; the other gets InvalidTransition. With `attempt`, also conditional on the
+    job still being at that attempt: an execution that the reconciler replaced (its worker
+    seemed dead, the job runs again) can no longer settle the new attempt. A job going back to
+    queued is due by `due_at` (now when None)."""
     job = get_job(session, job_id)
     session.refresh(job)
     target, current = JobState(state), job.state
     if target not in ALLOWED_TRANSITIONS[current]:
         raise InvalidTransition(f"job {job_id} cannot go from {current} to {target}")
+    if attempt is not None and job.attempts != attempt:
+        raise InvalidTransition(f"job {job_id} is at attempt {job.attempts}, not {attempt}; not moved to {target}")
     now = utcnow()
     values: dict[str, Any] = {"state": target}
     if target == JobState.running:
         values.update(attempts=Job.attempts + 1, started_at=now, heartbeat_at=now, finished_at=None,
-                      worker=worker, error=None)
+                      worker=worker, error=None, due_at=None)
     elif target == JobState.queued:
-        values.update(worker=None, heartbeat_at=None)
+        values.update(worker=None, heartbeat_at=None, queued_at=now, due_at=due_at or now)
     else:
-        values.update(finished_at=now)
+        values.update(finished_at=now, due_at=None)
     if error is not None:
         values["error"] = error
     if log_tail is not None:
         values["log_tail"] = log_tail
+    conditions = [Job.id == job_id, Job.state == current]
+    if attempt is not None:
+        conditions.append(Job.attempts == attempt)
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.state == current)
+        .where(*conditions)
         .values(**values)
         .execution_options(synchronize_session=False)
     )
@@ -401,6 +509,38 @@ def heartbeat_job(session: Session, job_id: int) -> None:
         .execution_options(synchronize_session=False)
     )
     session.flush()
+
+
+def redispatch_job(session: Session, job_id: int, due_at: dt.datetime, *, new_message: bool) -> int | None:
+    """A queued job's owner moves its deadline to `due_at` (a busy device's retry, a send);
+    with `new_message` its message is replaced: the dispatch sequence goes up and older
+    messages are dropped when they arrive. Returns the sequence number the message must carry,
+    or None when the job is no longer queued."""
+    values: dict[str, Any] = {"due_at": due_at}
+    if new_message:
+        values["dispatch_seq"] = Job.dispatch_seq + 1
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.state == JobState.queued).values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+    if result.rowcount != 1:
+        return None
+    return session.scalar(select(Job.dispatch_seq).where(Job.id == job_id))
+
+
+def find_due_queued_jobs(session: Session, now: dt.datetime, limit: int = 500) -> list[Job]:
+    """Queued jobs whose message should have started them by now: never sent (a crash after the
+    commit), lost with a dead worker, or waiting on a deployment that ended."""
+    waiting_on_deploy = select(Deployment.id).where(
+        Deployment.id == Job.deployment_id,
+        Deployment.status.in_([DeploymentStatus.pending, DeploymentStatus.running]))
+    return list(session.scalars(
+        select(Job)
+        .where(Job.state == JobState.queued,
+               or_(Job.due_at.is_(None), Job.due_at < now),
+               ~waiting_on_deploy.exists())
+        .order_by(Job.id).limit(limit)))
 
 
 def find_stale_running_jobs(session: Session, older_than: dt.timedelta) -> list[Job]:

@@ -191,7 +191,6 @@ def test_generate_job_runs_through_redis(farm, tiny_model_dir):
     from agent.bundle import build_bundle, generate_keypair, provision_public_key
     from orchestrator.db import store
     from orchestrator.db.models import Deployment, DeploymentStatus, Job, JobState, Run, Sample
-    from orchestrator.tasks import dispatch_jobs
 
     tmp, settings, app, Session = farm["tmp"], farm["settings"], farm["app"], farm["Session"]  # noqa: N806
     key = generate_keypair(tmp / "farm.key", tmp / "farm.pub")
@@ -201,8 +200,10 @@ def test_generate_job_runs_through_redis(farm, tiny_model_dir):
         device_id = store.upsert_device(session, "local-1", "local", str(tmp / "phone"), host=settings.host_name).id
         build_id = store.create_build(session, manifest).id
 
-    deployment_id = app.signature("orchestrator.tasks.deploy", args=(build_id, device_id)) \
-        .apply_async(queue=host_queue(settings.host_name)).get(timeout=60)
+    with Session() as session, session.begin():
+        deployment_id = store.create_deployment(session, build_id, device_id).id
+    assert app.signature("orchestrator.tasks.deploy", args=(deployment_id, 0)) \
+        .apply_async(queue=host_queue(settings.host_name)).get(timeout=60) == deployment_id
     with Session() as session:
         deployment = session.get(Deployment, deployment_id)
         assert deployment.status == DeploymentStatus.succeeded, deployment.error or farm["worker"].log()
@@ -210,8 +211,11 @@ def test_generate_job_runs_through_redis(farm, tiny_model_dir):
     spec = {"model": "models/tiny", "precision": "fp32", "steps": 2, "scheduler": "euler", "time_limit_s": 120.0}
     with Session() as session, session.begin():
         job_id = store.create_job(session, "generate", spec, device_id, build_id).id
-    outcome = dispatch_jobs(app, [job_id]).get(timeout=90)
-    assert outcome == ["succeeded"], farm["worker"].log()
+    with Session() as session, session.begin():
+        seq = store.redispatch_job(session, job_id, store.utcnow(), new_message=True)
+    outcome = app.signature("orchestrator.tasks.run_job", args=(job_id, seq)) \
+        .apply_async(queue=host_queue(settings.host_name)).get(timeout=90)
+    assert outcome == "succeeded", farm["worker"].log()
     with Session() as session:
         job = session.get(Job, job_id)
         assert (job.state, job.attempts, job.worker) == (JobState.succeeded, 1, farm["worker"].name)

@@ -350,7 +350,7 @@ def test_metric_series_along_builds(seeded):
 def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
     cli = seeded
     sent: list[list[int]] = []
-    monkeypatch.setattr("orchestrator.tasks.dispatch_jobs", lambda app, job_ids: sent.append(list(job_ids)))
+    monkeypatch.setattr("orchestrator.jobs.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
 
     out = json.loads(cli("jobs", "submit", "latency", "--all", "--precision", "fp32", "--steps", "4",
                          "--resolution", "64x96", "--repetitions", "3", "--warmup", "0", "--cooldown", "38",
@@ -385,10 +385,10 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
 def test_submit_that_cannot_reach_the_workers_cancels_its_jobs(seeded, monkeypatch):
     cli = seeded
 
-    def broker_down(app, job_ids):
+    def broker_down(app, job_ids, strict):
         raise ConnectionError("broker down")
 
-    monkeypatch.setattr("orchestrator.tasks.dispatch_jobs", broker_down)
+    monkeypatch.setattr("orchestrator.jobs.send_jobs", broker_down)
     _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", ok=False), "broker down", "cancelled")
     (job,) = json.loads(cli("jobs", "list", "--json", "--limit", "1").output)
     assert job["state"] == "cancelled" and "not sent" in job["error"]

@@ -1,5 +1,5 @@
 """Faults with real worker processes (started as `farm worker`) on the embedded broker and a
-SQLite store: a worker SIGKILLed in the middle of a job leaves the job to the stale-job sweep,
+SQLite store: a worker SIGKILLed in the middle of a job leaves the job to the reconciler,
 which reruns it on another worker (one result stored, never two); a suite over two devices
 where one cannot be reached fails that device's deployment with its reason and its jobs as
 infrastructure failures, while the other device deploys and runs, and the batch is analysed
@@ -31,9 +31,9 @@ from orchestrator.db.models import (
     JobState,
     Run,
 )
+from orchestrator.jobs import launch_suite, send_jobs
 from orchestrator.settings import Settings
 from orchestrator.stack import settings_env
-from orchestrator.tasks import dispatch_jobs, launch_suite
 
 pytestmark = pytest.mark.gpu
 HOST = "faulthost"
@@ -45,7 +45,7 @@ QUICK_SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "schedule
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("fault-farm")
-    settings = Settings(data_dir=tmp / "data", config_dir=tmp / "config", host_name=HOST)
+    settings = Settings(data_dir=tmp / "data", config_dir=tmp / "config", host_name=HOST, stale_after_s=2.0)
     upgrade(settings.database_url)
     key = generate_keypair(tmp / "farm.key", tmp / "farm.pub")
     manifest = build_bundle({"models/tiny": tiny_model_dir}, settings.data_dir / "builds" / "b1", "b1", "0.1.0", key)
@@ -110,7 +110,7 @@ def test_worker_killed_mid_job_reruns_it_once(farm):
     first = farm["start_worker"]("worker-a")
     with farm["Session"]() as session, session.begin():
         job_id = store.create_job(session, "generate", SLOW_SPEC, farm["device_id"], farm["build_id"]).id
-    dispatch_jobs(farm["app"], [job_id])
+    send_jobs(farm["app"], [job_id])
     _wait(farm, lambda s: s.get(Job, job_id).state == JobState.running, "the job to start")
     time.sleep(1.0)  # in the middle of the generation
     _kill_group(first, signal.SIGKILL)  # the worker, its pool and the agent it started
@@ -122,12 +122,11 @@ def test_worker_killed_mid_job_reruns_it_once(farm):
         assert session.scalars(select(Run).where(Run.job_id == job_id)).all() == []
 
     farm["start_worker"]("worker-b")
-    # The heartbeat stopped with the worker: once it is older than the sweep's threshold, beat's
-    # sweep (sent here directly) requeues the job, and the new worker runs it.
+    # The heartbeat stopped with the worker: once it is older than stale_after_s, beat's
+    # reconciler (sent here directly) requeues the job, and the new worker runs it.
     time.sleep(3.0)
-    requeued = farm["app"].signature("orchestrator.tasks.requeue_stale_jobs", kwargs={"older_than_s": 2.0}) \
-        .apply_async(queue=DEFAULT_QUEUE).get(timeout=60)
-    assert requeued == [job_id]
+    report = farm["app"].signature("orchestrator.tasks.reconcile").apply_async(queue=DEFAULT_QUEUE).get(timeout=60)
+    assert report["jobs_requeued"] == [job_id]
     job = _wait(farm, lambda s: (j := s.get(Job, job_id)).state in store.SETTLED_STATES and j, "the rerun")
     assert job.state == JobState.succeeded, f"{job.error}\n{_logs(farm)}"
     assert job.attempts == 2

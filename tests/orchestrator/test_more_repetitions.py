@@ -13,8 +13,8 @@ from agent.protocol import Manifest, ManifestFile
 from orchestrator.celery_app import make_celery
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import Job
+from orchestrator.jobs import launch_suite, more_repetitions_jobs
 from orchestrator.settings import Settings
-from orchestrator.tasks import launch_suite, more_repetitions_jobs
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "job_id": 7}
 
@@ -47,12 +47,15 @@ def test_more_repetitions_rerun_the_candidate_and_its_baseline(tmp_path):
         assert sorted(j.build_id for j in rows) == sorted([cand, base])
         assert {j.kind.value for j in rows} == {"latency"} and {j.spec["repetitions"] for j in rows} == {10}
         assert store.get_batch(s, batch_id).build_id == cand  # the batch analyses the candidate
+        # One pending deployment per build, each owning the jobs of its build.
+        waits = {j.build_id: (j.id, store.get_deployment(s, j.deployment_id)) for j in rows}
+        assert {b: d.status.value for b, (_, d) in waits.items()} == {cand: "pending", base: "pending"}
+        assert {b: d.build_id for b, (_, d) in waits.items()} == {cand: cand, base: base}
     deploys = []
     for path in (settings.broker_dir / "queue").iterdir():
         message = json.loads(path.read_text())
         if message["headers"]["task"] == "orchestrator.tasks.deploy":
-            args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-            deploys.append((args[0], sorted(kwargs["then_jobs"]), message["properties"]["delivery_info"]["routing_key"]))
-    by_build = {j.build_id: j.id for j in rows}
-    assert sorted(deploys) == sorted([(cand, [by_build[cand]], "host.h"), (base, [by_build[base]], "host.h")])
+            args, _, _ = json.loads(base64.b64decode(message["body"]))
+            deploys.append((args[0], args[1], message["properties"]["delivery_info"]["routing_key"]))
+    assert sorted(deploys) == sorted([(waits[cand][1].id, 0, "host.h"), (waits[base][1].id, 0, "host.h")])
     engine.dispose()

@@ -29,7 +29,6 @@ from orchestrator.db.models import (
     utcnow,
 )
 from orchestrator.settings import Settings
-from orchestrator.tasks import dispatch_jobs
 
 pytestmark = pytest.mark.gpu
 HOST = "testhost"
@@ -78,13 +77,24 @@ def farm(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def deployed(farm):
     """b1 installed on the device through the deploy task."""
-    deployment_id = farm["app"].signature("orchestrator.tasks.deploy", args=(farm["build_id"], farm["device_id"])) \
-        .apply_async(queue=host_queue(HOST)).get(timeout=60)
+    with farm["Session"]() as session, session.begin():
+        deployment_id = store.create_deployment(session, farm["build_id"], farm["device_id"]).id
+    assert farm["app"].signature("orchestrator.tasks.deploy", args=(deployment_id, 0)) \
+        .apply_async(queue=host_queue(HOST)).get(timeout=60) == deployment_id
     with farm["Session"]() as session:
         deployment = session.get(Deployment, deployment_id)
         assert deployment.status == DeploymentStatus.succeeded, deployment.error or _log(farm)
         assert deployment.files_sent > 0
     return farm
+
+
+def _send(farm, job_id: int, copies: int = 1) -> list:
+    """What the job path sends for a queued job: run_job with its next dispatch sequence
+    number (`copies` times the same message, as a redelivering broker would)."""
+    with farm["Session"]() as session, session.begin():
+        seq = store.redispatch_job(session, job_id, utcnow() + dt.timedelta(minutes=5), new_message=True)
+    return [farm["app"].signature("orchestrator.tasks.run_job", args=(job_id, seq)).apply_async(queue=host_queue(HOST))
+            for _ in range(copies)]
 
 
 def _log(farm) -> str:
@@ -118,7 +128,7 @@ def test_generate_job_goes_queued_running_succeeded(deployed):
     farm = deployed
     job_id = _new_job(farm)
     seen = [JobState.queued]
-    dispatch_jobs(farm["app"], [job_id])
+    _send(farm, job_id)
     job = _wait_final(farm, job_id, seen=seen)
     assert job.state == JobState.succeeded, f"{job.error}\n{_log(farm)}"
     assert seen == [JobState.queued, JobState.running, JobState.succeeded]
@@ -129,14 +139,27 @@ def test_generate_job_goes_queued_running_succeeded(deployed):
         assert session.get(Device, farm["device_id"]).lease_holder is None
 
 
-def test_same_job_dispatched_three_times_runs_once(deployed):
+def test_same_message_delivered_three_times_runs_once(deployed):
     farm = deployed
     job_id = _new_job(farm)
-    outcomes = dispatch_jobs(farm["app"], [job_id, job_id]).get(timeout=60)
-    outcomes += dispatch_jobs(farm["app"], [job_id]).get(timeout=60)
+    outcomes = [r.get(timeout=60) for r in _send(farm, job_id, copies=3)]
     assert sorted(outcomes) == ["skipped", "skipped", "succeeded"]
     job = _wait_final(farm, job_id)
     assert (job.state, job.attempts, len(_runs(farm, job_id))) == (JobState.succeeded, 1, 1)
+
+
+def test_a_superseded_message_is_dropped(deployed):
+    # The reconciler sent the job again (sequence 2): the first message, arriving late, must not
+    # start a second chain of work.
+    farm = deployed
+    job_id = _new_job(farm)
+    with farm["Session"]() as session, session.begin():
+        old = store.redispatch_job(session, job_id, utcnow(), new_message=True)
+        new = store.redispatch_job(session, job_id, utcnow(), new_message=True)
+    run = farm["app"].signature("orchestrator.tasks.run_job")
+    assert run.clone(args=(job_id, old)).apply_async(queue=host_queue(HOST)).get(timeout=60) == "superseded"
+    assert run.clone(args=(job_id, new)).apply_async(queue=host_queue(HOST)).get(timeout=60) == "succeeded"
+    assert len(_runs(farm, job_id)) == 1
 
 
 def test_leased_device_delays_the_job_until_released(deployed):
@@ -144,7 +167,7 @@ def test_leased_device_delays_the_job_until_released(deployed):
     with farm["Session"]() as session, session.begin():
         assert store.acquire_device_lease(session, farm["device_id"], "operator", 600)
     job_id = _new_job(farm)
-    result = dispatch_jobs(farm["app"], [job_id])
+    (result,) = _send(farm, job_id)
     time.sleep(1.5)
     with farm["Session"]() as session:
         assert session.get(Job, job_id).state == JobState.queued
@@ -152,7 +175,7 @@ def test_leased_device_delays_the_job_until_released(deployed):
         assert store.release_device_lease(session, farm["device_id"], "operator")
     job = _wait_final(farm, job_id)
     assert (job.state, job.attempts) == (JobState.succeeded, 1), job.error
-    assert result.get(timeout=30) == ["succeeded"]
+    assert result.get(timeout=30) == "succeeded"
 
 
 def test_job_left_running_by_a_dead_worker_is_requeued(deployed):
@@ -163,9 +186,8 @@ def test_job_left_running_by_a_dead_worker_is_requeued(deployed):
         store.transition_job(session, job_id, JobState.running, worker="dead@host")
         session.execute(update(Job).where(Job.id == job_id).values(heartbeat_at=long_ago, started_at=long_ago))
         assert store.acquire_device_lease(session, farm["device_id"], f"job{job_id}:dead", 600)
-    requeued = farm["app"].signature("orchestrator.tasks.requeue_stale_jobs", kwargs={"older_than_s": 60}) \
-        .apply_async(queue=DEFAULT_QUEUE).get(timeout=30)
-    assert requeued == [job_id]
+    report = farm["app"].signature("orchestrator.tasks.reconcile").apply_async(queue=DEFAULT_QUEUE).get(timeout=30)
+    assert report["jobs_requeued"] == [job_id]
     job = _wait_final(farm, job_id)
     assert (job.state, job.attempts) == (JobState.succeeded, 2), job.error
     (run,) = _runs(farm, job_id)
