@@ -1,0 +1,278 @@
+"""The reliability promise (docs/reliability.md), fault by fault, with real processes: the
+embedded broker keeps a message a SIGKILLed consumer held and gives it to the next one; a job
+whose busy-device retry a killed worker held still runs; work whose message was never sent (a
+crash after the commit) or whose deployment's worker died is sent again by the reconciler; a
+wait for a busy device ends with its reason instead of for ever; a replaced attempt cannot
+settle the job; Redis redelivers after the longest job, not after six hours."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from kombu import Connection
+from sqlalchemy import select, update
+
+from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
+from orchestrator.celery_app import DEFAULT_QUEUE, _embedded_broker, make_celery, visibility_timeout_s
+from orchestrator.db import make_engine, make_session_factory, store, upgrade
+from orchestrator.db.models import Deployment, DeploymentStatus, Device, Job, JobState, Run, utcnow
+from orchestrator.jobs import check_time_limit, send_jobs
+from orchestrator.settings import Settings
+from orchestrator.stack import settings_env
+
+HOST = "relhost"
+REPO = Path(__file__).resolve().parents[2]
+QUICK_SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 1, "scheduler": "euler", "time_limit_s": 120.0,
+              "height": 64, "width": 64}
+
+
+# ---- the embedded broker ------------------------------------------------------------------
+
+CONSUMER = textwrap.dedent("""
+    import sys, time
+    from kombu import Connection
+    from orchestrator.celery_app import _embedded_broker
+    from orchestrator.settings import Settings
+    url, options, _ = _embedded_broker(Settings(data_dir=sys.argv[1], config_dir=sys.argv[1]))
+    with Connection(url, transport_options=options) as conn:
+        queue = conn.SimpleQueue("work", no_ack=False)
+        message = queue.get(timeout=30)
+        print(message.payload, flush=True)
+        time.sleep(600)  # holds it, unacknowledged, until killed
+""")
+
+
+@pytest.fixture
+def broker(tmp_path):
+    url, options, _ = _embedded_broker(Settings(data_dir=tmp_path, config_dir=tmp_path))
+    with Connection(url, transport_options=options) as conn:
+        yield conn, tmp_path
+
+
+def test_a_message_held_by_a_killed_consumer_comes_back(broker):
+    conn, root = broker
+    conn.SimpleQueue("work", no_ack=False).put({"job": 1})
+    consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, str(root)], stdout=subprocess.PIPE, text=True,
+                                cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)})
+    try:
+        assert consumer.stdout.readline().strip() == "{'job': 1}"
+        queue = conn.SimpleQueue("work", no_ack=False)
+        with pytest.raises(queue.Empty):
+            queue.get(timeout=1.5)  # claimed by a live consumer: invisible to others
+        consumer.send_signal(signal.SIGKILL)
+        consumer.wait()
+        message = queue.get(timeout=10)  # its owner is gone: put back and delivered again
+        assert message.payload == {"job": 1}
+        message.ack()
+        assert list((root / "broker" / "processed").iterdir()) == []  # acked: gone for good
+        with pytest.raises(queue.Empty):
+            queue.get(timeout=1.5)
+    finally:
+        consumer.kill()
+        consumer.wait()
+
+
+def test_reject_with_requeue_and_closing_give_the_message_back(broker):
+    conn, root = broker
+    queue = conn.SimpleQueue("requeued", no_ack=False)
+    queue.put({"n": 1})
+    (name,) = os.listdir(root / "broker" / "queue")
+    first = queue.get(timeout=5)
+    assert os.listdir(root / "broker" / "queue") == [] and len(os.listdir(root / "broker" / "processed")) == 1
+    first.requeue()
+    assert os.listdir(root / "broker" / "queue") == [name]  # back under its own name: its place in line
+    again = queue.get(timeout=5)
+    assert again.payload == {"n": 1}
+    conn.release()  # the channel closes with the message unacknowledged: it goes back
+    assert os.listdir(root / "broker" / "queue") == [name]
+    assert os.listdir(root / "broker" / "processed") == []
+
+
+# ---- jobs with real workers ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("reliability-farm")
+    settings = Settings(data_dir=tmp / "data", config_dir=tmp / "config", host_name=HOST,
+                        stale_after_s=3.0, message_grace_s=3.0, max_queue_wait_s=8.0)
+    upgrade(settings.database_url)
+    key = generate_keypair(tmp / "farm.key", tmp / "farm.pub")
+    manifest = build_bundle({"models/tiny": tiny_model_dir}, settings.data_dir / "builds" / "b1", "b1", "0.1.0", key)
+    for phone in ("phone", "phone-2"):
+        provision_public_key(tmp / phone, tmp / "farm.pub")
+    install_bundle(settings.data_dir / "builds" / "b1", tmp / "phone")
+    engine = make_engine(settings.database_url)
+    Session = make_session_factory(engine)  # noqa: N806
+    with Session() as session, session.begin():
+        device_id = store.upsert_device(session, "local-1", "local", str(tmp / "phone"), host=HOST).id
+        fresh_id = store.upsert_device(session, "local-2", "local", str(tmp / "phone-2"), host=HOST).id
+        build_id = store.create_build(session, manifest).id
+    workers: list[subprocess.Popen] = []
+
+    def start_worker(name: str) -> subprocess.Popen:
+        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115  (the child holds it)
+        worker = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", "2"],
+                                  env=settings_env(settings), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  start_new_session=True)
+        log.close()
+        workers.append(worker)
+        return worker
+
+    try:
+        yield {"app": make_celery(settings), "Session": Session, "device_id": device_id, "fresh_id": fresh_id,
+               "build_id": build_id, "tmp": tmp, "start_worker": start_worker, "settings": settings}
+    finally:
+        for worker in workers:
+            _kill(worker, signal.SIGTERM)
+        for worker in workers:
+            try:
+                worker.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _kill(worker, signal.SIGKILL)
+                worker.wait()
+        engine.dispose()
+
+
+def _kill(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _logs(farm) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(farm["tmp"].glob("*.log")))
+
+
+def _wait(farm, predicate, what: str, timeout_s: float = 90.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with farm["Session"]() as session:
+            value = predicate(session)
+            if value:
+                return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}\n{_logs(farm)}")
+
+
+def _settled(farm, job_id: int) -> Job:
+    return _wait(farm, lambda s: (j := s.get(Job, job_id)).state in store.SETTLED_STATES and j, f"job {job_id}")
+
+
+def _runs(farm, job_id: int) -> list[Run]:
+    with farm["Session"]() as session:
+        return list(session.scalars(select(Run).where(Run.job_id == job_id)))
+
+
+def _reconcile(farm) -> dict:
+    return farm["app"].signature("orchestrator.tasks.reconcile").apply_async(queue=DEFAULT_QUEUE).get(timeout=60)
+
+
+def test_busy_device_retry_held_by_a_killed_worker_still_runs(farm):
+    # The job waits for a device an operator holds: its retry is an ETA message the worker keeps
+    # unacknowledged. The worker dies; a new one starts; the device is released. No reconcile is
+    # sent: the broker itself gives the held message to the new worker.
+    with farm["Session"]() as session, session.begin():
+        assert store.acquire_device_lease(session, farm["device_id"], "operator", 600)
+        job_id = store.create_job(session, "generate", QUICK_SPEC, farm["device_id"], farm["build_id"]).id
+    first = farm["start_worker"]("worker-eta")
+    send_jobs(farm["app"], [job_id])
+    # Wait until the first run found the device busy and its retry is held (a claimed message).
+    processed = farm["settings"].broker_dir / "processed"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("run_job" in p.read_text() for p in processed.glob("*~*")):
+        time.sleep(0.1)
+    time.sleep(0.5)
+    _kill(first, signal.SIGKILL)
+    first.wait()
+    with farm["Session"]() as session, session.begin():
+        assert session.get(Job, job_id).state == JobState.queued
+        assert store.release_device_lease(session, farm["device_id"], "operator")
+    farm["start_worker"]("worker-eta-2")
+    job = _settled(farm, job_id)
+    assert (job.state, job.attempts) == (JobState.succeeded, 1), f"{job.error}\n{_logs(farm)}"
+    assert [r.attempt for r in _runs(farm, job_id)] == [1]
+
+
+def test_work_never_sent_after_its_commit_is_sent_by_the_reconciler(farm):
+    # A crash between the commit and the send: the job is in the store, no message exists.
+    farm["start_worker"]("worker-outbox")
+    with farm["Session"]() as session, session.begin():
+        job_id = store.create_job(session, "generate", QUICK_SPEC, farm["device_id"], farm["build_id"],
+                                  due_at=utcnow() - dt.timedelta(seconds=1)).id
+    assert job_id in _reconcile(farm)["jobs_resent"]
+    job = _settled(farm, job_id)
+    assert (job.state, job.attempts, len(_runs(farm, job_id))) == (JobState.succeeded, 1, 1), job.error
+
+
+def test_deployment_of_a_dead_worker_is_resent_and_its_jobs_run(farm):
+    # A deployment left running by a worker that died mid-push, with a job waiting for it.
+    farm["start_worker"]("worker-deploy")
+    long_ago = utcnow() - dt.timedelta(minutes=5)
+    with farm["Session"]() as session, session.begin():
+        deployment = store.create_deployment(session, farm["build_id"], farm["fresh_id"])
+        assert store.start_deployment(session, deployment.id, 0) == 1
+        session.execute(update(Deployment).where(Deployment.id == deployment.id).values(heartbeat_at=long_ago))
+        job_id = store.create_job(session, "generate", QUICK_SPEC, farm["fresh_id"], farm["build_id"],
+                                  deployment_id=deployment.id).id
+        deployment_id = deployment.id
+    assert _reconcile(farm)["deployments_resent"] == [deployment_id]
+    job = _settled(farm, job_id)
+    assert job.state == JobState.succeeded, f"{job.error}\n{_logs(farm)}"
+    with farm["Session"]() as session:
+        deployment = session.get(Deployment, deployment_id)
+        assert (deployment.status, deployment.attempts) == (DeploymentStatus.succeeded, 2)
+        assert deployment.files_sent > 0
+
+
+def test_a_wait_for_a_busy_device_ends_with_its_reason(farm):
+    farm["start_worker"]("worker-expire")
+    with farm["Session"]() as session, session.begin():
+        assert store.acquire_device_lease(session, farm["device_id"], "operator", 600)
+        job_id = store.create_job(session, "generate", QUICK_SPEC, farm["device_id"], farm["build_id"]).id
+    try:
+        send_jobs(farm["app"], [job_id])
+        job = _wait(farm, lambda s: (j := s.get(Job, job_id)).state != JobState.queued and j, "the wait to end", 60)
+        assert job.state == JobState.infra_failed and job.attempts == 0
+        assert "gave up after waiting" in job.error and "local-1" in job.error and "operator" in job.error
+    finally:
+        with farm["Session"]() as session, session.begin():
+            store.release_device_lease(session, farm["device_id"], "operator")
+
+
+# ---- the store and the configuration ------------------------------------------------------
+
+
+def test_a_replaced_attempt_cannot_settle_the_job(Session):  # noqa: N803  (a session factory fixture)
+    with Session() as s, s.begin():
+        device = store.upsert_device(s, "p1", "local", "/tmp/p1")
+        job_id = store.create_job(s, "generate", QUICK_SPEC, device.id).id
+        store.transition_job(s, job_id, JobState.running, worker="a")
+        # The reconciler decided worker a was dead: infra_failed, queued, started again by b.
+        store.transition_job(s, job_id, JobState.infra_failed, attempt=1)
+        store.transition_job(s, job_id, JobState.queued)
+        store.transition_job(s, job_id, JobState.running, worker="b")
+    with Session() as s, s.begin(), pytest.raises(store.InvalidTransition, match="attempt 2, not 1"):
+        store.transition_job(s, job_id, JobState.succeeded, attempt=1)  # worker a comes back late
+    with Session() as s, s.begin():
+        assert store.transition_job(s, job_id, JobState.succeeded, attempt=2).state == JobState.succeeded
+        assert s.get(Device, device.id) is not None
+
+
+def test_redis_redelivers_after_the_longest_job_not_six_hours(tmp_path):
+    settings = Settings(data_dir=tmp_path, config_dir=tmp_path, broker_url="redis://127.0.0.1:1/0",
+                        max_job_time_s=1800.0)
+    app = make_celery(settings)
+    assert app.conf.broker_transport_options["visibility_timeout"] == visibility_timeout_s(settings) == 2700.0
+    with pytest.raises(store.StoreError, match="max_job_time_s"):
+        check_time_limit(settings, {"time_limit_s": 3600.0})
+    check_time_limit(settings, {"time_limit_s": 1800.0})
