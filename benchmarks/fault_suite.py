@@ -1,0 +1,418 @@
+"""The fault suite: the farm's reliability promise (docs/reliability.md) measured under repeated
+faults, with real worker processes, a real beat running the reconciler, and real jobs (a tiny
+random-weight model, 64x64, one denoising step) on local devices of this machine.
+
+Scenarios:
+- kills: the embedded stack (SQLite, the filesystem broker). Worker processes are SIGKILLed
+  at random moments (the first one while a build is being pushed to a device; most while jobs
+  wait on a busy device with their retries held by a worker) and come back after a pause.
+- broker-restart: Redis (a private redis-server with an append-only file) is stopped mid-run
+  and started again on its port; PostgreSQL holds the store.
+- db-restart: PostgreSQL (a private cluster made with initdb) is restarted mid-run; Redis is
+  the broker.
+
+For each: jobs lost (not succeeded when everything settled or the deadline passed), jobs
+recorded twice (more than one stored run), jobs that ran more than once on a device (allowed:
+delivery is at least once), and how long after a fault the work it hit came back: for a kill,
+from the kill until each job its worker was running started again; for a restart, from the
+server coming back until the next job settled.
+
+    python benchmarks/fault_suite.py --json docs/benchmarks/fault-suite.json
+    python benchmarks/fault_suite.py --small              # what CI runs (tests/orchestrator/test_fault_suite.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from sqlalchemy import func, select  # noqa: E402
+
+from agent.bundle import build_bundle, generate_keypair, provision_public_key  # noqa: E402
+from orchestrator.celery_app import DEFAULT_QUEUE, host_queue, make_celery  # noqa: E402
+from orchestrator.db import make_engine, make_session_factory, store, upgrade  # noqa: E402
+from orchestrator.db.models import Deployment, DeploymentStatus, Job, JobState, Run  # noqa: E402
+from orchestrator.jobs import launch_suite  # noqa: E402
+from orchestrator.settings import Settings  # noqa: E402
+from orchestrator.stack import settings_env  # noqa: E402
+
+HOST = "faulthost"
+SPEC = {"precision": "fp32", "steps": 1, "scheduler": "euler", "height": 64, "width": 64, "time_limit_s": 120.0,
+        "prompt": "a red bicycle"}
+# Faster than the defaults so that a run takes minutes: a dead worker's job is found after 6 s
+# without a heartbeat, and beat reconciles every second.
+RELIABILITY = {"stale_after_s": 6.0, "message_grace_s": 8.0, "reconcile_every_s": 1.0}
+WORKERS = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_postgres_user() -> list[str]:
+    # initdb and postgres refuse to run as root.
+    if os.getuid() != 0:
+        return []
+    if subprocess.run(["id", "postgres"], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "postgres"], check=True)
+    return ["runuser", "-u", "postgres", "--"]
+
+
+class RedisServer:
+    """A private redis-server whose every write is in its append-only file before it is acknowledged."""
+
+    def __init__(self, folder: Path):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise SystemExit("no redis-server on PATH (Debian package redis-server)")
+        self.folder, self.port = folder, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.folder / "redis.log", "a")  # noqa: SIM115  (the child keeps it)
+        self.process = subprocess.Popen([self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir",
+                                         str(self.folder), "--save", "", "--appendonly", "yes",
+                                         "--appendfsync", "always"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        _wait_port(self.port, "redis-server")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+class PostgresServer:
+    """A private PostgreSQL cluster made with initdb in `folder`."""
+
+    def __init__(self, folder: Path):
+        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+        if not found:
+            raise SystemExit("no PostgreSQL server (Debian package postgresql)")
+        self.bin, self.folder, self.port = found[-1].parent, folder, free_port()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self.user = _as_postgres_user()
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.user:
+            shutil.chown(folder, "postgres")
+        subprocess.run([*self.user, str(self.bin / "initdb"), "-D", str(folder / "data"), "-U", "postgres",
+                        "--auth=trust", "-E", "UTF8"], check=True, capture_output=True)
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run([*self.user, str(self.bin / "pg_ctl"), "-D", str(self.folder / "data"), "-l",
+                        str(self.folder / "server.log"), "-w", "-t", "60", *args], check=True, capture_output=True)
+
+    def start(self) -> None:
+        self._ctl("-o", f"-h 127.0.0.1 -p {self.port} -k {self.folder} -c fsync=off", "start")
+
+    def stop(self) -> None:
+        self._ctl("-m", "fast", "stop")
+
+
+def _wait_port(port: int, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not start on port {port}")
+
+
+@dataclass
+class Farm:
+    root: Path
+    settings: Settings
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.engine = make_engine(self.settings.database_url)
+        self.Session = make_session_factory(self.engine)
+        self.app = make_celery(self.settings)
+
+    def start(self, name: str) -> None:
+        """Start worker `name` (wN) or beat, as the farm starts them."""
+        if name == "beat":
+            command = [sys.executable, "-m", "orchestrator.cli", "beat", "-l", "warning"]
+        else:
+            command = [sys.executable, "-m", "celery", "-A", "orchestrator.celery_app", "worker", "-Q",
+                       f"{host_queue(HOST)},{DEFAULT_QUEUE}", "-c", "2", "-n", f"{name}@{HOST}", "--without-gossip",
+                       "--without-mingle", "-l", "info"]
+        log = open(self.root / f"{name}.log", "a")  # noqa: SIM115  (the child keeps it)
+        self.processes[name] = subprocess.Popen(command, env=settings_env(self.settings), stdout=log,
+                                                stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        log.close()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """The worker, its pool and the agents it started, at once."""
+        process = self.processes[name]
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+    def stop_all(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for name in self.processes:
+            try:
+                self.processes[name].wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill(name)
+        self.engine.dispose()
+
+
+def make_farm(root: Path, devices: int, database_url: str | None, broker_url: str | None) -> Farm:
+    from engine.make_model import make_model
+
+    settings = Settings(data_dir=root / "data", config_dir=root / "config", host_name=HOST,
+                        database_url=database_url, broker_url=broker_url, **RELIABILITY)
+    upgrade(settings.database_url)
+    model = make_model("tiny", 0, root / "model")
+    key = generate_keypair(root / "farm.key", root / "farm.pub")
+    manifest = build_bundle({"models/tiny": model}, settings.data_dir / "builds" / "b1", "b1", "0.1.0", key)
+    farm = Farm(root, settings)
+    with farm.Session() as session, session.begin():
+        store.create_build(session, manifest)
+        for index in range(devices):
+            phone = root / f"phone-{index + 1}"
+            provision_public_key(phone, root / "farm.pub")  # nothing installed: the suite's deploy pushes it
+            store.upsert_device(session, f"local-{index + 1}", "local", str(phone), host=HOST)
+            store.set_device_state(session, store.get_device(session, f"local-{index + 1}").id, "available")
+    return farm
+
+
+class Monitor(threading.Thread):
+    """Polls the jobs and remembers, per job, when each attempt was first seen running."""
+
+    def __init__(self, farm: Farm, batch_id: int):
+        super().__init__(daemon=True)
+        self.farm, self.batch_id = farm, batch_id
+        self.started: dict[tuple[int, int], float] = {}  # (job, attempt) -> first seen running
+        self.settled_at: list[float] = []
+        self.done = threading.Event()
+        self._settled: set[int] = set()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                with self.farm.Session() as session:
+                    rows = session.execute(select(Job.id, Job.state, Job.attempts).where(
+                        Job.batch_id == self.batch_id)).all()
+            except Exception:  # noqa: BLE001  (the database is restarting: look again)
+                time.sleep(0.2)
+                continue
+            now = time.monotonic()
+            for job_id, state, attempts in rows:
+                if state == JobState.running:
+                    self.started.setdefault((job_id, attempts), now)
+                if state in store.SETTLED_STATES and job_id not in self._settled:
+                    self._settled.add(job_id)
+                    self.settled_at.append(now)
+            time.sleep(0.1)
+
+    def running(self) -> dict[int, tuple[int, str]]:
+        """Jobs running now: id -> (attempt, worker)."""
+        with self.farm.Session() as session:
+            return {j: (a, w) for j, a, w in session.execute(select(Job.id, Job.attempts, Job.worker).where(
+                Job.batch_id == self.batch_id, Job.state == JobState.running))}
+
+
+def _context(farm: Farm, batch_id: int) -> list[str]:
+    """What a kill interrupts, by the store's state at that moment."""
+    with farm.Session() as session:
+        pushing = session.scalar(select(func.count()).select_from(Deployment).where(
+            Deployment.batch_id == batch_id, Deployment.status == DeploymentStatus.running))
+        waiting = session.scalar(select(func.count()).select_from(Job).where(
+            Job.batch_id == batch_id, Job.state == JobState.queued, Job.deployment_id.is_not(None),
+            Job.due_at.is_not(None)))
+        running = session.scalar(select(func.count()).select_from(Job).where(
+            Job.batch_id == batch_id, Job.state == JobState.running))
+    return (["push"] if pushing else []) + (["busy-device retry"] if waiting and running else []) + \
+        (["job running"] if running else [])
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0, "median_s": None, "max_s": None}
+    return {"n": len(values), "median_s": round(statistics.median(values), 2), "max_s": round(max(values), 2)}
+
+
+def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, seed: int,
+                 timeout_s: float) -> dict:
+    rng = random.Random(seed)
+    servers: dict[str, RedisServer | PostgresServer] = {}
+    if name != "kills":
+        servers["redis"] = RedisServer(root / "redis")
+        servers["postgres"] = PostgresServer(root / "postgres")
+        for server in servers.values():
+            server.start()
+    farm = make_farm(root, devices, servers["postgres"].url if servers else None,
+                     servers["redis"].url if servers else None)
+    per_device = max(1, -(-jobs // devices))
+    entries = [{"kind": "generate", "spec": SPEC | {"seed": i}} for i in range(per_device)]
+    faults: list[dict] = []
+    try:
+        for index in range(WORKERS):
+            farm.start(f"w{index + 1}")
+        farm.start("beat")
+        t0 = time.monotonic()
+        batch_id = launch_suite(farm.app, f"fault suite: {name}", entries, build="b1", devices="all",
+                                max_extra_rounds=0)
+        monitor = Monitor(farm, batch_id)
+        monitor.start()
+        total = per_device * devices
+
+        if name == "kills":
+            for index in range(kills):
+                if index == 0:  # the first kill lands while a build is being pushed
+                    _until(lambda: "push" in _context(farm, batch_id), 60)
+                else:
+                    time.sleep(rng.uniform(2.0, 6.0))
+                victim = f"w{rng.randrange(WORKERS) + 1}"
+                context, running = _context(farm, batch_id), monitor.running()
+                killed_at = time.monotonic()
+                farm.kill(victim)
+                hit = {job: attempt for job, (attempt, worker) in running.items() if worker == f"{victim}@{HOST}"}
+                faults.append({"fault": f"SIGKILL {victim}", "at_s": round(killed_at - t0, 2), "during": context,
+                               "jobs_hit": hit, "_at": killed_at})
+                time.sleep(rng.uniform(0.5, 2.0))
+                farm.start(victim)
+        else:
+            server = servers["redis" if name == "broker-restart" else "postgres"]
+            _until(lambda: len(monitor.settled_at) >= max(1, total // 4), timeout_s / 2)
+            down_at = time.monotonic()
+            server.stop()
+            time.sleep(5.0)
+            server.start()
+            up_at = time.monotonic()
+            faults.append({"fault": f"{'Redis' if name == 'broker-restart' else 'PostgreSQL'} stopped 5 s, started again",
+                           "at_s": round(down_at - t0, 2), "during": ["jobs running"], "jobs_hit": {}, "_at": up_at})
+
+        deadline = t0 + timeout_s
+        while time.monotonic() < deadline and len(monitor.settled_at) < total:
+            time.sleep(0.5)
+        elapsed = time.monotonic() - t0
+        monitor.done.set()
+        monitor.join()
+        recovery = []
+        for fault in faults:
+            if fault["jobs_hit"]:
+                for job, attempt in fault["jobs_hit"].items():
+                    back = monitor.started.get((job, attempt + 1))
+                    if back is not None:
+                        recovery.append(back - fault["_at"])
+            else:
+                after = [t for t in monitor.settled_at if t > fault["_at"]]
+                if after:
+                    recovery.append(min(after) - fault["_at"])
+        with farm.Session() as session:
+            states = dict(session.execute(select(Job.state, func.count()).where(Job.batch_id == batch_id)
+                                          .group_by(Job.state)).all())
+            runs_per_job = session.execute(select(Run.job_id, func.count()).join(Job, Job.id == Run.job_id).where(
+                Job.batch_id == batch_id).group_by(Run.job_id)).all()
+            reran = session.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch_id,
+                                                                               Job.attempts > 1))
+            unhealthy = [f"job {j.id}: {j.state} ({j.error})" for j in session.scalars(select(Job).where(
+                Job.batch_id == batch_id, Job.state != JobState.succeeded))]
+        for fault in faults:
+            fault.pop("_at")
+            fault["jobs_hit"] = sorted(fault["jobs_hit"])
+        return {
+            "scenario": name, "jobs": total, "devices": devices, "faults": faults, "elapsed_s": round(elapsed, 1),
+            "states": {str(k): v for k, v in states.items()},
+            "lost": total - states.get(JobState.succeeded, 0),
+            "recorded_twice": sum(1 for _, n in runs_per_job if n > 1),
+            "ran_more_than_once": reran,
+            "recovery": _percentiles(recovery),
+            "not_succeeded": unhealthy[:20],
+        }
+    finally:
+        farm.stop_all()
+        for server in servers.values():
+            try:
+                server.stop()
+            except Exception:  # noqa: BLE001  (already down)
+                pass
+
+
+def _until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001  (a restarting server: look again)
+            pass
+        time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", default="kills,broker-restart,db-restart")
+    parser.add_argument("--jobs", type=int, default=102, help="jobs per scenario (spread over the devices)")
+    parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per scenario")
+    parser.add_argument("--small", action="store_true", help="CI's size: 9 jobs, 3 kills")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    if args.small:
+        args.jobs, args.kills, args.timeout = 9, 3, 400.0
+    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.mkdtemp())
+    results = []
+    for name in args.scenarios.split(","):
+        with tempfile.TemporaryDirectory(prefix=f"fault-{name}-") as tmp:
+            root = Path(tmp)
+            os.chmod(root, 0o755)  # a private PostgreSQL runs as another user
+            print(f"-- {name}: {args.jobs} jobs on {args.devices} devices", flush=True)
+            result = run_scenario(name, root, jobs=args.jobs, devices=args.devices, kills=args.kills,
+                                  seed=args.seed, timeout_s=args.timeout)
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "faults"}), flush=True)
+    print()
+    print(f"{'scenario':<16}{'jobs':>6}{'faults':>8}{'lost':>6}{'twice':>7}{'reran':>7}"
+          f"{'recovery median':>17}{'max':>8}{'elapsed':>9}")
+    for r in results:
+        rec = r["recovery"]
+        print(f"{r['scenario']:<16}{r['jobs']:>6}{len(r['faults']):>8}{r['lost']:>6}{r['recorded_twice']:>7}"
+              f"{r['ran_more_than_once']:>7}{_s(rec['median_s']):>17}{_s(rec['max_s']):>8}{r['elapsed_s']:>8.0f}s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                                         "settings": RELIABILITY, "workers": WORKERS, "results": results},
+                                        indent=2) + "\n")
+    return 0 if all(r["lost"] == 0 and r["recorded_twice"] == 0 for r in results) else 1
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
