@@ -73,7 +73,6 @@ def _each(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
 # ---- names and ids ------------------------------------------------------------------------
 
 serial = _checked(inputs.check_serial)
-serials = _each(inputs.check_serial)
 host_name = _checked(inputs.check_host_name)
 build_name = _checked(inputs.check_build_name)
 build_version = _checked(lambda v: inputs.check_build_name(v, "build version"))
