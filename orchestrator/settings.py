@@ -125,13 +125,19 @@ TRANSPORTS = ("adb", "http", "local")
 
 def parse_device_entry(entry: str) -> tuple[str, str, str]:
     """`SERIAL=TRANSPORT:ADDRESS` (the address may hold colons: host:port, a URL) ->
-    (serial, transport, address)."""
+    (serial, transport, address), the serial and the address checked as `farm devices add`
+    checks them and the address in its canonical form; ValueError naming the entry."""
+    from orchestrator.inputs import BadInput, check_serial, parse_device_address
+
     serial, sep, rest = entry.strip().partition("=")
     transport, _, address = rest.partition(":")
     if not sep or not serial or transport not in TRANSPORTS:
         raise ValueError(f"bad device entry {entry.strip()!r}: expected SERIAL=TRANSPORT:ADDRESS with "
                          f"TRANSPORT one of {', '.join(TRANSPORTS)} (e.g. phone-1=adb:10.0.0.7:5555)")
-    return serial, transport, address
+    try:
+        return check_serial(serial), transport, str(parse_device_address(transport, address))
+    except BadInput as exc:
+        raise ValueError(f"bad device entry {entry.strip()!r}: {exc}") from None
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -23,9 +23,11 @@ from . import regressions as regressions_cmd
 from . import results as results_cmd
 from . import schedules as schedules_cmd
 from . import stack as stack_cmd
+from . import validate
 
 app = typer.Typer(
     name="farm",
+    cls=validate.FarmGroup,
     help="Ship Stable Diffusion to phones and GPU hosts, and prove every night it got faster.",
     no_args_is_help=True,
     add_completion=False,

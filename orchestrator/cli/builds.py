@@ -17,6 +17,7 @@ from rich.table import Table
 
 from orchestrator.db.models import Build
 
+from . import validate
 from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
 
 app = typer.Typer(help="Create and inspect signed build bundles.", no_args_is_help=True)
@@ -77,11 +78,14 @@ def build_dict(build: Build, files: bool = False) -> dict[str, Any]:
 
 @app.command()
 def create(
+    # --model and --profiles are checked by make_build, which `farm demo` calls too.
     model: Path = typer.Option(..., "--model", help="diffusers-layout model folder (shipped as models/<name>)."),
     profiles: Path = typer.Option(None, "--profiles", help="Folder of extra kernel profiles (shipped as "
                                   "profiles/; engine/profiles always ship)."),
-    version: str = typer.Option(None, "--version", help="Build version (default: the package version)."),
-    name: str = typer.Option(None, "--name", help="Build id (default: <model>-<version>-<UTC time>)."),
+    version: str = typer.Option(None, "--version", help="Build version (default: the package version).",
+                                callback=validate.build_version),
+    name: str = typer.Option(None, "--name", help="Build id (default: <model>-<version>-<UTC time>).",
+                             callback=validate.build_name),
     default_profile: str = typer.Option(None, "--default-profile", help="Kernel profile the build's jobs use "
                                         "unless they name one: reference, a shipped profile (nvidia, adreno, ...) "
                                         "or profiles/<file> from --profiles. Default: auto (chosen per GPU)."),
@@ -100,6 +104,7 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
     from agent.bundle import BundleError, build_bundle
     from agent.jobs import DEFAULT_PROFILE_FILE
     from orchestrator.db import store
+    from orchestrator.inputs import BadInput, check_build_name
 
     model = model.expanduser()
     if not (model / "model_index.json").is_file() and not (model / "unet").is_dir():
@@ -113,6 +118,10 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
     version = version or _default_version()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     name = name or f"{model.resolve().name}-{version}-{stamp}"
+    try:
+        check_build_name(name)
+    except BadInput as exc:  # a default name from a model folder called, say, "my model"
+        fail(f"{exc}; give one with --name")
     builds_dir = settings.data_dir / "builds"
     final = builds_dir / name
     with open_store(settings) as sessions:

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import typer
 
+from . import validate
 from .devices import _settings, console, fail, open_store
 
 app = typer.Typer(help="Build or serve the static HTML dashboard.", no_args_is_help=True)
 
-OUT_OPTION = typer.Option(None, "--out", help="Folder to write the site into (default: <data_dir>/dashboard).")
+OUT_OPTION = typer.Option(None, "--out", help="Folder to write the site into (default: <data_dir>/dashboard).",
+                          callback=validate.output_dir)
 
 
 def _build(out: Path | None) -> Path:
@@ -39,8 +41,9 @@ def build(out: Path = OUT_OPTION):
 
 @app.command()
 def serve(
-    port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port to listen on."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="TCP port to listen on (0: any free one).",
+                             parser=validate.listen_port),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on.", callback=validate.listen_host),
     out: Path = OUT_OPTION,
 ):
     """Rebuild the dashboard, then serve its folder over HTTP until interrupted."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
+from . import validate
+
 app = typer.Typer(help="Manage the farm's SQL database.", no_args_is_help=True)
 console = Console()
 
@@ -12,7 +14,7 @@ console = Console()
 @app.command()
 def upgrade(
     url: str = typer.Option(None, "--url", help="Database URL (default: FARM_DATABASE_URL, "
-                            "farm.toml, else the SQLite file in the data dir)."),
+                            "farm.toml, else the SQLite file in the data dir).", callback=validate.database_url),
     revision: str = typer.Option("head", help="Target revision."),
 ):
     """Create or migrate the database schema to the newest revision."""

@@ -10,7 +10,15 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from .devices import JSON_OPTION, _print_json, _settings, console, fail, open_store
+from .devices import (
+    JSON_OPTION,
+    _print_json,
+    _settings,
+    console,
+    fail,
+    open_store,
+    stored_input_error,
+)
 
 DEFAULT_TIMEOUT_S = 1800.0
 POLL_S = 0.25
@@ -45,6 +53,9 @@ def deploy(
                 fail(str(exc))
             if not targets:
                 fail("no devices to deploy to; `farm devices add` registers one")
+            unusable = [problem for problem in map(stored_input_error, targets) if problem]
+            if unusable:
+                fail("; ".join(unusable))
             bundle = settings.data_dir / "builds" / build_row.name
             if not bundle.is_dir():
                 fail(f"{bundle}: the bundle of build {build_row.name} is not on this machine "

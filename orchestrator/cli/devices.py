@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from orchestrator import inputs
 from orchestrator.db.models import Device, DeviceState, TransportKind
+
+from . import validate
 
 app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
 console = Console()
@@ -113,12 +118,17 @@ def _print_json(data: Any) -> None:
 # ---- commands -----------------------------------------------------------------------------
 
 
+ADDRESS_HELP = ("local: agent root folder (default <data_dir>/devices/SERIAL); adb: HOST:PORT or usb:SERIAL; "
+                "http: the agent's http(s) URL (token in <config_dir>/tokens/SERIAL).")
+
+
 @app.command()
 def add(
-    serial: str = typer.Argument(..., help="The device's unique name (adb serial, host name, ...)."),
-    transport: TransportKind = typer.Option(..., "--transport", help="How the farm reaches it."),
-    address: str = typer.Option("", "--address", help="local: agent root folder; adb: host:port or "
-                                "usb:SERIAL; http: the agent's URL (token in <config_dir>/tokens/SERIAL)."),
+    serial: str = typer.Argument(..., help="The device's unique name (adb serial, host name, ...).",
+                                 callback=validate.serial),
+    # Eager: parsed before --address, wherever it stands, so the address is checked against it.
+    transport: TransportKind = typer.Option(..., "--transport", help="How the farm reaches it.", is_eager=True),
+    address: str = typer.Option("", "--address", help=ADDRESS_HELP, callback=validate.device_address),
 ):
     """Register a device; it stays offline until `farm devices discover` reaches it."""
     from sqlalchemy import select
@@ -224,6 +234,47 @@ def release(serial: str = typer.Argument(..., help="Device serial.")):
     _set_state(serial, DeviceState.available, "released by operator")
 
 
+@app.command("set-address")
+def set_address(
+    serial: str = typer.Argument(..., help="Device serial."),
+    address: str = typer.Argument(..., help=ADDRESS_HELP + " An empty string restores the default."),
+):
+    """Change how the farm reaches a device (its transport stays the same)."""
+    from orchestrator.db import store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            device = store.get_device(session, serial)
+        except store.StoreError as exc:
+            fail(str(exc))
+        # The transport comes from the store, so the address is checked here, not while parsing.
+        if device.transport == TransportKind.local and address:
+            address = validate.local_root(address)
+        try:
+            device.address = str(inputs.parse_device_address(device.transport, address))
+        except inputs.BadInput as exc:
+            raise typer.BadParameter(str(exc), param_hint="'ADDRESS'") from None
+        session.commit()
+        console.print(f"device {serial} ({device.transport}) is reached at {device.address or 'its default address'}",
+                      highlight=False)
+
+
+def stored_input_error(device: Device) -> str | None:
+    """Why this device's stored serial or address cannot be used (None when both can): what an
+    older farm or a hand-edited database may hold. The message names the fix."""
+    try:
+        inputs.check_serial(device.serial)
+    except inputs.BadInput as exc:
+        return (f"device {device.serial!r}: {exc}; remove it (`farm devices remove {shlex.quote(device.serial)}`) "
+                "and add it again under a plain name")
+    try:
+        inputs.parse_device_address(device.transport, device.address)
+    except inputs.BadInput as exc:
+        return (f"device {device.serial!r}: its stored address cannot be used: {exc}; fix it with "
+                f"`farm devices set-address {device.serial} ADDRESS`")
+    return None
+
+
 def _set_state(serial: str, state: DeviceState, reason: str) -> None:
     from orchestrator.db import store
 
@@ -242,20 +293,25 @@ def _set_state(serial: str, state: DeviceState, reason: str) -> None:
 
 def probe(settings, sessions, device: Device) -> dict[str, Any]:
     """Ask one device what it is through its transport and record the answer (identity, state,
-    this host); returns its listing with the error, if any. No transaction is open while the
-    device is asked (orchestrator/db/session.py)."""
+    this host); returns its listing with the error, if any, and `address_error` when its stored
+    serial or address cannot be used (it is then not asked at all). No transaction is open while
+    the device is asked (orchestrator/db/session.py)."""
     from orchestrator.db import store
     from orchestrator.tasks import make_transport
     from orchestrator.transports import TransportError
 
     info, error = None, None
-    try:
-        with make_transport(device, settings) as transport:
-            info = transport.info()
-    except TransportError as exc:
-        error = exc
-    except (OSError, ValueError) as exc:  # a malformed address, a missing token file
-        error = TransportError(device.serial, f"{exc.__class__.__name__}: {exc}")
+    address_error = stored_input_error(device)
+    if address_error is not None:
+        error = TransportError(device.serial, address_error)
+    else:
+        try:
+            with make_transport(device, settings) as transport:
+                info = transport.info()
+        except TransportError as exc:
+            error = exc
+        except OSError as exc:  # a missing token file
+            error = TransportError(device.serial, f"{exc.__class__.__name__}: {exc}")
     with sessions() as session:
         if info is not None:
             store.upsert_device(session, device.serial, device.transport, info=info, host=settings.host_name)
@@ -264,12 +320,15 @@ def probe(settings, sessions, device: Device) -> dict[str, Any]:
             state = store.TRANSPORT_STATES.get(str(error.state), DeviceState.offline)
             row = store.set_device_state(session, device.id, state, error.detail)
         session.commit()
-        return device_dict(row) | {"error": str(error) if error else None}
+        return device_dict(row) | {"error": str(error) if error else None, "address_error": address_error}
 
 
 @app.command()
 def discover(as_json: bool = JSON_OPTION):
-    """Probe every known device through its transport; record its identity and state."""
+    """Probe every known device through its transport; record its identity and state.
+
+    A device that does not answer is recorded offline. A device whose stored serial or address
+    cannot be used is named with its fix, and the command exits 1."""
     from sqlalchemy import select
 
     settings = _settings()
@@ -287,10 +346,16 @@ def discover(as_json: bool = JSON_OPTION):
                 progress.update(task, description=f"probing {device.serial}")
                 outcomes.append(probe(settings, sessions, device))
                 progress.advance(task)
+    bad = [o["address_error"] for o in outcomes if o["address_error"]]
     if as_json:
         _print_json(outcomes)
-        return
-    table = Table("serial", "state", "gpu", "note")
-    for o in outcomes:
-        table.add_row(o["serial"], o["state"], o["gpu"]["device"] or "-", o["error"] or o["state_reason"] or "")
-    console.print(table)
+    else:
+        table = Table("serial", "state", "gpu", "note")
+        for o in outcomes:
+            note = "bad serial or address (below)" if o["address_error"] else o["error"] or o["state_reason"] or ""
+            table.add_row(o["serial"], o["state"], o["gpu"]["device"] or "-", note)
+        console.print(table)
+        for message in bad:
+            console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    if bad:
+        raise typer.Exit(1)

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from . import validate
+
 app = typer.Typer(help="Run the Stable Diffusion engine on this machine's GPU.", no_args_is_help=True)
 console = Console()
 
@@ -58,7 +60,8 @@ def info(as_json: bool = typer.Option(False, "--json", help="Print machine-reada
 def make_model_cmd(
     preset: Preset = typer.Option(Preset.tiny, help="tiny: for tests; sd14: SD 1.4's real sizes."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
-    out: Path = typer.Option(..., help="Folder to write the diffusers-layout model to."),
+    out: Path = typer.Option(..., help="Folder to write the diffusers-layout model to.",
+                             callback=validate.output_dir),
     dtype: Precision = typer.Option(Precision.fp32, help="Storage type of the weights."),
 ):
     """Write a Stable Diffusion model with random weights in the diffusers layout."""
@@ -73,7 +76,7 @@ def make_model_cmd(
 def generate(
     model: Path = typer.Option(..., help="diffusers model folder or SD 1.x .safetensors file."),
     prompt: str = typer.Option(..., help="What to draw."),
-    out: Path = typer.Option(Path("out.png"), help="PNG file to write."),
+    out: Path = typer.Option(Path("out.png"), help="PNG file to write.", callback=validate.output_file),
     negative_prompt: str = typer.Option("", help="What to steer away from."),
     steps: int = typer.Option(20, help="Denoising steps."),
     guidance: float = typer.Option(7.5, help="Classifier-free guidance scale (<= 1 turns it off)."),
@@ -194,7 +197,8 @@ def explain(
 
 @app.command()
 def tune(
-    out: Path = typer.Option(..., help="Profile JSON to write (atomically, at the end)."),
+    out: Path = typer.Option(..., help="Profile JSON to write (atomically, at the end).",
+                             callback=validate.output_file),
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture."),
     precision: Precision = typer.Option(Precision.fp16),
@@ -231,7 +235,8 @@ def bench(
     reps: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
     e2e_steps: int = typer.Option(0, help="Also time a whole generation of this many steps (20: the paper)."),
     residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
-    json_out: Path = typer.Option(None, "--json", help="Write the results as JSON here."),
+    json_out: Path = typer.Option(None, "--json", help="Write the results as JSON here.",
+                                  callback=validate.output_file),
 ):
     """The paper's ablation table on this adapter: UNet step latency and peak memory per row."""
     import tempfile

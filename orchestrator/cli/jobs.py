@@ -15,6 +15,7 @@ from rich.table import Table
 
 from orchestrator.db.models import Build, Job, JobKind, JobState
 
+from . import validate
 from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
@@ -119,7 +120,7 @@ def submit(
     all_devices: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
     name: str = typer.Option(None, "--name", help="Batch name (default: <kind> <build> <UTC time>)."),
     model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only "
-                              "models/<name>)."),
+                              "models/<name>).", callback=validate.path_in_build),
     prompt: str = typer.Option("a photograph of an astronaut riding a horse", "--prompt"),
     negative_prompt: str = typer.Option("", "--negative-prompt"),
     seed: int = typer.Option(0, "--seed"),
@@ -130,7 +131,7 @@ def submit(
     resolution: str = typer.Option(None, "--resolution", help="HEIGHTxWIDTH (default: the model's "
                                    "native size)."),
     profile: str = typer.Option("auto", "--profile", help="auto, reference, a shipped profile name or "
-                                "a path in the build."),
+                                "a path in the build.", callback=validate.path_in_build),
     warmup: int = typer.Option(1, "--warmup", help="latency/tune: untimed warm-up runs."),
     repetitions: int = typer.Option(5, "--repetitions", help="latency: timed end-to-end generations."),
     unet_repetitions: int = typer.Option(10, "--unet-repetitions", help="latency: timed UNet steps."),
@@ -293,7 +294,7 @@ def list_jobs(
     state: JobState = typer.Option(None, "--state", help="Only jobs in this state."),
     device: str = typer.Option(None, "--device", help="Only jobs of this device (serial)."),
     build: str = typer.Option(None, "--build", help="Only jobs of this build (name)."),
-    batch: int = typer.Option(None, "--batch", help="Only jobs of this batch (id)."),
+    batch: int = typer.Option(None, "--batch", help="Only jobs of this batch (id).", parser=validate.record_id),
     limit: int = typer.Option(50, "--limit", min=1, help="At most this many, newest first."),
     as_json: bool = JSON_OPTION,
 ):
@@ -324,7 +325,7 @@ def list_jobs(
 
 
 @app.command()
-def show(job_id: int = typer.Argument(..., help="Job id."), as_json: bool = JSON_OPTION):
+def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.record_id), as_json: bool = JSON_OPTION):
     """Show one job: spec, state, attempts, timestamps, and its runs with their key medians."""
     from orchestrator.db import queries, store
 
@@ -365,7 +366,7 @@ def show(job_id: int = typer.Argument(..., help="Job id."), as_json: bool = JSON
 
 
 @app.command()
-def cancel(job_id: int = typer.Argument(..., help="Job id.")):
+def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.record_id)):
     """Cancel a queued or running job.
 
     A running job's device finishes what it is doing; that result is not recorded."""
@@ -388,7 +389,7 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.")):
 
 @app.command()
 def logs(
-    job_id: int = typer.Argument(..., help="Job id."),
+    job_id: int = typer.Argument(..., help="Job id.", parser=validate.record_id),
     lines: int = typer.Option(None, "--lines", "-n", min=1, help="Only the last N lines of each log."),
 ):
     """Print the log tail of a job and of each of its runs."""

@@ -11,7 +11,10 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from . import validate
 from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+
+ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
 
 app = typer.Typer(help="Regressions, improvements, image changes and data stoppages found by the analysis.",
                   no_args_is_help=True)
@@ -82,7 +85,7 @@ def list_alerts(
 
 
 @app.command()
-def show(alert_id: int = typer.Argument(..., help="Alert id."), as_json: bool = JSON_OPTION):
+def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
     """Show one alert: the comparison, the kernels that moved, the images, the change points."""
     from orchestrator.db.models import Alert
 
@@ -140,7 +143,7 @@ NOTE_OPTION = typer.Option(None, "--note", help="Why (kept on the alert).")
 
 
 @app.command()
-def ack(alert_id: int = typer.Argument(..., help="Alert id."), note: str = NOTE_OPTION):
+def ack(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
     """Acknowledge an alert: someone is on it."""
     from orchestrator.db.models import AlertState
 
@@ -148,7 +151,7 @@ def ack(alert_id: int = typer.Argument(..., help="Alert id."), note: str = NOTE_
 
 
 @app.command()
-def invalidate(alert_id: int = typer.Argument(..., help="Alert id."), note: str = NOTE_OPTION):
+def invalidate(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
     """Mark an alert invalid (noise, a broken device): its build becomes a baseline again."""
     from orchestrator.db.models import AlertState
 
@@ -156,7 +159,7 @@ def invalidate(alert_id: int = typer.Argument(..., help="Alert id."), note: str 
 
 
 @app.command()
-def fixed(alert_id: int = typer.Argument(..., help="Alert id."), note: str = NOTE_OPTION):
+def fixed(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
     """Mark an alert fixed."""
     from orchestrator.db.models import AlertState
 

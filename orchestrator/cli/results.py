@@ -16,6 +16,7 @@ from rich.table import Table
 
 from orchestrator.db.models import JobKind
 
+from . import validate
 from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
 from .jobs import _fmt_metric, _state, _when
 
@@ -104,7 +105,8 @@ def run_dict(session, run_id: int) -> dict[str, Any]:
 
 
 @app.command()
-def show(run_id: int = typer.Argument(..., help="Run id (`farm results list`)."), as_json: bool = JSON_OPTION):
+def show(run_id: int = typer.Argument(..., help="Run id (`farm results list`).", parser=validate.record_id),
+         as_json: bool = JSON_OPTION):
     """One run in full: every metric, kernel times, thermal readings, images, cool-down."""
     from orchestrator.db import store
 

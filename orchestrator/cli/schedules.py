@@ -11,6 +11,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from . import validate
 from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
 
 app = typer.Typer(help="Nightly (or any cron) suites: deploy, run, analyse.", no_args_is_help=True)
@@ -38,12 +39,14 @@ def add(
     device: list[str] = typer.Option(None, "--device", "-d", help="Device serial (repeatable; default: all)."),
     job: list[str] = typer.Option(None, "--job", help="Job kind to run on each device, in order (repeatable; "
                                   "default: latency)."),
-    model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only one)."),
+    model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only one).",
+                              callback=validate.path_in_build),
     precision: str = typer.Option(None, "--precision", help="fp16 or fp32 (default: the agent's)."),
     steps: int = typer.Option(None, "--steps", min=1, help="Denoising steps."),
     resolution: int = typer.Option(None, "--resolution", min=8, help="Image height and width."),
     repetitions: int = typer.Option(None, "--repetitions", min=1, help="Timed generations per latency job."),
-    profile: str = typer.Option(None, "--profile", help="Kernel profile (auto, reference, a name or a path)."),
+    profile: str = typer.Option(None, "--profile", help="Kernel profile (auto, reference, a name or a path).",
+                                callback=validate.path_in_build),
     prompt: str = typer.Option(None, "--prompt", help="Prompt of generate and latency jobs."),
     seed: int = typer.Option(None, "--seed", help="Seed."),
     disabled: bool = typer.Option(False, "--disabled", help="Add it disabled."),

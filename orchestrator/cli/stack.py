@@ -9,9 +9,11 @@ import time
 
 import typer
 
+from . import validate
 from .devices import _settings, console, fail, open_store
 
-HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM_HOST_NAME, else the OS host name).")
+HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM_HOST_NAME, else the OS host name).",
+                           callback=validate.host_name)
 
 
 def register_devices(settings, entries: list[tuple[str, str, str]]) -> None:
@@ -30,7 +32,8 @@ def worker(
     concurrency: int = typer.Option(2, "--concurrency", "-c", min=1, help="Jobs this worker runs at once "
                                     "(one per device it drives is typical)."),
     device: list[str] = typer.Option(None, "--device", help="SERIAL=TRANSPORT:ADDRESS of a device plugged into "
-                                     "this host (repeatable; FARM_DEVICES adds more)."),
+                                     "this host (repeatable; FARM_DEVICES adds more).",
+                                     callback=validate.device_entries),
     loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
 ):
     """Run a Celery worker for this host's devices (queues host.<name> and farm)."""
