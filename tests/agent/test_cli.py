@@ -49,6 +49,7 @@ def signed_bundle(tmp_path: Path, build_id: str = "b1") -> tuple[Path, Path]:
     (json.dumps({"job_id": "c1", "kind": "generate", "model": "m", "colour": 1}), "unknown field(s) colour"),
     (json.dumps({"job_id": "c1", "kind": "generate", "model": "m", "protocol": 9}), "speaks protocol 9"),
     (json.dumps({"job_id": "c1", "kind": "generate", "model": "m", "steps": 0}), "steps must be at least 1"),
+    (json.dumps({"job_id": "../../x", "kind": "generate", "model": "m"}), "JobSpec.job_id '../../x': use letters"),
 ])
 def test_bad_job_document_exits_2_with_the_message(tmp_path, text, message):
     (tmp_path / "job.json").write_text(text)
