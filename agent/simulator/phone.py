@@ -19,11 +19,8 @@ from agent.simulator.auth import KeyStore
 from agent.simulator.device import AdbServer
 from agent.simulator.fs import SandboxFS
 from agent.simulator.models import get_model
-from agent.simulator.shell import AgentSettings, Shell
+from agent.simulator.shell import AGENT_ROOT, AgentSettings, Shell
 from agent.simulator.thermal import ThermalModel, ThermalSettings
-
-# Where farm transports put the agent on a phone (orchestrator/transports/adb.py DEFAULT_ROOT).
-AGENT_ROOT = "/data/local/tmp/devicefarm"
 
 
 class VirtualPhone:
