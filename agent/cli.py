@@ -184,7 +184,12 @@ def simulate(
     serial: str = typer.Option(..., help="The phone's serial number."),
     model: str = typer.Option("Pixel 7", help="Phone model to imitate."),
     root: Path = typer.Option(None, help="Folder for the phone's sandboxed filesystem."),
-    auth: bool = typer.Option(False, "--auth", help="Require RSA authentication, like a real phone."),
+    auth: bool = typer.Option(True, "--auth/--no-auth", help="Require RSA authentication, like a real phone "
+                              "(--no-auth: anyone who reaches the port gets a shell)."),
+    adb_keys: Path = typer.Option(None, "--adb-keys", help="Host ADB public keys (adbkey.pub) the phone accepts, "
+                                  "read at each connection."),
+    accept_new_keys: bool = typer.Option(False, "--accept-new-keys", help="Accept any host's key on first "
+                                         "connection, as if 'Allow' were tapped on the phone."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     trust: Path = typer.Option(None, help="Farm public key (farm.pub) to provision on the phone, so it "
                                "accepts that farm's signed builds (provisioned when the file appears)."),
@@ -192,14 +197,18 @@ def simulate(
     """Run a virtual phone that speaks ADB, with this host's real WebGPU adapter."""
     try:
         from agent.simulator import run_simulator
+        from agent.simulator.phone import auth_note
     except ImportError as exc:
         fail(f"the virtual phone is not available in this build ({exc})")
     try:
         if trust is not None and not trust.is_file():
             typer.echo(f"{trust} does not exist yet: builds are refused until it does", err=True)
-        run_simulator(port, serial, model=model, root=root, auth=auth, host=host, trust=trust,
+        if auth and adb_keys is not None and not adb_keys.is_file():
+            typer.echo(f"{adb_keys} does not exist yet: hosts are refused until it does", err=True)
+        run_simulator(port, serial, model=model, root=root, auth=auth, host=host, trust=trust, adb_keys=adb_keys,
+                      accept_new_keys=accept_new_keys,
                       ready=lambda bound: typer.echo(f"virtual phone {serial} ({model}) listening on {host}:{bound}"
-                                                     f"{'' if auth else ' (no authentication)'}"))
+                                                     f"{auth_note(auth, adb_keys, accept_new_keys)}"))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -203,3 +202,57 @@ def test_a_job_id_that_is_not_a_plain_name_is_refused(device, phone, job_id):
     assert code == 2 and "JobSpec.job_id" in err and "letters, digits" in err, (out, err)
     assert err.count("error:") == 1 and "Traceback" not in err
     assert not (phone.root / "fs" / TMP.lstrip("/") / "o").exists()
+
+
+# ---- authentication by default -------------------------------------------------------------------
+
+
+def test_a_phone_asks_for_authentication_by_default(tmp_path, signer, host_key):
+    with VirtualPhone(serial="locked", root=tmp_path / "p") as p:
+        with pytest.raises(adb_exceptions.DeviceAuthError):
+            connect(p.port)  # a host with no key
+        with pytest.raises((adb_exceptions.AdbTimeoutError, adb_exceptions.TcpTimeoutException)):
+            connect(p.port, rsa_keys=[signer], auth_timeout_s=1.0)  # a key it was never given
+        assert not (p.root / "adb_keys").exists()
+    keys = tmp_path / "farm-adbkey.pub"
+    keys.write_text(host_key.with_suffix(".pub").read_text())
+    with VirtualPhone(serial="paired", root=tmp_path / "q", adb_keys=keys) as p:
+        d = connect(p.port, rsa_keys=[signer])
+        assert d.shell("getprop ro.adb.secure") == "1\n"
+        d.close()
+    with VirtualPhone(serial="open", root=tmp_path / "r", auth=False) as p:
+        d = connect(p.port)
+        assert d.shell("getprop ro.adb.secure") == "0\n"
+        d.close()
+
+
+@pytest.mark.parametrize("entry", [["-m", "agent.simulator"], ["-m", "agent.cli", "simulate"]])
+def test_the_command_lines_ask_for_authentication_unless_told_not_to(tmp_path, entry, signer, host_key):
+    def start(*extra: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([sys.executable, *entry, "--port", "0", "--serial", "cli", *extra],
+                                stdout=subprocess.PIPE, text=True)
+        return proc, proc.stdout.readline()
+
+    for extra, keyless_ok in ([(), False], [("--no-auth",), True]):
+        proc, line = start("--root", str(tmp_path / f"phone{len(extra)}"), *extra)
+        try:
+            assert "listening on 127.0.0.1:" in line, line
+            assert ("no authentication" in line) == keyless_ok, line
+            port = int(line.split("listening on 127.0.0.1:")[1].split()[0])
+            if keyless_ok:
+                connect(port).close()
+            else:
+                with pytest.raises(adb_exceptions.DeviceAuthError):
+                    connect(port)
+        finally:
+            proc.terminate()
+            assert proc.wait(10) == 0
+    proc, line = start("--root", str(tmp_path / "paired"), "--adb-keys", str(host_key.with_suffix(".pub")))
+    try:
+        port = int(line.split("listening on 127.0.0.1:")[1].split()[0])
+        d = connect(port, rsa_keys=[signer])
+        assert d.shell("echo in") == "in\n"
+        d.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
