@@ -46,7 +46,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from agent.protocol import Manifest, ManifestFile, ProtocolError, from_json, to_json
+from agent.protocol import NAME_PATTERN, Manifest, ManifestFile, ProtocolError, from_json, to_json
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
@@ -59,7 +59,6 @@ RESERVED_PATHS = frozenset({MANIFEST, SIGNATURE})
 DEFAULT_EXCLUDE = ("__pycache__", "*.pyc", "*.pyo", ".DS_Store", ".git")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")  # build and job ids: safe as folder names
 _CHUNK = 1 << 20
 
 

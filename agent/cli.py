@@ -6,7 +6,9 @@ $FARM_AGENT_ROOT, else ~/.local/share/devicefarm-agent.
 
 Exit codes of `run`: 0 the job succeeded, 1 it failed (the result says why), 2 bad input (a
 malformed or unknown job document), 75 the device is busy with another job (EX_TEMPFAIL).
-User errors print one `error: ...` line, never a traceback."""
+User errors print one `error: ...` line, never a traceback. Under the virtual phone
+($FARM_AGENT_FS_ROOT, agent/fsroot.py) every path argument must lie in the phone's filesystem;
+one that does not is bad input."""
 
 from __future__ import annotations
 
@@ -40,6 +42,21 @@ def agent_root(root: Path | None) -> Path:
 def fail(message: str, code: int = EXIT_FAILED):
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def confined_paths(paths: dict[str, Path | str | None]):
+    """The device's filesystem (agent/fsroot.py), after checking every named path against it:
+    nothing is read or written before all of a command's paths are known to stay inside."""
+    from agent.fsroot import FsRoot, PathRefused
+
+    fs = FsRoot.from_env()
+    try:
+        for what, path in paths.items():
+            if path is not None and str(path) != "-":
+                fs.check(path, what)
+    except PathRefused as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    return fs
 
 
 @app.callback()
@@ -77,6 +94,7 @@ def install(
     from agent.bundle import BundleError, install_bundle
 
     root = agent_root(root)
+    confined_paths({"bundle folder": bundle_dir, "--root": root, "--public-key": public_key})
     if not bundle_dir.is_dir():
         fail(f"bundle folder {bundle_dir} does not exist", EXIT_BAD_INPUT)
     try:
@@ -111,6 +129,7 @@ def run(
     from agent.jobs import AgentBusy, Interrupted, run_job
     from agent.protocol import to_json
 
+    fs = confined_paths({"job file": job, "--out": out, "--root": agent_root(root)})
     spec = _read_spec(job)
 
     def progress(event: dict) -> None:
@@ -125,7 +144,7 @@ def run(
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, on_term)  # so the child dies and the lock is freed
     try:
-        result = run_job(spec, out, agent_root(root), progress=progress)
+        result = run_job(spec, out, agent_root(root), progress=progress, fs=fs)
     except AgentBusy as exc:
         fail(str(exc), EXIT_BUSY)
     except Interrupted as exc:  # arrived outside the child's run: the lock is released all the same
@@ -165,7 +184,12 @@ def simulate(
     serial: str = typer.Option(..., help="The phone's serial number."),
     model: str = typer.Option("Pixel 7", help="Phone model to imitate."),
     root: Path = typer.Option(None, help="Folder for the phone's sandboxed filesystem."),
-    auth: bool = typer.Option(False, "--auth", help="Require RSA authentication, like a real phone."),
+    auth: bool = typer.Option(True, "--auth/--no-auth", help="Require RSA authentication, like a real phone "
+                              "(--no-auth: anyone who reaches the port gets a shell)."),
+    adb_keys: Path = typer.Option(None, "--adb-keys", help="Host ADB public keys (adbkey.pub) the phone accepts, "
+                                  "read at each connection."),
+    accept_new_keys: bool = typer.Option(False, "--accept-new-keys", help="Accept any host's key on first "
+                                         "connection, as if 'Allow' were tapped on the phone."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     trust: Path = typer.Option(None, help="Farm public key (farm.pub) to provision on the phone, so it "
                                "accepts that farm's signed builds (provisioned when the file appears)."),
@@ -173,14 +197,18 @@ def simulate(
     """Run a virtual phone that speaks ADB, with this host's real WebGPU adapter."""
     try:
         from agent.simulator import run_simulator
+        from agent.simulator.phone import auth_note
     except ImportError as exc:
         fail(f"the virtual phone is not available in this build ({exc})")
     try:
         if trust is not None and not trust.is_file():
             typer.echo(f"{trust} does not exist yet: builds are refused until it does", err=True)
-        run_simulator(port, serial, model=model, root=root, auth=auth, host=host, trust=trust,
+        if auth and adb_keys is not None and not adb_keys.is_file():
+            typer.echo(f"{adb_keys} does not exist yet: hosts are refused until it does", err=True)
+        run_simulator(port, serial, model=model, root=root, auth=auth, host=host, trust=trust, adb_keys=adb_keys,
+                      accept_new_keys=accept_new_keys,
                       ready=lambda bound: typer.echo(f"virtual phone {serial} ({model}) listening on {host}:{bound}"
-                                                     f"{'' if auth else ' (no authentication)'}"))
+                                                     f"{auth_note(auth, adb_keys, accept_new_keys)}"))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as exc:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.bundle import atomic_write, sha256_file
+from agent.fsroot import FsRoot, PathRefused
 from agent.protocol import (
     Artifact,
     JobResult,
@@ -277,8 +278,18 @@ def _find_build(root: Path, build_id: str | None):
 DEFAULT_PROFILE_FILE = "profiles/DEFAULT"
 
 
-def make_plan(spec: JobSpec, root: Path, out_dir: Path) -> dict:
-    """Resolve the model and the profile against the build; errors name what is missing."""
+def make_plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot | None = None) -> dict:
+    """Resolve the model and the profile against the build; errors name what is missing. A
+    model or profile named relative to the build stays inside it; under a confined agent
+    (agent/fsroot.py) an absolute one is a device path, read under the device's filesystem."""
+    fs = fs or FsRoot()
+    try:
+        return _plan(spec, root, out_dir, fs)
+    except PathRefused as exc:
+        raise JobError(str(exc)) from None
+
+
+def _plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot) -> dict:
     model = Path(spec.model)
     need_build = not model.is_absolute() or (
         spec.profile not in SHIPPED_PROFILES and not Path(spec.profile).is_absolute() and spec.profile.endswith(".json"))
@@ -287,7 +298,9 @@ def make_plan(spec: JobSpec, root: Path, out_dir: Path) -> dict:
         if build is None:
             raise JobError(f"model {spec.model!r} is relative to a build, but no build is installed under "
                            f"{root / 'builds'}; install a bundle (farm-agent install) or give an absolute model path")
-        model = build.path / spec.model
+        model = fs.within(build.path, spec.model, "model")
+    else:
+        model = fs.device(spec.model, "model")
     if not model.exists():
         where = f"build {build.build_id!r}" if build is not None and not Path(spec.model).is_absolute() else "this device"
         raise JobError(f"model {spec.model!r} not found in {where} (looked at {model})")
@@ -296,7 +309,10 @@ def make_plan(spec: JobSpec, root: Path, out_dir: Path) -> dict:
         # The build names the profile its jobs use unless a job asks for one.
         profile = (build.path / DEFAULT_PROFILE_FILE).read_text().strip() or "auto"
     if profile not in SHIPPED_PROFILES and build is not None and (build.path / profile).is_file():
-        profile = str(build.path / profile)  # else a shipped profile's name or a device path
+        profile = str(fs.within(build.path, profile, "profile"))  # else a shipped profile's name or a device path
+    elif profile not in SHIPPED_PROFILES and fs.confined:
+        # A shipped profile's name passes (nothing of that name is outside); a path is the device's.
+        profile = str(fs.device(profile, "profile") if Path(profile).is_absolute() else fs.check(profile, "profile"))
     return {
         "spec": to_dict(spec),
         "model": str(model),
@@ -305,14 +321,17 @@ def make_plan(spec: JobSpec, root: Path, out_dir: Path) -> dict:
         "build_path": str(build.path) if build is not None else None,
         "out_dir": str(out_dir),
         "root": str(root),
+        "confined": fs.confined,
     }
 
 
 def _child_env(plan: dict) -> dict:
-    """The child imports the build's engine and agent when the build ships them, else ours."""
+    """The child imports the build's engine and agent when the build ships them, else ours.
+    A confined agent (the virtual phone's) runs on the host, and a build is files on the phone
+    that whoever holds adb can change: its child imports only the host's code."""
     paths = [str(Path(__file__).resolve().parent.parent)]
     build_path = plan.get("build_path")
-    if build_path and (Path(build_path) / "engine" / "__init__.py").is_file() \
+    if build_path and not plan.get("confined") and (Path(build_path) / "engine" / "__init__.py").is_file() \
             and (Path(build_path) / "agent" / "jobs.py").is_file():
         paths.insert(0, build_path)
     env = dict(os.environ)
@@ -320,6 +339,8 @@ def _child_env(plan: dict) -> dict:
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONUNBUFFERED"] = "1"
+    if plan.get("confined"):
+        env["PYTHONSAFEPATH"] = "1"  # `-m` would put the current folder, on the phone, first
     return env
 
 
@@ -327,10 +348,11 @@ def _child_env(plan: dict) -> dict:
 
 
 def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | None = None, *,
-            thermal: ThermalFn | None = None) -> JobResult:
+            thermal: ThermalFn | None = None, fs: FsRoot | None = None) -> JobResult:
     """Run one job under the device lock and write out_dir/result.json and out_dir/job.log.
     Returns the JobResult (status "failed" for anything that went wrong in the job); raises
-    AgentBusy when another job holds the device. `thermal` replaces the thermal reader."""
+    AgentBusy when another job holds the device. `thermal` replaces the thermal reader; `fs`
+    confines the job's paths (agent/fsroot.py)."""
     out_dir, root = Path(out_dir).resolve(), Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     with DeviceLock(root, spec) as lock:  # before touching out_dir: it may be a running job's
@@ -359,7 +381,7 @@ def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | Non
             if spec.cooldown is not None:
                 result.cooldown_wait_s, result.cooldown_timed_out = cool_down(
                     spec.cooldown, thermal or read_hottest_celsius, log, emit)
-            plan = make_plan(spec, root, out_dir)
+            plan = make_plan(spec, root, out_dir, fs)
             atomic_write_text(out_dir / "plan.json", json.dumps(plan, indent=2))
             _run_child(plan, spec, result, lock, log, emit, log_path)
         except JobError as exc:

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PROTOCOL_VERSION = 1
+
+# Build and job ids become folder names on devices and hosts: plain names only, so none can
+# climb out of the folder it is joined to.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")
+NAME_RULE = "use letters, digits and ._+- (not starting with '.' or '-', at most 128 characters)"
 
 JobKind = Literal["generate", "latency", "tune"]
 JOB_KINDS: tuple[str, ...] = typing.get_args(JobKind)
@@ -74,6 +80,8 @@ class JobSpec:
     protocol: int = PROTOCOL_VERSION
 
     def __post_init__(self):
+        if not isinstance(self.job_id, str) or not NAME_PATTERN.fullmatch(self.job_id):
+            raise ProtocolError(f"JobSpec.job_id {self.job_id!r}: {NAME_RULE}")
         if self.kind not in JOB_KINDS:
             raise ProtocolError(f"unknown job kind {self.kind!r}; known kinds: {', '.join(JOB_KINDS)}")
         for name in ("steps", "repetitions", "unet_repetitions", "tune_repeats"):

@@ -81,13 +81,14 @@ class Stack:
     def start_beat(self) -> Child:
         return self._spawn("beat", self._farm("beat"))
 
-    def start_phone(self, serial: str, trust: Path, model: str = "Pixel 7") -> tuple[Child, int]:
+    def start_phone(self, serial: str, trust: Path, adb_keys: Path, model: str = "Pixel 7") -> tuple[Child, int]:
         """A virtual phone on a free port of 127.0.0.1, its filesystem kept in
-        <data_dir>/phones/<serial> (so a later stack finds what was deployed); returns the port."""
+        <data_dir>/phones/<serial> (so a later stack finds what was deployed), trusting the farm's
+        build key `trust` and, for ADB, only the host keys in `adb_keys`; returns the port."""
         root = self.settings.data_dir / "phones" / serial
         child = self._spawn(f"phone-{serial}", [
             sys.executable, "-m", "agent.cli", "simulate", "--port", "0", "--serial", serial,
-            "--model", model, "--root", str(root), "--trust", str(trust)])
+            "--model", model, "--root", str(root), "--trust", str(trust), "--adb-keys", str(adb_keys)])
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             match = LISTENING.search(child.log.read_text(errors="replace"))

@@ -66,23 +66,17 @@ def verify(key: rsa.RSAPublicKey, token: bytes, signature: bytes) -> bool:
 
 
 class KeyStore:
-    """The accepted host keys, persisted one per line in adb's text format."""
+    """The accepted host keys, persisted one per line in adb's text format, plus the keys of
+    `trusted` (an adbkey.pub, or several keys a line each), the hosts the phone was paired with
+    before it started; it is read at each connection, so it may appear later."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, trusted: Path | None = None):
         self.path = path
+        self.trusted = trusted
         self._lock = threading.Lock()
 
     def keys(self) -> list[rsa.RSAPublicKey]:
-        if not self.path.is_file():
-            return []
-        found = []
-        for line in self.path.read_text().splitlines():
-            if line.strip():
-                try:
-                    found.append(parse_public_key(line)[0])
-                except KeyFormatError:
-                    continue  # a damaged line must not lock every host out
-        return found
+        return _read_keys(self.path) + (_read_keys(self.trusted) if self.trusted is not None else [])
 
     def verify_any(self, token: bytes, signature: bytes) -> bool:
         return any(verify(key, token, signature) for key in self.keys())
@@ -94,3 +88,18 @@ class KeyStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
                 f.write(line + "\n")
+
+
+def _read_keys(path: Path) -> list[rsa.RSAPublicKey]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                found.append(parse_public_key(line)[0])
+            except KeyFormatError:
+                continue  # a damaged line must not lock every host out
+    return found

@@ -19,25 +19,24 @@ from agent.simulator.auth import KeyStore
 from agent.simulator.device import AdbServer
 from agent.simulator.fs import SandboxFS
 from agent.simulator.models import get_model
-from agent.simulator.shell import AgentSettings, Shell
+from agent.simulator.shell import AGENT_ROOT, AgentSettings, Shell
 from agent.simulator.thermal import ThermalModel, ThermalSettings
-
-# Where farm transports put the agent on a phone (orchestrator/transports/adb.py DEFAULT_ROOT).
-AGENT_ROOT = "/data/local/tmp/devicefarm"
 
 
 class VirtualPhone:
     """One simulated Android phone reachable over ADB at host:port.
 
     root: the sandbox folder (fs/ holds the device files, adb_keys the accepted host keys);
-    a temporary folder, removed on stop, when None. auth: require RSA authentication.
-    accept_new_keys: whether an unknown host key is accepted (and persisted) when offered,
-    like tapping "Allow" on the phone; when off, an unknown host gets silence."""
+    a temporary folder, removed on stop, when None. auth: require RSA authentication, as a
+    phone does (off only for tests that want a phone anyone can reach). adb_keys: a file of
+    host public keys the phone trusts (adbkey.pub), as if paired before. accept_new_keys:
+    whether an unknown host key is accepted (and persisted) when offered, like tapping
+    "Allow" on the phone; when off, an unknown host gets silence."""
 
     def __init__(self, serial: str = "virtual-0", model: str = "Pixel 7", root: Path | None = None,
-                 auth: bool = False, host: str = "127.0.0.1", port: int = 0,
-                 accept_new_keys: bool = True, thermal: ThermalSettings | None = None,
-                 agent: AgentSettings | None = None):
+                 auth: bool = True, host: str = "127.0.0.1", port: int = 0,
+                 accept_new_keys: bool = False, thermal: ThermalSettings | None = None,
+                 agent: AgentSettings | None = None, adb_keys: Path | None = None):
         self.serial = serial
         self.model = get_model(model)
         self._own_root = root is None
@@ -51,7 +50,7 @@ class VirtualPhone:
         self.android = AndroidState(self.model, serial, self.thermal, auth)
         self.fs = SandboxFS(self.root, self.android.virtual_files())
         self.shell = Shell(self.fs, self.android, self.thermal, agent)
-        self.keys = KeyStore(self.root / "adb_keys")
+        self.keys = KeyStore(self.root / "adb_keys", Path(adb_keys) if adb_keys is not None else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -136,15 +135,18 @@ def _provision_when_present(phone: VirtualPhone, trust: Path, stop_event: thread
 
 
 def run_simulator(port: int, serial: str, model: str = "Pixel 7", root: Path | None = None,
-                  auth: bool = False, host: str = "127.0.0.1",
+                  auth: bool = True, host: str = "127.0.0.1",
                   ready: Callable[[int], None] | None = None, *,
-                  stop_event: threading.Event | None = None, trust: Path | None = None) -> None:
+                  stop_event: threading.Event | None = None, trust: Path | None = None,
+                  adb_keys: Path | None = None, accept_new_keys: bool = False) -> None:
     """Serve one virtual phone on host:port (0 picks a free port; `ready(port)` is called once
     it listens) until SIGINT or SIGTERM (on the main thread) or until `stop_event` is set.
     `trust` is a farm public key to provision in the phone's agent root, as an operator
     does once per real phone; until that file exists (a farm that has not made its key yet)
-    the phone serves without it and provisions it as soon as it appears."""
-    phone = VirtualPhone(serial=serial, model=model, root=root, auth=auth, host=host, port=port)
+    the phone serves without it and provisions it as soon as it appears. `auth`, `adb_keys`
+    and `accept_new_keys` are VirtualPhone's."""
+    phone = VirtualPhone(serial=serial, model=model, root=root, auth=auth, host=host, port=port,
+                         adb_keys=adb_keys, accept_new_keys=accept_new_keys)
     if trust is not None:
         _provision_when_present(phone, Path(trust), stop_event)
 
@@ -170,3 +172,14 @@ def run_simulator(port: int, serial: str, model: str = "Pixel 7", root: Path | N
     finally:
         if phone._own_root:
             shutil.rmtree(phone.root, ignore_errors=True)
+
+
+def auth_note(auth: bool, adb_keys: Path | None, accept_new_keys: bool) -> str:
+    """What a phone's "listening" line says about who may connect."""
+    if not auth:
+        return " (no authentication)"
+    if accept_new_keys:
+        return " (accepts any new host key)"
+    if adb_keys is None:
+        return " (only hosts already in its adb_keys: give --adb-keys)"
+    return ""

@@ -3,9 +3,13 @@ users send over `adb shell`, never the host's /bin/sh. It splits a line with shl
 lists (`;`, `&&`, `||`) of pipelines (`|`) of commands with redirections (`>`, `>>`, `<`,
 `2>`, `2>&1`), expands `$?`, `$VAR` and globs against the sandbox, and runs built-in
 commands that print what toybox and Android's services print. The one command that runs a
-real host process is the on-device agent (`farm-agent`): it gets the sandbox as its working
-directory, device paths in its arguments become host paths, and host paths in its output
-become device paths again. While it runs, the thermal model counts a job."""
+real host process is the on-device agent (`farm-agent`), and it is kept inside the phone: it
+starts with a safe import path (never the phone's folders: a file pushed to the phone is never
+imported on the host), gets the sandbox as its working directory and its root, receives only
+the phone's FARM_* variables, and is confined to the sandbox ($FARM_AGENT_FS_ROOT, checked by
+agent/fsroot.py). Absolute device paths in its arguments always become host paths inside the
+sandbox (one a symlink leads out of is refused), and host paths in its output become device
+paths again. While it runs, the thermal model counts a job."""
 
 from __future__ import annotations
 
@@ -26,11 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.bundle import sha256_file
+from agent.fsroot import FS_ROOT_ENV
 from agent.simulator.android import AndroidState
 from agent.simulator.fs import SandboxFS, fs_error
 from agent.simulator.thermal import ThermalModel
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+AGENT_ROOT = "/data/local/tmp/devicefarm"  # where farm transports put the agent (transports/adb.py)
+AGENT_ROOT_ENV = "FARM_AGENT_ROOT"
+# Subcommands that would listen on a host port: a phone's user has no business opening those.
+HOST_ONLY_AGENT_COMMANDS = ("serve", "simulate")
 THERMAL_MIRROR_S = 0.5  # how often the agent's copy of the thermal zones is refreshed
 LIST_OPS = (";", "&&", "||")
 REDIRECTS = (">", ">>", "<", ">&")
@@ -55,11 +64,11 @@ class ShellExit(Exception):
 @dataclass(frozen=True)
 class AgentSettings:
     """How `farm-agent` on the virtual phone is run: `command` replaces the name, then the
-    translated arguments follow. `kill_grace_s` is how long a killed agent gets after SIGTERM
-    before SIGKILL."""
+    translated arguments follow (with PYTHONSAFEPATH=1 in its environment whatever it is).
+    `kill_grace_s` is how long a killed agent gets after SIGTERM before SIGKILL."""
 
     name: str = "farm-agent"
-    command: tuple[str, ...] = (sys.executable, "-m", "agent.cli")
+    command: tuple[str, ...] = (sys.executable, "-P", "-m", "agent.cli")
     kill_grace_s: float = 2.0
 
 
@@ -357,32 +366,51 @@ class Shell:
     # ---- the on-device agent ---------------------------------------------------------------
 
     def _to_host_arg(self, arg: str) -> str:
-        """Device paths (absolute, under a top-level folder the sandbox has) become host paths;
-        `--opt=/path` too. Anything else passes unchanged."""
+        """An absolute device path becomes the host path behind it, always inside the sandbox
+        (OSError EACCES when a symlink leads out); `--opt=/path` too. Relative paths pass:
+        the agent resolves them in its sandboxed working folder and checks them itself."""
         if arg.startswith("-") and "=" in arg:
             opt, _, value = arg.partition("=")
             return f"{opt}={self._to_host_arg(value)}"
         if not arg.startswith("/"):
             return arg
-        top = self.fs.normalize(arg).split("/")[1]
-        if top and (self.fs.base / top).is_dir():
-            try:
-                return str(self.fs.host_path(arg))
-            except OSError:
-                return arg
-        return arg
+        return str(self.fs.host_path(arg))
+
+    def _agent_env(self, session: Session) -> dict[str, str]:
+        """The host environment the agent needs (its own code on PYTHONPATH, never a folder of
+        the phone), then the phone's exported FARM_* variables, paths translated. Anything else
+        the phone exports (PATH, PYTHONPATH, LD_PRELOAD, ...) would choose code the host runs."""
+        phone = self.fs.base.parent
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                     if os.path.isabs(p) and not Path(p).resolve().is_relative_to(phone)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(PROJECT_ROOT), *inherited]))
+        env["PYTHONSAFEPATH"] = "1"  # `python -m` would import from the current folder: the phone's
+        env[AGENT_ROOT_ENV] = str(self.fs.host_path(AGENT_ROOT))
+        for k in session.exported:
+            if k.startswith("FARM_") and k != FS_ROOT_ENV:
+                env[k] = self._to_host_arg(session.env.get(k, ""))
+        env["TMPDIR"] = str(self.fs.host_path("/data/local/tmp"))
+        env[FS_ROOT_ENV] = str(self.fs.base)
+        return env
 
     def _to_device_text(self, data: bytes) -> bytes:
         base = str(self.fs.base).encode()
         return data.replace(base + b"/", b"/").replace(base, b"/")
 
     async def _run_agent(self, args: list[str], io: IO, session: Session) -> int:
-        argv = [*self.agent.command, *(self._to_host_arg(a) for a in args)]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        env["TMPDIR"] = str(self.fs.host_path("/data/local/tmp"))
-        for k in session.exported:
-            env[k] = self._to_host_arg(session.env.get(k, ""))
+        command = next((a for a in args if not a.startswith("-")), None)
+        if command in HOST_ONLY_AGENT_COMMANDS:
+            await io.err(f"{self.agent.name}: '{command}' is not available on the virtual phone (it would listen "
+                         f"on a port of the host); the phone runs info, install and run\n".encode())
+            return 2
+        try:
+            argv = [*self.agent.command, *(self._to_host_arg(a) for a in args)]
+            env = self._agent_env(session)
+        except OSError as exc:
+            await io.err(f"{self.agent.name}: {exc.filename}: outside the device's filesystem (a symlink leads "
+                         "out of it); name a path on the device\n".encode())
+            return 2
         try:
             cwd = self.fs.host_path(session.cwd)
         except OSError:
@@ -829,6 +857,10 @@ class Shell:
     async def _chmod(self, args, io, s):
         if len(args) < 2 or not re.fullmatch(r"[0-7]{3,4}", args[0]):
             await io.err(b"chmod: the virtual phone takes octal modes only\n")
+            return 1
+        if int(args[0], 8) & 0o7000:  # the sandbox's files are the host's: no setuid on the host
+            await io.err(f"chmod: {args[0]}: the virtual phone does not set setuid, setgid or sticky bits; "
+                         f"use {int(args[0], 8) & 0o777:04o}\n".encode())
             return 1
         for p in args[1:]:
             os.chmod(self.fs.writable_host_path(p, s.cwd), int(args[0], 8))

@@ -172,7 +172,9 @@ class SyncService:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
             await self._fail(error)
-        os.chmod(tmp, st.S_IMODE(mode) or 0o644)
+        # adbd keeps the pushed permission bits; a setuid file planted in the sandbox would be
+        # a setuid file on the host, so the special bits never survive a push.
+        os.chmod(tmp, (st.S_IMODE(mode) & 0o777) or 0o644)
         os.utime(tmp, (mtime, mtime))
         os.replace(tmp, target)
         await self._reply(REQUEST.pack(b"OKAY", 0))

@@ -113,6 +113,8 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
     from agent.bundle import provision_public_key
     from orchestrator.celery_app import make_celery
     from orchestrator.stack import Stack, StackError
+    from orchestrator.transports.adb import DEFAULT_KEY, load_or_create_adb_key
+    from orchestrator.transports.base import TransportError
 
     from .builds import PUBLIC_KEY, farm_key
 
@@ -125,10 +127,16 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
             root = settings.data_dir / "devices" / HOST_GPU_SERIAL
             provision_public_key(root, public)
             entries.append((HOST_GPU_SERIAL, "local", str(root)))
+        if phones:
+            # The phones ask for ADB authentication and know one host: the key the worker's adb
+            # transport signs with, as a real phone knows the host it was paired with.
+            adb_key = load_or_create_adb_key(DEFAULT_KEY)
+            adb_public = adb_key.with_name(adb_key.name + ".pub")
         with console.status(f"starting {phones} virtual phones"):
             for index in range(1, phones + 1):
                 serial = f"vphone-{index}"
-                _, port = stack.start_phone(serial, public, model="Pixel 7" if index % 2 else "Galaxy S23 Ultra")
+                _, port = stack.start_phone(serial, public, adb_public,
+                                            model="Pixel 7" if index % 2 else "Galaxy S23 Ultra")
                 entries.append((serial, "adb", f"127.0.0.1:{port}"))
         if not entries:
             fail("no devices: start phones (--phones N) or keep the host GPU")
@@ -139,7 +147,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
                 stack.start_beat()
             stack.wait_worker_ready(make_celery(settings))
         _probe_all(settings, [serial for serial, _, _ in entries])
-    except StackError as exc:
+    except (StackError, TransportError) as exc:
         stack.stop()
         fail(str(exc))
     except BaseException:

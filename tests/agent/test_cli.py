@@ -49,6 +49,7 @@ def signed_bundle(tmp_path: Path, build_id: str = "b1") -> tuple[Path, Path]:
     (json.dumps({"job_id": "c1", "kind": "generate", "model": "m", "colour": 1}), "unknown field(s) colour"),
     (json.dumps({"job_id": "c1", "kind": "generate", "model": "m", "protocol": 9}), "speaks protocol 9"),
     (json.dumps({"job_id": "c1", "kind": "generate", "model": "m", "steps": 0}), "steps must be at least 1"),
+    (json.dumps({"job_id": "../../x", "kind": "generate", "model": "m"}), "JobSpec.job_id '../../x': use letters"),
 ])
 def test_bad_job_document_exits_2_with_the_message(tmp_path, text, message):
     (tmp_path / "job.json").write_text(text)
@@ -145,8 +146,15 @@ def test_simulate_calls_run_simulator(monkeypatch, tmp_path):
     r = agent("simulate", "--port", 5555, "--serial", "emu-1", "--model", "Galaxy S23", "--root", tmp_path, "--auth")
     assert r.exit_code == 0, r.output
     assert calls == [((5555, "emu-1"), {"model": "Galaxy S23", "root": tmp_path, "auth": True, "host": "127.0.0.1",
-                      "trust": None})]
+                      "trust": None, "adb_keys": None, "accept_new_keys": False})]
     assert "virtual phone emu-1 (Galaxy S23) listening on 127.0.0.1:5555" in r.output
+    calls.clear()
+    r = agent("simulate", "--port", 5555, "--serial", "emu-2", "--adb-keys", tmp_path / "adbkey.pub")
+    assert r.exit_code == 0 and calls[0][1]["auth"] and calls[0][1]["adb_keys"] == tmp_path / "adbkey.pub", r.output
+    assert "adbkey.pub does not exist yet" in r.output
+    calls.clear()
+    r = agent("simulate", "--port", 5555, "--serial", "emu-3", "--no-auth")
+    assert r.exit_code == 0 and not calls[0][1]["auth"] and "(no authentication)" in r.output, r.output
 
 
 def test_serve_refuses_without_a_token(tmp_path):

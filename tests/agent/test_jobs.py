@@ -181,6 +181,11 @@ def test_model_and_profile_resolve_against_the_installed_build(tmp_path, monkeyp
         jobs.make_plan(spec(build="b9"), tmp_path / "root", tmp_path)
     with pytest.raises(jobs.JobError, match="not found in build 'b7'"):
         jobs.make_plan(spec(model="models/sd14"), tmp_path / "root", tmp_path)
+    # a model or profile named relative to the build stays in it, on any device
+    (tmp_path / "root" / "secret.json").write_text("{}")
+    for field in ({"model": "../../secret.json"}, {"profile": "../../secret.json"}):
+        with pytest.raises(jobs.JobError, match="leads outside the build"):
+            jobs.make_plan(spec(**field), tmp_path / "root", tmp_path)
 
 
 def test_busy_device_raises_and_leaves_the_output_alone(tmp_path):

@@ -65,7 +65,7 @@ def shell_v2(device: AdbDevice, command: str) -> tuple[bytes, bytes, int]:
 
 @pytest.fixture
 def phone(tmp_path):
-    p = VirtualPhone(serial="sim-test", root=tmp_path / "phone", thermal=FAST_THERMAL)
+    p = VirtualPhone(serial="sim-test", root=tmp_path / "phone", thermal=FAST_THERMAL, auth=False)
     p.start()
     yield p
     p.stop()
@@ -277,7 +277,7 @@ def test_dumpsys_formats(device):
 
 
 def test_adreno_model_has_kgsl(tmp_path):
-    with VirtualPhone(serial="s23", model="Galaxy S23 Ultra", root=tmp_path / "p") as p:
+    with VirtualPhone(serial="s23", model="Galaxy S23 Ultra", root=tmp_path / "p", auth=False) as p:
         d = connect(p.port)
         assert d.shell("cat /sys/class/kgsl/kgsl-3d0/gpu_model") == "Adreno740v2\n"
         assert int(d.shell("cat /sys/class/kgsl/kgsl-3d0/temp")) == pytest.approx(28000, abs=500)
@@ -308,7 +308,7 @@ def _zone0(device) -> float:
 
 def test_thermal_rises_while_agent_runs_and_falls_after(tmp_path):
     agent = AgentSettings(command=(sys.executable, "-c", "import time; time.sleep(1.0)"))
-    with VirtualPhone(serial="hot", root=tmp_path / "p", thermal=FAST_THERMAL, agent=agent) as p:
+    with VirtualPhone(serial="hot", root=tmp_path / "p", thermal=FAST_THERMAL, agent=agent, auth=False) as p:
         d, watcher = connect(p.port), connect(p.port)
         cold = _zone0(watcher)
         job = threading.Thread(target=d.shell, args=("farm-agent run",))
@@ -331,7 +331,7 @@ def test_agent_on_the_phone_reads_the_phones_thermal_zones(tmp_path):
     code = ("import time; from agent.deviceinfo import read_thermal_local, hottest_celsius\n"
             "for _ in range(3):\n    print(hottest_celsius(read_thermal_local()), flush=True); time.sleep(0.6)")
     agent = AgentSettings(command=(sys.executable, "-c", code))
-    with VirtualPhone(serial="thermo", root=tmp_path / "p", thermal=FAST_THERMAL, agent=agent) as p:
+    with VirtualPhone(serial="thermo", root=tmp_path / "p", thermal=FAST_THERMAL, agent=agent, auth=False) as p:
         d = connect(p.port)
         zones = d.shell("cat /sys/class/thermal/thermal_zone*/temp").split()
         phone_hottest = max(int(z) for z in zones) / 1000
@@ -347,7 +347,7 @@ def test_agent_on_the_phone_reads_the_phones_thermal_zones(tmp_path):
 def test_farm_agent_paths_translate_both_ways(tmp_path):
     code = "import os, sys; print(os.getcwd()); print(sys.argv[1]); print(open(sys.argv[2]).read()); sys.exit(4)"
     agent = AgentSettings(command=(sys.executable, "-c", code))
-    with VirtualPhone(serial="paths", root=tmp_path / "p", agent=agent) as p:
+    with VirtualPhone(serial="paths", root=tmp_path / "p", agent=agent, auth=False) as p:
         d = connect(p.port)
         d.push(io.BytesIO(b"spec"), "/data/local/tmp/job/spec.json")
         out, err, status = shell_v2(d, "cd /data/local/tmp/job && farm-agent --out=/data/local/tmp/job/o spec.json")
@@ -357,14 +357,14 @@ def test_farm_agent_paths_translate_both_ways(tmp_path):
 
 
 def test_real_farm_agent_runs_and_closing_the_stream_kills_the_agent(tmp_path):
-    with VirtualPhone(serial="agent", root=tmp_path / "p") as p:
+    with VirtualPhone(serial="agent", root=tmp_path / "p", auth=False) as p:
         d = connect(p.port)
         out, err, status = shell_v2(d, "farm-agent --help")
         assert status == 0 and b"Usage:" in out and b"info" in out, err
         d.close()
     pid_file = tmp_path / "q/fs/pid"
     code = "import os, time; open('pid', 'w').write(str(os.getpid())); time.sleep(30)"
-    with VirtualPhone(serial="kill", root=tmp_path / "q",
+    with VirtualPhone(serial="kill", root=tmp_path / "q", auth=False,
                       agent=AgentSettings(command=(sys.executable, "-c", code))) as p:
         d = connect(p.port)
         info = d._open(b"shell,v2,raw:farm-agent", None, 10.0, None)
@@ -399,7 +399,7 @@ def test_run_simulator_serves_until_stopped(tmp_path):
 
     stop = threading.Event()
     t = threading.Thread(target=run_simulator, args=(0, "entry"), daemon=True,
-                         kwargs={"root": tmp_path / "r", "ready": on_ready, "stop_event": stop})
+                         kwargs={"root": tmp_path / "r", "ready": on_ready, "stop_event": stop, "auth": False})
     t.start()
     assert ready.wait(10)
     d = connect(ports[0])
@@ -410,10 +410,10 @@ def test_run_simulator_serves_until_stopped(tmp_path):
     assert not t.is_alive()
     # the command-line entry point stops on SIGTERM
     proc = subprocess.Popen([sys.executable, "-m", "agent.simulator", "--port", "0", "--serial", "cli",
-                             "--root", str(tmp_path / "cli")], stdout=subprocess.PIPE, text=True)
+                             "--root", str(tmp_path / "cli"), "--no-auth"], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert "listening on 127.0.0.1:" in line
-    d = connect(int(line.rsplit(":", 1)[1]))
+    d = connect(int(line.rsplit(":", 1)[1].split()[0]))
     assert d.shell("getprop ro.serialno") == "cli\n"
     d.close()
     proc.terminate()

@@ -29,7 +29,7 @@ from orchestrator.transports import (
     DeviceUnauthorized,
     InfraFailure,
 )
-from orchestrator.transports.adb import DEFAULT_ROOT, AdbTransport
+from orchestrator.transports.adb import DEFAULT_ROOT, AdbTransport, load_or_create_adb_key
 
 DEVICE_ROOT = DEFAULT_ROOT.lstrip("/")
 
@@ -61,7 +61,9 @@ def provision(phone: VirtualPhone, farm: dict) -> Path:
 
 @pytest.fixture
 def phone(tmp_path, farm):
-    with VirtualPhone(serial="sim-transport", root=tmp_path / "phone") as p:
+    """A phone paired with this test's transport key, as a farm's phones are with its host."""
+    key = load_or_create_adb_key(tmp_path / "keys" / "adbkey")
+    with VirtualPhone(serial="sim-transport", root=tmp_path / "phone", adb_keys=key.with_name(key.name + ".pub")) as p:
         p.device_root = provision(p, farm)
         yield p
 
