@@ -153,6 +153,7 @@ def test_serve_refuses_without_a_token(tmp_path):
     r = agent("serve", "--port", 0, "--token-file", tmp_path / "missing", "--root", tmp_path / "root")
     assert r.exit_code == 1 and "cannot read the token file" in r.output
     (tmp_path / "empty").write_text("  \n")
+    (tmp_path / "empty").chmod(0o600)
     r = agent("serve", "--port", 0, "--token-file", tmp_path / "empty", "--root", tmp_path / "root")
     assert r.exit_code == 1 and "is empty" in r.output
 
