@@ -175,16 +175,23 @@ def simulate(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     trust: Path = typer.Option(None, help="Farm public key (farm.pub) to provision on the phone, so it "
                                "accepts that farm's signed builds (provisioned when the file appears)."),
+    adb_keys: Path = typer.Option(None, help="ADB host public keys (adbkey.pub lines) the phone accepts, like "
+                                  "a real phone's /data/misc/adb/adb_keys; any other host is refused. Read at "
+                                  "each connection. Needs --auth."),
 ):
     """Run a virtual phone that speaks ADB, with this host's real WebGPU adapter."""
     try:
         from agent.simulator import run_simulator
     except ImportError as exc:
         fail(f"the virtual phone is not available in this build ({exc})")
+    if adb_keys is not None and not auth:
+        fail(f"--adb-keys {adb_keys} needs --auth: a phone without authentication lets every host in")
     try:
+        if adb_keys is not None and not adb_keys.is_file():
+            typer.echo(f"{adb_keys} does not exist yet: every host is refused until it does", err=True)
         if trust is not None and not trust.is_file():
             typer.echo(f"{trust} does not exist yet: builds are refused until it does", err=True)
-        run_simulator(port, serial, model=model, root=root, auth=auth, host=host, trust=trust,
+        run_simulator(port, serial, model=model, root=root, auth=auth, host=host, trust=trust, adb_keys=adb_keys,
                       ready=lambda bound: typer.echo(f"virtual phone {serial} ({model}) listening on {host}:{bound}"
                                                      f"{'' if auth else ' (no authentication)'}"))
     except KeyboardInterrupt:

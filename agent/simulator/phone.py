@@ -138,13 +138,19 @@ def _provision_when_present(phone: VirtualPhone, trust: Path, stop_event: thread
 def run_simulator(port: int, serial: str, model: str = "Pixel 7", root: Path | None = None,
                   auth: bool = False, host: str = "127.0.0.1",
                   ready: Callable[[int], None] | None = None, *,
-                  stop_event: threading.Event | None = None, trust: Path | None = None) -> None:
+                  stop_event: threading.Event | None = None, trust: Path | None = None,
+                  adb_keys: Path | None = None) -> None:
     """Serve one virtual phone on host:port (0 picks a free port; `ready(port)` is called once
     it listens) until SIGINT or SIGTERM (on the main thread) or until `stop_event` is set.
     `trust` is a farm public key to provision in the phone's agent root, as an operator
     does once per real phone; until that file exists (a farm that has not made its key yet)
-    the phone serves without it and provisions it as soon as it appears."""
-    phone = VirtualPhone(serial=serial, model=model, root=root, auth=auth, host=host, port=port)
+    the phone serves without it and provisions it as soon as it appears. `adb_keys` is the
+    file of host keys the phone accepts (no other host is let in), instead of its own list that
+    any host offering a key joins."""
+    phone = VirtualPhone(serial=serial, model=model, root=root, auth=auth, host=host, port=port,
+                         accept_new_keys=adb_keys is None)
+    if adb_keys is not None:
+        phone.keys = KeyStore(Path(adb_keys))
     if trust is not None:
         _provision_when_present(phone, Path(trust), stop_event)
 
