@@ -145,7 +145,7 @@ def test_simulate_calls_run_simulator(monkeypatch, tmp_path):
     r = agent("simulate", "--port", 5555, "--serial", "emu-1", "--model", "Galaxy S23", "--root", tmp_path, "--auth")
     assert r.exit_code == 0, r.output
     assert calls == [((5555, "emu-1"), {"model": "Galaxy S23", "root": tmp_path, "auth": True, "host": "127.0.0.1",
-                      "trust": None})]
+                      "trust": None, "adb_keys": None})]
     assert "virtual phone emu-1 (Galaxy S23) listening on 127.0.0.1:5555" in r.output
 
 
