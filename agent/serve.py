@@ -3,8 +3,8 @@ HTTP from the standard library, HTTPS when given a certificate and key, every ro
 bearer token (compared in constant time; a request without the right token gets 401 and
 changes nothing), JSON bodies in the agent/protocol formats. It listens on 127.0.0.1 unless
 told otherwise, serves at most `max_connections` connections at once, and drops a connection
-that stays silent for `idle_timeout_s`, so idle clients cannot hold every slot. A request or document of another protocol version gets 409 with the
-ProtocolError message.
+that stays silent for `idle_timeout_s`, so idle clients cannot hold every slot. A request or
+document of another protocol version gets 409 with the ProtocolError message.
 
     GET  /v1/info                                DeviceInfo
     GET  /v1/builds                              installed builds and the current one
