@@ -1,8 +1,10 @@
 """`farm-agent serve`: the network agent, for devices reached over the network instead of ADB.
-Plain HTTP from the standard library, every route behind a bearer token (compared in constant
-time; a request without the right token gets 401 and changes nothing), JSON bodies in the
-agent/protocol formats. A request or document of another protocol version gets 409 with the
-ProtocolError message.
+HTTP from the standard library, HTTPS when given a certificate and key, every route behind a
+bearer token (compared in constant time; a request without the right token gets 401 and
+changes nothing), JSON bodies in the agent/protocol formats. It listens on 127.0.0.1 unless
+told otherwise, serves at most `max_connections` connections at once, and drops a connection
+that stays silent for `idle_timeout_s`, so idle clients cannot hold every slot. A request or
+document of another protocol version gets 409 with the ProtocolError message.
 
     GET  /v1/info                                DeviceInfo
     GET  /v1/builds                              installed builds and the current one
@@ -30,6 +32,9 @@ import hmac
 import json
 import os
 import shutil
+import socket
+import ssl
+import stat
 import subprocess
 import sys
 import threading
@@ -66,6 +71,9 @@ PROTOCOL_HEADER = "X-Farm-Protocol"
 MAX_JSON_BYTES = 16 << 20
 CHUNK = 1 << 20
 EVENTS_KEPT = 1000
+DEFAULT_HOST = "127.0.0.1"
+IDLE_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 64
 
 
 class ServeError(Exception):
@@ -79,9 +87,14 @@ class HTTPError(Exception):
 
 
 def load_token(path: Path) -> str:
-    """The bearer token from its file; refuses a missing or empty one."""
+    """The bearer token from its file; refuses a missing or empty one, and one that other users
+    can read (they could then drive the device)."""
     path = Path(path)
     try:
+        mode = path.stat().st_mode
+        if os.name != "nt" and mode & (stat.S_IRWXG | stat.S_IRWXO):  # Windows has no such bits
+            raise ServeError(f"the token file {path} is open to other users (mode {stat.S_IMODE(mode):o}); "
+                             f"fix with `chmod 600 {path}`")
         token = path.read_text().strip()
     except OSError as exc:
         raise ServeError(f"cannot read the token file {path}: {exc.strerror or exc}; "
@@ -170,14 +183,33 @@ class RunningJob:
         return self.first_event + len(events), events[start:]
 
 
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The server side of TLS from a PEM certificate (chain) and its private key."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    for path in (cert, key):
+        if not Path(path).is_file():
+            raise ServeError(f"cannot read {path}: no such file; give --tls-cert and --tls-key as PEM files")
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ServeError(f"cannot use the certificate {cert} with the key {key}: {exc}; give a PEM certificate "
+                         "and the PEM private key it was issued for") from None
+    return context
+
+
 class AgentServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], root: Path, token: str, info=None, quiet: bool = False,
-                 job_runner=run_job):
+                 job_runner=run_job, tls: ssl.SSLContext | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS):
         if not token:
             raise ServeError("refusing to serve without a token")
+        self.tls = tls
+        self.idle_timeout_s = idle_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = token.encode()
@@ -191,7 +223,43 @@ class AgentServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
+
+    # ---- connections: bounded, timed out, TLS in the connection's own thread ------------------
+
+    def process_request(self, request, client_address) -> None:
+        # Blocks the accept loop while every slot is busy; idle connections free theirs within
+        # idle_timeout_s, so a waiting client is served by then.
+        self._slots.acquire()
+        try:
+            request.settimeout(self.idle_timeout_s)
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def finish_request(self, request, client_address) -> None:
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        # The handshake happens here, not in accept(): a client that never finishes it holds
+        # one slot until its timeout, not the whole server.
+        try:
+            conn = self.tls.wrap_socket(request, server_side=True)
+        except (OSError, ssl.SSLError) as exc:
+            if not self.quiet:
+                sys.stderr.write(f"{client_address[0]} TLS handshake failed: {exc}\n")
+            return
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            self.shutdown_request(conn)
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / "jobs" / _check_name("job id", job_id)
@@ -225,6 +293,8 @@ class AgentHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     # ---- plumbing -----------------------------------------------------------------------
+
+    timeout = None  # the server sets each connection's timeout before the TLS handshake
 
     def log_message(self, format, *args):  # noqa: A002  (the base class's name)
         if not self.server.quiet:
@@ -457,17 +527,22 @@ def _matches(pattern: list[str], parts: list[str]) -> bool:
     return len(pattern) == len(parts) and all(a in ("*", b) for a, b in zip(pattern, parts, strict=True))
 
 
-def make_server(root: Path, token: str, host: str = "0.0.0.0", port: int = 0, **kw) -> AgentServer:
+def make_server(root: Path, token: str, host: str = DEFAULT_HOST, port: int = 0, **kw) -> AgentServer:
     try:
         return AgentServer((host, port), root, token, **kw)
-    except OSError as exc:
+    except (OSError, socket.gaierror) as exc:
         raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def serve(root: Path, token_file: Path, host: str = "0.0.0.0", port: int = 8765, ready=None) -> None:
+def serve(root: Path, token_file: Path, host: str = DEFAULT_HOST, port: int = 8765, ready=None, *,
+          tls_cert: Path | None = None, tls_key: Path | None = None,
+          idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
     """Serve until interrupted. `ready(server)` is called once it listens (tests, the demo)."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ServeError("give both --tls-cert and --tls-key (the certificate and its private key), or neither")
     token = load_token(token_file)
-    server = make_server(root, token, host, port)
+    tls = tls_context(tls_cert, tls_key) if tls_cert is not None else None
+    server = make_server(root, token, host, port, tls=tls, idle_timeout_s=idle_timeout_s)
     print(f"farm-agent serving on {server.url} (root {server.root}, protocol {PROTOCOL_VERSION})",
           file=sys.stderr, flush=True)
     if ready is not None:

@@ -589,7 +589,7 @@ def deploy(app: Celery, deployment_id: int, seq: int | None = None, *, retries: 
         except TransportError as exc:
             error = str(exc)
             device_state = store.TRANSPORT_STATES.get(exc.state)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a stored address that cannot be used
             error = f"{type(exc).__name__}: {exc}"
         with session_for(app) as session, session.begin():
             counts = ({"bytes_sent": report.bytes_sent, "files_sent": report.files_sent,

@@ -22,6 +22,7 @@ from . import jobs as jobs_cmd
 from . import regressions as regressions_cmd
 from . import results as results_cmd
 from . import schedules as schedules_cmd
+from . import secrets as secrets_cmd
 from . import stack as stack_cmd
 from . import validate
 
@@ -44,6 +45,7 @@ app.add_typer(regressions_cmd.app, name="regressions")
 results_cmd.app.command("compare")(regressions_cmd.compare)
 app.command("bisect")(regressions_cmd.bisect)
 app.add_typer(dashboard_cmd.app, name="dashboard")
+app.add_typer(secrets_cmd.app, name="secrets")
 app.command("deploy")(deploy_cmd.deploy)
 app.command("worker")(stack_cmd.worker)
 app.command("beat")(stack_cmd.beat)

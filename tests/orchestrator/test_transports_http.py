@@ -1,7 +1,9 @@
 """The http transport against the real network agent (agent.serve on a free localhost port, in
 a thread): info, the token, deploys (a second one sends nothing; a bundle signed with another
 key is refused naming the file), a generate job with its artifact fetched byte-identical,
-busy devices, protocol mismatches, and agents that are gone or silent."""
+busy devices, protocol mismatches, and agents that are gone or silent. HTTPS agents are
+verified against the given CA (or the one beside the token), and a redirect to another origin
+(a real server on 127.0.0.2 that records what it receives) never gets the token."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import os
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from tls_support import make_pki
 
 from agent.bundle import build_bundle, generate_keypair, provision_public_key
 from agent.protocol import DeviceInfo, JobSpec
-from agent.serve import make_server
+from agent.serve import make_server, tls_context
 from orchestrator.transports import (
     BundleRefused,
     DeviceBusy,
@@ -24,6 +28,7 @@ from orchestrator.transports import (
     DeviceTimeout,
     DeviceUnauthorized,
     ProtocolMismatch,
+    TransportError,
 )
 from orchestrator.transports.http import HttpTransport
 
@@ -128,3 +133,132 @@ def test_agent_gone_or_silent(tmp_path):
         assert time.monotonic() - t0 < 3
     finally:
         server.close()
+
+
+# ---- TLS and redirects ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tls_agent(tmp_path, farm):
+    """The network agent over HTTPS with a certificate from a throwaway CA."""
+    pki = make_pki(tmp_path / "pki")
+    provision_public_key(tmp_path / "root", farm["pub"])
+    server = make_server(tmp_path / "root", TOKEN, host="127.0.0.1", port=0, quiet=True, info=fake_info,
+                         tls=tls_context(pki.cert, pki.key))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, pki
+    server.shutdown()
+    server.server_close()
+
+
+def test_https_agent_verified_against_the_given_ca(tls_agent, farm, tmp_path):
+    agent, pki = tls_agent
+    https = HttpTransport(agent.url, TOKEN, ca_file=pki.ca)
+    assert https.info() == fake_info()
+    assert https.send_bundle(farm["bundle"]).installed
+    # The CA is found beside the token, as <config_dir>/tokens/<serial>.ca.pem.
+    tokens = tmp_path / "config" / "tokens"
+    tokens.mkdir(parents=True)
+    (tokens / "mac-1").write_text(TOKEN)
+    with pytest.raises(TransportError, match=r"does not verify against the system's trusted CAs .*"
+                                             rf"put the PEM certificate .* in {tokens / 'mac-1.ca.pem'}"):
+        HttpTransport.from_token_file(agent.url, tokens / "mac-1", name="mac-1").info()
+    (tokens / "mac-1.ca.pem").write_bytes(pki.ca.read_bytes())
+    assert HttpTransport.from_token_file(agent.url, tokens / "mac-1", name="mac-1").info().serial == "mac-1"
+
+
+def test_https_agent_with_another_cas_certificate_is_refused(tls_agent, tmp_path):
+    agent, _ = tls_agent
+    other = make_pki(tmp_path / "other", ca_name="someone else's CA")
+    with pytest.raises(TransportError, match=rf"does not verify against the CA in {other.ca}"):
+        HttpTransport(agent.url, TOKEN, ca_file=other.ca).info()
+
+
+def test_a_ca_file_needs_an_https_url_and_a_certificate(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    with pytest.raises(TransportError, match="is not https; serve the agent with --tls-cert"):
+        HttpTransport("http://127.0.0.1:8765", TOKEN, ca_file=pki.ca)
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    with pytest.raises(TransportError, match=f"cannot load the CA file {tmp_path / 'junk.pem'}"):
+        HttpTransport("https://127.0.0.1:8765", TOKEN, ca_file=tmp_path / "junk.pem")
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Any request: its headers are kept on the server, the answer is 200 {}."""
+
+    def do_GET(self):  # noqa: N802  (the base class's naming)
+        self.server.seen.append(dict(self.headers))
+        self.send_response(200)
+        self.send_header("Content-Length", "3")
+        self.end_headers()
+        self.wfile.write(b"{}\n")
+
+    do_POST = do_PUT = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(handler, host: str) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, 0), handler)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("method, code", [("GET", 302), ("GET", 301), ("GET", 307), ("GET", 308), ("POST", 303),
+                                          ("POST", 302)])
+def test_a_redirect_to_another_origin_never_gets_the_token(method, code):
+    elsewhere = _serve(_Recorder, "127.0.0.2")  # another origin: Linux answers all of 127/8 on loopback
+    target = f"http://127.0.0.2:{elsewhere.server_address[1]}/v1/info"
+
+    class Redirector(_Recorder):
+        def do_GET(self):  # noqa: N802
+            self.server.seen.append(dict(self.headers))
+            if self.headers.get("Content-Length"):
+                self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(code)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_PUT = do_GET
+
+    origin = _serve(Redirector, "127.0.0.1")
+    try:
+        transport = HttpTransport(f"http://127.0.0.1:{origin.server_address[1]}", TOKEN)
+        try:
+            transport._request(method, "/v1/info", b"{}" if method == "POST" else None)
+        except TransportError as exc:
+            refused = str(exc)
+        else:
+            refused = "the redirect was followed"
+        assert origin.seen and origin.seen[0]["Authorization"] == f"Bearer {TOKEN}"
+        leaked = [h.get("Authorization") for h in elsewhere.seen]
+        assert not any(leaked), f"the other origin received Authorization: {leaked}"
+        assert elsewhere.seen == [], f"the other origin was asked, with headers {elsewhere.seen}"
+        assert f"redirected (HTTP {code}) to another origin, {target}; not followed" in refused, refused
+    finally:
+        for server in (origin, elsewhere):
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_redirect_within_the_agents_origin_is_followed():
+    class Moved(_Recorder):
+        def do_GET(self):  # noqa: N802
+            if self.path == "/v1/info":
+                self.send_response(302)
+                self.send_header("Location", "/v1/info2")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            super().do_GET()
+
+    server = _serve(Moved, "127.0.0.1")
+    try:
+        status, raw = HttpTransport(f"http://127.0.0.1:{server.server_address[1]}", TOKEN)._request("GET", "/v1/info")
+        assert (status, raw) == (200, b"{}\n")
+    finally:
+        server.shutdown()
+        server.server_close()
