@@ -175,7 +175,7 @@ class Farm:
         process.wait()
 
     def stop_all(self) -> None:
-        for name, process in self.processes.items():
+        for process in self.processes.values():
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
         for name in self.processes:

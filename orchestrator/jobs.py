@@ -34,7 +34,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -110,24 +109,25 @@ def _grace(settings: Settings, extra_s: float = 0.0) -> dt.datetime:
 def make_transport(device: Device, settings: Settings) -> Transport:
     """The transport for a device row: `address` is the agent root (local; default
     <data_dir>/devices/<serial>), host:port or usb:SERIAL (adb), or the agent's URL (http, with
-    its token in <config_dir>/tokens/<serial>)."""
-    kind = TransportKind(device.transport)
-    if kind == TransportKind.local:
+    its token in <config_dir>/tokens/<serial>). ValueError (orchestrator.inputs.BadInput) names
+    a stored address that cannot be used."""
+    from orchestrator.inputs import AdbTcpAddress, HttpAddress, LocalAddress, parse_device_address
+
+    address = parse_device_address(TransportKind(device.transport).value, device.address or "")
+    if isinstance(address, LocalAddress):
         from orchestrator.transports.local import LocalTransport
 
-        root = Path(device.address) if device.address else settings.data_dir / "devices" / device.serial
-        return LocalTransport(root, name=device.serial)
-    if kind == TransportKind.adb:
-        from orchestrator.transports.adb import AdbTransport
+        return LocalTransport(address.root or settings.data_dir / "devices" / device.serial, name=device.serial)
+    if isinstance(address, HttpAddress):
+        from orchestrator.transports.http import HttpTransport
 
-        if device.address.startswith("usb:") or not device.address:
-            return AdbTransport(usb_serial=device.address.removeprefix("usb:") or None, name=device.serial)
-        host, _, port = device.address.rpartition(":")
-        return AdbTransport(host or device.address, int(port) if host else 5555, name=device.serial)
-    from orchestrator.transports.http import HttpTransport
+        return HttpTransport.from_token_file(address.url, settings.config_dir / "tokens" / device.serial,
+                                             name=device.serial)
+    from orchestrator.transports.adb import AdbTransport
 
-    return HttpTransport.from_token_file(device.address, settings.config_dir / "tokens" / device.serial,
-                                         name=device.serial)
+    if isinstance(address, AdbTcpAddress):
+        return AdbTransport(address.host, address.port, name=device.serial)
+    return AdbTransport(usb_serial=address.serial, name=device.serial)
 
 
 def _queue_of(device: Device, settings: Settings) -> str:
@@ -514,7 +514,7 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
     except TransportError as exc:
         state, error = JobState.infra_failed, str(exc)
         device_state = store.TRANSPORT_STATES.get(exc.state)
-    except Exception as exc:  # a bad spec or a bug here: recorded, not retried
+    except Exception as exc:  # a bad spec, a bad stored address or a bug here: recorded, not retried
         state, error = JobState.failed, f"{type(exc).__name__}: {exc}"
         log.exception("job %s failed in the worker", job_id)
 

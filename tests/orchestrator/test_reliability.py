@@ -21,7 +21,12 @@ from kombu import Connection
 from sqlalchemy import select, update
 
 from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
-from orchestrator.celery_app import DEFAULT_QUEUE, _embedded_broker, make_celery, visibility_timeout_s
+from orchestrator.celery_app import (
+    DEFAULT_QUEUE,
+    _embedded_broker,
+    make_celery,
+    visibility_timeout_s,
+)
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import Deployment, DeploymentStatus, Device, Job, JobState, Run, utcnow
 from orchestrator.jobs import check_time_limit, send_jobs
