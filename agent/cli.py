@@ -164,16 +164,22 @@ def run(
 @app.command()
 def serve(
     port: int = typer.Option(8765, help="TCP port to listen on."),
-    token_file: Path = typer.Option(..., help="File holding the bearer token clients must send."),
+    token_file: Path = typer.Option(..., help="File holding the bearer token clients must send (mode 600)."),
     root: Path = ROOT_OPTION,
-    host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on; 0.0.0.0 for every interface (use "
+                             "--tls-cert/--tls-key then: the token crosses the network)."),
+    tls_cert: Path = typer.Option(None, help="PEM certificate (chain) to serve HTTPS with."),
+    tls_key: Path = typer.Option(None, help="PEM private key of --tls-cert."),
+    idle_timeout: float = typer.Option(30.0, min=0.1, help="Seconds a connection may stay silent before "
+                                       "it is closed."),
 ):
-    """Serve this device to the farm over HTTP (for devices not reached through ADB)."""
+    """Serve this device to the farm over HTTP(S) (for devices not reached through ADB)."""
     from agent.serve import ServeError
     from agent.serve import serve as run_server
 
     try:
-        run_server(agent_root(root), token_file, host=host, port=port)
+        run_server(agent_root(root), token_file, host=host, port=port, tls_cert=tls_cert, tls_key=tls_key,
+                   idle_timeout_s=idle_timeout)
     except ServeError as exc:
         fail(str(exc))
 
@@ -200,6 +206,8 @@ def simulate(
         from agent.simulator.phone import auth_note
     except ImportError as exc:
         fail(f"the virtual phone is not available in this build ({exc})")
+    if adb_keys is not None and not auth:
+        fail(f"--adb-keys {adb_keys} needs --auth: a phone without authentication lets every host in")
     try:
         if trust is not None and not trust.is_file():
             typer.echo(f"{trust} does not exist yet: builds are refused until it does", err=True)

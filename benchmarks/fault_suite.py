@@ -381,18 +381,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per scenario")
     parser.add_argument("--small", action="store_true", help="CI's size: 9 jobs, 3 kills")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--keep", type=Path, help="keep each scenario's folder (logs, store) under this folder")
     args = parser.parse_args(argv)
     if args.small:
         args.jobs, args.kills, args.timeout = 9, 3, 400.0
     os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.mkdtemp())
     results = []
     for name in args.scenarios.split(","):
-        with tempfile.TemporaryDirectory(prefix=f"fault-{name}-") as tmp:
-            root = Path(tmp)
-            os.chmod(root, 0o755)  # a private PostgreSQL runs as another user
-            print(f"-- {name}: {args.jobs} jobs on {args.devices} devices", flush=True)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=f"fault-{name}-", dir=args.keep))
+        os.chmod(root, 0o755)  # a private PostgreSQL runs as another user
+        print(f"-- {name}: {args.jobs} jobs on {args.devices} devices ({root})", flush=True)
+        try:
             result = run_scenario(name, root, jobs=args.jobs, devices=args.devices, kills=args.kills,
                                   seed=args.seed, timeout_s=args.timeout)
+        finally:
+            if not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "faults"}), flush=True)
     print()

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -135,14 +134,12 @@ def test_install_uses_farm_pub_in_the_root_and_refuses_tampering(tmp_path):
 
 def test_simulate_calls_run_simulator(monkeypatch, tmp_path):
     calls = []
-    fake = types.ModuleType("agent.simulator")
 
     def run_simulator(*a, ready=None, **kw):
         calls.append((a, kw))
         ready(5555)
 
-    fake.run_simulator = run_simulator
-    monkeypatch.setitem(sys.modules, "agent.simulator", fake)
+    monkeypatch.setattr("agent.simulator.run_simulator", run_simulator)
     r = agent("simulate", "--port", 5555, "--serial", "emu-1", "--model", "Galaxy S23", "--root", tmp_path, "--auth")
     assert r.exit_code == 0, r.output
     assert calls == [((5555, "emu-1"), {"model": "Galaxy S23", "root": tmp_path, "auth": True, "host": "127.0.0.1",
@@ -161,6 +158,7 @@ def test_serve_refuses_without_a_token(tmp_path):
     r = agent("serve", "--port", 0, "--token-file", tmp_path / "missing", "--root", tmp_path / "root")
     assert r.exit_code == 1 and "cannot read the token file" in r.output
     (tmp_path / "empty").write_text("  \n")
+    (tmp_path / "empty").chmod(0o600)
     r = agent("serve", "--port", 0, "--token-file", tmp_path / "empty", "--root", tmp_path / "root")
     assert r.exit_code == 1 and "is empty" in r.output
 

@@ -1,0 +1,36 @@
+"""The fault suite's small version (benchmarks/fault_suite.py --small): a few jobs over three
+devices while workers are SIGKILLed, and while PostgreSQL restarts, with real workers, beat and
+jobs. Nothing may be lost and nothing recorded twice; the full-size figures are in
+docs/reliability.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ci_support import missing
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("scenario", ["kills", "db-restart"])
+def test_no_job_lost_or_recorded_twice(scenario, tmp_path):
+    if scenario != "kills" and not list(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl")):
+        missing("no PostgreSQL server programs", "scripts/ensure-postgres.sh installs them")
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, "benchmarks/fault_suite.py", "--small", "--scenarios", scenario,
+                           "--json", str(out), "--keep", str(tmp_path / "runs")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted((tmp_path / "runs").glob("*/*.log")))
+    assert out.is_file(), done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["jobs"] >= 9 and len(result["faults"]) >= (3 if scenario == "kills" else 1)
+    assert result["lost"] == 0, f"{result}\n{logs}"
+    assert result["recorded_twice"] == 0, result
+    if scenario == "kills":
+        assert any("push" in f["during"] for f in result["faults"]), result["faults"]  # one kill during a push
+    assert done.returncode == 0, done.stdout[-3000:]
