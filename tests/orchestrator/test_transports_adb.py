@@ -369,7 +369,7 @@ def test_a_phone_given_adb_keys_lets_in_only_those_hosts(tmp_path):
 
 def test_adb_keys_without_auth_is_refused(tmp_path):
     done = subprocess.run([sys.executable, "-m", "agent.cli", "simulate", "--port", "0", "--serial", "x",
-                           "--adb-keys", str(tmp_path / "keys")], capture_output=True, text=True, timeout=60)
+                           "--no-auth", "--adb-keys", str(tmp_path / "keys")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert f"--adb-keys {tmp_path / 'keys'} needs --auth" in done.stderr
 
