@@ -275,13 +275,15 @@ def settle_batch(app: Celery, batch_id: int | None) -> None:
         _publish(app, ANALYZE_BATCH, (batch_id,), DEFAULT_QUEUE)
 
 
-def _end_job(session: Session, sends: Sends, job: Job, error: str, attempt: int | None = None) -> bool:
-    """A job that cannot run ends as infra_failed with `error` (flushes only)."""
+def _end_job(session: Session, sends: Sends, job: Job, error: str, attempt: int | None = None, *,
+             settle: bool = True) -> bool:
+    """A job that cannot run ends as infra_failed with `error` (flushes only); with `settle`,
+    its batch may have ended with it."""
     try:
         store.transition_job(session, job.id, JobState.infra_failed, error=error, attempt=attempt)
     except store.InvalidTransition:
         return False
-    if job.batch_id is not None:
+    if settle and job.batch_id is not None:
         sends.batches.add(job.batch_id)
     return True
 
@@ -294,7 +296,7 @@ def _retry_or_end(session: Session, settings: Settings, sends: Sends, job_id: in
         if job.batch_id is not None:
             sends.batches.add(job.batch_id)
         return False
-    store.transition_job(session, job_id, JobState.queued, due_at=_grace(settings, REQUEUE_DELAY_S))
+    store.transition_job(session, job_id, JobState.queued)
     seq = store.redispatch_job(session, job_id, _grace(settings, REQUEUE_DELAY_S), new_message=True)
     sends.job(session, settings, job_id, seq, REQUEUE_DELAY_S)
     return True
@@ -312,17 +314,16 @@ def check_time_limit(settings: Settings, spec: dict[str, Any]) -> None:
                                f"({settings.max_job_time_s:g} s); ask for less or raise FARM_MAX_JOB_TIME_S")
 
 
-def submit(app: Celery, name: str, build_id: int, kind: str, spec: dict[str, Any], device_ids: list[int]) -> tuple[int, list[int]]:
-    """Queue one job per device as one batch (the build already deployed) and send them.
-    Returns (batch id, job ids)."""
-    settings = settings_of(app)
+def queue_jobs(session: Session, settings: Settings, name: str, build_id: int, kind: str, spec: dict[str, Any],
+               device_ids: list[int]) -> tuple[Batch, list[int]]:
+    """One job per device as one batch (the build already deployed), for `farm jobs submit`;
+    flushes only. The caller commits, then sends them with send_jobs (or the reconciler does
+    once they are due). StoreError for a time limit the farm does not accept."""
     check_time_limit(settings, spec)
-    with session_for(app) as session, session.begin():
-        batch_id = store.create_batch(session, name, build_id=build_id).id
-        job_ids = [store.create_job(session, kind, spec, device_id, build_id, batch_id=batch_id,
-                                    due_at=_grace(settings)).id for device_id in device_ids]
-    send_jobs(app, job_ids)
-    return batch_id, job_ids
+    batch = store.create_batch(session, name, build_id=build_id)
+    job_ids = [store.create_job(session, kind, spec, device_id, build_id, batch_id=batch.id,
+                                due_at=_grace(settings)).id for device_id in device_ids]
+    return batch, job_ids
 
 
 def deploy_build(app: Celery, build_id: int, device_ids: list[int], batch_id: int) -> list[int]:
@@ -646,8 +647,9 @@ def reconcile(app: Celery) -> dict[str, list[int]]:
         "jobs_requeued", "jobs_resent", "jobs_ended", "deployments_resent", "deployments_failed", "batches_analysed")}
     with session_for(app) as session, session.begin():
         for job in store.find_stale_running_jobs(session, stale):
+            # Not settled here: _retry_or_end queues it again, or settles its batch when it gives up.
             if not _end_job(session, sends, job, f"worker {job.worker or '?'} lost: no heartbeat for "
-                                                 f"{settings.stale_after_s:g} s", attempt=job.attempts):
+                                                 f"{settings.stale_after_s:g} s", attempt=job.attempts, settle=False):
                 continue
             device = store.get_device(session, job.device_id)
             if device.lease_holder and device.lease_holder.startswith(f"job{job.id}:"):

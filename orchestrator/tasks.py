@@ -9,7 +9,6 @@ from __future__ import annotations
 from celery import shared_task
 
 from orchestrator import jobs
-from orchestrator.jobs import make_transport  # noqa: F401  (the CLI's `farm devices` reaches devices with it)
 
 
 @shared_task(bind=True, name="orchestrator.tasks.run_job", max_retries=None)

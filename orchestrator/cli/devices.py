@@ -297,7 +297,7 @@ def probe(settings, sessions, device: Device) -> dict[str, Any]:
     serial or address cannot be used (it is then not asked at all). No transaction is open while
     the device is asked (orchestrator/db/session.py)."""
     from orchestrator.db import store
-    from orchestrator.tasks import make_transport
+    from orchestrator.jobs import make_transport
     from orchestrator.transports import TransportError
 
     info, error = None, None

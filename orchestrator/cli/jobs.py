@@ -153,7 +153,7 @@ def submit(
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
     from orchestrator.db.models import DeviceState
-    from orchestrator.jobs import check_time_limit, send_jobs
+    from orchestrator.jobs import queue_jobs, send_jobs
 
     if bool(devices) == all_devices:
         fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
@@ -189,14 +189,12 @@ def submit(
                                kernel_timings=kernel_timings, tune_repeats=tune_repeats,
                                tune_time_budget_s=tune_budget, time_limit_s=time_limit,
                                cooldown_celsius=cooldown, cooldown_wait_s=cooldown_wait)
+            stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             try:
-                check_time_limit(settings, spec)
+                batch, job_ids = queue_jobs(session, settings, name or f"{kind} {build.name} {stamp}", build.id,
+                                            kind, spec, [device.id for device in targets])
             except store.StoreError as exc:
                 fail(str(exc))
-            stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            batch = store.create_batch(session, name or f"{kind} {build.name} {stamp}", build_id=build.id)
-            job_ids = [store.create_job(session, kind, spec, device.id, build.id, batch_id=batch.id).id
-                       for device in targets]
             session.commit()
             batch_id, batch_name, build_label = batch.id, batch.name, build.name
             serials = [d.serial for d in targets]

@@ -306,16 +306,35 @@ def get_deployment(session: Session, deployment_id: int) -> Deployment:
     return deployment
 
 
-def _update_deployment(session: Session, deployment_id: int, conditions: list, values: dict[str, Any]) -> bool:
+def _update_row(session: Session, model, row_id: int, conditions: list, values: dict[str, Any]) -> bool:
+    """One conditional UPDATE of row `row_id`; True when it matched. A loaded copy of the row is
+    expired, since the UPDATE bypassed the ORM."""
     result = session.execute(
-        update(Deployment).where(Deployment.id == deployment_id, *conditions).values(**values)
+        update(model).where(model.id == row_id, *conditions).values(**values)
         .execution_options(synchronize_session=False)
     )
     session.flush()
-    deployment = session.identity_map.get(identity_key(Deployment, deployment_id))
-    if deployment is not None:
-        session.expire(deployment)
+    loaded = session.identity_map.get(identity_key(model, row_id))
+    if loaded is not None:
+        session.expire(loaded)
     return result.rowcount == 1
+
+
+def _update_deployment(session: Session, deployment_id: int, conditions: list, values: dict[str, Any]) -> bool:
+    return _update_row(session, Deployment, deployment_id, conditions, values)
+
+
+def _redispatch(session: Session, model, row_id: int, waiting: list, due_at: dt.datetime,
+                new_message: bool) -> int | None:
+    """Move a waiting row's deadline to `due_at`; with `new_message` its message is replaced:
+    the dispatch sequence goes up and older messages are dropped when they arrive. Returns the
+    sequence number the message must carry, or None when the row no longer waits."""
+    values: dict[str, Any] = {"due_at": due_at}
+    if new_message:
+        values["dispatch_seq"] = model.dispatch_seq + 1
+    if not _update_row(session, model, row_id, waiting, values):
+        return None
+    return session.scalar(select(model.dispatch_seq).where(model.id == row_id))
 
 
 def start_deployment(session: Session, deployment_id: int, seq: int | None) -> int | None:
@@ -361,12 +380,8 @@ def requeue_deployment(session: Session, deployment_id: int, attempt: int, due_a
 def redispatch_deployment(session: Session, deployment_id: int, due_at: dt.datetime, *,
                           new_message: bool) -> int | None:
     """Like redispatch_job, for a pending deployment."""
-    values: dict[str, Any] = {"due_at": due_at}
-    if new_message:
-        values["dispatch_seq"] = Deployment.dispatch_seq + 1
-    if not _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.pending], values):
-        return None
-    return session.scalar(select(Deployment.dispatch_seq).where(Deployment.id == deployment_id))
+    return _redispatch(session, Deployment, deployment_id, [Deployment.status == DeploymentStatus.pending], due_at,
+                       new_message)
 
 
 def find_due_deployments(session: Session, now: dt.datetime, stale_before: dt.datetime) -> list[Deployment]:
@@ -516,17 +531,7 @@ def redispatch_job(session: Session, job_id: int, due_at: dt.datetime, *, new_me
     with `new_message` its message is replaced: the dispatch sequence goes up and older
     messages are dropped when they arrive. Returns the sequence number the message must carry,
     or None when the job is no longer queued."""
-    values: dict[str, Any] = {"due_at": due_at}
-    if new_message:
-        values["dispatch_seq"] = Job.dispatch_seq + 1
-    result = session.execute(
-        update(Job).where(Job.id == job_id, Job.state == JobState.queued).values(**values)
-        .execution_options(synchronize_session=False)
-    )
-    session.flush()
-    if result.rowcount != 1:
-        return None
-    return session.scalar(select(Job.dispatch_seq).where(Job.id == job_id))
+    return _redispatch(session, Job, job_id, [Job.state == JobState.queued], due_at, new_message)
 
 
 def find_due_queued_jobs(session: Session, now: dt.datetime, limit: int = 500) -> list[Job]:

@@ -1,4 +1,4 @@
-"""Store fixtures: every store test runs on a fresh SQLite file and on a fresh PostgreSQL
+"""Store fixtures (and `cli`, the farm CLI over a fresh SQLite store): every store test runs on a fresh SQLite file and on a fresh PostgreSQL
 database. PostgreSQL comes from $FARM_TEST_POSTGRES_URL, else the local server at
 127.0.0.1:5432 (scripts/ensure-postgres.sh starts one); each test gets its own database,
 created from that server and dropped afterwards. With no server, the PostgreSQL variants are
@@ -68,3 +68,36 @@ def Session(db_engine):  # noqa: N802  (a session factory, named like the class 
     from orchestrator.db import make_session_factory
 
     return make_session_factory(db_engine)
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch):
+    """A migrated, empty farm in tmp_path; `cli(*args)` invokes `farm` (exit 0 expected unless
+    ok=False); `cli.Session` writes to its store."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+    from orchestrator.db import make_engine, make_session_factory, upgrade
+
+    url = f"sqlite:///{tmp_path / 'farm.db'}"
+    monkeypatch.setenv("FARM_DATABASE_URL", url)
+    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FARM_HOST_NAME", "testhost")
+    monkeypatch.delenv("FARM_BROKER_URL", raising=False)
+    monkeypatch.delenv("FARM_DEVICES", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")  # tables whole, not folded to 80 columns
+    upgrade(url)
+    engine = make_engine(url)
+    runner = CliRunner()
+
+    def invoke(*args: str, ok: bool = True):
+        result = runner.invoke(app, list(args))
+        if ok:
+            assert result.exit_code == 0, result.output
+        return result
+
+    invoke.Session = make_session_factory(engine)
+    invoke.tmp = tmp_path
+    yield invoke
+    engine.dispose()

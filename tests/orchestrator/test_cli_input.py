@@ -11,43 +11,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from agent.protocol import Manifest, ManifestFile
 from orchestrator import inputs
-from orchestrator.cli import app
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
+from orchestrator.db import store
 from orchestrator.settings import parse_device_entry
 
 USAGE = 2
 
 
 @pytest.fixture
-def farm(tmp_path, monkeypatch):
-    """A migrated, empty farm in tmp_path; `farm(*args)` invokes `farm` (exit 0 expected unless
-    ok=False); `farm.Session` writes to its store."""
-    url = f"sqlite:///{tmp_path / 'farm.db'}"
-    monkeypatch.setenv("FARM_DATABASE_URL", url)
-    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("FARM_HOST_NAME", "testhost")
-    monkeypatch.delenv("FARM_BROKER_URL", raising=False)
-    monkeypatch.delenv("FARM_DEVICES", raising=False)
-    monkeypatch.setenv("COLUMNS", "200")
-    upgrade(url)
-    engine = make_engine(url)
-    runner = CliRunner()
-
-    def invoke(*args: str, ok: bool = True):
-        result = runner.invoke(app, list(args))
-        if ok:
-            assert result.exit_code == 0, result.output
-        return result
-
-    invoke.Session = make_session_factory(engine)
-    invoke.tmp = tmp_path
-    yield invoke
-    engine.dispose()
+def farm(cli):
+    """The CLI over a migrated, empty farm (conftest's `cli`)."""
+    return cli
 
 
 def one_error(result, *fragments: str, code: int = USAGE) -> str:

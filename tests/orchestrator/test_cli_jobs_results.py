@@ -26,37 +26,11 @@ from agent.protocol import (
     ThermalReading,
 )
 from orchestrator.cli import app
-from orchestrator.db import make_engine, make_session_factory, queries, store, upgrade
+from orchestrator.db import queries, store
 from orchestrator.db.models import Batch, DeviceState, Job, JobState
 
 GIB = 2**30
 
-
-@pytest.fixture
-def cli(tmp_path, monkeypatch):
-    """A migrated, empty farm in tmp_path; `cli(*args)` invokes `farm` (exit 0 expected unless
-    ok=False); `cli.Session` writes to its store."""
-    url = f"sqlite:///{tmp_path / 'farm.db'}"
-    monkeypatch.setenv("FARM_DATABASE_URL", url)
-    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("FARM_HOST_NAME", "testhost")
-    monkeypatch.delenv("FARM_BROKER_URL", raising=False)
-    monkeypatch.setenv("COLUMNS", "200")  # tables whole, not folded to 80 columns
-    upgrade(url)
-    engine = make_engine(url)
-    runner = CliRunner()
-
-    def invoke(*args: str, ok: bool = True):
-        result = runner.invoke(app, list(args))
-        if ok:
-            assert result.exit_code == 0, result.output
-        return result
-
-    invoke.Session = make_session_factory(engine)
-    invoke.tmp = tmp_path
-    yield invoke
-    engine.dispose()
 
 
 def _one_error(result, *fragments: str) -> None:

@@ -8,15 +8,12 @@ once everything has settled; a schedule that beat missed fires once, not once pe
 from __future__ import annotations
 
 import datetime as dt
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
+from worker_farm import Workers, kill_group, logs, wait
 
 from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
 from orchestrator.celery_app import DEFAULT_QUEUE, make_celery
@@ -37,7 +34,6 @@ from orchestrator.stack import settings_env
 
 pytestmark = pytest.mark.gpu
 HOST = "faulthost"
-REPO = Path(__file__).resolve().parents[2]
 SLOW_SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 20, "scheduler": "euler", "time_limit_s": 120.0}
 QUICK_SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "scheduler": "euler", "time_limit_s": 120.0}
 
@@ -56,54 +52,14 @@ def farm(tmp_path_factory, tiny_model_dir):
     with Session() as session, session.begin():
         device_id = store.upsert_device(session, "local-1", "local", str(tmp / "phone"), host=HOST).id
         build_id = store.create_build(session, manifest).id
-    workers: list[subprocess.Popen] = []
-
-    def start_worker(name: str) -> subprocess.Popen:
-        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115  (the child holds it)
-        worker = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", "2"],
-                                  env=settings_env(settings), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                  start_new_session=True)
-        log.close()
-        workers.append(worker)
-        return worker
-
+    workers = Workers(tmp, settings)
     app = make_celery(settings)
     try:
         yield {"app": app, "Session": Session, "device_id": device_id, "build_id": build_id, "tmp": tmp,
-               "start_worker": start_worker, "settings": settings}
+               "start_worker": workers.start, "settings": settings}
     finally:
-        for worker in workers:
-            _kill_group(worker, signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            _kill_group(worker, signal.SIGKILL)
-            worker.wait()
+        workers.stop()
         engine.dispose()
-
-
-def _kill_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _logs(farm) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(farm["tmp"].glob("*.log")))
-
-
-def _wait(farm, predicate, what: str, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with farm["Session"]() as session:
-            value = predicate(session)
-            if value:
-                return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}\n{_logs(farm)}")
 
 
 def test_worker_killed_mid_job_reruns_it_once(farm):
@@ -111,9 +67,9 @@ def test_worker_killed_mid_job_reruns_it_once(farm):
     with farm["Session"]() as session, session.begin():
         job_id = store.create_job(session, "generate", SLOW_SPEC, farm["device_id"], farm["build_id"]).id
     send_jobs(farm["app"], [job_id])
-    _wait(farm, lambda s: s.get(Job, job_id).state == JobState.running, "the job to start")
+    wait(farm, lambda s: s.get(Job, job_id).state == JobState.running, "the job to start")
     time.sleep(1.0)  # in the middle of the generation
-    _kill_group(first, signal.SIGKILL)  # the worker, its pool and the agent it started
+    kill_group(first, signal.SIGKILL)  # the worker, its pool and the agent it started
     first.wait()
 
     with farm["Session"]() as session:
@@ -127,8 +83,8 @@ def test_worker_killed_mid_job_reruns_it_once(farm):
     time.sleep(3.0)
     report = farm["app"].signature("orchestrator.tasks.reconcile").apply_async(queue=DEFAULT_QUEUE).get(timeout=60)
     assert report["jobs_requeued"] == [job_id]
-    job = _wait(farm, lambda s: (j := s.get(Job, job_id)).state in store.SETTLED_STATES and j, "the rerun")
-    assert job.state == JobState.succeeded, f"{job.error}\n{_logs(farm)}"
+    job = wait(farm, lambda s: (j := s.get(Job, job_id)).state in store.SETTLED_STATES and j, "the rerun")
+    assert job.state == JobState.succeeded, f"{job.error}\n{logs(farm)}"
     assert job.attempts == 2
     with farm["Session"]() as session:
         runs = session.scalars(select(Run).where(Run.job_id == job_id)).all()
@@ -144,7 +100,7 @@ def test_unreachable_device_fails_its_deployment_not_the_others(farm):
     jobs = [{"kind": "generate", "spec": QUICK_SPEC}, {"kind": "generate", "spec": QUICK_SPEC | {"seed": 1}}]
     batch_id = launch_suite(farm["app"], "fault suite", jobs, build="b1", devices=["local-1", "gone-phone"])
 
-    batch = _wait(farm, lambda s: (b := s.get(Batch, batch_id)).summary is not None and b, "the batch's analysis")
+    batch = wait(farm, lambda s: (b := s.get(Batch, batch_id)).summary is not None and b, "the batch's analysis")
     with farm["Session"]() as session:
         deployments = {session.get(Device, d.device_id).serial: d for d in
                        session.scalars(select(Deployment).where(Deployment.batch_id == batch_id))}
@@ -180,7 +136,7 @@ def test_due_schedule_fires_once_through_beats_task(farm):
     first = tick.clone().apply_async(queue=DEFAULT_QUEUE).get(timeout=60)
     second = tick.clone().apply_async(queue=DEFAULT_QUEUE).get(timeout=60)
     assert len(first) == 1 and second == []  # the missed firings fire once, and only once
-    batch = _wait(farm, lambda s: (b := s.get(Batch, first[0])).summary is not None and b, "the schedule's batch")
+    batch = wait(farm, lambda s: (b := s.get(Batch, first[0])).summary is not None and b, "the schedule's batch")
     assert batch.schedule_id == schedule_id and batch.build_id == farm["build_id"]
     assert batch.summary["states"] == {"succeeded": 1}, batch.summary
     with farm["Session"]() as session:

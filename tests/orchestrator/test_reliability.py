@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 from sqlalchemy import select, update
+from worker_farm import Workers, kill_group, logs, wait
 
 from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
 from orchestrator.celery_app import (
@@ -31,7 +32,6 @@ from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import Deployment, DeploymentStatus, Device, Job, JobState, Run, utcnow
 from orchestrator.jobs import check_time_limit, send_jobs
 from orchestrator.settings import Settings
-from orchestrator.stack import settings_env
 
 HOST = "relhost"
 REPO = Path(__file__).resolve().parents[2]
@@ -121,56 +121,17 @@ def farm(tmp_path_factory, tiny_model_dir):
         device_id = store.upsert_device(session, "local-1", "local", str(tmp / "phone"), host=HOST).id
         fresh_id = store.upsert_device(session, "local-2", "local", str(tmp / "phone-2"), host=HOST).id
         build_id = store.create_build(session, manifest).id
-    workers: list[subprocess.Popen] = []
-
-    def start_worker(name: str) -> subprocess.Popen:
-        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115  (the child holds it)
-        worker = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", "2"],
-                                  env=settings_env(settings), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                  start_new_session=True)
-        log.close()
-        workers.append(worker)
-        return worker
-
+    workers = Workers(tmp, settings)
     try:
         yield {"app": make_celery(settings), "Session": Session, "device_id": device_id, "fresh_id": fresh_id,
-               "build_id": build_id, "tmp": tmp, "start_worker": start_worker, "settings": settings}
+               "build_id": build_id, "tmp": tmp, "start_worker": workers.start, "settings": settings}
     finally:
-        for worker in workers:
-            _kill(worker, signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                _kill(worker, signal.SIGKILL)
-                worker.wait()
+        workers.stop()
         engine.dispose()
 
 
-def _kill(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _logs(farm) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(farm["tmp"].glob("*.log")))
-
-
-def _wait(farm, predicate, what: str, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with farm["Session"]() as session:
-            value = predicate(session)
-            if value:
-                return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}\n{_logs(farm)}")
-
-
 def _settled(farm, job_id: int) -> Job:
-    return _wait(farm, lambda s: (j := s.get(Job, job_id)).state in store.SETTLED_STATES and j, f"job {job_id}")
+    return wait(farm, lambda s: (j := s.get(Job, job_id)).state in store.SETTLED_STATES and j, f"job {job_id}")
 
 
 def _runs(farm, job_id: int) -> list[Run]:
@@ -197,14 +158,14 @@ def test_busy_device_retry_held_by_a_killed_worker_still_runs(farm):
     while time.monotonic() < deadline and not any("run_job" in p.read_text() for p in processed.glob("*~*")):
         time.sleep(0.1)
     time.sleep(0.5)
-    _kill(first, signal.SIGKILL)
+    kill_group(first, signal.SIGKILL)
     first.wait()
     with farm["Session"]() as session, session.begin():
         assert session.get(Job, job_id).state == JobState.queued
         assert store.release_device_lease(session, farm["device_id"], "operator")
     farm["start_worker"]("worker-eta-2")
     job = _settled(farm, job_id)
-    assert (job.state, job.attempts) == (JobState.succeeded, 1), f"{job.error}\n{_logs(farm)}"
+    assert (job.state, job.attempts) == (JobState.succeeded, 1), f"{job.error}\n{logs(farm)}"
     assert [r.attempt for r in _runs(farm, job_id)] == [1]
 
 
@@ -232,7 +193,7 @@ def test_deployment_of_a_dead_worker_is_resent_and_its_jobs_run(farm):
         deployment_id = deployment.id
     assert _reconcile(farm)["deployments_resent"] == [deployment_id]
     job = _settled(farm, job_id)
-    assert job.state == JobState.succeeded, f"{job.error}\n{_logs(farm)}"
+    assert job.state == JobState.succeeded, f"{job.error}\n{logs(farm)}"
     with farm["Session"]() as session:
         deployment = session.get(Deployment, deployment_id)
         assert (deployment.status, deployment.attempts) == (DeploymentStatus.succeeded, 2)
@@ -246,7 +207,7 @@ def test_a_wait_for_a_busy_device_ends_with_its_reason(farm):
         job_id = store.create_job(session, "generate", QUICK_SPEC, farm["device_id"], farm["build_id"]).id
     try:
         send_jobs(farm["app"], [job_id])
-        job = _wait(farm, lambda s: (j := s.get(Job, job_id)).state != JobState.queued and j, "the wait to end", 60)
+        job = wait(farm, lambda s: (j := s.get(Job, job_id)).state != JobState.queued and j, "the wait to end", 60)
         assert job.state == JobState.infra_failed and job.attempts == 0
         assert "gave up after waiting" in job.error and "local-1" in job.error and "operator" in job.error
     finally:
