@@ -357,18 +357,32 @@ def blob_path(root: Path, sha256: str) -> Path:
     return Path(root) / "store" / sha256[:2] / sha256
 
 
-def missing_files(manifest: Manifest, root: Path) -> list[ManifestFile]:
+def missing_files(manifest: Manifest, root: Path, staged: Path | None = None) -> list[ManifestFile]:
     """The manifest entries whose blob the store lacks (absent or of the wrong size), one per
-    distinct sha256: a re-deploy sends only these; install takes the rest from the store."""
+    distinct sha256: a re-deploy sends only these; install takes the rest from the store. With
+    `staged` (a bundle folder an interrupted upload was filling), a file already there whole
+    (its size and sha256) is not missing either: a resumed upload sends only what had not
+    arrived, and a damaged staged file is sent again rather than refused at every install."""
     out, seen = [], set()
+    present = set()
+    for f in manifest.files if staged is not None else []:
+        path = staged / FILES / f.path
+        if f.sha256 not in present and _is_file_of_size(path, f.size) and sha256_file(path) == f.sha256:
+            present.add(f.sha256)
     for f in manifest.files:
         if f.sha256 in seen:
             continue
         seen.add(f.sha256)
-        blob = blob_path(root, f.sha256)
-        if not (blob.is_file() and not blob.is_symlink() and blob.stat().st_size == f.size):
+        if f.sha256 not in present and not _is_file_of_size(blob_path(root, f.sha256), f.size):
             out.append(f)
     return out
+
+
+def _is_file_of_size(path: Path, size: int) -> bool:
+    try:
+        return path.is_file() and not path.is_symlink() and path.stat().st_size == size
+    except (OSError, ValueError):  # a manifest path this filesystem cannot hold
+        return False
 
 
 def install_bundle(bundle_dir: Path, root: Path, public_key: Ed25519PublicKey | Path | None = None,

@@ -350,6 +350,26 @@ def _run(shell: Shell, command: str) -> str:
         return ""
 
 
+def machine_id() -> str:
+    """This machine's identity: systemd's /etc/machine-id (or D-Bus's), else the host name."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        value = _read(path).strip()
+        if value:
+            return value
+    return platform.node() or "localhost"
+
+
+def adapter_id(adapter: dict, machine: str | None = None) -> str:
+    """The physical adapter `adapter` (a DeviceCaps dict) is on this machine: a short hash of
+    the machine's identity and the adapter's. The virtual phones of a host and the host's own
+    device report the same id, because their work runs on the same GPU."""
+    import hashlib
+
+    keys = ("vendor_id", "device_id", "backend", "adapter_type", "device", "description")
+    identity = "\n".join([machine or machine_id(), *(str(adapter.get(k, "")) for k in keys)])
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
 def collect_local(adapter: dict | None = None) -> DeviceInfo:
     """DeviceInfo of the host the agent runs on (Linux, macOS, Windows)."""
     if adapter is None:
@@ -389,6 +409,7 @@ def collect_local(adapter: dict | None = None) -> DeviceInfo:
         clocks_mhz=clocks,
         properties={"machine": platform.machine(), "kernel": platform.release(),
                     "python": platform.python_version()},
+        adapter_id=adapter_id(adapter) if adapter else "",
         agent_version=_agent_version(),
     )
 

@@ -181,6 +181,9 @@ class DeviceInfo:
     clocks_mhz: dict[str, float] = field(default_factory=dict)  # gpu, cpu0, ... where readable
     properties: dict[str, str] = field(default_factory=dict)  # getprop values used, soc, board...
     virtual: bool = False  # a simulated device (its GPU is still the host's real adapter)
+    # Which physical GPU the device's work runs on (deviceinfo.adapter_id): devices reporting
+    # the same id share one adapter, and the farm never times two jobs on it at once.
+    adapter_id: str = ""
     agent_version: str = ""
     protocol: int = PROTOCOL_VERSION
 

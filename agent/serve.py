@@ -19,8 +19,9 @@ document of another protocol version gets 409 with the ProtocolError message.
     GET  /v1/jobs/<id>/events?since=N            progress events from the N-th on
     GET  /v1/jobs/<id>/artifacts/<path>          a file of the job's output folder
 
-Uploads are resumable: the orchestrator asks /v1/store/missing which files the device lacks,
-PUTs only those (a PUT replaces a half-sent file), then installs. A job id names its output
+Uploads are resumable: the orchestrator asks /v1/store/missing which files the device lacks
+(neither in its store nor staged whole by an interrupted upload), PUTs only those (a file is
+received beside the staging folder and moved in only once whole), then installs. A job id names its output
 folder <root>/jobs/<id>; posting a job whose result is already there returns that result
 instead of running it again, so a retried request never runs a job twice.
 """
@@ -220,6 +221,16 @@ class AgentServer(ThreadingHTTPServer):
         self.jobs_lock = threading.Lock()
         super().__init__(address, AgentHandler)
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away mid-reply (a cut connection, a client timeout) is one line,
+        not a traceback; anything else is reported in full."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            if not self.quiet:
+                sys.stderr.write(f"{client_address[0]} {time.strftime('%H:%M:%S')} client went away: {error}\n")
+            return
+        super().handle_error(request, client_address)
+
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
@@ -414,7 +425,7 @@ class AgentHandler(BaseHTTPRequestHandler):
 
     def store_missing(self, p, q) -> None:
         manifest = self._document(Manifest, self._read_json())
-        missing = missing_files(manifest, self.server.root)
+        missing = missing_files(manifest, self.server.root, staged=self._staging(manifest.build))
         self._json(200, {"build": manifest.build, "missing": [to_dict(f) for f in missing],
                          "missing_bytes": sum(f.size for f in missing)})
 

@@ -4,16 +4,22 @@ random-weight model, 64x64, one denoising step) on local devices of this machine
 
 Scenarios:
 - kills: the embedded stack (SQLite, the filesystem broker). Worker processes are SIGKILLed
-  at random moments (the first one while a build is being pushed to a device; most while jobs
-  wait on a busy device with their retries held by a worker) and come back after a pause.
+  at random moments (the first one while a build is being pushed to a device; most while a
+  job runs on each device and the others wait for it) and come back after a pause.
 - broker-restart: Redis (a private redis-server with an append-only file) is stopped mid-run
   and started again on its port; PostgreSQL holds the store.
 - db-restart: PostgreSQL (a private cluster made with initdb) is restarted mid-run; Redis is
   the broker.
+- push-cut: a deploy of the tiny model's build whose connection is cut (a TCP proxy closes
+  both sides) at 2 %, 50 % and 95 % of its bytes, over adb to a virtual phone and over http
+  to a network agent; then the deploy is run again on a clean connection. No file may ever
+  lie half-written at a final path (a watcher hashes them every 5 ms), and the resumed deploy
+  must send exactly the files that had not arrived whole (resume works per file: the file
+  the cut went through is sent again from its start).
 
 For each: jobs lost (not succeeded when everything settled or the deadline passed), jobs
 recorded twice (more than one stored run), jobs that ran more than once on a device (allowed:
-delivery is at least once), and how long after a fault the work it hit came back: for a kill,
+delivery is at least once), worker or beat processes that exited on their own, and how long after a fault the work it hit came back: for a kill,
 from the kill until each job its worker was running started again; for a restart, from the
 server coming back until the next job settled.
 
@@ -42,16 +48,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # net_support: the cutting proxy and the partial-file watcher
 
 from sqlalchemy import func, select  # noqa: E402
 
 from agent.bundle import build_bundle, generate_keypair, provision_public_key  # noqa: E402
 from orchestrator.celery_app import DEFAULT_QUEUE, host_queue, make_celery  # noqa: E402
 from orchestrator.db import make_engine, make_session_factory, store, upgrade  # noqa: E402
-from orchestrator.db.models import Deployment, DeploymentStatus, Job, JobState, Run  # noqa: E402
+from orchestrator.db.models import Deployment, DeploymentStatus, Job, JobState, Run, utcnow  # noqa: E402
 from orchestrator.jobs import launch_suite  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from orchestrator.stack import settings_env  # noqa: E402
+from orchestrator.transports import DeviceOffline  # noqa: E402
 
 HOST = "faulthost"
 SPEC = {"precision": "fp32", "steps": 1, "scheduler": "euler", "height": 64, "width": 64, "time_limit_s": 120.0,
@@ -247,12 +255,11 @@ def _context(farm: Farm, batch_id: int) -> list[str]:
     with farm.Session() as session:
         pushing = session.scalar(select(func.count()).select_from(Deployment).where(
             Deployment.batch_id == batch_id, Deployment.status == DeploymentStatus.running))
-        waiting = session.scalar(select(func.count()).select_from(Job).where(
-            Job.batch_id == batch_id, Job.state == JobState.queued, Job.deployment_id.is_not(None),
-            Job.due_at.is_not(None)))
+        waiting = session.scalar(select(func.count()).select_from(Job).where(  # found the device busy
+            Job.batch_id == batch_id, Job.state == JobState.queued, Job.due_at <= utcnow()))
         running = session.scalar(select(func.count()).select_from(Job).where(
             Job.batch_id == batch_id, Job.state == JobState.running))
-    return (["push"] if pushing else []) + (["busy-device retry"] if waiting and running else []) + \
+    return (["push"] if pushing else []) + (["jobs waiting for a busy device"] if waiting and running else []) + \
         (["job running"] if running else [])
 
 
@@ -288,16 +295,21 @@ def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, 
         total = per_device * devices
 
         if name == "kills":
+            already_hit: set[tuple[int, int]] = set()
             for index in range(kills):
                 if index == 0:  # the first kill lands while a build is being pushed
                     _until(lambda: "push" in _context(farm, batch_id), 60)
                 else:
-                    time.sleep(rng.uniform(2.0, 6.0))
+                    time.sleep(rng.uniform(4.0, 12.0))
                 victim = f"w{rng.randrange(WORKERS) + 1}"
                 context, running = _context(farm, batch_id), monitor.running()
                 killed_at = time.monotonic()
                 farm.kill(victim)
-                hit = {job: attempt for job, (attempt, worker) in running.items() if worker == f"{victim}@{HOST}"}
+                # A restarted worker has the dead one's name: an attempt still marked running
+                # from an earlier kill (not yet found stale) was not hit again.
+                hit = {job: attempt for job, (attempt, worker) in running.items()
+                       if worker == f"{victim}@{HOST}" and (job, attempt) not in already_hit}
+                already_hit.update(hit.items())
                 faults.append({"fault": f"SIGKILL {victim}", "at_s": round(killed_at - t0, 2), "during": context,
                                "jobs_hit": hit, "_at": killed_at})
                 time.sleep(rng.uniform(0.5, 2.0))
@@ -317,11 +329,13 @@ def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, 
         while time.monotonic() < deadline and len(monitor.settled_at) < total:
             time.sleep(0.5)
         elapsed = time.monotonic() - t0
+        # Processes that exited on their own (a killed worker is replaced by a new process).
+        exited = sorted(f"{name} (exit {p.returncode})" for name, p in farm.processes.items() if p.poll() is not None)
         monitor.done.set()
         monitor.join()
         recovery = []
         for fault in faults:
-            if fault["jobs_hit"]:
+            if fault["fault"].startswith("SIGKILL"):  # each job the dead worker was running
                 for job, attempt in fault["jobs_hit"].items():
                     back = monitor.started.get((job, attempt + 1))
                     if back is not None:
@@ -349,6 +363,7 @@ def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, 
             "recorded_twice": sum(1 for _, n in runs_per_job if n > 1),
             "ran_more_than_once": reran,
             "recovery": _percentiles(recovery),
+            "processes_exited": exited,
             "not_succeeded": unhealthy[:20],
         }
     finally:
@@ -358,6 +373,82 @@ def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, 
                 server.stop()
             except Exception:  # noqa: BLE001  (already down)
                 pass
+
+
+# Where the cuts land in the tiny model's build (files in manifest order): inside the text
+# encoder's weights, inside the UNet's, inside the VAE's (the last large file).
+CUT_AT = (0.02, 0.5, 0.95)
+
+
+def run_push_cuts(root: Path) -> dict:
+    """Cut a deploy at each fraction of CUT_AT over adb and over http, then resume it."""
+    from net_support import PartialWatcher, Proxy
+
+    from agent.serve import make_server
+    from agent.simulator import VirtualPhone
+    from engine.make_model import make_model
+    from orchestrator.transports.adb import DEFAULT_ROOT, AdbTransport, load_or_create_adb_key
+    from orchestrator.transports.http import HttpTransport
+
+    key = generate_keypair(root / "farm.key", root / "farm.pub")
+    manifest = build_bundle({"models/tiny": make_model("tiny", 0, root / "model")}, root / "bundle", "b1", "0.1.0",
+                            key)
+    total = sum({f.sha256: f.size for f in manifest.files}.values())
+    adb_key = load_or_create_adb_key(root / "keys" / "adbkey")
+    cuts = []
+    for transport_kind in ("adb", "http"):
+        for fraction in CUT_AT:
+            case = root / f"{transport_kind}-{int(fraction * 100)}"
+            if transport_kind == "adb":
+                phone = VirtualPhone(serial=case.name, root=case / "phone", adb_keys=adb_key.with_name("adbkey.pub"))
+                phone.start()
+                device_root = phone.root / "fs" / DEFAULT_ROOT.lstrip("/")
+                port, stop = phone.port, phone.stop
+
+                def connect(p: int) -> AdbTransport:
+                    return AdbTransport("127.0.0.1", p, key_path=adb_key)
+            else:
+                device_root = case / "agent"
+                server = make_server(device_root, "fault-suite-token", host="127.0.0.1", port=0, quiet=True)
+                threading.Thread(target=server.serve_forever, daemon=True).start()
+                port = int(server.url.rsplit(":", 1)[1])
+
+                def stop(server=server) -> None:
+                    server.shutdown()
+                    server.server_close()
+
+                def connect(p: int) -> HttpTransport:
+                    return HttpTransport(f"http://127.0.0.1:{p}", "fault-suite-token")
+            provision_public_key(device_root, root / "farm.pub")
+            proxy = Proxy(port, cut_after=int(total * fraction))
+            error = None
+            try:
+                with PartialWatcher(device_root, manifest) as seen:
+                    with connect(proxy.port) as cut:
+                        try:
+                            cut.send_bundle(root / "bundle")
+                        except DeviceOffline as exc:
+                            error = exc.detail
+                    staged_dir = device_root / "incoming" / "b1" / "files"
+                    staged = {f.sha256: f.size for f in manifest.files if (staged_dir / f.path).is_file()}
+                    installed_early = (device_root / "builds").exists()
+                    t0 = time.monotonic()
+                    with connect(port) as clean:
+                        report = clean.send_bundle(root / "bundle")
+                    resumed_s = time.monotonic() - t0
+            finally:
+                proxy.close()
+                stop()
+            arrived = sum(staged.values())
+            cuts.append({"transport": transport_kind, "cut_after_bytes": int(total * fraction),
+                         "wire_bytes_before_cut": proxy.forwarded,
+                         "bytes_total": total, "cut_error": error, "installed_before_resume": installed_early,
+                         "arrived_whole_bytes": arrived, "resume_bytes_sent": report.bytes_sent,
+                         "resent_bytes": arrived + report.bytes_sent - total, "resume_s": round(resumed_s, 2),
+                         "partial_files_seen": len(seen), "installed": report.installed})
+    return {"scenario": "push-cut", "bytes_total": total, "cuts": cuts,
+            "ok": all(c["cut_error"] and not c["installed_before_resume"] and c["installed"] and
+                      c["resent_bytes"] == 0 and c["partial_files_seen"] == 0 for c in cuts)}
 
 
 def _until(predicate, timeout_s: float) -> None:
@@ -373,7 +464,7 @@ def _until(predicate, timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenarios", default="kills,broker-restart,db-restart")
+    parser.add_argument("--scenarios", default="kills,broker-restart,db-restart,push-cut")
     parser.add_argument("--jobs", type=int, default=102, help="jobs per scenario (spread over the devices)")
     parser.add_argument("--devices", type=int, default=3)
     parser.add_argument("--kills", type=int, default=12)
@@ -394,26 +485,42 @@ def main(argv: list[str] | None = None) -> int:
         os.chmod(root, 0o755)  # a private PostgreSQL runs as another user
         print(f"-- {name}: {args.jobs} jobs on {args.devices} devices ({root})", flush=True)
         try:
-            result = run_scenario(name, root, jobs=args.jobs, devices=args.devices, kills=args.kills,
-                                  seed=args.seed, timeout_s=args.timeout)
+            if name == "push-cut":
+                result = run_push_cuts(root)
+            else:
+                result = run_scenario(name, root, jobs=args.jobs, devices=args.devices, kills=args.kills,
+                                      seed=args.seed, timeout_s=args.timeout)
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
         results.append(result)
-        print(json.dumps({k: v for k, v in result.items() if k != "faults"}), flush=True)
-    print()
-    print(f"{'scenario':<16}{'jobs':>6}{'faults':>8}{'lost':>6}{'twice':>7}{'reran':>7}"
-          f"{'recovery median':>17}{'max':>8}{'elapsed':>9}")
-    for r in results:
+        print(json.dumps({k: v for k, v in result.items() if k not in ("faults", "cuts")}), flush=True)
+    jobs = [r for r in results if r["scenario"] != "push-cut"]
+    if jobs:
+        print()
+        print(f"{'scenario':<16}{'jobs':>6}{'faults':>8}{'lost':>6}{'twice':>7}{'reran':>7}"
+              f"{'recovery median':>17}{'max':>8}{'elapsed':>9}")
+    for r in jobs:
         rec = r["recovery"]
         print(f"{r['scenario']:<16}{r['jobs']:>6}{len(r['faults']):>8}{r['lost']:>6}{r['recorded_twice']:>7}"
               f"{r['ran_more_than_once']:>7}{_s(rec['median_s']):>17}{_s(rec['max_s']):>8}{r['elapsed_s']:>8.0f}s")
+    for r in results:
+        if r["scenario"] == "push-cut":
+            print()
+            print(f"{'push cut':<10}{'cut after':>11}{'on the wire':>13}{'whole before':>14}{'resume sent':>13}"
+                  f"{'resent':>8}{'partial seen':>14}{'installed':>11}")
+            for c in r["cuts"]:
+                print(f"{c['transport']:<10}{c['cut_after_bytes']:>11}{c['wire_bytes_before_cut']:>13}"
+                      f"{c['arrived_whole_bytes']:>14}"
+                      f"{c['resume_bytes_sent']:>13}{c['resent_bytes']:>8}{c['partial_files_seen']:>14}"
+                      f"{str(c['installed']):>11}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                                          "settings": RELIABILITY, "workers": WORKERS, "results": results},
                                         indent=2) + "\n")
-    return 0 if all(r["lost"] == 0 and r["recorded_twice"] == 0 for r in results) else 1
+    return 0 if all(r["ok"] if r["scenario"] == "push-cut" else
+                    r["lost"] == 0 and r["recorded_twice"] == 0 and not r["processes_exited"] for r in results) else 1
 
 
 def _s(value: float | None) -> str:

@@ -17,6 +17,7 @@ started on a free port.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -142,6 +143,10 @@ def run_broker(broker: str, args, tmp: Path) -> dict:
     workers = start_workers(settings, args.workers, args.concurrency, folder)
     try:
         out = measure(app, host_queue(settings.host_name), args.latency_n, args.burst, args.repeats)
+        # The result objects are freed by the garbage collector, and each unsubscribes from its
+        # Redis channel as it goes: collect them while Redis is up (after it stops, each one
+        # retried the connection 20 times, and the run never ended).
+        gc.collect()
     finally:
         stop(workers)
         if server is not None:

@@ -205,12 +205,26 @@ DRIFT_HISTORY_RUNS = 30  # the newest earlier runs the drift is estimated from
 def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, candidate: Build) -> tuple[float, int]:
     """(drift, runs used): the series' run-to-run drift, estimated (rg.estimate_drift) from the
     newest DRIFT_HISTORY_RUNS runs of builds before `candidate` on this device and spec, runs
-    flagged for their thermal state left out; (rg.DEFAULT_DRIFT, 0) with too little history."""
+    flagged for their thermal state left out, and runs of builds with an open regression alert
+    on the series left out too: they are not part of the accepted series (baseline_build skips
+    them alike), and their steps are no drift. With the demo's A, B, A, B, ... builds (B 2x
+    slower) they made every consecutive pair a step, estimated a drift near 100% and turned
+    B's regression and A's sameness into "inconclusive" (CI 0.15-29). (rg.DEFAULT_DRIFT, 0)
+    with too little history."""
     rows = session.execute(
         select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
         .where(Run.device_id == device.id, _before(candidate), Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
         .order_by(Run.id.desc()).limit(20 * DRIFT_HISTORY_RUNS)).all()  # other specs' runs are filtered below
-    runs = [run for run, job_spec in rows if SpecKey.of(job_spec or {}) == spec][:DRIFT_HISTORY_RUNS]
+    key, rejected = series_key(device, spec, metric), {}
+    runs = []
+    for run, job_spec in rows:
+        if SpecKey.of(job_spec or {}) != spec:
+            continue
+        if run.build_id not in rejected:
+            rejected[run.build_id] = _has_open_regression(session, run.build_id, device.id, key)
+        if not rejected[run.build_id]:
+            runs.append(run)
+    runs = runs[:DRIFT_HISTORY_RUNS]
     flags = _flagged(session, runs)
     runs = [run for run in reversed(runs) if not flags[run.id].flagged]  # oldest first
     values: dict[int, list[float]] = defaultdict(list)

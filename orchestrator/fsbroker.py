@@ -213,6 +213,26 @@ class Channel(filesystem.Channel):
 class Transport(filesystem.Transport):
     Channel = Channel
 
+    def drain_events(self, connection, timeout=None):
+        """Wait for a message; while a consumer's prefetch slots are all held, for one polling
+        interval only.
+
+        celery's worker loop for transports without an event loop (synloop) acknowledges
+        finished tasks, which frees their prefetch slots, only between calls, and calls with a
+        2 s timeout. A call made with every slot held by a task that had already finished waited
+        out those 2 s: a worker took `prefetch` messages every 2 s however short its tasks were
+        (1 task/s for one worker of concurrency 2). Now that call returns after one polling
+        interval and the loop settles the slots."""
+        if timeout is not None and self.polling_interval and self._prefetch_full():
+            timeout = min(timeout, self.polling_interval)
+        return super().drain_events(connection, timeout=timeout)
+
+    def _prefetch_full(self) -> bool:
+        """Some consuming channel has a prefetch limit and every slot of it held (a worker's
+        task channel; its remote-control channel has no limit and is left out)."""
+        return any(channel._consumers and channel.qos.prefetch_count and not channel.qos.can_consume()
+                   for channel in self.channels)
+
 
 def register() -> None:
     """Make `farmfs://` resolve to this transport (idempotent)."""

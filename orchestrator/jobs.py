@@ -7,8 +7,10 @@ The promise (docs/reliability.md): the store is the truth and the broker only ca
 
 - Every job or deployment that waits on a message has an owner and a deadline. A queued job
   is owned by the deployment it waits for, else by its message, which must start it by
-  `due_at`; a busy device's retry moves that deadline past its own countdown. A running job or
-  deployment is owned by its worker, which says it is alive every HEARTBEAT_S.
+  `due_at`. A job whose device is busy is owned by whoever holds the device: it waits in the
+  store with no message (its deadline already past), and the holder, giving the device back,
+  sends the job that was submitted first (_release); nothing polls a busy device. A running
+  job or deployment is owned by its worker, which says it is alive every HEARTBEAT_S.
 - Work is written first and sent after the commit. A send that never happened (a crash in
   between, a broker that was down) is no different from a lost message: the reconciler, which
   beat runs every `reconcile_every_s`, sends again whatever is past its deadline, with a new
@@ -19,7 +21,9 @@ The promise (docs/reliability.md): the store is the truth and the broker only ca
   is recorded at most once whatever is redelivered or resent (delivery is at least once).
 - Nothing waits for ever: a job that waited `max_queue_wait_s` for its device, whose device
   is quarantined, or whose deployment failed ends as infra_failed with the reason in `error`;
-  infrastructure failures are retried up to MAX_ATTEMPTS, then end the same way.
+  infrastructure failures are retried up to MAX_ATTEMPTS, then end the same way. A job whose
+  worker died is not charged for it: it is sent again, after a delay that doubles each time,
+  up to MAX_WORKER_LOSSES times (a job that kills every worker it runs on still ends).
 
 Transactions stay short and are never held across a device call (orchestrator/db/session.py
 says why)."""
@@ -60,10 +64,15 @@ from orchestrator.transports import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3  # executions of one job (or deployment), infrastructure failures included
+MAX_ATTEMPTS = 3  # executions of one job that its device failed (infrastructure failures included)
+# Executions of one job (or deployment) lost because their worker died: that is the host's
+# fault, seldom the job's, so it has a budget of its own, spent with a doubling delay
+# (2, 4, 8, ... 60 s): a host killed every few seconds does not fail the jobs it was running.
+MAX_WORKER_LOSSES = 8
+WORKER_LOSS_DELAY_MAX_S = 60.0
 HEARTBEAT_S = 5.0  # how often a running job or deployment says it is alive and renews its device lease
 LEASE_S = 60.0  # a device lease outlives a dead worker by at most this
-LEASE_RETRY_S = (2.0, 60.0)  # first and longest wait for a busy device (doubling in between)
+LEASE_RETRY_S = (2.0, 60.0)  # a deployment's first and longest wait for a busy device (doubling in between)
 REQUEUE_DELAY_S = 2.0  # an infrastructure failure is tried again after this
 PROGRESS_EVERY_S = 0.5  # how often a deploy records its bytes sent
 ANALYSIS_GRACE_FACTOR = 5  # a finished batch's analysis is sent again after this many message graces
@@ -109,8 +118,8 @@ def _grace(settings: Settings, extra_s: float = 0.0) -> dt.datetime:
 def make_transport(device: Device, settings: Settings) -> Transport:
     """The transport for a device row: `address` is the agent root (local; default
     <data_dir>/devices/<serial>), host:port or usb:SERIAL (adb), or the agent's URL (http, with
-    its token in <config_dir>/tokens/<serial>). ValueError (orchestrator.inputs.BadInput) names
-    a stored address that cannot be used."""
+    its token in <config_dir>/tokens/<serial>); adb signs with <config_dir>/adbkey. ValueError
+    (orchestrator.inputs.BadInput) names a stored address that cannot be used."""
     from orchestrator.inputs import AdbTcpAddress, HttpAddress, LocalAddress, parse_device_address
 
     address = parse_device_address(TransportKind(device.transport).value, device.address or "")
@@ -126,8 +135,8 @@ def make_transport(device: Device, settings: Settings) -> Transport:
     from orchestrator.transports.adb import AdbTransport
 
     if isinstance(address, AdbTcpAddress):
-        return AdbTransport(address.host, address.port, name=device.serial)
-    return AdbTransport(usb_serial=address.serial, name=device.serial)
+        return AdbTransport(address.host, address.port, key_path=settings.adb_key, name=device.serial)
+    return AdbTransport(usb_serial=address.serial, key_path=settings.adb_key, name=device.serial)
 
 
 def _queue_of(device: Device, settings: Settings) -> str:
@@ -150,8 +159,8 @@ class _Heartbeat:
     """A thread that, while a job or deployment runs, stamps its heartbeat and renews the device
     lease, each time in its own short transaction."""
 
-    def __init__(self, app: Celery, beat, device_id: int, holder: str, name: str):
-        self.app, self.beat, self.device_id, self.holder = app, beat, device_id, holder
+    def __init__(self, app: Celery, beat, device_id: int, holder: str, name: str, timed: bool = False):
+        self.app, self.beat, self.device_id, self.holder, self.timed = app, beat, device_id, holder, timed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{name}", daemon=True)
 
@@ -160,7 +169,7 @@ class _Heartbeat:
             try:
                 with session_for(self.app) as session, session.begin():
                     self.beat(session)
-                    store.acquire_device_lease(session, self.device_id, self.holder, LEASE_S)
+                    store.acquire_device_lease(session, self.device_id, self.holder, LEASE_S, timed=self.timed)
             except Exception:  # noqa: BLE001  (a missed beat is not fatal; the next one may land)
                 log.exception("heartbeat %s failed", self._thread.name)
 
@@ -200,8 +209,28 @@ class _DeployProgress:
 
 
 def _release(app: Celery, device_id: int, holder: str) -> None:
-    with session_for(app) as session, session.begin():
-        store.release_device_lease(session, device_id, holder)
+    """Give the device back and hand it to the first submitted job waiting for it (a job that
+    found the device busy waits in the store with no message: this is its message), and, where
+    the device shares its GPU, the first waiting job of each device of its adapter group that
+    can start now. Were this lost, the reconciler sends the same jobs on its next pass."""
+    settings, sends = settings_of(app), Sends()
+    try:
+        with session_for(app) as session, session.begin():
+            _hand_over(session, settings, sends, device_id, holder)
+    except Exception:  # noqa: BLE001  (the lease expires by itself; the reconciler hands the device on)
+        log.exception("could not give device %s back", device_id)
+        return
+    sends.send(app)
+
+
+def _hand_over(session: Session, settings: Settings, sends: Sends, device_id: int, holder: str) -> None:
+    """_release's work inside the caller's transaction: the outcome it records and the device
+    given back commit together, so whoever sees the outcome sees the device free."""
+    store.release_device_lease(session, device_id, holder)
+    group = store.adapter_group_of(session, device_id)
+    for job in store.find_due_queued_jobs(session, utcnow(), device_id=group):
+        sends.job(session, settings, job.id, store.redispatch_job(session, job.id, _grace(settings),
+                                                                  new_message=True))
 
 
 # ---- sending: always after the commit; the reconciler covers a send that never happens ------
@@ -238,7 +267,10 @@ class Sends:
 
 def _publish(app: Celery, task: str, args: tuple, queue: str, countdown: float | None = None, *,
              strict: bool = False) -> None:
-    options: dict[str, Any] = {"queue": queue}
+    # Outcomes live in the store and nothing waits on these tasks' results. With Redis as the
+    # result backend, a send that keeps one subscribes to its channel first, and with Redis down
+    # that subscription is retried for 19 s before the send fails (0.6 s without).
+    options: dict[str, Any] = {"queue": queue, "ignore_result": True}
     if countdown:
         options["countdown"] = countdown
     try:
@@ -276,11 +308,12 @@ def settle_batch(app: Celery, batch_id: int | None) -> None:
 
 
 def _end_job(session: Session, sends: Sends, job: Job, error: str, attempt: int | None = None, *,
-             settle: bool = True) -> bool:
+             settle: bool = True, worker_lost: bool = False) -> bool:
     """A job that cannot run ends as infra_failed with `error` (flushes only); with `settle`,
     its batch may have ended with it."""
     try:
-        store.transition_job(session, job.id, JobState.infra_failed, error=error, attempt=attempt)
+        store.transition_job(session, job.id, JobState.infra_failed, error=error, attempt=attempt,
+                             worker_lost=worker_lost)
     except store.InvalidTransition:
         return False
     if settle and job.batch_id is not None:
@@ -288,17 +321,24 @@ def _end_job(session: Session, sends: Sends, job: Job, error: str, attempt: int 
     return True
 
 
-def _retry_or_end(session: Session, settings: Settings, sends: Sends, job_id: int) -> bool:
-    """An infra-failed job goes back to queued and is sent again after REQUEUE_DELAY_S unless it
-    has used its attempts, in which case it stays infra_failed and its batch may settle."""
+def _retry_or_end(session: Session, settings: Settings, sends: Sends, job_id: int, *,
+                  worker_lost: bool = False) -> bool:
+    """An infra-failed job goes back to queued and is sent again after REQUEUE_DELAY_S (after a
+    lost worker, a delay doubling with each loss) unless it has used its attempts of that kind,
+    in which case it stays infra_failed and its batch may settle."""
     job = store.get_job(session, job_id)
-    if job.attempts >= MAX_ATTEMPTS:
+    session.refresh(job)
+    device_failures = job.attempts - job.worker_losses
+    if job.worker_losses >= MAX_WORKER_LOSSES or device_failures >= MAX_ATTEMPTS:
         if job.batch_id is not None:
             sends.batches.add(job.batch_id)
         return False
+    delay = REQUEUE_DELAY_S
+    if worker_lost:
+        delay = min(WORKER_LOSS_DELAY_MAX_S, REQUEUE_DELAY_S * 2 ** (job.worker_losses - 1))
     store.transition_job(session, job_id, JobState.queued)
-    seq = store.redispatch_job(session, job_id, _grace(settings, REQUEUE_DELAY_S), new_message=True)
-    sends.job(session, settings, job_id, seq, REQUEUE_DELAY_S)
+    seq = store.redispatch_job(session, job_id, _grace(settings, delay), new_message=True)
+    sends.job(session, settings, job_id, seq, delay)
     return True
 
 
@@ -456,12 +496,13 @@ def fire_due_schedules(app: Celery) -> list[int]:
 # ---- running a job ------------------------------------------------------------------------
 
 
-def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | None = None,
-            retries: int = 0) -> str | Wait:
+def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | None = None) -> str:
     """Run job `job_id` on its device once, for the message carrying dispatch sequence `seq`
     (None: any). Returns the job's state as this execution left it, "skipped" (another
-    execution has it, or it is finished), "superseded" (a newer message owns it), or Wait when
-    its device is busy."""
+    execution has it, or it is finished), "superseded" (a newer message owns it), or "waiting":
+    its device is busy, and the job waits in the store, with no message, until whoever holds
+    the device hands it over (_release), or the reconciler sees the device free; the
+    reconciler also ends a job that waited `max_queue_wait_s`."""
     settings, sends = settings_of(app), Sends()
     holder = _lease_holder(f"job{job_id}")
 
@@ -474,26 +515,22 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
             if seq is not None and job.dispatch_seq != seq:
                 return "superseded"
             device = job.device
-            waited = (utcnow() - (job.queued_at or job.created_at)).total_seconds()
             if device.state == DeviceState.quarantined:
                 _end_job(session, sends, job, f"device {device.serial} is quarantined "
                                               f"({device.state_reason or 'no reason given'}); the job did not run")
-                outcome: str | Wait | None = "infra_failed"
-            elif not store.acquire_device_lease(session, job.device_id, holder, LEASE_S):
-                if waited > settings.max_queue_wait_s:
-                    _end_job(session, sends, job, f"gave up after waiting {waited / 3600:.1f} h for device "
-                                                  f"{device.serial} (busy: {device.lease_holder or '?'}); "
-                                                  "max_queue_wait_s bounds the wait")
-                    outcome = "infra_failed"
-                else:
-                    countdown = _lease_countdown(retries)
-                    store.redispatch_job(session, job_id, _grace(settings, countdown), new_message=False)
-                    outcome = Wait(countdown)
+                outcome: str | None = "infra_failed"
+            elif not store.acquire_device_lease(session, job.device_id, holder, LEASE_S,
+                                                timed=job.kind in store.TIMED_KINDS):
+                # Its deadline is now: from here on the job needs a message as soon as the device
+                # is free, and no message of its own is on its way.
+                store.redispatch_job(session, job_id, utcnow(), new_message=False)
+                outcome = "waiting"
             else:
                 # Raises InvalidTransition when another execution won; the rollback then
                 # gives the lease back too.
                 job = store.transition_job(session, job_id, JobState.running, worker=worker)
                 device_id, attempt, batch_id = device.id, job.attempts, job.batch_id
+                timed = job.kind in store.TIMED_KINDS
                 fields = dict(job.spec or {}) | {"job_id": f"job{job_id}-a{attempt}", "kind": str(job.kind)}
                 if job.build is not None and not fields.get("build"):
                     fields["build"] = job.build.name
@@ -510,7 +547,8 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
         spec = from_dict(JobSpec, fields)
         transport = make_transport(device, settings)
         out_dir = settings.data_dir / "results" / f"job{job_id}" / f"attempt{attempt}"
-        with _Heartbeat(app, lambda s: store.heartbeat_job(s, job_id), device_id, holder, f"job{job_id}"), transport:
+        with _Heartbeat(app, lambda s: store.heartbeat_job(s, job_id), device_id, holder, f"job{job_id}",
+                        timed), transport:
             result = transport.run(spec, out_dir)
     except TransportError as exc:
         state, error = JobState.infra_failed, str(exc)
@@ -519,8 +557,9 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
         state, error = JobState.failed, f"{type(exc).__name__}: {exc}"
         log.exception("job %s failed in the worker", job_id)
 
-    # 3. Record the outcome in one short transaction, conditional on this attempt; then give
-    # the device back.
+    # 3. Record the outcome and give the device back in one short transaction, conditional on
+    # this attempt (when that fails, the device is given back on its own).
+    released = False
     try:
         with session_for(app) as session, session.begin():
             if result is not None:
@@ -539,12 +578,15 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
                         state = "requeued"
                 elif batch_id is not None:
                     sends.batches.add(batch_id)
+            _hand_over(session, settings, sends, device_id, holder)
+        released = True
     except store.InvalidTransition:
         # The reconciler took the job from us (no heartbeat landed): its next run counts.
         log.warning("job %s was taken away while running; attempt %s is not recorded", job_id, attempt)
         return "dropped"
     finally:
-        _release(app, device_id, holder)
+        if not released:
+            _release(app, device_id, holder)
     sends.send(app)
     return str(state)
 
@@ -578,6 +620,7 @@ def deploy(app: Celery, deployment_id: int, seq: int | None = None, *, retries: 
             store.release_device_lease(session, device.id, holder)
             return "skipped"
         device_id, build_name = device.id, build.name
+    released = False
     try:
         status, report, error, device_state = DeploymentStatus.failed, None, None, None
         try:
@@ -602,8 +645,11 @@ def deploy(app: Celery, deployment_id: int, seq: int | None = None, *, retries: 
             if status == DeploymentStatus.failed and device_state is not None and device_state != "busy":
                 store.set_device_state(session, device_id, device_state, error or "")
             _after_deployment(session, settings, sends, deployment_id, status, error)
+            _hand_over(session, settings, sends, device_id, holder)
+        released = True
     finally:
-        _release(app, device_id, holder)
+        if not released:
+            _release(app, device_id, holder)
     sends.send(app)
     return deployment_id
 
@@ -631,12 +677,13 @@ def reconcile(app: Celery) -> dict[str, list[int]]:
     `reconcile_every_s`):
 
     1. running jobs whose worker went silent for `stale_after_s`: infra_failed, then queued and
-       sent again while attempts remain;
-    2. running deployments whose worker went silent: pending again and resent while attempts
-       remain, else failed with their jobs; pending ones past their deadline: resent;
-    3. queued jobs past their deadline (never sent, their message lost with a dead worker, or
-       their deployment ended without sending them): resent, or ended when their deployment
-       failed or they waited `max_queue_wait_s`;
+       sent again (after a delay doubling with each loss) until MAX_WORKER_LOSSES;
+    2. running deployments whose worker went silent: pending again and resent until
+       MAX_WORKER_LOSSES, then failed with their jobs; pending ones past their deadline: resent;
+    3. queued jobs whose deployment failed, or that waited `max_queue_wait_s`: ended; queued
+       jobs past their deadline (never sent, their message lost with a dead worker, their
+       deployment ended without sending them, or waiting for a device that is now free and
+       that no other message is heading for): resent, the first submitted one per device;
     4. finished batches whose analysis did not come: analysed.
 
     Returns the ids it acted on, by what it did."""
@@ -648,13 +695,16 @@ def reconcile(app: Celery) -> dict[str, list[int]]:
     with session_for(app) as session, session.begin():
         for job in store.find_stale_running_jobs(session, stale):
             # Not settled here: _retry_or_end queues it again, or settles its batch when it gives up.
+            losses = job.worker_losses + 1
             if not _end_job(session, sends, job, f"worker {job.worker or '?'} lost: no heartbeat for "
-                                                 f"{settings.stale_after_s:g} s", attempt=job.attempts, settle=False):
+                                                 f"{settings.stale_after_s:g} s (worker lost {losses} of at most "
+                                                 f"{MAX_WORKER_LOSSES} times while running this job)",
+                            attempt=job.attempts, settle=False, worker_lost=True):
                 continue
             device = store.get_device(session, job.device_id)
             if device.lease_holder and device.lease_holder.startswith(f"job{job.id}:"):
                 store.release_device_lease(session, device.id, device.lease_holder)
-            if _retry_or_end(session, settings, sends, job.id):
+            if _retry_or_end(session, settings, sends, job.id, worker_lost=True):
                 report["jobs_requeued"].append(job.id)
             else:
                 report["jobs_ended"].append(job.id)
@@ -665,7 +715,7 @@ def reconcile(app: Celery) -> dict[str, list[int]]:
                 if device.lease_holder and device.lease_holder.startswith(f"deploy{deployment.id}:"):
                     store.release_device_lease(session, device.id, device.lease_holder)
                 error = f"worker lost: no heartbeat for {settings.stale_after_s:g} s"
-                if deployment.attempts < MAX_ATTEMPTS:
+                if deployment.attempts < MAX_WORKER_LOSSES:  # its only retried failure is a lost worker
                     if not store.requeue_deployment(session, deployment.id, deployment.attempts, _grace(settings), error):
                         continue
                 else:
@@ -679,23 +729,23 @@ def reconcile(app: Celery) -> dict[str, list[int]]:
                 sends.deployment(session, settings, deployment.id, seq)
                 report["deployments_resent"].append(deployment.id)
 
-        for job in store.find_due_queued_jobs(session, now):
-            deployment = job.deployment
-            waited = (now - (job.queued_at or job.created_at)).total_seconds()
-            if deployment is not None and deployment.status == DeploymentStatus.failed:
-                ended = _end_job(session, sends, job, f"deployment {deployment.id} to {job.device.serial} failed: "
-                                                      f"{deployment.error}")
-            elif waited > settings.max_queue_wait_s:
-                ended = _end_job(session, sends, job, f"gave up after waiting {waited / 3600:.1f} h to start on "
-                                                      f"{job.device.serial}; max_queue_wait_s bounds the wait")
-            else:
-                seq = store.redispatch_job(session, job.id, _grace(settings), new_message=True)
-                sends.job(session, settings, job.id, seq)
-                if seq is not None:
-                    report["jobs_resent"].append(job.id)
-                continue
-            if ended:
+        for job in store.find_jobs_of_failed_deployments(session):
+            if _end_job(session, sends, job, f"deployment {job.deployment_id} to {job.device.serial} failed: "
+                                             f"{job.deployment.error}"):
                 report["jobs_ended"].append(job.id)
+        too_long = now - dt.timedelta(seconds=settings.max_queue_wait_s)
+        for job in store.find_jobs_waiting_too_long(session, too_long):
+            device = job.device
+            waited = (now - (job.queued_at or job.created_at)).total_seconds()
+            if _end_job(session, sends, job, f"gave up after waiting {waited / 3600:.1f} h to start on {device.serial}"
+                                             f" (held by: {device.lease_holder or 'no one'}); max_queue_wait_s "
+                                             "bounds the wait"):
+                report["jobs_ended"].append(job.id)
+        for job in store.find_due_queued_jobs(session, now):
+            seq = store.redispatch_job(session, job.id, _grace(settings), new_message=True)
+            sends.job(session, settings, job.id, seq)
+            if seq is not None:
+                report["jobs_resent"].append(job.id)
 
         analysis_due = now - dt.timedelta(seconds=ANALYSIS_GRACE_FACTOR * settings.message_grace_s)
         report["batches_analysed"] = list(session.scalars(

@@ -98,6 +98,11 @@ class Settings(BaseSettings):
         return self.config_dir / CONFIG_FILE_NAME
 
     @property
+    def adb_key(self) -> Path:
+        """This host's ADB private key (made on first use; phones trust its .pub)."""
+        return self.config_dir / "adbkey"
+
+    @property
     def broker_dir(self) -> Path:
         """The embedded broker's folders live here when broker_url is None."""
         return self.data_dir / "broker"

@@ -1,23 +1,27 @@
 """The farm's Celery tasks: thin wrappers that take ids and call the job path
 (orchestrator/jobs.py), where what the farm promises about delivery lives. Every task is safe
 to run twice (delivery is at least once): run_job and deploy carry the dispatch sequence
-number of the message that sent them, and a busy device's wait is a Celery retry with the
+number of the message that sent them; a job whose device is busy waits in the store (no
+message) until the device is handed to it, and a deployment's wait is a Celery retry with the
 countdown the job path chose. No task waits on another task's result."""
 
 from __future__ import annotations
+
+import logging
 
 from celery import shared_task
 
 from orchestrator import jobs
 
+log = logging.getLogger(__name__)
 
-@shared_task(bind=True, name="orchestrator.tasks.run_job", max_retries=None)
+
+@shared_task(bind=True, name="orchestrator.tasks.run_job")
 def run_job(self, job_id: int, seq: int | None = None) -> str:
-    """Run job `job_id` once (orchestrator.jobs.run_job); a busy device is waited for by
-    retrying, without limit here: the job path ends a job that waited max_queue_wait_s."""
-    outcome = jobs.run_job(self.app, job_id, seq, worker=self.request.hostname, retries=self.request.retries)
-    if isinstance(outcome, jobs.Wait):
-        raise self.retry(countdown=outcome.countdown)
+    """Run job `job_id` once (orchestrator.jobs.run_job). A busy device is not polled: the job
+    waits in the store and whoever frees the device sends it again."""
+    outcome = jobs.run_job(self.app, job_id, seq, worker=self.request.hostname)
+    log.info("job %s, message %s: %s", job_id, seq, outcome)  # which job a message was for, in the worker log
     return outcome
 
 

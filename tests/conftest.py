@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from ci_support import missing
+from report_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_model.npz"
 

@@ -3,7 +3,8 @@ makes a tiny random-weight model, packs two signed builds of this checkout (A: k
 per GPU by the shipped profiles; B: every reference kernel, so truly slower), starts the
 embedded stack (worker, beat, virtual phones reached over ADB, this host's GPU as a device),
 and for A then B deploys the build to every device and runs a latency suite and a generation
-on each, in parallel through Celery; each batch's analysis compares it with the series'
+on each through Celery (generations in parallel; the latency jobs one at a time, because the
+devices share this machine's GPU); each batch's analysis compares it with the series'
 baseline. It prints a table per device and build, the alerts B raised, builds the HTML
 dashboard, and stops every process it started. A second run makes new builds: the devices
 receive only the files they lack."""

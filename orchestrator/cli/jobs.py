@@ -57,6 +57,7 @@ def job_dict(job: Job, runs: list[dict] | None = None) -> dict[str, Any]:
         "batch_id": job.batch_id,
         "schedule_id": job.schedule_id,
         "attempts": job.attempts,
+        "worker_losses": job.worker_losses,  # attempts that ended because their worker died
         "worker": job.worker,
         "created_at": iso(job.created_at),
         "started_at": iso(job.started_at),

@@ -74,14 +74,14 @@ def init(
 @app.command("public-keys")
 def public_keys(
     folder: Path = typer.Argument(..., help="Folder to copy farm.pub and adbkey.pub into (made if missing)."),
-    adb_key: Path = typer.Option(None, help="This host's ADB private key (default: the adb transport's, "
-                                 "~/.config/devicefarm/adbkey).", show_default=False),
+    adb_key: Path = typer.Option(None, help="This host's ADB private key (default: the one the worker's adb "
+                                 "transport signs with, <config_dir>/adbkey).", show_default=False),
 ):
     """Make the farm signing key and this host's ADB key if missing; copy their public halves to FOLDER.
 
     Devices trust those two files: farm.pub to accept signed builds, adbkey.pub to let this host
     in over ADB. The private halves stay in the config dir."""
-    from orchestrator.transports.adb import DEFAULT_KEY, load_or_create_adb_key
+    from orchestrator.transports.adb import load_or_create_adb_key
     from orchestrator.transports.base import TransportError
 
     from .builds import PUBLIC_KEY, farm_key
@@ -92,7 +92,7 @@ def public_keys(
     farm_key(settings.config_dir)
     try:
         # The adb transport's own key: the one this host's worker signs ADB connections with.
-        adb_key = load_or_create_adb_key((adb_key or DEFAULT_KEY).expanduser())
+        adb_key = load_or_create_adb_key((adb_key or settings.adb_key).expanduser())
     except TransportError as exc:
         fail(exc.detail)
     folder.mkdir(parents=True, exist_ok=True)

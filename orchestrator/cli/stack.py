@@ -113,7 +113,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
     from agent.bundle import provision_public_key
     from orchestrator.celery_app import make_celery
     from orchestrator.stack import Stack, StackError
-    from orchestrator.transports.adb import DEFAULT_KEY, load_or_create_adb_key
+    from orchestrator.transports.adb import load_or_create_adb_key
     from orchestrator.transports.base import TransportError
 
     from .builds import PUBLIC_KEY, farm_key
@@ -130,7 +130,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
         if phones:
             # The phones ask for ADB authentication and know one host: the key the worker's adb
             # transport signs with, as a real phone knows the host it was paired with.
-            adb_key = load_or_create_adb_key(DEFAULT_KEY)
+            adb_key = load_or_create_adb_key(settings.adb_key)
             adb_public = adb_key.with_name(adb_key.name + ".pub")
         with console.status(f"starting {phones} virtual phones"):
             for index in range(1, phones + 1):

@@ -29,6 +29,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -186,6 +187,9 @@ class Device(Base):
     gpu_driver: Mapped[str] = mapped_column(String(255), default="")  # adapter description
     gpu_backend: Mapped[str] = mapped_column(String(64), default="")
     virtual: Mapped[bool] = mapped_column(default=False)
+    # Devices with one adapter_group run on one physical GPU (DeviceInfo.adapter_id): a timed
+    # job there runs alone, and nothing starts beside it.
+    adapter_group: Mapped[str | None] = mapped_column(String(64), index=True)
     info: Mapped[dict[str, Any] | None]  # the last DeviceInfo, as sent
     # health
     state: Mapped[DeviceState] = mapped_column(_enum(DeviceState, "state"), default=DeviceState.offline)
@@ -194,6 +198,7 @@ class Device(Base):
     # one job at a time: whoever holds an unexpired lease drives the device
     lease_holder: Mapped[str | None] = mapped_column(String(255))
     lease_until: Mapped[dt.datetime | None]
+    lease_timed: Mapped[bool] = mapped_column(default=False, server_default=false())  # its holder is timed
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     host: Mapped[Host | None] = relationship(back_populates="devices")
@@ -339,6 +344,8 @@ class Job(Base):
     deployment_id: Mapped[int | None] = mapped_column(ForeignKey("deployments.id", ondelete="SET NULL"))
     state: Mapped[JobState] = mapped_column(_enum(JobState, "state"), default=JobState.queued)
     attempts: Mapped[int] = mapped_column(default=0)
+    # Of those attempts, the ones that ended because their worker died (not the device's fault).
+    worker_losses: Mapped[int] = mapped_column(default=0, server_default="0")
     dispatch_seq: Mapped[int] = mapped_column(default=0, server_default="0")
     queued_at: Mapped[dt.datetime | None] = mapped_column(default=utcnow)  # since when it waits to run
     due_at: Mapped[dt.datetime | None]

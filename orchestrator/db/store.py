@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 from sqlalchemy.orm.util import identity_key
 
 from agent.protocol import DeviceInfo, JobResult, JobSpec, Manifest, to_dict
@@ -66,6 +66,10 @@ TRANSPORT_STATES: dict[str, DeviceState] = {
 }
 
 
+# Jobs that measure time: they need their GPU to themselves (acquire_device_lease).
+TIMED_KINDS = (JobKind.latency, JobKind.tune)
+
+
 def get_or_create_host(session: Session, name: str) -> Host:
     host = session.scalar(select(Host).where(Host.name == name))
     if host is None:
@@ -107,6 +111,7 @@ def upsert_device(
         device.gpu_driver = str(adapter.get("description") or "")
         device.gpu_backend = str(adapter.get("backend") or "")
         device.virtual = info.virtual
+        device.adapter_group = info.adapter_id or None
         device.info = to_dict(info)
         device.last_seen = utcnow()
     session.flush()
@@ -146,10 +151,26 @@ def set_device_state(
     return device
 
 
-def acquire_device_lease(session: Session, device_id: int, holder: str, seconds: float) -> bool:
+def acquire_device_lease(session: Session, device_id: int, holder: str, seconds: float, *,
+                         timed: bool = False) -> bool:
     """Take (or renew) the device's lease for `seconds`; False when someone else holds an
-    unexpired one or the device is quarantined. One conditional UPDATE: the database decides."""
+    unexpired one or the device is quarantined. One conditional UPDATE: the database decides.
+
+    A device in an adapter group shares its GPU with the group's other devices: a `timed`
+    holder (its job measures time) needs every other device of the group free, and no one
+    takes a device while a timed holder has another device of its group. The group's rows are
+    locked first, in id order (PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises
+    writers), so two devices of a group are never taken past each other."""
     now = utcnow()
+    group = session.scalar(select(Device.adapter_group).where(Device.id == device_id))
+    if group is not None:
+        members = session.execute(
+            select(Device.id, Device.lease_holder, Device.lease_until, Device.lease_timed)
+            .where(Device.adapter_group == group).order_by(Device.id).with_for_update()).all()
+        others = [m for m in members if m.id != device_id and m.lease_holder is not None
+                  and m.lease_until is not None and m.lease_until >= now]
+        if others and (timed or any(m.lease_timed for m in others)):
+            return False
     result = session.execute(
         update(Device)
         .where(
@@ -157,7 +178,7 @@ def acquire_device_lease(session: Session, device_id: int, holder: str, seconds:
             Device.state != DeviceState.quarantined,
             or_(Device.lease_holder.is_(None), Device.lease_until < now, Device.lease_holder == holder),
         )
-        .values(lease_holder=holder, lease_until=now + dt.timedelta(seconds=seconds))
+        .values(lease_holder=holder, lease_until=now + dt.timedelta(seconds=seconds), lease_timed=timed)
         .execution_options(synchronize_session=False)
     )
     session.flush()
@@ -165,12 +186,20 @@ def acquire_device_lease(session: Session, device_id: int, holder: str, seconds:
     return result.rowcount == 1
 
 
+def adapter_group_of(session: Session, device_id: int) -> list[int]:
+    """The device and the devices that share its GPU (its adapter group), by id."""
+    group = session.scalar(select(Device.adapter_group).where(Device.id == device_id))
+    if group is None:
+        return [device_id]
+    return list(session.scalars(select(Device.id).where(Device.adapter_group == group).order_by(Device.id)))
+
+
 def release_device_lease(session: Session, device_id: int, holder: str) -> bool:
     """Give the lease back; False when `holder` did not hold it (it expired and was taken)."""
     result = session.execute(
         update(Device)
         .where(Device.id == device_id, Device.lease_holder == holder)
-        .values(lease_holder=None, lease_until=None)
+        .values(lease_holder=None, lease_until=None, lease_timed=False)
         .execution_options(synchronize_session=False)
     )
     session.flush()
@@ -471,13 +500,15 @@ def transition_job(
     worker: str | None = None,
     attempt: int | None = None,
     due_at: dt.datetime | None = None,
+    worker_lost: bool = False,
 ) -> Job:
     """Move a job to `state` if the rules allow it from its current state. The UPDATE is
     conditional on the state it was read in, so of two workers racing to start the same job
     exactly one wins; the other gets InvalidTransition. With `attempt`, also conditional on the
     job still being at that attempt: an execution that the reconciler replaced (its worker
     seemed dead, the job runs again) can no longer settle the new attempt. A job going back to
-    queued is due by `due_at` (now when None)."""
+    queued is due by `due_at` (now when None). `worker_lost`: the attempt ended because its
+    worker died, and counts in `worker_losses`."""
     job = get_job(session, job_id)
     session.refresh(job)
     target, current = JobState(state), job.state
@@ -494,6 +525,8 @@ def transition_job(
         values.update(worker=None, heartbeat_at=None, queued_at=now, due_at=due_at or now)
     else:
         values.update(finished_at=now, due_at=None)
+    if worker_lost:
+        values["worker_losses"] = Job.worker_losses + 1
     if error is not None:
         values["error"] = error
     if log_tail is not None:
@@ -534,18 +567,57 @@ def redispatch_job(session: Session, job_id: int, due_at: dt.datetime, *, new_me
     return _redispatch(session, Job, job_id, [Job.state == JobState.queued], due_at, new_message)
 
 
-def find_due_queued_jobs(session: Session, now: dt.datetime, limit: int = 500) -> list[Job]:
-    """Queued jobs whose message should have started them by now: never sent (a crash after the
-    commit), lost with a dead worker, or waiting on a deployment that ended."""
-    waiting_on_deploy = select(Deployment.id).where(
-        Deployment.id == Job.deployment_id,
-        Deployment.status.in_([DeploymentStatus.pending, DeploymentStatus.running]))
+def _waits_on_deployment(job):  # `job`: Job or an alias of it
+    return select(Deployment.id).where(
+        Deployment.id == job.deployment_id,
+        Deployment.status.in_([DeploymentStatus.pending, DeploymentStatus.running])).exists()
+
+
+def find_due_queued_jobs(session: Session, now: dt.datetime, device_id: int | list[int] | None = None,
+                         limit: int = 500) -> list[Job]:
+    """Queued jobs that need a message now, at most one per device, the first submitted first (a
+    job sent again after its worker died keeps its place in line):
+    past their deadline (never sent, their message lost with a dead worker, their deployment
+    ended without sending them, or waiting for their device), on a device that no one holds
+    (no live lease) and towards which no other job's message is on its way. A job that found
+    its device busy waits with a deadline already past, so the first free moment sends it."""
+    other = aliased(Job)
+    in_flight = select(other.id).where(
+        other.device_id == Job.device_id, other.id != Job.id, other.state == JobState.queued,
+        other.due_at >= now, ~_waits_on_deployment(other)).exists()
+    held = select(Device.id).where(Device.id == Job.device_id, Device.lease_holder.is_not(None),
+                                   Device.lease_until >= now).exists()
+    # The device's GPU is busy for this job: another device of its adapter group is leased, by
+    # a timed holder, or at all when this job is timed (acquire_device_lease's rule).
+    mine, peer = aliased(Device), aliased(Device)
+    adapter_busy = select(peer.id).where(
+        mine.id == Job.device_id, mine.adapter_group.is_not(None), peer.adapter_group == mine.adapter_group,
+        peer.id != mine.id, peer.lease_holder.is_not(None), peer.lease_until >= now,
+        or_(peer.lease_timed, Job.kind.in_(TIMED_KINDS))).exists()
+    conditions = [Job.state == JobState.queued, or_(Job.due_at.is_(None), Job.due_at < now),
+                  ~_waits_on_deployment(Job), ~held, ~adapter_busy, ~in_flight]
+    if device_id is not None:
+        conditions.append(Job.device_id.in_(device_id if isinstance(device_id, list) else [device_id]))
+    rank = func.row_number().over(partition_by=Job.device_id, order_by=(Job.created_at, Job.id)).label("rank")
+    firsts = select(Job.id, rank).where(*conditions).subquery()
+    ids = select(firsts.c.id).where(firsts.c.rank == 1)
+    return list(session.scalars(select(Job).where(Job.id.in_(ids)).order_by(Job.id).limit(limit)))
+
+
+def find_jobs_waiting_too_long(session: Session, queued_before: dt.datetime, limit: int = 500) -> list[Job]:
+    """Queued jobs (not waiting on a deployment) queued before `queued_before`."""
     return list(session.scalars(
-        select(Job)
-        .where(Job.state == JobState.queued,
-               or_(Job.due_at.is_(None), Job.due_at < now),
-               ~waiting_on_deploy.exists())
-        .order_by(Job.id).limit(limit)))
+        select(Job).where(Job.state == JobState.queued,
+                          func.coalesce(Job.queued_at, Job.created_at) < queued_before,
+                          ~_waits_on_deployment(Job)).order_by(Job.id).limit(limit)))
+
+
+def find_jobs_of_failed_deployments(session: Session, limit: int = 500) -> list[Job]:
+    """Queued jobs whose deployment failed (the deployment ends them; this finds any it missed)."""
+    failed = select(Deployment.id).where(Deployment.id == Job.deployment_id,
+                                         Deployment.status == DeploymentStatus.failed).exists()
+    return list(session.scalars(select(Job).where(Job.state == JobState.queued, failed)
+                                .order_by(Job.id).limit(limit)))
 
 
 def find_stale_running_jobs(session: Session, older_than: dt.timedelta) -> list[Job]:

@@ -308,17 +308,17 @@ class AdbTransport(Transport):
 
         serial = run("getprop ro.serialno").strip() or self.name
         out, err, code = self.shell(f"{self.agent} info --json")
-        adapter, agent_version, notes = {}, "", {}
+        adapter, agent_version, adapter_id, notes = {}, "", "", {}
         if code == 0:
             try:
                 reported = from_json(DeviceInfo, out)
             except ProtocolError as exc:
                 raise ProtocolMismatch(self.name, f"`{self.agent} info --json`: {exc}") from None
-            adapter, agent_version = reported.adapter, reported.agent_version
+            adapter, agent_version, adapter_id = reported.adapter, reported.agent_version, reported.adapter_id
         else:
             notes["agent"] = f"unavailable (exit {code}): {err.strip()[-200:]}"
         device = collect_android(run, adapter, serial)
-        device.agent_version = agent_version
+        device.agent_version, device.adapter_id = agent_version, adapter_id
         device.virtual = run("getprop ro.devicefarm.virtual").strip() == "1"
         device.properties.update(notes)
         return device

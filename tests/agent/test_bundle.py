@@ -310,6 +310,23 @@ def test_missing_files_and_partial_install(bundle, keys, src, tmp_path):
     assert B.activate_build(root, "b1").build_id == "b1" and B.current_build(root).build_id == "b1"
 
 
+def test_missing_files_counts_whole_staged_files_of_an_interrupted_upload(bundle, keys, tmp_path):
+    manifest = B.verify_bundle(bundle, keys[1])
+    staged = tmp_path / "incoming" / manifest.build
+    by_size = sorted({f.sha256: f for f in manifest.files}.values(), key=lambda f: f.size)
+    whole, damaged, absent = by_size[-1], by_size[-2], by_size[-3]
+    for f in (whole, damaged):
+        (staged / "files" / f.path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(bundle / "files" / f.path, staged / "files" / f.path)
+    data = bytearray((staged / "files" / damaged.path).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    (staged / "files" / damaged.path).write_bytes(bytes(data))
+    missing = {f.sha256 for f in B.missing_files(manifest, tmp_path / "agent", staged=staged)}
+    assert whole.sha256 not in missing
+    assert {damaged.sha256, absent.sha256} <= missing
+    assert missing == {f.sha256 for f in manifest.files} - {whole.sha256}
+
+
 def test_partial_bundle_without_the_store_refused(bundle, keys, tmp_path):
     partial = partial_copy(bundle, tmp_path / "partial", {"engine/__init__.py"})
     root = tmp_path / "agent"

@@ -268,3 +268,17 @@ def test_hottest_celsius():
     assert di.hottest_celsius(only_battery) == 33.0
     empty = DeviceInfo("s", "m", "x", "android", "14", {})
     assert di.hottest_celsius(empty) is None
+
+
+def test_adapter_id_names_one_gpu_on_one_machine():
+    lavapipe = {"vendor_id": 65541, "device_id": 0, "backend": "Vulkan", "adapter_type": "CPU",
+                "device": "llvmpipe (LLVM 15.0.6, 256 bits)", "description": "Mesa 22.3.6"}
+    nvidia = lavapipe | {"vendor_id": 4318, "device_id": 8992, "adapter_type": "DiscreteGPU", "device": "H100"}
+    assert di.adapter_id(lavapipe, "machine-a") == di.adapter_id(dict(lavapipe), "machine-a")  # stable
+    assert len(di.adapter_id(lavapipe, "machine-a")) == 16
+    assert di.adapter_id(lavapipe, "machine-a") != di.adapter_id(lavapipe, "machine-b")  # another machine
+    assert di.adapter_id(lavapipe, "machine-a") != di.adapter_id(nvidia, "machine-a")  # another GPU
+    # What a host's agent reports: its own machine's id, the same whatever folder it runs in
+    # (a virtual phone's agent runs in the phone's folder on the same host).
+    info = di.collect_local(lavapipe)
+    assert info.adapter_id == di.adapter_id(lavapipe, di.machine_id())

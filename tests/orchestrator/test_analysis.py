@@ -102,6 +102,38 @@ def test_drift_is_estimated_from_the_series_history(Session):  # noqa: N803
     assert c["verdict"] != "regression" or c["ratio"] > 1 + 2.58 * drift  # called only beyond the drift
 
 
+def test_drift_leaves_out_builds_whose_regression_is_open(Session):  # noqa: N803
+    """The demo's history: A, B, A, B, ... with every B 2x slower and its regression alert open.
+    The B runs are no part of the accepted series: the drift comes from the A runs alone, so the
+    next B is still a regression and the next A is still the same (before, the steps between A
+    and B counted as drift: near 100%, and both came out inconclusive with a CI of 0.15-29)."""
+    rng = np.random.default_rng(7)
+    with Session() as s, s.begin():
+        device = store.upsert_device(s, "p-ab", "local", "/tmp/p-ab", host="h")
+        spec = analysis.SpecKey.of(SPEC)
+        reports = []
+        for night in range(7):
+            for letter, slow in (("a", 1.0), ("b", 2.0)):
+                build = store.create_build(s, _manifest(f"n{night}-{letter}", 1_700_000_000.0 + 86400 * night
+                                                        + (3600 if letter == "b" else 0)))
+                batch = store.create_batch(s, f"demo {build.name}", build_id=build.id)
+                _record(s, device.id, build.id, "latency", _latency(rng, slow), batch.id)
+                reports.append((letter, build, analysis.analyze_batch(s, batch.id)))
+        a_runs = [[x.value for x in r.samples if x.metric == "unet_step_ms"]
+                  for letter, b, _ in reports[:-2] if letter == "a"
+                  for r in analysis.runs_of(s, device.id, b.id, "latency", spec)]
+        drift, used = analysis.series_drift(s, device, spec, "unet_step_ms", reports[-2][1])
+        assert used == len(a_runs) == 6 and drift == pytest.approx(analysis.rg.estimate_drift(a_runs))
+        assert drift < 0.05
+    for letter, build, report in reports[1:]:
+        (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
+        assert c["baseline_build"].endswith("-a"), (build.name, c["baseline_build"])
+        if letter == "b":
+            assert c["verdict"] == "regression", (build.name, c)
+        else:
+            assert c["verdict"] in ("same", "inconclusive") and c["ci_high"] < 1.2, (build.name, c)
+
+
 def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     Session = farm["Session"]  # noqa: N806
     with Session() as s, s.begin():

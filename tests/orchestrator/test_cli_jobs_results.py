@@ -140,6 +140,7 @@ def test_jobs_show_logs(seeded):
     shown = json.loads(cli("jobs", "show", str(ids[0]), "--json").output)
     assert shown["spec"] == {"model": "models/tiny", "precision": "fp32", "steps": 2}
     assert shown["state"] == "succeeded" and shown["attempts"] == 1 and shown["worker"] == "w1@testhost"
+    assert shown["worker_losses"] == 0
     (run,) = shown["runs"]
     assert run["status"] == "succeeded" and run["attempt"] == 1
     assert run["medians"] == {"unet_step_ms": 11.5, "e2e_ms": 105.0, "peak_gpu_bytes": float(GIB)}

@@ -156,12 +156,13 @@ def test_farm_secrets_public_keys_copies_only_the_public_halves(tmp_path):
     for _ in range(2):  # the second run keeps the keys the first one made
         done = farm_cli("secrets", "public-keys", str(tmp_path / "public"), env=env)
         assert done.returncode == 0, done.stdout + done.stderr
-    adb_key = tmp_path / "home" / ".config" / "devicefarm" / "adbkey"  # the adb transport's default key
+    adb_key = tmp_path / "config" / "adbkey"  # the key the worker's adb transport signs with
     assert sorted(p.name for p in (tmp_path / "public").iterdir()) == ["adbkey.pub", "farm.pub"]
     assert (tmp_path / "public" / "farm.pub").read_bytes() == (tmp_path / "config" / "farm.pub").read_bytes()
     assert (tmp_path / "public" / "adbkey.pub").read_bytes() == adb_key.with_name("adbkey.pub").read_bytes()
     private = {(tmp_path / "config" / "farm.key").read_bytes(), adb_key.read_bytes()}
     assert not any(p.read_bytes() in private for p in (tmp_path / "public").iterdir())
+    assert not (tmp_path / "home" / ".config").exists()  # nothing outside the config dir
 
 
 def test_compose_file_matches_the_compose_spec_schema():
@@ -493,8 +494,7 @@ def test_the_workers_devices_are_the_virtual_phones_and_they_trust_its_keys(stac
     services = stack["services"]
     worker = services["worker"]
     config_dir = worker["environment"]["FARM_CONFIG_DIR"]
-    # The adb transport keeps this host's ADB key at ~/.config/devicefarm/adbkey: in the image
-    # (user farm) that is inside the config dir, so the key lives in the config volume too.
+    # The worker's ADB key is <config_dir>/adbkey: it lives in the config volume with farm.key.
     assert config_dir == "/home/farm/.config/devicefarm", config_dir
     config_volume = next(v["source"] for v in worker["volumes"] if v["target"] == config_dir)
     devices = dict(entry.split("=", 1) for entry in worker["environment"]["FARM_DEVICES"].split(","))

@@ -57,8 +57,8 @@ def _info(serial="R5CW1234", **kw) -> DeviceInfo:
                       os_version="14", adapter=ADAPTER, **kw)
 
 
-def _device(session, serial="R5CW1234") -> Device:
-    device = store.upsert_device(session, serial, "adb", "127.0.0.1:5555", info=_info(serial), host="lab-1")
+def _device(session, serial="R5CW1234", **info) -> Device:
+    device = store.upsert_device(session, serial, "adb", "127.0.0.1:5555", info=_info(serial, **info), host="lab-1")
     store.set_device_state(session, device.id, DeviceState.available)
     return device
 
@@ -205,6 +205,90 @@ def test_lease_is_exclusive_under_concurrency(Session):
     assert errors == []
     assert max_holding[0] == 1  # never two holders at once
     assert acquired[0] > n_threads  # and the lease did change hands
+
+
+def _group(session, serials: list[str], group: str = "gpu-0") -> list[int]:
+    """Devices of one adapter group, registered as discovery registers them."""
+    return [_device(session, serial, adapter_id=group).id for serial in serials]
+
+
+def test_adapter_group_lease_rules(Session):
+    """Devices that share a GPU: a timed holder needs the whole group free; while it holds a
+    device, no other device of the group can be taken; untimed holders share the group."""
+    with Session() as s:
+        phone, other, host = _group(s, ["vphone-1", "vphone-2", "host-gpu"])
+        alone = _device(s, "own-gpu").id  # no adapter group: never blocked by the group
+        s.commit()
+        assert s.get(Device, phone).adapter_group == "gpu-0" and s.get(Device, alone).adapter_group is None
+    with Session() as s:
+        assert store.acquire_device_lease(s, phone, "gen-1", 60)  # untimed
+        assert store.acquire_device_lease(s, other, "gen-2", 60)  # untimed beside untimed: yes
+        assert not store.acquire_device_lease(s, host, "lat-1", 60, timed=True)  # timed beside them: no
+        assert store.acquire_device_lease(s, alone, "lat-2", 60, timed=True)  # another GPU: yes
+        s.commit()
+        assert store.adapter_group_of(s, phone) == [phone, other, host] and store.adapter_group_of(s, alone) == [alone]
+    with Session() as s:
+        assert store.release_device_lease(s, phone, "gen-1") and store.release_device_lease(s, other, "gen-2")
+        assert store.acquire_device_lease(s, host, "lat-1", 60, timed=True)  # the group is free now
+        assert store.acquire_device_lease(s, host, "lat-1", 60, timed=True)  # renewal
+        assert not store.acquire_device_lease(s, phone, "gen-3", 60)  # nothing starts beside a timed job
+        assert not store.acquire_device_lease(s, other, "lat-3", 60, timed=True)
+        s.commit()
+        assert s.get(Device, host).lease_timed
+    with Session() as s:
+        assert store.release_device_lease(s, host, "lat-1")
+        assert not s.get(Device, host).lease_timed
+        assert store.acquire_device_lease(s, phone, "gen-3", 0.05)
+        s.commit()
+    time.sleep(0.1)  # an expired lease blocks no one
+    with Session() as s:
+        assert store.acquire_device_lease(s, host, "lat-4", 60, timed=True)
+        s.commit()
+
+
+def test_adapter_group_never_runs_a_timed_holder_beside_another_under_concurrency(Session):
+    """Threads taking leases on three devices of one group, half of them timed: at no moment
+    does a timed holder share the group with any other holder."""
+    with Session() as s:
+        ids = _group(s, ["g-1", "g-2", "g-3"], group="gpu-race")
+        s.commit()
+    holders: dict[str, bool] = {}  # holder -> timed, while held
+    violations, acquired, errors = [], [0], []
+    guard = threading.Lock()
+    start = threading.Barrier(6)
+
+    def worker(index: int):
+        device_id, timed, name = ids[index % 3], index % 2 == 0, f"t{index}"
+        try:
+            start.wait()
+            for _ in range(30):
+                with Session() as s:
+                    got = store.acquire_device_lease(s, device_id, name, 30, timed=timed)
+                    s.commit()
+                if not got:
+                    continue
+                with guard:
+                    if holders and (timed or any(holders.values())):
+                        violations.append((name, dict(holders)))
+                    holders[name] = timed
+                    acquired[0] += 1
+                time.sleep(0.002)
+                with guard:
+                    del holders[name]
+                with Session() as s:
+                    assert store.release_device_lease(s, device_id, name)
+                    s.commit()
+        except Exception as exc:  # noqa: BLE001  (reported by the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert violations == []
+    assert acquired[0] > 6
 
 
 def _lease_worker(url: str, device_id: int, name: str, attempts: int) -> list[tuple[float, float]]:

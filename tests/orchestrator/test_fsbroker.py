@@ -6,8 +6,12 @@ without stopping the consumer or losing the messages behind it."""
 from __future__ import annotations
 
 import multiprocessing
+import socket
+import threading
+import time
 from pathlib import Path
 
+import pytest
 from kombu import Connection
 
 from orchestrator import fsbroker  # noqa: F401  (registers farmfs://)
@@ -89,3 +93,39 @@ def test_an_undecodable_file_is_set_aside_and_the_next_message_delivered(tmp_pat
         queue.close()
     assert [p.name for p in (tmp_path / "processed").iterdir()] == [f"0_garbage.{QUEUE}.msg.bad"]
     assert not list((tmp_path / "queue").iterdir())
+
+
+def test_a_wait_with_every_prefetch_slot_held_ends_after_one_polling_interval(tmp_path):
+    """celery's worker loop for this transport acknowledges finished tasks only between waits,
+    and waits with a 2 s timeout: a wait made while every prefetch slot was held by a finished,
+    unacknowledged task ran its whole timeout (1 task/s per worker). Such a wait now ends after
+    one polling interval; a wait with a free slot still waits for its message."""
+    options = _options(tmp_path) | {"polling_interval": 0.2}
+    name = f"{QUEUE}-slots"  # kombu keeps declared queues per process: a name of its own, bound here
+    with Connection("farmfs://", transport_options=options) as conn:
+        queue = conn.SimpleQueue(name)
+        queue.consumer.qos(prefetch_count=1)
+        queue.put({"n": 1})
+        first = queue.get(timeout=5)  # its slot is held until it is acknowledged
+        queue.put({"n": 2})
+        started = time.monotonic()
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=10.0)
+        waited = time.monotonic() - started
+        first.ack()
+        second = queue.get(timeout=5)
+        assert second.payload == {"n": 2}
+        second.ack()
+
+        # With a slot free, a wait lasts until the message comes, past several polling intervals.
+        def put_later():
+            time.sleep(1.0)
+            with Connection("farmfs://", transport_options=options) as other:
+                other.SimpleQueue(name).put({"n": 3})
+
+        producer = threading.Thread(target=put_later)
+        producer.start()
+        assert queue.get(timeout=5).payload == {"n": 3}
+        producer.join()
+        queue.close()
+    assert waited < 2.0, f"a wait with a 10 s timeout, a 0.2 s polling interval and no free slot took {waited:.1f} s"

@@ -30,7 +30,7 @@ from orchestrator.celery_app import (
 )
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import Deployment, DeploymentStatus, Device, Job, JobState, Run, utcnow
-from orchestrator.jobs import check_time_limit, send_jobs
+from orchestrator.jobs import check_time_limit, reconcile, send_jobs
 from orchestrator.settings import Settings
 
 HOST = "relhost"
@@ -143,27 +143,31 @@ def _reconcile(farm) -> dict:
     return farm["app"].signature("orchestrator.tasks.reconcile").apply_async(queue=DEFAULT_QUEUE).get(timeout=60)
 
 
-def test_busy_device_retry_held_by_a_killed_worker_still_runs(farm):
-    # The job waits for a device an operator holds: its retry is an ETA message the worker keeps
-    # unacknowledged. The worker dies; a new one starts; the device is released. No reconcile is
-    # sent: the broker itself gives the held message to the new worker.
+def test_a_job_waiting_for_a_device_whose_holder_died_still_runs_once(farm):
+    # The job finds its device held and waits in the store with no message: nothing of it is
+    # in any broker or worker. Its worker is SIGKILLed, and the holder dies without handing the
+    # device over (its lease just runs out). The reconciler sees the device free and sends it.
     with farm["Session"]() as session, session.begin():
-        assert store.acquire_device_lease(session, farm["device_id"], "operator", 600)
+        assert store.acquire_device_lease(session, farm["device_id"], "holder-that-dies", 3)
         job_id = store.create_job(session, "generate", QUICK_SPEC, farm["device_id"], farm["build_id"]).id
-    first = farm["start_worker"]("worker-eta")
+    first = farm["start_worker"]("worker-wait")
     send_jobs(farm["app"], [job_id])
-    # Wait until the first run found the device busy and its retry is held (a claimed message).
-    processed = farm["settings"].broker_dir / "processed"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any("run_job" in p.read_text() for p in processed.glob("*~*")):
+    while True:
+        with farm["Session"]() as session:
+            job = session.get(Job, job_id)
+            if job.due_at is not None and job.due_at <= utcnow():  # it ran, found the device busy, waits
+                break
+        assert time.monotonic() < deadline, f"the job never found the device busy\n{logs(farm)}"
         time.sleep(0.1)
-    time.sleep(0.5)
     kill_group(first, signal.SIGKILL)
     first.wait()
-    with farm["Session"]() as session, session.begin():
-        assert session.get(Job, job_id).state == JobState.queued
-        assert store.release_device_lease(session, farm["device_id"], "operator")
-    farm["start_worker"]("worker-eta-2")
+    assert job_id not in reconcile(farm["app"])["jobs_resent"]  # the lease has not run out: still held
+    farm["start_worker"]("worker-wait-2")
+    deadline = time.monotonic() + 30
+    while job_id not in reconcile(farm["app"])["jobs_resent"]:
+        assert time.monotonic() < deadline, "the reconciler never sent the waiting job"
+        time.sleep(0.5)
     job = _settled(farm, job_id)
     assert (job.state, job.attempts) == (JobState.succeeded, 1), f"{job.error}\n{logs(farm)}"
     assert [r.attempt for r in _runs(farm, job_id)] == [1]
@@ -207,7 +211,13 @@ def test_a_wait_for_a_busy_device_ends_with_its_reason(farm):
         job_id = store.create_job(session, "generate", QUICK_SPEC, farm["device_id"], farm["build_id"]).id
     try:
         send_jobs(farm["app"], [job_id])
-        job = wait(farm, lambda s: (j := s.get(Job, job_id)).state != JobState.queued and j, "the wait to end", 60)
+        # The job waits in the store; beat's reconciler (run here by hand) ends it after
+        # max_queue_wait_s (8 s in these settings).
+        deadline = time.monotonic() + 60
+        while job_id not in reconcile(farm["app"])["jobs_ended"]:
+            assert time.monotonic() < deadline, f"the wait never ended\n{logs(farm)}"
+            time.sleep(0.5)
+        job = wait(farm, lambda s: (j := s.get(Job, job_id)).state != JobState.queued and j, "the wait to end", 5)
         assert job.state == JobState.infra_failed and job.attempts == 0
         assert "gave up after waiting" in job.error and "local-1" in job.error and "operator" in job.error
     finally:
@@ -242,3 +252,66 @@ def test_redis_redelivers_after_the_longest_job_not_six_hours(tmp_path):
     with pytest.raises(store.StoreError, match="max_job_time_s"):
         check_time_limit(settings, {"time_limit_s": 3600.0})
     check_time_limit(settings, {"time_limit_s": 1800.0})
+
+
+# ---- what a job is charged for ------------------------------------------------------------
+
+
+def test_a_lost_worker_has_its_own_budget_with_a_doubling_delay(tmp_path):
+    """A worker that dies is the host's fault, seldom the job's: the fault suite's kills, once
+    recovery took 8 s, hit the same jobs three times running and ended them as infra_failed
+    after MAX_ATTEMPTS. Worker losses now have their own budget, each requeue waiting twice as
+    long as the last; the device's own failures still end a job after MAX_ATTEMPTS."""
+    from agent.protocol import Manifest, ManifestFile
+    from orchestrator import jobs
+
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name=HOST,
+                        stale_after_s=3.0, message_grace_s=3.0)
+    upgrade(settings.database_url)
+    app, engine = make_celery(settings), make_engine(settings.database_url)
+    Session = make_session_factory(engine)  # noqa: N806
+    manifest = Manifest(build="b-budget", version="0.1.0", created=1_700_000_000.0, source_revision="abc",
+                        files=[ManifestFile("engine/a.py", "a" * 64, 10)])
+    with Session() as session, session.begin():
+        build_id = store.create_build(session, manifest).id
+        # No worker consumes this farm's queues, and nothing listens on port 9: every send
+        # stays in the broker's folder, and a run in this process fails to reach the device.
+        device_id = store.upsert_device(session, "budget-1", "adb", "127.0.0.1:9", host=HOST).id
+        lost_id = store.create_job(session, "generate", QUICK_SPEC, device_id, build_id).id
+        mixed_id = store.create_job(session, "generate", QUICK_SPEC, device_id, build_id).id
+
+    def lose_worker(job_id: int, n: int) -> tuple[dict, Job]:
+        with Session() as session, session.begin():
+            store.transition_job(session, job_id, JobState.running, worker=f"w{n}@{HOST}")
+            session.execute(update(Job).where(Job.id == job_id).values(
+                heartbeat_at=utcnow() - dt.timedelta(minutes=5)))
+        report = reconcile(app)
+        with Session() as session:
+            return report, session.get(Job, job_id)
+
+    try:
+        delays = []
+        for n in range(1, jobs.MAX_WORKER_LOSSES + 1):
+            before = utcnow()
+            report, job = lose_worker(lost_id, n)
+            assert job.worker_losses == n and job.attempts == n
+            if n < jobs.MAX_WORKER_LOSSES:
+                assert report["jobs_requeued"] == [lost_id] and job.state == JobState.queued, job.error
+                delays.append(round((job.due_at - before).total_seconds() - settings.message_grace_s))
+            else:
+                assert report["jobs_ended"] == [lost_id] and job.state == JobState.infra_failed
+                assert f"worker lost {n} of at most {n} times" in job.error
+        assert delays == [2, 4, 8, 16, 32, 60, 60]
+        assert jobs.MAX_WORKER_LOSSES > jobs.MAX_ATTEMPTS  # more than the device's own budget
+
+        # One lost worker, then the device fails on every run: the device's failures end the job
+        # after MAX_ATTEMPTS of them, the lost worker not counted among them.
+        report, job = lose_worker(mixed_id, 1)
+        assert report["jobs_requeued"] == [mixed_id]
+        outcomes = [jobs.run_job(app, mixed_id, worker="test") for _ in range(jobs.MAX_ATTEMPTS)]
+        with Session() as session:
+            job = session.get(Job, mixed_id)
+        assert outcomes == ["requeued"] * (jobs.MAX_ATTEMPTS - 1) + ["infra_failed"], (outcomes, job.error)
+        assert (job.state, job.attempts, job.worker_losses) == (JobState.infra_failed, jobs.MAX_ATTEMPTS + 1, 1)
+    finally:
+        engine.dispose()

@@ -136,7 +136,15 @@ def test_generate_job_goes_queued_running_succeeded(deployed):
     (run,) = _runs(farm, job_id)
     with farm["Session"]() as session:
         assert session.scalar(select(func.count()).select_from(Sample).where(Sample.run_id == run.id)) > 0
-        assert session.get(Device, farm["device_id"]).lease_holder is None
+    # The device is given back (and handed on) in its own transaction, just after the result's.
+    deadline = time.monotonic() + 10
+    while True:
+        with farm["Session"]() as session:
+            holder = session.get(Device, farm["device_id"]).lease_holder
+        if holder is None:
+            break
+        assert time.monotonic() < deadline, f"the device is still held by {holder}"
+        time.sleep(0.05)
 
 
 def test_same_message_delivered_three_times_runs_once(deployed):
@@ -163,19 +171,40 @@ def test_a_superseded_message_is_dropped(deployed):
 
 
 def test_leased_device_delays_the_job_until_released(deployed):
+    # The job finds the device held and waits in the store with no message of its own; the
+    # holder (here not the job path, so no hand-over) lets go, and the reconciler's next pass
+    # sees the device free and sends the job.
     farm = deployed
     with farm["Session"]() as session, session.begin():
         assert store.acquire_device_lease(session, farm["device_id"], "operator", 600)
     job_id = _new_job(farm)
     (result,) = _send(farm, job_id)
-    time.sleep(1.5)
+    assert result.get(timeout=30) == "waiting"
+    reconcile = farm["app"].signature("orchestrator.tasks.reconcile")
+    assert job_id not in reconcile.apply_async(queue=DEFAULT_QUEUE).get(timeout=30)["jobs_resent"]  # still held
     with farm["Session"]() as session:
-        assert session.get(Job, job_id).state == JobState.queued
+        job = session.get(Job, job_id)
+        assert job.state == JobState.queued and job.due_at <= utcnow()  # due the moment the device is free
     with farm["Session"]() as session, session.begin():
         assert store.release_device_lease(session, farm["device_id"], "operator")
+    assert reconcile.apply_async(queue=DEFAULT_QUEUE).get(timeout=30)["jobs_resent"] == [job_id]
     job = _wait_final(farm, job_id)
     assert (job.state, job.attempts) == (JobState.succeeded, 1), job.error
-    assert result.get(timeout=30) == "succeeded"
+
+
+def test_a_finished_job_hands_the_device_to_the_longest_waiting_job(deployed):
+    # Three jobs for one device sent at once: one runs, the others wait with no message; each
+    # finishing job sends the next, oldest first. No reconciler, no polling.
+    farm = deployed
+    job_ids = [_new_job(farm) for _ in range(3)]
+    results = [_send(farm, job_id)[0] for job_id in job_ids]
+    jobs = [_wait_final(farm, job_id) for job_id in job_ids]
+    assert [(j.state, j.attempts) for j in jobs] == [(JobState.succeeded, 1)] * 3, [j.error for j in jobs]
+    outcomes = [r.get(timeout=30) for r in results]
+    assert outcomes.count("succeeded") >= 1 and set(outcomes) <= {"succeeded", "waiting"}, outcomes
+    starts = sorted((j.started_at, j.id) for j in jobs)
+    waited = [job_id for job_id, outcome in zip(job_ids, outcomes, strict=True) if outcome == "waiting"]
+    assert [job_id for _, job_id in starts if job_id in waited] == sorted(waited)  # oldest first
 
 
 def test_job_left_running_by_a_dead_worker_is_requeued(deployed):
@@ -192,3 +221,38 @@ def test_job_left_running_by_a_dead_worker_is_requeued(deployed):
     assert (job.state, job.attempts) == (JobState.succeeded, 2), job.error
     (run,) = _runs(farm, job_id)
     assert run.attempt == 2
+
+
+def test_a_timed_job_waits_for_its_gpu_and_is_handed_it(deployed):
+    # Two devices on one GPU (one adapter group; here two records of one local phone, as a
+    # host's virtual phones share its adapter). A generation runs on one; a latency job sent to
+    # the other finds the GPU busy and waits with no message; the generation, finishing, hands
+    # the GPU over. No reconciler, no polling, and the timing never overlapped other work.
+    farm = deployed
+    with farm["Session"]() as session, session.begin():
+        twin_id = store.upsert_device(session, "local-twin", "local", session.get(Device, farm["device_id"]).address,
+                                      host=HOST).id
+        session.execute(update(Device).where(Device.id.in_([farm["device_id"], twin_id]))
+                        .values(adapter_group="gpu-shared"))
+        generate_id = store.create_job(session, "generate", SPEC | {"steps": 8}, twin_id, farm["build_id"]).id
+        latency_id = store.create_job(session, "latency", SPEC | {"warmup": 0, "repetitions": 1},
+                                      farm["device_id"], farm["build_id"]).id
+    try:
+        (generation,) = _send(farm, generate_id)
+        deadline = time.monotonic() + 30
+        while True:
+            with farm["Session"]() as session:
+                if session.get(Job, generate_id).state != JobState.queued:
+                    break
+            assert time.monotonic() < deadline, f"the generation never started\n{_log(farm)}"
+            time.sleep(0.02)
+        (timed,) = _send(farm, latency_id)
+        assert timed.get(timeout=30) == "waiting"  # its own device is free; its GPU is not
+        generate, latency = _wait_final(farm, generate_id), _wait_final(farm, latency_id)
+        assert (generate.state, latency.state, latency.attempts) == (JobState.succeeded,) * 2 + (1,), latency.error
+        assert latency.started_at >= generate.finished_at  # nothing ran beside the timed job
+        assert generation.get(timeout=30) == "succeeded"
+    finally:
+        with farm["Session"]() as session, session.begin():
+            session.execute(update(Device).where(Device.id == farm["device_id"]).values(adapter_group=None))
+            session.execute(update(Device).where(Device.id == twin_id).values(state="quarantined"))

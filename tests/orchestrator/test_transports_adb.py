@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from net_support import PartialWatcher, Proxy
 
 from agent.bundle import build_bundle, generate_keypair
 from agent.protocol import JobSpec, Manifest
@@ -90,65 +91,6 @@ def job(job_id: str, **kw) -> JobSpec:
                        "steps": 2, "scheduler": "euler", "time_limit_s": 120.0} | kw))
 
 
-class Proxy:
-    """TCP proxy to the phone: `cut_after` host->device bytes it closes both sides; `freeze()`
-    stops forwarding while keeping the sockets open (a phone that stops answering)."""
-
-    def __init__(self, port: int, cut_after: int | None = None):
-        self.target, self.cut_after = port, cut_after
-        self.forwarded = 0
-        self.frozen = threading.Event()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            for s in (client, upstream):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                while self.frozen.is_set():
-                    time.sleep(0.05)
-                if counted and self.cut_after is not None and self.forwarded + len(data) > self.cut_after:
-                    dst.sendall(data[: self.cut_after - self.forwarded])
-                    self.close_connections()
-                    return
-                dst.sendall(data)
-                if counted:
-                    self.forwarded += len(data)
-        except OSError:
-            pass
-        self.close_connections()
-
-    def freeze(self) -> None:
-        self.frozen.set()
-
-    def close_connections(self) -> None:
-        for s in self.sockets:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        self.server.close()
-        self.frozen.clear()
-        self.close_connections()
-
-
 # ---- info ------------------------------------------------------------------------------------
 
 
@@ -185,53 +127,24 @@ def test_send_bundle_then_nothing_to_send(adb, phone, farm):
     print(f"first send {first.seconds:.2f} s ({first.bytes_sent} bytes), second {second.seconds:.3f} s")
 
 
-def _partial_files(root: Path, manifest: Manifest) -> list[str]:
-    """Files at a final path (store blob or staged bundle file) whose content is not whole."""
-    by_path = {f.path: f for f in manifest.files}
-    by_sha = {f.sha256: f for f in manifest.files}
-    bad = []
-    for path in (root / "incoming/b1/files").rglob("*") if (root / "incoming/b1/files").exists() else []:
-        entry = by_path.get(path.relative_to(root / "incoming/b1/files").as_posix())
-        if path.is_file() and (entry is None or hashlib.sha256(path.read_bytes()).hexdigest() != entry.sha256):
-            bad.append(str(path))
-    for path in (root / "store").rglob("*") if (root / "store").exists() else []:
-        if path.is_file() and not path.name.startswith(".") and (
-                path.name not in by_sha or hashlib.sha256(path.read_bytes()).hexdigest() != path.name):
-            bad.append(str(path))
-    return bad
-
-
 def test_dropped_connection_resumes_and_never_leaves_a_partial_file(phone, farm, tmp_path):
     manifest = farm["manifest"]
     total = distinct_bytes(manifest)
     proxy = Proxy(phone.port, cut_after=total // 2)
-    seen_partial: list[str] = []
-    stop = threading.Event()
-
-    def watch() -> None:  # look for half-written files at final paths while the push runs
-        while not stop.is_set():
-            try:
-                seen_partial.extend(_partial_files(phone.device_root, manifest))
-            except OSError:  # a file renamed away while we read it
-                pass
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     try:
-        cut = transport(proxy.port, tmp_path)
-        with pytest.raises(DeviceOffline, match="connection lost|closed"):
-            cut.send_bundle(farm["bundle"])
-        cut.close()
-        staged = sum(p.stat().st_size for p in (phone.device_root / "incoming/b1/files").rglob("*") if p.is_file())
-        assert 0 < staged < total
-        assert not (phone.device_root / "builds").exists()
-        resumed = transport(phone.port, tmp_path)
-        report = resumed.send_bundle(farm["bundle"])
-        resumed.close()
+        with PartialWatcher(phone.device_root, manifest) as seen_partial:
+            cut = transport(proxy.port, tmp_path)
+            with pytest.raises(DeviceOffline, match="connection lost|closed"):
+                cut.send_bundle(farm["bundle"])
+            cut.close()
+            staged = sum(p.stat().st_size for p in (phone.device_root / "incoming/b1/files").rglob("*")
+                         if p.is_file())
+            assert 0 < staged < total
+            assert not (phone.device_root / "builds").exists()
+            resumed = transport(phone.port, tmp_path)
+            report = resumed.send_bundle(farm["bundle"])
+            resumed.close()
     finally:
-        stop.set()
-        watcher.join()
         proxy.close()
     assert report.installed and report.bytes_sent == total - staged, (report, staged, total)
     assert report.files_skipped > 0
@@ -365,6 +278,24 @@ def test_a_phone_given_adb_keys_lets_in_only_those_hosts(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_the_workers_adb_transport_signs_with_the_config_dirs_key(tmp_path, monkeypatch):
+    """A worker's adb devices are reached with <config_dir>/adbkey, the key `farm secrets
+    public-keys` publishes and the stack's phones trust, whatever HOME is."""
+    from orchestrator.db.models import Device
+    from orchestrator.jobs import make_transport
+    from orchestrator.settings import Settings
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config")
+    key = load_or_create_adb_key(settings.adb_key)
+    with VirtualPhone(serial="paired", root=tmp_path / "phone", adb_keys=key.with_name("adbkey.pub")) as p:
+        t = make_transport(Device(serial="paired", transport="adb", address=f"127.0.0.1:{p.port}"), settings)
+        assert t.key_path == tmp_path / "config" / "adbkey"
+        assert t.shell("echo hi") == ("hi\n", "", 0)
+        t.close()
+    assert not (tmp_path / "home").exists()
 
 
 def test_adb_keys_without_auth_is_refused(tmp_path):

@@ -16,6 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from net_support import PartialWatcher, Proxy
 from tls_support import make_pki
 
 from agent.bundle import build_bundle, generate_keypair, provision_public_key
@@ -83,11 +84,37 @@ def test_info_and_the_token(http, agent, tmp_path):
 def test_send_bundle_refuses_another_key_then_sends_only_once(http, agent, farm):
     with pytest.raises(BundleRefused, match=r"manifest\.json: manifest signature does not verify"):
         http.send_bundle(farm["rogue"])
-    first = http.send_bundle(farm["bundle"])
+    refused = agent.root / "incoming/b1/files"
     distinct = sum({f.sha256: f.size for f in farm["manifest"].files}.values())
-    assert first.installed and first.bytes_sent == distinct
+    assert sum(p.stat().st_size for p in refused.rglob("*") if p.is_file()) == distinct
+    # The refused upload left every file staged whole: the right bundle sends none of them again
+    # (install verifies each against its own signed manifest).
+    first = http.send_bundle(farm["bundle"])
+    assert first.installed and first.bytes_sent == 0 and first.files_skipped == len(farm["manifest"].files)
     second = http.send_bundle(farm["bundle"])
     assert (second.bytes_sent, second.files_sent, second.installed) == (0, 0, False)
+    assert (agent.root / "builds/current/manifest.json").read_bytes() == (farm["bundle"] / "manifest.json").read_bytes()
+
+
+def test_dropped_connection_resumes_and_never_leaves_a_partial_file(agent, farm):
+    """A connection cut halfway through a deploy: no half-sent file lies at a final path, and the
+    next deploy sends only the files that had not arrived whole."""
+    manifest = farm["manifest"]
+    total = sum({f.sha256: f.size for f in manifest.files}.values())
+    proxy = Proxy(int(agent.url.rsplit(":", 1)[1]), cut_after=total // 2)
+    try:
+        with PartialWatcher(agent.root, manifest) as seen_partial:
+            with pytest.raises(DeviceOffline):
+                HttpTransport(f"http://127.0.0.1:{proxy.port}", TOKEN).send_bundle(farm["bundle"])
+            staged = sum(p.stat().st_size for p in (agent.root / "incoming/b1/files").rglob("*") if p.is_file())
+            assert 0 < staged < total, (staged, total)
+            assert not (agent.root / "builds").exists()
+            report = HttpTransport(agent.url, TOKEN).send_bundle(farm["bundle"])
+    finally:
+        proxy.close()
+    assert report.installed and report.bytes_sent == total - staged, (report, staged, total)
+    assert not seen_partial, seen_partial[:3]
+    assert not list((agent.root / "incoming").glob(".tmp-*")), "a half-received upload was left behind"
     assert (agent.root / "builds/current/manifest.json").read_bytes() == (farm["bundle"] / "manifest.json").read_bytes()
 
 
