@@ -1,6 +1,7 @@
 """What a device is and how hot it runs: protocol.DeviceInfo collected from an Android phone
 through a shell function (adb, the virtual phone, or Termux's own shell) or from the host the
-agent runs on, plus the pure parsers for what devices print (getprop, dumpsys battery,
+agent runs on, the protocol.RunEnvironment a job starts in (read_environment, on the device),
+plus the pure parsers for what devices print (getprop, dumpsys battery,
 dumpsys thermalservice, /sys/class/thermal, kgsl, /proc/meminfo, /proc/cpuinfo, nvidia-smi).
 
 Malformed input is skipped, never fatal: every parser keeps the lines it understands and
@@ -33,7 +34,7 @@ import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from agent.protocol import Battery, DeviceInfo, ThermalZone
+from agent.protocol import Battery, DeviceInfo, RunEnvironment, ThermalZone
 
 Shell = Callable[[str], str]
 
@@ -393,13 +394,12 @@ def collect_local(adapter: dict | None = None) -> DeviceInfo:
         except (ValueError, OSError):
             memory = 0
     thermal, clocks = read_thermal_local(with_clocks=True)
-    os_version = platform.mac_ver()[0] if system == "darwin" else platform.release()
     return DeviceInfo(
         serial=platform.node() or "localhost",
         model=model or platform.machine(),
         manufacturer=manufacturer,
         os=system,
-        os_version=os_version or platform.release(),
+        os_version=_local_os_version(system),
         adapter=adapter,
         cpu=cpu or platform.processor(),
         cpu_cores=os.cpu_count() or 0,
@@ -412,6 +412,84 @@ def collect_local(adapter: dict | None = None) -> DeviceInfo:
         adapter_id=adapter_id(adapter) if adapter else "",
         agent_version=_agent_version(),
     )
+
+
+def _local_os_version(system: str) -> str:
+    return (platform.mac_ver()[0] if system == "darwin" else "") or platform.release()
+
+
+# ---- the environment of one run ------------------------------------------------------------
+
+# Set by the virtual phone for its agent: a file holding the phone's `getprop` output (the
+# agent runs on the host, where no getprop answers for the phone).
+GETPROP_FILE_ENV = "FARM_AGENT_GETPROP_FILE"
+ANDROID_GETPROP = "/system/bin/getprop"
+# What names a physical adapter (DeviceCaps.as_dict() keys); features and limits follow from it.
+ADAPTER_IDENTITY = ("vendor", "architecture", "device", "backend", "adapter_type", "vendor_id", "device_id")
+
+
+def android_properties() -> dict[str, str]:
+    """The system properties of the Android device this agent runs on ($FARM_AGENT_GETPROP_FILE,
+    else /system/bin/getprop, which Termux can run); {} on any other system."""
+    path = os.environ.get(GETPROP_FILE_ENV)
+    if path:
+        return parse_getprop(_read(path))
+    if Path(ANDROID_GETPROP).is_file():
+        return parse_getprop(_command([ANDROID_GETPROP]))
+    return {}
+
+
+def engine_runtime() -> dict[str, str]:
+    """The runtime the engine's GPU work goes through: wgpu-native's version as loaded (the
+    driver's partner in every timing), and the Python binding's."""
+    runtime = {"kind": "wgpu-native"}
+    try:
+        from importlib.metadata import version
+
+        import wgpu.backends.wgpu_native as native
+
+        runtime["version"] = ".".join(str(n) for n in native.lib_version_info)
+        runtime["binding"] = f"wgpu-py {version('wgpu')}"
+    except Exception:  # no wgpu here, or not installed as a distribution: say only what is known
+        pass
+    return runtime
+
+
+def read_environment(adapter: dict, clocks_mhz: dict[str, float] | None = None) -> RunEnvironment:
+    """The environment a run starts in on this device: OS, its build, kernel, GPU driver and
+    adapter (`adapter`, a DeviceCaps dict), the engine runtime, and the clocks (`clocks_mhz`
+    when the caller has just read them, else read now; empty where unreadable). Android is
+    recognised by its properties (android_properties), whether the agent runs there under
+    Termux or for the virtual phone."""
+    props = android_properties()
+    if props:
+        system = "android"
+        os_version = props.get("ro.build.version.release", "")
+        os_build = props.get("ro.build.fingerprint", "")
+    else:
+        system = platform.system().lower()
+        os_version = _local_os_version(system)
+        os_build = _os_release().get("PRETTY_NAME", "") if system == "linux" else \
+            platform.version() if system == "windows" else ""
+    if clocks_mhz is None:
+        clocks_mhz = read_thermal_local(with_clocks=True)[1]
+    identity = {k: adapter[k] for k in ADAPTER_IDENTITY if k in adapter}
+    return RunEnvironment(
+        os=system, os_version=os_version, os_build=os_build, kernel=platform.release(),
+        driver=str(adapter.get("description") or ""),
+        adapter=identity | ({"adapter_id": adapter_id(adapter)} if adapter else {}),
+        runtime=engine_runtime(), clocks_mhz=dict(clocks_mhz),
+    )
+
+
+def _os_release() -> dict[str, str]:
+    """/etc/os-release as {KEY: value} (quotes removed)."""
+    out = {}
+    for line in _read("/etc/os-release").splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value.strip().strip('"')
+    return out
 
 
 def read_thermal_local(with_clocks: bool = False):

@@ -54,7 +54,10 @@ ThermalFn = Callable[[], "float | None"]  # the hottest zone now, in Celsius
 LOCK_NAME = "device.lock"
 LOCK_MARGIN_S = 120.0  # past time limit + cool-down, a lock whose holder still lives is overdue
 LOG_TAIL_CHARS = 4000
-SHIPPED_PROFILES = ("auto", "reference")
+SHIPPED_PROFILES = ("auto", "family", "reference")  # built into the engine: names, not paths
+# A build's profiles tuned on one exact GPU (`farm profiles promote`): "auto" picks the one
+# made on this device's GPU over its family's.
+TUNED_PROFILES_DIR = "profiles/tuned"
 RESULT_EVENT = "result"
 
 
@@ -233,8 +236,10 @@ def read_hottest_celsius() -> float | None:
 
 def cool_down(cooldown, thermal: ThermalFn, log: Callable[[str], None], emit: ProgressFn,
               sleep: Callable[[float], None] = time.sleep) -> tuple[float, bool]:
-    """Poll until the hottest zone is at most cooldown.max_celsius; (seconds waited, timed out)."""
+    """Poll until the hottest zone is at most cooldown.max_celsius, or until its trend has
+    settled (cooling_rate); (seconds waited, timed out)."""
     t0 = time.monotonic()
+    readings: list[tuple[float, float]] = []  # (seconds since t0, celsius)
     while True:
         try:
             celsius = thermal()
@@ -245,15 +250,41 @@ def cool_down(cooldown, thermal: ThermalFn, log: Callable[[str], None], emit: Pr
         if celsius is None:
             log("cool-down: this device reports no temperatures; not waiting")
             return waited, False
-        emit({"event": "cooldown", "celsius": celsius, "max_celsius": cooldown.max_celsius, "waited_s": round(waited, 3)})
+        readings.append((waited, celsius))
+        rate = cooling_rate(readings, cooldown.settle_window_s)
+        emit({"event": "cooldown", "celsius": celsius, "max_celsius": cooldown.max_celsius, "waited_s": round(waited, 3)}
+             | ({} if rate is None else {"c_per_min": round(rate, 3)}))
         if celsius <= cooldown.max_celsius:
             log(f"cool-down: {celsius:.1f} C <= {cooldown.max_celsius:.1f} C after {waited:.1f} s")
+            return waited, False
+        if rate is not None and rate < cooldown.settle_c_per_min:
+            log(f"cool-down: settled at {celsius:.1f} C (> {cooldown.max_celsius:.1f} C) after {waited:.1f} s: "
+                f"cooling {rate:.2f} C/min over the last {cooldown.settle_window_s:g} s, "
+                f"under {cooldown.settle_c_per_min:g}; waiting longer would not cool it")
             return waited, False
         if waited >= cooldown.max_wait_s:
             log(f"cool-down: still {celsius:.1f} C > {cooldown.max_celsius:.1f} C after {waited:.1f} s; "
                 "running anyway (cooldown_timed_out)")
             return waited, True
         sleep(max(0.0, min(cooldown.poll_s, cooldown.max_wait_s - waited)))
+
+
+def cooling_rate(readings: list[tuple[float, float]], window_s: float) -> float | None:
+    """How fast the device cools, in C per minute (negative: it warms), from the least-squares
+    slope of the readings of the last `window_s` seconds; None until the readings span the
+    window (with at least three of them)."""
+    if not readings or readings[-1][0] - readings[0][0] < window_s:
+        return None
+    recent = [(t, c) for t, c in readings if t >= readings[-1][0] - window_s]
+    if len(recent) < 3:
+        return None
+    mean_t = sum(t for t, _ in recent) / len(recent)
+    mean_c = sum(c for _, c in recent) / len(recent)
+    var_t = sum((t - mean_t) ** 2 for t, _ in recent)
+    if var_t <= 0:
+        return None
+    slope = sum((t - mean_t) * (c - mean_c) for t, c in recent) / var_t  # C per second
+    return -slope * 60.0
 
 
 # ---- the plan: what the child runs --------------------------------------------------------
@@ -304,25 +335,68 @@ def _plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot) -> dict:
     if not model.exists():
         where = f"build {build.build_id!r}" if build is not None and not Path(spec.model).is_absolute() else "this device"
         raise JobError(f"model {spec.model!r} not found in {where} (looked at {model})")
-    profile = spec.profile
+    profile, extra = spec.profile, []
+    if spec.profile_document is not None:
+        # A profile the farm sent with the job ("tuned": the newest one tuned on this GPU).
+        path = out_dir / "profile-used.json"
+        atomic_write(path, (json.dumps(spec.profile_document, indent=1) + "\n").encode())
+        profile = str(path)
+    elif profile == "tuned":
+        raise JobError("profile 'tuned' is chosen by the farm, which sends the profile with the job; "
+                       "name a profile (auto, family, reference, a shipped name or a path)")
     if profile == "auto" and build is not None and (build.path / DEFAULT_PROFILE_FILE).is_file():
         # The build names the profile its jobs use unless a job asks for one.
         profile = (build.path / DEFAULT_PROFILE_FILE).read_text().strip() or "auto"
-    if profile not in SHIPPED_PROFILES and build is not None and (build.path / profile).is_file():
+    if spec.profile_document is not None:
+        pass  # written above, in the job's own folder
+    elif profile not in SHIPPED_PROFILES and build is not None and (build.path / profile).is_file():
         profile = str(fs.within(build.path, profile, "profile"))  # else a shipped profile's name or a device path
     elif profile not in SHIPPED_PROFILES and fs.confined:
         # A shipped profile's name passes (nothing of that name is outside); a path is the device's.
         profile = str(fs.device(profile, "profile") if Path(profile).is_absolute() else fs.check(profile, "profile"))
+    if profile == "auto" and build is not None and (build.path / TUNED_PROFILES_DIR).is_dir():
+        extra = [str(fs.within(build.path, f"{TUNED_PROFILES_DIR}/{p.name}", "profile"))
+                 for p in sorted((build.path / TUNED_PROFILES_DIR).glob("*.json"))]
     return {
-        "spec": to_dict(spec),
+        "spec": to_dict(spec) | {"init_image": _init_image(spec, build, out_dir, fs)},
         "model": str(model),
         "profile": profile,
+        "tuned_profiles": extra,  # with "auto": the build's, beside the engine's shipped ones
         "build": build.build_id if build is not None else None,
         "build_path": str(build.path) if build is not None else None,
         "out_dir": str(out_dir),
         "root": str(root),
         "confined": fs.confined,
     }
+
+
+def _init_image(spec: JobSpec, build, out_dir: Path, fs: FsRoot) -> str | None:
+    """The init image as a file the child opens: a data: URI is written to out_dir (the job's
+    record keeps the image it started from), a path is looked up in the build or on the device."""
+    import base64
+    import binascii
+
+    value = spec.init_image
+    if value is None:
+        return None
+    if value.startswith("data:"):
+        kind, _, payload = value.partition(",")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise JobError(f"init image: the data: URI is not valid base64 ({exc})") from None
+        path = out_dir / ("init_image.png" if "png" in kind else "init_image.jpg")
+        atomic_write(path, data)
+        return str(path)
+    if not Path(value).is_absolute():
+        if build is None:
+            raise JobError(f"init image {value!r} is relative to a build, but no build is installed")
+        path = fs.within(build.path, value, "init image")
+    else:
+        path = fs.device(value, "init image")
+    if not path.is_file():
+        raise JobError(f"init image {value!r} not found (looked at {path})")
+    return str(path)
 
 
 def _child_env(plan: dict) -> dict:
@@ -451,7 +525,8 @@ def _run_child(plan: dict, spec: JobSpec, result: JobResult, lock: DeviceLock, l
     except ProtocolError as exc:
         result.error = f"the job process returned an unreadable result: {exc}"
         return
-    for name in ("status", "error", "device", "engine", "samples", "kernel_timings", "thermal", "artifacts"):
+    for name in ("status", "error", "device", "engine", "samples", "kernel_timings", "thermal", "artifacts",
+                 "environment"):
         setattr(result, name, getattr(child, name))
 
 
@@ -506,19 +581,30 @@ class _Child:
         for stage, nbytes in g.stage_peak_gpu_bytes.items():
             self.sample(f"{stage}_peak_gpu_bytes", nbytes, "bytes", repetition)
 
-    def thermal(self, phase: str) -> None:
-        """Best effort: a device without readable zones just has none."""
+    def thermal(self, phase: str):
+        """Best effort: a device without readable zones just has none. Returns the DeviceInfo
+        read (its clocks serve the run's environment), or None."""
         try:
             from agent.deviceinfo import collect_local
 
             info = collect_local(adapter=self.caps.as_dict() if self.caps else {"device": "not queried"})
         except Exception as exc:
             print(f"[job] thermal readings unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return
+            return None
         for zone in info.thermal:
             self.result.thermal.append(ThermalReading(phase, zone.name, float(zone.celsius)))
         if info.battery is not None and info.battery.celsius is not None:
             self.result.thermal.append(ThermalReading(phase, "battery", float(info.battery.celsius)))
+        return info
+
+    def environment(self, clocks_mhz: dict[str, float] | None) -> None:
+        """Best effort too: the OS, kernel, driver, adapter and runtime this run starts in."""
+        try:
+            from agent.deviceinfo import read_environment
+
+            self.result.environment = read_environment(self.caps.as_dict(), clocks_mhz)
+        except Exception as exc:
+            print(f"[job] environment unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def engine_info(self, pipe=None, **extra) -> None:
         caps = self.caps
@@ -529,7 +615,18 @@ class _Child:
             info |= {"profile": pipe.selection.profile_name, "precision": pipe.precision,
                      "residency": pipe.residency, "selection": dict(sorted(decisions.items())),
                      "warnings": list(dict.fromkeys(pipe.notes + pipe.selection.warnings))}
+            if self.result.environment is not None:
+                self.result.environment.profile = profile_identity(self.profile, pipe.selection.profile_name, caps)
         self.result.engine = info | extra
+
+    def profile(self):
+        """What the pipeline loads with: the plan's profile, or for "auto" with a build's tuned
+        profiles, the Profile chosen among them and the shipped ones for this GPU."""
+        if self.plan["profile"] != "auto" or not self.plan.get("tuned_profiles"):
+            return self.plan["profile"]
+        from engine.profiles import auto_profile, load_profile_file
+
+        return auto_profile(self.caps, extra=[load_profile_file(Path(p)) for p in self.plan["tuned_profiles"]])
 
     def size(self, pipe) -> tuple[int, int]:
         return self.spec.height or pipe.native_size[0], self.spec.width or pipe.native_size[1]
@@ -539,7 +636,7 @@ class _Child:
 
         self.phase("load", model=self.plan["model"], profile=self.plan["profile"])
         t0 = time.perf_counter()
-        pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.plan["profile"])
+        pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.profile())
         self.sample("load_ms", (time.perf_counter() - t0) * 1e3, "ms")
         return pipe
 
@@ -547,7 +644,8 @@ class _Child:
         s = self.spec
         return pipe.generate(s.prompt, negative_prompt=s.negative_prompt, steps=s.steps,
                              guidance_scale=s.guidance_scale, seed=s.seed, height=height, width=width,
-                             scheduler=s.scheduler, progress=self.steps(phase, repetition))
+                             scheduler=s.scheduler, progress=self.steps(phase, repetition),
+                             init_image=s.init_image, strength=s.strength)
 
     # -- the kinds
 
@@ -557,7 +655,8 @@ class _Child:
         self.caps = get_gpu().caps
         self.result.device = self.caps.device
         self.engine_info()
-        self.thermal("before")
+        before = self.thermal("before")
+        self.environment(before.clocks_mhz if before is not None else None)
         getattr(self, f"run_{self.spec.kind}")()
         self.thermal("after")
         self.result.status = "succeeded"
@@ -575,27 +674,25 @@ class _Child:
         meta = PngInfo()
         for key in ("job_id", "prompt", "negative_prompt", "seed", "steps", "scheduler", "guidance_scale"):
             meta.add_text(key, str(getattr(self.spec, key)))
+        if self.spec.init_image is not None:
+            meta.add_text("strength", str(self.spec.strength))
+            meta.add_text("init_image_sha256", sha256_file(Path(self.spec.init_image)))
         path = self.out_dir / "image.png"
         Image.fromarray(g.image).save(path, pnginfo=meta)
         self.result.artifacts.append(artifact(self.out_dir, path, "image"))
-        self.engine_info(pipe, height=height, width=width, generation_warnings=g.warnings)
+        clock = self.kernel_timings_after(pipe, height, width)
+        self.engine_info(pipe, height=height, width=width, generation_warnings=g.warnings, kernel_timing=clock)
 
     def run_latency(self) -> None:
         """Warm-ups, then spec.unet_repetitions timed UNet CFG steps (batch 2, reading the result
         back, so each is timed to GPU completion), then as many profiled steps for per-kernel
         GPU times (profiling splits passes, so they are kept apart from the timed ones), then
         spec.repetitions timed end-to-end generations."""
-        import numpy as np
-
         s = self.spec
         pipe = self.load()
         rt = pipe.rt
         height, width = self.size(pipe)
-        f = pipe.vae_scale_factor
-        rng = np.random.default_rng(s.seed)
-        sample = rng.standard_normal((2, pipe.latent_channels, height // f, width // f), dtype=np.float32)
-        t = 981  # the first timestep of a 1000-step schedule; step cost does not depend on it
-        ctx_np = pipe.encode_text(pipe.tokenize([s.negative_prompt, s.prompt]))  # (2, 77, D)
+        sample, t, ctx_np = self.unet_inputs(pipe, height, width)
         timed_kernels = s.kernel_timings and self.caps.has_timestamps
         with pipe.weights_on_gpu("unet"):
             ctx = rt.upload(ctx_np, pipe.dtype)
@@ -612,16 +709,7 @@ class _Child:
                     self.emit({"event": "step", "phase": "unet_step", "done": r + 1, "total": s.unet_repetitions})
             self.sample("unet_step_peak_gpu_bytes", watch.peak_bytes, "bytes")
             if timed_kernels:
-                self.phase("kernel_timings", repetitions=s.unet_repetitions)
-                rt.set_profiling(True)
-                try:
-                    rt.take_kernel_times()
-                    for r in range(s.unet_repetitions):
-                        pipe._unet(sample, t, ctx)
-                        for label, kt in sorted(rt.take_kernel_times().items()):
-                            self.result.kernel_timings.append(KernelTiming(label, kt.calls, kt.total_ms, r))
-                finally:
-                    rt.set_profiling(False)
+                self.time_kernels(pipe, sample, t, ctx, s.unet_repetitions)
             del ctx
         for r in range(s.warmup):
             self.phase("e2e_warmup", repetition=r)
@@ -634,6 +722,45 @@ class _Child:
                                                  if self.caps.adapter_type.lower() == "cpu" else ""))
         self.engine_info(pipe, height=height, width=width, unet_batch=2, unet_timestep=t, kernel_timing=clock,
                          kernel_timing_repetitions=s.unet_repetitions if timed_kernels else 0)
+
+    def unet_inputs(self, pipe, height: int, width: int):
+        """A UNet CFG step's inputs: seeded latents (batch 2), a timestep, the prompt's context."""
+        import numpy as np
+
+        f = pipe.vae_scale_factor
+        rng = np.random.default_rng(self.spec.seed)
+        sample = rng.standard_normal((2, pipe.latent_channels, height // f, width // f), dtype=np.float32)
+        t = 981  # the first timestep of a 1000-step schedule; step cost does not depend on it
+        return sample, t, pipe.encode_text(pipe.tokenize([self.spec.negative_prompt, self.spec.prompt]))
+
+    def time_kernels(self, pipe, sample, t, ctx, repetitions: int) -> None:
+        """Per-kernel GPU times of `repetitions` profiled UNet steps (profiling splits passes, so
+        these steps are never the timed ones)."""
+        rt = pipe.rt
+        self.phase("kernel_timings", repetitions=repetitions)
+        rt.set_profiling(True)
+        try:
+            rt.take_kernel_times()
+            for r in range(repetitions):
+                pipe._unet(sample, t, ctx)
+                for label, kt in sorted(rt.take_kernel_times().items()):
+                    self.result.kernel_timings.append(KernelTiming(label, kt.calls, kt.total_ms, r))
+        finally:
+            rt.set_profiling(False)
+
+    def kernel_timings_after(self, pipe, height: int, width: int) -> str:
+        """Generate and tune: one profiled UNet step after the work (the work itself stays
+        unprofiled); returns what the result's engine info says about the kernel clock."""
+        if not self.spec.kernel_timings:
+            return "off"
+        if not self.caps.has_timestamps:
+            return "unavailable (no timestamp-query)"
+        sample, t, ctx_np = self.unet_inputs(pipe, height, width)
+        with pipe.weights_on_gpu("unet"):
+            ctx = pipe.rt.upload(ctx_np, pipe.dtype)
+            self.time_kernels(pipe, sample, t, ctx, 1)
+            del ctx
+        return "gpu timestamp queries, one UNet step after the " + str(self.spec.kind)
 
     def run_tune(self) -> None:
         from engine.device import get_gpu
@@ -654,10 +781,44 @@ class _Child:
                                                           "what": what}))
         self.sample("tune_ms", (time.perf_counter() - t0) * 1e3, "ms")
         self.result.artifacts.append(artifact(self.out_dir, path, "profile"))
-        self.engine_info(None, profile=doc["name"], precision="fp16" if dtype == "f16" else "fp32",
+        precision = "fp16" if dtype == "f16" else "fp32"
+        clock = "off"
+        if s.kernel_timings:  # the UNet's kernels under the profile just tuned
+            from engine import load_pipeline
+
+            pipe = load_pipeline(self.plan["model"], precision=precision, profile=str(path))
+            clock = self.kernel_timings_after(pipe, height, width)
+        from engine.profiles import auto_profile
+        from engine.tune import estimated_gain
+
+        family = auto_profile(gpu.caps, tuned=False)
+        self.engine_info(None, profile=doc["name"], precision=precision,
                          height=height, width=width, tuned_pairs=len(doc["measurements"]),
                          optimized_pairs=sum(1 for m in doc["measurements"] if m["chosen"] != "reference"),
-                         rules=len(doc["rules"]))
+                         rules=len(doc["rules"]), kernel_timing=clock, family_profile=family.name,
+                         estimated_gain=estimated_gain(doc, family, gpu.caps))
+
+
+def profile_identity(spec: Callable[[], object], name: str, caps) -> dict[str, str]:
+    """{"name", "sha256"} of the profile a pipeline runs with (`spec()` gives what the pipeline
+    was loaded with, `name` is what its selection reports): engine.profiles.profile_sha256 of
+    the document, the file's as a tune wrote it and the farm registered it, or a built-in
+    profile's own; only the name when that no longer resolves to the same profile."""
+    import warnings
+
+    from engine.profiles import profile_sha256, resolve_profile
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the load already warned about a foreign profile
+            profile = resolve_profile(spec(), caps)
+        if profile.name != name:
+            return {"name": name}
+        source = Path(profile.source)
+        doc = json.loads(source.read_text()) if source.is_file() else profile.to_json()
+    except Exception:  # unreadable now: the name is still known
+        return {"name": name}
+    return {"name": name, "sha256": profile_sha256(doc)}
 
 
 def error_text(exc: BaseException) -> str:

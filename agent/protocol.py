@@ -3,6 +3,9 @@
 (what the device is) and the bundle Manifest (what a build ships). Every document carries
 `protocol`; a document of another protocol version is refused on both sides with an error
 naming both versions, because a silently misread result would poison the regression history.
+A field added with a default keeps the version: a document of an older agent, which lacks it,
+still parses (JobResult.environment came this way), while the older side refuses the newer
+document's unknown field; so the orchestrator is upgraded before the agents it deploys.
 
 Plain dataclasses and JSON, so the device side needs nothing beyond the standard library.
 """
@@ -36,14 +39,24 @@ class ProtocolError(ValueError):
 # ---- job specification --------------------------------------------------------------------
 
 
+INIT_IMAGE_MAX_BYTES = 8 * 2**20  # an init image travels inside the job spec
+INIT_IMAGE_MAX_CHARS = 32 + (INIT_IMAGE_MAX_BYTES + 2) // 3 * 4
+INIT_IMAGE_URI = re.compile(r"data:image/(png|jpeg);base64,[A-Za-z0-9+/=]*")
+
+
 @dataclass
 class Cooldown:
     """Wait, before the job, until the device's hottest thermal reading is at most
-    `max_celsius`, polling every `poll_s`, for at most `max_wait_s`."""
+    `max_celsius`, polling every `poll_s`, for at most `max_wait_s`; or until the device's own
+    temperature trend says waiting no longer cools it: over the last `settle_window_s` it fell
+    by less than `settle_c_per_min` (a device that idles above `max_celsius`, or one warmed by
+    a neighbour's work, has settled and is not cooler a minute later)."""
 
     max_celsius: float = 40.0
     max_wait_s: float = 300.0
     poll_s: float = 5.0
+    settle_window_s: float = 30.0
+    settle_c_per_min: float = 0.5
 
 
 @dataclass
@@ -58,7 +71,11 @@ class JobSpec:
     precision: Literal["fp32", "fp16"] = "fp16"
     height: int | None = None  # None: the model's native size
     width: int | None = None
-    profile: str = "auto"  # "auto", "reference", a shipped profile name, or a path in the build
+    # "auto" (this GPU's tuned profile if the build has one, else its family's), "family",
+    # "reference", a shipped profile name, a path in the build, or "tuned" with the document
+    # below (the farm sends the newest profile tuned on the device's GPU).
+    profile: str = "auto"
+    profile_document: dict[str, Any] | None = None
     # generate and latency
     prompt: str = "a photograph of an astronaut riding a horse"
     negative_prompt: str = ""
@@ -77,6 +94,11 @@ class JobSpec:
     # every kind
     time_limit_s: float = 3600.0
     cooldown: Cooldown | None = None
+    # img2img (generate only): the starting image, noised to `strength` (1.0: fully) and then
+    # denoised. A data: URI of a PNG or JPEG (what `farm jobs submit --init-image` sends, so
+    # the image travels with the job), a path in the build, or a path on the device.
+    init_image: str | None = None
+    strength: float = 0.8
     protocol: int = PROTOCOL_VERSION
 
     def __post_init__(self):
@@ -89,6 +111,17 @@ class JobSpec:
                 raise ProtocolError(f"JobSpec.{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0 or self.time_limit_s <= 0:
             raise ProtocolError("JobSpec.warmup must be >= 0 and time_limit_s > 0")
+        if not 0.0 < self.strength <= 1.0:
+            raise ProtocolError(f"JobSpec.strength must be in (0, 1], got {self.strength}")
+        if self.init_image is not None:
+            if self.kind != "generate":
+                raise ProtocolError(f"JobSpec.init_image is for generate jobs, not {self.kind}")
+            if self.init_image.startswith("data:") and not INIT_IMAGE_URI.fullmatch(self.init_image[:64]):
+                raise ProtocolError("JobSpec.init_image: a data: URI must be data:image/png;base64,... "
+                                    "or data:image/jpeg;base64,...")
+            if len(self.init_image) > INIT_IMAGE_MAX_CHARS:
+                raise ProtocolError(f"JobSpec.init_image is {len(self.init_image)} characters; at most "
+                                    f"{INIT_IMAGE_MAX_CHARS} (an {INIT_IMAGE_MAX_BYTES // 2**20} MiB image)")
 
 
 # ---- job result ---------------------------------------------------------------------------
@@ -128,6 +161,34 @@ class Artifact:
 
 
 @dataclass
+class RunEnvironment:
+    """What one run ran on, read by the agent on the device when the run started: a phone that
+    updates between two runs records two environments, whatever the device's record says.
+
+    The fields that make two runs' numbers comparable are os, os_version, os_build, kernel,
+    driver, the adapter's identity and the runtime (orchestrator/environment.py keys series
+    by them). clocks_mhz and profile are kept with the run but are no part of that key: clocks
+    move from one run to the next, and the profile is what the build ships (a new profile is
+    the build's doing). Readings the device does not give stay empty, never guessed."""
+
+    os: str = ""  # android, linux, darwin, windows
+    os_version: str = ""  # Android's release ("14"); Linux's kernel release; macOS's version
+    os_build: str = ""  # Android's ro.build.fingerprint (new with every update); a Linux distribution's name
+    kernel: str = ""  # uname's release
+    driver: str = ""  # the GPU driver as the adapter describes it (name and version)
+    # vendor, architecture, device, backend, adapter_type, vendor_id, device_id, adapter_id
+    adapter: dict[str, Any] = field(default_factory=dict)
+    # {"kind": "wgpu-native", "version": "29.0.1.1", "binding": "wgpu-py 0.32.0"}, or
+    # {"kind": "browser", "name": "Chrome", "version": "131.0.6778.39"} for the browser executor
+    runtime: dict[str, str] = field(default_factory=dict)
+    clocks_mhz: dict[str, float] = field(default_factory=dict)  # gpu, cpu0, ... where readable
+    profile: dict[str, str] = field(default_factory=dict)  # the profile the engine ran: name, sha256
+    # "agent": read on the device for this run; "device-record": filled by the control plane
+    # from its record of the device, for a result of an agent that did not send one
+    source: str = "agent"
+
+
+@dataclass
 class JobResult:
     job_id: str
     kind: JobKind
@@ -144,6 +205,7 @@ class JobResult:
     cooldown_timed_out: bool = False
     artifacts: list[Artifact] = field(default_factory=list)
     log_tail: str = ""
+    environment: RunEnvironment | None = None  # None from agents older than RunEnvironment
     protocol: int = PROTOCOL_VERSION
 
 

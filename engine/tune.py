@@ -146,3 +146,28 @@ def tune(
     finally:
         tmp.unlink(missing_ok=True)
     return doc
+
+
+def estimated_gain(doc: dict, baseline, caps) -> dict:
+    """What a tuned profile saves against `baseline` (a Profile: the GPU family's), from the
+    tune's own kernel measurements: the sum over measured calls of the baseline's choice's
+    median time over the sum of the tuned choice's. Calls where the baseline picks a setting
+    the tune did not measure are left out and counted. An estimate from single kernels, not a
+    UNet step: only a latency run with each profile measures the gain."""
+    from .profiles import parse_profile
+
+    tuned_sel, base_sel = parse_profile(doc).selection(caps), baseline.selection(caps)
+    total_base = total_tuned = 0.0
+    pairs = skipped = 0
+    for m in doc.get("measurements", []):
+        times = {(r["variant"], json.dumps(r["constants"], sort_keys=True)): r["median_ms"] for r in m["results"]}
+        picks = []
+        for sel in (base_sel, tuned_sel):
+            variant, consts = sel.choose(m["op"], m["shape"])
+            picks.append(times.get((variant.name, json.dumps(dict(consts), sort_keys=True))))
+        if None in picks:
+            skipped += 1
+            continue
+        total_base, total_tuned, pairs = total_base + picks[0], total_tuned + picks[1], pairs + 1
+    return {"baseline": baseline.name, "gain": total_base / total_tuned if total_tuned > 0 else None,
+            "calls": pairs, "calls_not_comparable": skipped}

@@ -101,6 +101,9 @@ def make_celery(settings: Settings) -> Celery:
             # The farm's own schedules live in the database (`farm schedules`); beat only ticks.
             "check-schedules": {"task": "orchestrator.tasks.check_schedules",
                                 "schedule": SCHEDULE_TICK_S, "options": {"queue": DEFAULT_QUEUE}},
+            # Offline devices are probed again with back-off until they answer (orchestrator/health.py).
+            "health-check": {"task": "orchestrator.tasks.health_check",
+                             "schedule": settings.health_check_every_s, "options": {"queue": DEFAULT_QUEUE}},
         },
     )
     app.farm_settings = settings

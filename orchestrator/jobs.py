@@ -45,6 +45,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from agent.protocol import JobSpec, from_dict
+from orchestrator import profiles
 from orchestrator.celery_app import DEFAULT_QUEUE, host_queue
 from orchestrator.db import make_engine, make_session_factory, store
 from orchestrator.db.models import (
@@ -404,6 +405,7 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
     models: dict[int, str] = {}
     for device in targets:
         deployments: dict[int, Deployment] = {}
+        tune_job: int | None = None  # a "tuned" latency job runs after the device's tune job
         for index, (entry, job_build) in enumerate(zip(jobs, entry_builds, strict=True)):
             spec = dict(entry.get("spec") or {})
             if not spec.get("model"):
@@ -414,8 +416,12 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
                 deployments[job_build.id] = store.create_deployment(session, job_build.id, device.id,
                                                                     batch_id=batch.id, due_at=_grace(settings))
             key = f"{idempotency_key}:{device.serial}:{index}" if idempotency_key else None
-            store.create_job(session, entry["kind"], spec, device.id, job_build.id, key, schedule_id=schedule_id,
-                             batch_id=batch.id, deployment_id=deployments[job_build.id].id)
+            after = tune_job if spec.get("profile") == profiles.TUNED else None
+            job = store.create_job(session, entry["kind"], spec, device.id, job_build.id, key,
+                                   schedule_id=schedule_id, batch_id=batch.id,
+                                   deployment_id=deployments[job_build.id].id, after_job_id=after)
+            if entry["kind"] == "tune":
+                tune_job = job.id
         for deployment in deployments.values():
             sends.deployment(session, settings, deployment.id, deployment.dispatch_seq)
     return batch.id
@@ -515,6 +521,8 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
             if seq is not None and job.dispatch_seq != seq:
                 return "superseded"
             device = job.device
+            if _prior_pending(session, job):
+                return "waiting"  # its prior job sends it again when it succeeds
             if device.state == DeviceState.quarantined:
                 _end_job(session, sends, job, f"device {device.serial} is quarantined "
                                               f"({device.state_reason or 'no reason given'}); the job did not run")
@@ -531,10 +539,19 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
                 job = store.transition_job(session, job_id, JobState.running, worker=worker)
                 device_id, attempt, batch_id = device.id, job.attempts, job.batch_id
                 timed = job.kind in store.TIMED_KINDS
-                fields = dict(job.spec or {}) | {"job_id": f"job{job_id}-a{attempt}", "kind": str(job.kind)}
-                if job.build is not None and not fields.get("build"):
-                    fields["build"] = job.build.name
-                outcome = None
+                problem = profiles.resolve_tuned(session, job)
+                if problem is not None:  # asked for a tuned profile that does not exist: its own fault
+                    store.transition_job(session, job_id, JobState.failed, error=problem, attempt=attempt)
+                    _hand_over(session, settings, sends, device_id, holder)
+                    _after_job(session, sends, job_id, JobState.failed)
+                    if batch_id is not None:
+                        sends.batches.add(batch_id)
+                    outcome = str(JobState.failed)
+                else:
+                    fields = dict(job.spec or {}) | {"job_id": f"job{job_id}-a{attempt}", "kind": str(job.kind)}
+                    if job.build is not None and not fields.get("build"):
+                        fields["build"] = job.build.name
+                    outcome = None
     except store.InvalidTransition:
         return "skipped"
     if outcome is not None:
@@ -566,7 +583,9 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
                 state = JobState.succeeded if result.status == "succeeded" else JobState.failed
                 store.transition_job(session, job_id, state, error=result.error, log_tail=result.log_tail,
                                      attempt=attempt)
-                store.record_result(session, job_id, result, attempt, artifacts_dir=out_dir)
+                run = store.record_result(session, job_id, result, attempt, artifacts_dir=out_dir)
+                store.count_job_outcome(session, device_id, state)  # it ran: the device's failures in a row end
+                profiles.register(session, store.get_job(session, job_id), run, result, out_dir)  # tune jobs
                 if batch_id is not None:
                     sends.batches.add(batch_id)
             else:
@@ -576,8 +595,11 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
                 if state == JobState.infra_failed:
                     if _retry_or_end(session, settings, sends, job_id):
                         state = "requeued"
+                    else:  # it ended so: the third in a row quarantines the device (docs/devices.md)
+                        store.count_job_outcome(session, device_id, state, error)
                 elif batch_id is not None:
                     sends.batches.add(batch_id)
+            _after_job(session, sends, job_id, state)
             _hand_over(session, settings, sends, device_id, holder)
         released = True
     except store.InvalidTransition:
@@ -661,12 +683,33 @@ def _after_deployment(session: Session, settings: Settings, sends: Sends, deploy
                                                 Job.state == JobState.queued).order_by(Job.id)).all()
     build = session.get(Build, store.get_deployment(session, deployment_id).build_id)
     for job in waiting:
+        if status == DeploymentStatus.succeeded and _prior_pending(session, job):
+            continue  # its prior job sends it when it succeeds (_after_job)
         if status == DeploymentStatus.succeeded:
             sends.job(session, settings, job.id, store.redispatch_job(session, job.id, _grace(settings),
                                                                       new_message=True))
         else:
             _end_job(session, sends, job, f"deployment of {build.name if build else '?'} to {job.device.serial} "
                                           f"failed: {error}")
+
+
+def _prior_pending(session: Session, job: Job) -> bool:
+    """`job` runs after another job that has not ended yet."""
+    if job.after_job_id is None:
+        return False
+    prior = session.get(Job, job.after_job_id)
+    return prior is not None and prior.state in (JobState.queued, JobState.running)
+
+
+def _after_job(session: Session, sends: Sends, job_id: int, state: JobState | str) -> None:
+    """A job that ended without succeeding ends the jobs that were to run after it (a job that
+    succeeded hands its device, and so them, on in _hand_over)."""
+    if state not in (JobState.failed, JobState.infra_failed, JobState.cancelled):
+        return
+    waiting = session.scalars(select(Job).where(Job.after_job_id == job_id, Job.state == JobState.queued)
+                              .order_by(Job.id)).all()
+    for job in waiting:
+        _end_job(session, sends, job, f"job {job_id}, which it runs after, ended {state}; it did not run")
 
 
 # ---- the reconciler -----------------------------------------------------------------------
@@ -729,6 +772,10 @@ def reconcile(app: Celery) -> dict[str, list[int]]:
                 sends.deployment(session, settings, deployment.id, seq)
                 report["deployments_resent"].append(deployment.id)
 
+        for job in store.find_jobs_after_failed_jobs(session):
+            if _end_job(session, sends, job, f"job {job.after_job_id}, which it runs after, did not succeed; "
+                                             "it did not run"):
+                report["jobs_ended"].append(job.id)
         for job in store.find_jobs_of_failed_deployments(session):
             if _end_job(session, sends, job, f"deployment {job.deployment_id} to {job.device.serial} failed: "
                                              f"{job.deployment.error}"):
@@ -776,6 +823,11 @@ def analyze(app: Celery, batch_id: int) -> dict:
     with session_for(app) as session, session.begin():
         batch = store.get_batch(session, batch_id)
         report = analysis.analyze_batch(session, batch_id)
+        report["profile_gains"] = profiles.measure_gains(session, batch_id)
+        # Each series the batch fed, scanned over its whole history (not only inside an alert).
+        devices = {job.device for job in batch.jobs}
+        report["change_points"] = [point for device in sorted(devices, key=lambda d: d.serial)
+                                   for point in analysis.scan_change_points(session, device)]
         summary = batch_summary(session, batch_id) | {"analysis": report}
         rounds = extra_round(batch.idempotency_key)
         follow_up = report["more_repetitions"] if rounds < batch.max_extra_rounds else []

@@ -30,6 +30,12 @@ The reliability knobs (docs/reliability.md says what they promise):
 | message_grace_s  | 60      | a queued job's (or pending deployment's) message must start it within this, or it is sent again |
 | max_queue_wait_s | 86400   | a job still waiting for a busy device after this ends as infra_failed, saying why |
 | max_job_time_s   | 3600    | the longest time limit a job may ask for; Redis redelivers an unacknowledged message after this plus a margin |
+
+Device health (docs/devices.md):
+
+| field               | default | meaning |
+|---------------------|---------|---------|
+| health_check_every_s | 180    | beat runs the health check this often: offline and unauthorized devices due for a probe are probed (with back-off), busy devices nothing holds are freed |
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class Settings(BaseSettings):
     message_grace_s: float = Field(60.0, gt=0)
     max_queue_wait_s: float = Field(86400.0, gt=0)
     max_job_time_s: float = Field(3600.0, gt=0)
+    health_check_every_s: float = Field(180.0, gt=0)
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:

@@ -1,9 +1,10 @@
 """The farm's Celery tasks: thin wrappers that take ids and call the job path
-(orchestrator/jobs.py), where what the farm promises about delivery lives. Every task is safe
-to run twice (delivery is at least once): run_job and deploy carry the dispatch sequence
-number of the message that sent them; a job whose device is busy waits in the store (no
-message) until the device is handed to it, and a deployment's wait is a Celery retry with the
-countdown the job path chose. No task waits on another task's result."""
+(orchestrator/jobs.py), where what the farm promises about delivery lives, or the device health
+check (orchestrator/health.py). Every task is safe to run twice (delivery is at least once):
+run_job and deploy carry the dispatch sequence number of the message that sent them; a job
+whose device is busy waits in the store (no message) until the device is handed to it, and a
+deployment's wait is a Celery retry with the countdown the job path chose; a probe re-reads
+whether its device still needs one. No task waits on another task's result."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import logging
 
 from celery import shared_task
 
-from orchestrator import jobs
+from orchestrator import health, jobs
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,19 @@ def reconcile(self) -> dict[str, list[int]]:
 def check_schedules(self) -> list[int]:
     """Beat's tick: fire the database's due schedules, each firing once."""
     return jobs.fire_due_schedules(self.app)
+
+
+@shared_task(bind=True, name="orchestrator.tasks.health_check")
+def health_check(self) -> dict[str, list[int]]:
+    """Beat's health check: free busy devices nothing holds, and send a probe of each offline or
+    unauthorized device that is due to its host's queue (orchestrator.health.check)."""
+    return health.check(self.app)
+
+
+@shared_task(bind=True, name="orchestrator.tasks.probe_device")
+def probe_device(self, device_id: int) -> str:
+    """Probe one device for the health check and record the answer (orchestrator.health.probe_device)."""
+    return health.probe_device(self.app, device_id)
 
 
 @shared_task(bind=True, name="orchestrator.tasks.analyze_batch")

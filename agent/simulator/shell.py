@@ -418,6 +418,9 @@ class Shell:
         thermal_dir = self.fs.base.parent / "agent-thermal"
         env["FARM_AGENT_THERMAL_DIR"] = str(thermal_dir)
         self._mirror_thermal(thermal_dir)
+        props = self.fs.base.parent / "agent-getprop.txt"  # the phone's OS, for each run's environment
+        props.write_text(self.android.getprop())
+        env["FARM_AGENT_GETPROP_FILE"] = str(props)
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True)

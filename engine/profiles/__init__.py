@@ -18,6 +18,7 @@ priority. The built-in `reference` profile has no rules (every reference kernel)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import warnings
@@ -199,17 +200,29 @@ def shipped_profiles() -> list[Profile]:
     return [load_profile_file(p) for p in sorted(PROFILE_DIR.glob("*.json")) if p.name != "schema.json"]
 
 
-def auto_profile(caps, tuned: bool = True) -> Profile:
-    """The shipped profile that matches the adapter, highest priority first; else reference.
-    tuned=False skips profiles measured for one exact GPU (to get its family's profile)."""
-    matching = [p for p in shipped_profiles() if p.matches(caps) and (tuned or not p.measurements)]
-    return max(matching, key=lambda p: p.priority) if matching else REFERENCE
+def auto_profile(caps, tuned: bool = True, extra: list[Profile] | tuple = ()) -> Profile:
+    """The profile that matches the adapter, highest priority first, among the shipped ones
+    and `extra` (a build's tuned profiles, which win a tie); else reference. A profile tuned
+    on one exact GPU (priority 100) beats its family's; tuned=False skips profiles measured
+    for one exact GPU (to get the family's profile)."""
+    candidates = [(p, 0) for p in shipped_profiles()] + [(p, 1) for p in extra]
+    matching = [(p, rank) for p, rank in candidates if p.matches(caps) and (tuned or not p.measurements)]
+    return max(matching, key=lambda pr: (pr[0].priority, pr[1]))[0] if matching else REFERENCE
+
+
+def profile_sha256(doc: dict) -> str:
+    """A profile document's identity: the SHA-256 of its canonical JSON (sorted keys, no
+    whitespace), so the same document hashes the same wherever it was written."""
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
 def resolve_profile(spec, caps) -> Profile:
-    """None/"auto", "reference", a shipped profile's name, a path, or a document dict."""
+    """None/"auto", "family" (auto without profiles tuned for one exact GPU), "reference", a
+    shipped profile's name, a path, or a document dict."""
     if spec is None or spec == "auto":
         return auto_profile(caps)
+    if spec == "family":
+        return auto_profile(caps, tuned=False)
     if isinstance(spec, Profile):
         profile = spec
     elif isinstance(spec, dict):
@@ -224,7 +237,7 @@ def resolve_profile(spec, caps) -> Profile:
         if not path.is_file():
             raise ProfileError(
                 f"profile {spec!r} is neither a file nor a shipped profile; shipped: "
-                f"{', '.join(['auto', 'reference', *sorted(by_name)])}"
+                f"{', '.join(['auto', 'family', 'reference', *sorted(by_name)])}"
             )
         profile = load_profile_file(path)
     if profile.match and not profile.matches(caps):

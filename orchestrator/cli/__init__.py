@@ -19,6 +19,7 @@ from . import deploy as deploy_cmd
 from . import devices as devices_cmd
 from . import engine as engine_cmd
 from . import jobs as jobs_cmd
+from . import profiles as profiles_cmd
 from . import regressions as regressions_cmd
 from . import results as results_cmd
 from . import schedules as schedules_cmd
@@ -41,6 +42,7 @@ app.add_typer(builds_cmd.app, name="builds")
 app.add_typer(jobs_cmd.app, name="jobs")
 app.add_typer(results_cmd.app, name="results")
 app.add_typer(schedules_cmd.app, name="schedules")
+app.add_typer(profiles_cmd.app, name="profiles")
 app.add_typer(regressions_cmd.app, name="regressions")
 results_cmd.app.command("compare")(regressions_cmd.compare)
 app.command("bisect")(regressions_cmd.bisect)

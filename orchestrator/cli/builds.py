@@ -89,20 +89,27 @@ def create(
     default_profile: str = typer.Option(None, "--default-profile", help="Kernel profile the build's jobs use "
                                         "unless they name one: reference, a shipped profile (nvidia, adreno, ...) "
                                         "or profiles/<file> from --profiles. Default: auto (chosen per GPU)."),
+    tuned: bool = typer.Option(True, "--tuned/--no-tuned", help="Ship the promoted tuned profiles (`farm "
+                               "profiles promote`) as profiles/tuned/: auto picks the one made on a device's "
+                               "exact GPU over its family's."),
 ):
     """Pack, sign and register a build bundle."""
-    data = make_build(_settings(), model, profiles, version, name, default_profile=default_profile)
+    data = make_build(_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned)
     console.print(f"created build [bold]{data['name']}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
                   f"manifest {data['manifest_sha256'][:12]}) in {data['bundle']}", highlight=False, soft_wrap=True)
+    if data["tuned_profiles"]:
+        console.print(f"tuned profiles shipped: {', '.join(data['tuned_profiles'])}", highlight=False)
 
 
 def make_build(settings, model: Path, profiles: Path | None = None, version: str | None = None,
-               name: str | None = None, *, default_profile: str | None = None) -> dict[str, Any]:
+               name: str | None = None, *, default_profile: str | None = None, tuned: bool = True) -> dict[str, Any]:
     """Pack this checkout with `model` into a signed bundle under <data_dir>/builds/<name> and
-    record it; returns the build's listing (plus `bundle`, its folder). Nothing is left behind
-    when it fails (one red line and exit 1)."""
+    record it; returns the build's listing (plus `bundle`, its folder, and `tuned_profiles`,
+    the promoted profiles it ships when `tuned`). Nothing is left behind when it fails (one
+    red line and exit 1)."""
     from agent.bundle import BundleError, build_bundle
-    from agent.jobs import DEFAULT_PROFILE_FILE
+    from agent.jobs import DEFAULT_PROFILE_FILE, TUNED_PROFILES_DIR
+    from orchestrator import profiles as registry
     from orchestrator.db import store
     from orchestrator.inputs import BadInput, check_build_name
 
@@ -132,8 +139,13 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
         # Packed under a temporary name and renamed when complete, so a failure leaves nothing.
         staging = builds_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         profiles_dir = builds_dir / f".tmp-{name}-profiles-{uuid.uuid4().hex[:8]}"
-        if profiles is not None or default_profile is not None:
-            profiles_dir.mkdir(parents=True)
+        shipped_tuned: list[str] = []
+        if tuned:
+            with sessions() as session:
+                shipped_tuned = registry.write_promoted(
+                    session, profiles_dir / TUNED_PROFILES_DIR.removeprefix("profiles/"))
+        if profiles is not None or default_profile is not None or shipped_tuned:
+            profiles_dir.mkdir(parents=True, exist_ok=True)
             if profiles is not None:
                 shutil.copytree(profiles.expanduser(), profiles_dir, dirs_exist_ok=True)
             if default_profile is not None:
@@ -157,7 +169,7 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
         finally:
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(profiles_dir, ignore_errors=True)
-    return data | {"bundle": str(final)}
+    return data | {"bundle": str(final), "tuned_profiles": shipped_tuned}
 
 
 def default_profile_choices(profiles: Path | None) -> list[str]:

@@ -5,7 +5,9 @@ embedded stack (worker, beat, virtual phones reached over ADB, this host's GPU a
 and for A then B deploys the build to every device and runs a latency suite and a generation
 on each through Celery (generations in parallel; the latency jobs one at a time, because the
 devices share this machine's GPU); each batch's analysis compares it with the series'
-baseline. It prints a table per device and build, the alerts B raised, builds the HTML
+baseline, and an inconclusive comparison gets up to DEMO_EXTRA_ROUNDS more-repetitions rounds.
+It prints a table per device and build, each verdict with the rounds it needed, the alerts B
+raised, builds the HTML
 dashboard, and stops every process it started. A second run makes new builds: the devices
 receive only the files they lack."""
 
@@ -33,6 +35,10 @@ COOLDOWN = {"max_celsius": 65.0, "max_wait_s": 60.0, "poll_s": 1.0}
 # false alert in the acceptance test). Its series get a 15% minimum effect, the per-series
 # setting the analysis has for noisy series; the reference build is 2-3x slower.
 DEMO_MIN_EFFECT = 0.15
+# An inconclusive comparison gets up to this many more-repetitions rounds (a new run of the
+# candidate and of its baseline on that device, with the repetitions the analysis asks for);
+# the output says how many rounds each verdict needed.
+DEMO_EXTRA_ROUNDS = 2
 
 
 def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
@@ -85,10 +91,9 @@ def demo(
                           highlight=False)
             _set_min_effect(sessions, running.devices, builds[0]["name"], demo_jobs(precision, steps))
             for build in builds:
-                # No extra rounds: an inconclusive metric is reported as such (the demo is bounded in time).
                 batch_id = launch_suite(make_celery(settings), f"{DEMO_PREFIX}{build['name']}",
                                         demo_jobs(precision, steps), build=build["name"], devices=running.devices,
-                                        max_extra_rounds=0)
+                                        max_extra_rounds=DEMO_EXTRA_ROUNDS)
                 batches.append(batch_id)
                 ok = _follow(sessions, batch_id, running, started + timeout) and ok
                 console.print()
@@ -120,40 +125,86 @@ def _set_min_effect(sessions, serials: list[str], build: str, jobs: list[dict[st
         session.commit()
 
 
-def _follow(sessions, batch_id: int, running, deadline: float) -> bool:
-    """Live table of deployments and job states until the batch is analysed; False when a job
-    did not succeed or time ran out."""
+def batch_family(session, root_id: int) -> tuple[list, bool]:
+    """A batch and its more-repetitions rounds (ordered by round), and whether every round
+    its analyses asked for has been launched and analysed."""
     from sqlalchemy import select
 
-    from orchestrator.db.models import Batch, Deployment, Device, Job
+    from orchestrator.db.models import Batch
+    from orchestrator.jobs import extra_round
+
+    root = session.get(Batch, root_id)
+    rounds = list(session.scalars(select(Batch).where(Batch.idempotency_key.like(f"more:{root_id}:%"))
+                                  .order_by(Batch.id)))
+    family = [root, *sorted(rounds, key=lambda b: (extra_round(b.idempotency_key), b.id))]
+    keys = {b.idempotency_key for b in rounds}
+    done = all(b.summary is not None for b in family)
+    for batch in family:
+        if batch.summary is None:
+            continue
+        n = extra_round(batch.idempotency_key)
+        if n >= batch.max_extra_rounds:
+            continue
+        for entry in batch.summary.get("analysis", {}).get("more_repetitions", []):
+            done = done and f"more:{root_id}:{n + 1}:{entry['device']}" in keys
+    return family, done
+
+
+def _follow(sessions, batch_id: int, running, deadline: float) -> bool:
+    """Live table of deployments and job states until the batch and its more-repetitions
+    rounds are analysed; False when a job did not succeed or time ran out."""
+    from sqlalchemy import select
+
+    from orchestrator.db.models import Deployment, Device, Job
+    from orchestrator.jobs import extra_round
 
     with Live(console=console, auto_refresh=False) as live:
         while True:
             running.stack.check_alive()
             with sessions() as session:
-                batch = session.get(Batch, batch_id)
+                family, done = batch_family(session, batch_id)
                 devices = {d.id: d.serial for d in session.scalars(select(Device).where(
                     Device.serial.in_(running.devices)))}
                 deployments = {d.device_id: d for d in session.scalars(
                     select(Deployment).where(Deployment.batch_id == batch_id))}
-                jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.id)))
+                ids = [b.id for b in family]
+                jobs = list(session.scalars(select(Job).where(Job.batch_id.in_(ids)).order_by(Job.id)))
                 table = Table("device", "deploy", "sent", "files sent / already there", "latency", "generate",
-                              title=f"batch {batch_id}")
+                              "more repetitions", title=f"batch {batch_id}")
                 for device_id, serial in sorted(devices.items(), key=lambda kv: kv[1]):
                     dep = deployments.get(device_id)
-                    states = {str(j.kind): str(j.state) for j in jobs if j.device_id == device_id}
+                    states = {str(j.kind): str(j.state) for j in jobs if j.device_id == device_id
+                              and j.batch_id == batch_id}
+                    extra = [f"round {extra_round(b.idempotency_key)}: "
+                             f"{sum(str(j.state) == 'succeeded' for j in jobs if j.batch_id == b.id)}/"
+                             f"{sum(j.batch_id == b.id for j in jobs)} done"
+                             for b in family[1:] if b.idempotency_key.endswith(f":{serial}")]
                     table.add_row(serial, str(dep.status) if dep else "queued",
                                   f"{dep.bytes_sent / 2**20:.1f} MiB" if dep else "-",
                                   f"{dep.files_sent} / {dep.files_skipped}" if dep else "-",
-                                  states.get("latency", "-"), states.get("generate", "-"))
+                                  states.get("latency", "-"), states.get("generate", "-"), ", ".join(extra) or "-")
                 live.update(table, refresh=True)
-                if batch.summary is not None:
+                if done:
                     return all(str(j.state) == "succeeded" for j in jobs)
             if time.monotonic() > deadline:
                 console.print("[bold red]error:[/] the demo ran out of time; the stack's logs are in "
                               f"{running.stack.log_dir}", highlight=False)
                 return False
             time.sleep(POLL_S)
+
+
+def final_verdicts(family) -> list[dict[str, Any]]:
+    """Each (device, metric) comparison of a batch family as its last round left it, with
+    `rounds`: how many rounds (the batch itself, then its more-repetitions rounds) it took."""
+    from orchestrator.jobs import extra_round
+
+    final: dict[tuple[str, str], dict[str, Any]] = {}
+    for batch in family:
+        if batch.summary is None:
+            continue
+        for c in batch.summary.get("analysis", {}).get("comparisons", []):
+            final[(c["device"], c.get("metric", "-"))] = c | {"rounds": extra_round(batch.idempotency_key) + 1}
+    return [final[k] for k in sorted(final)]
 
 
 def _report(sessions, batch_ids: list[int]) -> None:
@@ -167,19 +218,22 @@ def _report(sessions, batch_ids: list[int]) -> None:
             if batch.summary is None:
                 continue
             console.print(_device_table(batch.summary))
-            failures += [r for r in batch.summary["jobs"] if r["state"] != "succeeded"]
-            verdicts.append((batch.summary["build"], batch.summary.get("analysis", {})))
+            family, _ = batch_family(session, batch_id)
+            for member in family:
+                failures += [r for r in (member.summary or {}).get("jobs", []) if r["state"] != "succeeded"]
+            verdicts.append((batch.summary["build"], final_verdicts(family)))
     for row in failures:
         console.print(f"[bold red]{row['device']}[/]: {row['kind']} job {row['job']} {row['state']}: "
                       f"{row['error'] or ''}", highlight=False, soft_wrap=True)
-    table = Table("build", "device", "metric", "baseline", "ratio", "95% CI", "verdict",
-                  title="analysis (against each series' last accepted build)")
-    for build, report in verdicts:
-        for c in report.get("comparisons", []):
+    table = Table("build", "device", "metric", "baseline", "ratio", "95% CI", "verdict", "rounds",
+                  title="analysis (against each series' last accepted build; rounds: the batch, then "
+                        "its more-repetitions rounds)")
+    for build, comparisons in verdicts:
+        for c in comparisons:
             ratio = f"{c['ratio']:.3f}" if c.get("ratio") is not None else "-"
             ci = f"{c['ci_low']:.3f}-{c['ci_high']:.3f}" if c.get("ci_low") is not None else "-"
             table.add_row(build, c["device"], c.get("metric", "-"), c.get("baseline_build", "-"), ratio, ci,
-                          c["verdict"])
+                          c["verdict"], str(c["rounds"]))
     console.print(table)
     console.print("alerts: `farm regressions list`; details: `farm regressions show ID`")
 

@@ -1,15 +1,17 @@
 """`farm devices ...`: the fleet as the store knows it: add, list, show, remove, quarantine and
-release devices, and `discover`, which asks every known device what it is through its
-transport and records the answer (GPU identity, state, last seen). Also owns `open_store`, the
-one way a CLI command reaches the database: settings read here, schema checked at head."""
+release devices; `discover`, which asks every known device what it is through its transport
+and records the answer (GPU identity, state, last seen); and `scan`, which lists what the ADB
+transport can see (USB, known and given TCP addresses) and offers to register it. Probing and
+scanning live in orchestrator/health.py. Also owns `open_store`, the one way a CLI command
+reaches the database: settings read here, schema checked at head."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import shlex
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, NoReturn
 
 import typer
@@ -260,29 +262,18 @@ def set_address(
 
 
 def stored_input_error(device: Device) -> str | None:
-    """Why this device's stored serial or address cannot be used (None when both can): what an
-    older farm or a hand-edited database may hold. The message names the fix."""
-    try:
-        inputs.check_serial(device.serial)
-    except inputs.BadInput as exc:
-        return (f"device {device.serial!r}: {exc}; remove it (`farm devices remove {shlex.quote(device.serial)}`) "
-                "and add it again under a plain name")
-    try:
-        inputs.parse_device_address(device.transport, device.address)
-    except inputs.BadInput as exc:
-        return (f"device {device.serial!r}: its stored address cannot be used: {exc}; fix it with "
-                f"`farm devices set-address {device.serial} ADDRESS`")
-    return None
+    """Why this device's stored serial or address cannot be used (orchestrator.health)."""
+    from orchestrator.health import stored_input_error as check
+
+    return check(device)
 
 
 def _set_state(serial: str, state: DeviceState, reason: str) -> None:
     from orchestrator.db import store
 
     with open_store(_settings()) as sessions, sessions() as session:
-        try:
+        try:  # the state machine refuses a release of a device that is not quarantined
             device = store.get_device(session, serial)
-            if state == DeviceState.available and device.state != DeviceState.quarantined:
-                fail(f"device {serial!r} is not quarantined (it is {device.state})")
             store.set_device_state(session, device.id, state, reason, force=True)
         except store.StoreError as exc:
             fail(str(exc))
@@ -292,35 +283,17 @@ def _set_state(serial: str, state: DeviceState, reason: str) -> None:
 
 
 def probe(settings, sessions, device: Device) -> dict[str, Any]:
-    """Ask one device what it is through its transport and record the answer (identity, state,
-    this host); returns its listing with the error, if any, and `address_error` when its stored
-    serial or address cannot be used (it is then not asked at all). No transaction is open while
-    the device is asked (orchestrator/db/session.py)."""
+    """Ask one device what it is and record the answer (orchestrator.health.probe); returns its
+    listing with the error, if any, and `address_error` when its stored serial or address cannot
+    be used (it is then not asked at all)."""
+    from orchestrator import health
     from orchestrator.db import store
-    from orchestrator.jobs import make_transport
-    from orchestrator.transports import TransportError
 
-    info, error = None, None
-    address_error = stored_input_error(device)
-    if address_error is not None:
-        error = TransportError(device.serial, address_error)
-    else:
-        try:
-            with make_transport(device, settings) as transport:
-                info = transport.info()
-        except TransportError as exc:
-            error = exc
-        except OSError as exc:  # a missing token file
-            error = TransportError(device.serial, f"{exc.__class__.__name__}: {exc}")
+    outcome = health.probe(settings, sessions, device)
     with sessions() as session:
-        if info is not None:
-            store.upsert_device(session, device.serial, device.transport, info=info, host=settings.host_name)
-            row = store.set_device_state(session, device.id, DeviceState.available)
-        else:
-            state = store.TRANSPORT_STATES.get(str(error.state), DeviceState.offline)
-            row = store.set_device_state(session, device.id, state, error.detail)
-        session.commit()
-        return device_dict(row) | {"error": str(error) if error else None, "address_error": address_error}
+        row = store.get_device(session, outcome.device_id)
+        return device_dict(row) | {"error": str(outcome.error) if outcome.error else None,
+                                   "address_error": outcome.address_error}
 
 
 @app.command()
@@ -359,3 +332,77 @@ def discover(as_json: bool = JSON_OPTION):
             console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     if bad:
         raise typer.Exit(1)
+
+
+def _interactive() -> bool:
+    # Ask only a person: under CI, a pipe or CliRunner there is no one to answer.
+    return sys.stdin.isatty()
+
+
+def _tcp_addresses(values: list[str] | None) -> list[str]:
+    """--address of `farm devices scan`: adb HOST:PORT values, canonical."""
+    addresses = []
+    for value in values or []:
+        try:
+            parsed = inputs.parse_device_address("adb", value)
+        except inputs.BadInput as exc:
+            raise typer.BadParameter(str(exc)) from None
+        if not isinstance(parsed, inputs.AdbTcpAddress):
+            raise typer.BadParameter(f"{value!r} is not HOST:PORT; phones on USB are found without --address")
+        addresses.append(str(parsed))
+    return addresses
+
+
+@app.command()
+def scan(
+    address: list[str] = typer.Option(None, "--address", help="Also probe this adb HOST:PORT (repeatable).",
+                                      callback=_tcp_addresses),
+    register: bool = typer.Option(False, "--register", "--yes", "-y",
+                                  help="Register what answered and is not registered yet, without asking."),
+    usb: bool = typer.Option(True, "--usb/--no-usb", help="Look for phones plugged in over USB."),
+    as_json: bool = JSON_OPTION,
+):
+    """List what the ADB transport can see: phones on USB, the TCP addresses of the registered
+    adb devices and each --address; probe each and say whether the farm knows it. Nothing is
+    recorded unless registering.
+
+    Offers to register the new ones (asked only on a terminal; --register for scripts). A phone
+    that refuses this host's key is registered unauthorized, and the health check brings it in
+    once the key is accepted on the phone."""
+    from orchestrator import health
+
+    settings = _settings()
+    with open_store(settings) as sessions:
+        with nullcontext() if as_json else console.status("scanning"):
+            seen, usb_note = health.scan(settings, sessions, address or [], usb=usb)
+        new = [entry for entry in seen if entry.registrable]
+        if not as_json:
+            _print_scan(seen, usb_note)
+            if new and not register:
+                if _interactive():
+                    register = typer.confirm(f"register {len(new)} device(s) on host {settings.host_name}?",
+                                             default=False)
+                else:
+                    console.print(f"{len(new)} not registered; run again with --register to register them",
+                                  highlight=False)
+        registered = health.register(settings, sessions, seen) if register and new else []
+    if as_json:
+        _print_json({"usb": usb_note, "devices": [entry.as_dict() for entry in seen], "registered": registered})
+        return
+    for serial in registered:
+        console.print(f"registered {serial}", highlight=False)
+
+
+def _print_scan(seen, usb_note: str | None) -> None:
+    if usb_note:
+        console.print(f"[yellow]{escape(usb_note)}[/]", highlight=False)
+    if not seen:
+        console.print("nothing to scan: no phones on USB, no adb devices registered; give --address HOST:PORT")
+        return
+    table = Table("address", "source", "serial", "model", "gpu", "state", "registered as", "note")
+    for entry in seen:
+        note = entry.note or ("" if entry.state == DeviceState.available else entry.error or "")
+        table.add_row(escape(entry.address), entry.source, escape(entry.serial or "-"), escape(entry.model or "-"),
+                      escape(entry.gpu or "-"), f"[{_STATE_STYLE[str(entry.state)]}]{entry.state}[/]",
+                      escape(entry.registered_as or "-"), escape(note))
+    console.print(table)

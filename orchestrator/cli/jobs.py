@@ -6,7 +6,9 @@ orchestrator/db/queries.py; the job rows and their transitions through the store
 from __future__ import annotations
 
 import datetime as dt
+import io
 import time
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -113,6 +115,33 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
     return data
 
 
+def _init_image_uri(path: Path) -> str:
+    """An init image as the data: URI the job carries: a PNG or JPEG, read and checked here so
+    a bad file fails before it is queued."""
+    import base64
+
+    from PIL import Image, UnidentifiedImageError
+
+    from agent.protocol import INIT_IMAGE_MAX_BYTES
+
+    path = path.expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        fail(f"--init-image {path}: {exc.strerror or exc}")
+    if len(data) > INIT_IMAGE_MAX_BYTES:
+        fail(f"--init-image {path}: {len(data)} bytes; at most {INIT_IMAGE_MAX_BYTES} (it travels with the job)")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image_format = image.format
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        fail(f"--init-image {path}: not a readable image ({exc})")
+    if image_format not in ("PNG", "JPEG"):
+        fail(f"--init-image {path}: a {image_format} image; give a PNG or JPEG")
+    return f"data:image/{image_format.lower()};base64,{base64.b64encode(data).decode()}"
+
+
 @app.command()
 def submit(
     kind: JobKind = typer.Argument(..., help="generate, latency or tune."),
@@ -144,6 +173,10 @@ def submit(
     cooldown: float = typer.Option(None, "--cooldown", help="Wait until the device is at most this "
                                    "many degrees C before running."),
     cooldown_wait: float = typer.Option(None, "--cooldown-wait", help="Longest cool-down wait, seconds."),
+    init_image: Path = typer.Option(None, "--init-image", help="generate: start from this PNG or JPEG "
+                                    "(img2img); it travels with the job.", dir_okay=False),
+    strength: float = typer.Option(None, "--strength", help="generate with --init-image: how far the "
+                                   "image is noised before denoising, in (0, 1] (default 0.8)."),
     wait: bool = typer.Option(False, "--wait", help="Follow the jobs until they end; exit 0 only if "
                               f"all succeeded (1 otherwise, {EXIT_TIMEOUT} on --timeout)."),
     timeout: float = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
@@ -160,6 +193,10 @@ def submit(
         fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
     if timeout is not None and not wait:
         fail("--timeout only applies with --wait")
+    if init_image is not None and kind != JobKind.generate:
+        fail(f"--init-image is for generate jobs, not {kind}")
+    if strength is not None and init_image is None:
+        fail("--strength needs --init-image")
     settings = _settings()
     with open_store(settings) as sessions:
         with sessions() as session:
@@ -189,7 +226,9 @@ def submit(
                                repetitions=repetitions, unet_repetitions=unet_repetitions,
                                kernel_timings=kernel_timings, tune_repeats=tune_repeats,
                                tune_time_budget_s=tune_budget, time_limit_s=time_limit,
-                               cooldown_celsius=cooldown, cooldown_wait_s=cooldown_wait)
+                               cooldown_celsius=cooldown, cooldown_wait_s=cooldown_wait,
+                               init_image=_init_image_uri(init_image) if init_image else None,
+                               strength=0.8 if strength is None else strength)
             stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             try:
                 batch, job_ids = queue_jobs(session, settings, name or f"{kind} {build.name} {stamp}", build.id,

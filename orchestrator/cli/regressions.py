@@ -74,13 +74,18 @@ def list_alerts(
         table.add_column(header, no_wrap=True)
     for header in ("device", "build", "metric", "change", "CI", "top ops"):
         table.add_column(header)
+    # A finding across an environment change (a phone update, a new driver) is not the build's alone.
+    with_env = any((r["detail"] or {}).get("environment_change") for r in rows)
+    if with_env:
+        table.add_column("environment changed")
     for r in rows:
         change = f"{(r['ratio'] - 1) * 100:+.1f}%" if r["ratio"] is not None else "-"
         ci = f"{r['ci_low']:.3f}-{r['ci_high']:.3f}" if r["ci_low"] is not None else "-"
         detail = r["detail"] or {}
         top = ", ".join(f"{m['op']} {m['share'] * 100:.0f}%" for m in detail.get("attribution_by_op", [])[:2])
+        env = ["; ".join(detail.get("environment_change") or []) or "-"] if with_env else []
         table.add_row(str(r["id"]), r["kind"], r["state"], r["device"] or "-", r["build"] or "-", r["metric"] or "-",
-                      change, ci, top or "-")
+                      change, ci, top or "-", *env)
     console.print(table)
 
 
@@ -99,6 +104,10 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
         return
     console.print(f"[bold]alert {data['id']}[/] {data['kind']} ({data['state']}): {data['summary']}", highlight=False)
     detail = data["detail"] or {}
+    for change in detail.get("environment_change") or []:
+        console.print(f"environment changed: {change}", highlight=False)
+    if detail.get("environment"):
+        console.print(f"environment: {detail['environment']}", highlight=False)
     for key in ("baseline_build", "metric", "p_value", "batch", "note"):
         if data[key] not in (None, ""):
             console.print(f"{key}: {data[key]}", highlight=False)
@@ -166,6 +175,49 @@ def fixed(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
     _triage(alert_id, AlertState.fixed, note)
 
 
+# ---- farm regressions scan ---------------------------------------------------------------
+
+
+@app.command()
+def scan(
+    device: str = typer.Option(None, "--device", help="Only this device's series (default: every device)."),
+    metric: str = typer.Option(None, "--metric", help="Only this metric (unet_step_ms, e2e_ms, peak_gpu_bytes)."),
+    as_json: bool = JSON_OPTION,
+):
+    """Change-point detection over each series' whole history; records what it finds (beat
+    runs it after every batch, on the batch's devices)."""
+    from orchestrator import analysis
+    from orchestrator.db import store
+
+    if metric is not None and metric not in analysis.HEADLINE_METRICS:
+        fail(f"unknown metric {metric!r}; choose from {', '.join(analysis.HEADLINE_METRICS)}")
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        try:
+            dev = store.get_device(session, device) if device is not None else None
+        except store.StoreError as exc:
+            fail(str(exc))
+        with console.status("scanning series histories"):
+            found = analysis.scan_change_points(session, dev, metric)
+        session.commit()
+    if as_json:
+        _print_json(found)
+        return
+    if not found:
+        console.print("no change points: every series is level (or has fewer than "
+                      f"{2 * analysis.MIN_SEGMENT} builds of history)")
+        return
+    table = Table("device", "metric", "series", "first build after", "before", "after", "ratio", "p", "",
+                  title=f"{len(found)} change points ({sum(f['new'] for f in found)} new)")
+    for f in found:
+        series = f["series"]
+        table.add_row(f["device"], f["metric"], f"{series['model']} {series['resolution']} {series['steps']} steps "
+                      f"{series['precision']} {series['profile']}", f["build"], f"{f['median_before']:.4g}",
+                      f"{f['median_after']:.4g}", f"{f['ratio']:.3f}" if f["ratio"] is not None else "-",
+                      f"{f['p_value']:.3f}", "new" if f["new"] else "")
+    console.print(table)
+
+
 # ---- farm results compare -----------------------------------------------------------------
 
 
@@ -223,11 +275,13 @@ def compare(
         def num(v):
             return "-" if v is None else f"{v:,.1f}"
 
+        changes = r.get("environment_change") or []
+        verdict = f"{r['verdict']} (environment changed: {'; '.join(changes)})" if changes else r["verdict"]
         table.add_row(r["device"], r["metric"], f"{num(r['baseline_median'])} (n={r['n_baseline']})",
                       f"{num(r['candidate_median'])} (n={r['n_candidate']})",
                       "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
                       "-" if r["ci_low"] is None else f"{r['ci_low']:.3f}-{r['ci_high']:.3f}",
-                      "-" if r["p_value"] is None else f"{r['p_value']:.2g}", r["verdict"])
+                      "-" if r["p_value"] is None else f"{r['p_value']:.2g}", verdict)
     console.print(table)
 
 
@@ -284,8 +338,9 @@ def bisect(
             with sessions() as session:
                 pending = not analysis.runs_of(session, dev.id, build_id, JobKind.latency, spec)
             if pending:
+                # No more-repetitions rounds: bisect judges each step itself (--repetitions).
                 batch_id = launch_suite(app, f"bisect {good}..{bad} {name}", [{"kind": "latency", "spec": job_spec}],
-                                        build=build_id, devices=[device])
+                                        build=build_id, devices=[device], max_extra_rounds=0)
                 with console.status(f"running {name} on {device}"):
                     deadline = time.monotonic() + timeout
                     while True:
@@ -319,12 +374,15 @@ def bisect(
             vs_bad = judged(len(candidates) - 1, index) if index != len(candidates) - 1 else None
             worse = vs_good["verdict"] == "regression"
             better = vs_bad is not None and vs_bad["verdict"] == "improvement"
+            changes = vs_good.get("environment_change") or []
             steps.append({"build": name, "verdict": vs_good["verdict"], "ratio": vs_good["ratio"],
                           "ci_low": vs_good["ci_low"], "ci_high": vs_good["ci_high"],
-                          "verdict_against_bad": None if vs_bad is None else vs_bad["verdict"]})
+                          "verdict_against_bad": None if vs_bad is None else vs_bad["verdict"],
+                          "environment_change": changes})
             if not as_json:
                 against_bad = "" if vs_bad is None else f"; against {bad}: {vs_bad['verdict']}"
-                console.print(f"{name}: {vs_good['verdict']} against {good} "
+                env = f" (environment changed: {'; '.join(changes)})" if changes else ""
+                console.print(f"{name}: {vs_good['verdict']}{env} against {good} "
                               f"(ratio {vs_good['ratio'] or float('nan'):.3f}){against_bad}", highlight=False)
             if vs_bad is not None and worse == better:
                 fail(f"{name} cannot be placed: {vs_good['verdict']} against {good} ({vs_good['reason']}), "
@@ -333,7 +391,10 @@ def bisect(
 
         low, high = 0, len(candidates) - 1  # low is good, high is bad
         if not is_bad(high):
-            fail(f"{bad} does not regress {metric} against {good} on {device}: nothing to bisect")
+            last = steps[-1]
+            fail(f"{bad} does not regress {metric} against {good} on {device} ({last['verdict']}, ratio "
+                 f"{last['ratio'] or float('nan'):.3f}, 95% CI {last['ci_low'] or float('nan'):.3f}-"
+                 f"{last['ci_high'] or float('nan'):.3f}): nothing to bisect")
         while high - low > 1:
             mid = (low + high) // 2
             if is_bad(mid):

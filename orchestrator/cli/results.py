@@ -1,6 +1,6 @@
 """`farm results ...`: what the runs measured. `list` gives one row per run with the medians
-of its key metrics, `show` one run in full (every metric's n, median, min and max, kernel
-times summed per kernel, thermal readings, images, cool-down), `export --csv` every raw
+of its key metrics, `show` one run in full (the environment it ran in, every metric's n,
+median, min and max, kernel times summed per kernel, thermal readings, images, cool-down), `export --csv` every raw
 sample of the runs matching the filters, streamed to a file. Reads go through
 orchestrator/db/queries.py."""
 
@@ -94,6 +94,8 @@ def run_dict(session, run_id: int) -> dict[str, Any]:
         "finished_at": iso(run.finished_at),
         "cooldown": {"wait_s": run.cooldown_wait_s, "timed_out": run.cooldown_timed_out},
         "engine": run.engine,
+        "environment": run.environment,
+        "env_key": run.env_key,
         "metrics": queries.metric_stats(session, run.id),
         "kernels": queries.kernel_totals(session, run.id),
         "thermal": [{"phase": t.phase, "zone": t.zone, "celsius": t.celsius}
@@ -131,6 +133,13 @@ def show(run_id: int = typer.Argument(..., help="Run id (`farm results list`).",
     head.add_row("cool-down", "-" if cooldown["wait_s"] is None else
                  f"waited {cooldown['wait_s']:.1f} s" + (" (timed out)" if cooldown["timed_out"] else ""))
     console.print(head)
+    if data["environment"]:
+        from orchestrator.environment import describe
+
+        environment = Table(show_header=False, box=None, title=f"environment {data['env_key']}")
+        for key, text in describe(data["environment"]).items():
+            environment.add_row(key, text)
+        console.print(environment)
 
     metrics = Table("metric", "unit", "n", "median", "min", "max", title="metrics")
     for m in data["metrics"]:

@@ -49,11 +49,22 @@ def add(
                                 callback=validate.path_in_build),
     prompt: str = typer.Option(None, "--prompt", help="Prompt of generate and latency jobs."),
     seed: int = typer.Option(None, "--seed", help="Seed."),
+    cooldown: float = typer.Option(None, "--cooldown", help="Before each job, wait until the device is at "
+                                   "most this many degrees C (or until its temperature has settled)."),
+    cooldown_wait: float = typer.Option(None, "--cooldown-wait", min=0, help="Longest cool-down wait, seconds "
+                                        "(default 300)."),
+    tuning_loop: bool = typer.Option(False, "--tuning-loop", help="Tune each device's GPU, then time the "
+                                     "profile just tuned and its GPU family's: the analysis reports the gain "
+                                     "(`farm profiles list`). Instead of --job."),
     disabled: bool = typer.Option(False, "--disabled", help="Add it disabled."),
 ):
     """Add a schedule."""
     from orchestrator.db import store
 
+    if tuning_loop and job:
+        fail("--tuning-loop runs tune, then latency with the family's and the tuned profile: give it without --job")
+    if tuning_loop and profile is not None:
+        fail("--tuning-loop times the family's and the tuned profile: give it without --profile")
     kinds = job or ["latency"]
     bad = [k for k in kinds if k not in JOB_KINDS]
     if bad:
@@ -64,8 +75,15 @@ def add(
         "model": model, "precision": precision, "steps": steps, "repetitions": repetitions,
         "profile": profile, "prompt": prompt, "seed": seed,
         "height": resolution, "width": resolution}.items() if value is not None}
-    suite = {"build": build, "devices": list(dict.fromkeys(device)) if device else "all",
-             "jobs": [{"kind": kind, "spec": spec} for kind in kinds]}
+    if cooldown_wait is not None and cooldown is None:
+        fail("--cooldown-wait needs --cooldown CELSIUS")
+    if cooldown is not None:
+        spec["cooldown"] = {"max_celsius": cooldown} | ({} if cooldown_wait is None else {"max_wait_s": cooldown_wait})
+    entries = [{"kind": kind, "spec": spec} for kind in kinds]
+    if tuning_loop:
+        entries = [{"kind": "tune", "spec": spec}, {"kind": "latency", "spec": spec | {"profile": "family"}},
+                   {"kind": "latency", "spec": spec | {"profile": "tuned"}}]
+    suite = {"build": build, "devices": list(dict.fromkeys(device)) if device else "all", "jobs": entries}
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
@@ -99,14 +117,29 @@ def list_schedules(as_json: bool = JSON_OPTION):
         return
     table = Table()
     table.add_column("name", no_wrap=True)
-    for header in ("when", "on", "build", "devices", "jobs", "next run (UTC)"):
+    for header in ("when", "on", "build", "devices", "jobs", "cool-down", "next run (UTC)"):
         table.add_column(header)
     for r in rows:
         devices = r["devices"] if isinstance(r["devices"], str) else ", ".join(r["devices"] or [])
         next_run = r["next_run_at"][:16].replace("T", " ") if r["next_run_at"] else "-"
         table.add_row(r["name"], f"{r['cron']} {r['timezone']}", "yes" if r["enabled"] else "no",
-                      r["build"] or "newest", devices, ", ".join(j["kind"] for j in r["jobs"] or []), next_run)
+                      r["build"] or "newest", devices, ", ".join(_job_text(j) for j in r["jobs"] or []),
+                      _cooldown_text(r["jobs"]), next_run)
     console.print(table)
+
+
+def _job_text(entry: dict[str, Any]) -> str:
+    profile = (entry.get("spec") or {}).get("profile")
+    return entry["kind"] + (f" ({profile})" if profile and entry["kind"] != "tune" else "")
+
+
+def _cooldown_text(jobs: list[dict[str, Any]] | None) -> str:
+    """The suite's cool-down (`farm schedules add` gives every job the same spec)."""
+    cooldown = next(iter(jobs or []), {}).get("spec", {}).get("cooldown")
+    if not cooldown:
+        return "-"
+    return f"<= {cooldown['max_celsius']:g} C" + (f", {cooldown['max_wait_s']:g} s max"
+                                                  if "max_wait_s" in cooldown else "")
 
 
 def _set_enabled(name: str, enabled: bool) -> None:

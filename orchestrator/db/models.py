@@ -195,6 +195,11 @@ class Device(Base):
     state: Mapped[DeviceState] = mapped_column(_enum(DeviceState, "state"), default=DeviceState.offline)
     state_reason: Mapped[str] = mapped_column(Text, default="")
     last_seen: Mapped[dt.datetime | None]
+    # orchestrator/health.py: jobs ended infra_failed since the last one that ran (the third
+    # quarantines it), and the health check's back-off while it is offline or unauthorized
+    infra_failures_in_row: Mapped[int] = mapped_column(default=0, server_default="0")
+    probe_failures: Mapped[int] = mapped_column(default=0, server_default="0")
+    next_probe_at: Mapped[dt.datetime | None]  # None: probe at the next health check
     # one job at a time: whoever holds an unexpired lease drives the device
     lease_holder: Mapped[str | None] = mapped_column(String(255))
     lease_until: Mapped[dt.datetime | None]
@@ -240,7 +245,11 @@ class BuildFile(Base):
 
 
 class Profile(Base):
-    """A kernel-selection profile (engine/profiles JSON), shipped or tuned on one device."""
+    """A kernel-selection profile (engine/profiles JSON) tuned on one GPU by a tune job, as
+    the farm registered it (orchestrator/profiles.py): the GPU, driver and engine it was
+    tuned with, its content hash (engine.profiles.profile_sha256), the run that made it, the
+    gain its tune estimated from kernel times against the GPU family's profile, and the gain
+    a latency run of each measured (None until one has: never called measured before)."""
 
     __tablename__ = "profiles"
     __table_args__ = (UniqueConstraint("name", "sha256"),)
@@ -251,9 +260,21 @@ class Profile(Base):
     gpu_vendor: Mapped[str] = mapped_column(String(255), default="")
     gpu_architecture: Mapped[str] = mapped_column(String(255), default="")
     gpu_device: Mapped[str] = mapped_column(String(255), default="")
+    gpu_driver: Mapped[str] = mapped_column(String(255), default="", server_default="")
+    gpu_backend: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    engine_version: Mapped[str] = mapped_column(String(255), default="", server_default="")  # the build's
     tuned_on_device_id: Mapped[int | None] = mapped_column(ForeignKey("devices.id", ondelete="SET NULL"))
+    tune_run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), unique=True)
+    family: Mapped[str] = mapped_column(String(255), default="", server_default="")  # the profile it is measured against
+    estimated_gain: Mapped[float | None]  # from the tune's kernel times: an estimate
+    measured_gain: Mapped[float | None]  # family / tuned UNet step median, from latency runs on this GPU
+    measured_gain_ci: Mapped[list[Any] | None]  # [low, high], 95%
+    measured_in_batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"))
+    promoted_at: Mapped[dt.datetime | None]  # shipped by the builds made since (`farm profiles promote`)
     data: Mapped[dict[str, Any]]
     created: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    tuned_on: Mapped[Device | None] = relationship()
 
 
 class Deployment(Base):
@@ -342,6 +363,9 @@ class Job(Base):
     schedule_id: Mapped[int | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
     batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True)
     deployment_id: Mapped[int | None] = mapped_column(ForeignKey("deployments.id", ondelete="SET NULL"))
+    # A job that needs another's outcome (a latency run of the profile a tune job makes) waits
+    # for it: sent when it succeeds, ended when it fails.
+    after_job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
     state: Mapped[JobState] = mapped_column(_enum(JobState, "state"), default=JobState.queued)
     attempts: Mapped[int] = mapped_column(default=0)
     # Of those attempts, the ones that ended because their worker died (not the device's fault).
@@ -367,13 +391,18 @@ class Job(Base):
 
 class Run(Base):
     """One execution attempt of a job that came back with a JobResult. Device and build are
-    copied from the job so the series queries need no join through jobs."""
+    copied from the job so the series queries need no join through jobs. `environment` is what
+    the run ran on (protocol.RunEnvironment as a dict: OS, kernel, driver, adapter, runtime,
+    clocks, profile; from the device's record, marked so, when the agent sent none) and
+    `env_key` its short key (orchestrator/environment.py), which series are keyed by; both are
+    empty on runs stored before migration 0009."""
 
     __tablename__ = "runs"
     __table_args__ = (
         UniqueConstraint("job_id", "attempt"),
         Index("ix_runs_device_build", "device_id", "build_id"),
         Index("ix_runs_build", "build_id"),
+        Index("ix_runs_device_env_key", "device_id", "env_key"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -391,6 +420,8 @@ class Run(Base):
     cooldown_timed_out: Mapped[bool] = mapped_column(default=False)
     artifacts: Mapped[list[Any]]  # every Artifact, as sent
     log_tail: Mapped[str] = mapped_column(Text, default="")
+    environment: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    env_key: Mapped[str] = mapped_column(String(32), default="")
 
     job: Mapped[Job] = relationship(back_populates="runs")
     samples: Mapped[list[Sample]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
@@ -513,6 +544,34 @@ class Alert(Base):
     device: Mapped[Device | None] = relationship()
     build: Mapped[Build | None] = relationship(foreign_keys=[build_id])
     baseline_build: Mapped[Build | None] = relationship(foreign_keys=[baseline_build_id])
+
+
+class ChangePoint(Base):
+    """Where a series' level moved, found by change-point detection over its whole history
+    (`farm regressions scan`; orchestrator/analysis.py scan_change_points): `build` is the first
+    build of the new segment, `ratio` its median over the previous segment's. One row per series
+    and build; a later scan updates it."""
+
+    __tablename__ = "change_points"
+    __table_args__ = (UniqueConstraint("series_key", "build_id"),
+                      Index("ix_change_points_device_detected", "device_id", "detected_at"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    series_key: Mapped[str] = mapped_column(Text)  # SeriesKey.canonical()
+    series: Mapped[dict[str, Any]]
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    build_id: Mapped[int] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"))
+    metric: Mapped[str] = mapped_column(String(128))
+    median_before: Mapped[float]
+    median_after: Mapped[float]
+    ratio: Mapped[float | None]
+    p_value: Mapped[float]
+    builds_in_history: Mapped[int]
+    detected_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    device: Mapped[Device] = relationship()
+    build: Mapped[Build] = relationship()
 
 
 class SeriesSetting(Base):

@@ -13,13 +13,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import case, func, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 from sqlalchemy.orm.util import identity_key
 
 from agent.protocol import DeviceInfo, JobResult, JobSpec, Manifest, to_dict
+from orchestrator import environment as run_env
 
+from .device_states import PROBED_STATES, DeviceEvent, accepting, moves, refusal, transition
 from .models import (
     Batch,
     Build,
@@ -133,28 +135,78 @@ def in_service_devices(session: Session) -> list[Device]:
                                 .order_by(Device.serial)))
 
 
+# What set_device_state's target state means as an observation of the device.
+_OBSERVED: dict[DeviceState, DeviceEvent] = {
+    DeviceState.available: DeviceEvent.answered,
+    DeviceState.offline: DeviceEvent.unreachable,
+    DeviceState.unauthorized: DeviceEvent.refused,
+}
+
+
 def set_device_state(
     session: Session, device_id: int, state: DeviceState | str, reason: str = "", *, force: bool = False
 ) -> Device:
-    """Record a device's health. Quarantine is sticky: only `force` (an operator's release or
-    quarantine) moves a device into or out of it, so a flapping phone that a person
-    quarantined is not put back into service by the next successful poll."""
-    device = get_device(session, device_id)
+    """Record what was observed of a device as the state it implies (available: it answered;
+    offline: it did not; unauthorized: it refused this host), through the state machine
+    (apply_device_event). `force` is an operator's word: quarantined quarantines, available
+    releases. Quarantine is sticky: without `force` an observation leaves a quarantined device
+    as it is, so a flapping phone that a person quarantined is not put back into service by the
+    next successful poll. `busy` is never set: taking the device's lease records it."""
     state = DeviceState(state)
-    quarantine_involved = DeviceState.quarantined in (device.state, state)
-    if quarantine_involved and device.state != state and not force:
+    if force and state in (DeviceState.quarantined, DeviceState.available):
+        event = DeviceEvent.quarantine if state == DeviceState.quarantined else DeviceEvent.release
+    elif state in _OBSERVED:
+        event = _OBSERVED[state]
+    else:
+        raise InvalidTransition(f"a device is not set {state} by hand: "
+                                + ("busy is recorded by taking its lease (acquire_device_lease)" if state ==
+                                   DeviceState.busy else "an operator quarantines it (force=True)"))
+    return apply_device_event(session, device_id, event, reason)
+
+
+def apply_device_event(session: Session, device_id: int, event: DeviceEvent | str, reason: str = "") -> Device:
+    """Move a device through the state machine (orchestrator/db/device_states.py) on `event`,
+    recording `reason` with its new state; InvalidTransition, naming the device, its state and
+    why, for an event the table refuses. An ignored event changes nothing. Entering offline or
+    unauthorized from elsewhere starts the health check's back-off afresh; a release clears
+    the count of infrastructure failures in a row."""
+    device = get_device(session, device_id)
+    event = DeviceEvent(event)
+    step = transition(device.state, event)
+    if step is None:
+        raise InvalidTransition(f"device {device.serial!r}: {refusal(device.state, event)}")
+    if step.ignored:
         return device
-    device.state, device.state_reason = state, reason
-    if state != DeviceState.offline:
+    if step.to in PROBED_STATES and device.state not in PROBED_STATES:
+        device.probe_failures, device.next_probe_at = 0, None
+    if event == DeviceEvent.release:
+        device.infra_failures_in_row = 0
+    device.state, device.state_reason = step.to, reason
+    if event in (DeviceEvent.answered, DeviceEvent.refused):
         device.last_seen = utcnow()
     session.flush()
     return device
 
 
+def _lease_event(event: DeviceEvent) -> dict[str, Any]:
+    """The state and reason columns after `event`, as SQL over the row's current state: the
+    lease statements change the state in the same statement as the lease."""
+    changes = moves(event)
+    if not changes:
+        return {}
+    state_type = Device.__table__.c.state.type
+    return {
+        "state": case({s: literal(to, state_type) for s, to in changes.items()}, value=Device.state,
+                      else_=Device.state),
+        "state_reason": case({s: "" for s in changes}, value=Device.state, else_=Device.state_reason),
+    }
+
+
 def acquire_device_lease(session: Session, device_id: int, holder: str, seconds: float, *,
                          timed: bool = False) -> bool:
     """Take (or renew) the device's lease for `seconds`; False when someone else holds an
-    unexpired one or the device is quarantined. One conditional UPDATE: the database decides.
+    unexpired one or the device is quarantined. One conditional UPDATE: the database decides,
+    and the device is recorded busy in the same statement (device_states: lease_taken).
 
     A device in an adapter group shares its GPU with the group's other devices: a `timed`
     holder (its job measures time) needs every other device of the group free, and no one
@@ -175,10 +227,11 @@ def acquire_device_lease(session: Session, device_id: int, holder: str, seconds:
         update(Device)
         .where(
             Device.id == device_id,
-            Device.state != DeviceState.quarantined,
+            Device.state.in_(accepting(DeviceEvent.lease_taken)),
             or_(Device.lease_holder.is_(None), Device.lease_until < now, Device.lease_holder == holder),
         )
-        .values(lease_holder=holder, lease_until=now + dt.timedelta(seconds=seconds), lease_timed=timed)
+        .values(lease_holder=holder, lease_until=now + dt.timedelta(seconds=seconds), lease_timed=timed,
+                **_lease_event(DeviceEvent.lease_taken))
         .execution_options(synchronize_session=False)
     )
     session.flush()
@@ -195,11 +248,13 @@ def adapter_group_of(session: Session, device_id: int) -> list[int]:
 
 
 def release_device_lease(session: Session, device_id: int, holder: str) -> bool:
-    """Give the lease back; False when `holder` did not hold it (it expired and was taken)."""
+    """Give the lease back; False when `holder` did not hold it (it expired and was taken). A
+    busy device is available again in the same statement (lease_released); one that its holder
+    found offline or unauthorized, or that was quarantined meanwhile, stays so."""
     result = session.execute(
         update(Device)
         .where(Device.id == device_id, Device.lease_holder == holder)
-        .values(lease_holder=None, lease_until=None, lease_timed=False)
+        .values(lease_holder=None, lease_until=None, lease_timed=False, **_lease_event(DeviceEvent.lease_released))
         .execution_options(synchronize_session=False)
     )
     session.flush()
@@ -207,11 +262,56 @@ def release_device_lease(session: Session, device_id: int, holder: str) -> bool:
     return result.rowcount == 1
 
 
+def expire_device_leases(session: Session, now: dt.datetime) -> list[int]:
+    """Busy devices that nothing holds any more (their holder died without giving the lease
+    back, and no one took it since) are available again (lease_expired); returns their ids."""
+    ids = list(session.scalars(
+        update(Device)
+        .where(Device.state == DeviceState.busy,
+               or_(Device.lease_holder.is_(None), Device.lease_until.is_(None), Device.lease_until < now))
+        .values(**_lease_event(DeviceEvent.lease_expired))
+        .returning(Device.id)
+        .execution_options(synchronize_session=False)))
+    for device_id in ids:
+        _expire_device(session, device_id)
+    return sorted(ids)
+
+
 def _expire_device(session: Session, device_id: int) -> None:
-    # The UPDATE bypassed the ORM: drop stale lease values of an already loaded Device.
+    # The UPDATE bypassed the ORM: drop stale lease and state values of an already loaded Device.
     device = session.identity_map.get(identity_key(Device, device_id))
     if device is not None:
-        session.expire(device, ["lease_holder", "lease_until"])
+        session.expire(device, ["lease_holder", "lease_until", "lease_timed", "state", "state_reason"])
+
+
+# A device whose jobs end infra_failed this many times in a row is quarantined.
+QUARANTINE_AFTER_INFRA_FAILURES = 3
+
+
+def count_job_outcome(session: Session, device_id: int, outcome: JobState | str, error: str | None = None) -> int:
+    """Count how a job ended on its device: infra_failed adds one to the device's failures in
+    a row, succeeded or failed (the device ran it) starts the count again, anything else (a job
+    requeued for another attempt) leaves it. The QUARANTINE_AFTER_INFRA_FAILURES-th in a row
+    quarantines the device with the count and the last error as its reason (infra_failures).
+    Returns the count."""
+    if outcome in (JobState.succeeded, JobState.failed):
+        values = {"infra_failures_in_row": 0}
+    elif outcome == JobState.infra_failed:
+        values = {"infra_failures_in_row": Device.infra_failures_in_row + 1}
+    else:
+        return get_device(session, device_id).infra_failures_in_row
+    count = session.execute(update(Device).where(Device.id == device_id).values(**values)
+                            .returning(Device.infra_failures_in_row)
+                            .execution_options(synchronize_session=False)).scalar_one()
+    device = session.identity_map.get(identity_key(Device, device_id))
+    if device is not None:
+        session.expire(device, ["infra_failures_in_row"])
+    if count >= QUARANTINE_AFTER_INFRA_FAILURES:
+        lines = (error or "").strip().splitlines()
+        last = lines[0][:300] if lines else "no error recorded"
+        apply_device_event(session, device_id, DeviceEvent.infra_failures,
+                           f"{count} jobs in a row failed for infrastructure reasons; last: {last}")
+    return count
 
 
 # ---- builds and deployments ---------------------------------------------------------------
@@ -455,12 +555,14 @@ def create_job(
     schedule_id: int | None = None,
     batch_id: int | None = None,
     deployment_id: int | None = None,
+    after_job_id: int | None = None,
     due_at: dt.datetime | None = None,
 ) -> Job:
     """Queue a job. With an `idempotency_key`, asking again (a retried CLI call, a schedule
     firing twice) returns the job made the first time, even when both asks race. A job waits
-    for `deployment_id` when given; otherwise its message must start it by `due_at` (now when
-    None: the caller sends it right after its commit, or the reconciler will)."""
+    for `deployment_id` and for `after_job_id` (to succeed) when given; otherwise its message
+    must start it by `due_at` (now when None: the caller sends it right after its commit, or
+    the reconciler will)."""
     spec_dict = to_dict(spec) if isinstance(spec, JobSpec) else dict(spec)
     job = Job(
         kind=JobKind(kind),
@@ -471,8 +573,9 @@ def create_job(
         batch_id=batch_id,
         idempotency_key=idempotency_key,
         deployment_id=deployment_id,
+        after_job_id=after_job_id,
         queued_at=utcnow(),
-        due_at=None if deployment_id is not None else (due_at or utcnow()),
+        due_at=None if deployment_id is not None or after_job_id is not None else (due_at or utcnow()),
     )
     if idempotency_key is None:
         session.add(job)
@@ -573,6 +676,15 @@ def _waits_on_deployment(job):  # `job`: Job or an alias of it
         Deployment.status.in_([DeploymentStatus.pending, DeploymentStatus.running])).exists()
 
 
+def _waits(job):
+    """`job` (Job or an alias) is owned by what it waits for: a deployment still under way, or
+    the job it runs after (`after_job_id`) while that one is queued or running."""
+    prior = aliased(Job)
+    waits_on_job = select(prior.id).where(prior.id == job.after_job_id,
+                                          prior.state.in_([JobState.queued, JobState.running])).exists()
+    return or_(_waits_on_deployment(job), waits_on_job)
+
+
 def find_due_queued_jobs(session: Session, now: dt.datetime, device_id: int | list[int] | None = None,
                          limit: int = 500) -> list[Job]:
     """Queued jobs that need a message now, at most one per device, the first submitted first (a
@@ -584,7 +696,7 @@ def find_due_queued_jobs(session: Session, now: dt.datetime, device_id: int | li
     other = aliased(Job)
     in_flight = select(other.id).where(
         other.device_id == Job.device_id, other.id != Job.id, other.state == JobState.queued,
-        other.due_at >= now, ~_waits_on_deployment(other)).exists()
+        other.due_at >= now, ~_waits(other)).exists()
     held = select(Device.id).where(Device.id == Job.device_id, Device.lease_holder.is_not(None),
                                    Device.lease_until >= now).exists()
     # The device's GPU is busy for this job: another device of its adapter group is leased, by
@@ -595,7 +707,7 @@ def find_due_queued_jobs(session: Session, now: dt.datetime, device_id: int | li
         peer.id != mine.id, peer.lease_holder.is_not(None), peer.lease_until >= now,
         or_(peer.lease_timed, Job.kind.in_(TIMED_KINDS))).exists()
     conditions = [Job.state == JobState.queued, or_(Job.due_at.is_(None), Job.due_at < now),
-                  ~_waits_on_deployment(Job), ~held, ~adapter_busy, ~in_flight]
+                  ~_waits(Job), ~held, ~adapter_busy, ~in_flight]
     if device_id is not None:
         conditions.append(Job.device_id.in_(device_id if isinstance(device_id, list) else [device_id]))
     rank = func.row_number().over(partition_by=Job.device_id, order_by=(Job.created_at, Job.id)).label("rank")
@@ -605,11 +717,21 @@ def find_due_queued_jobs(session: Session, now: dt.datetime, device_id: int | li
 
 
 def find_jobs_waiting_too_long(session: Session, queued_before: dt.datetime, limit: int = 500) -> list[Job]:
-    """Queued jobs (not waiting on a deployment) queued before `queued_before`."""
+    """Queued jobs (not waiting on a deployment or another job) queued before `queued_before`."""
     return list(session.scalars(
         select(Job).where(Job.state == JobState.queued,
                           func.coalesce(Job.queued_at, Job.created_at) < queued_before,
-                          ~_waits_on_deployment(Job)).order_by(Job.id).limit(limit)))
+                          ~_waits(Job)).order_by(Job.id).limit(limit)))
+
+
+def find_jobs_after_failed_jobs(session: Session, limit: int = 500) -> list[Job]:
+    """Queued jobs whose prior job (`after_job_id`) ended without succeeding (that job's end
+    ends them; this finds any it missed)."""
+    prior = aliased(Job)
+    failed = select(prior.id).where(prior.id == Job.after_job_id, prior.state.in_(
+        [JobState.failed, JobState.cancelled, JobState.infra_failed])).exists()
+    return list(session.scalars(select(Job).where(Job.state == JobState.queued, failed)
+                                .order_by(Job.id).limit(limit)))
 
 
 def find_jobs_of_failed_deployments(session: Session, limit: int = 500) -> list[Job]:
@@ -641,7 +763,9 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
     timings, thermal readings and images (an image's path is where the transport fetched it:
     `artifacts_dir` / its path in the result). Idempotent per (job, attempt): recording the same
     attempt again (a redelivered task) returns the stored run and writes nothing. The job's
-    state is left to transition_job, in the same transaction."""
+    state is left to transition_job, in the same transaction. The run keeps the environment
+    the agent read (result.environment), or, from an agent that sent none, what the device's
+    record says now, marked source "device-record"."""
     job = get_job(session, job_id)
     attempt = job.attempts if attempt is None else attempt
     query = select(Run).where(Run.job_id == job_id, Run.attempt == attempt)
@@ -649,6 +773,7 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
     if existing is not None:
         return existing
     spec = job.spec or {}
+    environment = result_environment(job.device, result)
     run = Run(
         job_id=job_id,
         attempt=attempt,
@@ -664,6 +789,8 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
         cooldown_timed_out=result.cooldown_timed_out,
         artifacts=[to_dict(a) for a in result.artifacts],
         log_tail=result.log_tail,
+        environment=environment,
+        env_key=run_env.environment_key(environment),
     )
     stored = _insert_or_get(session, run, query)
     if stored is not run:  # another process stored this attempt first
@@ -683,6 +810,16 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
     session.flush()
     session.expire(run, ["samples", "kernel_timings", "thermal", "images"])
     return run
+
+
+def result_environment(device: Device, result: JobResult | None = None) -> dict[str, Any]:
+    """The environment of a run on `device`: the one `result` carries, else the device's record
+    (marked source "device-record"), with the profile name the result's engine reports."""
+    if result is not None and result.environment is not None:
+        return to_dict(result.environment)
+    profile = str((result.engine or {}).get("profile") or "") if result is not None else ""
+    return run_env.from_device_record(os=device.os, os_version=device.os_version, driver=device.gpu_driver,
+                                      info=device.info, profile=profile)
 
 
 def _from_unix(seconds: float) -> dt.datetime | None:

@@ -3,9 +3,11 @@ fetches samples and writes Alert rows; the CLI and the nightly analysis call the
 
 API (docs/regression.md has the method and its measured quality):
 
-    SeriesKey(device, os_driver, model, resolution, steps, precision, profile, metric)
+    SeriesKey(device, os_driver, model, resolution, steps, precision, profile, metric,
+              environment="")
         .canonical() -> str             canonical JSON, SeriesSetting.series_key
         .parse(text) -> SeriesKey        its inverse;  .as_dict() for Alert.series
+        .in_any_environment()            os_driver and environment left open (settings)
     check_series(samples: Iterable[SeriesSample], *, flagged_runs=(), include_flagged=False)
         -> CheckedSeries(key, unit, values, excluded_runs)
         ValueError on mixed keys, mixed units or non-finite values; samples of flagged runs

@@ -1,21 +1,25 @@
-"""What a series is: the key every stored sample is grouped by (one physical device, its OS
-and driver, the workload, the engine profile and one metric) with its canonical string, and
-the check that turns raw samples into one series' values, refusing mixed keys or units
-instead of averaging them."""
+"""What a series is: the key every stored sample is grouped by (one physical device, the
+environment its run recorded, the workload, the engine profile and one metric) with its
+canonical string, and the check that turns raw samples into one series' values, refusing
+mixed keys or units instead of averaging them."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Collection, Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 
 @dataclass(frozen=True)
 class SeriesKey:
     """One series. `metric` carries its unit in its name (unet_step_ms, peak_gpu_bytes,
     kernel:<name>_ms); `resolution` is "WIDTHxHEIGHT"; `os_driver` is the OS version and GPU
-    driver, joined by the caller, since a driver update is a different series."""
+    driver and `environment` the key of the whole environment the runs recorded (OS build,
+    kernel, driver, adapter, engine runtime: orchestrator/environment.py), both from the
+    caller, since a phone update or a driver update is a different series. An empty
+    `environment` is the series in any environment (what a per-series setting is made for),
+    and is left out of canonical(), as keys were written before runs carried one."""
 
     device: str
     os_driver: str
@@ -25,6 +29,7 @@ class SeriesKey:
     precision: str
     profile: str
     metric: str
+    environment: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -39,7 +44,14 @@ class SeriesKey:
 
     def canonical(self) -> str:
         """The key as canonical JSON (sorted keys, no spaces): SeriesSetting.series_key."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        data = asdict(self)
+        if not self.environment:
+            del data["environment"]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def in_any_environment(self) -> SeriesKey:
+        """The same series with its environment (os_driver and environment) left open."""
+        return replace(self, os_driver="", environment="")
 
     def as_dict(self) -> dict[str, str | int]:
         """The key as a plain dict (Alert.series)."""
@@ -59,7 +71,8 @@ class SeriesKey:
     @classmethod
     def from_dict(cls, data: dict) -> SeriesKey:
         names = {f.name for f in fields(cls)}
-        missing, extra = names - data.keys(), data.keys() - names
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing, extra = required - data.keys(), data.keys() - names
         if missing or extra:
             raise ValueError(
                 f"not a series key: missing {sorted(missing)}, unknown {sorted(extra)} in {data!r}"

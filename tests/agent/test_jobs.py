@@ -11,16 +11,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from agent import jobs
-from agent.jobs import AgentBusy, run_job
+from agent.jobs import AgentBusy, cooling_rate, run_job
 from agent.protocol import (
     Battery,
     Cooldown,
     DeviceInfo,
     JobResult,
     JobSpec,
+    ProtocolError,
     ThermalZone,
     from_json,
 )
@@ -89,6 +91,11 @@ def test_generate_job_writes_image_samples_and_result(tiny_model_dir, tmp_path):
     assert all(e["job_id"] == "j1" for e in events)
     assert not lock_path(tmp_path / "root").exists()
     assert "generate" in (out / "job.log").read_text()
+    # One profiled UNet step after the generation: its kernels, each once (lavapipe has timestamps).
+    assert result.kernel_timings and {k.repetition for k in result.kernel_timings} == {0}
+    assert len({k.kernel for k in result.kernel_timings}) == len(result.kernel_timings)
+    assert all(k.calls > 0 and k.total_ms >= 0 for k in result.kernel_timings)
+    assert result.engine["kernel_timing"].startswith("gpu timestamp queries")
 
 
 @pytest.mark.gpu
@@ -125,6 +132,11 @@ def test_tune_job_writes_a_valid_profile(tiny_model_dir, tmp_path):
     profile = load_profile_file(out / prof.path)
     assert profile.name == result.engine["profile"] and profile.measurements
     assert [s.metric for s in result.samples] == ["tune_ms"]
+    # The UNet's kernels under the new profile, one profiled step.
+    labels = {k.kernel.split("/")[0] for k in result.kernel_timings}
+    assert all(k.calls > 0 and k.repetition == 0 for k in result.kernel_timings)
+    assert {"conv2d", "attention", "group_norm"} <= labels, labels
+    assert result.engine["kernel_timing"].startswith("gpu timestamp queries")
 
 
 @pytest.mark.gpu
@@ -257,3 +269,152 @@ def test_child_records_thermal_readings_before_and_after(monkeypatch, tmp_path):
     got = [(r.phase, r.zone, r.celsius) for r in child.result.thermal]
     assert got == [("before", "gpu", 41.5), ("before", "cpu", 39.0), ("before", "battery", 31.0),
                    ("after", "gpu", 41.5), ("after", "cpu", 39.0), ("after", "battery", 31.0)]
+
+
+def test_cooling_rate_is_the_least_squares_slope_of_the_window():
+    rng = np.random.default_rng()
+    t = np.sort(rng.uniform(0, 100, 40))
+    c = 70 - 0.3 * t + rng.normal(0, 0.5, t.size)
+    readings = list(zip(t.tolist(), c.tolist(), strict=True))
+    recent = t >= t[-1] - 30.0
+    expected = -np.polyfit(t[recent], c[recent], 1)[0] * 60.0
+    assert cooling_rate(readings, 30.0) == pytest.approx(expected, rel=1e-9)
+    assert cooling_rate(readings[:2], 0.0) is None  # fewer than three readings
+    assert cooling_rate([(0.0, 50.0), (1.0, 49.0), (2.0, 48.0)], 5.0) is None  # the window is not covered yet
+
+
+def _readings(values):
+    it = iter(values)
+    last = [values[-1]]
+
+    def thermal():
+        last[0] = next(it, last[0])
+        return last[0]
+    return thermal
+
+
+def test_cooldown_stops_waiting_once_the_device_has_settled_above_the_limit(tmp_path):
+    # Cools 60 -> 51 C, then stays there: it idles above 40 C, and waiting the full 30 s would
+    # not make it cooler.
+    s = spec(cooldown=Cooldown(max_celsius=40.0, max_wait_s=30.0, poll_s=0.05, settle_window_s=0.3,
+                               settle_c_per_min=0.5))
+    events = []
+    result = run_job(s, tmp_path / "out", tmp_path / "root", progress=events.append,
+                     thermal=_readings([60.0, 55.0, 52.0, 51.0] + [51.0] * 100))
+    assert result.cooldown_timed_out is False and 0.3 <= result.cooldown_wait_s < 5
+    assert "cool-down: settled at 51.0 C (> 40.0 C)" in result.log_tail
+    assert events[-1]["event"] != "cooldown" and any("c_per_min" in e for e in events if e["event"] == "cooldown")
+
+
+def test_cooldown_keeps_waiting_while_the_device_still_cools(tmp_path):
+    # Falls 1 C per poll (1200 C/min at 0.05 s polls): never settled, so it waits for 40 C.
+    s = spec(cooldown=Cooldown(max_celsius=40.0, max_wait_s=30.0, poll_s=0.05, settle_window_s=0.2))
+    result = run_job(s, tmp_path / "out", tmp_path / "root", thermal=_readings([50.0 - i for i in range(20)]))
+    assert result.cooldown_timed_out is False
+    assert "cool-down: 40.0 C <= 40.0 C" in result.log_tail
+
+
+def test_cooldown_does_not_wait_out_a_device_warmed_by_something_else(tmp_path):
+    # Warming while idle (a neighbour's work heats it): the trend says waiting will not help.
+    s = spec(cooldown=Cooldown(max_celsius=40.0, max_wait_s=30.0, poll_s=0.05, settle_window_s=0.2))
+    result = run_job(s, tmp_path / "out", tmp_path / "root", thermal=_readings([45.0 + 0.1 * i for i in range(200)]))
+    assert result.cooldown_timed_out is False and result.cooldown_wait_s < 5
+    assert "settled at" in result.log_tail
+
+
+@pytest.mark.gpu
+def test_img2img_job_starts_from_the_image_it_carries(tiny_model_dir, tmp_path):
+    import base64
+    import io
+
+    from PIL import Image
+
+    from engine import load_pipeline
+
+    rng = np.random.default_rng()
+    init = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(init).save(png, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    out = tmp_path / "out"
+    s = spec(model=str(tiny_model_dir), prompt="a red bicycle", seed=5, init_image=uri, strength=0.6)
+    result = run_job(s, out, tmp_path / "root")
+    assert result.status == "succeeded", result.error + result.log_tail
+    assert np.array_equal(np.asarray(Image.open(out / "init_image.png")), init)  # the image it started from
+    meta = Image.open(out / "image.png").text
+    assert meta["strength"] == "0.6" and meta["init_image_sha256"] == jobs.sha256_file(out / "init_image.png")
+    # The engine called directly with the same image and settings: the same picture (one
+    # adapter, one kernel selection: at most 1 of 255 apart per channel).
+    pipe = load_pipeline(str(tiny_model_dir), precision="fp32", profile=result.engine["profile"])
+    direct = pipe.generate("a red bicycle", steps=2, seed=5, height=64, width=64, scheduler="euler",
+                           init_image=init, strength=0.6).image
+    job_image = np.asarray(Image.open(out / "image.png").convert("RGB")).astype(int)
+    assert np.abs(job_image - direct.astype(int)).max() <= 1
+    txt2img = pipe.generate("a red bicycle", steps=2, seed=5, height=64, width=64, scheduler="euler").image
+    assert np.abs(job_image - txt2img.astype(int)).max() > 8  # the init image changed the picture
+
+
+def test_an_init_image_is_checked_before_it_travels():
+    with pytest.raises(ProtocolError, match="strength must be in"):
+        spec(init_image="data:image/png;base64,AAAA", strength=1.5)
+    with pytest.raises(ProtocolError, match="for generate jobs"):
+        spec(kind="latency", init_image="data:image/png;base64,AAAA")
+    with pytest.raises(ProtocolError, match="data: URI must be"):
+        spec(init_image="data:text/html;base64,AAAA")
+
+
+def _install(tmp_path: Path, model: Path, tuned: dict) -> Path:
+    """A build of `model` carrying `tuned` under profiles/tuned/, installed in an agent root."""
+    from agent import bundle as B
+
+    (tmp_path / "tuned").mkdir()
+    (tmp_path / "tuned" / f"{tuned['name']}.json").write_text(json.dumps(tuned))
+    B.generate_keypair(tmp_path / "farm.key", tmp_path / "farm.pub")
+    B.build_bundle({"models/tiny": model, "profiles/tuned": tmp_path / "tuned"}, tmp_path / "bundle", "b1",
+                   "0.1.0", tmp_path / "farm.key")
+    root = tmp_path / "root"
+    B.install_bundle(tmp_path / "bundle", root, B.load_public_key(tmp_path / "farm.pub"))
+    return root
+
+
+@pytest.mark.gpu
+def test_auto_runs_the_builds_profile_tuned_on_this_gpu_and_family_does_not(tiny_model_dir, tmp_path, gpu):
+    import re
+
+    from engine.profiles import SCHEMA_ID, auto_profile
+
+    caps = gpu.caps
+    tuned = {"schema": SCHEMA_ID, "name": "tuned-here", "priority": 100,
+             "match": {"vendor_id": [caps.vendor_id], "device": f"^{re.escape(caps.device)}$"},
+             "rules": [{"op": "attention", "variant": "reference"}], "measurements": []}
+    root = _install(tmp_path, tiny_model_dir, tuned)
+    results = {}
+    for profile in ("auto", "family"):
+        s = spec(build="b1", profile=profile, steps=1, job_id=f"j-{profile}")
+        results[profile] = run_job(s, tmp_path / f"out-{profile}", root)
+        assert results[profile].status == "succeeded", results[profile].error + results[profile].log_tail
+    assert results["auto"].engine["profile"] == "tuned-here"
+    assert results["family"].engine["profile"] == auto_profile(caps, tuned=False).name
+
+    # Another GPU's tuned profile in the build: auto falls back to the family's.
+    other = tmp_path / "other"
+    other.mkdir()
+    root = _install(other, tiny_model_dir, tuned | {"name": "tuned-elsewhere",
+                                                    "match": {"device": "^Some Other GPU$"}})
+    result = run_job(spec(build="b1", steps=1), other / "out", root)
+    assert result.engine["profile"] == auto_profile(caps).name != "tuned-elsewhere"
+
+
+@pytest.mark.gpu
+def test_a_profile_sent_with_the_job_is_the_one_it_runs(tiny_model_dir, tmp_path):
+    from engine.profiles import SCHEMA_ID
+
+    sent = {"schema": SCHEMA_ID, "name": "tuned-sent", "rules": [{"op": "attention", "variant": "reference"}]}
+    result = run_job(spec(model=str(tiny_model_dir), steps=1, profile="tuned", profile_document=sent),
+                     tmp_path / "out", tmp_path / "root")
+    assert result.status == "succeeded", result.error + result.log_tail
+    assert result.engine["profile"] == "tuned-sent" and result.engine["requested_profile"] == "tuned"
+    assert json.loads((tmp_path / "out" / "profile-used.json").read_text()) == sent
+    result = run_job(spec(model=str(tiny_model_dir), profile="tuned", job_id="j2"), tmp_path / "out2",
+                     tmp_path / "root")
+    assert result.status == "failed" and "chosen by the farm" in result.error

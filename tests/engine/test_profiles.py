@@ -19,6 +19,7 @@ from engine.profiles import (
     auto_profile,
     load_profile_file,
     parse_profile,
+    profile_sha256,
     resolve_profile,
     shipped_profiles,
 )
@@ -163,3 +164,52 @@ def test_unet_under_each_shipped_profile_matches_reference_profile(tiny_model_di
     pipe.set_profile(dataclasses.replace(prof, match={}))  # force it onto this adapter
     out = pipe.unet(*args)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) <= 1e-4
+
+
+def test_a_gpu_gets_its_own_tuned_profile_else_its_family():
+    llvmpipe = caps(vendor_id=65541, device="llvmpipe (LLVM 15.0.6, 256 bits)", adapter_type="CPU")
+    tuned = parse_profile(doc(name="tuned-llvmpipe", priority=100, measurements=[{"op": "linear"}],
+                              match={"vendor_id": [65541], "device": r"^llvmpipe \(LLVM 15\.0\.6, 256 bits\)$"}))
+    assert auto_profile(llvmpipe, extra=[tuned]).name == "tuned-llvmpipe"  # the exact GPU's
+    other = caps(vendor_id=65541, device="llvmpipe (LLVM 16.0.0, 256 bits)", adapter_type="CPU")
+    assert auto_profile(other, extra=[tuned]).name == "software"  # another GPU: its family's
+    assert auto_profile(llvmpipe, tuned=False, extra=[tuned]).name == "software"
+    assert resolve_profile("family", llvmpipe).name == "software"
+    h100 = caps(vendor_id=4318, device="NVIDIA H100 80GB HBM3", adapter_type="DiscreteGPU")
+    assert resolve_profile("family", h100).name == "nvidia"  # not the shipped H100-tuned one
+    assert resolve_profile("auto", h100).name == "tuned-nvidia-h100-80gb-hbm3"
+
+
+def test_profile_sha256_ignores_key_order_and_layout():
+    a = doc(rules=[{"op": "linear", "variant": "tiled", "when": {"m": 4, "n": 8}}])
+    b = json.loads(json.dumps(a, indent=3))
+    b["rules"][0] = dict(reversed(list(b["rules"][0].items())))
+    assert profile_sha256(a) == profile_sha256(b) and len(profile_sha256(a)) == 64
+    assert profile_sha256(a) != profile_sha256(a | {"name": "u"})
+
+
+def test_estimated_gain_against_the_family_from_the_tune_measurements():
+    from engine.tune import estimated_gain
+
+    rng = np.random.default_rng()
+    shapes = [{"m": int(m), "n": 64, "k": 64} for m in rng.choice(np.arange(8, 512, 8), 6, replace=False)]
+    measurements, rules, ref_ms, tiled_ms = [], [], [], []
+    for shape in shapes:
+        ref, tiled = rng.uniform(0.5, 2.0, 2)
+        measurements.append({"op": "linear", "shape": shape, "chosen": "tiled" if tiled < ref else "reference",
+                             "results": [{"variant": "reference", "constants": {}, "median_ms": ref},
+                                         {"variant": "tiled", "constants": {}, "median_ms": tiled}]})
+        if tiled < ref:
+            rules.append({"op": "linear", "variant": "tiled", "when": shape})
+        ref_ms.append(ref)
+        tiled_ms.append(min(ref, tiled))
+    tuned = doc(rules=rules, measurements=measurements)
+    est = estimated_gain(tuned, REFERENCE, caps())
+    assert est["calls"] == 6 and est["calls_not_comparable"] == 0 and est["baseline"] == "reference"
+    assert est["gain"] == pytest.approx(np.sum(ref_ms) / np.sum(tiled_ms), rel=1e-12)
+    # A baseline whose choice the tune did not measure (other constants) leaves that call out.
+    odd = parse_profile(doc(name="fam", rules=[{"op": "linear", "variant": "tiled", "when": shapes[0],
+                                                "constants": {"TILE_M": 64}}]))
+    est = estimated_gain(tuned, odd, caps())
+    assert est["calls"] == 5 and est["calls_not_comparable"] == 1
+    assert est["gain"] == pytest.approx(np.sum(ref_ms[1:]) / np.sum(tiled_ms[1:]), rel=1e-12)

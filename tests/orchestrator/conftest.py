@@ -74,12 +74,21 @@ def Session(db_engine):  # noqa: N802  (a session factory, named like the class 
 def cli(tmp_path, monkeypatch):
     """A migrated, empty farm in tmp_path; `cli(*args)` invokes `farm` (exit 0 expected unless
     ok=False); `cli.Session` writes to its store."""
+    yield from _farm_cli(tmp_path, monkeypatch, f"sqlite:///{tmp_path / 'farm.db'}")
+
+
+@pytest.fixture
+def cli_db(tmp_path, monkeypatch, db_url):
+    """`cli` on each store: SQLite, then PostgreSQL."""
+    yield from _farm_cli(tmp_path, monkeypatch, db_url)
+
+
+def _farm_cli(tmp_path, monkeypatch, url):
     from typer.testing import CliRunner
 
     from orchestrator.cli import app
     from orchestrator.db import make_engine, make_session_factory, upgrade
 
-    url = f"sqlite:///{tmp_path / 'farm.db'}"
     monkeypatch.setenv("FARM_DATABASE_URL", url)
     monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))

@@ -369,6 +369,43 @@ def test_submit_that_cannot_reach_the_workers_cancels_its_jobs(seeded, monkeypat
     assert job["state"] == "cancelled" and "not sent" in job["error"]
 
 
+def test_submit_img2img_carries_its_image_in_the_job(cli_db, monkeypatch):
+    import base64
+
+    import numpy as np
+    from PIL import Image
+
+    cli = cli_db
+    monkeypatch.setattr("orchestrator.jobs.send_jobs", lambda app, job_ids, strict: None)
+    with cli.Session() as s, s.begin():
+        store.set_device_state(s, store.upsert_device(s, "phone-1", "adb", "127.0.0.1:5555", host="testhost").id,
+                               DeviceState.available)
+        store.create_build(s, _manifest("b1", 1_700_000_000.0))
+    image = cli.tmp / "start.png"
+    Image.fromarray(np.random.default_rng().integers(0, 256, (16, 24, 3), dtype=np.uint8)).save(image)
+    out = json.loads(cli("jobs", "submit", "generate", "--device", "phone-1", "--init-image", str(image),
+                         "--strength", "0.55", "--json").output)
+    with cli.Session() as s:
+        spec = s.get(Job, out["jobs"][0]["id"]).spec
+    kind, _, payload = spec["init_image"].partition(",")
+    assert kind == "data:image/png;base64" and base64.b64decode(payload) == image.read_bytes()
+    assert spec["strength"] == 0.55
+    plain = json.loads(cli("jobs", "submit", "generate", "--device", "phone-1", "--json").output)
+    with cli.Session() as s:
+        assert s.get(Job, plain["jobs"][0]["id"]).spec["init_image"] is None
+
+    Image.new("RGB", (8, 8)).save(cli.tmp / "start.gif")
+    (cli.tmp / "notes.png").write_text("not an image")
+    for args, fragment in [(["--strength", "0.5"], "--strength needs --init-image"),
+                           (["--init-image", str(image), "--strength", "1.5"], "strength must be in (0, 1]"),
+                           (["--init-image", str(cli.tmp / "notes.png")], "not a readable image"),
+                           (["--init-image", str(cli.tmp / "start.gif")], "give a PNG or JPEG"),
+                           (["--init-image", str(cli.tmp / "missing.png")], "missing.png")]:
+        _one_error(cli("jobs", "submit", "generate", "--device", "phone-1", *args, ok=False), fragment)
+    _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", "--init-image", str(image), ok=False),
+               "--init-image is for generate jobs")
+
+
 def test_submit_with_no_builds_is_one_error(cli):
     _one_error(cli("jobs", "submit", "generate", "--all", ok=False), "no builds yet")
 

@@ -59,3 +59,39 @@ def test_more_repetitions_rerun_the_candidate_and_its_baseline(tmp_path):
             deploys.append((args[0], args[1], message["properties"]["delivery_info"]["routing_key"]))
     assert sorted(deploys) == sorted([(waits[cand][1].id, 0, "host.h"), (waits[base][1].id, 0, "host.h")])
     engine.dispose()
+
+
+def test_the_demo_follows_a_batch_until_every_round_it_asked_for_is_analysed(tmp_path):
+    from orchestrator.cli.demo import batch_family, final_verdicts
+
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="h")
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    Session = make_session_factory(engine)  # noqa: N806
+
+    def comparison(device, verdict):
+        return {"device": device, "metric": "unet_step_ms", "verdict": verdict}
+
+    with Session() as s, s.begin():
+        root = store.create_batch(s, "night", max_extra_rounds=2)
+        root.summary = {"analysis": {"comparisons": [comparison("p1", "inconclusive"), comparison("p2", "same")],
+                                     "more_repetitions": [{"device": "p1"}]}}
+        root_id = root.id
+    with Session() as s:
+        family, done = batch_family(s, root_id)
+        assert [b.id for b in family] == [root_id] and done is False  # round 1 not launched yet
+    with Session() as s, s.begin():
+        first = store.create_batch(s, "round 1", idempotency_key=f"more:{root_id}:1:p1", max_extra_rounds=2)
+    with Session() as s:
+        assert batch_family(s, root_id)[1] is False  # launched, not analysed
+    with Session() as s, s.begin():
+        s.get(type(first), first.id).summary = {"analysis": {"comparisons": [comparison("p1", "inconclusive")],
+                                                             "more_repetitions": [{"device": "p1"}]}}
+        store.create_batch(s, "round 2", idempotency_key=f"more:{root_id}:2:p1", max_extra_rounds=2).summary = {
+            "analysis": {"comparisons": [comparison("p1", "same")], "more_repetitions": [{"device": "p1"}]}}
+    with Session() as s:
+        family, done = batch_family(s, root_id)
+        assert len(family) == 3 and done is True  # round 2 is the last: its own request is not followed
+        assert [(c["device"], c["verdict"], c["rounds"]) for c in final_verdicts(family)] == [
+            ("p1", "same", 3), ("p2", "same", 1)]
+    engine.dispose()

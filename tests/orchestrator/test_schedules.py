@@ -128,3 +128,31 @@ def test_run_now_without_builds_is_one_error(farm):
     farm("schedules", "add", "nightly", "--cron", "0 2 * * *")
     result = farm("schedules", "run-now", "nightly", code=1)
     assert "no builds yet" in result.output and "Traceback" not in result.output
+
+
+def test_a_schedule_cools_its_devices_down_before_each_job(cli_db):
+    from sqlalchemy import select
+
+    from agent.protocol import Manifest, ManifestFile
+    from orchestrator.db import store
+    from orchestrator.db.models import Job
+
+    cli = cli_db
+    cli("devices", "add", "p1", "--transport", "local")
+    with cli.Session() as s, s.begin():
+        store.create_build(s, Manifest(build="b1", version="0.1.0", created=1_700_000_000.0,
+                                       files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]))
+    cli("schedules", "add", "nightly", "--cron", "0 2 * * *", "--job", "tune", "--job", "latency",
+        "--cooldown", "42", "--cooldown-wait", "120")
+    (row,) = json.loads(cli("schedules", "list", "--json").output)
+    assert [j["spec"]["cooldown"] for j in row["jobs"]] == [{"max_celsius": 42.0, "max_wait_s": 120.0}] * 2
+    assert "<= 42 C, 120 s max" in cli("schedules", "list").output
+    cli("schedules", "run-now", "nightly")
+    with cli.Session() as s:
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+        assert [(j.kind.value, j.spec["cooldown"]["max_celsius"], j.spec["cooldown"]["max_wait_s"])
+                for j in jobs] == [("tune", 42.0, 120.0), ("latency", 42.0, 120.0)]
+    for args, message in [(["--cooldown-wait", "60"], "--cooldown-wait needs --cooldown"),
+                          (["--cooldown", "40", "--cooldown-wait", "-1"], "greater than or equal to 0")]:
+        result = cli("schedules", "add", "x", "--cron", "0 2 * * *", *args, ok=False)
+        assert message in result.output and "Traceback" not in result.output

@@ -68,11 +68,24 @@ def run_migrations_online() -> None:
     engine = make_engine(_url())
     try:
         with engine.connect() as connection:
-            _configure(connection)
-            with context.begin_transaction():
-                context.run_migrations()
+            _sqlite_foreign_keys(connection, "OFF")
+            try:
+                _configure(connection)
+                with context.begin_transaction():
+                    context.run_migrations()
+            finally:
+                _sqlite_foreign_keys(connection, "ON")
     finally:
         engine.dispose()
+
+
+def _sqlite_foreign_keys(connection, state: str) -> None:
+    """SQLite alters a table in batch mode by copying it, dropping the original and renaming the
+    copy; with foreign keys enforced, that DROP deletes every row that refers to the table
+    (altering `jobs` would delete every run). So they are not enforced while migrating. The
+    PRAGMA is ignored inside a transaction, so it goes to the driver's connection, before any."""
+    if connection.dialect.name == "sqlite":
+        connection.connection.driver_connection.execute(f"PRAGMA foreign_keys={state}")
 
 
 if context.is_offline_mode():

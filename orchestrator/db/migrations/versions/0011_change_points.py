@@ -1,0 +1,47 @@
+"""change points: where each series' level moved, found by scanning its whole history
+
+Revision ID: 0011
+Revises: 0010
+Create Date: 2026-11-25 14:00:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = '0011'
+down_revision: str | Sequence[str] | None = '0010'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        'change_points',
+        sa.Column('id', sa.Integer(), nullable=False),
+        sa.Column('series_key', sa.Text(), nullable=False),
+        sa.Column('series', sa.JSON(), nullable=False),
+        sa.Column('device_id', sa.Integer(), nullable=False),
+        sa.Column('build_id', sa.Integer(), nullable=False),
+        sa.Column('metric', sa.String(length=128), nullable=False),
+        sa.Column('median_before', sa.Double(), nullable=False),
+        sa.Column('median_after', sa.Double(), nullable=False),
+        sa.Column('ratio', sa.Double(), nullable=True),
+        sa.Column('p_value', sa.Double(), nullable=False),
+        sa.Column('builds_in_history', sa.Integer(), nullable=False),
+        sa.Column('detected_at', sa.DateTime(timezone=True), nullable=False),
+        sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(['build_id'], ['builds.id'], name=op.f('fk_change_points_build_id_builds'),
+                                ondelete='CASCADE'),
+        sa.ForeignKeyConstraint(['device_id'], ['devices.id'], name=op.f('fk_change_points_device_id_devices'),
+                                ondelete='CASCADE'),
+        sa.PrimaryKeyConstraint('id', name=op.f('pk_change_points')),
+        sa.UniqueConstraint('series_key', 'build_id', name=op.f('uq_change_points_series_key_build_id')),
+    )
+    op.create_index('ix_change_points_device_detected', 'change_points', ['device_id', 'detected_at'], unique=False)
+
+
+def downgrade() -> None:
+    op.drop_index('ix_change_points_device_detected', table_name='change_points')
+    op.drop_table('change_points')
