@@ -156,3 +156,35 @@ def test_a_schedule_cools_its_devices_down_before_each_job(cli_db):
                           (["--cooldown", "40", "--cooldown-wait", "-1"], "greater than or equal to 0")]:
         result = cli("schedules", "add", "x", "--cron", "0 2 * * *", *args, ok=False)
         assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_tuning_loop_schedule_times_the_tuned_profile_after_the_tune(cli_db):
+    from sqlalchemy import select
+
+    from agent.protocol import Manifest, ManifestFile
+    from orchestrator.db import store
+    from orchestrator.db.models import Job
+
+    cli = cli_db
+    cli("devices", "add", "p1", "--transport", "local")
+    cli("devices", "add", "p2", "--transport", "local")
+    with cli.Session() as s, s.begin():
+        store.create_build(s, Manifest(build="b1", version="0.1.0", created=1_700_000_000.0,
+                                       files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]))
+    cli("schedules", "add", "tuning", "--cron", "0 3 * * 0", "--tuning-loop", "--steps", "4")
+    (row,) = json.loads(cli("schedules", "list", "--json").output)
+    assert [(j["kind"], j["spec"].get("profile")) for j in row["jobs"]] == [
+        ("tune", None), ("latency", "family"), ("latency", "tuned")]
+    assert "tune, latency (family), latency (tuned)" in cli("schedules", "list").output
+    cli("schedules", "run-now", "tuning")
+    with cli.Session() as s:
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+        for device in ("p1", "p2"):
+            tune, family, tuned = [j for j in jobs if j.device.serial == device]
+            assert (tune.kind.value, family.spec["profile"], tuned.spec["profile"]) == ("tune", "family", "tuned")
+            assert tuned.after_job_id == tune.id and family.after_job_id is None  # each device its own tune
+            assert all(j.spec["steps"] == 4 for j in (tune, family, tuned))
+    for args, message in [(["--tuning-loop", "--job", "latency"], "without --job"),
+                          (["--tuning-loop", "--profile", "reference"], "without --profile")]:
+        result = cli("schedules", "add", "x", "--cron", "0 2 * * *", *args, ok=False)
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

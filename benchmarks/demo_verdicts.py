@@ -1,0 +1,102 @@
+"""`farm demo` N times in a row on one fresh home (new XDG folders, no FARM_* settings), then
+the verdict of every UNet-step comparison it made, as its last round left it, with the number
+of rounds it took: the check that build B (every reference kernel, about 2x slower) is called a
+regression on every device every time and A against A never is.
+
+    python benchmarks/demo_verdicts.py --runs 5 --json docs/benchmarks/DATE-cpu-demo-verdicts.json
+
+Prints one table of verdicts and one of run times; writes both as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def run_demos(home: Path, runs: int) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
+    env |= {"XDG_DATA_HOME": str(home / "data"), "XDG_CONFIG_HOME": str(home / "config"), "COLUMNS": "200"}
+    timings = []
+    for i in range(1, runs + 1):
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo"], env=env, cwd=REPO,
+                              capture_output=True, text=True)
+        seconds = time.monotonic() - t0
+        timings.append({"run": i, "seconds": round(seconds, 1), "exit": done.returncode})
+        print(f"run {i}: exit {done.returncode} in {seconds:.0f} s", flush=True)
+        if done.returncode != 0:
+            print(done.stdout[-4000:] + done.stderr[-4000:])
+    return timings
+
+
+def verdicts(home: Path) -> list[dict]:
+    from sqlalchemy import create_engine, select
+    from sqlalchemy.orm import Session
+
+    from orchestrator.cli.demo import batch_family, final_verdicts
+    from orchestrator.db.models import Batch
+
+    engine = create_engine(f"sqlite:///{home / 'data' / 'devicefarm' / 'farm.db'}")
+    rows = []
+    try:
+        with Session(engine) as session:
+            roots = [b for b in session.scalars(select(Batch).order_by(Batch.id))
+                     if not (b.idempotency_key or "").startswith("more:")]
+            for index, root in enumerate(roots):
+                family, _ = batch_family(session, root.id)
+                letter = root.build.name[-1].upper()
+                for c in final_verdicts(family):
+                    if c.get("metric") != "unet_step_ms":
+                        continue
+                    base = (c.get("baseline_build") or "-")[-1:].upper() or "-"
+                    rows.append({"run": index // 2 + 1, "comparison": f"{letter} vs {base}", "device": c["device"],
+                                 "ratio": c.get("ratio"), "ci_low": c.get("ci_low"), "ci_high": c.get("ci_high"),
+                                 "verdict": c["verdict"], "rounds": c["rounds"]})
+    finally:
+        engine.dispose()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="write the tables here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="demo-verdicts-") as tmp:
+        home = Path(tmp)
+        timings = run_demos(home, args.runs)
+        rows = verdicts(home)
+
+    def num(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    print("\n| run | comparison | device | ratio | 95% CI | verdict | rounds |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        ci = f"{num(r['ci_low'], '.2f')} - {num(r['ci_high'], '.2f')}" if r["ci_low"] is not None else "-"
+        print(f"| {r['run']} | {r['comparison']} | {r['device']} | {num(r['ratio'], '.3f')} | {ci} | {r['verdict']} | "
+              f"{r['rounds']} |")
+    b = [r for r in rows if r["comparison"].startswith("B vs A")]
+    aa = [r for r in rows if r["comparison"] == "A vs A"]
+    summary = {"b_regression": sum(r["verdict"] == "regression" for r in b), "b_comparisons": len(b),
+               "aa_regression": sum(r["verdict"] == "regression" for r in aa), "aa_comparisons": len(aa),
+               "aa_inconclusive": sum(r["verdict"] == "inconclusive" for r in aa),
+               "run_seconds": [t["seconds"] for t in timings]}
+    print(f"\nB vs A called a regression {summary['b_regression']}/{summary['b_comparisons']}; "
+          f"A vs A called a regression {summary['aa_regression']}/{summary['aa_comparisons']} "
+          f"(inconclusive {summary['aa_inconclusive']}); runs took {summary['run_seconds']} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"timings": timings, "verdicts": rows, "summary": summary}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
