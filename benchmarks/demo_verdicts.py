@@ -54,13 +54,14 @@ def verdicts(home: Path) -> list[dict]:
             for index, root in enumerate(roots):
                 family, _ = batch_family(session, root.id)
                 letter = root.build.name[-1].upper()
+                first = {(c["device"], c.get("metric")): c["verdict"]
+                         for c in (root.summary or {}).get("analysis", {}).get("comparisons", [])}
                 for c in final_verdicts(family):
-                    if c.get("metric") != "unet_step_ms":
-                        continue
                     base = (c.get("baseline_build") or "-")[-1:].upper() or "-"
                     rows.append({"run": index // 2 + 1, "comparison": f"{letter} vs {base}", "device": c["device"],
-                                 "ratio": c.get("ratio"), "ci_low": c.get("ci_low"), "ci_high": c.get("ci_high"),
-                                 "verdict": c["verdict"], "rounds": c["rounds"]})
+                                 "metric": c.get("metric"), "ratio": c.get("ratio"), "ci_low": c.get("ci_low"),
+                                 "ci_high": c.get("ci_high"), "verdict": c["verdict"], "rounds": c["rounds"],
+                                 "first_round_verdict": first.get((c["device"], c.get("metric")))})
     finally:
         engine.dispose()
     return rows
@@ -81,11 +82,19 @@ def main() -> None:
 
     print("\n| run | comparison | device | ratio | 95% CI | verdict | rounds |\n|---|---|---|---|---|---|---|")
     for r in rows:
+        if r["metric"] != "unet_step_ms":
+            continue
         ci = f"{num(r['ci_low'], '.2f')} - {num(r['ci_high'], '.2f')}" if r["ci_low"] is not None else "-"
         print(f"| {r['run']} | {r['comparison']} | {r['device']} | {num(r['ratio'], '.3f')} | {ci} | {r['verdict']} | "
               f"{r['rounds']} |")
-    b = [r for r in rows if r["comparison"].startswith("B vs A")]
-    aa = [r for r in rows if r["comparison"] == "A vs A"]
+    unet = [r for r in rows if r["metric"] == "unet_step_ms"]
+    b = [r for r in unet if r["comparison"].startswith("B vs A")]
+    aa = [r for r in unet if r["comparison"] == "A vs A"]
+    print("\nother metrics (first round -> last):")
+    for r in rows:
+        if r["metric"] != "unet_step_ms":
+            print(f"  run {r['run']} {r['comparison']} {r['device']} {r['metric']}: "
+                  f"{r['first_round_verdict']} -> {r['verdict']} ({r['rounds']} rounds)")
     summary = {"b_regression": sum(r["verdict"] == "regression" for r in b), "b_comparisons": len(b),
                "aa_regression": sum(r["verdict"] == "regression" for r in aa), "aa_comparisons": len(aa),
                "aa_inconclusive": sum(r["verdict"] == "inconclusive" for r in aa),

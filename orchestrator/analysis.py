@@ -355,7 +355,7 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
                                           "verdict": "no baseline", "reason": "first build on this series"})
             continue
         baseline, baseline_runs = found
-        more, changes = 0, []
+        more, changes, undecided = 0, [], []
         for metric in HEADLINE_METRICS:
             try:
                 result = compare_builds(session, device, spec, metric, baseline, baseline_runs, build,
@@ -371,8 +371,10 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
                 alert = _record_alert(session, batch, build, baseline, device, spec, result,
                                       baseline_runs, candidate_runs)
                 report["alerts"].append(alert.id)
-            elif result["verdict"] == "inconclusive":
+            elif result["verdict"] == "inconclusive" and (batch.round_metrics is None
+                                                          or metric in batch.round_metrics):
                 more = max(more, result["more_repetitions_suggested"])
+                undecided.append(metric)
             if result["environment_change"]:
                 changes = result["environment_change"]
                 # Only the baseline measured in the candidate's environment tells the build's share.
@@ -381,7 +383,7 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
                 _settle_environment_alerts(session, build, device, result)
         if more:
             entry = {"device": device.serial, "spec": dict(job.spec or {}), "repetitions": more,
-                     "baseline_build": baseline.id}
+                     "baseline_build": baseline.id, "metrics": undecided or list(HEADLINE_METRICS)}
             report["more_repetitions"].append(entry | ({"environment_change": changes} if changes else {}))
     report["fidelity"] = _check_fidelity(session, batch, build, jobs, report["alerts"])
     report["stoppages"] = raise_stoppages(session, now or utcnow())

@@ -73,7 +73,10 @@ MAX_WORKER_LOSSES = 8
 WORKER_LOSS_DELAY_MAX_S = 60.0
 HEARTBEAT_S = 5.0  # how often a running job or deployment says it is alive and renews its device lease
 LEASE_S = 60.0  # a device lease outlives a dead worker by at most this
-LEASE_RETRY_S = (2.0, 60.0)  # a deployment's first and longest wait for a busy device (doubling in between)
+# A deployment's first and longest wait for a busy device (doubling in between). Short: with
+# timed jobs on a shared GPU taking turns, a more-repetitions round's deployment (nothing to
+# send, a second's work) otherwise idled up to a minute between jobs of 10-20 s.
+LEASE_RETRY_S = (1.0, 8.0)
 REQUEUE_DELAY_S = 2.0  # an infrastructure failure is tried again after this
 PROGRESS_EVERY_S = 0.5  # how often a deploy records its bytes sent
 ANALYSIS_GRACE_FACTOR = 5  # a finished batch's analysis is sent again after this many message graces
@@ -383,7 +386,8 @@ def deploy_build(app: Celery, build_id: int, device_ids: list[int], batch_id: in
 
 def _create_suite(session: Session, settings: Settings, sends: Sends, name: str, jobs: list[dict], *,
                   build: int | str | None, devices: list[str] | str, schedule_id: int | None,
-                  idempotency_key: str | None, max_extra_rounds: int | None) -> int:
+                  idempotency_key: str | None, max_extra_rounds: int | None,
+                  round_metrics: list[str] | None = None) -> int:
     build_row = store.get_build(session, build)
     if devices == "all":
         targets = store.in_service_devices(session)
@@ -397,7 +401,8 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
         check_time_limit(settings, entry.get("spec") or {})
     batch = store.create_batch(session, name, build_id=build_row.id, schedule_id=schedule_id,
                                idempotency_key=idempotency_key,
-                               max_extra_rounds=3 if max_extra_rounds is None else max_extra_rounds)
+                               max_extra_rounds=3 if max_extra_rounds is None else max_extra_rounds,
+                               round_metrics=round_metrics)
     if idempotency_key is not None and batch.jobs:
         return batch.id  # launched before: the reconciler sends whatever of it has not run
     entry_builds = [build_row if entry.get("build") is None else store.get_build(session, entry["build"])
@@ -437,13 +442,15 @@ def launch_suite(
     schedule_id: int | None = None,
     idempotency_key: str | None = None,
     max_extra_rounds: int | None = None,
+    round_metrics: list[str] | None = None,
 ) -> int:
     """Start a batch: for each device (serials, or "all" devices not quarantined), deploy the
     build (newest when None) and then run every job of `jobs` ({"kind": ..., "spec": {...}},
     the spec's model defaulting to the build's) on it; each device's chain runs on its host's
     queue, all devices in parallel; the last job to settle sends the batch's analysis. With an
     `idempotency_key` (a schedule's firing), launching again changes nothing. An inconclusive
-    analysis may launch `max_extra_rounds` follow-up batches with more repetitions (default 3).
+    analysis may launch `max_extra_rounds` follow-up batches with more repetitions (default 3),
+    for the `round_metrics` only when given.
     A job entry may name its own "build" (id or name): the follow-up batches rerun the baseline
     build that way, next to the candidate. Everything is written in one transaction and sent
     after it. Returns the batch id."""
@@ -451,7 +458,7 @@ def launch_suite(
     with session_for(app) as session, session.begin():
         batch_id = _create_suite(session, settings, sends, name, jobs, build=build, devices=devices,
                                  schedule_id=schedule_id, idempotency_key=idempotency_key,
-                                 max_extra_rounds=max_extra_rounds)
+                                 max_extra_rounds=max_extra_rounds, round_metrics=round_metrics)
     sends.send(app)
     return batch_id
 
@@ -832,6 +839,7 @@ def analyze(app: Celery, batch_id: int) -> dict:
         rounds = extra_round(batch.idempotency_key)
         follow_up = report["more_repetitions"] if rounds < batch.max_extra_rounds else []
         name, build_id, root, max_rounds = batch.name, batch.build_id, _root_batch(batch), batch.max_extra_rounds
+        round_metrics = batch.round_metrics
         batch.summary = summary
     report_path = settings.data_dir / "reports" / f"batch-{batch_id}.json"
     report_path.parent.mkdir(parents=True, exist_ok=True)
@@ -839,7 +847,7 @@ def analyze(app: Celery, batch_id: int) -> dict:
     for device, jobs in more_repetitions_jobs(follow_up).items():
         launch_suite(app, f"{name} (more repetitions, round {rounds + 1})", jobs, build=build_id,
                      devices=[device], idempotency_key=f"more:{root}:{rounds + 1}:{device}",
-                     max_extra_rounds=max_rounds)
+                     max_extra_rounds=max_rounds, round_metrics=round_metrics)
     return summary
 
 
@@ -848,11 +856,17 @@ def more_repetitions_jobs(entries: list[dict]) -> dict[str, list[dict]]:
     "more_repetitions" entries: a new latency run of the candidate (the batch's build) and one
     of its baseline (the entry's "baseline_build"), each with the repetitions asked for.
     Run-to-run drift averages only over runs, and the baseline's single earlier run would
-    otherwise bound what any number of candidate runs can show."""
+    otherwise bound what any number of candidate runs can show. Only the samples of the
+    undecided metrics ("metrics": UNet steps for unet_step_ms, end-to-end generations for the
+    others) are asked for; kernel timings, which the first runs already gave, are not taken
+    again."""
     jobs_by_device: dict[str, list[dict]] = {}
     for entry in entries:
-        spec = dict(entry["spec"]) | {"repetitions": entry["repetitions"],
-                                      "unet_repetitions": entry["repetitions"], "warmup": 1}
+        metrics = entry.get("metrics") or ["unet_step_ms", "e2e_ms"]
+        spec = dict(entry["spec"]) | {"unet_repetitions": entry["repetitions"], "warmup": 1, "kernel_timings": False}
+        # End-to-end generations: as many as asked when an end-to-end metric is undecided, else
+        # one (a UNet-step round's generations would only add time).
+        spec["repetitions"] = entry["repetitions"] if set(metrics) - {"unet_step_ms"} else 1
         spec.pop("job_id", None)
         jobs_by_device.setdefault(entry["device"], []).extend(
             [{"kind": "latency", "spec": spec}, {"kind": "latency", "spec": spec, "build": entry["baseline_build"]}])

@@ -38,15 +38,19 @@ DEMO_MIN_EFFECT = 0.15
 # An inconclusive comparison gets up to this many more-repetitions rounds (a new run of the
 # candidate and of its baseline on that device, with the repetitions the analysis asks for);
 # the output says how many rounds each verdict needed.
-DEMO_EXTRA_ROUNDS = 2
+DEMO_EXTRA_ROUNDS = 2  # on the UNet step only: the metric the demo's verdicts are about
 
 
 def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
     """The demo's suite: a latency job (generations and UNet steps timed; 10 UNet steps, enough
     for the analysis to call a change), then a generation."""
+    from orchestrator.regression.compare import MIN_SAMPLES
+
     common = {"precision": precision, "steps": steps, "seed": 0, "cooldown": COOLDOWN, "time_limit_s": TIMEOUT_S,
               "prompt": "a red bicycle leaning on a wall"}
-    return [{"kind": "latency", "spec": common | {"warmup": 1, "repetitions": 3, "unet_repetitions": 10}},
+    # Five end-to-end generations: the fewest the analysis decides on (fewer would make every
+    # e2e comparison inconclusive and ask for a more-repetitions round each time).
+    return [{"kind": "latency", "spec": common | {"warmup": 1, "repetitions": MIN_SAMPLES, "unet_repetitions": 10}},
             {"kind": "generate", "spec": dict(common)}]
 
 
@@ -93,7 +97,7 @@ def demo(
             for build in builds:
                 batch_id = launch_suite(make_celery(settings), f"{DEMO_PREFIX}{build['name']}",
                                         demo_jobs(precision, steps), build=build["name"], devices=running.devices,
-                                        max_extra_rounds=DEMO_EXTRA_ROUNDS)
+                                        max_extra_rounds=DEMO_EXTRA_ROUNDS, round_metrics=["unet_step_ms"])
                 batches.append(batch_id)
                 ok = _follow(sessions, batch_id, running, started + timeout) and ok
                 console.print()

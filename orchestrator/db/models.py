@@ -330,6 +330,9 @@ class Batch(Base):
     # that reruns the candidate and its baseline): with 10 repetitions a run, 3 rounds reach
     # compare()'s 40-repetition bound.
     max_extra_rounds: Mapped[int] = mapped_column(default=3)
+    # The metrics whose inconclusive comparison asks for a more-repetitions round (None: every
+    # headline metric); the demo rounds only on the UNet step it reports.
+    round_metrics: Mapped[list[Any] | None]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
     summary: Mapped[dict[str, Any] | None]

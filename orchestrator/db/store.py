@@ -857,11 +857,12 @@ def create_batch(
     schedule_id: int | None = None,
     idempotency_key: str | None = None,
     max_extra_rounds: int = 3,
+    round_metrics: list[str] | None = None,
 ) -> Batch:
     """A new batch of jobs; with an `idempotency_key` (a schedule's firing time), asking again
     returns the batch made the first time."""
     batch = Batch(name=name, build_id=build_id, schedule_id=schedule_id, idempotency_key=idempotency_key,
-                  max_extra_rounds=max_extra_rounds)
+                  max_extra_rounds=max_extra_rounds, round_metrics=round_metrics)
     if idempotency_key is None:
         session.add(batch)
         session.flush()

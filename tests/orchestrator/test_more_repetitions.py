@@ -95,3 +95,42 @@ def test_the_demo_follows_a_batch_until_every_round_it_asked_for_is_analysed(tmp
         assert [(c["device"], c["verdict"], c["rounds"]) for c in final_verdicts(family)] == [
             ("p1", "same", 3), ("p2", "same", 1)]
     engine.dispose()
+
+
+def test_a_batch_rounds_only_on_its_round_metrics(Session):  # noqa: N803
+    """B is 30% slower in its UNet step (decided), and its end-to-end time has too few samples
+    to decide: every-metric batches ask for a round; a batch rounding on the UNet step does not."""
+    import numpy as np
+    from test_analysis import _latency, _manifest, _record
+
+    from agent.protocol import Sample
+    from orchestrator import analysis
+
+    rng = np.random.default_rng()
+    asked = {}
+    for label, metrics in (("all", None), ("unet", ["unet_step_ms"])):
+        with Session() as s, s.begin():
+            device = store.upsert_device(s, f"p-{label}", "local", f"/tmp/p-{label}", host="h")
+            base = store.create_build(s, _manifest(f"a-{label}", 1_700_000_000.0))
+            cand = store.create_build(s, _manifest(f"b-{label}", 1_700_086_400.0))
+            for build, slow in ((base, 1.0), (cand, 1.3)):
+                result = _latency(rng, slow)
+                result.samples += [Sample("e2e_ms", 500.0 * slow + float(rng.normal(0, 5)), "ms", r) for r in range(3)]
+                batch = store.create_batch(s, f"nightly {build.name}", build_id=build.id, round_metrics=metrics)
+                _record(s, device.id, build.id, "latency", result, batch.id)
+            report = analysis.analyze_batch(s, batch.id)
+            verdicts = {c["metric"]: c["verdict"] for c in report["comparisons"]}
+            assert verdicts["unet_step_ms"] == "regression" and verdicts["e2e_ms"] == "inconclusive", verdicts
+            asked[label] = [e["device"] for e in report["more_repetitions"]]
+    assert asked == {"all": ["p-all"], "unet": []}
+
+
+def test_a_unet_step_round_times_unet_steps_only():
+    entry = {"device": "p1", "spec": SPEC | {"repetitions": 5, "unet_repetitions": 10}, "repetitions": 20,
+             "baseline_build": 1, "metrics": ["unet_step_ms"]}
+    (candidate, baseline) = more_repetitions_jobs([entry])["p1"]
+    assert candidate["spec"] == baseline["spec"]
+    assert (candidate["spec"]["unet_repetitions"], candidate["spec"]["repetitions"]) == (20, 1)
+    assert candidate["spec"]["kernel_timings"] is False
+    both = more_repetitions_jobs([entry | {"metrics": ["unet_step_ms", "e2e_ms"]}])["p1"][0]["spec"]
+    assert (both["unet_repetitions"], both["repetitions"]) == (20, 20)

@@ -1,4 +1,5 @@
-"""change points: where each series' level moved, found by scanning its whole history
+"""change points: where each series' level moved, found by scanning its whole history; a
+batch's `round_metrics`, the metrics whose inconclusive comparison asks for more repetitions
 
 Revision ID: 0011
 Revises: 0010
@@ -40,8 +41,12 @@ def upgrade() -> None:
         sa.UniqueConstraint('series_key', 'build_id', name=op.f('uq_change_points_series_key_build_id')),
     )
     op.create_index('ix_change_points_device_detected', 'change_points', ['device_id', 'detected_at'], unique=False)
+    with op.batch_alter_table('batches', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('round_metrics', sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('batches', schema=None) as batch_op:
+        batch_op.drop_column('round_metrics')
     op.drop_index('ix_change_points_device_detected', table_name='change_points')
     op.drop_table('change_points')
