@@ -148,7 +148,7 @@ def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     assert c2["verdict"] == "same" or (c2["verdict"] == "inconclusive" and c2["more_repetitions_suggested"] > 0)
     if c2["verdict"] == "inconclusive":  # the next round reruns the baseline build too
         assert same["more_repetitions"] == [{"device": "p1", "spec": SPEC, "repetitions": 10,
-                                             "baseline_build": farm["builds"]["b1"]}]
+                                             "baseline_build": farm["builds"]["b1"], "metrics": ["unet_step_ms"]}]
     (c3,) = [c for c in regressed["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c3["baseline_build"] == "b2" and c3["verdict"] == "regression" and 1.25 < c3["ratio"] < 1.35
     # b3 has an open regression alert: b4 is compared with b2, the last accepted build.

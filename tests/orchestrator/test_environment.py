@@ -178,7 +178,9 @@ def test_a_driver_update_is_an_environment_change_not_a_build_regression(Session
     assert (c3["baseline_environment"], c3["environment"]) == ("android 14 / 512.3", "android 14 / 530.1")
     assert c3["min_effect"] == 0.1
     # ... and asks for b2 to be measured again, in the new environment, beside b3.
+    # Every metric is measured again: the comparison across the change decided none of them.
     assert across["more_repetitions"] == [{"device": "p1", "spec": SPEC, "repetitions": 20, "baseline_build": ids["b2"],
+                                           "metrics": ["unet_step_ms", "e2e_ms", "peak_gpu_bytes"],
                                            "environment_change": ["driver changed 512.3 -> 530.1"]}]
     with Session() as s:
         (alert,) = [s.get(Alert, i) for i in across["alerts"]]
