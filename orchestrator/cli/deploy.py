@@ -17,7 +17,6 @@ from .devices import (
     console,
     fail,
     open_store,
-    stored_input_error,
 )
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -36,6 +35,7 @@ def deploy(
 
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
+    from orchestrator.health import stored_input_error
     from orchestrator.jobs import deploy_build
 
     if bool(device) == all_devices:

@@ -261,13 +261,6 @@ def set_address(
                       highlight=False)
 
 
-def stored_input_error(device: Device) -> str | None:
-    """Why this device's stored serial or address cannot be used (orchestrator.health)."""
-    from orchestrator.health import stored_input_error as check
-
-    return check(device)
-
-
 def _set_state(serial: str, state: DeviceState, reason: str) -> None:
     from orchestrator.db import store
 
