@@ -67,15 +67,51 @@ def verdicts(home: Path) -> list[dict]:
     return rows
 
 
+def run_levels(home: Path) -> list[dict]:
+    """Every succeeded latency run's UNet-step median: which demo run (stack) made it, in which
+    batch round, of which build on which device; the data the run-to-run drift is read from."""
+    import numpy as np
+    from sqlalchemy import create_engine, select
+    from sqlalchemy.orm import Session
+
+    from orchestrator.db.models import Batch, Build, Device, Job, JobKind, Run, RunStatus, Sample
+    from orchestrator.jobs import extra_round
+
+    engine = create_engine(f"sqlite:///{home / 'data' / 'devicefarm' / 'farm.db'}")
+    rows = []
+    try:
+        with Session(engine) as session:
+            roots = [b.id for b in session.scalars(select(Batch).order_by(Batch.id))
+                     if not (b.idempotency_key or "").startswith("more:")]
+            found = session.execute(
+                select(Run, Job, Batch, Build.name, Device.serial).join(Job, Job.id == Run.job_id)
+                .join(Batch, Batch.id == Job.batch_id).join(Build, Build.id == Run.build_id)
+                .join(Device, Device.id == Run.device_id)
+                .where(Job.kind == JobKind.latency, Run.status == RunStatus.succeeded).order_by(Run.id)).all()
+            for run, _job, batch, build, serial in found:
+                values = list(session.scalars(select(Sample.value).where(
+                    Sample.run_id == run.id, Sample.metric == "unet_step_ms")))
+                key = batch.idempotency_key or ""
+                root = int(key.split(":")[1]) if key.startswith("more:") else batch.id
+                rows.append({"run_id": run.id, "demo_run": roots.index(root) // 2 + 1, "batch": batch.id,
+                             "round": extra_round(key), "device": serial, "build": build,
+                             "n": len(values), "median": float(np.median(values)) if values else None})
+    finally:
+        engine.dispose()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the tables here")
+    parser.add_argument("--home", type=Path, help="run in this (new) folder and keep it; default: a temporary one")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="demo-verdicts-") as tmp:
-        home = Path(tmp)
+        home = args.home or Path(tmp)
         timings = run_demos(home, args.runs)
         rows = verdicts(home)
+        levels = run_levels(home)
 
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
@@ -90,6 +126,11 @@ def main() -> None:
     unet = [r for r in rows if r["metric"] == "unet_step_ms"]
     b = [r for r in unet if r["comparison"].startswith("B vs A")]
     aa = [r for r in unet if r["comparison"] == "A vs A"]
+    print("\nUNet-step median of every latency run (ms):\n| demo run | round | device | build | n | median |\n"
+          "|---|---|---|---|---|---|")
+    for r in levels:
+        print(f"| {r['demo_run']} | {r['round']} | {r['device']} | {r['build'][-1:].upper()} | {r['n']} | "
+              f"{num(r['median'], '.2f')} |")
     print("\nother metrics (first round -> last):")
     for r in rows:
         if r["metric"] != "unet_step_ms":
@@ -104,7 +145,8 @@ def main() -> None:
           f"(inconclusive {summary['aa_inconclusive']}); runs took {summary['run_seconds']} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"timings": timings, "verdicts": rows, "summary": summary}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"timings": timings, "verdicts": rows, "runs": levels,
+                                               "summary": summary}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

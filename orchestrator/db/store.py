@@ -513,6 +513,12 @@ def redispatch_deployment(session: Session, deployment_id: int, due_at: dt.datet
                        new_message)
 
 
+def pending_deployments(session: Session, device_ids: list[int]) -> list[Deployment]:
+    """The deployments to these devices that wait to start (for a busy device or GPU), oldest first."""
+    return list(session.scalars(select(Deployment).where(
+        Deployment.device_id.in_(device_ids), Deployment.status == DeploymentStatus.pending).order_by(Deployment.id)))
+
+
 def find_due_deployments(session: Session, now: dt.datetime, stale_before: dt.datetime) -> list[Deployment]:
     """Pending deployments past their deadline and running ones whose worker went silent."""
     last_heard = func.coalesce(Deployment.heartbeat_at, Deployment.started_at)

@@ -256,3 +256,49 @@ def test_a_timed_job_waits_for_its_gpu_and_is_handed_it(deployed):
         with farm["Session"]() as session, session.begin():
             session.execute(update(Device).where(Device.id == farm["device_id"]).values(adapter_group=None))
             session.execute(update(Device).where(Device.id == twin_id).values(state="quarantined"))
+
+
+def test_a_deployment_waiting_for_the_gpu_is_handed_it(deployed):
+    # A deployment to a device whose GPU a timed job holds waits (its task retries with a
+    # back-off of 1, 2, 4, 8 s); the timed job, finishing, sends it again at once, so the GPU
+    # does not idle out the back-off. The job runs about 6 s, so without the hand-over the
+    # deployment would start at the 7 s retry or later.
+    farm = deployed
+    with farm["Session"]() as session, session.begin():
+        twin_id = store.upsert_device(session, "local-twin-2", "local", session.get(Device, farm["device_id"]).address,
+                                      host=HOST).id
+        session.execute(update(Device).where(Device.id.in_([farm["device_id"], twin_id]))
+                        .values(adapter_group="gpu-shared-2"))
+        latency_id = store.create_job(session, "latency", SPEC | {"warmup": 0, "repetitions": 6, "steps": 4},
+                                      farm["device_id"], farm["build_id"]).id
+        deployment_id = store.create_deployment(session, farm["build_id"], twin_id).id
+    try:
+        _send(farm, latency_id)
+        deadline = time.monotonic() + 30
+        while True:
+            with farm["Session"]() as session:
+                if session.get(Job, latency_id).state == JobState.running:
+                    break
+            assert time.monotonic() < deadline, f"the latency job never started\n{_log(farm)}"
+            time.sleep(0.02)
+        with farm["Session"]() as session, session.begin():
+            seq = store.redispatch_deployment(session, deployment_id, utcnow() + dt.timedelta(minutes=5),
+                                              new_message=True)
+        farm["app"].signature("orchestrator.tasks.deploy", args=(deployment_id, seq)).apply_async(queue=host_queue(HOST))
+        latency = _wait_final(farm, latency_id)
+        assert latency.state == JobState.succeeded, latency.error
+        deadline = time.monotonic() + 30
+        while True:
+            with farm["Session"]() as session:
+                deployment = session.get(Deployment, deployment_id)
+                if deployment.status == DeploymentStatus.succeeded:
+                    break
+            assert time.monotonic() < deadline, f"deployment {deployment.status}\n{_log(farm)}"
+            time.sleep(0.05)
+        waited_s = (deployment.started_at - latency.finished_at).total_seconds()
+        assert latency.finished_at - latency.started_at > dt.timedelta(seconds=3)  # the back-off had grown
+        assert 0 <= waited_s < 0.75, f"the deployment started {waited_s:.2f} s after the GPU was free"
+    finally:
+        with farm["Session"]() as session, session.begin():
+            session.execute(update(Device).where(Device.id == farm["device_id"]).values(adapter_group=None))
+            session.execute(update(Device).where(Device.id == twin_id).values(state="quarantined"))
