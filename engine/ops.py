@@ -24,6 +24,7 @@ register("upsample", "reference", doc="nearest-neighbour resize")(None)
 register("concat", "reference", doc="channel concatenation")(None)
 register("transpose", "reference", doc="swap the last two axes")(None)
 register("embedding", "reference", doc="token + position embedding gather")(None)
+register("step", "reference", entry="combine", doc="the denoising loop: combine, guide, prepare")(None)
 
 ACT = {"silu": 0, "gelu": 1, "quick_gelu": 2}
 
@@ -38,6 +39,9 @@ class Ops:
         self.selection = selection
         self.dtype = dtype
         self.dummy = rt.upload(__import__("numpy").zeros(4, dtype="float32"), dtype, static=True)
+        # an unused f32 input of a step kernel
+        self.dummy_f32 = self.dummy if dtype == "f32" else rt.upload(__import__("numpy").zeros(4, dtype="float32"),
+                                                                      "f32", static=True)
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -189,6 +193,56 @@ class Ops:
         self.rt.dispatch(
             self._pipeline("embedding"), "embedding", (bsz, t, d, v), [ids, tok, pos, y], self._grid_1d(y.numel)
         )
+        return y
+
+    # ---- the denoising loop (shaders/step; engine/schedulers/program.py) ------------------
+
+    MAX_TERMS = 6  # inputs of one combine dispatch
+
+    def _step(self, entry: str, n: int, *, count: int = 0, clamp=None, batch: int = 1, g: float = 0.0,
+              terms=(), inputs=(), eps: Tensor | None = None, dst: Tensor | None = None, y: Tensor | None = None):
+        coefs = [float(c) for c in terms] + [0.0] * (8 - len(terms))
+        lo, hi = clamp if clamp is not None else (0.0, 0.0)
+        params = (n, count, int(clamp is not None), batch, float(lo), float(hi), 0, float(g), *coefs, *([0] * 8))
+        slots = list(inputs) + [self.dummy_f32] * (self.MAX_TERMS - len(inputs))
+        bindings = {"combine": [*slots, dst], "guide": [None] * 6 + [dst, eps],
+                    "prepare": [slots[0], *[None] * 7, y]}[entry]
+        self.rt.dispatch(self._pipeline("step", entry), f"step.{entry}", params, bindings, self._grid_1d(n))
+
+    def step_combine(self, terms: list[tuple[float, Tensor]], clamp: tuple[float, float] | None = None,
+                     out: Tensor | None = None) -> Tensor:
+        """sum(c * t) over f32 tensors of one shape, clamped to `clamp` when given (one
+        combination of a loop program, engine.schedulers.program.Combine)."""
+        if not 1 <= len(terms) <= self.MAX_TERMS:
+            raise ValueError(f"step_combine: {len(terms)} terms; 1 to {self.MAX_TERMS} are supported")
+        shape = terms[0][1].shape
+        for _, t in terms:
+            if t.shape != shape or t.dtype != "f32":
+                raise ValueError(f"step_combine: terms must be f32 tensors of one shape, got {t}")
+        out = self.rt.empty(shape, "f32") if out is None else out
+        n = math.prod(shape)
+        self._step("combine", n, count=len(terms), clamp=clamp, terms=[c for c, _ in terms],
+                   inputs=[t for _, t in terms], dst=out)
+        return out
+
+    def step_guide(self, eps: Tensor, guidance_scale: float | None, out: Tensor | None = None) -> Tensor:
+        """The noise prediction the scheduler steps with, f32 (1, ...): u + g (c - u) of a
+        batch-2 prediction (unconditional, text), or the batch-1 prediction as it is."""
+        self._check(eps, "the noise prediction")
+        batch = eps.shape[0]
+        if batch != (2 if guidance_scale is not None else 1):
+            raise ValueError(f"step_guide: batch {batch} with guidance_scale {guidance_scale}")
+        out = self.rt.empty((1, *eps.shape[1:]), "f32") if out is None else out
+        self._step("guide", out.numel, batch=batch, g=guidance_scale or 0.0, eps=eps, dst=out)
+        return out
+
+    def step_prepare(self, x: Tensor, scale: float, repeat: int = 1, out: Tensor | None = None) -> Tensor:
+        """A network's input from f32 latents x (B, ...): scale * x in this element type,
+        the whole batch `repeat` times along the batch axis (the UNet's input with guidance)."""
+        if x.dtype != "f32":
+            raise ValueError(f"step_prepare: latents must be f32, got {x}")
+        y = self.rt.empty((repeat * x.shape[0], *x.shape[1:]), self.dtype) if out is None else out
+        self._step("prepare", x.numel, batch=repeat, g=scale, inputs=[x], y=y)
         return y
 
     # ---- attention --------------------------------------------------------------------

@@ -31,7 +31,7 @@ import numpy as np
 
 from .device import GPU, get_gpu
 from .errors import InputError, ModelError
-from .kernels import PipelineCache, Selection
+from .kernels import Selection
 from .models.clip import ACTIVATIONS, CLIPTextEncoder
 from .models.common import GPUWeights
 from .models.unet import UNet2DCondition, timestep_embedding
@@ -39,6 +39,7 @@ from .models.vae import AutoencoderKL
 from .ops import Ops
 from .runtime import DTYPES, Runtime, StageTimer, TraceRuntime
 from .schedulers import SCHEDULERS, make_scheduler
+from .schedulers.program import loop_program
 
 PRECISIONS = ("fp32", "fp16")
 RESIDENCIES = ("resident", "staged")
@@ -110,15 +111,26 @@ def _check_residency(residency: str) -> None:
         raise InputError(f"residency {residency!r} is not one of {', '.join(RESIDENCIES)}")
 
 
+RUNTIMES = ("native", "plan", "browser")
+
+
 def load_pipeline(
-    model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None, residency: str = "resident"
+    model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None, residency: str = "resident",
+    runtime: str = "native", **browser_options,
 ) -> Pipeline:
     """Load a model (diffusers folder or SD 1.x single-file checkpoint) for the GPU: its
     weights onto it ("resident"), or into host memory, to go up one network at a time
-    ("staged"; see the module docstring)."""
+    ("staged"; see the module docstring). `runtime` picks who runs it: "native" (this
+    process, eagerly), "plan" (this process, replaying engine plans: engine/plan_exec.py) or
+    "browser" (a WebGPU page in Chromium running the same plans: engine/browser.py); all three
+    return the same API."""
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if runtime not in RUNTIMES:
+        raise InputError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     _check_residency(residency)
+    if runtime != "native":
+        return _load_plan_pipeline(Path(model_dir), precision, profile, tokenizer_dir, runtime, browser_options)
     config, tokenizer, states = _load_components(Path(model_dir), tokenizer_dir and Path(tokenizer_dir))
     if config.text_encoder.hidden_act not in ACTIVATIONS:
         raise ModelError(
@@ -140,6 +152,29 @@ def load_pipeline(
             for c, s in states.items()
         }
     return Pipeline(config, tokenizer, states, gpu, dtype, _selection(gpu.caps, profile), notes, residency)
+
+
+def image_from_decoded(decoded: np.ndarray) -> np.ndarray:
+    """The VAE's (1, 3, H, W) output in [-1, 1] -> (H, W, 3) uint8."""
+    image = np.clip(decoded[0] / 2.0 + 0.5, 0.0, 1.0).transpose(1, 2, 0)
+    return np.round(image * 255.0).astype(np.uint8)
+
+
+def _load_plan_pipeline(model_dir: Path, precision: str, profile, tokenizer_dir, runtime: str, options: dict):
+    from .models.config import load_model_config
+    from .tokenizer import CLIPTokenizer
+
+    if not model_dir.is_dir():
+        raise ModelError(f"runtime {runtime!r} runs diffusers model folders; {model_dir} is not one")
+    config = load_model_config(model_dir)
+    tokenizer = CLIPTokenizer(tokenizer_dir or config.tokenizer_dir)
+    if runtime == "plan":
+        from .plan_exec import PlanPipeline
+
+        return PlanPipeline(model_dir, config, tokenizer, get_gpu(), precision, profile)
+    from .browser import BrowserPipeline
+
+    return BrowserPipeline(model_dir, config, tokenizer, precision, profile, **options)
 
 
 class _PaddingTokenizer:
@@ -170,7 +205,7 @@ class Pipeline:
         self.residency = residency
         self.rt = Runtime(gpu) if rt is None else rt
         self.selection = selection
-        pipelines = None if isinstance(self.rt, TraceRuntime) else PipelineCache(gpu)
+        pipelines = self.rt.pipeline_cache(gpu)
         self.ops = Ops(self.rt, pipelines, selection, dtype)
         self.notes = list(notes)
         self.vae_dtype = _vae_dtype(config, dtype)
@@ -277,11 +312,14 @@ class Pipeline:
         with self.weights_on_gpu("text_encoder"):
             return self.rt.read(self.text_encoder(self._ids_tensor(input_ids))).astype(np.float32)
 
-    def _temb(self, timestep, batch: int):
+    def _temb_array(self, timestep, batch: int) -> np.ndarray:
+        """The UNet's sinusoidal timestep embedding (batch, C), computed on the host."""
         cfg = self.config.unet
         t = np.broadcast_to(np.asarray(timestep, dtype=np.float64).reshape(-1), (batch,))
-        emb = timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        return self.rt.upload(emb, self.dtype)
+        return timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+
+    def _temb(self, timestep, batch: int):
+        return self.rt.upload(self._temb_array(timestep, batch), self.dtype)
 
     def _unet(self, sample: np.ndarray, timestep, ctx):
         x = self.rt.upload(np.asarray(sample, dtype=np.float32), self.dtype)
@@ -296,9 +334,15 @@ class Pipeline:
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """(B, 4, h, w) latents -> (B, 3, 8h, 8w) float32, vae.decode(latents / scaling).sample."""
-        z = np.asarray(latents, dtype=np.float32) / np.float32(self.config.vae.scaling_factor)
+        latents = np.asarray(latents, dtype=np.float32)
         with self.weights_on_gpu("vae_decoder"):
-            return self.rt.read(self.vae.decode(self.rt.upload(z, self.vae_dtype))).astype(np.float32)
+            return self._decode(self.rt.upload(latents, "f32"))
+
+    def _decode(self, latents) -> np.ndarray:
+        """f32 latents on the GPU -> the decoded image, float32 on the host: the VAE's input is
+        latents / scaling_factor in its element type (shaders/step prepare)."""
+        z = self.vae.ops.step_prepare(latents, 1.0 / float(np.float32(self.config.vae.scaling_factor)), 1)
+        return self.rt.read(self.vae.decode(z)).astype(np.float32)
 
     def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(B, 3, H, W) in [-1, 1] -> (mean, logvar) of the latent distribution, unscaled."""
@@ -385,17 +429,18 @@ class Pipeline:
             texts = [negative_prompt, prompt] if cfg_on else [prompt]
             ctx = self.text_encoder(self._ids_tensor(self.tokenize(texts)))  # (B, 77, D) on GPU
 
-        # 2. timesteps and initial latents
+        # 2. the loop as data (one program per scheduler, steps and strength) and its first sample
+        program = loop_program(scheduler, self.config.scheduler, steps, shape,
+                               strength=None if init_image is None else strength)
         if init_image is None:
-            sched.set_timesteps(steps)
-            timesteps = sched.timesteps
             if latents is None:
                 latents = rng.standard_normal(shape, dtype=np.float32)
             latents = np.asarray(latents, dtype=np.float32)
             if latents.shape != shape:
                 raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
-            latents = latents * np.float32(sched.init_noise_sigma)
+            latents = latents * np.float32(program.init_noise_sigma)
         else:
+            sched = make_scheduler(scheduler, self.config.scheduler)
             timesteps = sched.img2img_timesteps(steps, strength)
             with timer("vae_encode_ms"), self._stage("vae_encode", peaks, "vae_encoder"):
                 mean, logvar = self.encode_image(self._prepare_image(init_image, height, width))
@@ -404,28 +449,38 @@ class Pipeline:
             noise = rng.standard_normal(init_latents.shape, dtype=np.float32)
             latents = sched.add_noise(init_latents, noise, np.asarray(timesteps[:1]))
 
-        # 3. denoising loop with classifier-free guidance
+        # 3. denoising loop with classifier-free guidance, on the GPU: the program's
+        # combinations step the f32 latents, which come back to the host once, at the end
         step_ms = []
         with self._stage("unet", peaks, "unet"):
-            for i, t in enumerate(timesteps):
+            env = {"x0": self.rt.upload(np.asarray(latents, dtype=np.float32), "f32")}
+            last_use = program.last_use()
+            for step in program.steps:
                 t0 = time.perf_counter()
-                x_in = np.concatenate([latents, latents]) if cfg_on else latents
-                x_in = sched.scale_model_input(x_in, t)
-                eps = self._unet(x_in, t, ctx)
-                if cfg_on:
-                    eps_uncond, eps_text = eps[:1], eps[1:]
-                    eps = eps_uncond + np.float32(guidance_scale) * (eps_text - eps_uncond)
-                latents = sched.step(eps, t, latents, rng).astype(np.float32)
+                i = step.index
+                x_in = self.ops.step_prepare(env[f"x{i}"], step.input_scale, 2 if cfg_on else 1)
+                eps = self.unet_model(x_in, self._temb(step.timestep, x_in.shape[0]), ctx)
+                env[f"e{i}"] = self.ops.step_guide(eps, float(guidance_scale) if cfg_on else None)
+                del x_in, eps
+                for name in step.noise:
+                    env[name] = self.rt.upload(rng.standard_normal(shape, dtype=np.float32), "f32")
+                for op in step.ops:
+                    env[op.out] = self.ops.step_combine([(c, env[src]) for c, src in op.terms], op.clamp)
+                for name in [n for n in env if last_use.get(n, -1) <= i and n != f"x{i + 1}"]:
+                    del env[name]  # its buffer goes back to the pool
+                self.rt.sync()
                 step_ms.append((time.perf_counter() - t0) * 1e3)
                 if progress is not None:
-                    progress(i + 1, len(timesteps))
+                    progress(i + 1, len(program.steps))
+            final = env[f"x{len(program.steps)}"]
+            latents = self.rt.read(final)
         del ctx  # its buffer goes back to the pool, and is trimmed with the UNet's
 
         # 4. decode to an 8-bit image
         with timer("vae_decode_ms"), self._stage("vae_decode", peaks, "vae_decoder"):
-            decoded = self.decode(latents)
-        image = np.clip(decoded[0] / 2.0 + 0.5, 0.0, 1.0).transpose(1, 2, 0)
-        image_u8 = np.round(image * 255.0).astype(np.uint8)
+            decoded = self._decode(final)
+        del final
+        image_u8 = image_from_decoded(decoded)
 
         timings = dict(timer.ms)
         timings["unet_total_ms"] = float(sum(step_ms))

@@ -273,6 +273,9 @@ class TraceRuntime(_Memory):
         limit = getattr(caps, "limits", {}).get("max-buffer-size")
         self._init_memory(_TraceBuffer, None if limit is None else int(limit))
 
+    def pipeline_cache(self, gpu=None):
+        return None  # nothing is compiled
+
     def empty(self, shape, dtype: str = "f32") -> Tensor:
         return self._pooled(shape, dtype)
 
@@ -324,6 +327,11 @@ class Runtime(_Memory):
         self._query_set = None
         self._query_capacity = 0
         self._query_labels: list[str] = []
+
+    def pipeline_cache(self, gpu):
+        from .kernels import PipelineCache
+
+        return PipelineCache(gpu)
 
     # ---- memory -------------------------------------------------------------------------
 

@@ -27,6 +27,12 @@ TIMESTEP_SPACINGS = ("linspace", "leading", "trailing")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 
+def as_f32(x):
+    """A tensor argument as float32, as step() computes in; a symbolic tensor (the loop
+    programs of engine.schedulers.program, which know their own dtype) passes through."""
+    return x if getattr(x, "symbolic", False) else np.asarray(x, dtype=np.float32)
+
+
 def require_epsilon(prediction_type: str) -> None:
     """SD 1.x predicts noise; v-prediction (SD 2.x 768) and x0-prediction are not run."""
     if prediction_type != "epsilon":
@@ -302,7 +308,7 @@ class SigmaSchedule(StepIndex):
         if self._step_index is None:
             self._init_step_index(timestep)
         sigma = self.sigmas[self._step_index]
-        return np.asarray(sample, np.float32) / np.sqrt(sigma * sigma + np.float32(1.0))
+        return as_f32(sample) / np.sqrt(sigma * sigma + np.float32(1.0))
 
     def add_noise(
         self, original: np.ndarray, noise: np.ndarray, timesteps: np.ndarray

@@ -21,6 +21,7 @@ from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     add_noise_by_alpha_bar,
     alphas_cumprod,
+    as_f32,
     check_num_inference_steps,
     check_timestep_spacing,
     make_betas,
@@ -88,8 +89,8 @@ class DDIMScheduler(Scheduler):
     ) -> np.ndarray:
         if self.num_inference_steps is None:
             raise ValueError("call set_timesteps before step")
-        eps = np.asarray(model_output, dtype=np.float32)
-        x_t = np.asarray(sample, dtype=np.float32)
+        eps = as_f32(model_output)
+        x_t = as_f32(sample)
         t = int(timestep)
         # Δ is T // n whatever the spacing, as in diffusers (not the actual gap for
         # "linspace"/"trailing")

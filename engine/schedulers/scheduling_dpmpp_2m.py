@@ -27,6 +27,7 @@ from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     StepIndex,
     alphas_cumprod,
+    as_f32,
     check_num_inference_steps,
     check_timestep_spacing,
     inference_sigmas,
@@ -149,8 +150,8 @@ class DPMSolverMultistepScheduler(StepIndex, Scheduler):
         if self._step_index is None:
             self._init_step_index(timestep)
         i = self._step_index
-        eps = np.asarray(model_output, dtype=np.float32)
-        x = np.asarray(sample, dtype=np.float32)
+        eps = as_f32(model_output)
+        x = as_f32(sample)
 
         # with final σ = 0 the last step is always first order; lower_order_final and
         # euler_at_final only matter for the σ_min ending the engine does not offer

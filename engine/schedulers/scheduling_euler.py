@@ -19,6 +19,7 @@ import numpy as np
 from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     SigmaSchedule,
+    as_f32,
     require_default,
     require_epsilon,
 )
@@ -69,8 +70,8 @@ class EulerDiscreteScheduler(SigmaSchedule, Scheduler):
     ) -> np.ndarray:
         if self._step_index is None:
             self._init_step_index(timestep)
-        eps = np.asarray(model_output, dtype=np.float32)
-        x = np.asarray(sample, dtype=np.float32)
+        eps = as_f32(model_output)
+        x = as_f32(sample)
         sigma = self.sigmas[self._step_index]
         sigma_next = self.sigmas[self._step_index + 1]
 

@@ -22,6 +22,7 @@ import numpy as np
 from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     SigmaSchedule,
+    as_f32,
     require_default,
     require_epsilon,
 )
@@ -65,8 +66,8 @@ class EulerAncestralDiscreteScheduler(SigmaSchedule, Scheduler):
             )
         if self._step_index is None:
             self._init_step_index(timestep)
-        eps = np.asarray(model_output, dtype=np.float32)
-        x = np.asarray(sample, dtype=np.float32)
+        eps = as_f32(model_output)
+        x = as_f32(sample)
         sigma = self.sigmas[self._step_index]
         sigma_next = self.sigmas[self._step_index + 1]
 

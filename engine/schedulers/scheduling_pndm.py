@@ -27,6 +27,7 @@ from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     add_noise_by_alpha_bar,
     alphas_cumprod,
+    as_f32,
     check_num_inference_steps,
     check_timestep_spacing,
     make_betas,
@@ -111,8 +112,8 @@ class PNDMScheduler(Scheduler):
     ) -> np.ndarray:
         if self.num_inference_steps is None:
             raise ValueError("call set_timesteps before step")
-        eps = np.asarray(model_output, dtype=np.float32)
-        sample = np.asarray(sample, dtype=np.float32)
+        eps = as_f32(model_output)
+        sample = as_f32(sample)
         timestep = int(timestep)
         if self._counter < len(self.prk_timesteps) and not self.skip_prk_steps:
             return self._step_runge_kutta(eps, timestep, sample)

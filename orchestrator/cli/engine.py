@@ -196,6 +196,58 @@ def explain(
 
 
 @app.command()
+def plan(
+    out: Path = typer.Option(..., help="Plan JSON to write.", callback=validate.output_file),
+    model: Path = typer.Option(None, help="diffusers model folder (the plan then says where each weight is)."),
+    preset: Preset = typer.Option(None, help="Or a preset's architecture: tensors and shapes only, no weights read."),
+    precision: Precision = typer.Option(Precision.fp32, help="fp16 where the adapter has shader-f16."),
+    height: int = typer.Option(None), width: int = typer.Option(None),
+    steps: int = typer.Option(20, help="Denoising steps."),
+    scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
+    guidance: float = typer.Option(7.5, help="Classifier-free guidance scale (<= 1 turns it off)."),
+    profile: str = typer.Option("auto", help="auto, reference, a shipped profile's name, or a JSON file."),
+    adapter: Path = typer.Option(None, help="The target adapter's capabilities as JSON (`farm engine info "
+                                           "--json` on it, or a browser's report); default: this machine's."),
+):
+    """Write the engine plan of one generation configuration: buffers, pipelines and dispatches
+    as data, for any WebGPU executor (docs/engine-plans.md)."""
+    from engine.plan import make_plan, write_plan
+    from engine.profiles import resolve_profile
+
+    config = _config_for(model, preset)
+    caps = _caps(adapter)
+    height, width = _native(config, height, width)
+    prof = resolve_profile(profile, caps)
+    with console.status("recording the plan"):
+        doc = make_plan(config, caps, model_dir=model, precision=precision.value, height=height, width=width,
+                        steps=steps, scheduler=scheduler, guidance_scale=guidance, profile=prof.to_json(),
+                        model_name=(model.name if model else preset.value))
+    write_plan(doc, out)
+    dispatches = {name: sum(c["op"] == "dispatch" for c in st["commands"]) for name, st in doc["stages"].items()}
+    weights = [b for b in doc["buffers"] if b["kind"] == "weight"]
+    console.print(f"{out}: plan {doc['sha256'][:12]} for {doc['dtype']} {width}x{height}, {steps} steps "
+                  f"{scheduler}, profile {prof.name}; {len(doc['pipelines'])} pipelines, "
+                  + ", ".join(f"{k} {v} dispatches" for k, v in dispatches.items())
+                  + f"; {len(weights)} weights ({sum(b['size'] for b in weights) / 2**20:.1f} MiB"
+                  + (", named only: no model folder given" if model is None else "") + ")", highlight=False)
+
+
+def _caps(adapter: Path | None):
+    """DeviceCaps from a JSON file (as `farm engine info --json` prints them), or this machine's."""
+    from engine.device import DeviceCaps, get_gpu
+    from engine.errors import InputError
+
+    if adapter is None:
+        return get_gpu().caps
+    try:
+        doc = json.loads(adapter.read_text())
+        return DeviceCaps(**{**doc, "features": frozenset(doc.get("features", ())),
+                             "limits": {k: int(v) for k, v in doc.get("limits", {}).items()}})
+    except (OSError, ValueError, TypeError) as exc:
+        raise InputError(f"--adapter {adapter}: not an adapter description ({exc})") from exc
+
+
+@app.command()
 def tune(
     out: Path = typer.Option(..., help="Profile JSON to write (atomically, at the end).",
                              callback=validate.output_file),

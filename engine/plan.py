@@ -1,0 +1,487 @@
+"""Engine plans: what the engine runs for one model, profile, precision, image size, step count
+and scheduler, written down as data that any WebGPU runtime can execute (docs/engine-plans.md
+is the format's reference; engine/plan_exec.py and agent/web/plan.js are its executors).
+
+A plan is recorded, not written by hand: the networks run on a `PlanRecorder`, a runtime that
+keeps every buffer, pipeline and dispatch the real runtime would make, in the same order, with
+the buffer pool's reuse (so an executor needs no allocator of its own), and the denoising loop
+is the scheduler's own program (engine/schedulers/program.py) unrolled into dispatches. So a
+plan replayed through wgpu-native runs exactly the kernels `Pipeline.generate` runs, in the
+same order, and gives the same bits on the same adapter.
+
+Weights are named, never embedded: component, tensor name and byte range in the model's
+safetensors file, the stored and the GPU element type, and the sha256 of the stored bytes
+(the device caches them by it). Host data a generation needs whatever its seed (timestep
+embeddings, uniform parameters) is embedded, base64; what depends on the request (token ids,
+initial latents, noise draws) is an input the caller writes.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+from .kernels import SHADER_ROOT, Variant
+from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of
+
+SCHEMA = 1
+FORMAT = "devicefarm-engine-plan"
+
+# WebGPU limit names as the JavaScript API spells them, from wgpu-py's.
+JS_LIMITS = {
+    "max-storage-buffer-binding-size": "maxStorageBufferBindingSize",
+    "max-buffer-size": "maxBufferSize",
+    "max-compute-workgroups-per-dimension": "maxComputeWorkgroupsPerDimension",
+    "max-storage-buffers-per-shader-stage": "maxStorageBuffersPerShaderStage",
+}
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A weight by where it lives, not by its values (a PlanRecorder uploads these)."""
+
+    component: str
+    name: str
+    shape: tuple[int, ...]
+    stored: str  # safetensors dtype tag: F32, F16, BF16
+    file: str | None = None  # relative to the model folder; None for shape-only plans
+    offset: int | None = None
+    length: int | None = None
+    sha256: str | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+class _Buf:
+    """A recorded buffer: an id and a size."""
+
+    __slots__ = ("id", "size")
+
+    def __init__(self, buffer_id: int, size: int):
+        self.id, self.size = buffer_id, size
+
+    def destroy(self):
+        pass  # buffers of a plan live as long as the plan's executor
+
+
+class PipelineRef:
+    __slots__ = ("id",)
+
+    def __init__(self, pipeline_id: int):
+        self.id = pipeline_id
+
+
+class _RecordingPipelines:
+    """PipelineCache's interface, handing out plan pipeline ids instead of compiled pipelines."""
+
+    def __init__(self, recorder: PlanRecorder):
+        self.recorder = recorder
+
+    def get(self, variant: Variant, dtype: str, constants=None, entry: str | None = None):
+        return self.recorder.pipeline(variant, dtype, constants or {}, entry or variant.entry)
+
+
+class PlanRecorder(_Memory):
+    """A runtime that records instead of running: buffers, pipelines, uniform data and the
+    commands of the block being recorded (`commands_into`). Reads return zeros."""
+
+    def __init__(self, caps):
+        self.caps = caps
+        self.buffers: list[dict[str, Any]] = []
+        self.pipelines: list[dict[str, Any]] = []
+        self._pipeline_ids: dict[tuple, int] = {}
+        self.uniforms: list[str] = []  # base64 of each uniform buffer's bytes
+        self._uniform_ids: dict[bytes, int] = {}
+        self.commands: list[dict[str, Any]] | None = None
+        self.dispatches = 0
+        self.max_groups = 0
+        self.max_bindings = 0
+        self.max_binding_bytes = 0
+        limit = caps.limits.get("max-buffer-size")
+        self._init_memory(lambda size: self._buffer("activation", size), None if limit is None else int(limit))
+
+    def pipeline_cache(self, gpu=None) -> _RecordingPipelines:
+        return _RecordingPipelines(self)
+
+    # ---- buffers --------------------------------------------------------------------------
+
+    def _buffer(self, kind: str, size: int, **info) -> _Buf:
+        buf = _Buf(len(self.buffers), _align(max(size, 4)))
+        self.buffers.append({"id": buf.id, "kind": kind, "size": buf.size, **info})
+        return buf
+
+    def empty(self, shape, dtype: str = "f32") -> Tensor:
+        return self._pooled(shape, dtype)
+
+    def state(self, shape, dtype: str, name: str) -> Tensor:
+        """A buffer outside the pool (the denoising loop's state: it outlives every stage)."""
+        nbytes = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+        return self._static(self._buffer("state", nbytes, name=name), _align(max(nbytes, 4)), shape, dtype)
+
+    def upload(self, array, dtype: str | None = None, static: bool = False) -> Tensor:
+        if isinstance(array, WeightRef):
+            nbytes = math.prod(array.shape) * np.dtype(DTYPES[dtype]).itemsize
+            info = {"component": array.component, "name": array.name, "shape": list(array.shape),
+                    "dtype": dtype, "stored": array.stored}
+            if array.file is not None:
+                info |= {"file": array.file, "offset": array.offset, "length": array.length,
+                         "sha256": array.sha256}
+            buf = self._buffer("weight", nbytes, **info)
+            return self._static(buf, buf.size, array.shape, dtype)
+        data = np.ascontiguousarray(array, dtype=DTYPES[dtype or dtype_of(np.asarray(array))])
+        dtype = dtype or dtype_of(data)
+        if static:
+            buf = self._buffer("constant", data.nbytes, dtype=dtype, shape=list(data.shape), data=_b64(data))
+            return self._static(buf, buf.size, data.shape, dtype)
+        t = self.empty(data.shape, dtype)
+        self.write(t, data)
+        return t
+
+    def write(self, t: Tensor, data: np.ndarray) -> None:
+        raw = np.ascontiguousarray(data, dtype=DTYPES[t.dtype]).tobytes()
+        self._emit({"op": "write", "buffer": t.storage.buffer.id, "data": base64.b64encode(raw).decode()})
+
+    def read(self, t: Tensor) -> np.ndarray:
+        return np.zeros(t.shape, DTYPES[t.dtype])
+
+    def flush(self):
+        pass
+
+    def sync(self):
+        pass
+
+    # ---- pipelines and dispatches ---------------------------------------------------------
+
+    def pipeline(self, variant: Variant, dtype: str, constants: dict, entry: str) -> PipelineRef:
+        key = (variant.op, variant.name, dtype, tuple(sorted(constants.items())), entry)
+        pid = self._pipeline_ids.get(key)
+        if pid is None:
+            pid = self._pipeline_ids[key] = len(self.pipelines)
+            self.pipelines.append({"id": pid, "shader": f"{variant.op}/{variant.name}", "dtype": dtype,
+                                   "entry": entry, "constants": {k: v for k, v in sorted(constants.items())},
+                                   "requires": sorted(variant.requires)})
+        return PipelineRef(pid)
+
+    def _uniform(self, params: tuple) -> int:
+        import struct
+
+        raw = b"".join(struct.pack("<f", v) if isinstance(v, float) else struct.pack("<I", int(v) & 0xFFFFFFFF)
+                       for v in params)
+        raw += b"\0" * (_align(max(len(raw), 16)) - len(raw))
+        uid = self._uniform_ids.get(raw)
+        if uid is None:
+            uid = self._uniform_ids[raw] = len(self.uniforms)
+            self.uniforms.append(base64.b64encode(raw).decode())
+        return uid
+
+    def dispatch(self, pipeline: PipelineRef, label: str, params: tuple, tensors: list, groups):
+        gx, gy, gz = groups
+        if max(gx, gy, gz) > self.caps.max_workgroups:
+            raise InputError(f"{label}: grid {groups} exceeds max-compute-workgroups-per-dimension")
+        if gx == 0 or gy == 0 or gz == 0:
+            return
+        bindings = [[i + 1, t.storage.buffer.id, t.binding_bytes] for i, t in enumerate(tensors) if t is not None]
+        self.max_groups = max(self.max_groups, gx, gy, gz)
+        self.max_bindings = max(self.max_bindings, len(bindings))
+        self.max_binding_bytes = max([self.max_binding_bytes, *(b[2] for b in bindings)])
+        self.dispatches += 1
+        self._emit({"op": "dispatch", "pipeline": pipeline.id, "uniform": self._uniform(params),
+                    "bindings": bindings, "groups": [gx, gy, gz], "label": label})
+
+    # ---- command lists ----------------------------------------------------------------------
+
+    def _emit(self, command: dict[str, Any]) -> None:
+        if self.commands is None:
+            raise RuntimeError(f"{command['op']} recorded outside any command list")
+        self.commands.append(command)
+
+    @contextmanager
+    def commands_into(self, commands: list[dict[str, Any]]):
+        outer, self.commands = self.commands, commands
+        try:
+            yield commands
+        finally:
+            self.commands = outer
+
+    def emit(self, op: str, **fields) -> None:
+        self._emit({"op": op, **fields})
+
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
+
+
+def _io(t: Tensor) -> dict[str, Any]:
+    return {"buffer": t.storage.buffer.id, "dtype": t.dtype, "shape": list(t.shape)}
+
+
+# ---- weights -----------------------------------------------------------------------------------
+
+
+def weight_refs(config, model_dir: Path | None, *, hashes: bool = True) -> dict[str, dict[str, WeightRef]]:
+    """{component: {parameter name: WeightRef}}: where each parameter lives in the model's
+    safetensors (and its sha256), or shapes alone when there is no model folder."""
+    from .models import params
+    from .weights.loader import check_shapes, component_tensors
+
+    shapes = {"text_encoder": params.clip_param_shapes(config.text_encoder),
+              "unet": params.unet_param_shapes(config.unet), "vae": params.vae_param_shapes(config.vae)}
+    refs: dict[str, dict[str, WeightRef]] = {}
+    for component, expected in shapes.items():
+        if model_dir is None:
+            refs[component] = {k: WeightRef(component, k, tuple(s), "F32") for k, s in expected.items()}
+            continue
+        source = component_tensors(model_dir, component)
+        check_shapes(expected, {k: (h.tensors[fk].shape, h.tensors[fk].dtype, h.path)
+                                for k, (h, fk) in source.items()}, component)
+        out = {}
+        for key in expected:
+            header, file_key = source[key]
+            info = header.tensors[file_key]
+            digest = _range_sha256(header.path, info.begin, info.end) if hashes else None
+            out[key] = WeightRef(component, key, tuple(info.shape), info.dtype,
+                                 str(Path(header.path).resolve().relative_to(Path(model_dir).resolve())),
+                                 info.begin, info.end - info.begin, digest)
+        refs[component] = out
+    return refs
+
+
+def _range_sha256(path: Path, begin: int, end: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(begin)
+        left = end - begin
+        while left:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                raise InputError(f"{path} ends before byte {end}")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "fp32", height: int | None = None,
+              width: int | None = None, steps: int = 20, scheduler: str = "pndm", guidance_scale: float = 7.5,
+              profile=None, model_name: str = "", hashes: bool = True) -> dict[str, Any]:
+    """The plan of one generation configuration on an adapter with `caps` (its features decide
+    shader-f16 and which variants may run, its limits the chunking and grids). Needs the
+    model's config alone; `model_dir` adds where each weight lives (without it the plan names
+    tensors and shapes only, for inspection)."""
+    from .pipeline import PRECISIONS, Pipeline, _PaddingTokenizer, _selection, _vae_dtype
+    from .schedulers import SCHEDULERS
+    from .schedulers.program import loop_program
+
+    if precision not in PRECISIONS:
+        raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if scheduler not in SCHEDULERS:
+        raise InputError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+    if not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps must be an integer >= 1, got {steps}")
+    height, width = height or config.native_size[0], width or config.native_size[1]
+    f = 2 ** (len(config.vae.block_out_channels) - 1)
+    for name, v in (("height", height), ("width", width)):
+        if v <= 0 or v % 8 or v % f:
+            raise InputError(f"{name} must be a positive multiple of {max(8, f)}, got {v}")
+    dtype = "f16" if precision == "fp16" and caps.has_f16 else "f32"
+    vae_dtype = _vae_dtype(config, dtype)
+    selection = _selection(caps, profile)
+    refs = weight_refs(config, model_dir, hashes=hashes)
+    rec = PlanRecorder(caps)
+    pipe = Pipeline(config, _PaddingTokenizer(), refs, None, dtype, selection, [], "resident", rt=rec)
+    cfg_on = guidance_scale > 1.0
+    batch = 2 if cfg_on else 1
+    latent = (1, config.unet.in_channels, height // f, width // f)
+    stages: dict[str, dict[str, Any]] = {}
+
+    def stage(name: str, inputs: dict[str, Tensor], body):
+        commands: list[dict[str, Any]] = []
+        with rec.commands_into(commands):
+            outputs = body()
+        stages[name] = {"inputs": {k: _io(t) for k, t in inputs.items()},
+                        "outputs": {k: _io(t) for k, t in outputs.items()}, "commands": commands}
+        return outputs
+
+    ids = rec.empty((batch, 77), "u32")
+    ctx = stage("text_encoder", {"input_ids": ids}, lambda: {"context": pipe.text_encoder(ids)})["context"]
+    sample = rec.empty((batch, *latent[1:]), dtype)
+    temb = rec.empty((batch, config.unet.block_out_channels[0]), dtype)
+    eps = stage("unet_step", {"sample": sample, "timestep_embedding": temb, "context": ctx},
+                lambda: {"noise_pred": pipe.unet_model(sample, temb, ctx)})["noise_pred"]
+    latents_in = rec.empty(latent, "f32")
+    scale = 1.0 / float(np.float32(config.vae.scaling_factor))
+    image = stage("vae_decode", {"latents": latents_in},
+                  lambda: {"image": pipe.vae.decode(pipe.vae.ops.step_prepare(latents_in, scale, 1))})["image"]
+
+    program = loop_program(scheduler, config.scheduler, steps, latent)
+    slots, slot_of = _allocate_slots(rec, program, latent)
+    generate: list[dict[str, Any]] = []
+    with rec.commands_into(generate):
+        rec.emit("input", name="input_ids", buffer=ids.storage.buffer.id)
+        rec.emit("run", stage="text_encoder")
+        rec.emit("input", name="latents", buffer=slot_of["x0"].storage.buffer.id)
+        noise_index = 0
+        for step in program.steps:
+            i = step.index
+            rec.emit("step", index=i, timestep=step.timestep)
+            pipe.ops.step_prepare(slot_of[f"x{i}"], step.input_scale, batch, out=sample)
+            rec.write(temb, pipe._temb_array(step.timestep, batch))
+            rec.emit("run", stage="unet_step")
+            pipe.ops.step_guide(eps, float(guidance_scale) if cfg_on else None, out=slot_of[f"e{i}"])
+            for name in step.noise:
+                rec.emit("input", name="noise", index=noise_index, buffer=slot_of[name].storage.buffer.id)
+                noise_index += 1
+            for op in step.ops:
+                pipe.ops.step_combine([(c, slot_of[s]) for c, s in op.terms], op.clamp, out=slot_of[op.out])
+        final = slot_of[f"x{len(program.steps)}"]
+        rec.emit("copy", src=final.storage.buffer.id, dst=latents_in.storage.buffer.id, size=final.binding_bytes)
+        rec.emit("run", stage="vae_decode")
+
+    used_features = sorted({f for p in rec.pipelines for f in p["requires"]} | ({"shader-f16"} if "f16" in
+                                                                                 (dtype, vae_dtype) else set()))
+    biggest = max(b["size"] for b in rec.buffers)
+    plan = {
+        "format": FORMAT, "schema": SCHEMA,
+        "model": {"name": model_name, "config_sha256": _config_hash(config)},
+        "precision": precision, "dtype": dtype, "vae_dtype": vae_dtype,
+        "height": height, "width": width, "steps": steps, "scheduler": scheduler,
+        "guidance_scale": float(guidance_scale), "batch": batch,
+        "profile": {"name": selection.profile_name, "decisions": _decisions(selection)},
+        "adapter": {"vendor": caps.vendor, "architecture": caps.architecture, "device": caps.device},
+        "requires": {"features": used_features,
+                     "limits": {"maxStorageBufferBindingSize": rec.max_binding_bytes,
+                                "maxBufferSize": biggest,
+                                "maxComputeWorkgroupsPerDimension": rec.max_groups,
+                                "maxStorageBuffersPerShaderStage": rec.max_bindings}},
+        "shaders": _shaders(rec.pipelines),
+        "pipelines": rec.pipelines,
+        "uniforms": rec.uniforms,
+        "buffers": rec.buffers,
+        "stages": stages,
+        "loop": {**program.as_dict(), "slots": slots},
+        "inputs": {"input_ids": {"dtype": "u32", "shape": [batch, 77]},
+                   "latents": {"dtype": "f32", "shape": list(latent)},
+                   "noise": {"dtype": "f32", "shape": list(latent), "count": program.noise_draws}},
+        "outputs": {"image": _io(image), "latents": _io(final)},
+        "generate": generate,
+    }
+    plan["sha256"] = plan_hash(plan)
+    return plan
+
+
+def _allocate_slots(rec: PlanRecorder, program, latent) -> tuple[list[dict], dict[str, Tensor]]:
+    """A state buffer for every source of the loop program (x, e, n, c), reusing one whose
+    source is no longer read: the fewest latent-sized buffers the loop needs."""
+    last = program.last_use()
+    free: list[Tensor] = []
+    live: dict[str, Tensor] = {}
+    slot_of: dict[str, Tensor] = {}
+    slots: list[dict] = []
+
+    def take(name: str, step: int) -> None:
+        for done in [n for n, _ in live.items() if last.get(n, -1) < step]:
+            free.append(live.pop(done))
+        t = free.pop() if free else rec.state(latent, "f32", f"slot{len(slots)}")
+        if t.storage.buffer.id not in {s["buffer"] for s in slots}:
+            slots.append({"buffer": t.storage.buffer.id})
+        live[name] = slot_of[name] = t
+
+    take("x0", 0)
+    for step in program.steps:
+        take(f"e{step.index}", step.index)
+        for name in step.noise:
+            take(name, step.index)
+        for op in step.ops:
+            # sources read at this step stay live: an op's output never shares a buffer with
+            # its inputs (WebGPU refuses a buffer bound for reading and writing at once)
+            take(op.out, step.index)
+    return slots, slot_of
+
+
+def _decisions(selection) -> list[dict[str, Any]]:
+    return [{"op": d.op, "shape": d.shape, "variant": d.variant, "constants": d.constants}
+            for d in selection.decisions.values()]
+
+
+def _shaders(pipelines: list[dict]) -> dict[str, dict[str, str]]:
+    out = {}
+    for p in pipelines:
+        path = SHADER_ROOT / f"{p['shader']}.wgsl"
+        out[p["shader"]] = {"path": f"shaders/{p['shader']}.wgsl",
+                            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return dict(sorted(out.items()))
+
+
+def _config_hash(config) -> str:
+    import dataclasses
+
+    # the networks and the scheduler; not where the model was read from
+    doc = {"text_encoder": dataclasses.asdict(config.text_encoder), "unet": dataclasses.asdict(config.unet),
+           "vae": dataclasses.asdict(config.vae), "scheduler": dict(config.scheduler)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def canonical(plan: dict[str, Any]) -> bytes:
+    return json.dumps({k: v for k, v in plan.items() if k != "sha256"}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def plan_hash(plan: dict[str, Any]) -> str:
+    """sha256 of the plan's canonical JSON (sorted keys, no spaces) without its own hash."""
+    return hashlib.sha256(canonical(plan)).hexdigest()
+
+
+def write_plan(plan: dict[str, Any], out: Path) -> None:
+    """Write a plan as compact JSON, atomically (a reader never sees half a plan)."""
+    import os
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(plan, separators=(",", ":")))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_plan(path: Path) -> dict[str, Any]:
+    """A plan file, checked (check_plan)."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read plan {path}: {exc}") from exc
+    check_plan(plan)
+    return plan
+
+
+def check_plan(plan: dict[str, Any]) -> None:
+    """Refuse what an executor cannot run: another format or schema version, a wrong hash."""
+    if not isinstance(plan, dict) or plan.get("format") != FORMAT:
+        raise InputError(f"not an engine plan (format {plan.get('format') if isinstance(plan, dict) else None!r}, "
+                         f"expected {FORMAT!r})")
+    if plan.get("schema") != SCHEMA:
+        raise InputError(f"plan schema {plan.get('schema')!r}; this engine reads schema {SCHEMA}")
+    if plan.get("sha256") != plan_hash(plan):
+        raise InputError("plan content does not match its sha256: it was altered or damaged")
+
+
+def shader_source(plan_pipeline: dict[str, Any]) -> str:
+    """The WGSL a plan pipeline compiles, as engine.kernels.specialise makes it."""
+    from .kernels import specialise, variants
+
+    op, name = plan_pipeline["shader"].split("/")
+    return specialise(variants(op)[name], plan_pipeline["dtype"])

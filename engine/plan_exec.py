@@ -1,0 +1,370 @@
+"""The plan executor of the Python engine: runs an engine plan (engine/plan.py) through
+wgpu-native. Everything a dispatch needs is built once, when the plan is loaded (pipelines,
+buffers, uniform buffers, bind groups), so replaying a stage is a walk over prepared commands
+with no allocation, no kernel selection and no Python work per tensor. On one adapter it runs
+the kernels `Pipeline.generate` runs, in the same order, and gives the same bits.
+
+`PlanPipeline` puts the Pipeline API (tokenize, encode_text, unet, decode, generate) over
+plans: `engine.load_pipeline(model, runtime="plan")`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .device import GPU, gpu_call
+from .errors import EngineError, GPUError, InputError, ModelError
+from .plan import JS_LIMITS, check_plan
+
+SUBMIT_EVERY = 64  # dispatches per queue submit, as engine.runtime does
+
+_STORED = {"F32": np.float32, "F16": np.float16}
+
+
+def read_weight(model_dir: Path, buffer: dict[str, Any]) -> np.ndarray:
+    """A plan weight's values from its byte range, checked against its sha256, in the plan's
+    GPU element type."""
+    import hashlib
+
+    path = Path(model_dir) / buffer["file"]
+    try:
+        with open(path, "rb") as f:
+            f.seek(buffer["offset"])
+            raw = f.read(buffer["length"])
+    except OSError as exc:
+        raise ModelError(f"weight {buffer['component']}/{buffer['name']}: cannot read {path}: {exc}") from exc
+    if len(raw) != buffer["length"] or hashlib.sha256(raw).hexdigest() != buffer["sha256"]:
+        raise ModelError(f"weight {buffer['component']}/{buffer['name']}: bytes {buffer['offset']}-"
+                         f"{buffer['offset'] + buffer['length']} of {path} do not match the plan's sha256")
+    stored = buffer["stored"]
+    if stored == "BF16":
+        values = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif stored in _STORED:
+        values = np.frombuffer(raw, _STORED[stored])
+    else:
+        raise ModelError(f"weight {buffer['name']}: stored as {stored}, which the engine does not read")
+    return values.astype({"f32": np.float32, "f16": np.float16}[buffer["dtype"]])
+
+
+@dataclass
+class _Dispatch:
+    pipeline: Any
+    bind_group: Any
+    groups: tuple[int, int, int]
+
+
+class PlanExecutor:
+    """One plan loaded on one GPU: `run(stage, inputs)` for a stage alone, `generate(...)`
+    for the whole generation. `weights` may be shared between executors of one model
+    ((component, name, dtype) -> GPU buffer)."""
+
+    def __init__(self, plan: dict[str, Any], model_dir: Path | None, gpu: GPU,
+                 weights: dict[tuple, Any] | None = None):
+        import wgpu
+
+        check_plan(plan)
+        self.plan, self.gpu, self.device = plan, gpu, gpu.device
+        self._check_adapter(gpu.caps)
+        self.weights = {} if weights is None else weights
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.buffers: list[Any] = []
+        self.bytes = 0
+        for b in plan["buffers"]:
+            if b["kind"] == "weight":
+                key = (b["component"], b["name"], b["dtype"])
+                if key not in self.weights:
+                    if model_dir is None or "file" not in b:
+                        raise ModelError(f"plan weight {b['component']}/{b['name']} has no file to load it from")
+                    buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
+                                   usage=usage)
+                    self._write(buf, read_weight(model_dir, b))
+                    self.weights[key] = buf
+                self.buffers.append(self.weights[key])
+                continue
+            buf = gpu_call(f"allocating plan buffer {b['id']} ({b['size']} bytes)", self.device.create_buffer,
+                           size=b["size"], usage=usage)
+            if b["kind"] == "constant":
+                self._write(buf, np.frombuffer(_unb64(b["data"]), np.uint8))
+            self.buffers.append(buf)
+            self.bytes += b["size"]
+        self.uniforms = [self.device.create_buffer_with_data(data=_unb64(u), usage=wgpu.BufferUsage.UNIFORM)
+                         for u in plan["uniforms"]]
+        self.pipelines = self._pipelines()
+        self.stages = {name: self._prepare(stage["commands"]) for name, stage in plan["stages"].items()}
+        self.program = self._prepare(plan["generate"])
+        self._encoder = self._pass = None
+        self._recorded = 0
+        self._fence = None
+        self.step_ms: list[float] = []
+        self.stage_ms: dict[str, float] = {}
+
+    def _check_adapter(self, caps) -> None:
+        missing = sorted(set(self.plan["requires"]["features"]) - set(caps.features))
+        if missing:
+            raise GPUError(f"the plan needs adapter feature(s) {', '.join(missing)}, which {caps.device!r} lacks")
+        for ours, js in JS_LIMITS.items():
+            need, have = self.plan["requires"]["limits"].get(js), caps.limits.get(ours)
+            if need is not None and have is not None and need > have:
+                raise GPUError(f"the plan needs {js} >= {need}; {caps.device!r} allows {have}")
+
+    def _write(self, buffer, array: np.ndarray) -> None:
+        raw = np.ascontiguousarray(array).tobytes()
+        if len(raw) % 4:
+            raw += b"\0" * (4 - len(raw) % 4)
+        self.device.queue.write_buffer(buffer, 0, raw)
+
+    def _pipelines(self) -> list[Any]:
+        from .kernels import PipelineCache, variants
+
+        cache = PipelineCache(self.gpu)
+        out = []
+        for p in self.plan["pipelines"]:
+            op, name = p["shader"].split("/")
+            table = variants(op)
+            if name not in table:
+                raise EngineError(f"the plan names kernel {p['shader']}, which this engine does not have")
+            out.append(cache.get(table[name], p["dtype"], p["constants"] or None, p["entry"]))
+        return out
+
+    def _prepare(self, commands: list[dict[str, Any]]) -> list[tuple]:
+        prepared = []
+        for c in commands:
+            op = c["op"]
+            if op == "dispatch":
+                pipeline = self.pipelines[c["pipeline"]]
+                entries = [{"binding": 0, "resource": {"buffer": self.uniforms[c["uniform"]]}}]
+                entries += [{"binding": n, "resource": {"buffer": self.buffers[b], "offset": 0, "size": size}}
+                            for n, b, size in c["bindings"]]
+                group = gpu_call(f"binding the buffers of {c['label']}", self.device.create_bind_group,
+                                 layout=pipeline.get_bind_group_layout(0), entries=entries)
+                prepared.append(("dispatch", _Dispatch(pipeline, group, tuple(c["groups"]))))
+            elif op == "write":
+                prepared.append(("write", self.buffers[c["buffer"]], _unb64(c["data"])))
+            elif op == "copy":
+                prepared.append(("copy", self.buffers[c["src"]], self.buffers[c["dst"]], c["size"]))
+            elif op in ("run", "input", "step"):
+                prepared.append((op, c))
+            else:
+                raise InputError(f"the plan has a command {op!r} this executor does not know")
+        return prepared
+
+    # ---- running --------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self._encoder is None:
+            return
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+        gpu_call("submitting plan work", self.device.queue.submit, [self._encoder.finish()])
+        self._encoder, self._recorded = None, 0
+
+    def sync(self) -> None:
+        import wgpu
+
+        self._flush()
+        if self._fence is None:
+            self._fence = self.device.create_buffer(size=4, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+        self.device.queue.read_buffer(self._fence, 0, 4)
+
+    def _walk(self, commands: list[tuple], inputs: dict[str, Any]) -> None:
+        for c in commands:
+            kind = c[0]
+            if kind == "dispatch":
+                d = c[1]
+                if self._encoder is None:
+                    self._encoder = self.device.create_command_encoder()
+                if self._pass is None:
+                    self._pass = self._encoder.begin_compute_pass()
+                self._pass.set_pipeline(d.pipeline)
+                self._pass.set_bind_group(0, d.bind_group)
+                self._pass.dispatch_workgroups(*d.groups)
+                self._recorded += 1
+                if self._recorded >= SUBMIT_EVERY:
+                    self._flush()
+            elif kind == "write":
+                self._flush()
+                self.device.queue.write_buffer(c[1], 0, c[2])
+            elif kind == "copy":
+                if self._encoder is None:
+                    self._encoder = self.device.create_command_encoder()
+                if self._pass is not None:
+                    self._pass.end()
+                    self._pass = None
+                self._encoder.copy_buffer_to_buffer(c[1], 0, c[2], 0, c[3])
+            elif kind == "run":  # timed to GPU completion, as engine.runtime.StageTimer does
+                name = c[1]["stage"]
+                self.sync()
+                t0 = time.perf_counter()
+                self._walk(self.stages[name], inputs)
+                self.sync()
+                self.stage_ms[name] = self.stage_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+            elif kind == "input":
+                spec = c[1]
+                value = inputs[spec["name"]]
+                if spec["name"] == "noise":
+                    value = value[spec["index"]]
+                self._flush()
+                self._write(self.buffers[spec["buffer"]], value)
+            elif kind == "step":
+                if c[1]["index"] > 0:
+                    self.sync()
+                    self.step_ms.append((time.perf_counter() - self._step_t0) * 1e3)
+                self._step_t0 = time.perf_counter()
+
+    def read(self, io: dict[str, Any]) -> np.ndarray:
+        from .runtime import DTYPES, _align
+
+        self._flush()
+        dtype = np.dtype(DTYPES[io["dtype"]])
+        n = int(np.prod(io["shape"]))
+        raw = gpu_call("reading a plan output", self.device.queue.read_buffer, self.buffers[io["buffer"]], 0,
+                       _align(n * dtype.itemsize, 4))
+        return np.frombuffer(raw, dtype=dtype, count=n).reshape(io["shape"]).copy()
+
+    def run(self, stage: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Write a stage's inputs, run it, read its outputs (host arrays in, host arrays out)."""
+        from .runtime import DTYPES
+
+        spec = self.plan["stages"].get(stage)
+        if spec is None:
+            raise InputError(f"the plan has no stage {stage!r}; it has {', '.join(self.plan['stages'])}")
+        for name, io in spec["inputs"].items():
+            if name not in inputs:
+                raise InputError(f"stage {stage} needs input {name!r} {tuple(io['shape'])}")
+            value = np.asarray(inputs[name])
+            if tuple(value.shape) != tuple(io["shape"]):
+                raise InputError(f"stage {stage} input {name!r} must have shape {tuple(io['shape'])}, "
+                                 f"got {value.shape}")
+            self._flush()
+            self._write(self.buffers[io["buffer"]], value.astype(DTYPES[io["dtype"]]))
+        self._walk(self.stages[stage], {})
+        return {name: self.read(io) for name, io in spec["outputs"].items()}
+
+    def generate(self, input_ids: np.ndarray, latents: np.ndarray, noise: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """The whole generation: token ids, the first sample (initial latents times the loop's
+        init_noise_sigma) and the loop's noise draws in; the image (decoded, float) and the
+        final latents out."""
+        inputs = {"input_ids": np.asarray(input_ids).astype(np.uint32),
+                  "latents": np.asarray(latents, np.float32), "noise": [np.asarray(n, np.float32) for n in noise]}
+        if len(inputs["noise"]) != self.plan["inputs"]["noise"]["count"]:
+            raise InputError(f"the plan's loop draws {self.plan['inputs']['noise']['count']} noise tensors; "
+                             f"{len(inputs['noise'])} given")
+        self.step_ms, self.stage_ms = [], {}
+        self._step_t0 = time.perf_counter()
+        self._walk(self.program, inputs)
+        self.sync()
+        self.step_ms.append((time.perf_counter() - self._step_t0) * 1e3)  # the last step and the decode
+        return {name: self.read(io) for name, io in self.plan["outputs"].items()}
+
+
+def _unb64(text: str) -> bytes:
+    import base64
+
+    return base64.b64decode(text)
+
+
+class PlanPipeline:
+    """The Pipeline API over plans run by PlanExecutor: each call runs the stage (or the whole
+    generation) of a plan made for its shapes on this GPU's adapter; plans are made on first
+    use and kept, and share one copy of the weights."""
+
+    runtime = "plan"
+
+    def __init__(self, model_dir: Path, config, tokenizer, gpu: GPU, precision: str, profile=None):
+        self.model_dir, self.config, self.tokenizer, self.gpu = Path(model_dir), config, tokenizer, gpu
+        self.precision, self.profile = precision, profile
+        self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
+        self.latent_channels = config.unet.in_channels
+        self.native_size = config.native_size
+        self._weights: dict[tuple, Any] = {}
+        self._executors: dict[tuple, PlanExecutor] = {}
+        self.plans: dict[tuple, dict[str, Any]] = {}
+
+    def executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
+                 guidance_scale: float = 7.5) -> PlanExecutor:
+        from .plan import make_plan
+
+        key = (height, width, steps, scheduler, float(guidance_scale))
+        if key not in self._executors:
+            plan = make_plan(self.config, self.gpu.caps, model_dir=self.model_dir, precision=self.precision,
+                             height=height, width=width, steps=steps, scheduler=scheduler,
+                             guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name)
+            self.plans[key] = plan
+            self._executors[key] = PlanExecutor(plan, self.model_dir, self.gpu, self._weights)
+        return self._executors[key]
+
+    def _stage_executor(self, batch: int, latent_hw: tuple[int, int] | None = None) -> PlanExecutor:
+        h, w = (latent_hw[0] * self.vae_scale_factor, latent_hw[1] * self.vae_scale_factor) if latent_hw \
+            else self.native_size
+        return self.executor(h, w, guidance_scale=7.5 if batch == 2 else 1.0)
+
+    @property
+    def dtype(self) -> str:
+        return "f16" if self.precision == "fp16" and self.gpu.caps.has_f16 else "f32"
+
+    def tokenize(self, texts) -> np.ndarray:
+        return self.tokenizer([texts] if isinstance(texts, str) else list(texts))
+
+    def encode_text(self, input_ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(input_ids)
+        return self._stage_executor(ids.shape[0]).run("text_encoder", {"input_ids": ids})["context"] \
+            .astype(np.float32)
+
+    def unet(self, sample: np.ndarray, timestep, encoder_hidden_states: np.ndarray) -> np.ndarray:
+        from .models.unet import timestep_embedding
+
+        sample = np.asarray(sample, np.float32)
+        cfg = self.config.unet
+        t = np.broadcast_to(np.asarray(timestep, dtype=np.float64).reshape(-1), (sample.shape[0],))
+        temb = timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        ex = self._stage_executor(sample.shape[0], sample.shape[2:])
+        return ex.run("unet_step", {"sample": sample, "timestep_embedding": temb,
+                                    "context": np.asarray(encoder_hidden_states, np.float32)})["noise_pred"] \
+            .astype(np.float32)
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        latents = np.asarray(latents, np.float32)
+        if latents.shape[0] != 1:
+            raise InputError(f"a plan decodes one latent at a time; got batch {latents.shape[0]}")
+        ex = self._stage_executor(1, latents.shape[2:])
+        return ex.run("vae_decode", {"latents": latents})["image"].astype(np.float32)
+
+    def encode_image(self, image):
+        raise InputError("image-to-image is not in engine plans yet: use runtime='native' for encode_image")
+
+    def generate(self, prompt: str, negative_prompt: str = "", steps: int = 20, guidance_scale: float = 7.5,
+                 seed: int = 0, height: int = 512, width: int = 512, scheduler: str = "pndm",
+                 latents: np.ndarray | None = None, progress=None, init_image=None, strength: float = 0.8):
+        from .pipeline import GenerationResult, image_from_decoded
+
+        if init_image is not None:
+            raise InputError("image-to-image is not in engine plans yet: use runtime='native' for init_image")
+        t_start = time.perf_counter()
+        ex = self.executor(height, width, steps, scheduler, guidance_scale)
+        plan = ex.plan
+        cfg_on = plan["batch"] == 2
+        shape = tuple(plan["inputs"]["latents"]["shape"])
+        rng = np.random.default_rng(seed)
+        if latents is None:
+            latents = rng.standard_normal(shape, dtype=np.float32)
+        latents = np.asarray(latents, dtype=np.float32)
+        if latents.shape != shape:
+            raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
+        x0 = latents * np.float32(plan["loop"]["init_noise_sigma"])
+        noise = [rng.standard_normal(shape, dtype=np.float32) for _ in range(plan["inputs"]["noise"]["count"])]
+        ids = self.tokenize([negative_prompt, prompt] if cfg_on else [prompt])
+        out = ex.generate(ids, x0, noise)
+        if progress is not None:
+            progress(steps, steps)
+        timings = {f"{k}_ms": v for k, v in ex.stage_ms.items()}
+        timings["unet_step_ms"] = float(np.median(ex.step_ms)) if ex.step_ms else 0.0
+        timings["total_ms"] = (time.perf_counter() - t_start) * 1e3
+        peak = ex.bytes + sum(b["size"] for b in plan["buffers"] if b["kind"] == "weight")
+        return GenerationResult(image=image_from_decoded(out["image"]), latents=out["latents"], timings=timings,
+                                peak_gpu_bytes=peak)

@@ -1,0 +1,270 @@
+"""Engine plans: the denoising loop as data (each scheduler's program against its own step() on
+fresh random inputs), the loop's kernels against numpy, plans recorded from the tiny model and
+replayed through wgpu-native bit for bit equal to Pipeline.generate and to each network's
+eager call, `farm engine plan` for the tiny and sd14 presets, and the plans an executor must
+refuse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import engine
+from engine.errors import GPUError, InputError, ModelError
+from engine.plan import check_plan, make_plan, plan_hash
+from engine.plan_exec import PlanExecutor
+from engine.schedulers import SCHEDULERS, make_scheduler
+from engine.schedulers.program import NotLinear, evaluate, loop_program
+
+SD_SCHEDULER = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "skip_prk_steps": True,
+                "set_alpha_to_one": False, "steps_offset": 1, "clip_sample": False}
+SHAPE = (1, 4, 8, 8)
+
+
+def _run_both(name: str, config: dict, steps: int, rng, strength=None):
+    """The scheduler's own loop and its program's, on the same random noise predictions and
+    noise draws; returns (scheduler samples, program samples) after each step."""
+    program = loop_program(name, config, steps, SHAPE, strength=strength)
+    sched = make_scheduler(name, config)
+    timesteps = sched.img2img_timesteps(steps, strength) if strength else (sched.set_timesteps(steps) or
+                                                                         sched.timesteps)
+    seed = int(rng.integers(2**31))
+    draws, probe_draws = np.random.default_rng(seed), np.random.default_rng(seed)
+    x = rng.standard_normal(SHAPE, dtype=np.float32)
+    env = {"x0": x}
+    ours, theirs = [], []
+    for step, t in zip(program.steps, timesteps, strict=True):
+        e = rng.standard_normal(SHAPE, dtype=np.float32)
+        np.testing.assert_allclose(sched.scale_model_input(x, t), np.float32(step.input_scale) * x, rtol=1e-6)
+        x = sched.step(e, t, x, draws)
+        env[f"e{step.index}"] = e
+        for noise in step.noise:
+            env[noise] = probe_draws.standard_normal(SHAPE, dtype=np.float32)
+        for op in step.ops:
+            env[op.out] = evaluate(op, env)
+        theirs.append(x)
+        ours.append(env[f"x{step.index + 1}"])
+    return theirs, ours
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("steps", [1, 4, 9])
+def test_loop_program_matches_the_schedulers_step(name, steps, fresh_rng):
+    theirs, ours = _run_both(name, SD_SCHEDULER, steps, fresh_rng)
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        # float32 coefficients folded from float64: a few ulps from numpy's own rounding order
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()), err_msg=f"step {i}")
+
+
+def test_ddim_clip_sample_becomes_a_clamped_combination(fresh_rng):
+    config = SD_SCHEDULER | {"clip_sample": True, "clip_sample_range": 0.5}
+    program = loop_program("ddim", config, 3, SHAPE)
+    assert [op.clamp for op in program.steps[0].ops] == [(-0.5, 0.5), None]
+    theirs, ours = _run_both("ddim", config, 3, fresh_rng)
+    np.testing.assert_allclose(ours[-1], theirs[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_img2img_loop_program(name, fresh_rng):
+    theirs, ours = _run_both(name, SD_SCHEDULER, 6, fresh_rng, strength=0.5)
+    assert len(ours) == (4 if name == "pndm" else 3)  # PNDM evaluates its first timestep twice
+    np.testing.assert_allclose(ours[-1], theirs[-1], rtol=1e-5, atol=1e-5 * float(np.abs(theirs[-1]).max()))
+
+
+def test_a_step_that_is_not_linear_is_refused(monkeypatch):
+    sched_cls = type(make_scheduler("euler", SD_SCHEDULER))
+
+    def squaring_step(self, model_output, timestep, sample, rng=None):
+        return sample + model_output * model_output
+
+    monkeypatch.setattr(sched_cls, "step", squaring_step)
+    with pytest.raises(NotLinear, match="step 0: a product of two tensors"):
+        loop_program("euler", SD_SCHEDULER, 2, SHAPE)
+
+
+# ---- the loop's kernels -----------------------------------------------------------------------
+
+
+
+@pytest.fixture(scope="module")
+def ops(gpu):
+    from engine.kernels import PipelineCache, Selection
+    from engine.ops import Ops
+    from engine.runtime import Runtime
+
+    rt = Runtime(gpu)
+    return Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 2, 5, 6])
+def test_step_combine_against_numpy(ops, fresh_rng, count):
+    arrays = [fresh_rng.standard_normal((1, 4, 9, 7), dtype=np.float32) for _ in range(count)]
+    coefs = [float(np.float32(c)) for c in fresh_rng.standard_normal(count)]
+    clamp = (-0.7, 0.9) if count == 5 else None
+    out = ops.rt.read(ops.step_combine([(c, ops.rt.upload(a)) for c, a in zip(coefs, arrays, strict=True)], clamp))
+    want = sum(np.float64(c) * a.astype(np.float64) for c, a in zip(coefs, arrays, strict=True))
+    if clamp:
+        want = np.clip(want, *clamp)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_step_guide_and_prepare_against_numpy(ops, fresh_rng):
+    eps = fresh_rng.standard_normal((2, 4, 6, 6), dtype=np.float32)
+    g = 7.5
+    out = ops.rt.read(ops.step_guide(ops.rt.upload(eps), g))
+    np.testing.assert_allclose(out, eps[:1] + g * (eps[1:] - eps[:1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ops.rt.read(ops.step_guide(ops.rt.upload(eps[:1]), None)), eps[:1])
+    x = fresh_rng.standard_normal((1, 4, 6, 6), dtype=np.float32)
+    y = ops.rt.read(ops.step_prepare(ops.rt.upload(x), 0.25, 2))
+    np.testing.assert_allclose(y, np.concatenate([x, x]) * np.float32(0.25), rtol=1e-6)
+    with pytest.raises(ValueError, match="1 to 6 are supported"):
+        ops.step_combine([(1.0, ops.rt.upload(x))] * 7)
+
+
+# ---- plans recorded and replayed ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def native(tiny_model_dir, gpu):
+    return engine.load_pipeline(tiny_model_dir, precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def planned(tiny_model_dir, gpu):
+    return engine.load_pipeline(tiny_model_dir, precision="fp32", runtime="plan")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_replayed_plan_equals_generate_bit_for_bit(native, planned, scheduler):
+    kwargs = {"steps": 3, "seed": 11, "height": 64, "width": 64, "scheduler": scheduler}
+    a = native.generate("a red bicycle", negative_prompt="blurry", **kwargs)
+    b = planned.generate("a red bicycle", negative_prompt="blurry", **kwargs)
+    np.testing.assert_array_equal(b.latents, a.latents)
+    np.testing.assert_array_equal(b.image, a.image)
+    assert set(b.timings) >= {"text_encoder_ms", "unet_step_ms", "vae_decode_ms", "total_ms"}
+
+
+@pytest.mark.gpu
+def test_a_plan_without_guidance_equals_generate(native, planned, fresh_rng):
+    latents = fresh_rng.standard_normal((1, 4, 8, 8), dtype=np.float32)
+    kwargs = {"steps": 2, "guidance_scale": 1.0, "height": 64, "width": 64, "scheduler": "ddim", "latents": latents}
+    a, b = native.generate("a cat", **kwargs), planned.generate("a cat", **kwargs)
+    assert planned.executor(64, 64, 2, "ddim", 1.0).plan["batch"] == 1
+    np.testing.assert_array_equal(b.latents, a.latents)
+
+
+@pytest.mark.gpu
+def test_plan_stages_equal_the_eager_networks(native, planned, fresh_rng):
+    ids = native.tokenize(["", "a small house"])
+    ctx = native.encode_text(ids)
+    np.testing.assert_array_equal(planned.encode_text(ids), ctx)
+    sample = fresh_rng.standard_normal((2, 4, 8, 8), dtype=np.float32)
+    np.testing.assert_array_equal(planned.unet(sample, 501, ctx), native.unet(sample, 501, ctx))
+    z = fresh_rng.standard_normal((1, 4, 8, 8), dtype=np.float32)
+    np.testing.assert_array_equal(planned.decode(z), native.decode(z))
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tiny_model_dir, gpu):
+    from engine.models.config import load_model_config
+
+    return make_plan(load_model_config(tiny_model_dir), gpu.caps, model_dir=tiny_model_dir, height=64, width=64,
+                     steps=2, scheduler="euler")
+
+
+@pytest.mark.gpu
+def test_plan_describes_itself(tiny_plan, tiny_model_dir):
+    plan = tiny_plan
+    assert plan["format"] == "devicefarm-engine-plan" and plan["schema"] == 1
+    assert plan["sha256"] == plan_hash(plan)
+    weights = [b for b in plan["buffers"] if b["kind"] == "weight"]
+    assert weights and all(b["file"].endswith(".safetensors") and len(b["sha256"]) == 64 for b in weights)
+    assert {"text_encoder", "unet_step", "vae_decode"} == set(plan["stages"])
+    # the denoising loop is unrolled: two steps, each running the UNet stage once
+    assert sum(c["op"] == "run" and c["stage"] == "unet_step" for c in plan["generate"]) == 2
+    assert plan["requires"]["limits"]["maxStorageBuffersPerShaderStage"] <= 8
+    for p in plan["pipelines"]:
+        assert p["shader"] in plan["shaders"]
+
+
+@pytest.mark.gpu
+def test_executors_refuse_what_they_cannot_run(tiny_plan, tiny_model_dir, gpu, tmp_path):
+    altered = json.loads(json.dumps(tiny_plan))
+    altered["steps"] = 3
+    with pytest.raises(InputError, match="does not match its sha256"):
+        check_plan(altered)
+    newer = json.loads(json.dumps(tiny_plan)) | {"schema": 2}
+    newer["sha256"] = plan_hash(newer)
+    with pytest.raises(InputError, match="plan schema 2; this engine reads schema 1"):
+        PlanExecutor(newer, tiny_model_dir, gpu)
+    needy = json.loads(json.dumps(tiny_plan))
+    needy["requires"]["features"] = ["shader-f16", "chromium-experimental-magic"]
+    needy["sha256"] = plan_hash(needy)
+    with pytest.raises(GPUError, match="chromium-experimental-magic"):
+        PlanExecutor(needy, tiny_model_dir, gpu)
+    # a weight whose bytes changed on disk
+    broken = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, broken)
+    w = next(b for b in tiny_plan["buffers"] if b["kind"] == "weight" and b["component"] == "unet")
+    path = broken / w["file"]
+    data = bytearray(path.read_bytes())
+    data[w["offset"]] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=f"weight unet/{w['name']}.*do not match the plan's sha256"):
+        PlanExecutor(tiny_plan, broken, gpu)
+
+
+@pytest.mark.gpu
+def test_farm_engine_plan_for_the_presets_and_a_model(tmp_path, tiny_model_dir, gpu, monkeypatch, capsys):
+    from orchestrator.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "sd14.json"
+    result = runner.invoke(app, ["engine", "plan", "--preset", "sd14", "--precision", "fp16", "--steps", "20",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    check_plan(plan)
+    assert (plan["height"], plan["width"]) == (512, 512)
+    weights = [b for b in plan["buffers"] if b["kind"] == "weight"]
+    assert len(weights) > 1000 and all("file" not in b for b in weights)  # shapes only: nothing read
+    assert "named only" in result.output
+    out = tmp_path / "tiny.json"
+    result = runner.invoke(app, ["engine", "plan", "--model", str(tiny_model_dir), "--steps", "3",
+                                 "--scheduler", "ddim", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["scheduler"] == "ddim" and len(plan["loop"]["steps"]) == 3
+    from orchestrator.cli import main
+
+    monkeypatch.setattr("sys.argv", ["farm", "engine", "plan", "--preset", "tiny", "--scheduler", "lms", "--out",
+                                     str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    text = "".join(capsys.readouterr())
+    assert exit_.value.code == 1 and "unknown scheduler 'lms'" in text and "Traceback" not in text
+
+
+@pytest.mark.gpu
+def test_explain_and_the_plan_agree_on_every_selection(tiny_model_dir, gpu):
+    from engine.explain import explain
+    from engine.models.config import load_model_config
+    from engine.profiles import resolve_profile
+
+    config = load_model_config(tiny_model_dir)
+    profile = resolve_profile("auto", gpu.caps)
+    plan = make_plan(config, gpu.caps, height=64, width=64, steps=1, scheduler="euler", profile=profile.to_json())
+    rows = explain(config, profile.selection(gpu.caps), gpu.caps, "f32", 64, 64)
+    chosen = {(d["op"], json.dumps(d["shape"], sort_keys=True)): d["variant"] for d in plan["profile"]["decisions"]}
+    assert rows
+    for r in rows:
+        assert chosen[(r.op, json.dumps(r.shape, sort_keys=True))] == r.variant, r
+    used = {p["shader"] for p in plan["pipelines"]}
+    assert {f"{r.op}/{r.variant}" for r in rows} <= used
