@@ -89,10 +89,14 @@ def _source(path: Path) -> str:
         raise EngineError(f"shader file {path} is missing: {exc}") from exc
 
 
+# The line(s) put before a shader file to fix its element type T (engine plans carry these, so
+# every executor specialises the same way).
+SHADER_HEADERS = {"f32": "alias T = f32;\n", "f16": "enable f16;\nalias T = f16;\n"}
+
+
 def specialise(variant: Variant, dtype: str) -> str:
     """The WGSL source of `variant` with its storage element type fixed."""
-    header = "enable f16;\nalias T = f16;\n" if dtype == "f16" else "alias T = f32;\n"
-    return header + _source(variant.path)
+    return SHADER_HEADERS[dtype] + _source(variant.path)
 
 
 class PipelineCache:

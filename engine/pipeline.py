@@ -171,10 +171,11 @@ def _load_plan_pipeline(model_dir: Path, precision: str, profile, tokenizer_dir,
     if runtime == "plan":
         from .plan_exec import PlanPipeline
 
-        return PlanPipeline(model_dir, config, tokenizer, get_gpu(), precision, profile)
-    from .browser import BrowserPipeline
+        gpu = get_gpu()
+        return PlanPipeline(model_dir, config, tokenizer, gpu.caps, precision, profile, gpu=gpu)
+    from .browser import browser_pipeline
 
-    return BrowserPipeline(model_dir, config, tokenizer, precision, profile, **options)
+    return browser_pipeline(model_dir, config, tokenizer, precision, profile, **options)
 
 
 class _PaddingTokenizer:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
-from .kernels import SHADER_ROOT, Variant
+from .kernels import SHADER_HEADERS, SHADER_ROOT, Variant
 from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of
 
 SCHEMA = 1
@@ -350,26 +350,14 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
         rec.emit("copy", src=final.storage.buffer.id, dst=latents_in.storage.buffer.id, size=final.binding_bytes)
         rec.emit("run", stage="vae_decode")
 
-    used_features = sorted({f for p in rec.pipelines for f in p["requires"]} | ({"shader-f16"} if "f16" in
-                                                                                 (dtype, vae_dtype) else set()))
-    biggest = max(b["size"] for b in rec.buffers)
-    plan = {
-        "format": FORMAT, "schema": SCHEMA,
+    plan = _assemble(rec, dtype, vae_dtype, {
         "model": {"name": model_name, "config_sha256": _config_hash(config)},
         "precision": precision, "dtype": dtype, "vae_dtype": vae_dtype,
         "height": height, "width": width, "steps": steps, "scheduler": scheduler,
         "guidance_scale": float(guidance_scale), "batch": batch,
         "profile": {"name": selection.profile_name, "decisions": _decisions(selection)},
+        "warnings": list(selection.warnings),
         "adapter": {"vendor": caps.vendor, "architecture": caps.architecture, "device": caps.device},
-        "requires": {"features": used_features,
-                     "limits": {"maxStorageBufferBindingSize": rec.max_binding_bytes,
-                                "maxBufferSize": biggest,
-                                "maxComputeWorkgroupsPerDimension": rec.max_groups,
-                                "maxStorageBuffersPerShaderStage": rec.max_bindings}},
-        "shaders": _shaders(rec.pipelines),
-        "pipelines": rec.pipelines,
-        "uniforms": rec.uniforms,
-        "buffers": rec.buffers,
         "stages": stages,
         "loop": {**program.as_dict(), "slots": slots},
         "inputs": {"input_ids": {"dtype": "u32", "shape": [batch, 77]},
@@ -377,9 +365,47 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
                    "noise": {"dtype": "f32", "shape": list(latent), "count": program.noise_draws}},
         "outputs": {"image": _io(image), "latents": _io(final)},
         "generate": generate,
+    })
+    return plan
+
+
+def _assemble(rec: PlanRecorder, *dtypes_and_fields) -> dict[str, Any]:
+    """A plan from what `rec` recorded plus the caller's fields, with what it requires of the
+    adapter and its hash."""
+    *dtypes, fields = dtypes_and_fields
+    features = {f for p in rec.pipelines for f in p["requires"]} | ({"shader-f16"} if "f16" in dtypes else set())
+    plan = {
+        "format": FORMAT, "schema": SCHEMA, **fields,
+        "requires": {"features": sorted(features),
+                     "limits": {"maxStorageBufferBindingSize": rec.max_binding_bytes,
+                                "maxBufferSize": max(b["size"] for b in rec.buffers),
+                                "maxComputeWorkgroupsPerDimension": rec.max_groups,
+                                "maxStorageBuffersPerShaderStage": rec.max_bindings}},
+        "shaders": _shaders(rec.pipelines),
+        "shader_header": dict(SHADER_HEADERS),
+        "pipelines": rec.pipelines,
+        "uniforms": rec.uniforms,
+        "buffers": rec.buffers,
     }
     plan["sha256"] = plan_hash(plan)
     return plan
+
+
+def op_plan(caps, dtype: str, inputs: dict[str, tuple[tuple[int, ...], str]], build, name: str = "op") -> dict:
+    """A plan of one stage, `name`, that runs what `build(recorder, {input: tensor})` records
+    (an op, or a few) and returns (a tensor or {output name: tensor}): how single kernels are
+    checked in an executor (the browser's tests)."""
+    rec = PlanRecorder(caps)
+    tensors = {k: rec.empty(shape, dt) for k, (shape, dt) in inputs.items()}
+    commands: list[dict[str, Any]] = []
+    with rec.commands_into(commands):
+        out = build(rec, tensors)
+    outputs = out if isinstance(out, dict) else {"out": out}
+    return _assemble(rec, dtype, {
+        "stages": {name: {"inputs": {k: _io(t) for k, t in tensors.items()},
+                          "outputs": {k: _io(t) for k, t in outputs.items()}, "commands": commands}},
+        "inputs": {}, "outputs": {}, "generate": [],
+    })
 
 
 def _allocate_slots(rec: PlanRecorder, program, latent) -> tuple[list[dict], dict[str, Tensor]]:

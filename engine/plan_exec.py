@@ -275,28 +275,50 @@ class PlanPipeline:
     use and kept, and share one copy of the weights."""
 
     runtime = "plan"
+    residency = "resident"
 
-    def __init__(self, model_dir: Path, config, tokenizer, gpu: GPU, precision: str, profile=None):
-        self.model_dir, self.config, self.tokenizer, self.gpu = Path(model_dir), config, tokenizer, gpu
+    def __init__(self, model_dir: Path, config, tokenizer, caps, precision: str, profile=None, *,
+                 gpu: GPU | None = None, make_executor=None):
+        self.model_dir, self.config, self.tokenizer, self.caps = Path(model_dir), config, tokenizer, caps
         self.precision, self.profile = precision, profile
         self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
         self.latent_channels = config.unet.in_channels
         self.native_size = config.native_size
         self._weights: dict[tuple, Any] = {}
-        self._executors: dict[tuple, PlanExecutor] = {}
+        if make_executor is None:
+            if gpu is None:
+                raise ValueError("PlanPipeline needs a GPU or a make_executor")
+            make_executor = lambda plan: PlanExecutor(plan, self.model_dir, gpu, self._weights)  # noqa: E731
+        self._make_executor = make_executor
+        self._executors: dict[tuple, Any] = {}
         self.plans: dict[tuple, dict[str, Any]] = {}
+        self._closers: list = []
+
+    def on_close(self, fn) -> None:
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        """Give back what this pipeline started (a browser session)."""
+        while self._closers:
+            self._closers.pop()()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
-                 guidance_scale: float = 7.5) -> PlanExecutor:
+                 guidance_scale: float = 7.5):
         from .plan import make_plan
 
         key = (height, width, steps, scheduler, float(guidance_scale))
         if key not in self._executors:
-            plan = make_plan(self.config, self.gpu.caps, model_dir=self.model_dir, precision=self.precision,
+            plan = make_plan(self.config, self.caps, model_dir=self.model_dir, precision=self.precision,
                              height=height, width=width, steps=steps, scheduler=scheduler,
                              guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name)
             self.plans[key] = plan
-            self._executors[key] = PlanExecutor(plan, self.model_dir, self.gpu, self._weights)
+            self._executors[key] = self._make_executor(plan)
         return self._executors[key]
 
     def _stage_executor(self, batch: int, latent_hw: tuple[int, int] | None = None) -> PlanExecutor:
@@ -306,7 +328,7 @@ class PlanPipeline:
 
     @property
     def dtype(self) -> str:
-        return "f16" if self.precision == "fp16" and self.gpu.caps.has_f16 else "f32"
+        return "f16" if self.precision == "fp16" and self.caps.has_f16 else "f32"
 
     def tokenize(self, texts) -> np.ndarray:
         return self.tokenizer([texts] if isinstance(texts, str) else list(texts))
@@ -362,9 +384,9 @@ class PlanPipeline:
         out = ex.generate(ids, x0, noise)
         if progress is not None:
             progress(steps, steps)
-        timings = {f"{k}_ms": v for k, v in ex.stage_ms.items()}
+        timings = {("unet_total_ms" if k == "unet_step" else f"{k}_ms"): v for k, v in ex.stage_ms.items()}
         timings["unet_step_ms"] = float(np.median(ex.step_ms)) if ex.step_ms else 0.0
         timings["total_ms"] = (time.perf_counter() - t_start) * 1e3
         peak = ex.bytes + sum(b["size"] for b in plan["buffers"] if b["kind"] == "weight")
         return GenerationResult(image=image_from_decoded(out["image"]), latents=out["latents"], timings=timings,
-                                peak_gpu_bytes=peak)
+                                peak_gpu_bytes=peak, warnings=list(plan.get("warnings", [])))

@@ -1,0 +1,484 @@
+// The browser executor of engine plans (docs/engine-plans.md): WebGPU, ES modules, no build
+// step. A PlanRunner loads one plan on one GPUDevice (pipelines, buffers, uniform buffers,
+// bind groups, weights fetched by byte range and cached by sha256), then runs its stages or its
+// whole generation and returns host arrays, wall times per stage and step, GPU time per kernel
+// where the adapter has timestamp queries, and the bytes its buffers hold. Every failure is a
+// PlanError with a kind the host can act on.
+
+export const SCHEMA = 1;
+export const FORMAT = "devicefarm-engine-plan";
+const WEIGHT_CACHE = "devicefarm-weights-v1";
+const SUBMIT_EVERY = 64; // dispatches per queue submit, as the Python executors do
+
+export class PlanError extends Error {
+  // kind: no-webgpu, adapter, missing-feature, limit, schema, plan-hash, shader-compile,
+  // pipeline, weight-fetch, hash-mismatch, out-of-memory, validation, device-lost, input
+  constructor(kind, message) {
+    super(message);
+    this.kind = kind;
+  }
+}
+
+// ---- bytes ---------------------------------------------------------------------------------
+
+export function b64ToBytes(text) {
+  const bin = atob(text);
+  const out = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+  return out;
+}
+
+export function bytesToB64(bytes) {
+  let bin = "";
+  const step = 0x8000;
+  for (let i = 0; i < bytes.length; i += step) {
+    bin += String.fromCharCode.apply(null, bytes.subarray(i, i + step));
+  }
+  return btoa(bin);
+}
+
+export async function sha256Hex(bytes) {
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", bytes));
+  return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+function pad4(bytes) {
+  if (bytes.byteLength % 4 === 0) return bytes;
+  const out = new Uint8Array(bytes.byteLength + (4 - (bytes.byteLength % 4)));
+  out.set(bytes);
+  return out;
+}
+
+// IEEE half <-> single, for weights stored in one and run in the other.
+function halfToFloat(h) {
+  const s = (h & 0x8000) ? -1 : 1;
+  const e = (h >> 10) & 0x1f;
+  const f = h & 0x3ff;
+  if (e === 0) return s * Math.pow(2, -14) * (f / 1024);
+  if (e === 31) return f ? NaN : s * Infinity;
+  return s * Math.pow(2, e - 15) * (1 + f / 1024);
+}
+
+const f32buf = new Float32Array(1);
+const u32view = new Uint32Array(f32buf.buffer);
+function floatToHalf(v) {
+  // round to nearest even, as numpy's float32 -> float16 cast does
+  f32buf[0] = v;
+  const x = u32view[0];
+  const sign = (x >>> 16) & 0x8000;
+  let e = (x >>> 23) & 0xff;
+  let m = x & 0x7fffff;
+  if (e === 0xff) return sign | 0x7c00 | (m ? 0x200 : 0);
+  e = e - 127 + 15;
+  if (e >= 31) return sign | 0x7c00;
+  if (e <= 0) {
+    if (e < -10) return sign;
+    m |= 0x800000;
+    const shift = 14 - e;
+    let half = m >>> shift;
+    const rest = m & ((1 << shift) - 1);
+    const mid = 1 << (shift - 1);
+    if (rest > mid || (rest === mid && (half & 1))) half++;
+    return sign | half;
+  }
+  let half = sign | (e << 10) | (m >>> 13);
+  const rest = m & 0x1fff;
+  if (rest > 0x1000 || (rest === 0x1000 && (half & 1))) half++;
+  return half;
+}
+
+// stored safetensors bytes -> the plan's GPU element type
+export function convertWeight(bytes, stored, dtype) {
+  const aligned = new Uint8Array(bytes).buffer; // a copy: typed views need alignment
+  if ((stored === "F32" && dtype === "f32") || (stored === "F16" && dtype === "f16")) return new Uint8Array(aligned);
+  let values;
+  if (stored === "F32") values = new Float32Array(aligned);
+  else if (stored === "F16") values = Float32Array.from(new Uint16Array(aligned), halfToFloat);
+  else if (stored === "BF16") {
+    const u = new Uint16Array(aligned);
+    const w = new Uint32Array(u.length);
+    for (let i = 0; i < u.length; i++) w[i] = u[i] << 16;
+    values = new Float32Array(w.buffer);
+  } else throw new PlanError("input", `weights stored as ${stored} cannot be read`);
+  if (dtype === "f32") return new Uint8Array(values.buffer);
+  return new Uint8Array(Uint16Array.from(values, floatToHalf).buffer);
+}
+
+// ---- the adapter ---------------------------------------------------------------------------
+
+const LIMITS = ["maxStorageBufferBindingSize", "maxBufferSize", "maxComputeWorkgroupsPerDimension",
+  "maxStorageBuffersPerShaderStage", "maxComputeWorkgroupStorageSize", "maxComputeInvocationsPerWorkgroup",
+  "maxComputeWorkgroupSizeX", "maxComputeWorkgroupSizeY"];
+const WANTED_FEATURES = ["shader-f16", "timestamp-query", "subgroups"];
+
+export async function requestAdapter() {
+  if (!("gpu" in navigator)) {
+    throw new PlanError("no-webgpu", `this browser has no WebGPU (navigator.gpu is missing; secure context: ${isSecureContext})`);
+  }
+  const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
+  if (!adapter) throw new PlanError("adapter", "navigator.gpu.requestAdapter() found no adapter");
+  return adapter;
+}
+
+export function describeAdapter(adapter) {
+  const info = adapter.info || {};
+  const limits = {};
+  for (const name of LIMITS) limits[name] = adapter.limits[name];
+  return {
+    vendor: info.vendor || "", architecture: info.architecture || "", device: info.device || "",
+    description: info.description || "", features: Array.from(adapter.features).sort(), limits,
+    user_agent: navigator.userAgent,
+  };
+}
+
+// A device with every wanted feature the adapter has and the adapter's own maximum for the
+// limits plans need (the defaults are far below what Stable Diffusion needs).
+export async function openDevice(adapter) {
+  const requiredFeatures = WANTED_FEATURES.filter((f) => adapter.features.has(f));
+  const requiredLimits = {};
+  for (const name of LIMITS) requiredLimits[name] = adapter.limits[name];
+  const device = await adapter.requestDevice({ requiredFeatures, requiredLimits });
+  return device;
+}
+
+// ---- the executor --------------------------------------------------------------------------
+
+export class PlanRunner {
+  // plan: the parsed plan; fetchWeight(buffer) -> Promise<Uint8Array> of its stored bytes;
+  // fetchShader(path) -> Promise<string>
+  constructor(device, plan) {
+    this.device = device;
+    this.plan = plan;
+    this.lost = null;
+    device.lost.then((info) => { this.lost = info; });
+  }
+
+  static check(plan, adapterFeatures, adapterLimits) {
+    if (!plan || plan.format !== FORMAT) throw new PlanError("schema", `not an engine plan (format ${plan && plan.format})`);
+    if (plan.schema !== SCHEMA) throw new PlanError("schema", `plan schema ${plan.schema}; this executor reads schema ${SCHEMA}`);
+    const missing = plan.requires.features.filter((f) => !adapterFeatures.has(f));
+    if (missing.length) throw new PlanError("missing-feature", `the plan needs adapter feature(s) ${missing.join(", ")}, which this adapter lacks`);
+    for (const [name, need] of Object.entries(plan.requires.limits)) {
+      if (adapterLimits[name] !== undefined && need > adapterLimits[name]) {
+        throw new PlanError("limit", `the plan needs ${name} >= ${need}; this adapter allows ${adapterLimits[name]}`);
+      }
+    }
+  }
+
+  async load({ fetchWeight, fetchShader, onProgress }) {
+    const d = this.device;
+    const plan = this.plan;
+    PlanRunner.check(plan, d.features, d.limits);
+    const t0 = performance.now();
+    const storage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
+    // shaders and pipelines
+    const modules = new Map();
+    const header = plan.shader_header;
+    for (const p of plan.pipelines) {
+      const key = `${p.shader}/${p.dtype}`;
+      if (modules.has(key)) continue;
+      const source = header[p.dtype] + (await fetchShader(plan.shaders[p.shader].path));
+      d.pushErrorScope("validation");
+      const module = d.createShaderModule({ code: source, label: key });
+      const info = await module.getCompilationInfo();
+      const errors = info.messages.filter((m) => m.type === "error");
+      await d.popErrorScope();
+      if (errors.length) {
+        throw new PlanError("shader-compile", `${plan.shaders[p.shader].path} (${p.dtype}): ` +
+          errors.map((m) => `${m.lineNum}:${m.linePos} ${m.message}`).join("; "));
+      }
+      modules.set(key, module);
+    }
+    this.pipelines = [];
+    for (const p of plan.pipelines) {
+      const compute = { module: modules.get(`${p.shader}/${p.dtype}`), entryPoint: p.entry };
+      if (Object.keys(p.constants).length) compute.constants = p.constants;
+      try {
+        this.pipelines.push(await d.createComputePipelineAsync({ layout: "auto", compute, label: p.shader }));
+      } catch (e) {
+        throw new PlanError("pipeline", `${p.shader}:${p.entry} ${JSON.stringify(p.constants)}: ${e.message}`);
+      }
+    }
+    // buffers: weights from the cache or by range, activations and state empty, constants written
+    d.pushErrorScope("out-of-memory");
+    this.buffers = [];
+    this.bytes = 0;
+    this.weightBytes = 0;
+    const fetched = { bytes: 0, cached: 0, fetched: 0 };
+    const weights = plan.buffers.filter((b) => b.kind === "weight");
+    let done = 0;
+    for (const b of plan.buffers) {
+      const buf = d.createBuffer({ size: b.size, usage: storage, label: `${b.kind} ${b.name || b.id}` });
+      this.buffers.push(buf);
+      if (b.kind === "weight") {
+        if (!b.file) throw new PlanError("input", `plan weight ${b.component}/${b.name} names no file`);
+        const got = await fetchWeight(b);
+        fetched.bytes += got.fetchedBytes;
+        fetched[got.fetchedBytes ? "fetched" : "cached"]++;
+        d.queue.writeBuffer(buf, 0, pad4(convertWeight(got.bytes, b.stored, b.dtype)));
+        this.weightBytes += b.size;
+        done++;
+        if (onProgress && done % 16 === 0) onProgress(done, weights.length);
+      } else {
+        this.bytes += b.size;
+        if (b.kind === "constant") d.queue.writeBuffer(buf, 0, pad4(b64ToBytes(b.data)));
+      }
+    }
+    this.uniforms = plan.uniforms.map((u) => {
+      const data = b64ToBytes(u);
+      const buf = d.createBuffer({ size: data.byteLength, usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST });
+      d.queue.writeBuffer(buf, 0, data);
+      return buf;
+    });
+    const oom = await d.popErrorScope();
+    if (oom) throw new PlanError("out-of-memory", `allocating the plan's buffers: ${oom.message}`);
+    d.pushErrorScope("validation");
+    this.stages = {};
+    for (const [name, stage] of Object.entries(plan.stages)) this.stages[name] = this.prepare(stage.commands);
+    this.program = this.prepare(plan.generate);
+    const invalid = await d.popErrorScope();
+    if (invalid) throw new PlanError("validation", `preparing the plan's bind groups: ${invalid.message}`);
+    this.timestamps = d.features.has("timestamp-query");
+    return { load_ms: performance.now() - t0, weight_bytes_fetched: fetched.bytes, weights_fetched: fetched.fetched,
+      weights_cached: fetched.cached, buffer_bytes: this.bytes, weight_bytes: this.weightBytes };
+  }
+
+  prepare(commands) {
+    const d = this.device;
+    return commands.map((c) => {
+      if (c.op === "dispatch") {
+        const pipeline = this.pipelines[c.pipeline];
+        const entries = [{ binding: 0, resource: { buffer: this.uniforms[c.uniform] } }];
+        for (const [binding, id, size] of c.bindings) entries.push({ binding, resource: { buffer: this.buffers[id], offset: 0, size } });
+        const group = d.createBindGroup({ layout: pipeline.getBindGroupLayout(0), entries, label: c.label });
+        return { op: "dispatch", pipeline, group, groups: c.groups, label: c.label };
+      }
+      if (c.op === "write") return { op: "write", buffer: this.buffers[c.buffer], data: pad4(b64ToBytes(c.data)) };
+      if (c.op === "copy") return { op: "copy", src: this.buffers[c.src], dst: this.buffers[c.dst], size: c.size };
+      if (["run", "input", "step"].includes(c.op)) return c;
+      throw new PlanError("schema", `the plan has a command ${c.op} this executor does not know`);
+    });
+  }
+
+  // ---- running ---------------------------------------------------------------------------
+
+  flush() {
+    if (!this.encoder) return;
+    if (this.pass) { this.pass.end(); this.pass = null; }
+    if (this.profile && this.profile.used) this.resolveTimestamps();
+    this.device.queue.submit([this.encoder.finish()]);
+    this.encoder = null;
+    this.recorded = 0;
+  }
+
+  async sync() {
+    this.flush();
+    await this.device.queue.onSubmittedWorkDone();
+    if (this.lost) throw new PlanError("device-lost", `the GPU device was lost: ${this.lost.reason} ${this.lost.message}`);
+  }
+
+  encoderNow() {
+    if (!this.encoder) this.encoder = this.device.createCommandEncoder();
+    return this.encoder;
+  }
+
+  async walk(commands, inputs) {
+    for (const c of commands) {
+      if (c.op === "dispatch") {
+        const enc = this.encoderNow();
+        let pass;
+        if (this.profile) {
+          if (this.profile.used + 2 > this.profile.capacity) this.flush();
+          const index = this.profile.used;
+          this.profile.labels.push(c.label);
+          this.profile.used += 2;
+          pass = this.encoderNow().beginComputePass({ timestampWrites: { querySet: this.profile.querySet,
+            beginningOfPassWriteIndex: index, endOfPassWriteIndex: index + 1 } });
+        } else {
+          if (!this.pass) this.pass = enc.beginComputePass();
+          pass = this.pass;
+        }
+        pass.setPipeline(c.pipeline);
+        pass.setBindGroup(0, c.group);
+        pass.dispatchWorkgroups(c.groups[0], c.groups[1], c.groups[2]);
+        if (this.profile) pass.end();
+        if (++this.recorded >= SUBMIT_EVERY && !this.profile) this.flush();
+      } else if (c.op === "write") {
+        this.flush();
+        this.device.queue.writeBuffer(c.buffer, 0, c.data);
+      } else if (c.op === "copy") {
+        const enc = this.encoderNow();
+        if (this.pass) { this.pass.end(); this.pass = null; }
+        enc.copyBufferToBuffer(c.src, 0, c.dst, 0, c.size);
+      } else if (c.op === "run") {
+        await this.sync();
+        const t0 = performance.now();
+        await this.walk(this.stages[c.stage], inputs);
+        await this.sync();
+        this.stageMs[c.stage] = (this.stageMs[c.stage] || 0) + performance.now() - t0;
+      } else if (c.op === "input") {
+        let value = inputs[c.name];
+        if (c.name === "noise") value = value[c.index];
+        if (!value) throw new PlanError("input", `the generation needs input ${c.name}${c.name === "noise" ? ` #${c.index}` : ""}`);
+        this.flush();
+        this.device.queue.writeBuffer(this.buffers[c.buffer], 0, pad4(value));
+      } else if (c.op === "step") {
+        if (c.index > 0) {
+          await this.sync();
+          this.stepMs.push(performance.now() - this.stepT0);
+        }
+        this.stepT0 = performance.now();
+      }
+    }
+  }
+
+  async read(io) {
+    const bytesPer = { f32: 4, f16: 2, u32: 4, i32: 4 }[io.dtype];
+    const n = io.shape.reduce((a, b) => a * b, 1);
+    const size = Math.ceil((n * bytesPer) / 4) * 4;
+    const staging = this.device.createBuffer({ size, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+    this.encoderNow().copyBufferToBuffer(this.buffers[io.buffer], 0, staging, 0, size);
+    await this.sync();
+    await staging.mapAsync(GPUMapMode.READ);
+    const bytes = new Uint8Array(staging.getMappedRange().slice(0, n * bytesPer));
+    staging.unmap();
+    staging.destroy();
+    return { dtype: io.dtype, shape: io.shape, bytes };
+  }
+
+  begin() {
+    this.stageMs = {};
+    this.stepMs = [];
+    this.device.pushErrorScope("validation");
+  }
+
+  async end() {
+    await this.sync();
+    const err = await this.device.popErrorScope();
+    if (err) throw new PlanError("validation", err.message);
+  }
+
+  // One stage alone: inputs {name: Uint8Array of the input's element type}.
+  async run(stage, inputs) {
+    const spec = this.plan.stages[stage];
+    if (!spec) throw new PlanError("input", `the plan has no stage ${stage}`);
+    this.begin();
+    for (const [name, io] of Object.entries(spec.inputs)) {
+      if (!inputs[name]) throw new PlanError("input", `stage ${stage} needs input ${name}`);
+      this.device.queue.writeBuffer(this.buffers[io.buffer], 0, pad4(inputs[name]));
+    }
+    const t0 = performance.now();
+    await this.walk(this.stages[stage], {});
+    await this.end();
+    const outputs = {};
+    for (const [name, io] of Object.entries(spec.outputs)) outputs[name] = await this.read(io);
+    return { outputs, timings: { [`${stage}_ms`]: performance.now() - t0 } };
+  }
+
+  // The whole generation: inputs {input_ids, latents, noise: [..]} as Uint8Arrays.
+  async generate(inputs) {
+    this.begin();
+    const t0 = performance.now();
+    this.stepT0 = t0;
+    await this.walk(this.program, inputs);
+    await this.end();
+    this.stepMs.push(performance.now() - this.stepT0);
+    const outputs = {};
+    for (const [name, io] of Object.entries(this.plan.outputs)) outputs[name] = await this.read(io);
+    const timings = {};
+    for (const [k, v] of Object.entries(this.stageMs)) timings[`${k}_ms`] = v;
+    timings.total_ms = performance.now() - t0;
+    return { outputs, timings, step_ms: this.stepMs };
+  }
+
+  // Per-kernel GPU times of one stage (timestamp queries, one pass per dispatch), summed by
+  // kernel label over `repetitions` runs.
+  async kernelTimes(stage, repetitions) {
+    if (!this.timestamps) return null;
+    const capacity = 4096;
+    this.profile = {
+      querySet: this.device.createQuerySet({ type: "timestamp", count: capacity }), capacity, used: 0, labels: [],
+      pending: [], totals: {},
+    };
+    try {
+      this.begin();
+      for (let r = 0; r < repetitions; r++) await this.walk(this.stages[stage], {});
+      this.flush();
+      await this.end();
+      for (const p of this.profile.pending) {
+        await p.buffer.mapAsync(GPUMapMode.READ);
+        const ticks = new BigUint64Array(p.buffer.getMappedRange());
+        p.labels.forEach((label, i) => {
+          const ns = Number(ticks[2 * i + 1] - ticks[2 * i]);
+          const t = this.profile.totals[label] || (this.profile.totals[label] = { calls: 0, total_ms: 0 });
+          t.calls += 1;
+          t.total_ms += Math.max(ns, 0) / 1e6;
+        });
+        p.buffer.unmap();
+        p.buffer.destroy();
+      }
+      return this.profile.totals;
+    } finally {
+      this.profile.querySet.destroy();
+      this.profile = null;
+    }
+  }
+
+  resolveTimestamps() {
+    const p = this.profile;
+    const n = p.used;
+    const resolve = this.device.createBuffer({ size: n * 8, usage: GPUBufferUsage.QUERY_RESOLVE | GPUBufferUsage.COPY_SRC });
+    const read = this.device.createBuffer({ size: n * 8, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+    this.encoder.resolveQuerySet(p.querySet, 0, n, resolve, 0);
+    this.encoder.copyBufferToBuffer(resolve, 0, read, 0, n * 8);
+    p.pending.push({ buffer: read, labels: p.labels });
+    p.labels = [];
+    p.used = 0;
+  }
+
+  destroy() {
+    for (const b of this.buffers || []) b.destroy();
+    for (const u of this.uniforms || []) u.destroy();
+    this.buffers = this.uniforms = null;
+  }
+}
+
+// ---- the weight cache ----------------------------------------------------------------------
+
+// A weight's stored bytes: from Cache Storage by sha256, or fetched by byte range from
+// `baseUrl + buffer.file`, checked against the plan's sha256, then cached.
+export function weightFetcher(baseUrl) {
+  return async (b) => {
+    const key = new Request(new URL(`/weights/${b.sha256}`, location.href));
+    let cache = null;
+    try {
+      cache = await caches.open(WEIGHT_CACHE);
+      const hit = await cache.match(key);
+      if (hit) {
+        const bytes = new Uint8Array(await hit.arrayBuffer());
+        if (bytes.byteLength === b.length && (await sha256Hex(bytes)) === b.sha256) return { bytes, fetchedBytes: 0 };
+        await cache.delete(key); // damaged entry: fetch again
+      }
+    } catch (e) {
+      cache = null; // no Cache Storage here (an opaque origin): fetch every time
+    }
+    let response;
+    try {
+      response = await fetch(new URL(b.file, baseUrl), { headers: { Range: `bytes=${b.offset}-${b.offset + b.length - 1}` } });
+    } catch (e) {
+      throw new PlanError("weight-fetch", `fetching ${b.file} bytes ${b.offset}+${b.length}: ${e.message}`);
+    }
+    if (response.status !== 206 && response.status !== 200) {
+      throw new PlanError("weight-fetch", `fetching ${b.file} bytes ${b.offset}+${b.length}: HTTP ${response.status}`);
+    }
+    let bytes = new Uint8Array(await response.arrayBuffer());
+    if (response.status === 200) bytes = bytes.subarray(b.offset, b.offset + b.length); // server ignored Range
+    const digest = await sha256Hex(bytes);
+    if (bytes.byteLength !== b.length || digest !== b.sha256) {
+      throw new PlanError("hash-mismatch", `weight ${b.component}/${b.name}: bytes ${b.offset}-${b.offset + b.length} of ${b.file} ` +
+        `hash to ${digest.slice(0, 16)}..., the plan says ${b.sha256.slice(0, 16)}...`);
+    }
+    if (cache) await cache.put(key, new Response(bytes));
+    return { bytes, fetchedBytes: bytes.byteLength };
+  };
+}

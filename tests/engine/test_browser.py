@@ -1,0 +1,258 @@
+"""The engine in a browser: engine plans run by agent/web/plan.js in Debian's headless Chromium on
+its SwiftShader WebGPU adapter (fp32: SwiftShader has no shader-f16).
+
+- every kernel variant the shipped profiles can select, run from a one-op plan, against float64
+  numpy on fresh random inputs (relative error at most 2e-5 of the largest reference value, as
+  the native variant tests);
+- on the tiny random model: text encoder, one UNet step and VAE decode against the Python engine
+  on lavapipe (relative error at most 1e-4), and 3-step generations with PNDM, DDIM and Euler
+  (given latents) at least 40 dB PSNR against it;
+- the weight cache (a second load fetches no weight bytes, counted by the server);
+- bad input: another schema, a missing feature, a corrupted weight, a shader that fails to
+  compile: each a structured error naming the problem."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+from ci_support import missing
+
+import engine
+from engine.browser import BrowserError, BrowserExecutor, BrowserSession, caps_of, find_chromium
+from engine.errors import EngineError
+from engine.kernels import Rule, Selection, variants
+from engine.ops import Ops
+from engine.plan import make_plan, op_plan, plan_hash
+
+pytestmark = pytest.mark.gpu
+
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def session():
+    if not find_chromium():
+        missing("no chromium: bash scripts/ensure-chromium.sh installs it", "CI needs it")
+    with BrowserSession(webgpu_adapter="swiftshader") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def caps(session):
+    return caps_of(session.adapter)
+
+
+def test_the_page_reports_its_adapter(session, caps):
+    adapter = session.adapter
+    assert session.hello["secure"] is True  # WebGPU needs a secure context: localhost is one
+    assert adapter["architecture"] == "swiftshader" and adapter["limits"]["maxStorageBufferBindingSize"] > 0
+    assert "timestamp-query" in adapter["features"] and "shader-f16" not in adapter["features"]
+    assert caps.max_binding_bytes == adapter["limits"]["maxStorageBufferBindingSize"]
+
+
+# ---- every selectable kernel variant ------------------------------------------------------------
+
+
+def _shipped_choices() -> list[tuple[str, str, dict]]:
+    """(op, variant, constants) of every rule in the shipped profiles, plus each op's reference."""
+    from engine.profiles import PROFILE_DIR
+
+    seen = {}
+    for path in sorted(p for p in PROFILE_DIR.glob("*.json") if p.name != "schema.json"):
+        for rule in json.loads(path.read_text())["rules"]:
+            constants = rule.get("constants", {})
+            seen[(rule["op"], rule["variant"], json.dumps(constants, sort_keys=True))] = constants
+    for op in ("linear", "conv2d", "group_norm", "attention"):
+        seen[(op, "reference", "{}")] = {}
+    return [(op, v, c) for (op, v, _), c in sorted(seen.items())]
+
+
+CHOICES = _shipped_choices()
+
+
+def _np_conv(x, w, b, stride, pad):
+    x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    n, _, h, wd = x.shape
+    co, ci, k, _ = w.shape
+    oh, ow = (h - k) // stride + 1, (wd - k) // stride + 1
+    out = np.zeros((n, co, oh, ow))
+    for i in range(k):
+        for j in range(k):
+            patch = x[:, :, i:i + stride * oh:stride, j:j + stride * ow:stride]
+            out += np.einsum("nchw,oc->nohw", patch, w[:, :, i, j])
+    return out + b[None, :, None, None]
+
+
+def _case(op: str, rng):
+    """(inputs {name: array}, build(ops, tensors) -> tensor, float64 reference)."""
+    if op == "linear":
+        x, w, b = rng.standard_normal((2, 77, 96)), rng.standard_normal((40, 96)) / 10, rng.standard_normal(40)
+        return {"x": x, "w": w, "b": b}, lambda o, t: o.linear(t["x"], t["w"], t["b"]), x @ w.T + b
+    if op == "conv2d":
+        x, w, b = rng.standard_normal((1, 8, 12, 12)), rng.standard_normal((16, 8, 3, 3)) / 8, rng.standard_normal(16)
+        return ({"x": x, "w": w, "b": b}, lambda o, t: o.conv2d(t["x"], t["w"], t["b"], padding=1),
+                _np_conv(x, w, b, 1, 1))
+    if op == "group_norm":
+        x, g, bb = rng.standard_normal((2, 32, 6, 6)), rng.standard_normal(32), rng.standard_normal(32)
+        xr = x.reshape(2, 8, -1)
+        y = ((xr - xr.mean(-1, keepdims=True)) / np.sqrt(xr.var(-1, keepdims=True) + 1e-5)).reshape(x.shape)
+        y = y * g[None, :, None, None] + bb[None, :, None, None]
+        return ({"x": x, "g": g, "b": bb}, lambda o, t: o.group_norm(t["x"], t["g"], t["b"], 8, 1e-5, silu=True),
+                y / (1 + np.exp(-y)))
+    q, k, v = (rng.standard_normal((2, 64, 80)) for _ in range(3))
+    heads, dh = 2, 40
+
+    def attn(q, k, v):
+        qh, kh, vh = (a.reshape(2, -1, heads, dh).transpose(0, 2, 1, 3) for a in (q, k, v))
+        s = qh @ kh.transpose(0, 1, 3, 2) / math.sqrt(dh)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return ((p / p.sum(-1, keepdims=True)) @ vh).transpose(0, 2, 1, 3).reshape(q.shape)
+
+    return {"q": q, "k": k, "v": v}, lambda o, t: o.attention(t["q"], t["k"], t["v"], heads), attn(q, k, v)
+
+
+@pytest.mark.parametrize("op,variant,constants", CHOICES, ids=[f"{o}-{v}-{json.dumps(c)}" for o, v, c in CHOICES])
+def test_every_selectable_variant_in_chromium(session, caps, fresh_rng, op, variant, constants):
+    needs = variants(op)[variant].requires
+    if not needs <= caps.features:
+        # not skipped silently: a variant SwiftShader cannot run is one that needs shader-f16
+        assert needs == {"shader-f16"}, needs
+        return
+    arrays, build, want = _case(op, fresh_rng)
+    selection = Selection(caps.features, [Rule(op, variant, constants=tuple(sorted(constants.items())))])
+
+    def record(rec, tensors):
+        return build(Ops(rec, rec.pipeline_cache(), selection, "f32"), tensors)
+
+    if (op, variant) == ("attention", "flash_gemm") and constants:
+        from engine.variants.attention import gemm_workgroup_bytes
+
+        dv = 10  # head dim 40 in vec4s; CO = ceil(dv / TX)
+        need = gemm_workgroup_bytes(constants["BQ"], constants["TX"], -(-dv // constants["TX"]))
+        if need > caps.limits["max-compute-workgroup-storage-size"]:
+            # a tuned H100 block size: this adapter refuses it by name, it does not fall back silently
+            with pytest.raises(EngineError, match="max-compute-workgroup-storage-size"):
+                op_plan(caps, "f32", {k: (a.shape, "f32") for k, a in arrays.items()}, record)
+            return
+    plan = op_plan(caps, "f32", {k: (a.shape, "f32") for k, a in arrays.items()}, record)
+    decided = {d.variant for d in selection.decisions.values()}
+    assert decided == {variant}, selection.warnings
+    got = BrowserExecutor(plan, None, session).run("op", arrays)["out"]
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    assert err <= TOL, f"{op}/{variant} {constants}: relative error {err:.2e}"
+
+
+# ---- the tiny model against the Python engine ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def native(tiny_model_dir, gpu):
+    return engine.load_pipeline(tiny_model_dir, precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def browser(tiny_model_dir, session):
+    return engine.load_pipeline(tiny_model_dir, precision="fp32", runtime="browser", session=session)
+
+
+def _rel(got, want) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def test_networks_match_the_python_engine(native, browser, fresh_rng):
+    ids = native.tokenize(["", "a watercolor fox"])
+    ctx = native.encode_text(ids)
+    assert _rel(browser.encode_text(ids), ctx) <= 1e-4
+    sample = fresh_rng.standard_normal((2, 4, 8, 8), dtype=np.float32)
+    assert _rel(browser.unet(sample, 421, ctx), native.unet(sample, 421, ctx)) <= 1e-4
+    z = fresh_rng.standard_normal((1, 4, 8, 8), dtype=np.float32)
+    assert _rel(browser.decode(z), native.decode(z)) <= 1e-4
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) / 255 - b.astype(np.float64) / 255) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+@pytest.mark.parametrize("scheduler", ["pndm", "ddim", "euler"])
+def test_generations_match_the_python_engine(native, browser, fresh_rng, scheduler):
+    latents = fresh_rng.standard_normal((1, 4, 8, 8), dtype=np.float32)
+    kwargs = {"steps": 3, "height": 64, "width": 64, "scheduler": scheduler, "latents": latents}
+    a = native.generate("a lighthouse at dusk", **kwargs)
+    b = browser.generate("a lighthouse at dusk", **kwargs)
+    assert psnr(b.image, a.image) >= 40.0
+    assert _rel(b.latents, a.latents) <= 1e-3
+    assert b.timings["unet_step_ms"] > 0 and b.timings["vae_decode_ms"] > 0
+
+
+def test_per_kernel_gpu_times_from_timestamp_queries(browser):
+    ex = browser.executor(*browser.native_size)
+    kernels = ex.kernel_times("unet_step", repetitions=1)
+    assert kernels and sum(k["calls"] for k in kernels.values()) == sum(
+        c["op"] == "dispatch" for c in ex.plan["stages"]["unet_step"]["commands"])
+
+
+# ---- the weight cache and bad input ---------------------------------------------------------------
+
+
+def test_a_second_load_fetches_no_weight_bytes(session, caps, tiny_model_dir):
+    from engine.models.config import load_model_config
+
+    config = load_model_config(tiny_model_dir)
+    plan = make_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=1, scheduler="ddim",
+                     guidance_scale=3.0)  # a plan no other test loads
+    weight_bytes = sum(b["length"] for b in plan["buffers"] if b["kind"] == "weight")
+    before = session.weight_bytes_served
+    first = BrowserExecutor(plan, tiny_model_dir, session).load_report
+    assert first["weight_bytes_fetched"] == session.weight_bytes_served - before
+    second_served = session.weight_bytes_served
+    second = BrowserExecutor(plan, tiny_model_dir, session).load_report
+    assert session.weight_bytes_served == second_served  # counted by the server, not the page
+    assert second["weight_bytes_fetched"] == 0 and second["weights_cached"] == len(
+        [b for b in plan["buffers"] if b["kind"] == "weight"])
+    assert weight_bytes > 0
+
+
+def test_bad_input_gives_structured_errors(session, caps, tiny_model_dir, tmp_path):
+    from engine.models.config import load_model_config
+
+    config = load_model_config(tiny_model_dir)
+    plan = make_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=1, scheduler="euler",
+                     guidance_scale=2.0)
+
+    def load(p, model=tiny_model_dir):
+        p["sha256"] = plan_hash(p)
+        with pytest.raises(BrowserError) as err:
+            BrowserExecutor(p, model, session)
+        return err.value
+
+    newer = json.loads(json.dumps(plan)) | {"schema": 99}
+    e = load(newer)
+    assert e.kind == "schema" and "plan schema 99" in str(e)
+
+    needy = json.loads(json.dumps(plan))
+    needy["requires"]["features"].append("shader-f16")
+    e = load(needy)
+    assert e.kind == "missing-feature" and "shader-f16" in str(e)
+
+    # a weight damaged on disk, loaded by a page whose cache has never seen the model (a new
+    # browser profile: the shared session's cache holds the good bytes under the same hash)
+    broken = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, broken)
+    w = next(b for b in plan["buffers"] if b["kind"] == "weight" and b["component"] == "vae")
+    path = broken / w["file"]
+    data = bytearray(path.read_bytes())
+    data[w["offset"] + 3] ^= 0x5A
+    path.write_bytes(bytes(data))
+    with BrowserSession(webgpu_adapter="swiftshader") as fresh, pytest.raises(BrowserError) as err:
+        BrowserExecutor(plan, broken, fresh)
+    assert err.value.kind == "hash-mismatch" and f"vae/{w['name']}" in str(err.value)
+
+    bad_shader = json.loads(json.dumps(plan))
+    bad_shader["shader_header"]["f32"] = "alias T = f32;\nfn broken( {\n"
+    e = load(bad_shader)
+    assert e.kind == "shader-compile" and ".wgsl" in str(e)
