@@ -332,7 +332,10 @@ def caps_of(adapter: dict[str, Any]):
 
     return DeviceCaps(vendor=adapter.get("vendor", ""), architecture=adapter.get("architecture", ""),
                       device=adapter.get("device", "") or adapter.get("architecture", ""),
-                      description=adapter.get("description", ""), adapter_type="browser", backend="WebGPU (browser)",
+                      description=adapter.get("description", ""),
+                      # WebGPU does not say an adapter's type; SwiftShader is Chromium's CPU one
+                      adapter_type="CPU" if adapter.get("architecture") == "swiftshader" else "browser",
+                      backend="WebGPU (browser)",
                       vendor_id=0, device_id=0,
                       features=frozenset(BROWSER_FEATURES.get(f, f) for f in adapter.get("features", [])),
                       limits={LIMIT_NAMES[k]: int(v) for k, v in adapter.get("limits", {}).items()
@@ -387,6 +390,11 @@ class BrowserExecutor:
         self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items() if k != "total_ms"}
         return {k: _array_out(v) for k, v in reply["outputs"].items()}
 
+    def time_stage(self, stage: str, repetitions: int, warmup: int = 1, seed: int = 0) -> list[float]:
+        """As PlanExecutor.time_stage, timed by the page (performance.now, to GPU completion)."""
+        return self.session.call("time", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage,
+                                 repetitions=repetitions, warmup=warmup, seed=seed)["ms"]
+
     def kernel_times(self, stage: str, repetitions: int = 1) -> dict[str, dict[str, float]] | None:
         return self.session.call("kernels", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage,
                                  repetitions=repetitions)["kernels"]
@@ -394,7 +402,7 @@ class BrowserExecutor:
 
 def browser_pipeline(model_dir: Path, config, tokenizer, precision: str, profile=None, *, session=None,
                      chromium: str | None = None, cdp: str | None = None, manual: bool = False,
-                     webgpu_adapter: str | None = "auto", timeout_s: float = 600.0):
+                     webgpu_adapter: str | None = "auto", timeout_s: float = 600.0, announce=None):
     """The Pipeline API (engine.plan_exec.PlanPipeline) with every plan run by a browser page:
     one given `session`, or a new one (a headless Chromium started here; `cdp`: a tab opened
     in the browser at that DevTools endpoint; `manual`: print the URL and wait for a browser).
@@ -403,7 +411,8 @@ def browser_pipeline(model_dir: Path, config, tokenizer, precision: str, profile
 
     own = session is None
     if own:
-        session = BrowserSession(chromium=chromium, cdp=cdp, manual=manual, webgpu_adapter=webgpu_adapter)
+        session = BrowserSession(chromium=chromium, cdp=cdp, manual=manual, webgpu_adapter=webgpu_adapter,
+                                 start_timeout_s=600.0 if manual else 60.0, announce=announce)
     try:
         pipe = PlanPipeline(model_dir, config, tokenizer, caps_of(session.adapter), precision, profile,
                             make_executor=lambda plan: BrowserExecutor(plan, model_dir, session, timeout_s))

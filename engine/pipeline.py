@@ -130,6 +130,8 @@ def load_pipeline(
         raise InputError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     _check_residency(residency)
     if runtime != "native":
+        if residency != "resident":
+            raise InputError(f"residency {residency!r} is for the native runtime; plans keep their weights resident")
         return _load_plan_pipeline(Path(model_dir), precision, profile, tokenizer_dir, runtime, browser_options)
     config, tokenizer, states = _load_components(Path(model_dir), tokenizer_dir and Path(tokenizer_dir))
     if config.text_encoder.hidden_act not in ACTIVATIONS:
@@ -229,6 +231,13 @@ class Pipeline:
         self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
         self.latent_channels = config.unet.in_channels
         self.native_size = config.native_size  # (height, width)
+
+    @property
+    def caps(self):
+        """The adapter's capabilities (engine.device.DeviceCaps)."""
+        return self.rt.caps
+
+    runtime = "native"
 
     @classmethod
     def shape_only(cls, config, caps, precision: str = "fp16", residency: str = "resident",

@@ -246,6 +246,26 @@ class PlanExecutor:
         self._walk(self.stages[stage], {})
         return {name: self.read(io) for name, io in spec["outputs"].items()}
 
+    def time_stage(self, stage: str, repetitions: int, warmup: int = 1, seed: int = 0) -> list[float]:
+        """Wall times (ms, to GPU completion) of `repetitions` replays of a stage after `warmup`
+        untimed ones, its inputs written once (random, as a latency job's)."""
+        from .runtime import DTYPES
+
+        rng = np.random.default_rng(seed)
+        for io in self.plan["stages"][stage]["inputs"].values():
+            shape = tuple(io["shape"])
+            value = rng.integers(0, 100, shape) if io["dtype"] == "u32" else rng.standard_normal(shape)
+            self._write(self.buffers[io["buffer"]], np.asarray(value).astype(DTYPES[io["dtype"]]))
+        times = []
+        for r in range(warmup + repetitions):
+            self.sync()
+            t0 = time.perf_counter()
+            self._walk(self.stages[stage], {})
+            self.sync()
+            if r >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
     def generate(self, input_ids: np.ndarray, latents: np.ndarray, noise: list[np.ndarray]) -> dict[str, np.ndarray]:
         """The whole generation: token ids, the first sample (initial latents times the loop's
         init_noise_sigma) and the loop's noise draws in; the image (decoded, float) and the

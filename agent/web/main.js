@@ -72,6 +72,9 @@ async function handle(cmd) {
     return { outputs: Object.fromEntries(Object.entries(out.outputs).map(([k, a]) => [k, arrayOut(a)])),
       timings: out.timings, step_ms: out.step_ms, buffer_bytes: runner.bytes, weight_bytes: runner.weightBytes };
   }
+  if (cmd.op === "time") {
+    return { ms: await runner.timeStage(cmd.stage, cmd.repetitions, cmd.warmup || 0) };
+  }
   if (cmd.op === "kernels") {
     return { kernels: await runner.kernelTimes(cmd.stage, cmd.repetitions || 1) };
   }

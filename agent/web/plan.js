@@ -391,6 +391,35 @@ export class PlanRunner {
     return { outputs, timings, step_ms: this.stepMs };
   }
 
+  // Wall times (ms, to GPU completion) of replays of one stage, its inputs as they are (the
+  // page fills them with small pseudo-random values first, as a latency job's would be).
+  async timeStage(stage, repetitions, warmup) {
+    const spec = this.plan.stages[stage];
+    let seed = 12345;
+    for (const io of Object.values(spec.inputs)) {
+      const n = io.shape.reduce((a, b) => a * b, 1);
+      const bytes = new Uint8Array(Math.ceil((n * (io.dtype === "f16" ? 2 : 4)) / 4) * 4);
+      const view = io.dtype === "f32" ? new Float32Array(bytes.buffer) : io.dtype === "u32" ? new Uint32Array(bytes.buffer) : new Uint16Array(bytes.buffer);
+      for (let i = 0; i < n; i++) {
+        seed = (seed * 1103515245 + 12345) >>> 0;
+        const u = seed / 4294967296;
+        view[i] = io.dtype === "u32" ? Math.floor(u * 100) : io.dtype === "f16" ? floatToHalf(u - 0.5) : u - 0.5;
+      }
+      this.device.queue.writeBuffer(this.buffers[io.buffer], 0, bytes);
+    }
+    const times = [];
+    this.begin();
+    for (let r = 0; r < warmup + repetitions; r++) {
+      await this.sync();
+      const t0 = performance.now();
+      await this.walk(this.stages[stage], {});
+      await this.sync();
+      if (r >= warmup) times.push(performance.now() - t0);
+    }
+    await this.end();
+    return times;
+  }
+
   // Per-kernel GPU times of one stage (timestamp queries, one pass per dispatch), summed by
   // kernel label over `repetitions` runs.
   async kernelTimes(stage, repetitions) {

@@ -27,6 +27,35 @@ class Precision(StrEnum):
     fp16 = "fp16"
 
 
+class Runtime(StrEnum):
+    native = "native"
+    plan = "plan"
+    browser = "browser"
+
+
+RUNTIME_HELP = ("native: this process runs the engine eagerly; plan: this process replays engine plans; "
+                "browser: a WebGPU page in Chromium runs the plans (see --browser).")
+BROWSER_HELP = ("With --runtime browser: headless (start Debian's Chromium here), manual (print a URL to open "
+                "in any browser with WebGPU on this machine), or a DevTools endpoint http://HOST:PORT of a "
+                "running Chrome (a tab is opened there).")
+
+
+def _browser_options(runtime: Runtime, browser: str) -> dict:
+    from engine.errors import InputError
+
+    if runtime != Runtime.browser:
+        if browser != "headless":
+            raise InputError("--browser is for --runtime browser")
+        return {}
+    if browser == "headless":
+        return {}
+    if browser == "manual":
+        return {"manual": True}
+    if browser.startswith(("http://", "https://")):
+        return {"cdp": browser}
+    raise InputError(f"--browser {browser!r}: use headless, manual or a DevTools endpoint http://HOST:PORT")
+
+
 class Residency(StrEnum):
     resident = "resident"
     staged = "staged"
@@ -90,19 +119,35 @@ def generate(
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
     profile: str = typer.Option("auto", help="Kernel profile: auto, reference, a shipped name, or a JSON file."),
     residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
+    runtime: Runtime = typer.Option(Runtime.native, help=RUNTIME_HELP),
+    browser: str = typer.Option("headless", help=BROWSER_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
 ):
     """Generate an image from a prompt (or from an image and a prompt)."""
-    from PIL import Image
-
     from engine import load_pipeline
     from engine.errors import InputError
 
     if init_image is not None and not init_image.is_file():
         raise InputError(f"init image {init_image} does not exist")
-    with console.status(f"loading {model}"):
+    options = _browser_options(runtime, browser)
+    if options.get("manual"):
+        options["announce"] = lambda text: console.print(f"[bold]{text}[/]", highlight=False)
+    with console.status(f"loading {model}" + (" (waiting for the browser page)" if runtime == Runtime.browser
+                                             else "")):
         pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer, profile=profile,
-                             residency=residency.value)
+                             residency=residency.value, runtime=runtime.value, **options)
+    try:
+        _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height, width, scheduler, init_image,
+                  strength, as_json)
+    finally:
+        if hasattr(pipe, "close"):
+            pipe.close()
+
+
+def _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height, width, scheduler, init_image,
+              strength, as_json):
+    from PIL import Image
+
     height, width = height or pipe.native_size[0], width or pipe.native_size[1]
     columns = (TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
@@ -117,7 +162,8 @@ def generate(
     Image.fromarray(result.image).save(out)
     summary = {
         "image": str(out),
-        "adapter": pipe.gpu.caps.device,
+        "adapter": pipe.caps.device,
+        "runtime": pipe.runtime,
         "precision": pipe.precision,
         "height": height,
         "width": width,
@@ -136,7 +182,7 @@ def generate(
         console.print(f"[yellow]warning:[/] {w}")
     t = result.timings
     console.print(
-        f"{out}  {width}x{height}, {steps} steps {scheduler}, {pipe.precision} on {pipe.gpu.caps.device}: "
+        f"{out}  {width}x{height}, {steps} steps {scheduler}, {pipe.precision} on {pipe.caps.device} ({pipe.runtime}): "
         f"total {t['total_ms']:.0f} ms, text {t['text_encoder_ms']:.0f} ms, "
         f"UNet {t['unet_step_ms']:.0f} ms/step, VAE {t['vae_decode_ms']:.0f} ms, "
         f"peak GPU {result.peak_gpu_bytes / 2**20:.1f} MiB ({pipe.residency}: "
@@ -193,6 +239,26 @@ def explain(
         shape = " ".join(f"{k}={v}" for k, v in r.shape.items())
         table.add_row(r.network, r.op, shape, r.variant, str(r.calls), r.why)
     console.print(table)
+
+
+@app.command("serve-plan")
+def serve_plan(
+    model: Path = typer.Option(..., help="diffusers model folder."),
+    prompt: str = typer.Option("a lighthouse on a cliff at dusk", help="What to draw."),
+    out: Path = typer.Option(Path("browser.png"), help="PNG file to write.", callback=validate.output_file),
+    steps: int = typer.Option(20, help="Denoising steps."),
+    scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
+    seed: int = typer.Option(0, help="Seed of the numpy noise generator."),
+    precision: Precision = typer.Option(Precision.fp32, help="fp16 where the browser has shader-f16."),
+    browser: str = typer.Option("manual", help=BROWSER_HELP),
+):
+    """Run a generation's engine plan in a browser on this machine: prints the page's URL (open it
+    in Chrome, Edge or Safari with WebGPU), serves it the plan, shaders and weights, and writes
+    the image the page makes."""
+    generate(model=model, prompt=prompt, out=out, negative_prompt="", steps=steps, guidance=7.5, seed=seed,
+             height=None, width=None, scheduler=scheduler, precision=precision, init_image=None, strength=0.8,
+             tokenizer=None, profile="auto", residency=Residency.resident, runtime=Runtime.browser,
+             browser=browser, as_json=False)
 
 
 @app.command()
