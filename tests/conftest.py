@@ -13,6 +13,7 @@ from ci_support import missing
 from report_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_model.npz"
+GOLDEN_3STEP = Path(__file__).resolve().parent / "golden" / "tiny_model_3step.npz"
 
 
 @cache
@@ -71,4 +72,15 @@ def golden() -> dict:
             f"{GOLDEN} missing; run /work/venv-gold/bin/python tests/golden/make_goldens.py"
         )
     with np.load(GOLDEN) as g:
+        return {k: g[k] for k in g.files}
+
+
+@pytest.fixture(scope="session")
+def golden3() -> dict:
+    """3-step PNDM, DDIM and Euler generations of diffusers (tests/golden/make_3step_goldens.py)."""
+    import numpy as np
+
+    if not GOLDEN_3STEP.is_file():
+        pytest.fail(f"{GOLDEN_3STEP} missing; run /work/venv-gold/bin/python tests/golden/make_3step_goldens.py")
+    with np.load(GOLDEN_3STEP) as g:
         return {k: g[k] for k in g.files}

@@ -190,6 +190,63 @@ def _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height,
     )
 
 
+def _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, runtime, browser, json_out):
+    """UNet CFG step and (with e2e_steps) a whole generation, replayed from the plan by this
+    process or run by a browser page; per-kernel GPU times from the page where it has
+    timestamp queries."""
+    import statistics
+    import tempfile
+
+    from rich.table import Table
+
+    from engine import load_pipeline
+    from engine.errors import InputError
+
+    if (model is None) == (preset is None):
+        raise InputError("give exactly one of --model DIR or --preset tiny|sd14")
+    options = _browser_options(runtime, browser)
+    with tempfile.TemporaryDirectory() as tmp:
+        if preset is not None:
+            from engine.make_model import make_model
+
+            with console.status(f"making a random-weight {preset.value} model"):
+                model = make_model(preset.value, 0, Path(tmp) / preset.value, dtype=precision.value)
+        with console.status(f"loading {model} ({runtime.value})"):
+            pipe = load_pipeline(model, precision=precision.value, runtime=runtime.value, **options)
+        try:
+            res = resolution or pipe.native_size[0]
+            with console.status("timing the UNet step"):
+                ex = pipe.executor(res, res)
+                unet = ex.time_stage("unet_step", reps, warmup)
+            e2e = []
+            if e2e_steps:
+                with console.status(f"timing a {e2e_steps}-step generation"):
+                    for _ in range(warmup + 1):
+                        r = pipe.generate("a red bicycle leaning on a wall", steps=e2e_steps, height=res, width=res)
+                    e2e = [r.timings["total_ms"]]
+            kernels = ex.kernel_times("unet_step") if hasattr(ex, "kernel_times") else None
+        finally:
+            if hasattr(pipe, "close"):
+                pipe.close()
+    caps, plan = pipe.caps, ex.plan
+    table = Table("what", "ms (median)", "min-max", title=f"{caps.device} ({runtime.value}), {plan['dtype']}, "
+                  f"{res}x{res}, profile {plan['profile']['name']}")
+    table.add_row("UNet CFG step", f"{statistics.median(unet):.1f}", f"{min(unet):.1f}-{max(unet):.1f}")
+    if e2e:
+        table.add_row(f"{e2e_steps}-step generation", f"{e2e[0]:.0f}", "-")
+    console.print(table)
+    if kernels:
+        k = Table("kernel", "calls", "ms", title="per-kernel GPU time, one UNet step (timestamp queries)")
+        for name, t in sorted(kernels.items(), key=lambda kv: -kv[1]["total_ms"])[:12]:
+            k.add_row(name, str(t["calls"]), f"{t['total_ms']:.2f}")
+        console.print(k)
+    if json_out:
+        json_out.write_text(json.dumps({"date": __import__("datetime").date.today().isoformat(), "adapter": caps.device,
+                                        "runtime": runtime.value, "dtype": plan["dtype"], "size": res,
+                                        "profile": plan["profile"]["name"], "unet_step_ms": unet,
+                                        "e2e_ms": e2e, "kernels": kernels}, indent=1) + "\n")
+
+
 def _config_for(model: Path | None, preset: Preset | None):
     """A model's configs from its folder, or a preset's without writing any weights."""
     from engine.errors import InputError
@@ -353,11 +410,17 @@ def bench(
     reps: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
     e2e_steps: int = typer.Option(0, help="Also time a whole generation of this many steps (20: the paper)."),
     residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
+    runtime: Runtime = typer.Option(Runtime.native, help=RUNTIME_HELP + " plan and browser time the UNet step "
+                                    "and a generation of the auto profile's plan (no ablation rows)."),
+    browser: str = typer.Option("headless", help=BROWSER_HELP),
     json_out: Path = typer.Option(None, "--json", help="Write the results as JSON here.",
                                   callback=validate.output_file),
 ):
     """The paper's ablation table on this adapter: UNet step latency and peak memory per row."""
     import tempfile
+
+    if runtime != Runtime.native:
+        return _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, runtime, browser, json_out)
 
     from rich.table import Table
 

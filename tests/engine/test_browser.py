@@ -173,6 +173,27 @@ def test_networks_match_the_python_engine(native, browser, fresh_rng):
     assert _rel(browser.decode(z), native.decode(z)) <= 1e-4
 
 
+def _norm_rel(out, ref) -> float:
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def test_networks_match_diffusers(browser, golden):
+    """The checks tests/engine/test_models.py makes of the native engine, in fp32."""
+    assert _norm_rel(browser.encode_text(golden["te_input_ids"]), golden["te_last_hidden_state"]) <= 1e-4
+    out = browser.unet(golden["unet_sample"], golden["unet_timesteps"], golden["unet_encoder_hidden_states"])
+    assert _norm_rel(out, golden["unet_out"]) <= 1e-4
+    assert _norm_rel(browser.decode(golden["vae_dec_latents"]), golden["vae_dec_image"]) <= 1e-4
+
+
+@pytest.mark.parametrize("scheduler", ["pndm", "ddim", "euler"])
+def test_3_step_generations_match_diffusers(browser, golden3, scheduler):
+    result = browser.generate(str(golden3["txt2img3_prompt"]), steps=3, guidance_scale=7.5, height=64, width=64,
+                              scheduler=scheduler, latents=golden3["txt2img3_latents_in"])
+    ref = golden3[f"txt2img3_{scheduler}_image"][0]
+    mse = float(np.mean((result.image / 255.0 - ref) ** 2))
+    assert 10 * np.log10(1.0 / mse) >= 40.0, f"{10 * np.log10(1.0 / mse):.1f} dB"
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) / 255 - b.astype(np.float64) / 255) ** 2))
     return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
@@ -256,3 +277,35 @@ def test_bad_input_gives_structured_errors(session, caps, tiny_model_dir, tmp_pa
     bad_shader["shader_header"]["f32"] = "alias T = f32;\nfn broken( {\n"
     e = load(bad_shader)
     assert e.kind == "shader-compile" and ".wgsl" in str(e)
+
+
+# ---- the command line -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", ["plan", "browser"])
+def test_farm_engine_generate_on_each_runtime(tiny_model_dir, tmp_path, runtime):
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    if runtime == "browser" and not find_chromium():
+        missing("no chromium: bash scripts/ensure-chromium.sh installs it", "CI needs it")
+    out = tmp_path / f"{runtime}.png"
+    result = CliRunner().invoke(app, ["engine", "generate", "--model", str(tiny_model_dir), "--prompt", "a boat",
+                                      "--steps", "2", "--scheduler", "euler", "--runtime", runtime, "--json",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    assert summary["runtime"] == runtime and summary["timings_ms"]["unet_step"] > 0
+    assert Image.open(out).size == (64, 64)
+
+
+def test_browser_option_needs_the_browser_runtime(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from orchestrator.cli import main
+
+    monkeypatch.setattr("sys.argv", ["farm", "engine", "generate", "--model", str(tiny_model_dir), "--prompt", "x",
+                                     "--browser", "manual", "--out", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 1 and "--browser is for --runtime browser" in "".join(capsys.readouterr())

@@ -268,3 +268,30 @@ def test_explain_and_the_plan_agree_on_every_selection(tiny_model_dir, gpu):
         assert chosen[(r.op, json.dumps(r.shape, sort_keys=True))] == r.variant, r
     used = {p["shader"] for p in plan["pipelines"]}
     assert {f"{r.op}/{r.variant}" for r in rows} <= used
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runtime", ["native", "plan"])
+@pytest.mark.parametrize("scheduler", ["pndm", "ddim", "euler"])
+def test_3_step_generations_match_diffusers(native, planned, golden3, runtime, scheduler):
+    pipe = native if runtime == "native" else planned
+    result = pipe.generate(str(golden3["txt2img3_prompt"]), steps=3, guidance_scale=7.5, height=64, width=64,
+                           scheduler=scheduler, latents=golden3["txt2img3_latents_in"])
+    ref = golden3[f"txt2img3_{scheduler}_image"][0]
+    mse = float(np.mean((result.image / 255.0 - ref) ** 2))
+    assert 10 * np.log10(1.0 / mse) >= 40.0
+    ref_latents = golden3[f"txt2img3_{scheduler}_latents"]
+    assert np.linalg.norm(result.latents - ref_latents) / np.linalg.norm(ref_latents) <= 1e-4
+
+
+@pytest.mark.gpu
+def test_farm_engine_bench_on_the_plan_runtime(tiny_model_dir, tmp_path):
+    from orchestrator.cli import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["engine", "bench", "--model", str(tiny_model_dir), "--runtime", "plan",
+                                      "--reps", "3", "--warmup", "1", "--e2e-steps", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["runtime"] == "plan" and len(doc["unet_step_ms"]) == 3 and doc["e2e_ms"][0] > 0
+    assert "UNet CFG step" in result.output
