@@ -382,9 +382,13 @@ class BrowserExecutor:
         self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items()}
         return {k: _array_out(v) for k, v in reply["outputs"].items()}
 
-    def generate(self, input_ids: np.ndarray, latents: np.ndarray, noise: list[np.ndarray]) -> dict[str, np.ndarray]:
-        inputs = {"input_ids": _array_in(input_ids, "u32"), "latents": _array_in(latents, "f32"),
-                  "noise": [_array_in(n, "f32") for n in noise]}
+    def generate(self, input_ids: np.ndarray, latents: np.ndarray | None, noise: list[np.ndarray],
+                 image: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        inputs = {"input_ids": _array_in(input_ids, "u32"), "noise": [_array_in(n, "f32") for n in noise]}
+        if "image" in self.plan["inputs"]:
+            inputs["image"] = _array_in(image, self.plan["inputs"]["image"]["dtype"])
+        else:
+            inputs["latents"] = _array_in(latents, "f32")
         reply = self.session.call("generate", timeout_s=self.timeout_s, plan=self.plan["sha256"], inputs=inputs)
         self.step_ms = list(reply["step_ms"])
         self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items() if k != "total_ms"}

@@ -206,7 +206,7 @@ class Ops:
         params = (n, count, int(clamp is not None), batch, float(lo), float(hi), 0, float(g), *coefs, *([0] * 8))
         slots = list(inputs) + [self.dummy_f32] * (self.MAX_TERMS - len(inputs))
         bindings = {"combine": [*slots, dst], "guide": [None] * 6 + [dst, eps],
-                    "prepare": [slots[0], *[None] * 7, y]}[entry]
+                    "prepare": [slots[0], *[None] * 7, y], "posterior": [slots[0], *[None] * 5, dst, eps]}[entry]
         self.rt.dispatch(self._pipeline("step", entry), f"step.{entry}", params, bindings, self._grid_1d(n))
 
     def step_combine(self, terms: list[tuple[float, Tensor]], clamp: tuple[float, float] | None = None,
@@ -244,6 +244,17 @@ class Ops:
         y = self.rt.empty((repeat * x.shape[0], *x.shape[1:]), self.dtype) if out is None else out
         self._step("prepare", x.numel, batch=repeat, g=scale, inputs=[x], y=y)
         return y
+
+    def step_posterior(self, moments: Tensor, noise: Tensor, scaling: float, out: Tensor | None = None) -> Tensor:
+        """img2img's encoded image: (mean + exp(logvar / 2) * noise) * scaling, f32 (1, C, h, w),
+        from the VAE encoder's moments (1, 2C, h, w) in this element type (logvar clamped to
+        [-30, 20] as diffusers does) and f32 noise."""
+        self._check(moments, "the VAE moments")
+        if moments.shape[0] != 1 or noise.dtype != "f32" or noise.numel * 2 != moments.numel:
+            raise ValueError(f"step_posterior: moments {moments} and noise {noise} do not match")
+        out = self.rt.empty(noise.shape, "f32") if out is None else out
+        self._step("posterior", noise.numel, clamp=(-30.0, 20.0), g=scaling, inputs=[noise], eps=moments, dst=out)
+        return out
 
     # ---- attention --------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from .models.unet import UNet2DCondition, timestep_embedding
 from .models.vae import AutoencoderKL
 from .ops import Ops
 from .runtime import DTYPES, Runtime, StageTimer, TraceRuntime
-from .schedulers import SCHEDULERS, make_scheduler
+from .schedulers import SCHEDULERS
 from .schedulers.program import loop_program
 
 PRECISIONS = ("fp32", "fp16")
@@ -154,6 +154,25 @@ def load_pipeline(
             for c, s in states.items()
         }
     return Pipeline(config, tokenizer, states, gpu, dtype, _selection(gpu.caps, profile), notes, residency)
+
+
+def prepare_image(init_image, height: int, width: int) -> np.ndarray:
+    """uint8 (H, W, 3), a PIL image or a path -> (1, 3, height, width) float32 in [-1, 1]."""
+    from PIL import Image
+
+    if isinstance(init_image, str | Path):
+        try:
+            init_image = Image.open(init_image).convert("RGB")
+        except OSError as exc:
+            raise InputError(f"cannot read init image {init_image}: {exc}") from exc
+    if isinstance(init_image, np.ndarray):
+        if init_image.ndim != 3 or init_image.shape[2] != 3 or init_image.dtype != np.uint8:
+            raise InputError(f"init_image array must be uint8 (H, W, 3), got {init_image.dtype} {init_image.shape}")
+        init_image = Image.fromarray(init_image)
+    if init_image.size != (width, height):
+        init_image = init_image.resize((width, height), Image.LANCZOS)
+    arr = np.asarray(init_image.convert("RGB"), dtype=np.float32) / 255.0
+    return (arr.transpose(2, 0, 1)[None] * 2.0 - 1.0).astype(np.float32)
 
 
 def image_from_decoded(decoded: np.ndarray) -> np.ndarray:
@@ -378,22 +397,7 @@ class Pipeline:
             raise InputError(f"strength must be in (0, 1], got {strength}")
 
     def _prepare_image(self, init_image, height: int, width: int) -> np.ndarray:
-        """uint8 (H, W, 3), a PIL image or a path -> (1, 3, height, width) float32 in [-1, 1]."""
-        from PIL import Image
-
-        if isinstance(init_image, str | Path):
-            try:
-                init_image = Image.open(init_image).convert("RGB")
-            except OSError as exc:
-                raise InputError(f"cannot read init image {init_image}: {exc}") from exc
-        if isinstance(init_image, np.ndarray):
-            if init_image.ndim != 3 or init_image.shape[2] != 3 or init_image.dtype != np.uint8:
-                raise InputError(f"init_image array must be uint8 (H, W, 3), got {init_image.dtype} {init_image.shape}")
-            init_image = Image.fromarray(init_image)
-        if init_image.size != (width, height):
-            init_image = init_image.resize((width, height), Image.LANCZOS)
-        arr = np.asarray(init_image.convert("RGB"), dtype=np.float32) / 255.0
-        return (arr.transpose(2, 0, 1)[None] * 2.0 - 1.0).astype(np.float32)
+        return prepare_image(init_image, height, width)
 
     def generate(
         self,
@@ -429,7 +433,6 @@ class Pipeline:
         timer = StageTimer(self.rt)
         peaks: dict[str, int] = {}
         rng = np.random.default_rng(seed)
-        sched = make_scheduler(scheduler, self.config.scheduler)
         cfg_on = guidance_scale > 1.0
         shape = (1, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
         scaling = np.float32(self.config.vae.scaling_factor)
@@ -448,22 +451,26 @@ class Pipeline:
             latents = np.asarray(latents, dtype=np.float32)
             if latents.shape != shape:
                 raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
-            latents = latents * np.float32(program.init_noise_sigma)
+            first = {"x0": latents * np.float32(program.init_noise_sigma)}
         else:
-            sched = make_scheduler(scheduler, self.config.scheduler)
-            timesteps = sched.img2img_timesteps(steps, strength)
+            # on the GPU, as a plan does it: the encoder's moments, the posterior sample (draw n0)
+            # times the scaling factor (i0), then the program's prologue adds the forward noise n1
             with timer("vae_encode_ms"), self._stage("vae_encode", peaks, "vae_encoder"):
-                mean, logvar = self.encode_image(self._prepare_image(init_image, height, width))
-            std = np.exp(0.5 * logvar)
-            init_latents = (mean + std * rng.standard_normal(mean.shape, dtype=np.float32)) * scaling
-            noise = rng.standard_normal(init_latents.shape, dtype=np.float32)
-            latents = sched.add_noise(init_latents, noise, np.asarray(timesteps[:1]))
+                image = self.rt.upload(self._prepare_image(init_image, height, width), self.vae_dtype)
+                moments = self.vae.encode(image)
+                n0 = self.rt.upload(rng.standard_normal(shape, dtype=np.float32), "f32")
+                first = {"i0": self.vae.ops.step_posterior(moments, n0, float(scaling))}
+                del image, moments, n0
+            first["n1"] = rng.standard_normal(shape, dtype=np.float32)
 
         # 3. denoising loop with classifier-free guidance, on the GPU: the program's
         # combinations step the f32 latents, which come back to the host once, at the end
         step_ms = []
         with self._stage("unet", peaks, "unet"):
-            env = {"x0": self.rt.upload(np.asarray(latents, dtype=np.float32), "f32")}
+            env = {k: v if not isinstance(v, np.ndarray) else self.rt.upload(v, "f32") for k, v in first.items()}
+            del first
+            for op in program.prologue:
+                env[op.out] = self.ops.step_combine([(c, env[src]) for c, src in op.terms], op.clamp)
             last_use = program.last_use()
             for step in program.steps:
                 t0 = time.perf_counter()

@@ -276,11 +276,14 @@ def _range_sha256(path: Path, begin: int, end: int) -> str:
 
 def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "fp32", height: int | None = None,
               width: int | None = None, steps: int = 20, scheduler: str = "pndm", guidance_scale: float = 7.5,
-              profile=None, model_name: str = "", hashes: bool = True) -> dict[str, Any]:
+              profile=None, model_name: str = "", hashes: bool = True,
+              strength: float | None = None) -> dict[str, Any]:
     """The plan of one generation configuration on an adapter with `caps` (its features decide
     shader-f16 and which variants may run, its limits the chunking and grids). Needs the
     model's config alone; `model_dir` adds where each weight lives (without it the plan names
-    tensors and shapes only, for inspection)."""
+    tensors and shapes only, for inspection). With `strength`, image-to-image: the plan also
+    encodes an input image (stage vae_encode) and denoises the last int(steps * strength)
+    steps from it."""
     from .pipeline import PRECISIONS, Pipeline, _PaddingTokenizer, _selection, _vae_dtype
     from .schedulers import SCHEDULERS
     from .schedulers.program import loop_program
@@ -326,14 +329,28 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
     image = stage("vae_decode", {"latents": latents_in},
                   lambda: {"image": pipe.vae.decode(pipe.vae.ops.step_prepare(latents_in, scale, 1))})["image"]
 
-    program = loop_program(scheduler, config.scheduler, steps, latent)
+    if strength is not None:
+        image_in = rec.empty((1, 3, height, width), vae_dtype)
+        moments = stage("vae_encode", {"image": image_in}, lambda: {"moments": pipe.vae.encode(image_in)})["moments"]
+    program = loop_program(scheduler, config.scheduler, steps, latent, strength=strength)
     slots, slot_of = _allocate_slots(rec, program, latent)
     generate: list[dict[str, Any]] = []
     with rec.commands_into(generate):
         rec.emit("input", name="input_ids", buffer=ids.storage.buffer.id)
         rec.emit("run", stage="text_encoder")
-        rec.emit("input", name="latents", buffer=slot_of["x0"].storage.buffer.id)
-        noise_index = 0
+        if strength is None:
+            rec.emit("input", name="latents", buffer=slot_of["x0"].storage.buffer.id)
+            noise_index = 0
+        else:
+            rec.emit("input", name="image", buffer=image_in.storage.buffer.id)
+            rec.emit("run", stage="vae_encode")
+            n0 = rec.state(latent, "f32", "posterior_noise")
+            rec.emit("input", name="noise", index=0, buffer=n0.storage.buffer.id)
+            pipe.vae.ops.step_posterior(moments, n0, float(np.float32(config.vae.scaling_factor)), out=slot_of["i0"])
+            rec.emit("input", name="noise", index=1, buffer=slot_of["n1"].storage.buffer.id)
+            for op in program.prologue:
+                pipe.ops.step_combine([(c, slot_of[s]) for c, s in op.terms], op.clamp, out=slot_of[op.out])
+            noise_index = 2
         for step in program.steps:
             i = step.index
             rec.emit("step", index=i, timestep=step.timestep)
@@ -354,14 +371,15 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
         "model": {"name": model_name, "config_sha256": _config_hash(config)},
         "precision": precision, "dtype": dtype, "vae_dtype": vae_dtype,
         "height": height, "width": width, "steps": steps, "scheduler": scheduler,
-        "guidance_scale": float(guidance_scale), "batch": batch,
+        "guidance_scale": float(guidance_scale), "batch": batch, "strength": strength,
         "profile": {"name": selection.profile_name, "decisions": _decisions(selection)},
         "warnings": list(selection.warnings),
         "adapter": {"vendor": caps.vendor, "architecture": caps.architecture, "device": caps.device},
         "stages": stages,
         "loop": {**program.as_dict(), "slots": slots},
         "inputs": {"input_ids": {"dtype": "u32", "shape": [batch, 77]},
-                   "latents": {"dtype": "f32", "shape": list(latent)},
+                   **({"latents": {"dtype": "f32", "shape": list(latent)}} if strength is None else
+                      {"image": {"dtype": vae_dtype, "shape": [1, 3, height, width]}}),
                    "noise": {"dtype": "f32", "shape": list(latent), "count": program.noise_draws}},
         "outputs": {"image": _io(image), "latents": _io(final)},
         "generate": generate,
@@ -425,7 +443,13 @@ def _allocate_slots(rec: PlanRecorder, program, latent) -> tuple[list[dict], dic
             slots.append({"buffer": t.storage.buffer.id})
         live[name] = slot_of[name] = t
 
-    take("x0", 0)
+    if program.prologue:  # img2img: the encoded image and the forward noise make x0
+        take("i0", 0)
+        take("n1", 0)
+        for op in program.prologue:
+            take(op.out, 0)
+    else:
+        take("x0", 0)
     for step in program.steps:
         take(f"e{step.index}", step.index)
         for name in step.noise:

@@ -266,14 +266,23 @@ class PlanExecutor:
                 times.append((time.perf_counter() - t0) * 1e3)
         return times
 
-    def generate(self, input_ids: np.ndarray, latents: np.ndarray, noise: list[np.ndarray]) -> dict[str, np.ndarray]:
+    def generate(self, input_ids: np.ndarray, latents: np.ndarray | None, noise: list[np.ndarray],
+                 image: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The whole generation: token ids, the first sample (initial latents times the loop's
-        init_noise_sigma) and the loop's noise draws in; the image (decoded, float) and the
-        final latents out."""
-        inputs = {"input_ids": np.asarray(input_ids).astype(np.uint32),
-                  "latents": np.asarray(latents, np.float32), "noise": [np.asarray(n, np.float32) for n in noise]}
+        init_noise_sigma) or, for an image-to-image plan, the image, and the noise draws in;
+        the image (decoded, float) and the final latents out."""
+        from .runtime import DTYPES
+
+        inputs: dict[str, Any] = {"input_ids": np.asarray(input_ids).astype(np.uint32),
+                                  "noise": [np.asarray(n, np.float32) for n in noise]}
+        if "image" in self.plan["inputs"]:
+            if image is None:
+                raise InputError("this plan is image-to-image: it needs an image")
+            inputs["image"] = np.asarray(image).astype(DTYPES[self.plan["inputs"]["image"]["dtype"]])
+        else:
+            inputs["latents"] = np.asarray(latents, np.float32)
         if len(inputs["noise"]) != self.plan["inputs"]["noise"]["count"]:
-            raise InputError(f"the plan's loop draws {self.plan['inputs']['noise']['count']} noise tensors; "
+            raise InputError(f"the plan draws {self.plan['inputs']['noise']['count']} noise tensors; "
                              f"{len(inputs['noise'])} given")
         self.step_ms, self.stage_ms = [], {}
         self._step_t0 = time.perf_counter()
@@ -329,14 +338,15 @@ class PlanPipeline:
         self.close()
 
     def executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
-                 guidance_scale: float = 7.5):
+                 guidance_scale: float = 7.5, strength: float | None = None):
         from .plan import make_plan
 
-        key = (height, width, steps, scheduler, float(guidance_scale))
+        key = (height, width, steps, scheduler, float(guidance_scale), strength)
         if key not in self._executors:
             plan = make_plan(self.config, self.caps, model_dir=self.model_dir, precision=self.precision,
                              height=height, width=width, steps=steps, scheduler=scheduler,
-                             guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name)
+                             guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name,
+                             strength=strength)
             self.plans[key] = plan
             self._executors[key] = self._make_executor(plan)
         return self._executors[key]
@@ -377,31 +387,43 @@ class PlanPipeline:
         ex = self._stage_executor(1, latents.shape[2:])
         return ex.run("vae_decode", {"latents": latents})["image"].astype(np.float32)
 
-    def encode_image(self, image):
-        raise InputError("image-to-image is not in engine plans yet: use runtime='native' for encode_image")
+    def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(1, 3, H, W) in [-1, 1] -> (mean, logvar) of the latent distribution, unscaled."""
+        image = np.asarray(image, np.float32)
+        if image.ndim != 4 or image.shape[0] != 1:
+            raise InputError(f"a plan encodes one image (1, 3, H, W) at a time; got {image.shape}")
+        ex = self.executor(image.shape[2], image.shape[3], steps=1, strength=1.0)
+        moments = ex.run("vae_encode", {"image": image})["moments"].astype(np.float32)
+        mean, logvar = np.split(moments, 2, axis=1)
+        return mean, np.clip(logvar, -30.0, 20.0)
 
     def generate(self, prompt: str, negative_prompt: str = "", steps: int = 20, guidance_scale: float = 7.5,
                  seed: int = 0, height: int = 512, width: int = 512, scheduler: str = "pndm",
                  latents: np.ndarray | None = None, progress=None, init_image=None, strength: float = 0.8):
-        from .pipeline import GenerationResult, image_from_decoded
+        from .pipeline import GenerationResult, image_from_decoded, prepare_image
 
-        if init_image is not None:
-            raise InputError("image-to-image is not in engine plans yet: use runtime='native' for init_image")
+        if init_image is not None and not 0.0 < strength <= 1.0:
+            raise InputError(f"strength must be in (0, 1], got {strength}")
         t_start = time.perf_counter()
-        ex = self.executor(height, width, steps, scheduler, guidance_scale)
+        ex = self.executor(height, width, steps, scheduler, guidance_scale,
+                           None if init_image is None else float(strength))
         plan = ex.plan
         cfg_on = plan["batch"] == 2
-        shape = tuple(plan["inputs"]["latents"]["shape"])
+        shape = tuple(plan["inputs"]["noise"]["shape"])
         rng = np.random.default_rng(seed)
-        if latents is None:
-            latents = rng.standard_normal(shape, dtype=np.float32)
-        latents = np.asarray(latents, dtype=np.float32)
-        if latents.shape != shape:
-            raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
-        x0 = latents * np.float32(plan["loop"]["init_noise_sigma"])
+        x0 = image = None
+        if init_image is None:
+            if latents is None:
+                latents = rng.standard_normal(shape, dtype=np.float32)
+            latents = np.asarray(latents, dtype=np.float32)
+            if latents.shape != shape:
+                raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
+            x0 = latents * np.float32(plan["loop"]["init_noise_sigma"])
+        else:
+            image = prepare_image(init_image, height, width)
         noise = [rng.standard_normal(shape, dtype=np.float32) for _ in range(plan["inputs"]["noise"]["count"])]
         ids = self.tokenize([negative_prompt, prompt] if cfg_on else [prompt])
-        out = ex.generate(ids, x0, noise)
+        out = ex.generate(ids, x0, noise, image=image)
         if progress is not None:
             progress(steps, steps)
         timings = {("unet_total_ms" if k == "unet_step" else f"{k}_ms"): v for k, v in ex.stage_ms.items()}

@@ -191,7 +191,7 @@ def add_noise_by_alpha_bar(
     ndim = np.ndim(original)
     signal = per_sample(np.sqrt(alpha_bar), ndim)
     noise_scale = per_sample(np.sqrt(np.float32(1.0) - alpha_bar), ndim)
-    return signal * np.asarray(original, np.float32) + noise_scale * np.asarray(noise, np.float32)
+    return signal * as_f32(original) + noise_scale * as_f32(noise)
 
 
 class StepIndex:
@@ -315,4 +315,4 @@ class SigmaSchedule(StepIndex):
     ) -> np.ndarray:
         """x = x_0 + σ ε at the σ of each timestep (or of the begin index, for img2img)."""
         sigma = per_sample(self.sigmas[self._noise_indices(timesteps)], np.ndim(original))
-        return np.asarray(original, np.float32) + np.asarray(noise, np.float32) * sigma
+        return as_f32(original) + as_f32(noise) * sigma

@@ -74,10 +74,16 @@ class LoopProgram:
     init_noise_sigma: float
     steps: tuple[Step, ...]
     noise_draws: int  # how many rng.standard_normal(latent shape) draws the loop makes
+    # img2img: x0 from i0 (the encoded image's posterior sample, times the VAE scaling factor)
+    # and the forward noise n1 (n0 is the posterior's own draw), before step 0
+    prologue: tuple[Combine, ...] = ()
 
     def last_use(self) -> dict[str, int]:
-        """Source name -> the index of the last step that reads it."""
+        """Source name -> the index of the last step that reads it (the prologue counts as 0)."""
         last: dict[str, int] = {}
+        for op in self.prologue:
+            for _, src in op.terms:
+                last[src] = 0
         for step in self.steps:
             last[f"x{step.index}"] = step.index  # the UNet reads it
             for op in step.ops:
@@ -88,7 +94,7 @@ class LoopProgram:
     def as_dict(self) -> dict:
         return {"scheduler": self.scheduler, "timesteps": list(self.timesteps),
                 "init_noise_sigma": self.init_noise_sigma, "noise_draws": self.noise_draws,
-                "steps": [s.as_dict() for s in self.steps]}
+                "prologue": [op.as_dict() for op in self.prologue], "steps": [s.as_dict() for s in self.steps]}
 
 
 class _Recorder:
@@ -211,9 +217,9 @@ def _not_linear(value: Lin, what: str):
 
 
 def _scalar(k, recorder: _Recorder) -> float:
-    if isinstance(k, Lin) or np.ndim(k) != 0:
+    if isinstance(k, Lin) or np.size(k) != 1:  # one value broadcast (add_noise's per-sample factor) is a scalar
         raise NotLinear(f"step {recorder.step}: a tensor scaled by another tensor")
-    k = float(k)
+    k = float(np.asarray(k).reshape(-1)[0])
     if not math.isfinite(k):
         raise NotLinear(f"step {recorder.step}: a coefficient is {k}")
     return k
@@ -221,7 +227,7 @@ def _scalar(k, recorder: _Recorder) -> float:
 
 def _source_order(item) -> tuple:
     name = item[0]
-    return ("xenc".index(name[0]) if name[0] in "xenc" else 9, int(name[1:]) if name[1:].isdigit() else 0)
+    return ("xienc".index(name[0]) if name[0] in "xienc" else 9, int(name[1:]) if name[1:].isdigit() else 0)
 
 
 @dataclass
@@ -259,6 +265,11 @@ def loop_program(name: str, config: dict, steps: int, shape: tuple[int, ...],
         timesteps = sched.img2img_timesteps(steps, strength)
     recorder = _Recorder(tuple(shape))
     rng = _ProbeRng(recorder)
+    prologue: tuple[Combine, ...] = ()
+    if strength is not None:
+        recorder.step, recorder.noise_draws = -1, 2  # n0: the posterior's draw; n1: the forward noise
+        noised = sched.add_noise(Lin({"i0": 1.0}, recorder), Lin({"n1": 1.0}, recorder), np.asarray(timesteps[:1]))
+        prologue = (*recorder.ops, Combine("x0", noised.rounded_terms()))
     x = Lin({"x0": 1.0}, recorder)
     out = []
     for i, t in enumerate(timesteps):
@@ -273,7 +284,7 @@ def loop_program(name: str, config: dict, steps: int, shape: tuple[int, ...],
         out.append(Step(i, float(t), float(np.float32(scaled.terms[f"x{i}"])), tuple(ops), tuple(recorder.noise)))
         x = Lin({f"x{i + 1}": 1.0}, recorder)
     return LoopProgram(name, tuple(float(t) for t in timesteps), float(sched.init_noise_sigma),
-                       tuple(out), recorder.noise_draws)
+                       tuple(out), recorder.noise_draws, prologue)
 
 
 def evaluate(op: Combine, env: dict[str, np.ndarray]) -> np.ndarray:

@@ -209,6 +209,6 @@ class DPMSolverMultistepScheduler(StepIndex, Scheduler):
         sigma = self.sigmas[self._noise_indices(timesteps)]
         alpha, sigma_vp = vp_scales(sigma)
         ndim = np.ndim(original)
-        return per_sample(alpha, ndim) * np.asarray(original, np.float32) + per_sample(
+        return per_sample(alpha, ndim) * as_f32(original) + per_sample(
             sigma_vp, ndim
-        ) * np.asarray(noise, np.float32)
+        ) * as_f32(noise)

@@ -328,6 +328,8 @@ def plan(
     steps: int = typer.Option(20, help="Denoising steps."),
     scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
     guidance: float = typer.Option(7.5, help="Classifier-free guidance scale (<= 1 turns it off)."),
+    strength: float = typer.Option(None, help="Image-to-image: encode an input image and denoise the last "
+                                              "int(steps * strength) steps from it."),
     profile: str = typer.Option("auto", help="auto, reference, a shipped profile's name, or a JSON file."),
     adapter: Path = typer.Option(None, help="The target adapter's capabilities as JSON (`farm engine info "
                                            "--json` on it, or a browser's report); default: this machine's."),
@@ -344,7 +346,7 @@ def plan(
     with console.status("recording the plan"):
         doc = make_plan(config, caps, model_dir=model, precision=precision.value, height=height, width=width,
                         steps=steps, scheduler=scheduler, guidance_scale=guidance, profile=prof.to_json(),
-                        model_name=(model.name if model else preset.value))
+                        model_name=(model.name if model else preset.value), strength=strength)
     write_plan(doc, out)
     dispatches = {name: sum(c["op"] == "dispatch" for c in st["commands"]) for name, st in doc["stages"].items()}
     weights = [b for b in doc["buffers"] if b["kind"] == "weight"]

@@ -8,6 +8,9 @@
 //            then text-conditioned), or dst[i] = eps[i] when batch is 1 (no guidance)
 //   prepare  y[b * n + i] = T(g * in0[i]) for every b < batch (the UNet's scaled input, twice
 //            with guidance; the VAE's 1 / scaling_factor input once)
+//   posterior dst[i] = (mean + exp(0.5 * clamp(logvar, lo, hi)) * in0[i]) * g, with mean = eps[i]
+//            and logvar = eps[n + i] (the VAE encoder's moments, batch 1): img2img's first sample
+//            before the forward noise, g the VAE's scaling factor
 struct Params {
     n: u32, count: u32, clamp: u32, batch: u32,
     lo: f32, hi: f32, out_off: u32, g: f32,
@@ -77,4 +80,17 @@ fn prepare(
     for (var b = 0u; b < p.batch; b++) {
         y[b * p.n + i] = v;
     }
+}
+
+@compute @workgroup_size(256)
+fn posterior(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let i = flat_index(wid, nwg, li);
+    if (i >= p.n) { return; }
+    let mean = f32(eps[i]);
+    let logvar = clamp(f32(eps[p.n + i]), p.lo, p.hi);
+    dst[i] = (mean + exp(0.5 * logvar) * in0[i]) * p.g;
 }

@@ -194,6 +194,16 @@ def test_3_step_generations_match_diffusers(browser, golden3, scheduler):
     assert 10 * np.log10(1.0 / mse) >= 40.0, f"{10 * np.log10(1.0 / mse):.1f} dB"
 
 
+def test_image_to_image_matches_diffusers(browser, golden):
+    result = browser.generate(str(golden["txt2img_prompt"]), steps=4, strength=0.5, scheduler="ddim",
+                              seed=int(golden["img2img_seed"]), height=64, width=64,
+                              init_image=golden["img2img_init_image_u8"][0])
+    mse = float(np.mean((result.image / 255.0 - golden["img2img_image"][0]) ** 2))
+    assert 10 * np.log10(1.0 / mse) >= 40.0
+    mean, logvar = browser.encode_image(golden["vae_enc_image"])
+    assert _norm_rel(mean, golden["vae_enc_mean"]) <= 1e-4 and _norm_rel(logvar, golden["vae_enc_logvar"]) <= 1e-4
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) / 255 - b.astype(np.float64) / 255) ** 2))
     return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)

@@ -295,3 +295,29 @@ def test_farm_engine_bench_on_the_plan_runtime(tiny_model_dir, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["runtime"] == "plan" and len(doc["unet_step_ms"]) == 3 and doc["e2e_ms"][0] > 0
     assert "UNet CFG step" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["ddim", "euler_ancestral", "pndm"])
+def test_an_image_to_image_plan_equals_generate(native, planned, golden, scheduler):
+    kwargs = {"steps": 4, "strength": 0.5, "seed": 42, "height": 64, "width": 64, "scheduler": scheduler,
+              "init_image": golden["img2img_init_image_u8"][0]}
+    a = native.generate("a small house", **kwargs)
+    b = planned.generate("a small house", **kwargs)
+    np.testing.assert_array_equal(b.latents, a.latents)
+    np.testing.assert_array_equal(b.image, a.image)
+    plan = planned.executor(64, 64, 4, scheduler, 7.5, 0.5).plan
+    assert "vae_encode" in plan["stages"] and "image" in plan["inputs"] and plan["loop"]["prologue"]
+
+
+@pytest.mark.gpu
+def test_plan_image_to_image_matches_diffusers_and_encodes(native, planned, golden):
+    result = planned.generate(str(golden["txt2img_prompt"]), steps=4, strength=0.5, scheduler="ddim",
+                              seed=int(golden["img2img_seed"]), height=64, width=64,
+                              init_image=golden["img2img_init_image_u8"][0])
+    mse = float(np.mean((result.image / 255.0 - golden["img2img_image"][0]) ** 2))
+    assert 10 * np.log10(1.0 / mse) >= 40.0
+    mean, logvar = planned.encode_image(golden["vae_enc_image"])
+    m2, l2 = native.encode_image(golden["vae_enc_image"])
+    np.testing.assert_array_equal(mean, m2)
+    np.testing.assert_array_equal(logvar, l2)
