@@ -531,6 +531,7 @@ def check_plan(plan: dict[str, Any]) -> None:
 
 def shader_source(plan_pipeline: dict[str, Any]) -> str:
     """The WGSL a plan pipeline compiles, as engine.kernels.specialise makes it."""
+    from . import ops  # noqa: F401  (importing it registers every kernel variant)
     from .kernels import specialise, variants
 
     op, name = plan_pipeline["shader"].split("/")

@@ -119,6 +119,7 @@ class PlanExecutor:
         self.device.queue.write_buffer(buffer, 0, raw)
 
     def _pipelines(self) -> list[Any]:
+        from . import ops  # noqa: F401  (importing it registers every kernel variant)
         from .kernels import PipelineCache, variants
 
         cache = PipelineCache(self.gpu)

@@ -321,3 +321,25 @@ def test_plan_image_to_image_matches_diffusers_and_encodes(native, planned, gold
     m2, l2 = native.encode_image(golden["vae_enc_image"])
     np.testing.assert_array_equal(mean, m2)
     np.testing.assert_array_equal(logvar, l2)
+
+
+@pytest.mark.gpu
+def test_a_plan_file_runs_in_a_fresh_process(tiny_plan, tiny_model_dir, tmp_path):
+    # the executor needs nothing but the plan file and the model: no pipeline is built first
+    import subprocess
+    import sys
+
+    from engine.plan import write_plan
+
+    write_plan(tiny_plan, tmp_path / "plan.json")
+    code = (
+        "import sys, numpy as np\n"
+        "from engine.device import get_gpu\nfrom engine.plan import load_plan\nfrom engine.plan_exec import PlanExecutor\n"
+        "plan = load_plan(sys.argv[1])\nex = PlanExecutor(plan, sys.argv[2], get_gpu())\n"
+        "ids = np.zeros((2, 77), np.uint32)\nx = np.ones(plan['inputs']['latents']['shape'], np.float32)\n"
+        "out = ex.generate(ids, x, [])\nprint(out['image'].shape, bool(np.isfinite(out['image']).all()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "plan.json"), str(tiny_model_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(1, 3, 64, 64) True"
