@@ -20,11 +20,9 @@ from pathlib import Path
 
 import typer
 
+from agent.protocol import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_FAILED
 from engine.errors import EngineError
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_BUSY = 75
 ROOT_ENV = "FARM_AGENT_ROOT"
 DEFAULT_ROOT = Path("~/.local/share/devicefarm-agent")
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from agent.bundle import atomic_write, sha256_file
 from agent.fsroot import FsRoot, PathRefused
 from agent.protocol import (
+    LOG_TAIL_CHARS,
     Artifact,
     JobResult,
     JobSpec,
@@ -53,7 +54,6 @@ ThermalFn = Callable[[], "float | None"]  # the hottest zone now, in Celsius
 
 LOCK_NAME = "device.lock"
 LOCK_MARGIN_S = 120.0  # past time limit + cool-down, a lock whose holder still lives is overdue
-LOG_TAIL_CHARS = 4000
 SHIPPED_PROFILES = ("auto", "family", "reference")  # built into the engine: names, not paths
 # A build's profiles tuned on one exact GPU (`farm profiles promote`): "auto" picks the one
 # made on this device's GPU over its family's.

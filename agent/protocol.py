@@ -21,6 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PROTOCOL_VERSION = 1
+PROTOCOL_HEADER = "X-Farm-Protocol"  # the HTTP header carrying PROTOCOL_VERSION both ways
+
+# What `farm-agent` exits with, as every transport reads it. 127 is the shell's "command not
+# found" (no agent on the device), not the agent's own.
+EXIT_FAILED = 1  # the job ran and failed (its JobResult says why)
+EXIT_BAD_INPUT = 2  # a document the agent refuses (malformed spec, unknown kind, bad bundle folder)
+EXIT_BUSY = 75  # another job holds the device lock
+EXIT_NOT_FOUND = 127
+LOG_TAIL_CHARS = 4000  # how much of the end of job.log travels with a failure
 
 # Build and job ids become folder names on devices and hosts: plain names only, so none can
 # climb out of the folder it is joined to.

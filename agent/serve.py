@@ -57,6 +57,7 @@ from agent.bundle import (
 )
 from agent.jobs import AgentBusy, busy_message, lock_problem, read_lock, run_job
 from agent.protocol import (
+    PROTOCOL_HEADER,
     PROTOCOL_VERSION,
     DeviceInfo,
     JobResult,
@@ -68,7 +69,6 @@ from agent.protocol import (
     to_json,
 )
 
-PROTOCOL_HEADER = "X-Farm-Protocol"
 MAX_JSON_BYTES = 16 << 20
 CHUNK = 1 << 20
 EVENTS_KEPT = 1000

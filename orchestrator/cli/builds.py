@@ -15,6 +15,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from agent.bundle import DEFAULT_EXCLUDE
 from orchestrator.db.models import Build
 
 from . import validate
@@ -26,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 PRIVATE_KEY = "farm.key"
 PUBLIC_KEY = "farm.pub"  # copy it to each device's agent root (farm-agent checks bundles with it)
 PACKAGES = ("engine", "shaders", "agent")
+# The virtual phone (agent/simulator) is a test and demo device that runs on the farm's host; no
+# device ever runs it from a build, so builds leave it out.
+BUILD_EXCLUDE = (*DEFAULT_EXCLUDE, "simulator")
 
 
 def farm_key(config_dir: Path) -> Path:
@@ -154,7 +158,8 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
         try:
             key = farm_key(settings.config_dir)
             with console.status(f"packing build {name}"):
-                manifest = build_bundle(sources, staging, name, version, key, source_revision=_source_revision())
+                manifest = build_bundle(sources, staging, name, version, key, source_revision=_source_revision(),
+                                        exclude=BUILD_EXCLUDE)
             with sessions() as session:
                 build = store.create_build(session, manifest)
                 staging.rename(final)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import shlex
 import socket
@@ -36,20 +35,20 @@ from adb_shell import exceptions as adb_errors
 from adb_shell.adb_device import AdbDevice
 from adb_shell.transport.tcp_transport import TcpTransport
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE, sha256_file
+from agent.bundle import FILES, MANIFEST, SIGNATURE
 from agent.deviceinfo import collect_android
 from agent.protocol import (
+    EXIT_NOT_FOUND,
+    LOG_TAIL_CHARS,
     DeviceInfo,
     JobResult,
     JobSpec,
-    Manifest,
     ProtocolError,
     from_json,
     to_json,
 )
 from orchestrator.transports.base import (
     BundleRefused,
-    DeviceBusy,
     DeviceOffline,
     DeviceTimeout,
     DeviceUnauthorized,
@@ -65,10 +64,6 @@ from orchestrator.transports.base import (
 
 DEFAULT_KEY = Path("~/.config/devicefarm/adbkey")
 DEFAULT_ROOT = "/data/local/tmp/devicefarm"
-EXIT_BUSY = 75
-EXIT_BAD_INPUT = 2
-EXIT_NOT_FOUND = 127
-LOG_TAIL_CHARS = 4000
 _COMMAND_CHARS = 3000  # keep each shell line well under the 4 KiB an old adbd takes in an OPEN
 
 
@@ -295,7 +290,7 @@ class AdbTransport(Transport):
             raise TransportError(self.name, f"{what} failed (exit {code}): {(err or out).strip()[-500:]}")
         return out
 
-    def _agent_missing(self, err: str) -> TransportError:
+    def agent_missing(self, err: str) -> TransportError:
         return TransportError(self.name, f"the agent command {self.agent!r} is not on the device ({err.strip()}); "
                               "install it (README: Connecting real devices) or set agent_command")
 
@@ -326,12 +321,7 @@ class AdbTransport(Transport):
     def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
         started = time.monotonic()
         bundle_dir = Path(bundle_dir)
-        manifest_bytes = (bundle_dir / MANIFEST).read_bytes()
-        try:
-            manifest = from_json(Manifest, manifest_bytes)
-        except ProtocolError as exc:
-            raise ProtocolMismatch(self.name, f"{bundle_dir / MANIFEST}: {exc}") from None
-        check_name(self.name, "build id", manifest.build)
+        manifest_bytes, manifest = self.read_manifest(bundle_dir)
         # 1. already the current build? (build ids are immutable on the agent, but compare bytes)
         out, _, _ = self.shell(f"sha256sum {shlex.quote(self.root + '/builds/current/' + MANIFEST)}")
         if out.split()[:1] == [_sha256(manifest_bytes)]:
@@ -371,7 +361,7 @@ class AdbTransport(Transport):
         out, err, code = self.shell(f"{self.agent} install {shlex.quote(staging)} --root {shlex.quote(self.root)}",
                                     timeout_s=max(self.timeout_s, 600.0))
         if code == EXIT_NOT_FOUND:
-            raise self._agent_missing(err)
+            raise self.agent_missing(err)
         if code != 0:
             raise BundleRefused(self.name, f"build {manifest.build}: {(err or out).strip().removeprefix('error: ')}")
         self._run_checked(f"rm -rf {shlex.quote(staging)} {shlex.quote(partial)}", "cleaning up")
@@ -385,70 +375,26 @@ class AdbTransport(Transport):
         job_dir = f"{self.root}/jobs/{spec.job_id}"
         spec_path = f"{self.root}/incoming/jobs/{spec.job_id}.json"
         self.push(to_json(spec).encode(), spec_path)
-        limit = spec.time_limit_s + (spec.cooldown.max_wait_s if spec.cooldown else 0.0) + self.job_margin_s
+        limit = self.job_limit_s(spec)
         other: list[str] = []
-
-        def on_line(line: str) -> None:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = None
-            if isinstance(event, dict) and "event" in event:
-                emit(progress, event)
-            else:
-                other.append(line)
-
         command = (f"{self.agent} run {shlex.quote(spec_path)} --out {shlex.quote(job_dir)} "
                    f"--root {shlex.quote(self.root)} --json")
         try:
-            out, err, code = self.shell(command, timeout_s=limit, on_stderr_line=on_line)
+            out, err, code = self.shell(command, timeout_s=limit, on_stderr_line=self.line_relay(progress, other))
         except (DeviceOffline, DeviceTimeout) as exc:
             raise InfraFailure(self.name, f"job {spec.job_id}: {exc.detail}", self._log_tail(job_dir)) from None
-        message = "\n".join(other).strip()
-        if code == EXIT_BUSY:
-            raise DeviceBusy(self.name, message.removeprefix("error: "))
-        if code == EXIT_BAD_INPUT:
-            raise ProtocolMismatch(self.name, f"the agent refused job {spec.job_id}: {message}")
-        if code == EXIT_NOT_FOUND:
-            raise self._agent_missing(message)
-        if code not in (0, 1):
-            why = f"signal {code - 128}" if code > 128 else f"exit code {code}"
-            raise InfraFailure(self.name, f"job {spec.job_id}: the agent died ({why}) without a result",
-                               self._log_tail(job_dir))
-        result = self._result(spec, out, job_dir)
-        self._fetch_artifacts(result, job_dir, out_dir)
-        return result
-
-    # ---- job helpers --------------------------------------------------------------------------
-
-    def _result(self, spec: JobSpec, stdout: str, job_dir: str) -> JobResult:
+        self.check_exit(spec, code, "\n".join(other), lambda: self._log_tail(job_dir),
+                        signal=code - 128 if code > 128 else None)
         try:
-            text = stdout if stdout.strip().startswith("{") else self.pull(f"{job_dir}/result.json").decode()
-            result = from_json(JobResult, text)
+            text = out if out.strip().startswith("{") else self.pull(f"{job_dir}/result.json").decode()
         except FileNotFoundError:
             raise InfraFailure(self.name, f"job {spec.job_id}: the agent exited without result.json",
                                self._log_tail(job_dir)) from None
-        except ProtocolError as exc:
-            raise ProtocolMismatch(self.name, f"job {spec.job_id}: {exc}") from None
-        if result.job_id != spec.job_id:
-            raise InfraFailure(self.name, f"asked for job {spec.job_id}, the agent answered for {result.job_id}")
+        result = self.parse_result(spec, text)
+        self.fetch_artifacts(result, out_dir, lambda path, tmp: tmp.write_bytes(self.pull(f"{job_dir}/{path}")))
         return result
 
-    def _fetch_artifacts(self, result: JobResult, job_dir: str, out_dir: Path) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for a in result.artifacts:
-            rel = PurePosixPath(a.path)
-            if rel.is_absolute() or ".." in rel.parts:
-                raise ProtocolMismatch(self.name, f"artifact path {a.path!r} leaves the job folder")
-            target = out_dir / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.part")
-            tmp.write_bytes(self.pull(f"{job_dir}/{a.path}"))
-            if sha256_file(tmp) != a.sha256:
-                tmp.unlink()
-                raise InfraFailure(self.name, f"artifact {a.path} arrived with another sha256 than the result's")
-            os.replace(tmp, target)
-        (out_dir / "result.json").write_text(to_json(result))
+    # ---- job helpers --------------------------------------------------------------------------
 
     def _log_tail(self, job_dir: str) -> str:
         """The end of job.log, best effort: the connection may be what failed."""

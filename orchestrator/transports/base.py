@@ -2,18 +2,38 @@
 raises. A transport moves bundles and jobs to one device and brings JobResults and their
 artifacts back; it never interprets results. Each error names the device and carries the
 device state the caller should record (offline, unauthorized, unresponsive, ...), so a task
-can mark the device and decide whether to retry without parsing messages."""
+can mark the device and decide whether to retry without parsing messages.
+
+What is the same whichever way a device is reached lives here, once: a job's time limit, what
+the agent's exit codes mean, reading the bundle manifest, parsing and checking the JobResult,
+fetching and checking artifacts, and telling progress events from log lines. A transport
+supplies only how it reaches the device, pushes files, runs the agent and fetches a file; the
+exit codes and sizes are the device contract's (agent/protocol.py)."""
 
 from __future__ import annotations
 
 import abc
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from agent.bundle import NAME_PATTERN
-from agent.protocol import DeviceInfo, JobResult, JobSpec
+from agent.bundle import MANIFEST, NAME_PATTERN, sha256_file
+from agent.protocol import (
+    EXIT_BAD_INPUT,
+    EXIT_BUSY,
+    EXIT_FAILED,
+    EXIT_NOT_FOUND,
+    DeviceInfo,
+    JobResult,
+    JobSpec,
+    Manifest,
+    ProtocolError,
+    from_json,
+    to_json,
+)
 
 DeviceState = Literal["ready", "busy", "offline", "unauthorized", "unresponsive", "incompatible", "error"]
 ProgressFn = Callable[[dict], None]  # one event: {"event": "push" | "step" | ..., ...}
@@ -97,6 +117,7 @@ class Transport(abc.ABC):
     underlying library's exceptions. Not thread-safe: one caller per device at a time."""
 
     name: str  # how errors name the device (serial, host:port, "local")
+    job_margin_s: float = 120.0  # beyond a job's own time limit and cool-down, before it counts as lost
 
     @abc.abstractmethod
     def info(self) -> DeviceInfo:
@@ -112,6 +133,90 @@ class Transport(abc.ABC):
     def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
         """Run one job; progress events stream to `progress`; the JobResult's artifacts are
         fetched into `out_dir` (checked against their sha256) and result.json written there."""
+
+    # ---- what every transport does the same way ------------------------------------------------
+
+    def job_limit_s(self, spec: JobSpec) -> float:
+        """How long a job may take before the transport calls it lost: its time limit, its
+        cool-down's longest wait and the transport's margin."""
+        return spec.time_limit_s + (spec.cooldown.max_wait_s if spec.cooldown else 0.0) + self.job_margin_s
+
+    def read_manifest(self, bundle_dir: Path) -> tuple[bytes, Manifest]:
+        """A bundle's manifest, as bytes (compared with the device's) and parsed."""
+        raw = (Path(bundle_dir) / MANIFEST).read_bytes()
+        try:
+            manifest = from_json(Manifest, raw)
+        except ProtocolError as exc:
+            raise ProtocolMismatch(self.name, f"{Path(bundle_dir) / MANIFEST}: {exc}") from None
+        check_name(self.name, "build id", manifest.build)
+        return raw, manifest
+
+    def agent_missing(self, message: str) -> TransportError:
+        """The device has no runnable `farm-agent` (the shell's exit code 127)."""
+        return TransportError(self.name, f"farm-agent is not installed or not runnable on the device: {message}")
+
+    def check_exit(self, spec: JobSpec, code: int, message: str, log_tail: Callable[[], str],
+                   signal: int | None = None) -> None:
+        """Raise what `farm-agent run`'s exit `code` means when it is not a result (0: succeeded,
+        EXIT_FAILED: failed, both with a JobResult). `signal`: the signal that killed it, where
+        the transport can tell; `log_tail` is called only for an infrastructure failure."""
+        message = message.strip()
+        if code == EXIT_BUSY:
+            raise DeviceBusy(self.name, message.removeprefix("error: "))
+        if code == EXIT_BAD_INPUT:
+            raise ProtocolMismatch(self.name, f"the agent refused job {spec.job_id}: {message}")
+        if code == EXIT_NOT_FOUND:
+            raise self.agent_missing(message)
+        if code not in (0, EXIT_FAILED):
+            why = f"signal {signal}" if signal is not None else f"exit code {code}"
+            raise InfraFailure(self.name, f"job {spec.job_id}: the agent died ({why}) without a result", log_tail())
+
+    def parse_result(self, spec: JobSpec, text: str | bytes) -> JobResult:
+        """The agent's JobResult for `spec`, checked: the protocol's schema and the job id."""
+        try:
+            result = from_json(JobResult, text)
+        except ProtocolError as exc:
+            raise ProtocolMismatch(self.name, f"job {spec.job_id}: {exc}") from None
+        if result.job_id != spec.job_id:
+            raise InfraFailure(self.name, f"asked for job {spec.job_id}, the agent answered for {result.job_id}")
+        return result
+
+    def fetch_artifacts(self, result: JobResult, out_dir: Path, fetch: Callable[[str, Path], None]) -> None:
+        """Every artifact of `result` into `out_dir` by `fetch(artifact path, temporary file)`,
+        each checked against its sha256 before it takes its name; then result.json. A path that
+        leaves the job folder is refused before anything is fetched."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for a in result.artifacts:
+            rel = PurePosixPath(a.path)
+            if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+                raise ProtocolMismatch(self.name, f"artifact path {a.path!r} leaves the job folder")
+        for a in result.artifacts:
+            target = out_dir / a.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.part")
+            fetch(a.path, tmp)
+            if sha256_file(tmp) != a.sha256:
+                tmp.unlink()
+                raise InfraFailure(self.name, f"artifact {a.path} arrived with another sha256 than the result's")
+            os.replace(tmp, target)
+        (out_dir / "result.json").write_text(to_json(result))
+
+    @staticmethod
+    def line_relay(progress: ProgressFn | None, other: list[str]) -> Callable[[str], None]:
+        """A handler for the agent's stderr lines: its JSON progress events go to `progress`,
+        anything else is kept in `other` (the error message, when the job does not start)."""
+        def on_line(line: str) -> None:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict) and "event" in event:
+                emit(progress, event)
+            else:
+                other.append(line.rstrip("\n"))
+
+        return on_line
 
     def close(self) -> None:  # noqa: B027  (nothing to release by default)
         """Release the connection; the transport may be used again (it reconnects)."""

@@ -14,22 +14,21 @@ goes to the device's own address and nowhere else."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import ssl
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE, sha256_file
+from agent.bundle import FILES, MANIFEST, SIGNATURE
 from agent.protocol import (
+    PROTOCOL_HEADER,
     PROTOCOL_VERSION,
     DeviceInfo,
     JobResult,
     JobSpec,
-    Manifest,
     ProtocolError,
     from_json,
     to_json,
@@ -49,7 +48,6 @@ from orchestrator.transports.base import (
     emit,
 )
 
-PROTOCOL_HEADER = "X-Farm-Protocol"
 CHUNK = 1 << 20
 CA_SUFFIX = ".ca.pem"  # <token file>.ca.pem: the CA that issued that agent's certificate
 
@@ -189,11 +187,7 @@ class HttpTransport(Transport):
     def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
         started = time.monotonic()
         bundle_dir = Path(bundle_dir)
-        manifest_bytes = (bundle_dir / MANIFEST).read_bytes()
-        try:
-            manifest = from_json(Manifest, manifest_bytes)
-        except ProtocolError as exc:
-            raise ProtocolMismatch(self.name, f"{bundle_dir / MANIFEST}: {exc}") from None
+        manifest_bytes, manifest = self.read_manifest(bundle_dir)
         _, builds = self._json("GET", "/v1/builds")
         if builds and builds.get("current") == manifest.build:  # build ids are immutable on the agent
             emit(progress, {"event": "bundle_current", "build": manifest.build})
@@ -223,7 +217,7 @@ class HttpTransport(Transport):
     def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
         status, raw = self._request("POST", "/v1/jobs", to_json(spec).encode())
         job = f"/v1/jobs/{quote(spec.job_id)}"
-        limit = spec.time_limit_s + (spec.cooldown.max_wait_s if spec.cooldown else 0.0) + self.job_margin_s
+        limit = self.job_limit_s(spec)
         deadline = time.monotonic() + limit
         seen = 0
         while status == 202:
@@ -239,23 +233,7 @@ class HttpTransport(Transport):
                 if time.monotonic() > deadline:
                     raise InfraFailure(self.name, f"job {spec.job_id}: still running {limit:g} s after it started")
                 time.sleep(self.poll_s)
-        try:
-            result = from_json(JobResult, raw)
-        except ProtocolError as exc:
-            raise ProtocolMismatch(self.name, f"job {spec.job_id}: {exc}") from None
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for a in result.artifacts:
-            rel = PurePosixPath(a.path)
-            if rel.is_absolute() or ".." in rel.parts:
-                raise ProtocolMismatch(self.name, f"artifact path {a.path!r} leaves the job folder")
-            target = out_dir / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.part")
-            self._request("GET", f"{job}/artifacts/{quote(a.path)}", sink=tmp)
-            if sha256_file(tmp) != a.sha256:
-                tmp.unlink()
-                raise InfraFailure(self.name, f"artifact {a.path} arrived with another sha256 than the result's")
-            os.replace(tmp, target)
-        (out_dir / "result.json").write_text(to_json(result))
+        result = self.parse_result(spec, raw)
+        self.fetch_artifacts(result, out_dir,
+                             lambda path, tmp: self._request("GET", f"{job}/artifacts/{quote(path)}", sink=tmp))
         return result

@@ -5,7 +5,6 @@ folder is <root>/jobs/<job>; artifacts are copied from there into the caller's f
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -15,19 +14,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files, sha256_file
+from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files
 from agent.protocol import (
+    LOG_TAIL_CHARS,
     DeviceInfo,
     JobResult,
     JobSpec,
-    Manifest,
     ProtocolError,
     from_json,
     to_json,
 )
 from orchestrator.transports.base import (
     BundleRefused,
-    DeviceBusy,
     InfraFailure,
     ProgressFn,
     ProtocolMismatch,
@@ -37,10 +35,6 @@ from orchestrator.transports.base import (
     check_name,
     emit,
 )
-
-EXIT_BUSY = 75
-EXIT_BAD_INPUT = 2
-LOG_TAIL_CHARS = 4000
 
 
 class LocalTransport(Transport):
@@ -76,12 +70,7 @@ class LocalTransport(Transport):
     def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
         started = time.monotonic()
         bundle_dir = Path(bundle_dir)
-        manifest_bytes = (bundle_dir / MANIFEST).read_bytes()
-        try:
-            manifest = from_json(Manifest, manifest_bytes)
-        except ProtocolError as exc:
-            raise ProtocolMismatch(self.name, f"{bundle_dir / MANIFEST}: {exc}") from None
-        check_name(self.name, "build id", manifest.build)
+        manifest_bytes, manifest = self.read_manifest(bundle_dir)
         current = current_build(self.root) if self.root.is_dir() else None
         if current is not None and (current.path / MANIFEST).read_bytes() == manifest_bytes:
             return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
@@ -113,22 +102,16 @@ class LocalTransport(Transport):
         spec_path = self.root / "incoming" / "jobs" / f"{spec.job_id}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(to_json(spec))
-        limit = spec.time_limit_s + (spec.cooldown.max_wait_s if spec.cooldown else 0.0) + self.job_margin_s
+        limit = self.job_limit_s(spec)
         proc = subprocess.Popen([*self.agent, "run", str(spec_path), "--out", str(job_dir), "--root", str(self.root),
                                  "--json"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         other: list[str] = []
+        on_line = self.line_relay(progress, other)
 
         def relay() -> None:
             for line in proc.stderr:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    event = None
-                if isinstance(event, dict) and "event" in event:
-                    emit(progress, event)
-                else:
-                    other.append(line.rstrip("\n"))
+                on_line(line)
 
         expired = threading.Event()
 
@@ -148,34 +131,21 @@ class LocalTransport(Transport):
         reader.join(timeout=10)
         if expired.is_set():
             raise InfraFailure(self.name, f"job {spec.job_id}: no answer within {limit:g} s", self._log_tail(job_dir))
-        message = "\n".join(other).strip()
         code = proc.returncode
-        if code == EXIT_BUSY:
-            raise DeviceBusy(self.name, message.removeprefix("error: "))
-        if code == EXIT_BAD_INPUT:
-            raise ProtocolMismatch(self.name, f"the agent refused job {spec.job_id}: {message}")
-        if code not in (0, 1):
-            why = f"signal {-code}" if code < 0 else f"exit code {code}"
-            raise InfraFailure(self.name, f"job {spec.job_id}: the agent died ({why}) without a result",
-                               self._log_tail(job_dir))
+        self.check_exit(spec, code, "\n".join(other), lambda: self._log_tail(job_dir),
+                        signal=-code if code < 0 else None)
         try:
-            result = from_json(JobResult, stdout if stdout.strip() else (job_dir / "result.json").read_text())
+            text = stdout if stdout.strip() else (job_dir / "result.json").read_text()
         except FileNotFoundError:
             raise InfraFailure(self.name, f"job {spec.job_id}: no result.json", self._log_tail(job_dir)) from None
-        except ProtocolError as exc:
-            raise ProtocolMismatch(self.name, f"job {spec.job_id}: {exc}") from None
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for a in result.artifacts:
-            source = (job_dir / a.path).resolve()
-            if job_dir.resolve() not in source.parents:
-                raise ProtocolMismatch(self.name, f"artifact path {a.path!r} leaves the job folder")
-            if sha256_file(source) != a.sha256:
-                raise InfraFailure(self.name, f"artifact {a.path} does not match its sha256 in the result")
-            if out_dir.resolve() != job_dir.resolve():
-                (out_dir / a.path).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, out_dir / a.path)
-        (out_dir / "result.json").write_text(to_json(result))
+        result = self.parse_result(spec, text)
+        def fetch(path: str, tmp: Path) -> None:
+            source = (job_dir / path).resolve()
+            if job_dir.resolve() not in source.parents:  # a link out of the job folder
+                raise ProtocolMismatch(self.name, f"artifact path {path!r} leaves the job folder")
+            shutil.copyfile(source, tmp)
+
+        self.fetch_artifacts(result, out_dir, fetch)
         return result
 
     def _log_tail(self, job_dir: Path) -> str:
