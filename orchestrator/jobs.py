@@ -186,6 +186,40 @@ class _Heartbeat:
         self._thread.join(timeout=HEARTBEAT_S + 5)
 
 
+class _JobProgress:
+    """A transport progress listener that records where a running job is: the agent's last
+    phase, and its last step's done/total within it (at most every PROGRESS_EVERY_S, each in
+    its own short transaction; a phase change is written at once). What `farm jobs submit
+    --wait` and `farm jobs show` display."""
+
+    def __init__(self, app: Celery, job_id: int, attempt: int):
+        self.app, self.job_id, self.attempt = app, job_id, attempt
+        self.state: dict[str, Any] = {"attempt": attempt}
+        self._last = 0.0
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "phase":
+            self.state = {"attempt": self.attempt, "phase": str(event.get("phase", ""))}
+            self._write(force=True)
+        elif kind == "step":
+            self.state |= {"phase": str(event.get("phase") or self.state.get("phase", "")),
+                           "done": int(event.get("done") or 0), "total": int(event.get("total") or 0)}
+            self._write(force=event.get("done") == event.get("total"))
+
+    def _write(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < PROGRESS_EVERY_S:
+            return
+        self._last = now
+        self.state["at"] = utcnow().isoformat()
+        try:
+            with session_for(self.app) as session, session.begin():
+                store.record_job_progress(session, self.job_id, self.attempt, dict(self.state))
+        except Exception:  # noqa: BLE001  (progress is a courtesy: the job goes on without it)
+            log.warning("could not record the progress of job %s", self.job_id, exc_info=True)
+
+
 class _DeployProgress:
     """A transport progress listener that records a deployment's bytes sent so far (at most
     every PROGRESS_EVERY_S, each in its own short transaction): what `farm deploy` follows."""
@@ -580,7 +614,7 @@ def run_job(app: Celery, job_id: int, seq: int | None = None, *, worker: str | N
         out_dir = settings.data_dir / "results" / f"job{job_id}" / f"attempt{attempt}"
         with _Heartbeat(app, lambda s: store.heartbeat_job(s, job_id), device_id, holder, f"job{job_id}",
                         timed), transport:
-            result = transport.run(spec, out_dir)
+            result = transport.run(spec, out_dir, progress=_JobProgress(app, job_id, attempt))
     except TransportError as exc:
         state, error = JobState.infra_failed, str(exc)
         device_state = store.TRANSPORT_STATES.get(exc.state)

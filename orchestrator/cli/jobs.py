@@ -49,6 +49,14 @@ def _fmt_metric(metric: str, value: float | None) -> str:
     return f"{value:,.1f}"
 
 
+def progress_note(progress: dict | None) -> str:
+    """A running job's progress in a few words: "unet_step 4/10"."""
+    if not progress or not progress.get("phase"):
+        return ""
+    steps = f" {progress['done']}/{progress['total']}" if progress.get("total") else ""
+    return f"{progress['phase']}{steps}"
+
+
 def job_dict(job: Job, runs: list[dict] | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {
         "id": job.id,
@@ -66,6 +74,7 @@ def job_dict(job: Job, runs: list[dict] | None = None) -> dict[str, Any]:
         "heartbeat_at": iso(job.heartbeat_at),
         "finished_at": iso(job.finished_at),
         "error": job.error,
+        "progress": job.progress,  # the agent's last phase and step, as relayed while it ran
     }
     if runs is not None:
         data["spec"] = job.spec
@@ -266,14 +275,14 @@ def submit(
     succeeded = all(s[2] == JobState.succeeded for s in states)
     if as_json:
         submitted["jobs"] = [{"id": j, "device": d, "state": str(st), "attempts": a, "error": e}
-                             for j, d, st, a, e in states]
+                             for j, d, st, a, e, _ in states]
         submitted["timed_out"] = timed_out
         _print_json(submitted)
     elif timed_out:
         console.print(f"[bold red]error:[/] gave up waiting after {timeout:g} s; the jobs go on "
                       f"(`farm jobs list --batch {batch_id}`)", highlight=False, soft_wrap=True)
     elif not succeeded:
-        failed = [f"{j} on {d}: {st}" + (f" ({e.splitlines()[0]})" if e else "") for j, d, st, _, e in states
+        failed = [f"{j} on {d}: {st}" + (f" ({e.splitlines()[0]})" if e else "") for j, d, st, _, e, _p in states
                   if st != JobState.succeeded]
         console.print("[bold red]error:[/] " + "; ".join(failed), highlight=False, soft_wrap=True)
     if timed_out:
@@ -299,9 +308,10 @@ def _follow(sessions, job_ids: list[int], timeout: float | None, quiet: bool):
         done = sum(1 for s in states if s[2] in ENDED)
         table = Table("job", "device", "state", "attempts", "note",
                       title=f"{done}/{len(states)} ended, {time.monotonic() - started:.0f} s")
-        for job_id, serial, state, attempts, error in states:
-            table.add_row(str(job_id), serial, _state(state), str(attempts), (error or "").splitlines()[0][:80]
-                          if error else "")
+        for job_id, serial, state, attempts, error, progress in states:
+            note = (error or "").splitlines()[0][:80] if error else (
+                progress_note(progress) if state == JobState.running else "")
+            table.add_row(str(job_id), serial, _state(state), str(attempts), note)
         return table
 
     def ended(states) -> bool:
@@ -384,7 +394,8 @@ def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.recor
     for key, value in data.items():
         if key in ("spec", "runs"):
             continue
-        table.add_row(key, _state(value) if key == "state" else "-" if value in (None, "") else str(value))
+        shown = progress_note(value) or "-" if key == "progress" else str(value)
+        table.add_row(key, _state(value) if key == "state" else "-" if value in (None, "") else shown)
     console.print(table)
     spec = Table("spec", "value", box=None)
     for key, value in data["spec"].items():

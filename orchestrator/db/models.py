@@ -373,6 +373,9 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(default=0)
     # Of those attempts, the ones that ended because their worker died (not the device's fault).
     worker_losses: Mapped[int] = mapped_column(default=0, server_default="0")
+    # The agent's last phase and step while it runs ({"phase", "done", "total", "attempt", "at"}),
+    # as the transport relayed them; kept after the job ends (where it stopped, if it failed).
+    progress: Mapped[dict[str, Any] | None]
     dispatch_seq: Mapped[int] = mapped_column(default=0, server_default="0")
     queued_at: Mapped[dt.datetime | None] = mapped_column(default=utcnow)  # since when it waits to run
     due_at: Mapped[dt.datetime | None]

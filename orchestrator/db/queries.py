@@ -77,10 +77,11 @@ def list_jobs(
     return list(session.scalars(query.order_by(Job.id.desc()).limit(limit)))
 
 
-def job_states(session: Session, job_ids: Sequence[int]) -> list[tuple[int, str, JobState, int, str | None]]:
-    """(id, device serial, state, attempts, error) of each job: what `jobs submit --wait` polls."""
+def job_states(session: Session, job_ids: Sequence[int]) -> list[tuple[int, str, JobState, int, str | None, dict | None]]:
+    """(id, device serial, state, attempts, error, progress) of each job: what `jobs submit
+    --wait` polls."""
     rows = session.execute(
-        select(Job.id, Device.serial, Job.state, Job.attempts, Job.error)
+        select(Job.id, Device.serial, Job.state, Job.attempts, Job.error, Job.progress)
         .join(Device, Device.id == Job.device_id)
         .where(Job.id.in_(job_ids))
         .order_by(Job.id)

@@ -417,6 +417,15 @@ def record_deployment_progress(session: Session, deployment_id: int, bytes_sent:
     session.flush()
 
 
+def record_job_progress(session: Session, job_id: int, attempt: int, progress: dict[str, Any]) -> None:
+    """A running job's progress (one UPDATE, only while that attempt runs)."""
+    session.execute(
+        update(Job).where(Job.id == job_id, Job.state == JobState.running, Job.attempts == attempt)
+        .values(progress=progress).execution_options(synchronize_session=False)
+    )
+    session.flush()
+
+
 def create_deployment(session: Session, build_id: int, device_id: int, *, batch_id: int | None = None,
                       due_at: dt.datetime | None = None) -> Deployment:
     """A pending deployment whose message must start it by `due_at` (now when None: the caller

@@ -103,6 +103,8 @@ def seeded(cli):
             job_id="job3-a1", kind="latency", status="failed", error="out of GPU memory\nat unet",
             samples=[Sample("load_ms", 41.0, "ms")], log_tail="[job] load\nout of GPU memory\n"))
         store.transition_job(s, ids[4], JobState.running, worker="w1@testhost")
+        store.record_job_progress(s, ids[4], 1, {"attempt": 1, "phase": "unet_step", "done": 4, "total": 10})
+        store.record_job_progress(s, ids[3], 1, {"attempt": 1, "phase": "ignored"})  # not running: left alone
     cli.ids, cli.batch_id = ids, batch.id
     return cli
 
@@ -149,7 +151,10 @@ def test_jobs_show_logs(seeded):
     assert failed["state"] == "failed" and failed["error"].startswith("out of GPU memory")
     assert failed["runs"][0]["status"] == "failed" and failed["batch_id"] == cli.batch_id
     queued = json.loads(cli("jobs", "show", str(ids[3]), "--json").output)
-    assert queued["runs"] == [] and queued["started_at"] is None
+    assert queued["runs"] == [] and queued["started_at"] is None and queued["progress"] is None
+    running = json.loads(cli("jobs", "show", str(ids[4]), "--json").output)
+    assert running["progress"] == {"attempt": 1, "phase": "unet_step", "done": 4, "total": 10}
+    assert "unet_step 4/10" in cli("jobs", "show", str(ids[4])).output
 
     text = cli("jobs", "show", str(ids[0])).output
     assert "unet_step_ms" in text and "11.5" in text and "models/tiny" in text

@@ -133,6 +133,8 @@ def test_generate_job_goes_queued_running_succeeded(deployed):
     assert job.state == JobState.succeeded, f"{job.error}\n{_log(farm)}"
     assert seen == [JobState.queued, JobState.running, JobState.succeeded]
     assert job.attempts == 1 and job.worker == f"w1@{HOST}"
+    # the agent's progress events reached the store through the transport: its last phase
+    assert job.progress and job.progress["attempt"] == 1 and job.progress["phase"] and job.progress["at"]
     (run,) = _runs(farm, job_id)
     with farm["Session"]() as session:
         assert session.scalar(select(func.count()).select_from(Sample).where(Sample.run_id == run.id)) > 0
