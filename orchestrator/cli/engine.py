@@ -348,6 +348,9 @@ def plan(
                         steps=steps, scheduler=scheduler, guidance_scale=guidance, profile=prof.to_json(),
                         model_name=(model.name if model else preset.value), strength=strength)
     write_plan(doc, out)
+    if precision == Precision.fp16 and doc["dtype"] != "f16":
+        console.print(f"[yellow]warning:[/] {caps.device} has no shader-f16: the plan runs in f32; give the "
+                      "target's capabilities with --adapter to plan for it", highlight=False)
     dispatches = {name: sum(c["op"] == "dispatch" for c in st["commands"]) for name, st in doc["stages"].items()}
     weights = [b for b in doc["buffers"] if b["kind"] == "weight"]
     console.print(f"{out}: plan {doc['sha256'][:12]} for {doc['dtype']} {width}x{height}, {steps} steps "

@@ -236,6 +236,7 @@ def test_farm_engine_plan_for_the_presets_and_a_model(tmp_path, tiny_model_dir, 
     weights = [b for b in plan["buffers"] if b["kind"] == "weight"]
     assert len(weights) > 1000 and all("file" not in b for b in weights)  # shapes only: nothing read
     assert "named only" in result.output
+    assert ("no shader-f16" in result.output) == (not gpu.caps.has_f16)  # fp16 asked of an adapter without it
     out = tmp_path / "tiny.json"
     result = runner.invoke(app, ["engine", "plan", "--model", str(tiny_model_dir), "--steps", "3",
                                  "--scheduler", "ddim", "--out", str(out)])
