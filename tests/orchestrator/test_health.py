@@ -287,7 +287,7 @@ class ScriptedTransport:
     def __exit__(self, *exc):
         return None
 
-    def run(self, spec, out_dir):
+    def run(self, spec, out_dir, progress=None):
         with self.Session() as s:
             self.seen.append(store.get_device(s, self.device_id).state)
         if self.outcomes.pop(0) == "offline":
