@@ -370,14 +370,11 @@ class BrowserExecutor:
         self.stage_ms: dict[str, float] = {}
 
     def run(self, stage: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        spec = self.plan["stages"][stage]
-        for name, io in spec["inputs"].items():
-            if name in inputs and tuple(np.shape(inputs[name])) != tuple(io["shape"]):
-                from .errors import InputError
+        from .plan import stage_inputs
 
-                raise InputError(f"stage {stage} input {name!r} must have shape {tuple(io['shape'])}, "
-                                 f"got {np.shape(inputs[name])}")
-        sent = {name: _array_in(inputs[name], io["dtype"]) for name, io in spec["inputs"].items() if name in inputs}
+        spec = self.plan["stages"][stage]
+        sent = {name: _array_in(value, spec["inputs"][name]["dtype"])
+                for name, value in stage_inputs(self.plan, stage, inputs).items()}
         reply = self.session.call("run", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage, inputs=sent)
         self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items()}
         return {k: _array_out(v) for k, v in reply["outputs"].items()}

@@ -156,6 +156,40 @@ def load_pipeline(
     return Pipeline(config, tokenizer, states, gpu, dtype, _selection(gpu.caps, profile), notes, residency)
 
 
+def check_generate_args(vae_scale_factor: int, steps, height, width, scheduler, guidance_scale, strength,
+                        init_image) -> None:
+    """What a generation's arguments must be, whichever runtime runs it."""
+    f = vae_scale_factor
+    for name, v in (("height", height), ("width", width)):
+        if not isinstance(v, int) or v <= 0 or v % 8 or v % f:
+            raise InputError(f"{name} must be a positive multiple of {max(8, f)}, got {v}")
+    if not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps must be an integer >= 1, got {steps}")
+    if scheduler not in SCHEDULERS:
+        raise InputError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+    if not np.isfinite(guidance_scale):
+        raise InputError(f"guidance_scale must be a finite number, got {guidance_scale}")
+    if init_image is not None and not 0.0 < strength <= 1.0:
+        raise InputError(f"strength must be in (0, 1], got {strength}")
+
+
+def first_sample(rng: np.random.Generator, latents: np.ndarray | None, shape: tuple, init_noise_sigma: float,
+                 size: tuple[int, int]) -> np.ndarray:
+    """A text-to-image loop's first sample: the given latents (or the generator's first draw)
+    times the scheduler's init_noise_sigma, in float32."""
+    if latents is None:
+        latents = rng.standard_normal(shape, dtype=np.float32)
+    latents = np.asarray(latents, dtype=np.float32)
+    if latents.shape != shape:
+        raise InputError(f"latents must have shape {shape} for {size[0]}x{size[1]}, got {latents.shape}")
+    return latents * np.float32(init_noise_sigma)
+
+
+def vae_input_scale(config) -> float:
+    """What latents are multiplied by on their way into the VAE decoder: 1 / scaling_factor."""
+    return 1.0 / float(np.float32(config.vae.scaling_factor))
+
+
 def prepare_image(init_image, height: int, width: int) -> np.ndarray:
     """uint8 (H, W, 3), a PIL image or a path -> (1, 3, height, width) float32 in [-1, 1]."""
     from PIL import Image
@@ -370,7 +404,7 @@ class Pipeline:
     def _decode(self, latents) -> np.ndarray:
         """f32 latents on the GPU -> the decoded image, float32 on the host: the VAE's input is
         latents / scaling_factor in its element type (shaders/step prepare)."""
-        z = self.vae.ops.step_prepare(latents, 1.0 / float(np.float32(self.config.vae.scaling_factor)), 1)
+        z = self.vae.ops.step_prepare(latents, vae_input_scale(self.config), 1)
         return self.rt.read(self.vae.decode(z)).astype(np.float32)
 
     def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -381,23 +415,6 @@ class Pipeline:
         return mean, np.clip(logvar, -30.0, 20.0)
 
     # ---- generation ----------------------------------------------------------------------
-
-    def _check_args(self, steps, height, width, scheduler, guidance_scale, strength, init_image):
-        f = self.vae_scale_factor
-        for name, v in (("height", height), ("width", width)):
-            if not isinstance(v, int) or v <= 0 or v % 8 or v % f:
-                raise InputError(f"{name} must be a positive multiple of {max(8, f)}, got {v}")
-        if not isinstance(steps, int) or steps < 1:
-            raise InputError(f"steps must be an integer >= 1, got {steps}")
-        if scheduler not in SCHEDULERS:
-            raise InputError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
-        if not np.isfinite(guidance_scale):
-            raise InputError(f"guidance_scale must be a finite number, got {guidance_scale}")
-        if init_image is not None and not 0.0 < strength <= 1.0:
-            raise InputError(f"strength must be in (0, 1], got {strength}")
-
-    def _prepare_image(self, init_image, height: int, width: int) -> np.ndarray:
-        return prepare_image(init_image, height, width)
 
     def generate(
         self,
@@ -414,7 +431,8 @@ class Pipeline:
         init_image=None,
         strength: float = 0.8,
     ) -> GenerationResult:
-        self._check_args(steps, height, width, scheduler, guidance_scale, strength, init_image)
+        check_generate_args(self.vae_scale_factor, steps, height, width, scheduler, guidance_scale, strength,
+                            init_image)
         t_start = time.perf_counter()
         self.rt.trim()  # what earlier calls left in the pool is not this generation's
         self.upload_ms = 0.0
@@ -446,17 +464,12 @@ class Pipeline:
         program = loop_program(scheduler, self.config.scheduler, steps, shape,
                                strength=None if init_image is None else strength)
         if init_image is None:
-            if latents is None:
-                latents = rng.standard_normal(shape, dtype=np.float32)
-            latents = np.asarray(latents, dtype=np.float32)
-            if latents.shape != shape:
-                raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
-            first = {"x0": latents * np.float32(program.init_noise_sigma)}
+            first = {"x0": first_sample(rng, latents, shape, program.init_noise_sigma, (height, width))}
         else:
             # on the GPU, as a plan does it: the encoder's moments, the posterior sample (draw n0)
             # times the scaling factor (i0), then the program's prologue adds the forward noise n1
             with timer("vae_encode_ms"), self._stage("vae_encode", peaks, "vae_encoder"):
-                image = self.rt.upload(self._prepare_image(init_image, height, width), self.vae_dtype)
+                image = self.rt.upload(prepare_image(init_image, height, width), self.vae_dtype)
                 moments = self.vae.encode(image)
                 n0 = self.rt.upload(rng.standard_normal(shape, dtype=np.float32), "f32")
                 first = {"i0": self.vae.ops.step_posterior(moments, n0, float(scaling))}

@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import InputError
 from .kernels import SHADER_HEADERS, SHADER_ROOT, Variant
-from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of
+from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of, pack_params
 
 SCHEMA = 1
 FORMAT = "devicefarm-engine-plan"
@@ -174,11 +174,7 @@ class PlanRecorder(_Memory):
         return PipelineRef(pid)
 
     def _uniform(self, params: tuple) -> int:
-        import struct
-
-        raw = b"".join(struct.pack("<f", v) if isinstance(v, float) else struct.pack("<I", int(v) & 0xFFFFFFFF)
-                       for v in params)
-        raw += b"\0" * (_align(max(len(raw), 16)) - len(raw))
+        raw = pack_params(params)
         uid = self._uniform_ids.get(raw)
         if uid is None:
             uid = self._uniform_ids[raw] = len(self.uniforms)
@@ -284,7 +280,14 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
     tensors and shapes only, for inspection). With `strength`, image-to-image: the plan also
     encodes an input image (stage vae_encode) and denoises the last int(steps * strength)
     steps from it."""
-    from .pipeline import PRECISIONS, Pipeline, _PaddingTokenizer, _selection, _vae_dtype
+    from .pipeline import (
+        PRECISIONS,
+        Pipeline,
+        _PaddingTokenizer,
+        _selection,
+        _vae_dtype,
+        vae_input_scale,
+    )
     from .schedulers import SCHEDULERS
     from .schedulers.program import loop_program
 
@@ -325,7 +328,7 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
     eps = stage("unet_step", {"sample": sample, "timestep_embedding": temb, "context": ctx},
                 lambda: {"noise_pred": pipe.unet_model(sample, temb, ctx)})["noise_pred"]
     latents_in = rec.empty(latent, "f32")
-    scale = 1.0 / float(np.float32(config.vae.scaling_factor))
+    scale = vae_input_scale(config)
     image = stage("vae_decode", {"latents": latents_in},
                   lambda: {"image": pipe.vae.decode(pipe.vae.ops.step_prepare(latents_in, scale, 1))})["image"]
 
@@ -492,6 +495,23 @@ def canonical(plan: dict[str, Any]) -> bytes:
 def plan_hash(plan: dict[str, Any]) -> str:
     """sha256 of the plan's canonical JSON (sorted keys, no spaces) without its own hash."""
     return hashlib.sha256(canonical(plan)).hexdigest()
+
+
+def stage_inputs(plan: dict[str, Any], stage: str, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A stage's inputs, each checked against the plan (present, right shape) and in the
+    element type the plan gives it; what every executor writes before running a stage."""
+    spec = plan["stages"].get(stage)
+    if spec is None:
+        raise InputError(f"the plan has no stage {stage!r}; it has {', '.join(plan['stages'])}")
+    out = {}
+    for name, io in spec["inputs"].items():
+        if name not in inputs:
+            raise InputError(f"stage {stage} needs input {name!r} {tuple(io['shape'])}")
+        value = np.asarray(inputs[name])
+        if tuple(value.shape) != tuple(io["shape"]):
+            raise InputError(f"stage {stage} input {name!r} must have shape {tuple(io['shape'])}, got {value.shape}")
+        out[name] = np.ascontiguousarray(value, dtype=DTYPES[io["dtype"]])
+    return out
 
 
 def write_plan(plan: dict[str, Any], out: Path) -> None:

@@ -19,7 +19,8 @@ import numpy as np
 
 from .device import GPU, gpu_call
 from .errors import EngineError, GPUError, InputError, ModelError
-from .plan import JS_LIMITS, check_plan
+from .plan import JS_LIMITS, check_plan, stage_inputs
+from .runtime import Fence, read_array, write_array
 
 SUBMIT_EVERY = 64  # dispatches per queue submit, as engine.runtime does
 
@@ -99,7 +100,7 @@ class PlanExecutor:
         self.program = self._prepare(plan["generate"])
         self._encoder = self._pass = None
         self._recorded = 0
-        self._fence = None
+        self._fence = Fence(self.device)
         self.step_ms: list[float] = []
         self.stage_ms: dict[str, float] = {}
 
@@ -113,10 +114,7 @@ class PlanExecutor:
                 raise GPUError(f"the plan needs {js} >= {need}; {caps.device!r} allows {have}")
 
     def _write(self, buffer, array: np.ndarray) -> None:
-        raw = np.ascontiguousarray(array).tobytes()
-        if len(raw) % 4:
-            raw += b"\0" * (4 - len(raw) % 4)
-        self.device.queue.write_buffer(buffer, 0, raw)
+        write_array(self.device, buffer, array)
 
     def _pipelines(self) -> list[Any]:
         from . import ops  # noqa: F401  (importing it registers every kernel variant)
@@ -166,12 +164,8 @@ class PlanExecutor:
         self._encoder, self._recorded = None, 0
 
     def sync(self) -> None:
-        import wgpu
-
         self._flush()
-        if self._fence is None:
-            self._fence = self.device.create_buffer(size=4, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
-        self.device.queue.read_buffer(self._fence, 0, 4)
+        self._fence.wait()
 
     def _walk(self, commands: list[tuple], inputs: dict[str, Any]) -> None:
         for c in commands:
@@ -219,31 +213,16 @@ class PlanExecutor:
                 self._step_t0 = time.perf_counter()
 
     def read(self, io: dict[str, Any]) -> np.ndarray:
-        from .runtime import DTYPES, _align
-
         self._flush()
-        dtype = np.dtype(DTYPES[io["dtype"]])
-        n = int(np.prod(io["shape"]))
-        raw = gpu_call("reading a plan output", self.device.queue.read_buffer, self.buffers[io["buffer"]], 0,
-                       _align(n * dtype.itemsize, 4))
-        return np.frombuffer(raw, dtype=dtype, count=n).reshape(io["shape"]).copy()
+        return read_array(self.device, self.buffers[io["buffer"]], io["dtype"], tuple(io["shape"]))
 
     def run(self, stage: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Write a stage's inputs, run it, read its outputs (host arrays in, host arrays out)."""
-        from .runtime import DTYPES
-
         spec = self.plan["stages"].get(stage)
-        if spec is None:
-            raise InputError(f"the plan has no stage {stage!r}; it has {', '.join(self.plan['stages'])}")
+        values = stage_inputs(self.plan, stage, inputs)
+        self._flush()
         for name, io in spec["inputs"].items():
-            if name not in inputs:
-                raise InputError(f"stage {stage} needs input {name!r} {tuple(io['shape'])}")
-            value = np.asarray(inputs[name])
-            if tuple(value.shape) != tuple(io["shape"]):
-                raise InputError(f"stage {stage} input {name!r} must have shape {tuple(io['shape'])}, "
-                                 f"got {value.shape}")
-            self._flush()
-            self._write(self.buffers[io["buffer"]], value.astype(DTYPES[io["dtype"]]))
+            self._write(self.buffers[io["buffer"]], values[name])
         self._walk(self.stages[stage], {})
         return {name: self.read(io) for name, io in spec["outputs"].items()}
 
@@ -401,10 +380,16 @@ class PlanPipeline:
     def generate(self, prompt: str, negative_prompt: str = "", steps: int = 20, guidance_scale: float = 7.5,
                  seed: int = 0, height: int = 512, width: int = 512, scheduler: str = "pndm",
                  latents: np.ndarray | None = None, progress=None, init_image=None, strength: float = 0.8):
-        from .pipeline import GenerationResult, image_from_decoded, prepare_image
+        from .pipeline import (
+            GenerationResult,
+            check_generate_args,
+            first_sample,
+            image_from_decoded,
+            prepare_image,
+        )
 
-        if init_image is not None and not 0.0 < strength <= 1.0:
-            raise InputError(f"strength must be in (0, 1], got {strength}")
+        check_generate_args(self.vae_scale_factor, steps, height, width, scheduler, guidance_scale, strength,
+                            init_image)
         t_start = time.perf_counter()
         ex = self.executor(height, width, steps, scheduler, guidance_scale,
                            None if init_image is None else float(strength))
@@ -414,12 +399,7 @@ class PlanPipeline:
         rng = np.random.default_rng(seed)
         x0 = image = None
         if init_image is None:
-            if latents is None:
-                latents = rng.standard_normal(shape, dtype=np.float32)
-            latents = np.asarray(latents, dtype=np.float32)
-            if latents.shape != shape:
-                raise InputError(f"latents must have shape {shape} for {height}x{width}, got {latents.shape}")
-            x0 = latents * np.float32(plan["loop"]["init_noise_sigma"])
+            x0 = first_sample(rng, latents, shape, plan["loop"]["init_noise_sigma"], (height, width))
         else:
             image = prepare_image(init_image, height, width)
         noise = [rng.standard_normal(shape, dtype=np.float32) for _ in range(plan["inputs"]["noise"]["count"])]

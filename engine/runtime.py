@@ -54,6 +54,52 @@ def size_class(nbytes: int) -> int:
     return (nbytes + step - 1) // step * step
 
 
+def pack_params(values: tuple) -> bytes:
+    """A dispatch's uniform parameters as the shaders read them: int -> u32, float -> f32,
+    little-endian, padded to a multiple of 16 bytes (the runtime and the plan recorder both
+    pack this way, so a replayed plan binds the same bytes)."""
+    raw = b"".join(
+        struct.pack("<f", v) if isinstance(v, float) else struct.pack("<I", int(v) & 0xFFFFFFFF)
+        for v in values
+    )
+    return raw + b"\0" * (_align(max(len(raw), 16)) - len(raw))
+
+
+def write_array(device, buffer, data: np.ndarray) -> None:
+    """Queue a write of a host array's bytes to the start of `buffer` (padded to 4 bytes, as
+    WebGPU requires)."""
+    raw = np.ascontiguousarray(data).tobytes()
+    if len(raw) % 4:
+        raw += b"\0" * (4 - len(raw) % 4)
+    device.queue.write_buffer(buffer, 0, raw)
+
+
+def read_array(device, buffer, dtype: str, shape) -> np.ndarray:
+    """The first prod(shape) elements of `buffer` as a host array (waits for the GPU)."""
+    n = math.prod(shape)
+    nbytes = _align(n * np.dtype(DTYPES[dtype]).itemsize, 4)
+    raw = gpu_call("reading a buffer back", device.queue.read_buffer, buffer, 0, nbytes)
+    return np.frombuffer(raw, dtype=DTYPES[dtype], count=n).reshape(shape).copy()
+
+
+class Fence:
+    """Waits until the GPU has finished everything submitted so far:
+    queue.on_submitted_work_done_sync() is broken in wgpu-py 0.32 (callback signature mismatch
+    with wgpu-native), and mapping a buffer also waits for all earlier submissions."""
+
+    def __init__(self, device):
+        self.device = device
+        self._buffer = None
+
+    def wait(self) -> None:
+        import wgpu
+
+        if self._buffer is None:
+            usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+            self._buffer = self.device.create_buffer(size=4, usage=usage)
+        self.device.queue.read_buffer(self._buffer, 0, 4)
+
+
 class _Storage:
     """One GPU buffer; returns itself to its pool when no tensor refers to it any more.
     Weights have no pool: they live until `release_weights`."""
@@ -316,7 +362,7 @@ class Runtime(_Memory):
         self._params: dict[bytes, object] = {}
         self._encoder = None
         self._pass = None
-        self._fence = None
+        self._fence = Fence(self.device)
         self.dispatches = 0
         self._recorded = 0  # dispatches recorded since the last submit
         # Tests fill every new activation with NaN so a kernel that skips an element fails.
@@ -372,26 +418,18 @@ class Runtime(_Memory):
         return t
 
     def queue_write(self, buffer, data: np.ndarray):
-        raw = data.tobytes()
-        if len(raw) % 4:
-            raw += b"\0" * (4 - len(raw) % 4)
-        self.device.queue.write_buffer(buffer, 0, raw)
+        write_array(self.device, buffer, data)
 
     def read(self, t: Tensor) -> np.ndarray:
         """Copy a tensor back to the host (waits for the GPU)."""
         self.flush()
-        raw = gpu_call("reading a buffer back", self.device.queue.read_buffer, t.buffer, 0, _align(t.nbytes, 4))
-        return np.frombuffer(raw, dtype=DTYPES[t.dtype], count=t.numel).reshape(t.shape).copy()
+        return read_array(self.device, t.buffer, t.dtype, t.shape)
 
     # ---- dispatch -----------------------------------------------------------------------
 
     def params_buffer(self, values: tuple) -> object:
         """A uniform buffer holding `values` (int -> u32, float -> f32), cached by content."""
-        raw = b"".join(
-            struct.pack("<f", v) if isinstance(v, float) else struct.pack("<I", int(v) & 0xFFFFFFFF)
-            for v in values
-        )
-        raw += b"\0" * (_align(max(len(raw), 16)) - len(raw))
+        raw = pack_params(values)
         buf = self._params.get(raw)
         if buf is None:
             buf = self.device.create_buffer_with_data(data=raw, usage=self._uniform_usage)
@@ -489,11 +527,7 @@ class Runtime(_Memory):
     def sync(self):
         """Submit and wait until the GPU has finished everything submitted so far."""
         self.flush()
-        # queue.on_submitted_work_done_sync() is broken in wgpu-py 0.32 (callback signature
-        # mismatch with wgpu-native); mapping a buffer also waits for all earlier submissions.
-        if self._fence is None:
-            self._fence = self.device.create_buffer(size=4, usage=self._usage)
-        self.device.queue.read_buffer(self._fence, 0, 4)
+        self._fence.wait()
 
     def set_profiling(self, on: bool, capacity: int = 2048):
         """Time every dispatch with timestamp queries (needs the timestamp-query feature).
