@@ -27,7 +27,6 @@ import shlex
 import socket
 import struct
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
@@ -39,15 +38,16 @@ from agent.bundle import FILES, MANIFEST, SIGNATURE
 from agent.deviceinfo import collect_android
 from agent.protocol import (
     EXIT_NOT_FOUND,
-    LOG_TAIL_CHARS,
     DeviceInfo,
-    JobResult,
     JobSpec,
+    Manifest,
+    ManifestFile,
     ProtocolError,
     from_json,
     to_json,
 )
 from orchestrator.transports.base import (
+    AgentExit,
     BundleRefused,
     DeviceOffline,
     DeviceTimeout,
@@ -55,11 +55,8 @@ from orchestrator.transports.base import (
     InfraFailure,
     ProgressFn,
     ProtocolMismatch,
-    SendReport,
     Transport,
     TransportError,
-    check_name,
-    emit,
 )
 
 DEFAULT_KEY = Path("~/.config/devicefarm/adbkey")
@@ -265,11 +262,15 @@ class AdbTransport(Transport):
     def pull(self, device_path: str) -> bytes:
         device = self._connect()
         sink = io.BytesIO()
+        missing = None
         with self._errors(f"pull {device_path}"):
             try:
                 device.pull(device_path, sink, transport_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s)
             except adb_errors.AdbCommandFailureException as exc:
-                raise FileNotFoundError(f"{device_path}: {exc}") from None
+                missing = exc  # raised outside: _errors takes any OSError for a lost connection
+        if missing is not None:
+            self.close()  # adb-shell may leave the failed sync stream half-read: start afresh
+            raise FileNotFoundError(f"{device_path}: {missing}")
         return sink.getvalue()
 
     def sizes(self, paths: list[str]) -> dict[str, int]:
@@ -318,18 +319,15 @@ class AdbTransport(Transport):
         device.properties.update(notes)
         return device
 
-    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
-        started = time.monotonic()
-        bundle_dir = Path(bundle_dir)
-        manifest_bytes, manifest = self.read_manifest(bundle_dir)
-        # 1. already the current build? (build ids are immutable on the agent, but compare bytes)
+    def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
         out, _, _ = self.shell(f"sha256sum {shlex.quote(self.root + '/builds/current/' + MANIFEST)}")
-        if out.split()[:1] == [_sha256(manifest_bytes)]:
-            emit(progress, {"event": "bundle_current", "build": manifest.build})
-            return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
-        # 2. what the device lacks: blobs neither in the store nor staged by an earlier attempt
-        staging = f"{self.root}/incoming/{manifest.build}"
-        partial = f"{self.root}/incoming/.partial"
+        return out.split()[:1] == [_sha256(manifest_bytes)]
+
+    def _staging(self, manifest: Manifest) -> tuple[str, str]:
+        return f"{self.root}/incoming/{manifest.build}", f"{self.root}/incoming/.partial"
+
+    def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
+        staging, partial = self._staging(manifest)
         self._run_checked(f"rm -rf {shlex.quote(partial)} && mkdir -p {shlex.quote(partial)} "
                           f"{shlex.quote(staging + '/' + FILES)}", "preparing the staging folder")
         firsts = list({f.sha256: f for f in reversed(manifest.files)}.values())[::-1]  # one per blob
@@ -337,27 +335,27 @@ class AdbTransport(Transport):
         staged = {f.sha256: f"{staging}/{FILES}/{f.path}" for f in firsts}
         have = self.sizes([*blob.values(), *staged.values()])
         lacking = [f for f in firsts if have.get(blob[f.sha256]) != f.size and have.get(staged[f.sha256]) != f.size]
-        total = sum(f.size for f in lacking)
-        emit(progress, {"event": "bundle_plan", "build": manifest.build, "files": len(lacking), "bytes": total})
-        # 3. push each to a temporary name, then move it into place whole
         parents = sorted({str(PurePosixPath(staged[f.sha256]).parent) for f in lacking})
         for batch in _batches(parents):
             self._run_checked("mkdir -p " + " ".join(shlex.quote(p) for p in batch), "mkdir")
-        sent = 0
-        for f in lacking:
-            tmp = f"{partial}/{f.sha256}"
+        return lacking
 
-            def on_chunk(n: int, f=f) -> None:
-                nonlocal sent
-                sent += n
-                emit(progress, {"event": "push", "path": f.path, "bytes_sent": sent, "bytes_total": total})
+    def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
+        staging, partial = self._staging(manifest)
+        tmp = f"{partial}/{f.sha256}"
+        self.push(source, tmp, f.mode, on_bytes)
+        self._run_checked(f"mv {shlex.quote(tmp)} {shlex.quote(staging + '/' + FILES + '/' + f.path)}",
+                          f"moving {f.path} into place")
 
-            self.push(bundle_dir / FILES / f.path, tmp, f.mode, on_chunk)
-            self._run_checked(f"mv {shlex.quote(tmp)} {shlex.quote(staged[f.sha256])}", f"moving {f.path} into place")
+    def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
+        staging, partial = self._staging(manifest)
         for name in (MANIFEST, SIGNATURE):
             self.push((bundle_dir / name).read_bytes(), f"{partial}/{name}")
             self._run_checked(f"mv {shlex.quote(partial + '/' + name)} {shlex.quote(staging + '/' + name)}", "staging")
-        # 4. the agent verifies every file against the signed manifest and installs
+
+    def install(self, manifest: Manifest) -> None:
+        """The agent verifies every file against the signed manifest and installs."""
+        staging, partial = self._staging(manifest)
         out, err, code = self.shell(f"{self.agent} install {shlex.quote(staging)} --root {shlex.quote(self.root)}",
                                     timeout_s=max(self.timeout_s, 600.0))
         if code == EXIT_NOT_FOUND:
@@ -365,43 +363,24 @@ class AdbTransport(Transport):
         if code != 0:
             raise BundleRefused(self.name, f"build {manifest.build}: {(err or out).strip().removeprefix('error: ')}")
         self._run_checked(f"rm -rf {shlex.quote(staging)} {shlex.quote(partial)}", "cleaning up")
-        emit(progress, {"event": "bundle_installed", "build": manifest.build})
-        return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
-                          manifest.build, True)
 
-    def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
-        out_dir = Path(out_dir)
-        check_name(self.name, "job id", spec.job_id)
-        job_dir = f"{self.root}/jobs/{spec.job_id}"
+    def _job_dir(self, spec: JobSpec) -> str:
+        return f"{self.root}/jobs/{spec.job_id}"
+
+    def exec_job(self, spec: JobSpec, limit_s: float, on_line: Callable[[str], None],
+                 progress: ProgressFn | None) -> AgentExit:
         spec_path = f"{self.root}/incoming/jobs/{spec.job_id}.json"
         self.push(to_json(spec).encode(), spec_path)
-        limit = self.job_limit_s(spec)
-        other: list[str] = []
-        command = (f"{self.agent} run {shlex.quote(spec_path)} --out {shlex.quote(job_dir)} "
+        command = (f"{self.agent} run {shlex.quote(spec_path)} --out {shlex.quote(self._job_dir(spec))} "
                    f"--root {shlex.quote(self.root)} --json")
         try:
-            out, err, code = self.shell(command, timeout_s=limit, on_stderr_line=self.line_relay(progress, other))
+            out, _, code = self.shell(command, timeout_s=limit_s, on_stderr_line=on_line)
         except (DeviceOffline, DeviceTimeout) as exc:
-            raise InfraFailure(self.name, f"job {spec.job_id}: {exc.detail}", self._log_tail(job_dir)) from None
-        self.check_exit(spec, code, "\n".join(other), lambda: self._log_tail(job_dir),
-                        signal=code - 128 if code > 128 else None)
-        try:
-            text = out if out.strip().startswith("{") else self.pull(f"{job_dir}/result.json").decode()
-        except FileNotFoundError:
-            raise InfraFailure(self.name, f"job {spec.job_id}: the agent exited without result.json",
-                               self._log_tail(job_dir)) from None
-        result = self.parse_result(spec, text)
-        self.fetch_artifacts(result, out_dir, lambda path, tmp: tmp.write_bytes(self.pull(f"{job_dir}/{path}")))
-        return result
+            raise InfraFailure(self.name, f"job {spec.job_id}: {exc.detail}", self.job_log_tail(spec)) from None
+        return AgentExit(code, out, code - 128 if code > 128 else None)
 
-    # ---- job helpers --------------------------------------------------------------------------
-
-    def _log_tail(self, job_dir: str) -> str:
-        """The end of job.log, best effort: the connection may be what failed."""
-        try:
-            return self.pull(f"{job_dir}/job.log").decode(errors="replace")[-LOG_TAIL_CHARS:]
-        except (TransportError, FileNotFoundError):
-            return ""
+    def read_job_file(self, spec: JobSpec, path: str) -> bytes:
+        return self.pull(f"{self._job_dir(spec)}/{path}")
 
 
 def _batches(items: list[str], limit: int = _COMMAND_CHARS) -> Iterator[list[str]]:

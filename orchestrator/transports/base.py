@@ -6,30 +6,36 @@ can mark the device and decide whether to retry without parsing messages.
 
 What is the same whichever way a device is reached lives here, once: a job's time limit, what
 the agent's exit codes mean, reading the bundle manifest, parsing and checking the JobResult,
-fetching and checking artifacts, and telling progress events from log lines. A transport
-supplies only how it reaches the device, pushes files, runs the agent and fetches a file; the
-exit codes and sizes are the device contract's (agent/protocol.py)."""
+fetching and checking artifacts, and telling progress events from log lines. `send_bundle` and
+`run` are templates over a few primitives that a transport supplies: how it reaches the device
+(`info`), what the device already holds and how a file gets there (`installed_manifest_is`,
+`prepare_deploy`, `push_file`, `push_signed`, `install`), how the agent is run (`exec_job`)
+and how a file of a job folder comes back (`read_job_file`, `fetch_job_file`). The exit codes
+and sizes are the device contract's (agent/protocol.py)."""
 
 from __future__ import annotations
 
 import abc
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from agent.bundle import MANIFEST, NAME_PATTERN, sha256_file
+from agent.bundle import FILES, MANIFEST, NAME_PATTERN, sha256_file
 from agent.protocol import (
     EXIT_BAD_INPUT,
     EXIT_BUSY,
     EXIT_FAILED,
     EXIT_NOT_FOUND,
+    LOG_TAIL_CHARS,
     DeviceInfo,
     JobResult,
     JobSpec,
     Manifest,
+    ManifestFile,
     ProtocolError,
     from_json,
     to_json,
@@ -112,6 +118,16 @@ class SendReport:
     installed: bool = False  # False when the build was already current and nothing was done
 
 
+@dataclass
+class AgentExit:
+    """How `farm-agent run` ended: its exit code, the signal that killed it where the
+    transport can tell, and its stdout (the JobResult, where the agent printed one there)."""
+
+    code: int
+    stdout: str = ""
+    signal: int | None = None
+
+
 class Transport(abc.ABC):
     """One device reached one way. Methods raise TransportError subclasses, never the
     underlying library's exceptions. Not thread-safe: one caller per device at a time."""
@@ -123,18 +139,102 @@ class Transport(abc.ABC):
     def info(self) -> DeviceInfo:
         """What the device is: model, OS, WebGPU adapter, temperatures, battery."""
 
-    @abc.abstractmethod
+    # ---- the templates -------------------------------------------------------------------------
+
     def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
         """Send the files of a signed bundle that the device's store lacks, then install it as
         the current build. Resumable: after an interruption the next call sends only what is
         still missing, and no partial file ever lies at a path the agent reads."""
+        started = time.monotonic()
+        bundle_dir = Path(bundle_dir)
+        manifest_bytes, manifest = self.read_manifest(bundle_dir)
+        if self.installed_manifest_is(manifest_bytes, manifest):
+            emit(progress, {"event": "bundle_current", "build": manifest.build})
+            return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
+        lacking = self.prepare_deploy(manifest_bytes, manifest)
+        total = sum(f.size for f in lacking)
+        emit(progress, {"event": "bundle_plan", "build": manifest.build, "files": len(lacking), "bytes": total})
+        sent = 0
+        for f in lacking:
+            def on_bytes(n: int, f: ManifestFile = f) -> None:
+                nonlocal sent
+                sent += n
+                emit(progress, {"event": "push", "path": f.path, "bytes_sent": sent, "bytes_total": total})
 
-    @abc.abstractmethod
+            self.push_file(manifest, f, bundle_dir / FILES / f.path, on_bytes)
+        self.push_signed(manifest, bundle_dir)
+        self.install(manifest)
+        emit(progress, {"event": "bundle_installed", "build": manifest.build})
+        return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
+                          manifest.build, True)
+
     def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
         """Run one job; progress events stream to `progress`; the JobResult's artifacts are
         fetched into `out_dir` (checked against their sha256) and result.json written there."""
+        check_name(self.name, "job id", spec.job_id)
+        other: list[str] = []
+        ended = self.exec_job(spec, self.job_limit_s(spec), self.line_relay(progress, other), progress)
+        self.check_exit(spec, ended.code, "\n".join(other), lambda: self.job_log_tail(spec), ended.signal)
+        if ended.stdout.strip().startswith("{"):
+            text = ended.stdout
+        else:
+            try:
+                text = self.read_job_file(spec, "result.json").decode()
+            except FileNotFoundError:
+                raise InfraFailure(self.name, f"job {spec.job_id}: the agent exited without result.json",
+                                   self.job_log_tail(spec)) from None
+        result = self.parse_result(spec, text)
+        self.fetch_artifacts(result, out_dir, lambda path, tmp: self.fetch_job_file(spec, path, tmp))
+        return result
+
+    # ---- what a transport supplies ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
+        """Whether the device's current build is this one (build ids are immutable on the agent)."""
+
+    @abc.abstractmethod
+    def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
+        """The files (one per blob) the device lacks, neither in its store nor staged by an
+        earlier attempt, with the staging room made for them."""
+
+    @abc.abstractmethod
+    def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
+        """Stage one file of the build: under a temporary name until it is whole. `on_bytes(n)`
+        is told of every n bytes sent."""
+
+    @abc.abstractmethod
+    def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
+        """Stage the manifest and its signature."""
+
+    @abc.abstractmethod
+    def install(self, manifest: Manifest) -> None:
+        """Have the agent verify the staged build against its signature and make it current;
+        BundleRefused when it will not."""
+
+    @abc.abstractmethod
+    def exec_job(self, spec: JobSpec, limit_s: float, on_line: Callable[[str], None],
+                 progress: ProgressFn | None) -> AgentExit:
+        """Run `farm-agent run` for `spec` on the device, within `limit_s`: its stderr lines go
+        to `on_line` (or, where the agent sends events as such, the events to `progress`).
+        A job that is lost (connection, time limit) raises InfraFailure with the log's tail."""
+
+    @abc.abstractmethod
+    def read_job_file(self, spec: JobSpec, path: str) -> bytes:
+        """A file of the job's output folder; FileNotFoundError when it is not there."""
+
+    def fetch_job_file(self, spec: JobSpec, path: str, tmp: Path) -> None:
+        """A file of the job's output folder into `tmp` (transports that can stream override)."""
+        tmp.write_bytes(self.read_job_file(spec, path))
 
     # ---- what every transport does the same way ------------------------------------------------
+
+    def job_log_tail(self, spec: JobSpec) -> str:
+        """The end of the job's log, best effort: the connection may be what failed."""
+        try:
+            return self.read_job_file(spec, "job.log").decode(errors="replace")[-LOG_TAIL_CHARS:]
+        except (TransportError, OSError):
+            return ""
 
     def job_limit_s(self, spec: JobSpec) -> float:
         """How long a job may take before the transport calls it lost: its time limit, its

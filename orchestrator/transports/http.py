@@ -27,13 +27,16 @@ from agent.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
     DeviceInfo,
-    JobResult,
     JobSpec,
+    Manifest,
+    ManifestFile,
     ProtocolError,
+    from_dict,
     from_json,
     to_json,
 )
 from orchestrator.transports.base import (
+    AgentExit,
     BundleRefused,
     DeviceBusy,
     DeviceOffline,
@@ -42,7 +45,6 @@ from orchestrator.transports.base import (
     InfraFailure,
     ProgressFn,
     ProtocolMismatch,
-    SendReport,
     Transport,
     TransportError,
     emit,
@@ -184,41 +186,39 @@ class HttpTransport(Transport):
         except ProtocolError as exc:
             raise ProtocolMismatch(self.name, str(exc)) from None
 
-    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
-        started = time.monotonic()
-        bundle_dir = Path(bundle_dir)
-        manifest_bytes, manifest = self.read_manifest(bundle_dir)
+    def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
         _, builds = self._json("GET", "/v1/builds")
-        if builds and builds.get("current") == manifest.build:  # build ids are immutable on the agent
-            emit(progress, {"event": "bundle_current", "build": manifest.build})
-            return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
+        return bool(builds) and builds.get("current") == manifest.build  # build ids are immutable on the agent
+
+    def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
         _, answer = self._json("POST", "/v1/store/missing", manifest_bytes)
-        lacking = answer["missing"]
-        total = sum(f["size"] for f in lacking)
-        emit(progress, {"event": "bundle_plan", "build": manifest.build, "files": len(lacking), "bytes": total})
-        base = f"/v1/bundles/{quote(manifest.build)}"
-        sent = 0
-        for f in lacking:
-            self._request("PUT", f"{base}/{FILES}/{quote(f['path'])}", bundle_dir / FILES / f["path"])
-            sent += f["size"]
-            emit(progress, {"event": "push", "path": f["path"], "bytes_sent": sent, "bytes_total": total})
-        for name in (MANIFEST, SIGNATURE):
-            self._request("PUT", f"{base}/{name}", bundle_dir / name)
         try:
-            self._request("POST", f"{base}/install", b"")
+            return [from_dict(ManifestFile, f) for f in answer["missing"]]
+        except (ProtocolError, KeyError, TypeError) as exc:
+            raise ProtocolMismatch(self.name, f"POST /v1/store/missing: {exc}") from None
+
+    def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes) -> None:
+        self._request("PUT", f"/v1/bundles/{quote(manifest.build)}/{FILES}/{quote(f.path)}", source)
+        on_bytes(f.size)
+
+    def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
+        for name in (MANIFEST, SIGNATURE):
+            self._request("PUT", f"/v1/bundles/{quote(manifest.build)}/{name}", bundle_dir / name)
+
+    def install(self, manifest: Manifest) -> None:
+        try:
+            self._request("POST", f"/v1/bundles/{quote(manifest.build)}/install", b"")
         except TransportError as exc:
             if type(exc) is TransportError:  # a 4xx: the agent refused the bundle
                 raise BundleRefused(self.name, exc.detail) from None
             raise
-        emit(progress, {"event": "bundle_installed", "build": manifest.build})
-        return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
-                          manifest.build, True)
 
-    def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
+    def exec_job(self, spec: JobSpec, limit_s: float, on_line, progress: ProgressFn | None) -> AgentExit:
+        """Posted without waiting, then followed through the job's event feed (the agent sends
+        events, not lines) until it answers with the JobResult."""
         status, raw = self._request("POST", "/v1/jobs", to_json(spec).encode())
         job = f"/v1/jobs/{quote(spec.job_id)}"
-        limit = self.job_limit_s(spec)
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + limit_s
         seen = 0
         while status == 202:
             try:
@@ -231,9 +231,17 @@ class HttpTransport(Transport):
                 raise InfraFailure(self.name, f"job {spec.job_id}: lost the agent ({exc.detail})") from None
             if status == 202:
                 if time.monotonic() > deadline:
-                    raise InfraFailure(self.name, f"job {spec.job_id}: still running {limit:g} s after it started")
+                    raise InfraFailure(self.name, f"job {spec.job_id}: still running {limit_s:g} s after it started")
                 time.sleep(self.poll_s)
-        result = self.parse_result(spec, raw)
-        self.fetch_artifacts(result, out_dir,
-                             lambda path, tmp: self._request("GET", f"{job}/artifacts/{quote(path)}", sink=tmp))
-        return result
+        return AgentExit(0, raw.decode(errors="replace"))
+
+    def read_job_file(self, spec: JobSpec, path: str) -> bytes:
+        try:
+            return self._request("GET", f"/v1/jobs/{quote(spec.job_id)}/artifacts/{quote(path)}")[1]
+        except TransportError as exc:
+            if type(exc) is TransportError and "HTTP 404" in exc.detail:
+                raise FileNotFoundError(f"{spec.job_id}/{path}") from None
+            raise
+
+    def fetch_job_file(self, spec: JobSpec, path: str, tmp: Path) -> None:
+        self._request("GET", f"/v1/jobs/{quote(spec.job_id)}/artifacts/{quote(path)}", sink=tmp)

@@ -10,30 +10,27 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files
 from agent.protocol import (
-    LOG_TAIL_CHARS,
     DeviceInfo,
-    JobResult,
     JobSpec,
+    Manifest,
+    ManifestFile,
     ProtocolError,
     from_json,
     to_json,
 )
 from orchestrator.transports.base import (
+    AgentExit,
     BundleRefused,
     InfraFailure,
     ProgressFn,
     ProtocolMismatch,
-    SendReport,
     Transport,
     TransportError,
-    check_name,
-    emit,
 )
 
 
@@ -67,47 +64,48 @@ class LocalTransport(Transport):
         except ProtocolError as exc:
             raise ProtocolMismatch(self.name, str(exc)) from None
 
-    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
-        started = time.monotonic()
-        bundle_dir = Path(bundle_dir)
-        manifest_bytes, manifest = self.read_manifest(bundle_dir)
+    def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
         current = current_build(self.root) if self.root.is_dir() else None
-        if current is not None and (current.path / MANIFEST).read_bytes() == manifest_bytes:
-            return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
-        lacking = missing_files(manifest, self.root)
-        staging = self.root / "incoming" / manifest.build
-        sent = 0
-        for f in lacking:  # copied by temp file + rename: never a partial file at its final path
-            target = staging / FILES / f.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = staging.parent / f".partial-{f.sha256}"
-            shutil.copyfile(bundle_dir / FILES / f.path, tmp)
-            os.replace(tmp, target)
-            sent += f.size
-            emit(progress, {"event": "push", "path": f.path, "bytes_sent": sent})
-        staging.mkdir(parents=True, exist_ok=True)
+        return current is not None and (current.path / MANIFEST).read_bytes() == manifest_bytes
+
+    def _staging(self, manifest: Manifest) -> Path:
+        return self.root / "incoming" / manifest.build
+
+    def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
+        self._staging(manifest).mkdir(parents=True, exist_ok=True)
+        return missing_files(manifest, self.root, staged=self._staging(manifest))
+
+    def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
+        target = self._staging(manifest) / FILES / f.path  # by temp file + rename: never a partial file there
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".partial-{f.sha256}"
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+        on_bytes(f.size)
+
+    def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
         for name in (MANIFEST, SIGNATURE):
-            shutil.copyfile(bundle_dir / name, staging / name)
+            shutil.copyfile(bundle_dir / name, self._staging(manifest) / name)
+
+    def install(self, manifest: Manifest) -> None:
+        staging = self._staging(manifest)
         done = self._agent("install", str(staging), "--root", str(self.root), timeout_s=max(self.timeout_s, 600))
         if done.returncode != 0:
             raise BundleRefused(self.name, f"build {manifest.build}: "
                                 f"{(done.stderr or done.stdout).strip().removeprefix('error: ')}")
         shutil.rmtree(staging, ignore_errors=True)
-        return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
-                          manifest.build, True)
 
-    def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
-        check_name(self.name, "job id", spec.job_id)
-        job_dir = self.root / "jobs" / spec.job_id
+    def _job_dir(self, spec: JobSpec) -> Path:
+        return self.root / "jobs" / spec.job_id
+
+    def exec_job(self, spec: JobSpec, limit_s: float, on_line: Callable[[str], None],
+                 progress: ProgressFn | None) -> AgentExit:
         spec_path = self.root / "incoming" / "jobs" / f"{spec.job_id}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(to_json(spec))
-        limit = self.job_limit_s(spec)
-        proc = subprocess.Popen([*self.agent, "run", str(spec_path), "--out", str(job_dir), "--root", str(self.root),
-                                 "--json"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        other: list[str] = []
-        on_line = self.line_relay(progress, other)
+        proc = subprocess.Popen([*self.agent, "run", str(spec_path), "--out", str(self._job_dir(spec)),
+                                 "--root", str(self.root), "--json"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
         def relay() -> None:
             for line in proc.stderr:
@@ -121,7 +119,7 @@ class LocalTransport(Transport):
 
         reader = threading.Thread(target=relay, daemon=True)
         reader.start()
-        timer = threading.Timer(limit, expire)
+        timer = threading.Timer(limit_s, expire)
         timer.start()
         try:
             stdout = proc.stdout.read()
@@ -130,26 +128,19 @@ class LocalTransport(Transport):
             timer.cancel()
         reader.join(timeout=10)
         if expired.is_set():
-            raise InfraFailure(self.name, f"job {spec.job_id}: no answer within {limit:g} s", self._log_tail(job_dir))
+            raise InfraFailure(self.name, f"job {spec.job_id}: no answer within {limit_s:g} s", self.job_log_tail(spec))
         code = proc.returncode
-        self.check_exit(spec, code, "\n".join(other), lambda: self._log_tail(job_dir),
-                        signal=-code if code < 0 else None)
-        try:
-            text = stdout if stdout.strip() else (job_dir / "result.json").read_text()
-        except FileNotFoundError:
-            raise InfraFailure(self.name, f"job {spec.job_id}: no result.json", self._log_tail(job_dir)) from None
-        result = self.parse_result(spec, text)
-        def fetch(path: str, tmp: Path) -> None:
-            source = (job_dir / path).resolve()
-            if job_dir.resolve() not in source.parents:  # a link out of the job folder
-                raise ProtocolMismatch(self.name, f"artifact path {path!r} leaves the job folder")
-            shutil.copyfile(source, tmp)
+        return AgentExit(code, stdout, -code if code < 0 else None)
 
-        self.fetch_artifacts(result, out_dir, fetch)
-        return result
+    def read_job_file(self, spec: JobSpec, path: str) -> bytes:
+        return self._job_file(spec, path).read_bytes()
 
-    def _log_tail(self, job_dir: Path) -> str:
-        try:
-            return (job_dir / "job.log").read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
+    def fetch_job_file(self, spec: JobSpec, path: str, tmp: Path) -> None:
+        shutil.copyfile(self._job_file(spec, path), tmp)
+
+    def _job_file(self, spec: JobSpec, path: str) -> Path:
+        job_dir = self._job_dir(spec).resolve()
+        source = (job_dir / path).resolve()
+        if job_dir not in source.parents:  # a link out of the job folder
+            raise ProtocolMismatch(self.name, f"file {path!r} leaves the job folder")
+        return source

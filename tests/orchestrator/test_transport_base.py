@@ -1,6 +1,7 @@
-"""What every transport does the same way (orchestrator/transports/base.py), on a transport that
-reaches nothing: the job time limit, the agent's exit codes, the JobResult checks and the
-artifact fetch. The adb, http and local transports' own tests run these through real peers."""
+"""What every transport does the same way (orchestrator/transports/base.py), on transports that
+reach nothing real: the job time limit, the agent's exit codes, the JobResult checks, the
+artifact fetch, and the deploy and job templates over a device kept in memory. The adb, http
+and local transports' own tests run the same templates through real peers."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from agent.protocol import (
     to_json,
 )
 from orchestrator.transports.base import (
+    AgentExit,
+    BundleRefused,
     DeviceBusy,
     InfraFailure,
     ProtocolMismatch,
@@ -30,18 +33,68 @@ from orchestrator.transports.base import (
 )
 
 
+def _unreachable(*_args, **_kw):
+    raise AssertionError("a shared check reached for the device")
+
+
 class Nowhere(Transport):
     name = "nowhere"
     job_margin_s = 7.0
+    info = installed_manifest_is = prepare_deploy = push_file = push_signed = install = _unreachable
+    exec_job = read_job_file = _unreachable
+
+
+class InMemory(Transport):
+    """A device kept in a dict: its store (sha256 -> bytes), its current manifest and what one
+    `farm-agent run` leaves behind (exit, stdout, stderr lines, job files)."""
+
+    name = "memory"
+
+    def __init__(self, refuse: str | None = None):
+        self.store: dict[str, bytes] = {}
+        self.staged: dict[str, bytes] = {}
+        self.current: bytes | None = None
+        self.refuse = refuse
+        self.exit = AgentExit(0)
+        self.lines: list[str] = []
+        self.files: dict[str, bytes] = {}
+        self.calls: list[str] = []
 
     def info(self):
         raise NotImplementedError
 
-    def send_bundle(self, bundle_dir, progress=None):
-        raise NotImplementedError
+    def installed_manifest_is(self, manifest_bytes, manifest):
+        return self.current == manifest_bytes
 
-    def run(self, spec, out_dir, progress=None):
-        raise NotImplementedError
+    def prepare_deploy(self, manifest_bytes, manifest):
+        return [f for f in manifest.files if f.sha256 not in self.store]
+
+    def push_file(self, manifest, f, source, on_bytes):
+        data = source.read_bytes()
+        for i in range(0, len(data), 4):
+            on_bytes(len(data[i:i + 4]))
+        self.staged[f.sha256] = data
+
+    def push_signed(self, manifest, bundle_dir):
+        self.calls.append("signed")
+
+    def install(self, manifest):
+        if self.refuse:
+            raise BundleRefused(self.name, self.refuse)
+        self.store |= self.staged
+        self.current = (self.bundle / "manifest.json").read_bytes()
+
+    def exec_job(self, spec, limit_s, on_line, progress):
+        self.calls.append(f"exec {spec.job_id} {limit_s:g}")
+        for line in self.lines:
+            on_line(line)
+        return self.exit
+
+    def read_job_file(self, spec, path):
+        try:
+            return self.files[path]
+        except KeyError:
+            raise FileNotFoundError(path) from None
 
 
 SPEC = JobSpec(job_id="j1", kind="generate", model="models/tiny", time_limit_s=30.0)
@@ -118,3 +171,83 @@ def test_a_bundle_with_a_build_name_that_is_not_plain_is_refused(tmp_path: Path)
     (tmp_path / "manifest.json").write_text(json.dumps({"build": "../up", "version": "1", "files": []}))
     with pytest.raises(TransportError, match="is not a plain name|manifest"):
         Nowhere().read_manifest(tmp_path)
+
+
+def _bundle(tmp_path: Path, files: dict[str, bytes], build: str = "b1") -> Path:
+    from agent.protocol import Manifest, ManifestFile
+
+    bundle = tmp_path / build
+    for path, data in files.items():
+        (bundle / "files" / path).parent.mkdir(parents=True, exist_ok=True)
+        (bundle / "files" / path).write_bytes(data)
+    manifest = Manifest(build=build, version="1", created=0.0,
+                        files=[ManifestFile(p, hashlib.sha256(d).hexdigest(), len(d)) for p, d in files.items()])
+    (bundle / "manifest.json").write_text(to_json(manifest))
+    (bundle / "manifest.sig").write_bytes(b"sig")
+    return bundle
+
+
+def test_the_deploy_template_sends_what_is_lacking_once_and_reports_it(tmp_path: Path):
+    device = InMemory()
+    device.bundle = _bundle(tmp_path, {"a.bin": b"0123456789", "b/c.txt": b"abc"})
+    events = []
+    first = device.send_bundle(device.bundle, progress=events.append)
+    assert (first.bytes_sent, first.files_sent, first.files_skipped, first.installed) == (13, 2, 0, True)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "bundle_plan" and kinds[-1] == "bundle_installed" and kinds.count("push") == 4
+    assert events[0]["bytes"] == 13 and events[-2]["bytes_sent"] == events[-2]["bytes_total"] == 13
+    again = []
+    second = device.send_bundle(device.bundle, progress=again.append)
+    assert (second.bytes_sent, second.files_skipped, second.installed) == (0, 2, False)
+    assert [e["event"] for e in again] == ["bundle_current"]
+
+    device.bundle = _bundle(tmp_path, {"a.bin": b"0123456789", "d.bin": b"new"}, build="b2")
+    third = device.send_bundle(device.bundle)
+    assert (third.bytes_sent, third.files_sent, third.files_skipped) == (3, 1, 1)  # only the new blob
+
+
+def test_a_refused_install_is_reported_and_leaves_the_current_build(tmp_path: Path):
+    device = InMemory(refuse="manifest.sig: bad signature")
+    device.bundle = _bundle(tmp_path, {"a.bin": b"x"})
+    with pytest.raises(BundleRefused, match="bad signature"):
+        device.send_bundle(device.bundle)
+    assert device.current is None
+
+
+def _result_bytes(**kw) -> bytes:
+    return to_json(JobResult(job_id="j1", kind="generate", status="succeeded", **kw)).encode()
+
+
+def test_the_job_template_relays_events_reads_the_result_and_fetches_artifacts(tmp_path: Path):
+    device = InMemory()
+    device.lines = ['{"event": "step", "done": 1, "total": 2}', "a warning the agent printed"]
+    device.files = {"result.json": _result_bytes(artifacts=[_artifact("image.png", b"png")]), "image.png": b"png"}
+    events = []
+    result = device.run(SPEC, tmp_path / "out", progress=events.append)
+    assert result.status == "succeeded" and (tmp_path / "out" / "image.png").read_bytes() == b"png"
+    assert events == [{"event": "step", "done": 1, "total": 2}]
+    assert device.calls == ["exec j1 150"]  # the spec's 30 s and the transport's default 120 s margin
+
+    device.exit = AgentExit(0, stdout=_result_bytes().decode())  # a result printed on stdout wins
+    device.files = {}
+    assert device.run(SPEC, tmp_path / "out2").job_id == "j1"
+
+
+def test_a_job_that_ends_without_a_result_is_an_infrastructure_failure_with_the_log(tmp_path: Path):
+    device = InMemory()
+    device.files = {"job.log": b"x" * 5000 + b"the end of the log"}
+    with pytest.raises(InfraFailure, match="without result.json") as err:
+        device.run(SPEC, tmp_path / "out")
+    assert err.value.log_tail.endswith("the end of the log") and len(err.value.log_tail) == 4000
+    device.exit = AgentExit(137, signal=9)
+    with pytest.raises(InfraFailure, match="signal 9"):
+        device.run(SPEC, tmp_path / "out")
+    device.exit, device.lines = AgentExit(EXIT_BUSY), ["error: another job holds the lock"]
+    with pytest.raises(DeviceBusy, match="another job holds the lock"):
+        device.run(SPEC, tmp_path / "out")
+    climbing = JobSpec(job_id="j1", kind="generate", model="m")
+    climbing.job_id = "../up"  # JobSpec refuses it when built; a transport checks again before it names a folder
+    device.calls.clear()
+    with pytest.raises(TransportError, match="not a plain name"):
+        device.run(climbing, tmp_path / "out")
+    assert device.calls == []
