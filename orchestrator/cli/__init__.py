@@ -12,6 +12,7 @@ from rich.console import Console
 from engine.errors import EngineError
 
 from . import builds as builds_cmd
+from . import ca as ca_cmd
 from . import dashboard as dashboard_cmd
 from . import db as db_cmd
 from . import demo as demo_cmd
@@ -48,6 +49,7 @@ results_cmd.app.command("compare")(regressions_cmd.compare)
 app.command("bisect")(regressions_cmd.bisect)
 app.add_typer(dashboard_cmd.app, name="dashboard")
 app.add_typer(secrets_cmd.app, name="secrets")
+app.add_typer(ca_cmd.app, name="ca")
 app.command("deploy")(deploy_cmd.deploy)
 app.command("worker")(stack_cmd.worker)
 app.command("beat")(stack_cmd.beat)

@@ -1,0 +1,153 @@
+"""`farm ca ...`: the farm's own certificate authority (orchestrator/ca.py), in <config_dir>/ca.
+`init` makes it, `export` writes its certificate for devices to install (PEM, DER for Android,
+a configuration profile for iOS), `show` says what it is and where its files are, and `issue`
+writes or renews the server certificate the farm's HTTPS pages present."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from orchestrator import ca
+
+from . import validate
+from .devices import JSON_OPTION, _print_json, _settings, console, fail
+
+app = typer.Typer(help="The farm's certificate authority: the CA devices trust for the farm's HTTPS pages.",
+                  no_args_is_help=True)
+
+# Where each export goes on a device, printed after writing it.
+INSTALL_HINTS = {
+    "pem": "import it as a trusted certificate authority in the browser's or the system's certificate manager",
+    "der": "on Android: Settings > Security > Encryption & credentials > Install a certificate > CA certificate",
+    "mobileconfig": "on iOS/iPadOS: open it on the device, install it in Settings > General > VPN & Device "
+                    "Management (it shows as Not Signed), then switch on full trust in Settings > General > "
+                    "About > Certificate Trust Settings",
+}
+
+
+class Format(StrEnum):
+    pem = "pem"
+    der = "der"
+    mobileconfig = "mobileconfig"
+
+
+def _folder() -> Path:
+    return ca.default_dir(_settings().config_dir)
+
+
+def _server_dict(server: ca.ServerCert) -> dict[str, Any]:
+    return {"cert": str(server.cert), "key": str(server.key), "names": list(server.names),
+            "not_after": server.not_after.isoformat(), "fingerprint": server.fingerprint}
+
+
+@app.command()
+def init(
+    name: str = typer.Option(None, "--name", help="The CA's name, as devices list it (default: devicefarm CA "
+                             "<host name>).", show_default=False),
+    force: bool = typer.Option(False, "--force", help="Replace an existing CA (every device must then install "
+                               "the new one)."),
+):
+    """Make the farm's CA: an EC P-256 key (0600) and a CA certificate valid for 10 years."""
+    settings = _settings()
+    folder = ca.default_dir(settings.config_dir)
+    name = name if name is not None else f"{ca.DEFAULT_CA_NAME} {settings.host_name}"[:64]
+    try:
+        cert = ca.init_ca(folder, name, force=force)
+    except ca.CaError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write the CA into {folder}: {exc}")
+    console.print(f"made the farm CA [bold]{cert.subject.rfc4514_string()}[/] in {folder}", highlight=False,
+                  soft_wrap=True)
+    console.print(f"SHA-256 fingerprint: {ca.fingerprint(cert)}", highlight=False, soft_wrap=True)
+    console.print("next: `farm ca export farm-ca.mobileconfig` (iOS) or `farm ca export farm-ca.cer` (Android), "
+                  "and install it on each device", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def export(
+    path: Path = typer.Argument(..., help="File to write: .pem/.crt (PEM), .cer (DER, Android), .mobileconfig (iOS).",
+                                callback=validate.output_file),
+    format: Format = typer.Option(None, "--format", help="Format to write (default: from PATH's suffix).",
+                                  case_sensitive=False, show_default=False),
+):
+    """Write the CA certificate (never its key) for devices to install."""
+    folder = _folder()
+    try:
+        kind = ca.export_format(path, format.value if format is not None else None)
+        ca.export_ca(folder, path, kind)
+        cert = ca.load_ca_cert(folder)
+    except ca.CaError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc}")
+    console.print(f"wrote {path} ({kind}): {cert.subject.rfc4514_string()}", highlight=False, soft_wrap=True)
+    console.print(f"SHA-256 fingerprint: {ca.fingerprint(cert)} (compare it on the device)", highlight=False,
+                  soft_wrap=True)
+    console.print(f"install: {INSTALL_HINTS[kind]}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def show(as_json: bool = JSON_OPTION):
+    """Show the CA (subject, validity, fingerprint), its server certificate and where the files are."""
+    folder = _folder()
+    try:
+        cert = ca.load_ca_cert(folder)
+        server = ca.server_cert_info(folder)
+    except ca.CaError as exc:
+        fail(str(exc))
+    data = {
+        "folder": str(folder),
+        "subject": cert.subject.rfc4514_string(),
+        "not_before": cert.not_valid_before_utc.isoformat(),
+        "not_after": cert.not_valid_after_utc.isoformat(),
+        "fingerprint": ca.fingerprint(cert),
+        "cert": str(folder / ca.CA_CERT),
+        "key": str(folder / ca.CA_KEY),
+        "server": _server_dict(server) if server is not None else None,
+    }
+    if as_json:
+        _print_json(data)
+        return
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    table.add_row("subject", data["subject"])
+    table.add_row("valid", f"{cert.not_valid_before_utc:%Y-%m-%d} to {cert.not_valid_after_utc:%Y-%m-%d}")
+    table.add_row("SHA-256", data["fingerprint"])
+    table.add_row("certificate", data["cert"])
+    table.add_row("key", data["key"])
+    if server is None:
+        table.add_row("server", "no server certificate yet (`farm ca issue NAME...` writes one)")
+    else:
+        table.add_row("server", f"{', '.join(server.names)} until {server.not_after:%Y-%m-%d}")
+        table.add_row("server files", f"{server.cert}, {server.key}")
+    console.print(table, highlight=False)
+
+
+@app.command()
+def issue(
+    names: list[str] = typer.Argument(..., help="Host names and IP addresses the farm's pages are reached at "
+                                      "(e.g. farm.lan 10.0.0.5 localhost)."),
+    as_json: bool = JSON_OPTION,
+):
+    """Write the server certificate for NAMES, or renew it (new names, or 30 days or less left)."""
+    folder = _folder()
+    try:
+        server = ca.issue_server_cert(folder, names)
+    except ca.CaError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write the server certificate into {folder}: {exc}")
+    if as_json:
+        _print_json({**_server_dict(server), "issued": server.issued})
+        return
+    what = "issued" if server.issued else "kept (it covers these names already)"
+    console.print(f"server certificate {what}: {server.cert}", highlight=False, soft_wrap=True)
+    console.print(f"covers: {', '.join(server.names)}; valid until {server.not_after:%Y-%m-%d}", highlight=False,
+                  soft_wrap=True)
