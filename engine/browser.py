@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,7 +69,62 @@ def find_chromium() -> str | None:
     return None
 
 
+def chromium_command(chromium: str, profile_dir: str | os.PathLike, url: str, webgpu_adapter: str | None) -> list[str]:
+    """The command line that opens `url` in a headless `chromium` with WebGPU on, its profile in
+    `profile_dir` (one per run here; one per virtual phone in agent/simulator/apps.py) and, when
+    given, `webgpu_adapter` ("swiftshader": the built-in software adapter) as its adapter."""
+    args = [chromium, "--headless=new", "--no-sandbox", "--enable-unsafe-webgpu", "--no-first-run",
+            "--no-default-browser-check", "--disable-dev-shm-usage", f"--user-data-dir={profile_dir}",
+            "--enable-features=Vulkan"]
+    if webgpu_adapter:
+        args.append(f"--use-webgpu-adapter={webgpu_adapter}")
+    return [*args, url]
+
+
 # ---- the host server --------------------------------------------------------------------------
+
+
+def send_file(handler: BaseHTTPRequestHandler, root: Path, rel: str | None = None) -> int:
+    """Answer `handler`'s GET with the file `rel` under `root` (or the file `root`), honouring a
+    single byte range; 404 for anything outside `root` or missing. Returns the body bytes sent."""
+    root = Path(root).resolve()
+    path = (root / urllib.parse.unquote(rel)).resolve() if rel is not None else root
+    if (rel is not None and not path.is_relative_to(root)) or not path.is_file():
+        _answer(handler, 404, b"not found", "text/plain")
+        return 0
+    size = path.stat().st_size
+    start, end = 0, size - 1
+    rng = handler.headers.get("Range")
+    status, headers = 200, {"Accept-Ranges": "bytes"}
+    if rng:
+        try:
+            unit, spec = rng.split("=", 1)
+            a, b = spec.split("-", 1)
+            start, end = int(a), min(int(b) if b else size - 1, size - 1)
+            if unit.strip() != "bytes" or start > end or start >= size:
+                raise ValueError
+        except ValueError:
+            _answer(handler, 416, b"bad range", "text/plain", {"Content-Range": f"bytes */{size}"})
+            return 0
+        status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
+    with open(path, "rb") as f:
+        f.seek(start)
+        body = f.read(end - start + 1)
+    _answer(handler, status, body, CONTENT_TYPES.get(path.suffix, "application/octet-stream"), headers)
+    return len(body) if handler.command != "HEAD" else 0
+
+
+def _answer(handler: BaseHTTPRequestHandler, status: int, body: bytes, ctype: str, headers=None) -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", ctype)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Cache-Control", "no-store")
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
+
 
 
 class _Server(ThreadingHTTPServer):
@@ -98,42 +154,13 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _send(self, status: int, body: bytes = b"", ctype: str = "application/octet-stream", headers=None):
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        _answer(self, status, body, ctype, headers)
 
     def _file(self, root: Path, rel: str, count_bytes: bool = False):
-        root = root.resolve()
-        path = (root / urllib.parse.unquote(rel)).resolve()
-        if not path.is_relative_to(root) or not path.is_file():
-            return self._send(404, b"not found", "text/plain")
-        size = path.stat().st_size
-        start, end = 0, size - 1
-        rng = self.headers.get("Range")
-        status, headers = 200, {"Accept-Ranges": "bytes"}
-        if rng:
-            try:
-                unit, spec = rng.split("=", 1)
-                a, b = spec.split("-", 1)
-                start, end = int(a), min(int(b) if b else size - 1, size - 1)
-                if unit.strip() != "bytes" or start > end or start >= size:
-                    raise ValueError
-            except ValueError:
-                return self._send(416, b"bad range", "text/plain", {"Content-Range": f"bytes */{size}"})
-            status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
-        with open(path, "rb") as f:
-            f.seek(start)
-            body = f.read(end - start + 1)
+        served = send_file(self, root, rel)
         if count_bytes:
             with self.server.lock:
-                self.server.weight_bytes_served += len(body)
-        self._send(status, body, CONTENT_TYPES.get(path.suffix, "application/octet-stream"), headers)
+                self.server.weight_bytes_served += served
 
     def do_GET(self):  # noqa: N802  (http.server's name)
         url = urllib.parse.urlsplit(self.path)
@@ -176,6 +203,8 @@ class _Handler(BaseHTTPRequestHandler):
             box = self.server.replies.get(reply.get("id"))
             if box is not None:
                 box.put(reply)
+            return self._send(204)
+        if url.path == "/api/beat":
             return self._send(204)
         if url.path == "/api/log":
             try:
@@ -224,14 +253,9 @@ class BrowserSession:
         if webgpu_adapter == "auto":
             webgpu_adapter = os.environ.get("FARM_BROWSER_WEBGPU_ADAPTER") or _default_adapter()
         self._profile_dir = tempfile.mkdtemp(prefix="farm-chromium-")
-        args = [chromium, "--headless=new", "--no-sandbox", "--enable-unsafe-webgpu", "--no-first-run",
-                "--no-default-browser-check", "--disable-dev-shm-usage", f"--user-data-dir={self._profile_dir}",
-                "--enable-features=Vulkan"]
-        if webgpu_adapter:
-            args.append(f"--use-webgpu-adapter={webgpu_adapter}")
         self._log = open(Path(self._profile_dir) / "chromium.log", "wb")  # noqa: SIM115  (closed in close())
-        self.process = subprocess.Popen([*args, self.url], stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(chromium_command(chromium, self._profile_dir, self.url, webgpu_adapter),
+                                        stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def _exit_note(self) -> str:
         if self.process is not None and self.process.poll() is not None:
@@ -283,6 +307,13 @@ class BrowserSession:
         self.server.models[token] = Path(model_dir)
         return f"/model/{token}/"
 
+    def load_fields(self, plan: dict[str, Any], model_dir: Path | None) -> dict[str, Any]:
+        """The `load` command's fields: the plan, the shaders and the model, from this server."""
+        url, digest = self.serve_plan(plan)
+        base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        return {"plan_url": base + url, "plan_file_sha256": digest, "shader_base": base + "/",
+                "model_base": base + (self.serve_model(model_dir) if model_dir is not None else "/model/none/")}
+
     def close(self) -> None:
         self.server.closed = True
         if self.process is not None and self.process.poll() is None:
@@ -304,6 +335,67 @@ class BrowserSession:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RemotePage:
+    """A page a farm's hub holds (orchestrator/browser_hub.py), reached from here through the
+    hub's farm side at `url` (http://127.0.0.1:PORT/ctl/DEVICE?key=KEY): the session interface
+    BrowserExecutor uses, where the page runs plans from the build deployed to it. The model
+    folder must lie in an installed build (<agent root>/builds/<build>/...): the page takes
+    shaders and weights from its verified copy of that build, never from here."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0):
+        parts = urllib.parse.urlsplit(url)
+        self._key = urllib.parse.parse_qs(parts.query).get("key", [""])[0]
+        self._base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self.hello = self.call("hello", timeout_s=timeout_s)
+
+    @property
+    def adapter(self) -> dict[str, Any]:
+        return self.hello["adapter"]
+
+    def _request(self, method: str, path: str, body: bytes, timeout_s: float) -> dict[str, Any]:
+        req = urllib.request.Request(self._base + path, data=body, method=method,
+                                     headers={"X-Farm-Hub-Key": self._key, "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise BrowserError("hub", f"{method} {path}: HTTP {exc.code}: {exc.read()[:300].decode('utf-8', 'replace')}") \
+                from None
+        except OSError as exc:
+            raise BrowserError("hub", f"{method} {path}: the farm's hub is unreachable ({exc})") from None
+
+    def call(self, op: str, *, timeout_s: float = 600.0, **fields) -> dict[str, Any]:
+        body = json.dumps({"op": op, "timeout_s": timeout_s, **fields}).encode()
+        reply = self._request("POST", "/call", body, timeout_s + 30.0)
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            raise BrowserError(err.get("kind", "internal"), err.get("message", "no message"))
+        return reply["result"]
+
+    def load_fields(self, plan: dict[str, Any], model_dir: Path | None) -> dict[str, Any]:
+        body = json.dumps(plan, separators=(",", ":")).encode()
+        name = f"{plan['sha256']}.json"
+        url = self._request("PUT", f"/plans/{name}", body, 60.0)["url"]
+        build_dir, prefix = _build_of(model_dir)
+        return {"plan_url": url, "plan_file_sha256": hashlib.sha256(body).hexdigest(), "build": build_dir.name,
+                "model_prefix": prefix}
+
+    def close(self) -> None:  # the hub's page outlives this process
+        pass
+
+
+def _build_of(model_dir: Path | None) -> tuple[Path, str]:
+    """(the installed build folder holding `model_dir`, the model's folder in it as "a/b/")."""
+    if model_dir is None:
+        raise BrowserError("input", "a page of a farm runs models of a deployed build; no model folder given")
+    model_dir = Path(model_dir).resolve()
+    for folder in (model_dir, *model_dir.parents):
+        if (folder / "manifest.json").is_file() and (folder / "manifest.sig").is_file():
+            rel = model_dir.relative_to(folder).as_posix()
+            return folder, "" if rel == "." else rel + "/"
+    raise BrowserError("input", f"{model_dir} is not in an installed build: the page runs only deployed builds")
 
 
 def _default_adapter() -> str | None:
@@ -360,11 +452,7 @@ class BrowserExecutor:
     def __init__(self, plan: dict[str, Any], model_dir: Path | None, session: BrowserSession,
                  timeout_s: float = 600.0):
         self.plan, self.session, self.timeout_s = plan, session, timeout_s
-        url, digest = session.serve_plan(plan)
-        base = f"http://127.0.0.1:{session.server.server_address[1]}"
-        model_base = base + (session.serve_model(model_dir) if model_dir is not None else "/model/none/")
-        self.load_report = session.call("load", timeout_s=timeout_s, plan_url=base + url, plan_file_sha256=digest,
-                                        shader_base=base + "/", model_base=model_base)
+        self.load_report = session.call("load", timeout_s=timeout_s, **session.load_fields(plan, model_dir))
         self.bytes = self.load_report["buffer_bytes"]
         self.step_ms: list[float] = []
         self.stage_ms: dict[str, float] = {}
@@ -402,14 +490,18 @@ class BrowserExecutor:
 
 
 def browser_pipeline(model_dir: Path, config, tokenizer, precision: str, profile=None, *, session=None,
-                     chromium: str | None = None, cdp: str | None = None, manual: bool = False,
-                     webgpu_adapter: str | None = "auto", timeout_s: float = 600.0, announce=None):
+                     page: str | None = None, chromium: str | None = None, cdp: str | None = None,
+                     manual: bool = False, webgpu_adapter: str | None = "auto", timeout_s: float = 600.0,
+                     announce=None):
     """The Pipeline API (engine.plan_exec.PlanPipeline) with every plan run by a browser page:
-    one given `session`, or a new one (a headless Chromium started here; `cdp`: a tab opened
-    in the browser at that DevTools endpoint; `manual`: print the URL and wait for a browser).
+    one given `session`; a farm device's page held by a hub (`page`: its control URL, see
+    RemotePage); or a new session (a headless Chromium started here; `cdp`: a tab opened in the
+    browser at that DevTools endpoint; `manual`: print the URL and wait for a browser).
     `close()` ends a session the pipeline started."""
     from .plan_exec import PlanPipeline
 
+    if page is not None:
+        session = RemotePage(page)
     own = session is None
     if own:
         session = BrowserSession(chromium=chromium, cdp=cdp, manual=manual, webgpu_adapter=webgpu_adapter,

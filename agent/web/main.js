@@ -1,15 +1,32 @@
-// The page's side of the host protocol (engine/browser.py): fetch the next command from
-// /api/next, run it, post the answer to /api/done, forever. Commands: hello (the adapter),
-// load (a plan, its shaders and weights), run (one stage), generate (the whole generation),
-// kernels (per-kernel GPU times of a stage), unload. Arrays travel as {dtype, shape, b64}.
+// The page's side of the host protocol: fetch the next command from /api/next, run it, post the
+// answer to /api/done, forever. The host is engine/browser.py (a session named in the query) or
+// a farm's hub (orchestrator/browser_hub.py: a device enrolled with a token, agent/web/farm.js).
+// Commands: hello (the adapter), deploy (a signed build into the page's cache), load (a plan,
+// its shaders and weights, from the host or from a deployed build), run (one stage), generate
+// (the whole generation), time, kernels (per-kernel GPU times of a stage), unload. Arrays travel
+// as {dtype, shape, b64}. While a command runs, the page tells the host it is alive every few
+// seconds, so a host can tell a long job from a page that is gone.
+import { buildFetchers, deploy, enrol, enrolled } from "./farm.js";
 import { PlanError, PlanRunner, b64ToBytes, bytesToB64, describeAdapter, openDevice, requestAdapter,
   sha256Hex, weightFetcher } from "./plan.js";
 
+const BEAT_MS = 3000;
 const params = new URLSearchParams(location.search);
 const session = params.get("session") || "";
-const api = (path) => new URL(`/api/${path}?session=${encodeURIComponent(session)}`, location.href);
+const pageId = crypto.randomUUID();
 const state = document.getElementById("state");
 const logEl = document.getElementById("log");
+let farm = { device: "", token: "" };
+let enrolError = null;
+try {
+  farm = enrol();
+} catch (e) {
+  enrolError = e;
+}
+const api = (path) => new URL(`/api/${path}?session=${encodeURIComponent(session)}&page=${pageId}`, location.href);
+// Every request to the host carries the device's token, when the page has one.
+const hostFetch = (url, init = {}) => fetch(url, farm.token
+  ? { ...init, headers: { ...(init.headers || {}), Authorization: `Bearer ${farm.token}` } } : init);
 
 function log(text) {
   logEl.textContent = `${new Date().toISOString().slice(11, 23)} ${text}\n` + logEl.textContent.slice(0, 20000);
@@ -34,24 +51,31 @@ function arrayOut(a) {
 
 async function handle(cmd) {
   if (cmd.op === "hello") {
+    if (enrolError) throw enrolError;
     const ad = await requestAdapter();
-    return { adapter: describeAdapter(ad), secure: isSecureContext };
+    return { adapter: describeAdapter(ad), secure: isSecureContext, page: pageId, ...enrolled() };
+  }
+  if (cmd.op === "deploy") {
+    return await deploy(cmd, (sha) => hostFetch(new URL(`/blobs/${sha}`, location.href)),
+      (done, total, bytes) => { state.textContent = `deploying ${cmd.build}: ${done}/${total} files, ${bytes} bytes`; });
   }
   if (cmd.op === "load") {
     const d = await gpu();
-    const response = await fetch(cmd.plan_url);
+    const response = await hostFetch(new URL(cmd.plan_url, location.href));
     if (!response.ok) throw new PlanError("input", `fetching the plan: HTTP ${response.status}`);
     const raw = new Uint8Array(await response.arrayBuffer());
     const digest = await sha256Hex(raw);
     if (digest !== cmd.plan_file_sha256) throw new PlanError("plan-hash", `the plan file hashes to ${digest}, not ${cmd.plan_file_sha256}`);
     const plan = JSON.parse(new TextDecoder().decode(raw));
     const runner = new PlanRunner(d, plan);
-    const fetchShader = async (path) => {
+    let fetchShader = async (path) => {
       const r = await fetch(new URL(path, cmd.shader_base));
       if (!r.ok) throw new PlanError("input", `fetching ${path}: HTTP ${r.status}`);
       return r.text();
     };
-    const report = await runner.load({ fetchWeight: weightFetcher(cmd.model_base), fetchShader,
+    let fetchWeight = cmd.model_base ? weightFetcher(cmd.model_base) : null;
+    if (cmd.build) ({ fetchShader, fetchWeight } = await buildFetchers(cmd.build, cmd.model_prefix || ""));
+    const report = await runner.load({ fetchWeight, fetchShader,
       onProgress: (done, total) => { state.textContent = `loading weights ${done}/${total}`; } });
     runners.get(plan.sha256)?.destroy();
     runners.set(plan.sha256, runner);
@@ -92,39 +116,62 @@ function errorOf(e) {
   return { kind: "internal", message: `${e && e.name}: ${e && e.message}` };
 }
 
+const pause = (ms) => new Promise((res) => setTimeout(res, ms));
+
+async function post(path, body) {
+  return hostFetch(api(path), { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+}
+
 async function loop() {
   state.textContent = "waiting for the host";
   for (;;) {
     let cmd;
     try {
-      const r = await fetch(api("next"), { cache: "no-store" });
+      const r = await hostFetch(api("next"), { cache: "no-store" });
       if (r.status === 204) continue;
       if (r.status === 410) { state.textContent = "the host ended this session"; return; }
+      if (r.status === 401) {
+        state.textContent = "the farm does not know this page's token: open the enrolment URL again";
+        await pause(5000);
+        continue;
+      }
       if (!r.ok) throw new Error(`HTTP ${r.status}`);
       cmd = await r.json();
     } catch (e) {
       state.textContent = `host unreachable (${e.message}); retrying`;
-      await new Promise((res) => setTimeout(res, 1000));
+      await pause(1000);
       continue;
     }
     state.textContent = `running ${cmd.op}`;
     log(`${cmd.id} ${cmd.op}${cmd.stage ? " " + cmd.stage : ""}`);
+    const beat = setInterval(() => { post("beat", { id: cmd.id }).catch(() => {}); }, BEAT_MS);
     let reply;
     try {
       reply = { id: cmd.id, ok: true, result: await handle(cmd) };
     } catch (e) {
       reply = { id: cmd.id, ok: false, error: errorOf(e) };
       log(`${cmd.id} failed: ${reply.error.kind}: ${reply.error.message}`);
+    } finally {
+      clearInterval(beat);
     }
-    await fetch(api("done"), { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(reply) });
+    // The answer must arrive: a host that was briefly unreachable gets it when it is back.
+    for (let attempt = 0; ; attempt++) {
+      try {
+        const r = await post("done", reply);
+        if (r.ok || r.status === 410 || r.status === 401 || attempt >= 30) break;
+      } catch (e) {
+        if (attempt >= 30) break;
+      }
+      await pause(1000);
+    }
     state.textContent = "waiting for the host";
   }
 }
 
 window.addEventListener("error", (ev) => {
-  fetch(api("log"), { method: "POST", body: JSON.stringify({ level: "error", message: String(ev.message) }) });
+  post("log", { level: "error", message: String(ev.message) }).catch(() => {});
 });
 window.addEventListener("unhandledrejection", (ev) => {
-  fetch(api("log"), { method: "POST", body: JSON.stringify({ level: "error", message: String(ev.reason) }) });
+  post("log", { level: "error", message: String(ev.reason) }).catch(() => {});
 });
 loop();

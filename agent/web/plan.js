@@ -145,7 +145,7 @@ export async function openDevice(adapter) {
 
 export class PlanRunner {
   // plan: the parsed plan; fetchWeight(buffer) -> Promise<Uint8Array> of its stored bytes;
-  // fetchShader(path) -> Promise<string>
+  // fetchShader(path, sha256) -> Promise<string>
   constructor(device, plan) {
     this.device = device;
     this.plan = plan;
@@ -177,7 +177,7 @@ export class PlanRunner {
     for (const p of plan.pipelines) {
       const key = `${p.shader}/${p.dtype}`;
       if (modules.has(key)) continue;
-      const source = header[p.dtype] + (await fetchShader(plan.shaders[p.shader].path));
+      const source = header[p.dtype] + (await fetchShader(plan.shaders[p.shader].path, plan.shaders[p.shader].sha256));
       d.pushErrorScope("validation");
       const module = d.createShaderModule({ code: source, label: key });
       const info = await module.getCompilationInfo();

@@ -183,7 +183,7 @@ class Transport(abc.ABC):
             except FileNotFoundError:
                 raise InfraFailure(self.name, f"job {spec.job_id}: the agent exited without result.json",
                                    self.job_log_tail(spec)) from None
-        result = self.parse_result(spec, text)
+        result = self.finish_result(spec, self.parse_result(spec, text))
         self.fetch_artifacts(result, out_dir, lambda path, tmp: self.fetch_job_file(spec, path, tmp))
         return result
 
@@ -222,6 +222,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def read_job_file(self, spec: JobSpec, path: str) -> bytes:
         """A file of the job's output folder; FileNotFoundError when it is not there."""
+
+    def finish_result(self, spec: JobSpec, result: JobResult) -> JobResult:
+        """What the transport knows of the job that the agent could not (the browser runtime's
+        device readings); may raise InfraFailure for a result that is the infrastructure's
+        failure, not the job's. As it came by default."""
+        return result
 
     def fetch_job_file(self, spec: JobSpec, path: str, tmp: Path) -> None:
         """A file of the job's output folder into `tmp` (transports that can stream override)."""

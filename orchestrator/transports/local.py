@@ -44,6 +44,7 @@ class LocalTransport(Transport):
         self.agent = list(agent_command)
         self.name = name
         self.timeout_s, self.job_margin_s = timeout_s, job_margin_s
+        self.job_env: dict[str, str] = {}  # added to the agent's environment for jobs
 
     def _agent(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
         try:
@@ -105,7 +106,8 @@ class LocalTransport(Transport):
         spec_path.write_text(to_json(spec))
         proc = subprocess.Popen([*self.agent, "run", str(spec_path), "--out", str(self._job_dir(spec)),
                                  "--root", str(self.root), "--json"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, **self.job_env} if self.job_env else None)
 
         def relay() -> None:
             for line in proc.stderr:
