@@ -1,9 +1,11 @@
 """The device side of ADB over TCP: one asyncio task per connection reads messages, does the
 CNXN/AUTH handshake, and multiplexes streams (OPEN/OKAY/WRTE/CLSE) onto services: shell v1
-and v2, exec, sync and root. Flow control follows adbd: one WRTE in flight per direction
-and stream; a host WRTE is acknowledged when the service takes its data; the device closes
-a stream only after its last WRTE is acknowledged; a CLSE from the host for an open stream
-is echoed and cancels the service (which kills a running agent)."""
+and v2, exec, sync, root and reverse (agent/simulator/reverse.py). Flow control follows adbd:
+one WRTE in flight per direction and stream; a host WRTE is acknowledged when the service
+takes its data; the device closes a stream only after its last WRTE is acknowledged; a CLSE
+from the host for an open stream is echoed and cancels the service (which kills a running
+agent). Streams can also start on the device (open_stream: adbd's reverse listeners do
+this): OPEN(local, 0, destination), answered by the host's OKAY or CLSE."""
 
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class Stream:
         self.acked.set()
         self.closed = False
         self.task: asyncio.Task | None = None
+        self.opened: asyncio.Future | None = None  # a device-initiated stream until the host answers
+        self.lost = False  # the connection ended under the stream (not a CLSE from the host)
         self._pending = b""
 
     async def write(self, data: bytes) -> None:
@@ -83,6 +87,8 @@ class Stream:
         self.closed = True
         self.acked.set()
         self.inbox.put_nowait(None)
+        if self.opened is not None and not self.opened.done():
+            self.opened.set_result(False)
 
 
 class Connection:
@@ -97,6 +103,9 @@ class Connection:
         self.streams: dict[int, Stream] = {}
         self.next_id = 1
         self._send_lock = asyncio.Lock()
+        sock = writer.get_extra_info("socket")
+        # adbd names a TCP transport after its socket (`adb reverse --list` shows it)
+        self.serial = f"host-{sock.fileno() if sock is not None else 0}"
 
     async def send(self, msg: wire.Message) -> None:
         async with self._send_lock:
@@ -120,10 +129,13 @@ class Connection:
         except (asyncio.IncompleteReadError, ConnectionError, wire.WireError) as exc:
             log.debug("connection ended: %s", exc)
         finally:
+            self.online = False  # no device-initiated stream starts on a connection that ended
             for s in list(self.streams.values()):
+                s.lost = True
                 s.host_closed()
                 if s.task:
                     s.task.cancel()
+            self.phone.reverse.connection_closed(self)  # its forwards end with it, as adbd's do
             self.writer.close()
             with contextlib.suppress(Exception):
                 await self.writer.wait_closed()
@@ -151,6 +163,9 @@ class Connection:
             stream = self.streams.get(msg.arg1)
             if stream is None or stream.remote_id not in (msg.arg0, 0):
                 return  # a stream already closed (e.g. the echo of our CLSE)
+            if stream.opened is not None and not stream.opened.done():
+                self._opened(stream, msg)
+                return
             if msg.command == wire.OKAY:
                 stream.acked.set()
             elif msg.command == wire.WRTE:
@@ -190,6 +205,37 @@ class Connection:
 
     # ---- streams and services ------------------------------------------------------------------
 
+    async def open_stream(self, destination: str, timeout_s: float) -> Stream | None:
+        """A stream the device starts, to `destination` on the host ("tcp:8080"): the stream once
+        the host answers OKAY, None when it answers CLSE (nothing there), does not answer within
+        `timeout_s`, or the connection ends first."""
+        if not self.online:
+            return None
+        stream = Stream(self, self.next_id, 0)
+        self.next_id += 1
+        stream.opened = asyncio.get_running_loop().create_future()
+        self.streams[stream.local_id] = stream
+        await self.send(wire.Message(wire.OPEN, stream.local_id, 0, destination.encode() + b"\0"))
+        try:
+            if await asyncio.wait_for(asyncio.shield(stream.opened), timeout_s):
+                return stream
+        except TimeoutError:
+            log.warning("the host did not answer OPEN %r within %g s", destination, timeout_s)
+        self.streams.pop(stream.local_id, None)
+        stream.closed = True
+        return None
+
+    @staticmethod
+    def _opened(stream: Stream, msg: wire.Message) -> None:
+        """The host's answer to a device-initiated OPEN: OKAY(host id, ours) or CLSE(0, ours)."""
+        if msg.command == wire.OKAY and msg.arg0:
+            stream.remote_id = msg.arg0
+            stream.opened.set_result(True)
+        elif msg.command == wire.CLSE:
+            stream.conn.streams.pop(stream.local_id, None)
+            stream.closed = True
+            stream.opened.set_result(False)
+
     async def _open(self, msg: wire.Message) -> None:
         service = msg.data.rstrip(b"\0").decode("utf-8", "replace")
         runner = self._service(service)
@@ -215,6 +261,8 @@ class Connection:
             return self._sync
         if kind == "root":
             return self._root
+        if kind == "reverse":
+            return lambda s: self._reverse(s, arg)
         return None
 
     async def _run_service(self, stream: Stream, runner) -> None:
@@ -289,6 +337,9 @@ class Connection:
 
     async def _root(self, stream: Stream) -> None:
         await stream.write(b"adbd cannot run as root in production builds\n")
+
+    async def _reverse(self, stream: Stream, command: str) -> None:
+        await stream.write(await self.phone.reverse.handle(command, self))
 
 
 class AdbServer:

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 # Android's Temperature.TYPE_* constants (android.os.Temperature)
 TYPE_CPU, TYPE_GPU, TYPE_BATTERY, TYPE_SKIN, TYPE_NPU = 0, 1, 2, 3, 9
 
+# What `pm list packages` shows; of these only Chrome runs (agent/simulator/apps.py)
+PACKAGES = ("android", "com.android.chrome", "com.android.settings", "com.android.shell", "com.android.systemui")
+
 
 @dataclass(frozen=True)
 class Zone:
@@ -33,6 +36,7 @@ class PhoneModel:
     gpu_model: str = ""  # kgsl gpu_model
     android_release: str = "13"
     sdk: str = "33"
+    packages: tuple[str, ...] = PACKAGES  # installed apps
 
     @property
     def model(self) -> str:

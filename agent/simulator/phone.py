@@ -1,7 +1,8 @@
 """The virtual phone as a whole: it wires a sandbox folder, a phone model, the thermal model,
-the shell, the accepted-keys store and the ADB server together, and runs them on an asyncio
-loop, either in a background thread (VirtualPhone.start/stop, for tests) or in the calling
-thread until SIGINT/SIGTERM (run_simulator, for `farm-agent simulate` and the demo)."""
+the shell, the apps (Chrome runs as a headless Chromium), the reverse forwards, the
+accepted-keys store and the ADB server together, and runs them on an asyncio loop, either in
+a background thread (VirtualPhone.start/stop, for tests) or in the calling thread until
+SIGINT/SIGTERM (run_simulator, for `farm-agent simulate` and the demo)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.simulator.android import AndroidState
+from agent.simulator.apps import CHROME, BrowserSettings, PhoneApps
 from agent.simulator.auth import KeyStore
 from agent.simulator.device import AdbServer
 from agent.simulator.fs import SandboxFS
 from agent.simulator.models import get_model
+from agent.simulator.reverse import ReverseForwards
 from agent.simulator.shell import AGENT_ROOT, AgentSettings, Shell
 from agent.simulator.thermal import ThermalModel, ThermalSettings
 
@@ -31,12 +34,17 @@ class VirtualPhone:
     phone does (off only for tests that want a phone anyone can reach). adb_keys: a file of
     host public keys the phone trusts (adbkey.pub), as if paired before. accept_new_keys:
     whether an unknown host key is accepted (and persisted) when offered, like tapping
-    "Allow" on the phone; when off, an unknown host gets silence."""
+    "Allow" on the phone; when off, an unknown host gets silence. browser: how the phone's
+    Chrome runs (a headless Chromium; its profile and log under root/apps/com.android.chrome).
+
+    The phone's own ports live on this machine's: host_port(P) is the host port standing for
+    the phone's port P (for a browser on this machine), live while `adb reverse` forwards P."""
 
     def __init__(self, serial: str = "virtual-0", model: str = "Pixel 7", root: Path | None = None,
                  auth: bool = True, host: str = "127.0.0.1", port: int = 0,
                  accept_new_keys: bool = False, thermal: ThermalSettings | None = None,
-                 agent: AgentSettings | None = None, adb_keys: Path | None = None):
+                 agent: AgentSettings | None = None, adb_keys: Path | None = None,
+                 browser: BrowserSettings | None = None):
         self.serial = serial
         self.model = get_model(model)
         self._own_root = root is None
@@ -49,7 +57,9 @@ class VirtualPhone:
         self.thermal = ThermalModel(thermal)
         self.android = AndroidState(self.model, serial, self.thermal, auth)
         self.fs = SandboxFS(self.root, self.android.virtual_files())
-        self.shell = Shell(self.fs, self.android, self.thermal, agent)
+        self.reverse = ReverseForwards()  # the phone's localhost is this machine's loopback
+        self.apps = PhoneApps(self.root, self.model.packages, self.reverse, browser)
+        self.shell = Shell(self.fs, self.android, self.thermal, agent, self.apps)
         self.keys = KeyStore(self.root / "adb_keys", Path(adb_keys) if adb_keys is not None else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -69,6 +79,30 @@ class VirtualPhone:
             await self._stop.wait()
         finally:
             await server.close()
+            await self.reverse.close()
+            await asyncio.to_thread(self.apps.stop)
+
+    # ---- the phone's ports and apps, seen from this machine -----------------------------------
+
+    def host_port(self, phone_port: int) -> int:
+        """The host port standing for the phone's `phone_port`: it reaches what `adb reverse`
+        forwards there, and is refused while nothing is; the same for the phone's lifetime."""
+        return self.reverse.host_port(phone_port)
+
+    def host_url(self, url: str) -> str:
+        """A URL on the phone's localhost as this machine reaches it (others unchanged)."""
+        return self.reverse.host_url(url)
+
+    def forwards(self) -> dict[int, str]:
+        """The reverse forwards in place: phone port -> what the host is asked to open."""
+        return self.reverse.forwarded()
+
+    def browser_running(self, package: str = CHROME) -> bool:
+        return self.apps.running(package)
+
+    def kill_browser(self, package: str = CHROME) -> None:
+        """Kill the browser at once, as Android ends a tab it needs the memory of (a test hook)."""
+        self.apps.kill(package)
 
     # ---- running on a background thread ---------------------------------------------------
 

@@ -9,7 +9,9 @@ imported on the host), gets the sandbox as its working directory and its root, r
 the phone's FARM_* variables, and is confined to the sandbox ($FARM_AGENT_FS_ROOT, checked by
 agent/fsroot.py). Absolute device paths in its arguments always become host paths inside the
 sandbox (one a symlink leads out of is refused), and host paths in its output become device
-paths again. While it runs, the thermal model counts a job."""
+paths again. While it runs, the thermal model counts a job. `am`, `pm`, `svc power` and
+`input` act on the phone's apps (agent/simulator/apps.py): `am start` on a web URL opens it in
+a real headless Chromium."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from pathlib import Path
 from agent.bundle import sha256_file
 from agent.fsroot import FS_ROOT_ENV
 from agent.simulator.android import AndroidState
+from agent.simulator.apps import STAY_ON, AppError, PhoneApps, parse_intent
 from agent.simulator.fs import SandboxFS, fs_error
 from agent.simulator.thermal import ThermalModel
 
@@ -150,11 +153,12 @@ async def _discard(_: bytes) -> None:
 
 class Shell:
     def __init__(self, fs: SandboxFS, android: AndroidState, thermal: ThermalModel,
-                 agent: AgentSettings | None = None):
+                 agent: AgentSettings | None = None, apps: PhoneApps | None = None):
         self.fs = fs
         self.android = android
         self.thermal = thermal
         self.agent = agent or AgentSettings()
+        self.apps = apps
         self.commands: dict[str, Callable[[list[str], IO, Session], Awaitable[int]]] = {
             "echo": self._echo, "cd": self._cd, "pwd": self._pwd, "ls": self._ls, "cat": self._cat,
             "mkdir": self._mkdir, "rm": self._rm, "mv": self._mv, "cp": self._cp, "touch": self._touch,
@@ -166,6 +170,8 @@ class Shell:
             "wc": self._wc, "sh": self._sh, "nproc": self._nproc, "date": self._date,
             "chmod": self._chmod,
         }
+        if apps is not None:
+            self.commands.update({"am": self._am, "pm": self._pm, "svc": self._svc, "input": self._input})
 
     # ---- entry points --------------------------------------------------------------------
 
@@ -868,6 +874,91 @@ class Shell:
         for p in args[1:]:
             os.chmod(self.fs.writable_host_path(p, s.cwd), int(args[0], 8))
         return 0
+
+    # ---- the phone's apps (agent/simulator/apps.py) -------------------------------------------
+    # Output and exit codes follow ActivityManagerShellCommand (errors on stderr, `am start`
+    # exits 0 even when the activity did not start) and PackageManagerShellCommand.
+
+    async def _am(self, args, io, s):
+        if not args:
+            await io.err(b"usage: am start [-a ACTION] [-d URL] [-n PACKAGE/ACTIVITY] [PACKAGE] | am force-stop PACKAGE\n")
+            return 255
+        command, rest = args[0], args[1:]
+        if command in ("start", "start-activity"):
+            return await self._am_start(rest, io)
+        if command == "force-stop":
+            packages = [a for a in _without_user_option(rest) if not a.startswith("-")]
+            if len(packages) != 1:
+                await io.err(b"Error: am force-stop takes one package\n")
+                return 255
+            await asyncio.to_thread(self.apps.force_stop, packages[0])
+            return 0
+        await io.err(f"Unknown command: {command}\n".encode())
+        return 255
+
+    async def _am_start(self, args, io):
+        try:
+            intent = parse_intent(args)
+        except ValueError as exc:
+            await io.err(f"{exc}\n".encode())
+            return 255
+        await io.out(f"Starting: {intent}\n".encode())
+        package, error = self.apps.resolve(intent)
+        if package is None:
+            await io.err(error.encode())
+            return 0
+        try:
+            await asyncio.to_thread(self.apps.start, package, intent)
+        except (AppError, OSError) as exc:
+            await io.err(f"Error: {package} did not start on the virtual phone: {exc}\n".encode())
+            return 1
+        return 0
+
+    async def _pm(self, args, io, s):
+        if len(args) < 2 or args[:2] != ["list", "packages"]:
+            await io.err(b"Error: the virtual phone's pm knows 'pm list packages [FILTER]' only\n")
+            return 255
+        words = [a for a in _without_user_option(args[2:]) if not a.startswith("-")]
+        shown = [p for p in self.apps.packages if not words or words[0] in p]
+        await io.out("".join(f"package:{p}\n" for p in shown).encode())
+        return 0
+
+    async def _svc(self, args, io, s):
+        if len(args) == 3 and args[:2] == ["power", "stayon"] and args[2] in STAY_ON:
+            self.apps.stay_on = STAY_ON[args[2]]
+            return 0
+        await io.err(b"Control the power manager\n\nusage: svc power stayon [true|false|usb|ac|wireless]\n"
+                     b"         Set the 'keep awake while plugged in' setting.\n")
+        return 1
+
+    async def _input(self, args, io, s):
+        keys = args[1:] if args[:1] == ["keyevent"] else []
+        if keys[:1] == ["--longpress"]:
+            keys = keys[1:]
+        if not keys or not all(re.fullmatch(r"KEYCODE_[A-Z0-9_]+|\d+", k) for k in keys):
+            await io.err(b"Error: the virtual phone's input takes 'input keyevent KEYCODE_...' only\n")
+            return 1
+        for key in keys:
+            self.apps.key_events.append(key)
+            if key in ("KEYCODE_WAKEUP", "224"):
+                self.apps.awake = True
+            elif key in ("KEYCODE_SLEEP", "223"):
+                self.apps.awake = False
+            elif key in ("KEYCODE_POWER", "26"):
+                self.apps.awake = not self.apps.awake
+        return 0
+
+
+def _without_user_option(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--user":
+            skip = True
+        else:
+            out.append(a)
+    return out
 
 
 def _split_flags(args: list[str]) -> tuple[str, list[str]]:
