@@ -82,6 +82,15 @@ class NoDelayTcpTransport(TcpTransport):
         if self.nodelay:
             self._connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    def bulk_write(self, data, transport_timeout_s):
+        """All of `data`: adb-shell's own sends once on a non-blocking socket and ignores a short
+        count, which corrupts the stream as soon as the socket's buffer is full (a large push to a
+        phone slower than the host). Each wait for room is bounded by `transport_timeout_s`."""
+        view, sent = memoryview(data), 0
+        while sent < len(view):
+            sent += super().bulk_write(view[sent:], transport_timeout_s)
+        return sent
+
     def bulk_read(self, numbytes, transport_timeout_s):
         data = super().bulk_read(numbytes, transport_timeout_s)
         if not data:

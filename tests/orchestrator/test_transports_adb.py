@@ -349,3 +349,30 @@ def test_phone_that_stops_answering_mid_session_times_out(phone, farm, tmp_path)
     finally:
         proxy.close()
         t.close()
+
+
+def test_a_message_larger_than_the_socket_buffer_is_sent_whole():
+    """adb-shell sends once on a non-blocking socket; a reader slower than the sender must still
+    get every byte (the transport loops until all of a message is sent)."""
+    from orchestrator.transports.adb import NoDelayTcpTransport
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def slow_reader() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while chunk := conn.recv(65536):
+                received.extend(chunk)
+
+    reader = threading.Thread(target=slow_reader, daemon=True)
+    reader.start()
+    t = NoDelayTcpTransport("127.0.0.1", listener.getsockname()[1])
+    t.connect(5.0)
+    t._connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    data = os.urandom(2**20)  # far more than one send() on a 4 KiB buffer takes
+    assert t.bulk_write(data, 5.0) == len(data)
+    t.close()
+    reader.join(timeout=30)
+    listener.close()
+    assert bytes(received) == data
