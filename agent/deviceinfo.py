@@ -439,10 +439,11 @@ def android_properties() -> dict[str, str]:
     return {}
 
 
-def engine_runtime() -> dict[str, str]:
+def engine_runtime(kind: str = "wgpu-native") -> dict[str, str]:
     """The runtime the engine's GPU work goes through: wgpu-native's version as loaded (the
-    driver's partner in every timing), and the Python binding's."""
-    runtime = {"kind": "wgpu-native"}
+    driver's partner in every timing), and the Python binding's. `kind` "plan": the engine's
+    plans replayed through it (engine/plan_exec.py), a series apart from the eager engine's."""
+    runtime = {"kind": kind}
     try:
         from importlib.metadata import version
 
@@ -455,12 +456,13 @@ def engine_runtime() -> dict[str, str]:
     return runtime
 
 
-def read_environment(adapter: dict, clocks_mhz: dict[str, float] | None = None) -> RunEnvironment:
+def read_environment(adapter: dict, clocks_mhz: dict[str, float] | None = None,
+                     runtime_kind: str = "wgpu-native") -> RunEnvironment:
     """The environment a run starts in on this device: OS, its build, kernel, GPU driver and
-    adapter (`adapter`, a DeviceCaps dict), the engine runtime, and the clocks (`clocks_mhz`
-    when the caller has just read them, else read now; empty where unreadable). Android is
-    recognised by its properties (android_properties), whether the agent runs there under
-    Termux or for the virtual phone."""
+    adapter (`adapter`, a DeviceCaps dict), the engine runtime (engine_runtime(runtime_kind)),
+    and the clocks (`clocks_mhz` when the caller has just read them, else read now; empty where
+    unreadable). Android is recognised by its properties (android_properties), whether the
+    agent runs there under Termux or for the virtual phone."""
     props = android_properties()
     if props:
         system = "android"
@@ -478,8 +480,44 @@ def read_environment(adapter: dict, clocks_mhz: dict[str, float] | None = None) 
         os=system, os_version=os_version, os_build=os_build, kernel=platform.release(),
         driver=str(adapter.get("description") or ""),
         adapter=identity | ({"adapter_id": adapter_id(adapter)} if adapter else {}),
-        runtime=engine_runtime(), clocks_mhz=dict(clocks_mhz),
+        runtime=engine_runtime(runtime_kind), clocks_mhz=dict(clocks_mhz),
     )
+
+
+# A user agent's product tokens, tried in this order: a browser built on Chromium names itself
+# before the Chrome/ token it also carries, and Chrome's and Firefox's iOS apps are WebKit.
+_BROWSER_TOKENS = (
+    ("Firefox", "Firefox"), ("FxiOS", "Firefox iOS"), ("EdgA", "Edge"), ("Edg", "Edge"),
+    ("SamsungBrowser", "Samsung Internet"), ("OPR", "Opera"), ("CriOS", "Chrome iOS"),
+    ("HeadlessChrome", "HeadlessChrome"), ("Chromium", "Chromium"), ("Chrome", "Chrome"),
+)
+
+
+def parse_user_agent(user_agent: str) -> dict[str, str]:
+    """The browser a user agent names: {"name", "version"} ("Chrome", "131.0.6778.39"), from the
+    first of _BROWSER_TOKENS it carries, or Safari's Version/ token; an Android WebView ("; wv)")
+    is named so, with its Chrome version. {} for one not recognised. Chrome's user agent gives
+    only the major version ("131.0.0.0"), headless too."""
+    for token, name in _BROWSER_TOKENS:
+        m = re.search(rf"(?<![\w/]){token}/([\w.]+)", user_agent)
+        if m:
+            if name == "Chrome" and "; wv)" in user_agent:
+                name = "Android WebView"
+            return {"name": name, "version": m.group(1)}
+    m = re.search(r"\bVersion/([\w.]+).*\bSafari/", user_agent)
+    return {"name": "Safari", "version": m.group(1)} if m else {}
+
+
+def browser_environment(adapter: dict, user_agent: str) -> RunEnvironment:
+    """The environment of a run in a browser's page (the engine's browser runtime), read on the
+    host that drives it: the page's adapter (`adapter`, a DeviceCaps dict; its identity, without
+    an adapter_id, which would name this host) and its driver, and the browser from its user
+    agent (parse_user_agent). The OS, kernel and clocks stay empty: this host's are not the
+    device's, and a user agent's OS is frozen (Chrome on any Android says "Android 10; K"); the
+    farm fills them from its own reading of the device."""
+    identity = {k: adapter[k] for k in ADAPTER_IDENTITY if k in adapter}
+    return RunEnvironment(driver=str(adapter.get("description") or ""), adapter=identity,
+                          runtime={"kind": "browser", **parse_user_agent(user_agent)})
 
 
 def _os_release() -> dict[str, str]:

@@ -4,8 +4,9 @@ that does the GPU work under a time limit, and the JobResult and log every job l
     run_job(spec, out_dir, root)                      the agent process
       1. lock      <root>/locks/device.lock (pid, job, start); a live holder -> AgentBusy,
                    a dead or overdue one is recovered with a log line
-      2. cool down poll the hottest thermal zone until <= cooldown.max_celsius
-      3. plan      resolve model and profile against the installed build -> out_dir/plan.json
+      2. cool down poll the hottest thermal zone until <= cooldown.max_celsius (not for the
+                   browser runtime: this host's zones are not the device's)
+      3. plan      resolve model, profile and engine runtime -> out_dir/plan.json
       4. child     `python -m agent.jobs out_dir/plan.json`: loads the engine, runs the kind,
                    streams progress events and finally the JobResult as JSON lines on its
                    stdout; its stderr (engine warnings, tracebacks) is out_dir/job.log.
@@ -15,6 +16,12 @@ that does the GPU work under a time limit, and the JobResult and log every job l
 The GPU work runs in a child so that a hung driver or a runaway job can be killed without
 taking the agent down, and so the agent process itself never holds a GPU device. Samples are
 raw, one per repetition; nothing is aggregated on the device.
+
+The engine runtime is $FARM_ENGINE_RUNTIME (native when unset): "native" runs the eager engine
+on this host's GPU, "plan" replays engine plans on it, "browser" has a WebGPU page run them (a
+headless Chromium started here, or with $FARM_BROWSER_PAGE the page of a phone's browser that a
+farm's hub holds). Generate and latency jobs run on all three with the same sample metrics;
+tune jobs only on the native runtime.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ SHIPPED_PROFILES = ("auto", "family", "reference")  # built into the engine: nam
 # made on this device's GPU over its family's.
 TUNED_PROFILES_DIR = "profiles/tuned"
 RESULT_EVENT = "result"
+ENGINE_RUNTIME_ENV = "FARM_ENGINE_RUNTIME"
+BROWSER_PAGE_ENV = "FARM_BROWSER_PAGE"  # the browser runtime's page; its URL holds the hub's key
+RUNTIMES = ("native", "plan", "browser")  # engine.pipeline.RUNTIMES, without importing the engine here
 
 
 class AgentBusy(RuntimeError):
@@ -290,6 +300,21 @@ def cooling_rate(readings: list[tuple[float, float]], window_s: float) -> float 
 # ---- the plan: what the child runs --------------------------------------------------------
 
 
+def job_runtime(spec: JobSpec) -> str:
+    """The engine runtime this job runs on: $FARM_ENGINE_RUNTIME, native when unset."""
+    runtime = os.environ.get(ENGINE_RUNTIME_ENV) or "native"
+    if runtime not in RUNTIMES:
+        raise JobError(f"{ENGINE_RUNTIME_ENV}={runtime!r} is not an engine runtime; "
+                       f"set one of {', '.join(RUNTIMES)}, or leave it unset for native")
+    if os.environ.get(BROWSER_PAGE_ENV) and runtime != "browser":
+        raise JobError(f"{BROWSER_PAGE_ENV} is for {ENGINE_RUNTIME_ENV}=browser; this agent runs the {runtime} "
+                       "runtime")
+    if spec.kind == "tune" and runtime != "native":
+        raise JobError(f"tune jobs run on the native runtime (the farm tunes on the GPU host), not on "
+                       f"{ENGINE_RUNTIME_ENV}={runtime}; send this job to an agent without {ENGINE_RUNTIME_ENV}")
+    return runtime
+
+
 def _find_build(root: Path, build_id: str | None):
     """The InstalledBuild named (or the current one), or None when nothing is installed."""
     from agent.bundle import current_build, list_builds
@@ -309,13 +334,15 @@ def _find_build(root: Path, build_id: str | None):
 DEFAULT_PROFILE_FILE = "profiles/DEFAULT"
 
 
-def make_plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot | None = None) -> dict:
+def make_plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot | None = None,
+              runtime: str = "native") -> dict:
     """Resolve the model and the profile against the build; errors name what is missing. A
     model or profile named relative to the build stays inside it; under a confined agent
-    (agent/fsroot.py) an absolute one is a device path, read under the device's filesystem."""
+    (agent/fsroot.py) an absolute one is a device path, read under the device's filesystem.
+    `runtime` (job_runtime) is recorded for the child."""
     fs = fs or FsRoot()
     try:
-        return _plan(spec, root, out_dir, fs)
+        return _plan(spec, root, out_dir, fs) | {"runtime": runtime}
     except PathRefused as exc:
         raise JobError(str(exc)) from None
 
@@ -452,10 +479,14 @@ def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | Non
         emit({"event": "started", "kind": spec.kind})
         atomic_write_text(out_dir / "job.json", to_json(spec))
         try:
-            if spec.cooldown is not None:
+            runtime = job_runtime(spec)
+            if spec.cooldown is not None and runtime == "browser" and thermal is None:
+                log("cool-down: the engine runs in a browser's page; this host's temperatures are not "
+                    "its device's; not waiting")
+            elif spec.cooldown is not None:
                 result.cooldown_wait_s, result.cooldown_timed_out = cool_down(
                     spec.cooldown, thermal or read_hottest_celsius, log, emit)
-            plan = make_plan(spec, root, out_dir, fs)
+            plan = make_plan(spec, root, out_dir, fs, runtime)
             atomic_write_text(out_dir / "plan.json", json.dumps(plan, indent=2))
             _run_child(plan, spec, result, lock, log, emit, log_path)
         except JobError as exc:
@@ -545,15 +576,19 @@ def _kill(proc: subprocess.Popen) -> None:
 
 class _Child:
     """The job inside the child process; fills `result` as it goes, so a failure part-way
-    still reports what was measured up to then."""
+    still reports what was measured up to then. On the plan and browser runtimes the pipeline
+    is a PlanPipeline (engine/plan_exec.py): its executors time the UNet step, and what the
+    native runtime reads from the pipeline's selection comes from its plans."""
 
     def __init__(self, plan: dict, emit: ProgressFn):
         self.plan = plan
         self.spec = from_dict(JobSpec, plan["spec"])
+        self.runtime = plan.get("runtime", "native")  # plans written before runtimes: native
         self.out_dir = Path(plan["out_dir"])
         self.emit = emit
         self.result = JobResult(job_id=self.spec.job_id, kind=self.spec.kind, status="failed")
         self.caps = None
+        self.pipe = None
 
     # -- helpers
 
@@ -583,7 +618,10 @@ class _Child:
 
     def thermal(self, phase: str):
         """Best effort: a device without readable zones just has none. Returns the DeviceInfo
-        read (its clocks serve the run's environment), or None."""
+        read (its clocks serve the run's environment), or None. None on the browser runtime:
+        the page's device need not be this host, whose zones must not pass for the device's."""
+        if self.runtime == "browser":
+            return None
         try:
             from agent.deviceinfo import collect_local
 
@@ -600,24 +638,50 @@ class _Child:
     def environment(self, clocks_mhz: dict[str, float] | None) -> None:
         """Best effort too: the OS, kernel, driver, adapter and runtime this run starts in."""
         try:
-            from agent.deviceinfo import read_environment
+            from agent.deviceinfo import browser_environment, read_environment
 
-            self.result.environment = read_environment(self.caps.as_dict(), clocks_mhz)
+            if self.runtime == "browser":
+                adapter = self.pipe.session.hello["adapter"]
+                self.result.environment = browser_environment(self.caps.as_dict(), adapter.get("user_agent", ""))
+            elif self.runtime == "plan":
+                self.result.environment = read_environment(self.caps.as_dict(), clocks_mhz, runtime_kind="plan")
+            else:
+                self.result.environment = read_environment(self.caps.as_dict(), clocks_mhz)
         except Exception as exc:
             print(f"[job] environment unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def engine_info(self, pipe=None, **extra) -> None:
         caps = self.caps
-        info = {"model": self.plan["model"], "build": self.plan["build"], "requested_profile": self.spec.profile,
-                "requested_precision": self.spec.precision, "adapter": caps.as_dict()}
+        info = {"model": self.plan["model"], "build": self.plan["build"], "runtime": self.runtime,
+                "requested_profile": self.spec.profile, "requested_precision": self.spec.precision}
+        if caps is not None:  # None until the browser's page is up
+            info["adapter"] = caps.as_dict()
         if pipe is not None:
-            decisions = Counter(f"{d.op}/{d.variant}" for d in pipe.selection.decisions.values())
-            info |= {"profile": pipe.selection.profile_name, "precision": pipe.precision,
-                     "residency": pipe.residency, "selection": dict(sorted(decisions.items())),
-                     "warnings": list(dict.fromkeys(pipe.notes + pipe.selection.warnings))}
+            info |= self.selection_info(pipe) if self.runtime == "native" else self.plans_info(pipe)
             if self.result.environment is not None:
-                self.result.environment.profile = profile_identity(self.profile, pipe.selection.profile_name, caps)
+                self.result.environment.profile = profile_identity(self.profile, info["profile"], caps)
         self.result.engine = info | extra
+
+    @staticmethod
+    def selection_info(pipe) -> dict:
+        decisions = Counter(f"{d.op}/{d.variant}" for d in pipe.selection.decisions.values())
+        return {"profile": pipe.selection.profile_name, "precision": pipe.precision,
+                "residency": pipe.residency, "selection": dict(sorted(decisions.items())),
+                "warnings": list(dict.fromkeys(pipe.notes + pipe.selection.warnings))}
+
+    def plans_info(self, pipe) -> dict:
+        """selection_info from the plans the job ran (one decision per op and shape, as a
+        pipeline's selection keeps them; load made at least one plan), and their sha256s."""
+        plans = list(pipe.plans.values())
+        decisions = {(d["op"], json.dumps(d["shape"])): f"{d['op']}/{d['variant']}"
+                     for plan in plans for d in plan["profile"]["decisions"]}
+        precision = "fp16" if pipe.dtype == "f16" else "fp32"
+        notes = [f"fp16 requested but adapter {self.caps.device!r} lacks shader-f16; running in fp32"] \
+            if precision != pipe.precision else []
+        return {"profile": plans[0]["profile"]["name"], "precision": precision,
+                "residency": pipe.residency, "selection": dict(sorted(Counter(decisions.values()).items())),
+                "warnings": list(dict.fromkeys(notes + [w for plan in plans for w in plan["warnings"]])),
+                "plans": [plan["sha256"] for plan in plans]}
 
     def profile(self):
         """What the pipeline loads with: the plan's profile, or for "auto" with a build's tuned
@@ -632,13 +696,52 @@ class _Child:
         return self.spec.height or pipe.native_size[0], self.spec.width or pipe.native_size[1]
 
     def load(self):
+        """The pipeline, loaded once: load_ms times putting the weights on the GPU, so on the plan
+        and browser runtimes, whose plans load their weights, it also makes the job's plans."""
+        if self.pipe is not None:
+            return self.pipe
         from engine import load_pipeline
 
-        self.phase("load", model=self.plan["model"], profile=self.plan["profile"])
-        t0 = time.perf_counter()
-        pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.profile())
+        if self.runtime == "native":
+            self.phase("load", model=self.plan["model"], profile=self.plan["profile"])
+            t0 = time.perf_counter()
+            self.pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.profile())
+        else:
+            self.phase("load", model=self.plan["model"], profile=self.plan["profile"], runtime=self.runtime)
+            page = os.environ.get(BROWSER_PAGE_ENV)
+            t0 = time.perf_counter()
+            self.pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.plan["profile"],
+                                      runtime=self.runtime, **({"page": page} if page else {}))
+            self.caps = self.pipe.caps
+            if self.plan["profile"] == "auto" and self.plan.get("tuned_profiles"):
+                self.pipe.set_profile(self.profile())  # chosen for the page's adapter, known now
+            (self.step_executor if self.spec.kind == "latency" else self.generation_executor)(self.pipe)
         self.sample("load_ms", (time.perf_counter() - t0) * 1e3, "ms")
-        return pipe
+        return self.pipe
+
+    def generation_executor(self, pipe):
+        """The executor of the job's generation (made as PlanPipeline.generate makes it)."""
+        s = self.spec
+        height, width = self.size(pipe)
+        return pipe.executor(height, width, s.steps, s.scheduler, s.guidance_scale,
+                             None if s.init_image is None else float(s.strength))
+
+    def step_executor(self, pipe):
+        """The executor whose plan's UNet step is timed and profiled: a batch-2 plan at the
+        job's size, the generation's own when it guides (its unet_step stage is the same; a
+        browser page holds the weights of every plan it loads, so another plan would double
+        them on the phone), else pipe.executor(height, width, guidance_scale=7.5)."""
+        ex = self.generation_executor(pipe)
+        if ex.plan["batch"] == 2:
+            return ex
+        height, width = self.size(pipe)
+        return pipe.executor(height, width, guidance_scale=7.5)
+
+    def close(self) -> None:
+        """Give back what the pipeline started (the browser runtime's Chromium)."""
+        close = getattr(self.pipe, "close", None)
+        if close is not None:
+            close()
 
     def generate_once(self, pipe, height: int, width: int, phase: str, repetition: int | None = None):
         s = self.spec
@@ -650,14 +753,21 @@ class _Child:
     # -- the kinds
 
     def run(self) -> JobResult:
-        from engine.device import get_gpu
+        try:
+            if self.runtime == "native":
+                from engine.device import get_gpu
 
-        self.caps = get_gpu().caps
-        self.result.device = self.caps.device
-        self.engine_info()
-        before = self.thermal("before")
-        self.environment(before.clocks_mhz if before is not None else None)
-        getattr(self, f"run_{self.spec.kind}")()
+                self.caps = get_gpu().caps
+            else:
+                self.engine_info()
+                self.load()  # the browser's adapter is known once its page is up
+            self.result.device = self.caps.device
+            self.engine_info()
+            before = self.thermal("before")
+            self.environment(before.clocks_mhz if before is not None else None)
+            getattr(self, f"run_{self.spec.kind}")()
+        finally:
+            self.close()
         self.thermal("after")
         self.result.status = "succeeded"
         return self.result
@@ -688,6 +798,8 @@ class _Child:
         back, so each is timed to GPU completion), then as many profiled steps for per-kernel
         GPU times (profiling splits passes, so they are kept apart from the timed ones), then
         spec.repetitions timed end-to-end generations."""
+        if self.runtime != "native":
+            return self.run_latency_on_plans()
         s = self.spec
         pipe = self.load()
         rt = pipe.rt
@@ -711,17 +823,65 @@ class _Child:
             if timed_kernels:
                 self.time_kernels(pipe, sample, t, ctx, s.unet_repetitions)
             del ctx
+        self.e2e_generations(pipe, height, width)
+        clock = ("off" if not s.kernel_timings else "unavailable (no timestamp-query)" if not timed_kernels
+                 else "gpu timestamp queries" + (" (CPU adapter: not wall-clock comparable)"
+                                                 if self.caps.adapter_type.lower() == "cpu" else ""))
+        self.engine_info(pipe, height=height, width=width, unet_batch=2, unet_timestep=t, kernel_timing=clock,
+                         kernel_timing_repetitions=s.unet_repetitions if timed_kernels else 0)
+
+    def run_latency_on_plans(self) -> None:
+        """run_latency on the plan and browser runtimes: the executor of a batch-2 plan at the
+        job's size (step_executor) times spec.unet_repetitions replays of its UNet step to GPU
+        completion (after spec.warmup untimed ones, its inputs random and written once, so
+        unlike the native step no upload or readback is in the time); then as many profiled
+        replays for per-kernel GPU times, where the executor has them; then the end-to-end
+        generations."""
+        s = self.spec
+        pipe = self.load()
+        height, width = self.size(pipe)
+        ex = self.step_executor(pipe)
+        self.phase("unet_step", repetitions=s.unet_repetitions, warmup=s.warmup)
+        for r, ms in enumerate(ex.time_stage("unet_step", s.unet_repetitions, warmup=s.warmup, seed=s.seed)):
+            self.sample("unet_step_ms", ms, "ms", r)
+        self.emit({"event": "step", "phase": "unet_step", "done": s.unet_repetitions, "total": s.unet_repetitions})
+        from engine.plan_exec import plan_gpu_bytes
+
+        self.sample("unet_step_peak_gpu_bytes", plan_gpu_bytes(ex), "bytes")
+        clock = self.time_plan_kernels(ex, s.unet_repetitions)
+        self.e2e_generations(pipe, height, width)
+        self.engine_info(pipe, height=height, width=width, unet_batch=ex.plan["batch"], unet_inputs="random",
+                         kernel_timing=clock,
+                         kernel_timing_repetitions=s.unet_repetitions if clock.startswith("gpu") else 0)
+
+    def e2e_generations(self, pipe, height: int, width: int) -> None:
+        s = self.spec
         for r in range(s.warmup):
             self.phase("e2e_warmup", repetition=r)
             self.generate_once(pipe, height, width, "e2e_warmup", r)
         for r in range(s.repetitions):
             self.phase("e2e", repetition=r, repetitions=s.repetitions)
             self.generation_samples(self.generate_once(pipe, height, width, "e2e", r), r)
-        clock = ("off" if not s.kernel_timings else "unavailable (no timestamp-query)" if not timed_kernels
-                 else "gpu timestamp queries" + (" (CPU adapter: not wall-clock comparable)"
-                                                 if self.caps.adapter_type.lower() == "cpu" else ""))
-        self.engine_info(pipe, height=height, width=width, unet_batch=2, unet_timestep=t, kernel_timing=clock,
-                         kernel_timing_repetitions=s.unet_repetitions if timed_kernels else 0)
+
+    def time_plan_kernels(self, ex, repetitions: int) -> str:
+        """Per-kernel GPU times of `repetitions` profiled replays of a plan's UNet step, one call
+        each so that each repetition keeps its own; returns what the result's engine info says
+        about the kernel clock."""
+        if not self.spec.kernel_timings:
+            return "off"
+        if not self.caps.has_timestamps:
+            return "unavailable (no timestamp-query)"
+        if not hasattr(ex, "kernel_times"):
+            return f"unavailable on the {self.runtime} runtime"
+        self.phase("kernel_timings", repetitions=repetitions)
+        for r in range(repetitions):
+            times = ex.kernel_times("unet_step", 1)
+            if times is None:  # the page's device did not get timestamp-query
+                return "unavailable (no timestamp-query)"
+            for label, kt in sorted(times.items()):
+                self.result.kernel_timings.append(KernelTiming(label, int(kt["calls"]), float(kt["total_ms"]), r))
+        return "gpu timestamp queries" + (" (CPU adapter: not wall-clock comparable)"
+                                          if self.caps.adapter_type.lower() == "cpu" else "")
 
     def unet_inputs(self, pipe, height: int, width: int):
         """A UNet CFG step's inputs: seeded latents (batch 2), a timestep, the prompt's context."""
@@ -755,6 +915,11 @@ class _Child:
             return "off"
         if not self.caps.has_timestamps:
             return "unavailable (no timestamp-query)"
+        if self.runtime != "native":
+            ex = self.step_executor(pipe)
+            ex.time_stage("unet_step", 0, warmup=1, seed=self.spec.seed)  # random inputs, one warm-up
+            clock = self.time_plan_kernels(ex, 1)
+            return clock + f", one UNet step after the {self.spec.kind}" if clock.startswith("gpu") else clock
         sample, t, ctx_np = self.unet_inputs(pipe, height, width)
         with pipe.weights_on_gpu("unet"):
             ctx = pipe.rt.upload(ctx_np, pipe.dtype)

@@ -57,6 +57,49 @@ class _Dispatch:
     pipeline: Any
     bind_group: Any
     groups: tuple[int, int, int]
+    label: str
+
+
+class _KernelClock:
+    """Timestamp queries around each dispatch of a profiled replay, added up per kernel label
+    (as engine.runtime's profiling does): each dispatch gets a pass of its own, so a profiled
+    replay is never a timed one."""
+
+    def __init__(self, device, period_ns: float, capacity: int = 2048):
+        self.device, self.period_ns, self.capacity = device, period_ns, capacity
+        self.query_set = device.create_query_set(type="timestamp", count=2 * capacity)
+        self.labels: list[str] = []  # of the queries written since the last resolve
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def begin_pass(self, encoder, label: str):
+        i = len(self.labels)
+        self.labels.append(label)
+        return encoder.begin_compute_pass(timestamp_writes={
+            "query_set": self.query_set, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
+
+    @property
+    def full(self) -> bool:
+        return len(self.labels) >= self.capacity
+
+    def resolve(self, encoder):
+        """Record the copy of the queries written so far into a buffer read after the submit."""
+        import wgpu
+
+        if not self.labels:
+            return None
+        n = len(self.labels)
+        buffer = self.device.create_buffer(size=16 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+        encoder.resolve_query_set(self.query_set, 0, 2 * n, buffer, 0)
+        return buffer
+
+    def read(self, buffer) -> None:
+        ticks = np.frombuffer(self.device.queue.read_buffer(buffer), dtype=np.uint64).reshape(-1, 2)
+        for label, (t0, t1) in zip(self.labels, ticks, strict=True):
+            t = self.totals.setdefault(label, {"calls": 0, "total_ms": 0.0})
+            t["calls"] += 1
+            t["total_ms"] += max(int(t1) - int(t0), 0) * self.period_ns / 1e6
+        buffer.destroy()
+        self.labels.clear()
 
 
 class PlanExecutor:
@@ -100,6 +143,7 @@ class PlanExecutor:
         self.program = self._prepare(plan["generate"])
         self._encoder = self._pass = None
         self._recorded = 0
+        self._clock: _KernelClock | None = None  # set while kernel_times replays a stage
         self._fence = Fence(self.device)
         self.step_ms: list[float] = []
         self.stage_ms: dict[str, float] = {}
@@ -141,7 +185,7 @@ class PlanExecutor:
                             for n, b, size in c["bindings"]]
                 group = gpu_call(f"binding the buffers of {c['label']}", self.device.create_bind_group,
                                  layout=pipeline.get_bind_group_layout(0), entries=entries)
-                prepared.append(("dispatch", _Dispatch(pipeline, group, tuple(c["groups"]))))
+                prepared.append(("dispatch", _Dispatch(pipeline, group, tuple(c["groups"]), c["label"])))
             elif op == "write":
                 prepared.append(("write", self.buffers[c["buffer"]], _unb64(c["data"])))
             elif op == "copy":
@@ -160,8 +204,11 @@ class PlanExecutor:
         if self._pass is not None:
             self._pass.end()
             self._pass = None
+        timestamps = self._clock.resolve(self._encoder) if self._clock is not None else None
         gpu_call("submitting plan work", self.device.queue.submit, [self._encoder.finish()])
         self._encoder, self._recorded = None, 0
+        if timestamps is not None:
+            self._clock.read(timestamps)
 
     def sync(self) -> None:
         self._flush()
@@ -172,13 +219,21 @@ class PlanExecutor:
             kind = c[0]
             if kind == "dispatch":
                 d = c[1]
+                if self._clock is not None and self._clock.full:
+                    self._flush()
                 if self._encoder is None:
                     self._encoder = self.device.create_command_encoder()
-                if self._pass is None:
-                    self._pass = self._encoder.begin_compute_pass()
-                self._pass.set_pipeline(d.pipeline)
-                self._pass.set_bind_group(0, d.bind_group)
-                self._pass.dispatch_workgroups(*d.groups)
+                if self._clock is not None:
+                    cpass = self._clock.begin_pass(self._encoder, d.label)
+                else:
+                    if self._pass is None:
+                        self._pass = self._encoder.begin_compute_pass()
+                    cpass = self._pass
+                cpass.set_pipeline(d.pipeline)
+                cpass.set_bind_group(0, d.bind_group)
+                cpass.dispatch_workgroups(*d.groups)
+                if self._clock is not None:
+                    cpass.end()
                 self._recorded += 1
                 if self._recorded >= SUBMIT_EVERY:
                     self._flush()
@@ -246,6 +301,23 @@ class PlanExecutor:
                 times.append((time.perf_counter() - t0) * 1e3)
         return times
 
+    def kernel_times(self, stage: str, repetitions: int = 1) -> dict[str, dict[str, float]] | None:
+        """Per-kernel GPU times of `repetitions` replays of a stage, as BrowserExecutor's:
+        {label: {"calls", "total_ms"}}, None when the adapter has no timestamp-query. The stage
+        runs on what its input buffers hold (time_stage writes random inputs)."""
+        if not self.gpu.caps.has_timestamps:
+            return None
+        self.sync()
+        self._clock = _KernelClock(self.device, self.gpu.caps.timestamp_period_ns)
+        try:
+            for _ in range(repetitions):
+                self._walk(self.stages[stage], {})
+            self.sync()
+            return self._clock.totals
+        finally:
+            self._clock.query_set.destroy()
+            self._clock = None
+
     def generate(self, input_ids: np.ndarray, latents: np.ndarray | None, noise: list[np.ndarray],
                  image: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The whole generation: token ids, the first sample (initial latents times the loop's
@@ -270,6 +342,17 @@ class PlanExecutor:
         self.sync()
         self.step_ms.append((time.perf_counter() - self._step_t0) * 1e3)  # the last step and the decode
         return {name: self.read(io) for name, io in self.plan["outputs"].items()}
+
+
+def plan_gpu_bytes(executor) -> int:
+    """The GPU memory an executor's plan holds while it runs: its own buffers and its weights
+    (all allocated at load, none freed until it is dropped)."""
+    return executor.bytes + sum(b["size"] for b in executor.plan["buffers"] if b["kind"] == "weight")
+
+
+# A plan's stages under the names GenerationResult.stage_peak_gpu_bytes gives them.
+PEAK_STAGES = {"text_encoder": "text_encoder", "vae_encode": "vae_encode", "unet_step": "unet",
+               "vae_decode": "vae_decode"}
 
 
 def _unb64(text: str) -> bytes:
@@ -316,6 +399,13 @@ class PlanPipeline:
 
     def __exit__(self, *exc):
         self.close()
+
+    def set_profile(self, profile) -> None:
+        """Kernel selection for the plans made from now on (a profile spec, as load_pipeline
+        takes); the plans made so far are dropped, the weights on the GPU kept."""
+        self.profile = profile
+        self._executors.clear()
+        self.plans.clear()
 
     def executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
                  guidance_scale: float = 7.5, strength: float | None = None):
@@ -410,6 +500,9 @@ class PlanPipeline:
         timings = {("unet_total_ms" if k == "unet_step" else f"{k}_ms"): v for k, v in ex.stage_ms.items()}
         timings["unet_step_ms"] = float(np.median(ex.step_ms)) if ex.step_ms else 0.0
         timings["total_ms"] = (time.perf_counter() - t_start) * 1e3
-        peak = ex.bytes + sum(b["size"] for b in plan["buffers"] if b["kind"] == "weight")
+        # every buffer of a plan lives through the whole generation: each stage's peak is the plan's
+        peak = plan_gpu_bytes(ex)
         return GenerationResult(image=image_from_decoded(out["image"]), latents=out["latents"], timings=timings,
-                                peak_gpu_bytes=peak, warnings=list(plan.get("warnings", [])))
+                                peak_gpu_bytes=peak, warnings=list(plan.get("warnings", [])),
+                                stage_peak_gpu_bytes={name: peak for s, name in PEAK_STAGES.items()
+                                                      if s in plan["stages"]})

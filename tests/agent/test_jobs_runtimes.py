@@ -1,0 +1,196 @@
+"""agent.jobs on the engine's plan and browser runtimes ($FARM_ENGINE_RUNTIME), on the tiny model:
+
+- plan (lavapipe): latency and generate jobs give the native runtime's sample metrics, units
+  and repetitions, per-kernel GPU times with the native runtime's kernels and call counts, and
+  the native runtime's image bit for bit (one adapter, the same kernels in the same order:
+  engine/plan_exec.py);
+- browser (headless Chromium on SwiftShader, fp32): a latency job gives one unet_step_ms per
+  repetition and per-kernel times, an environment naming the browser and none of this host's
+  OS or temperatures; a generate job's image is within 40 dB PSNR of the plan runtime's;
+- a tune job, a runtime that does not exist or a page without the browser runtime end as a
+  failed result saying why, before any engine work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ci_support import missing
+
+from agent import jobs
+from agent.jobs import run_job
+from agent.protocol import Cooldown, JobResult, JobSpec
+
+
+def spec(**kw) -> JobSpec:
+    base = {"job_id": "rt", "kind": "generate", "precision": "fp32", "steps": 2, "scheduler": "euler",
+            "prompt": "a lighthouse at dusk", "negative_prompt": "blurry", "seed": 5}
+    return JobSpec(**(base | kw))
+
+
+def latency_spec(model: Path) -> JobSpec:
+    return spec(kind="latency", model=str(model), warmup=1, unet_repetitions=3, repetitions=2, height=32,
+                width=32)
+
+
+def run_on(runtime: str, s: JobSpec, out: Path) -> JobResult:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(jobs.BROWSER_PAGE_ENV, raising=False)
+        mp.setenv(jobs.ENGINE_RUNTIME_ENV, runtime)
+        mp.setenv("FARM_BROWSER_WEBGPU_ADAPTER", "swiftshader")  # the adapter test_browser.py checks
+        result = run_job(s, out, out.parent / "root")
+    assert result.status == "succeeded", (result.error or "") + result.log_tail
+    return result
+
+
+def image(result: JobResult, out: Path) -> np.ndarray:
+    from PIL import Image
+
+    art = next(a for a in result.artifacts if a.kind == "image")
+    return np.asarray(Image.open(out / art.path).convert("RGB"))
+
+
+def metrics(result: JobResult) -> dict[tuple[str, str], list[int]]:
+    """(metric, unit) -> the repetitions sampled."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for s in result.samples:
+        out.setdefault((s.metric, s.unit), []).append(s.repetition)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def kernels(result: JobResult, repetition: int) -> dict[str, int]:
+    return {k.kernel: k.calls for k in result.kernel_timings if k.repetition == repetition}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """Each runtime's jobs, run once: {(runtime, kind): (result, out_dir)}."""
+    made = {}
+
+    def get(runtime: str, kind: str):
+        if (runtime, kind) not in made:
+            out = tmp_path_factory.mktemp(f"{runtime}-{kind}") / "out"
+            s = latency_spec(tiny_model_dir) if kind == "latency" else spec(model=str(tiny_model_dir))
+            made[(runtime, kind)] = run_on(runtime, s, out), out
+        return made[(runtime, kind)]
+
+    return get
+
+
+def need_chromium() -> str:
+    from engine.browser import find_chromium
+
+    chromium = find_chromium()
+    if not chromium:
+        missing("no chromium: bash scripts/ensure-chromium.sh installs it", "CI needs it")
+    return chromium
+
+
+# ---- the plan runtime -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_plan_latency_job_measures_what_native_measures(runs):
+    native, _ = runs("native", "latency")
+    planned, out = runs("plan", "latency")
+    assert metrics(planned) == metrics(native)
+    assert metrics(planned)[("unet_step_ms", "ms")] == [0, 1, 2]
+    assert all(s.value > 0 for s in planned.samples if s.metric in ("unet_step_ms", "unet_step_peak_gpu_bytes"))
+    assert planned.engine["runtime"] == "plan" and planned.engine["unet_batch"] == 2
+    for key in ("profile", "precision", "selection"):  # from the plans, as native reads its selection
+        assert planned.engine[key] == native.engine[key], key
+    assert planned.environment.runtime["kind"] == "plan" and planned.environment.runtime.get("version")
+    assert json.loads((out / "plan.json").read_text())["runtime"] == "plan"
+    # the plan's UNet step runs the native runtime's kernels, as often, in each profiled repetition
+    assert planned.engine["kernel_timing"].startswith("gpu timestamp queries")
+    assert planned.engine["kernel_timing_repetitions"] == 3
+    for r in range(3):
+        assert kernels(planned, r) == kernels(native, r) != {}
+
+
+@pytest.mark.gpu
+def test_plan_generate_job_makes_the_native_image(runs):
+    native, native_out = runs("native", "generate")
+    planned, out = runs("plan", "generate")
+    assert metrics(planned) == metrics(native)
+    assert {"e2e_ms", "unet_total_ms", "unet_peak_gpu_bytes"} <= {s.metric for s in planned.samples}
+    np.testing.assert_array_equal(image(planned, out), image(native, native_out))
+    assert (out / "image.png").is_file()
+    assert planned.engine["runtime"] == "plan" and native.engine["runtime"] == "native"
+    assert planned.engine["precision"] == "fp32" and planned.engine["warnings"] == []
+    assert planned.engine["kernel_timing"].startswith("gpu timestamp queries") and kernels(planned, 0)
+    # the plan runs on this host's GPU: its zones are the device's, read as the native runtime reads them
+    assert {t.zone for t in planned.thermal} == {t.zone for t in native.thermal}
+
+
+def test_tune_runs_on_the_native_runtime_only(tiny_model_dir, tmp_path, monkeypatch):
+    from engine.pipeline import RUNTIMES
+
+    assert jobs.RUNTIMES == RUNTIMES
+    monkeypatch.setenv(jobs.ENGINE_RUNTIME_ENV, "plan")
+    result = run_job(spec(kind="tune", model=str(tiny_model_dir)), tmp_path / "out", tmp_path / "root")
+    assert result.status == "failed"
+    assert result.error.startswith("tune jobs run on the native runtime (the farm tunes on the GPU host)")
+    assert "FARM_ENGINE_RUNTIME=plan" in result.error and "Traceback" not in result.log_tail
+    assert not (tmp_path / "out" / "plan.json").exists()  # refused before any work
+    assert not (tmp_path / "root" / "locks" / jobs.LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("env,message", [
+    ({jobs.ENGINE_RUNTIME_ENV: "webgl"}, "FARM_ENGINE_RUNTIME='webgl' is not an engine runtime; set one of "
+                                         "native, plan, browser"),
+    ({jobs.BROWSER_PAGE_ENV: "http://127.0.0.1:9/ctl/p1?key=k"}, "FARM_BROWSER_PAGE is for "
+                                                                  "FARM_ENGINE_RUNTIME=browser"),
+])
+def test_a_runtime_setting_that_cannot_run_fails_the_job(tiny_model_dir, tmp_path, monkeypatch, env, message):
+    monkeypatch.delenv(jobs.ENGINE_RUNTIME_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = run_job(spec(model=str(tiny_model_dir)), tmp_path / "out", tmp_path / "root")
+    assert result.status == "failed" and message in result.error
+
+
+# ---- the browser runtime ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_browser_latency_job_records_the_browser_not_this_host(tiny_model_dir, tmp_path):
+    chromium = need_chromium()
+    s = latency_spec(tiny_model_dir)
+    s.cooldown = Cooldown(max_celsius=-30.0, max_wait_s=60.0, poll_s=0.1)  # this host's zones must not count
+    result = run_on("browser", s, tmp_path / "out")
+    assert metrics(result)[("unet_step_ms", "ms")] == [0, 1, 2]
+    assert all(smp.value > 0 for smp in result.samples if smp.metric == "unet_step_ms")
+    assert ("unet_step_peak_gpu_bytes", "bytes") in metrics(result)
+    # per-kernel times from the page's timestamp queries, one set per repetition
+    assert {k.repetition for k in result.kernel_timings} == {0, 1, 2}
+    assert all(k.calls > 0 and k.total_ms >= 0 for k in result.kernel_timings)
+    assert result.engine["kernel_timing"].startswith("gpu timestamp queries")
+    assert result.engine["runtime"] == "browser" and result.engine["adapter"]["architecture"] == "swiftshader"
+    assert len(result.engine["plans"]) == 1  # the generation's plan is the timed step's: one on the page
+    # the browser's environment: its name and version, none of this host's OS, clocks or zones
+    env = result.environment
+    version = subprocess.run([chromium, "--version"], capture_output=True, text=True).stdout  # "Chromium 156.0..."
+    major = next(w for w in version.split() if w[:1].isdigit()).split(".")[0]
+    assert env.runtime["kind"] == "browser" and env.runtime["name"] == "HeadlessChrome"
+    assert env.runtime["version"].split(".")[0] == major
+    assert (env.os, env.os_version, env.os_build, env.kernel, env.clocks_mhz) == ("", "", "", "", {})
+    assert env.adapter["architecture"] == "swiftshader" and "adapter_id" not in env.adapter
+    assert result.thermal == [] and result.cooldown_wait_s is None
+    assert "this host's temperatures are not its device's" in result.log_tail
+
+
+@pytest.mark.gpu
+def test_browser_generate_job_matches_the_plan_runtime(runs):
+    need_chromium()
+    planned, plan_out = runs("plan", "generate")
+    browser, out = runs("browser", "generate")
+    assert metrics(browser) == metrics(planned)
+    a, b = image(planned, plan_out).astype(np.float64) / 255, image(browser, out).astype(np.float64) / 255
+    mse = float(np.mean((a - b) ** 2))
+    assert mse == 0 or 10 * np.log10(1.0 / mse) >= 40.0, f"{10 * np.log10(1.0 / mse):.1f} dB"
+    assert browser.engine["runtime"] == "browser" and browser.thermal == []
+    assert browser.kernel_timings and {k.repetition for k in browser.kernel_timings} == {0}
