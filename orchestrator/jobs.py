@@ -122,7 +122,8 @@ def _grace(settings: Settings, extra_s: float = 0.0) -> dt.datetime:
 def make_transport(device: Device, settings: Settings) -> Transport:
     """The transport for a device row: `address` is the agent root (local; default
     <data_dir>/devices/<serial>), host:port or usb:SERIAL (adb), or the agent's URL (http, with
-    its token in <config_dir>/tokens/<serial>); adb signs with <config_dir>/adbkey. ValueError
+    its token in <config_dir>/tokens/<serial>); adb signs with <config_dir>/adbkey. A device of
+    the browser runtime is reached over adb too, its engine run by its browser. ValueError
     (orchestrator.inputs.BadInput) names a stored address that cannot be used."""
     from orchestrator.inputs import AdbTcpAddress, HttpAddress, LocalAddress, parse_device_address
 
@@ -139,8 +140,26 @@ def make_transport(device: Device, settings: Settings) -> Transport:
     from orchestrator.transports.adb import AdbTransport
 
     if isinstance(address, AdbTcpAddress):
-        return AdbTransport(address.host, address.port, key_path=settings.adb_key, name=device.serial)
-    return AdbTransport(usb_serial=address.serial, key_path=settings.adb_key, name=device.serial)
+        adb = AdbTransport(address.host, address.port, key_path=settings.adb_key, name=device.serial)
+    else:
+        adb = AdbTransport(usb_serial=address.serial, key_path=settings.adb_key, name=device.serial)
+    if device.runtime == "browser":
+        return browser_transport(device, adb, settings)
+    return adb
+
+
+def browser_transport(device: Device, adb, settings: Settings) -> Transport:
+    """A phone whose browser runs the engine: its host-side agent root <data_dir>/devices/<serial>,
+    its page's token in <config_dir>/tokens/browser/<serial> (made on first use, 0600), the
+    farm's public key the page is enrolled with."""
+    from orchestrator.browser_hub import read_or_make_token
+    from orchestrator.cli.builds import PUBLIC_KEY, farm_key
+    from orchestrator.transports.browser import AdbPageLink, BrowserTransport
+
+    farm_key(settings.config_dir)
+    token = read_or_make_token(settings.config_dir / "tokens" / "browser" / device.serial)
+    return BrowserTransport(settings.data_dir / "devices" / device.serial, AdbPageLink(adb), token,
+                            settings.config_dir / PUBLIC_KEY, name=device.serial)
 
 
 def _queue_of(device: Device, settings: Settings) -> str:

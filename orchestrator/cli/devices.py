@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from enum import StrEnum
 from typing import Any, NoReturn
 
 import typer
@@ -81,6 +82,7 @@ def device_dict(device: Device) -> dict[str, Any]:
         "id": device.id,
         "serial": device.serial,
         "transport": str(device.transport),
+        "runtime": device.runtime,
         "address": device.address,
         "host": device.host.name if device.host is not None else None,
         "state": str(device.state),
@@ -120,6 +122,11 @@ def _print_json(data: Any) -> None:
 # ---- commands -----------------------------------------------------------------------------
 
 
+class Runtime(StrEnum):
+    python = "python"
+    browser = "browser"
+
+
 ADDRESS_HELP = ("local: agent root folder (default <data_dir>/devices/SERIAL); adb: HOST:PORT or usb:SERIAL; "
                 "http: the agent's http(s) URL (token in <config_dir>/tokens/SERIAL).")
 
@@ -131,20 +138,26 @@ def add(
     # Eager: parsed before --address, wherever it stands, so the address is checked against it.
     transport: TransportKind = typer.Option(..., "--transport", help="How the farm reaches it.", is_eager=True),
     address: str = typer.Option("", "--address", help=ADDRESS_HELP, callback=validate.device_address),
+    runtime: Runtime = typer.Option(Runtime.python, "--runtime",
+                                    help="python: farm-agent runs the engine on the device; browser: the device's "
+                                    "web browser does (an Android phone's Chrome over adb: README, Real phones)."),
 ):
     """Register a device; it stays offline until `farm devices discover` reaches it."""
     from sqlalchemy import select
 
     from orchestrator.db import store
 
+    if runtime is Runtime.browser and transport is not TransportKind.adb:
+        fail(f"the browser runtime is reached over adb (a reverse forward to the phone's Chrome), not {transport}")
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
         if session.scalar(select(Device).where(Device.serial == serial)) is not None:
             fail(f"device {serial!r} already exists; `farm devices remove {serial}` first to re-add it")
-        device = store.upsert_device(session, serial, transport, address, host=settings.host_name)
+        device = store.upsert_device(session, serial, transport, address, host=settings.host_name,
+                                     runtime=runtime.value)
         session.commit()
-        console.print(f"added device {device.serial} ({device.transport}, {device.address or 'default address'})",
-                      highlight=False)
+        console.print(f"added device {device.serial} ({device.transport}, {device.runtime} runtime, "
+                      f"{device.address or 'default address'})", highlight=False)
 
 
 @app.command("list")
@@ -161,10 +174,10 @@ def list_devices(as_json: bool = JSON_OPTION):
         if not devices:
             console.print("no devices; add one with `farm devices add SERIAL --transport ... --address ...`")
             return
-        table = Table("serial", "transport", "state", "gpu", "model", "last seen")
+        table = Table("serial", "transport", "runtime", "state", "gpu", "model", "last seen")
         for d in devices:
             gpu = d.gpu_device or d.gpu_vendor or "-"
-            table.add_row(d.serial, str(d.transport), _state(d), gpu, d.model or "-",
+            table.add_row(d.serial, str(d.transport), d.runtime, _state(d), gpu, d.model or "-",
                           d.last_seen.strftime("%Y-%m-%d %H:%M:%S") if d.last_seen else "never")
         console.print(table)
 

@@ -176,6 +176,9 @@ class Device(Base):
     host_id: Mapped[int | None] = mapped_column(ForeignKey("hosts.id", ondelete="SET NULL"))
     transport: Mapped[TransportKind] = mapped_column(_enum(TransportKind, "transport"))
     address: Mapped[str] = mapped_column(String(255), default="")
+    # Who runs the engine on it: "python" (farm-agent and wgpu-native on the device) or
+    # "browser" (the device's web browser; orchestrator/transports/browser.py)
+    runtime: Mapped[str] = mapped_column(String(16), default="python", server_default="python")
     # identity (from DeviceInfo)
     model: Mapped[str] = mapped_column(String(255), default="")
     manufacturer: Mapped[str] = mapped_column(String(255), default="")

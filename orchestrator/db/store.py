@@ -89,16 +89,21 @@ def upsert_device(
     *,
     info: DeviceInfo | None = None,
     host: str | None = None,
+    runtime: str | None = None,
 ) -> Device:
     """Create or update the device `serial`; `info` (when given) refreshes its identity and
-    marks it seen. A new device starts offline until something reports it available."""
+    marks it seen; `runtime` (python, browser) when given. A new device starts offline until
+    something reports it available."""
     query = select(Device).where(Device.serial == serial)
     device = session.scalar(query)
     if device is None:
         device = _insert_or_get(
-            session, Device(serial=serial, transport=TransportKind(transport), address=address), query
+            session, Device(serial=serial, transport=TransportKind(transport), address=address,
+                            runtime=runtime or "python"), query
         )
     device.transport = TransportKind(transport)
+    if runtime is not None:
+        device.runtime = runtime
     if address:
         device.address = address
     if host is not None:

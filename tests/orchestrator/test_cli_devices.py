@@ -131,3 +131,30 @@ def test_state_machine_refusals_are_one_line(cli_db):
     assert json.loads(cli("devices", "discover", "--json").output)[0]["state"] == "quarantined"  # sticky
     cli("devices", "release", "phone-1")
     assert json.loads(cli("devices", "show", "phone-1", "--json").output)["state"] == "available"
+
+
+def test_a_browser_device_is_added_over_adb_and_reached_through_its_browser(cli_db):
+    from orchestrator.db.models import Device
+    from orchestrator.jobs import make_transport
+    from orchestrator.settings import load_settings
+    from orchestrator.transports.browser import AdbPageLink, BrowserTransport
+
+    cli = cli_db
+    added = cli("devices", "add", "pixel-8", "--transport", "adb", "--address", "127.0.0.1:5999",
+                "--runtime", "browser")
+    assert "browser runtime" in added.output
+    cli("devices", "add", "pixel-6", "--transport", "adb", "--address", "127.0.0.1:5998")
+    listed = {d["serial"]: (d["transport"], d["runtime"]) for d in json.loads(cli("devices", "list", "--json").output)}
+    assert listed == {"pixel-8": ("adb", "browser"), "pixel-6": ("adb", "python")}
+    refused = cli("devices", "add", "mac", "--transport", "http", "--address", "http://10.0.0.2:8765",
+                  "--runtime", "browser", ok=False)
+    assert "reached over adb" in refused.output
+
+    settings = load_settings()
+    with cli.Session() as session:
+        device = session.query(Device).filter_by(serial="pixel-8").one()
+        transport = make_transport(device, settings)
+    assert isinstance(transport, BrowserTransport) and isinstance(transport.link, AdbPageLink)
+    token_file = settings.config_dir / "tokens" / "browser" / "pixel-8"
+    assert transport.token == token_file.read_text().strip() and oct(token_file.stat().st_mode & 0o777) == "0o600"
+    assert transport.enrolment_url().startswith("http://localhost:8790/web/index.html#device=pixel-8&token=")

@@ -1,0 +1,269 @@
+"""The browser runtime's transport: a device whose engine runs in its web browser (an Android
+phone's Chrome, an iPhone's Safari), which has WebGPU but no Python. The job's logic runs in a
+`farm-agent` on this host, in an agent root of the device's own (<data_dir>/devices/<serial>),
+exactly as for a local device: the same lock, time limit, JobSpec and JobResult. Its engine is
+the browser runtime (FARM_ENGINE_RUNTIME=browser): every plan runs in the device's page, reached
+through the farm's hub (orchestrator/browser_hub.py).
+
+A deploy installs the signed build in the host-side root (the agent verifies it), then hands
+the page the signed manifest: the page verifies the signature with WebCrypto and keeps the
+shaders and weights it lacks in its cache, by sha256, so a re-deploy of an unchanged build sends
+nothing. A job's plans run from that verified copy.
+
+How the page is reached is a PageLink: over ADB (AdbPageLink: a reverse forward makes the hub
+the phone's http://localhost:PORT, a secure context, and an intent opens the page in the
+browser), with no dependence on the phone's Wi-Fi. The device's own readings (model, OS, thermal
+zones, battery) come from the link, not from the host that runs the agent.
+
+A page that stops answering mid-job (tab killed, screen off, device lost) ends the job as an
+infrastructure failure (InfraFailure: the task retries it), never as the job's own failure."""
+
+from __future__ import annotations
+
+import abc
+import base64
+import dataclasses
+import shlex
+import threading
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+
+from agent.bundle import FARM_KEY, load_public_key
+from agent.protocol import DeviceInfo, JobResult, JobSpec, ThermalReading
+from orchestrator.browser_hub import BrowserHub
+from orchestrator.transports.base import (
+    AgentExit,
+    DeviceOffline,
+    InfraFailure,
+    ProgressFn,
+    SendReport,
+    TransportError,
+    emit,
+)
+from orchestrator.transports.local import LocalTransport
+
+PAGE_PORT = 8790  # the phone's localhost port the page is served on (its origin: keep it fixed)
+BROWSER_PACKAGE = "com.android.chrome"
+PAGE_PATH = "/web/index.html"
+# Errors of the page or the hub that are the infrastructure's, not the job's
+LOST_KINDS = ("page-lost", "timeout", "hub", "device-lost", "browser-exited")
+# The files of a build the page keeps: what plans run (the rest is the host-side agent's)
+PAGE_FILES = ("shaders/",)
+PAGE_SUFFIXES = (".safetensors",)
+
+
+class PageLink(abc.ABC):
+    """How the farm reaches a device's page and the device's own readings."""
+
+    @abc.abstractmethod
+    def origin(self) -> str:
+        """The hub's origin as the device sees it (http://localhost:8790, https://farm.lab:8443)."""
+
+    @abc.abstractmethod
+    def prepare(self, hub: BrowserHub) -> None:
+        """Make the hub reachable from the device (a reverse forward)."""
+
+    @abc.abstractmethod
+    def open(self, url: str) -> None:
+        """Have the device's browser open `url`."""
+
+    def gone(self) -> str | None:
+        """Why waiting for the page is pointless (the browser exited), when the link can tell."""
+        return None
+
+    @abc.abstractmethod
+    def device_info(self, adapter: dict) -> DeviceInfo:
+        """The device's model, OS, thermal zones and battery, with the page's adapter."""
+
+    def thermal(self, phase: str) -> list[ThermalReading]:
+        """The device's thermal readings now; none where the link cannot read them."""
+        return []
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+class AdbPageLink(PageLink):
+    """An Android phone over ADB: `reverse:forward` of the phone's `page_port` to the hub, and
+    `am start` of the page in `package` (Chrome by default)."""
+
+    def __init__(self, adb, page_port: int = PAGE_PORT, package: str = BROWSER_PACKAGE):
+        self.adb = adb
+        self.page_port, self.package = page_port, package
+        self._tunnel = None
+        self._tunnel_port = None
+
+    def origin(self) -> str:
+        return f"http://localhost:{self.page_port}"
+
+    def prepare(self, hub: BrowserHub) -> None:
+        from orchestrator.transports.adb_reverse import ReverseTunnel
+
+        if self._tunnel is None or self._tunnel_port != hub.port:
+            if self._tunnel is not None:
+                self._tunnel.close()
+            self._tunnel = ReverseTunnel.over(self.adb, self.page_port, hub.port)
+            self._tunnel_port = hub.port
+        self._tunnel.ensure()
+
+    def open(self, url: str) -> None:
+        for best_effort in ("input keyevent KEYCODE_WAKEUP", "svc power stayon usb"):
+            self.adb.shell(best_effort)  # keep the screen on while it is plugged in, where allowed
+        out, err, code = self.adb.shell(f"am start -a android.intent.action.VIEW -d {shlex.quote(url)} "
+                                        f"{shlex.quote(self.package)}")
+        text = (out + err).strip()
+        if code != 0 or "Error" in text:
+            raise TransportError(self.adb.name, f"could not open the page in {self.package}: {text[-300:]}")
+
+    def device_info(self, adapter: dict) -> DeviceInfo:
+        from agent.deviceinfo import collect_android
+
+        def run(command: str) -> str:
+            out, err, _ = self.adb.shell(command)
+            return out + err
+
+        serial = run("getprop ro.serialno").strip() or self.adb.name
+        info = collect_android(run, adapter, serial)
+        info.virtual = run("getprop ro.devicefarm.virtual").strip() == "1"
+        return info
+
+    def thermal(self, phase: str) -> list[ThermalReading]:
+        try:
+            info = self.device_info({})
+        except TransportError:
+            return []
+        readings = [ThermalReading(phase, z.name, float(z.celsius)) for z in info.thermal]
+        if info.battery is not None and info.battery.celsius is not None:
+            readings.append(ThermalReading(phase, "battery", float(info.battery.celsius)))
+        return readings
+
+    def close(self) -> None:
+        if self._tunnel is not None:
+            self._tunnel.close()
+            self._tunnel = None
+        self.adb.close()
+
+
+_hub: BrowserHub | None = None
+_hub_lock = threading.Lock()
+
+
+def local_hub() -> BrowserHub:
+    """This process's hub on 127.0.0.1 (what reverse forwards point at), started on first use."""
+    global _hub
+    with _hub_lock:
+        if _hub is None:
+            _hub = BrowserHub()
+        return _hub
+
+
+class BrowserTransport(LocalTransport):
+    """Device `name` whose page `link` reaches, its host-side agent root `root`, its page's
+    `token`. `farm_pub` is the farm's public key (PEM) the page is enrolled with."""
+
+    def __init__(self, root: Path, link: PageLink, token: str, farm_pub: Path, *, name: str,
+                 hub: BrowserHub | None = None, open_timeout_s: float = 90.0, **kw):
+        super().__init__(root, name=name, **kw)
+        self.link, self.token = link, token
+        self.farm_pub = Path(farm_pub)
+        self.hub = hub
+        self.open_timeout_s = open_timeout_s
+        self._before: list[ThermalReading] = []
+
+    # ---- the page ------------------------------------------------------------------------------
+
+    def enrolment_url(self) -> str:
+        raw = load_public_key(self.farm_pub).public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        key = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+        return f"{self.link.origin()}{PAGE_PATH}#device={self.name}&token={self.token}&key={key}"
+
+    def ensure_page(self) -> BrowserHub:
+        """The hub, with this device's page polling it: the link prepared and, when the page is
+        not there, opened on the device."""
+        hub = self.hub or local_hub()
+        (self.root / "store").mkdir(parents=True, exist_ok=True)
+        hub.register(self.name, self.token, self.root / "store")
+        self.link.prepare(hub)
+        if not hub.online(self.name):
+            self.link.open(self.enrolment_url())
+            try:
+                hub.wait_online(self.name, self.open_timeout_s, gone=self.link.gone)
+            except Exception as exc:  # noqa: BLE001  (BrowserError: the page never came)
+                raise DeviceOffline(self.name, f"the page did not come up in the browser: {exc}") from None
+        return hub
+
+    def _call(self, op: str, timeout_s: float = 120.0, **fields) -> dict:
+        from engine.browser import BrowserError
+
+        hub = self.ensure_page()
+        try:
+            return hub.call(self.name, op, timeout_s=timeout_s, **fields)
+        except BrowserError as exc:
+            if exc.kind in LOST_KINDS:
+                raise DeviceOffline(self.name, f"{op}: {exc}") from None
+            raise TransportError(self.name, f"{op}: {exc}") from None
+
+    # ---- the Transport interface -----------------------------------------------------------------
+
+    def info(self) -> DeviceInfo:
+        hello = self._call("hello", timeout_s=60.0)
+        adapter = dict(hello["adapter"])
+        info = self.link.device_info(adapter)
+        from agent.deviceinfo import parse_user_agent
+
+        browser = parse_user_agent(adapter.get("user_agent", ""))
+        info.properties.update({"runtime": "browser", "browser": browser.get("name", "unknown"),
+                                "browser_version": browser.get("version", "unknown"),
+                                "page_secure_context": str(hello.get("secure"))})
+        info.agent_version = f"page@{hello.get('current') or 'none'}"
+        return info
+
+    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
+        """The host-side install (the agent verifies the build), then the page's: it verifies the
+        signature itself and fetches only the files it does not hold. What was sent is what the
+        page fetched."""
+        (self.root / FARM_KEY).parent.mkdir(parents=True, exist_ok=True)
+        if not (self.root / FARM_KEY).is_file():
+            from agent.bundle import provision_public_key
+
+            provision_public_key(self.root, self.farm_pub)
+        host = super().send_bundle(bundle_dir, progress)
+        manifest_bytes, manifest = self.read_manifest(Path(bundle_dir))
+        wanted = [f.path for f in manifest.files if f.path.startswith(PAGE_FILES) or f.path.endswith(PAGE_SUFFIXES)]
+        emit(progress, {"event": "page_deploy", "build": manifest.build, "files": len(wanted)})
+        signature = (Path(bundle_dir) / "manifest.sig").read_bytes()
+        report = self._call("deploy", timeout_s=max(600.0, self.timeout_s), build=manifest.build,
+                            manifest_b64=base64.b64encode(manifest.canonical_bytes()).decode(),
+                            signature_b64=base64.b64encode(signature).decode(), files=wanted)
+        emit(progress, {"event": "bundle_installed" if report["fetched_files"] else "bundle_current",
+                        "build": manifest.build, "where": "page"})
+        return SendReport(report["fetched_bytes"], report["fetched_files"], report["held_files"] +
+                          len(manifest.files) - len(wanted), host.seconds, manifest.build,
+                          host.installed or report["fetched_files"] > 0)
+
+    def exec_job(self, spec: JobSpec, limit_s: float, on_line, progress: ProgressFn | None) -> AgentExit:
+        hub = self.ensure_page()
+        self.job_env = {"FARM_ENGINE_RUNTIME": "browser", "FARM_BROWSER_PAGE": hub.control_url(self.name)}
+        self._before = self.link.thermal("before")
+        # The host's thermal zones are not the device's: the agent does no cool-down here.
+        return super().exec_job(dataclasses.replace(spec, cooldown=None), limit_s, on_line, progress)
+
+    def finish_result(self, spec: JobSpec, result: JobResult) -> JobResult:
+        error = result.error or ""
+        if result.status == "failed" and any(error.startswith(f"browser: {k}:") for k in LOST_KINDS):
+            raise InfraFailure(self.name, f"job {spec.job_id}: {error}", result.log_tail)
+        result.thermal = [*self._before, *result.thermal, *self.link.thermal("after")]
+        if result.environment is not None and not result.environment.os:
+            try:
+                device = self.link.device_info({})
+            except TransportError:
+                device = None
+            if device is not None:
+                env = result.environment
+                env.os, env.os_version = device.os, device.os_version
+                env.os_build = device.properties.get("ro.build.fingerprint", "")
+        return result
+
+    def close(self) -> None:
+        self.link.close()
