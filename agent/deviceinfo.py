@@ -508,6 +508,27 @@ def parse_user_agent(user_agent: str) -> dict[str, str]:
     return {"name": "Safari", "version": m.group(1)} if m else {}
 
 
+def parse_user_agent_os(user_agent: str) -> tuple[str, str, str]:
+    """(os, version, model) a user agent claims: ("ios", "18.6", "iPhone"), ("ipados", ...,
+    "iPad"), ("android", "14", "Android"), ("darwin", "10.15.7", "Mac"), ("windows", "10.0",
+    "PC"), ("linux", "", "PC"); empty strings where it says nothing. Browsers freeze parts of it
+    (Chrome on Android says "Android 10; K" whatever the phone; Safari on an iPad may claim a
+    Mac), so this is what the page said, not what the device is: a phone over ADB is read
+    from the phone instead."""
+    ua = user_agent
+    for pattern, os_name, model in ((r"\biPhone OS (\d+(?:_\d+)*)", "ios", "iPhone"),
+                                    (r"\biPad;.*? OS (\d+(?:_\d+)*)", "ipados", "iPad"),
+                                    (r"\bAndroid (\d+(?:\.\d+)*)", "android", "Android"),
+                                    (r"\bMac OS X (\d+(?:[_.]\d+)*)", "darwin", "Mac"),
+                                    (r"\bWindows NT (\d+(?:\.\d+)*)", "windows", "PC")):
+        m = re.search(pattern, ua)
+        if m:
+            return os_name, m.group(1).replace("_", "."), model
+    if "Linux" in ua:
+        return "linux", "", "PC"
+    return "", "", ""
+
+
 def browser_environment(adapter: dict, user_agent: str) -> RunEnvironment:
     """The environment of a run in a browser's page (the engine's browser runtime), read on the
     host that drives it: the page's adapter (`adapter`, a DeviceCaps dict; its identity, without

@@ -251,7 +251,7 @@ class BrowserSession:
         if not chromium:
             raise BrowserError("no-browser", "no Chromium found (apt-get install chromium, or set FARM_CHROMIUM)")
         if webgpu_adapter == "auto":
-            webgpu_adapter = os.environ.get("FARM_BROWSER_WEBGPU_ADAPTER") or _default_adapter()
+            webgpu_adapter = default_webgpu_adapter()
         self._profile_dir = tempfile.mkdtemp(prefix="farm-chromium-")
         self._log = open(Path(self._profile_dir) / "chromium.log", "wb")  # noqa: SIM115  (closed in close())
         self.process = subprocess.Popen(chromium_command(chromium, self._profile_dir, self.url, webgpu_adapter),
@@ -398,8 +398,12 @@ def _build_of(model_dir: Path | None) -> tuple[Path, str]:
     raise BrowserError("input", f"{model_dir} is not in an installed build: the page runs only deployed builds")
 
 
-def _default_adapter() -> str | None:
-    """SwiftShader where this machine's own adapter is a CPU one (no GPU for Chromium either)."""
+def default_webgpu_adapter() -> str | None:
+    """The WebGPU adapter a headless Chromium here is given: $FARM_BROWSER_WEBGPU_ADAPTER, else
+    SwiftShader where this machine's own adapter is a CPU one (no GPU for Chromium either),
+    else Chromium's own choice (None)."""
+    if os.environ.get("FARM_BROWSER_WEBGPU_ADAPTER"):
+        return os.environ["FARM_BROWSER_WEBGPU_ADAPTER"]
     try:
         from .device import get_gpu
 

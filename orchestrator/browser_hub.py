@@ -74,29 +74,41 @@ class _Server(ThreadingHTTPServer):
 
 
 class BrowserHub:
-    """The hub, serving on `host`:`port` (0: a free port) in a background thread; `ssl_context`
-    makes it HTTPS (orchestrator.ca.server_ssl_context). `key` guards the farm side."""
+    """The hub, serving plain HTTP on `host`:`port` (0: a free port; workers, and phones
+    through reverse forwards) and, with `https` = (host, port, ssl.SSLContext), HTTPS for
+    devices on the network (orchestrator.ca.server_ssl_context), each in a background thread.
+    `key` guards the farm side. With `tokens_dir`, a page whose token is unknown is looked up
+    there (one file per device, named by its serial) and served with blobs from
+    `stores`/<serial>/store: devices enrolled with `farm devices add` need no other word."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None,
-                 key: str | None = None, poll_s: float = POLL_S, page_lost_s: float = PAGE_LOST_S):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, https: tuple[str, int, ssl.SSLContext] | None = None,
+                 key: str | None = None, poll_s: float = POLL_S, page_lost_s: float = PAGE_LOST_S,
+                 tokens_dir: Path | None = None, stores: Path | None = None):
         self.key = key or secrets.token_urlsafe(24)
         self.poll_s, self.page_lost_s = poll_s, page_lost_s
+        self.tokens_dir, self.stores = tokens_dir, stores
         self.devices: dict[str, _Device] = {}
         self._by_token: dict[str, _Device] = {}
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
-        self.server = _Server((host, port), _Handler)
-        self.server.hub = self
-        if ssl_context is not None:
-            self.server.socket = ssl_context.wrap_socket(self.server.socket, server_side=True)
-        self.scheme = "https" if ssl_context is not None else "http"
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="browser-hub", daemon=True)
-        self._thread.start()
+        self.servers = [self._serve(host, port, None)]
+        self.port = self.servers[0].server_address[1]
+        self.https_port = None
+        if https is not None:
+            self.servers.append(self._serve(*https))
+            self.https_port = self.servers[1].server_address[1]
+
+    def _serve(self, host: str, port: int, context: ssl.SSLContext | None) -> _Server:
+        server = _Server((host, port), _Handler)
+        server.hub = self
+        if context is not None:
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, name=f"browser-hub-{port}", daemon=True).start()
+        return server
 
     @property
     def local_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.port}"
+        return f"http://127.0.0.1:{self.port}"
 
     def register(self, serial: str, token: str, store: Path) -> None:
         """Serve device `serial`, whose page holds `token`, with blobs from `store`."""
@@ -118,10 +130,34 @@ class BrowserHub:
             raise BrowserError("unknown-device", f"the hub serves no device {serial!r}") from None
 
     def by_token(self, token: str) -> _Device | None:
-        for known, device in list(self._by_token.items()):
-            if hmac.compare_digest(known, token):
-                return device
+        for attempt in range(2):
+            for known, device in list(self._by_token.items()):
+                if hmac.compare_digest(known, token):
+                    return device
+            if attempt == 0 and not self._enrol_from_files():
+                break
         return None
+
+    def _enrol_from_files(self) -> bool:
+        """Register the devices of tokens_dir not registered yet; whether any was."""
+        if self.tokens_dir is None or self.stores is None or not self.tokens_dir.is_dir():
+            return False
+        added = False
+        for path in sorted(self.tokens_dir.iterdir()):
+            token = path.read_text().strip() if path.is_file() else ""
+            if token and (path.name not in self.devices or self.devices[path.name].token != token):
+                self.register(path.name, token, self.stores / path.name / "store")
+                added = True
+        return added
+
+    def status(self, serial: str) -> dict[str, Any]:
+        device = self.devices.get(serial)
+        if device is None:
+            return {"serial": serial, "registered": False, "online": False}
+        now = time.monotonic()
+        return {"serial": serial, "registered": True, "online": device.alive(now, self.page_lost_s),
+                "seen_s_ago": round(now - device.seen, 3) if device.seen else None,
+                "bytes_served": device.bytes_served, "console": device.console[-20:]}
 
     def control_url(self, serial: str) -> str:
         """Where `farm-agent run` reaches the device's page (engine.browser.RemotePage)."""
@@ -182,8 +218,9 @@ class BrowserHub:
         return reply["result"]
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
 
 
 def _drop(commands: queue.Queue, command_id: int) -> None:
@@ -330,19 +367,84 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._farm_side():
             return self._error(403, "the farm side needs the hub's key")
         parts = path.strip("/").split("/")
-        if len(parts) != 3 or parts[2] != "call":
+        if len(parts) != 3 or parts[2] not in ("call", "register", "status"):
             return self._error(404, "not found")
+        serial = urllib.parse.unquote(parts[1])
+        if parts[2] == "status":
+            return self._send(200, json.dumps(self.hub.status(serial)).encode())
+        if parts[2] == "register":
+            try:
+                doc = json.loads(body)
+                self.hub.register(serial, str(doc["token"]), Path(doc["store"]))
+            except (ValueError, KeyError, TypeError):
+                return self._error(400, "a registration is {token, store}")
+            return self._send(200, json.dumps(self.hub.status(serial)).encode())
         try:
             command = json.loads(body)
             op, timeout_s = command.pop("op"), float(command.pop("timeout_s", 600.0))
         except (ValueError, KeyError, TypeError, AttributeError):
             return self._error(400, "a call is {op, timeout_s, ...}")
         try:
-            result = self.hub.call(urllib.parse.unquote(parts[1]), op, timeout_s=timeout_s, **command)
+            result = self.hub.call(serial, op, timeout_s=timeout_s, **command)
             answer = {"ok": True, "result": result}
         except BrowserError as exc:
             answer = {"ok": False, "error": {"kind": exc.kind, "message": str(exc).removeprefix(f"browser: {exc.kind}: ")}}
         return self._send(200, json.dumps(answer).encode())
+
+
+class HubClient:
+    """A hub in another process (`farm hub`), reached on its farm side at `url` (its plain
+    listener, http://127.0.0.1:PORT) with `key`: what BrowserTransport needs of a hub."""
+
+    def __init__(self, url: str, key: str, timeout_s: float = 10.0):
+        self.url, self.key, self.timeout_s = url.rstrip("/"), key, timeout_s
+        self.port = urllib.parse.urlsplit(self.url).port
+
+    def _post(self, serial: str, what: str, doc: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(f"{self.url}/ctl/{urllib.parse.quote(serial)}/{what}",
+                                     data=json.dumps(doc).encode(), method="POST",
+                                     headers={KEY_HEADER: self.key, "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise BrowserError("hub", f"{what} {serial}: HTTP {exc.code}: {exc.read()[:300].decode('utf-8', 'replace')}") \
+                from None
+        except OSError as exc:
+            raise BrowserError("hub", f"the farm's hub at {self.url} is unreachable ({exc}): is `farm hub` "
+                               "running?") from None
+
+    def register(self, serial: str, token: str, store: Path) -> None:
+        self._post(serial, "register", {"token": token, "store": str(store)}, self.timeout_s)
+
+    def status(self, serial: str) -> dict[str, Any]:
+        return self._post(serial, "status", {}, self.timeout_s)
+
+    def online(self, serial: str) -> bool:
+        return bool(self.status(serial)["online"])
+
+    def wait_online(self, serial: str, timeout_s: float, gone: Callable[[], str | None] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.online(serial):
+            why = gone() if gone is not None else None
+            if why:
+                raise BrowserError("page-lost", why)
+            if time.monotonic() > deadline:
+                raise BrowserError("timeout", f"{serial}: the page did not reach the hub within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def call(self, serial: str, op: str, *, timeout_s: float = 600.0, **fields) -> dict[str, Any]:
+        reply = self._post(serial, "call", {"op": op, "timeout_s": timeout_s, **fields}, timeout_s + 30.0)
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            raise BrowserError(err.get("kind", "internal"), err.get("message", "no message"))
+        return reply["result"]
+
+    def control_url(self, serial: str) -> str:
+        return f"{self.url}/ctl/{urllib.parse.quote(serial)}?key={self.key}"
 
 
 def new_token() -> str:

@@ -14,6 +14,7 @@ take):
 | adb       | HOST:PORT, HOST (port 5555), [IPv6]:PORT  | AdbTcpAddress(host, port)            |
 | adb       | usb:SERIAL, or "" (the only USB device)    | AdbUsbAddress(serial or None)        |
 | http      | http(s)://HOST[:PORT][/PATH]               | HttpAddress(url, no trailing slash)  |
+| web       | "" (nothing: the device opens the hub)     | WebAddress()                         |
 
 `str()` of a parsed address is its canonical form, the one to store."""
 
@@ -154,7 +155,16 @@ class HttpAddress:
         return self.url
 
 
-DeviceAddress = LocalAddress | AdbTcpAddress | AdbUsbAddress | HttpAddress
+@dataclass(frozen=True)
+class WebAddress:
+    """A browser device that opens the farm's hub itself (over HTTPS): the farm holds no address
+    of it; the hub's URL is the farm's (settings hub_public_host, hub_https_port)."""
+
+    def __str__(self) -> str:
+        return ""
+
+
+DeviceAddress = LocalAddress | AdbTcpAddress | AdbUsbAddress | HttpAddress | WebAddress
 
 _ADB_FORMS = "give HOST:PORT (e.g. 10.0.0.7:5555), HOST (port 5555), [IPv6]:PORT or usb:SERIAL"
 _HTTP_FORMS = "give the agent's URL, e.g. http://10.0.0.7:8765 or https://phone-1.lab:8765"
@@ -168,11 +178,17 @@ def parse_device_address(transport: str, address: str) -> DeviceAddress:
         raise BadInput(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORTS)}")
     if _CONTROL.search(address) or address != address.strip():
         raise BadInput(f"{kind} address {address!r} holds spaces or control characters; "
-                       + {"adb": _ADB_FORMS, "http": _HTTP_FORMS, "local": "give an absolute folder"}[kind])
+                       + {"adb": _ADB_FORMS, "http": _HTTP_FORMS, "local": "give an absolute folder",
+                          "web": "leave it out"}[kind])
     if kind == "local":
         return _local(address)
     if kind == "adb":
         return _adb(address)
+    if kind == "web":
+        if address:
+            raise BadInput(f"web address {address!r}: a web device has no address (it opens the farm's hub "
+                           "itself); leave --address out")
+        return WebAddress()
     return _http(address)
 
 

@@ -125,9 +125,17 @@ def make_transport(device: Device, settings: Settings) -> Transport:
     its token in <config_dir>/tokens/<serial>); adb signs with <config_dir>/adbkey. A device of
     the browser runtime is reached over adb too, its engine run by its browser. ValueError
     (orchestrator.inputs.BadInput) names a stored address that cannot be used."""
-    from orchestrator.inputs import AdbTcpAddress, HttpAddress, LocalAddress, parse_device_address
+    from orchestrator.inputs import (
+        AdbTcpAddress,
+        HttpAddress,
+        LocalAddress,
+        WebAddress,
+        parse_device_address,
+    )
 
     address = parse_device_address(TransportKind(device.transport).value, device.address or "")
+    if isinstance(address, WebAddress):
+        return browser_transport(device, None, settings)
     if isinstance(address, LocalAddress):
         from orchestrator.transports.local import LocalTransport
 
@@ -149,17 +157,31 @@ def make_transport(device: Device, settings: Settings) -> Transport:
 
 
 def browser_transport(device: Device, adb, settings: Settings) -> Transport:
-    """A phone whose browser runs the engine: its host-side agent root <data_dir>/devices/<serial>,
-    its page's token in <config_dir>/tokens/browser/<serial> (made on first use, 0600), the
-    farm's public key the page is enrolled with."""
+    """A device whose browser runs the engine: its host-side agent root
+    <data_dir>/devices/<serial>, its page's token in <config_dir>/tokens/browser/<serial> (made
+    on first use, 0600), the farm's public key the page is enrolled with. A phone over adb
+    (`adb` given) goes through this host's `farm hub` when one runs, else a hub of the worker's
+    own; a web device needs `farm hub`, whose HTTPS address it opens."""
     from orchestrator.browser_hub import read_or_make_token
     from orchestrator.cli.builds import PUBLIC_KEY, farm_key
-    from orchestrator.transports.browser import AdbPageLink, BrowserTransport
+    from orchestrator.transports.base import DeviceOffline
+    from orchestrator.transports.browser import (
+        AdbPageLink,
+        BrowserTransport,
+        WebPageLink,
+        running_hub,
+    )
 
     farm_key(settings.config_dir)
-    token = read_or_make_token(settings.config_dir / "tokens" / "browser" / device.serial)
-    return BrowserTransport(settings.data_dir / "devices" / device.serial, AdbPageLink(adb), token,
-                            settings.config_dir / PUBLIC_KEY, name=device.serial)
+    token = read_or_make_token(settings.browser_tokens_dir / device.serial)
+    hub = running_hub(settings)
+    if adb is None and hub is None:
+        raise DeviceOffline(device.serial, "no `farm hub` answers on this host (port "
+                            f"{settings.hub_port}): a web device reaches the farm through it; start it "
+                            "(`farm up` and `farm demo` do)")
+    link = AdbPageLink(adb) if adb is not None else WebPageLink(settings.hub_public_url, device.serial)
+    return BrowserTransport(settings.data_dir / "devices" / device.serial, link, token,
+                            settings.config_dir / PUBLIC_KEY, name=device.serial, hub=hub)
 
 
 def _queue_of(device: Device, settings: Settings) -> str:

@@ -87,6 +87,16 @@ class Settings(BaseSettings):
     max_queue_wait_s: float = Field(86400.0, gt=0)
     max_job_time_s: float = Field(3600.0, gt=0)
     health_check_every_s: float = Field(180.0, gt=0)
+    # The hub browser devices talk to (`farm hub`; orchestrator/browser_hub.py): plain HTTP on
+    # 127.0.0.1:hub_port for workers and for phones' reverse forwards, HTTPS on
+    # hub_https_host:hub_https_port for devices on the network, with a certificate of the farm's
+    # CA for hub_names (default: host_name, localhost, 127.0.0.1) and the URL devices open at
+    # https://hub_public_host:hub_https_port (default host: host_name).
+    hub_port: int = Field(8780, ge=1, le=65535)
+    hub_https_host: str = "0.0.0.0"
+    hub_https_port: int = Field(8743, ge=1, le=65535)
+    hub_public_host: str = ""
+    hub_names: str = ""
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:
@@ -108,6 +118,24 @@ class Settings(BaseSettings):
     def adb_key(self) -> Path:
         """This host's ADB private key (made on first use; phones trust its .pub)."""
         return self.config_dir / "adbkey"
+
+    @property
+    def hub_key_file(self) -> Path:
+        """The running hub's key for its farm side (0600), written by `farm hub`."""
+        return self.config_dir / "hub.key"
+
+    @property
+    def hub_public_url(self) -> str:
+        return f"https://{self.hub_public_host or self.host_name}:{self.hub_https_port}"
+
+    def hub_cert_names(self) -> list[str]:
+        names = [n.strip() for n in self.hub_names.split(",") if n.strip()]
+        return names or list(dict.fromkeys([self.hub_public_host or self.host_name, "localhost", "127.0.0.1"]))
+
+    @property
+    def browser_tokens_dir(self) -> Path:
+        """One file per browser device: its page's token (0600)."""
+        return self.config_dir / "tokens" / "browser"
 
     @property
     def broker_dir(self) -> Path:
@@ -132,7 +160,7 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, toml)
 
 
-TRANSPORTS = ("adb", "http", "local")
+TRANSPORTS = ("adb", "http", "local", "web")
 
 
 def parse_device_entry(entry: str) -> tuple[str, str, str]:

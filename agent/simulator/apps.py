@@ -260,9 +260,9 @@ class PhoneApps:
         if self.settings.webgpu_adapter != "auto":
             return self.settings.webgpu_adapter
         if not self._adapter_known:  # the engine's own choice, kept in one place
-            from engine.browser import _default_adapter
+            from engine.browser import default_webgpu_adapter
 
-            self._adapter = os.environ.get("FARM_BROWSER_WEBGPU_ADAPTER") or _default_adapter()
+            self._adapter = default_webgpu_adapter()
             self._adapter_known = True
         return self._adapter
 

@@ -11,6 +11,7 @@ import { PlanError, PlanRunner, b64ToBytes, bytesToB64, describeAdapter, openDev
   sha256Hex, weightFetcher } from "./plan.js";
 
 const BEAT_MS = 3000;
+const MAX_RUNNERS = 2; // plans kept loaded: a job uses one or two
 const params = new URLSearchParams(location.search);
 const session = params.get("session") || "";
 const pageId = crypto.randomUUID();
@@ -67,6 +68,15 @@ async function handle(cmd) {
     const digest = await sha256Hex(raw);
     if (digest !== cmd.plan_file_sha256) throw new PlanError("plan-hash", `the plan file hashes to ${digest}, not ${cmd.plan_file_sha256}`);
     const plan = JSON.parse(new TextDecoder().decode(raw));
+    if (cmd.build && runners.has(plan.sha256)) {
+      // A farm's jobs load the same plans again and again: the runner is kept (its pipelines
+      // compiled, its weights on the GPU) while the build it came from still verifies.
+      await buildFetchers(cmd.build, cmd.model_prefix || "");
+      const kept = runners.get(plan.sha256);
+      runners.delete(plan.sha256);
+      runners.set(plan.sha256, kept); // most recently used last
+      return { ...kept.report, reused: true };
+    }
     const runner = new PlanRunner(d, plan);
     let fetchShader = async (path) => {
       const r = await fetch(new URL(path, cmd.shader_base));
@@ -78,7 +88,14 @@ async function handle(cmd) {
     const report = await runner.load({ fetchWeight, fetchShader,
       onProgress: (done, total) => { state.textContent = `loading weights ${done}/${total}`; } });
     runners.get(plan.sha256)?.destroy();
+    runners.delete(plan.sha256);
+    runner.report = report;
     runners.set(plan.sha256, runner);
+    while (runners.size > MAX_RUNNERS) { // each holds its own copy of the weights
+      const [oldest, r] = runners.entries().next().value;
+      r.destroy();
+      runners.delete(oldest);
+    }
     return report;
   }
   const runner = runners.get(cmd.plan);

@@ -53,6 +53,7 @@ app.add_typer(ca_cmd.app, name="ca")
 app.command("deploy")(deploy_cmd.deploy)
 app.command("worker")(stack_cmd.worker)
 app.command("beat")(stack_cmd.beat)
+app.command("hub")(stack_cmd.hub)
 app.command("up")(stack_cmd.up)
 app.command("demo")(demo_cmd.demo)
 

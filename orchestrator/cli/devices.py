@@ -128,7 +128,7 @@ class Runtime(StrEnum):
 
 
 ADDRESS_HELP = ("local: agent root folder (default <data_dir>/devices/SERIAL); adb: HOST:PORT or usb:SERIAL; "
-                "http: the agent's http(s) URL (token in <config_dir>/tokens/SERIAL).")
+                "http: the agent's http(s) URL (token in <config_dir>/tokens/SERIAL); web: none.")
 
 
 @app.command()
@@ -147,8 +147,11 @@ def add(
 
     from orchestrator.db import store
 
-    if runtime is Runtime.browser and transport is not TransportKind.adb:
-        fail(f"the browser runtime is reached over adb (a reverse forward to the phone's Chrome), not {transport}")
+    if transport is TransportKind.web:
+        runtime = Runtime.browser  # a web device is its browser
+    if runtime is Runtime.browser and transport not in (TransportKind.adb, TransportKind.web):
+        fail(f"the browser runtime is reached over adb (a phone's Chrome through a reverse forward) or web (a "
+             f"browser that opens the farm's hub over HTTPS), not {transport}")
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
         if session.scalar(select(Device).where(Device.serial == serial)) is not None:
@@ -158,6 +161,43 @@ def add(
         session.commit()
         console.print(f"added device {device.serial} ({device.transport}, {device.runtime} runtime, "
                       f"{device.address or 'default address'})", highlight=False)
+    if transport is TransportKind.web:
+        _print_enrolment(settings, serial)
+
+
+def _print_enrolment(settings, serial: str) -> None:
+    from orchestrator.ca import default_dir, fingerprint, load_ca_cert
+    from orchestrator.qr import qr_text
+    from orchestrator.transports.browser import web_enrolment_url
+
+    url = web_enrolment_url(settings, serial)
+    console.print(f"open this once on {serial} (it holds the device's token: share it with no one else):",
+                  highlight=False)
+    typer.echo(url)
+    typer.echo(qr_text(url))
+    try:
+        ca = load_ca_cert(default_dir(settings.config_dir))
+        console.print(f"the device must trust the farm's CA first (fingerprint {fingerprint(ca)}): `farm ca export "
+                      "farm-ca.mobileconfig` for iPhones and iPads, farm-ca.cer for Android; README: Real phones",
+                      highlight=False)
+    except Exception:  # noqa: BLE001  (no CA yet: `farm hub` makes it)
+        console.print("the farm's CA does not exist yet: `farm hub` makes it (or `farm ca init`); then install it "
+                      "on the device (`farm ca export`)", highlight=False)
+
+
+@app.command()
+def enrol(serial: str = typer.Argument(..., help="A web device (`farm devices add SERIAL --transport web`).")):
+    """Print the URL (and QR code) a web device opens once to join the farm."""
+    from sqlalchemy import select
+
+    settings = _settings()
+    with open_store(settings) as sessions, sessions() as session:
+        device = session.scalar(select(Device).where(Device.serial == serial))
+    if device is None:
+        fail(f"no device {serial!r}")
+    if device.transport is not TransportKind.web:
+        fail(f"{serial} is reached over {device.transport}: the farm opens its page itself")
+    _print_enrolment(settings, serial)
 
 
 @app.command("list")

@@ -1,10 +1,12 @@
-"""`farm worker`, `farm beat` and `farm up`: the processes that do the farm's work. A worker
-drives the devices plugged into its host (queue host.<name>) plus shared maintenance work;
-beat ticks the database's schedules and the stale-job sweep; `up` runs the whole embedded
-stack (worker, beat, virtual phones) in one process tree until Ctrl-C."""
+"""`farm worker`, `farm beat`, `farm hub` and `farm up`: the processes that do the farm's work.
+A worker drives the devices plugged into its host (queue host.<name>) plus shared maintenance
+work; beat ticks the database's schedules and the stale-job sweep; the hub serves browser
+devices' pages; `up` runs the whole embedded stack (worker, beat, hub, virtual phones) in one
+process tree until Ctrl-C."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import typer
@@ -50,6 +52,58 @@ def worker(
     app.worker_main(["worker", "-Q", ",".join(worker_queues(settings)), "-c", str(concurrency),
                      "-n", f"farm@{settings.host_name}", "--without-gossip", "--without-mingle",
                      "-l", loglevel])
+
+
+def hub(
+    https: bool = typer.Option(True, "--https/--no-https", help="Also serve devices on the network over HTTPS "
+                               "(the farm's CA is made on first use: `farm ca export` for the devices)."),
+):
+    """Run the hub browser devices talk to: HTTP on 127.0.0.1 (workers, phones' reverse forwards)
+    and HTTPS for phones and tablets on the network (README: Real phones). One per farm host."""
+    import signal
+    import threading
+
+    from orchestrator import ca
+    from orchestrator.browser_hub import BrowserHub
+
+    settings = _settings()
+    tls = None
+    if https:
+        folder = ca.default_dir(settings.config_dir)
+        try:
+            ca.load_ca_cert(folder)
+        except ca.NoCa:
+            ca.init_ca(folder, f"devicefarm CA {settings.host_name}"[:64])
+            console.print(f"made the farm's CA in {folder}; install it on the devices: `farm ca export`",
+                          highlight=False)
+        except ca.CaError as exc:
+            fail(str(exc))
+        try:
+            tls = (settings.hub_https_host, settings.hub_https_port,
+                   ca.server_ssl_context(folder, settings.hub_cert_names()))
+        except ca.CaError as exc:
+            fail(str(exc))
+    try:
+        running = BrowserHub("127.0.0.1", settings.hub_port, https=tls, tokens_dir=settings.browser_tokens_dir,
+                             stores=settings.data_dir / "devices")
+    except OSError as exc:
+        fail(f"cannot listen: {exc} (is another `farm hub` running? set hub_port / hub_https_port)")
+    settings.config_dir.mkdir(parents=True, exist_ok=True)
+    key_file = settings.hub_key_file
+    key_file.unlink(missing_ok=True)
+    with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(running.key + "\n")
+    console.print(f"hub listening on 127.0.0.1:{running.port}"
+                  + (f" and https://{settings.hub_https_host}:{running.https_port} ({settings.hub_public_url})"
+                     if tls else ""), highlight=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        running.close()
+        key_file.unlink(missing_ok=True)
 
 
 def beat(loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level.")):

@@ -98,6 +98,7 @@ class TransportKind(StrEnum):
     adb = "adb"
     http = "http"
     local = "local"
+    web = "web"  # a browser device that opens the farm's hub over HTTPS itself
 
 
 class DeviceState(StrEnum):

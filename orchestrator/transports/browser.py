@@ -73,7 +73,7 @@ class PageLink(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def device_info(self, adapter: dict) -> DeviceInfo:
+    def device_info(self, adapter: dict, user_agent: str = "") -> DeviceInfo:
         """The device's model, OS, thermal zones and battery, with the page's adapter."""
 
     def thermal(self, phase: str) -> list[ThermalReading]:
@@ -116,7 +116,7 @@ class AdbPageLink(PageLink):
         if code != 0 or "Error" in text:
             raise TransportError(self.adb.name, f"could not open the page in {self.package}: {text[-300:]}")
 
-    def device_info(self, adapter: dict) -> DeviceInfo:
+    def device_info(self, adapter: dict, user_agent: str = "") -> DeviceInfo:
         from agent.deviceinfo import collect_android
 
         def run(command: str) -> str:
@@ -145,8 +145,62 @@ class AdbPageLink(PageLink):
         self.adb.close()
 
 
+class WebPageLink(PageLink):
+    """A device that opens the hub's HTTPS page itself (an iPhone's or iPad's Safari, any
+    browser on the lab's network): the farm cannot open it, only wait for it. The browser tells
+    what it runs on through its user agent; thermal zones and battery are not readable from a
+    page, so the device's readings say `unknown` where a phone over ADB gives numbers."""
+
+    def __init__(self, public_url: str, name: str):
+        self.public_url, self.name = public_url.rstrip("/"), name
+
+    def origin(self) -> str:
+        return self.public_url
+
+    def prepare(self, hub) -> None:
+        pass
+
+    def open(self, url: str) -> None:
+        raise DeviceOffline(self.name, "the farm's page is not open on the device: open it there once "
+                            f"(`farm devices enrol {self.name}` prints its URL and QR code) and keep it in front")
+
+    def device_info(self, adapter: dict, user_agent: str = "") -> DeviceInfo:
+        from agent.deviceinfo import parse_user_agent_os
+
+        os_name, os_version, model = parse_user_agent_os(user_agent)
+        return DeviceInfo(serial=self.name, model=model, manufacturer="", os=os_name, os_version=os_version,
+                          adapter=adapter, properties={"thermal": "unknown (a web page cannot read it)",
+                                                       "battery": "unknown (a web page cannot read it)"})
+
+
+def host_adapter_id() -> str:
+    """The adapter group of this host's own device and virtual phones (agent.deviceinfo)."""
+    from agent.deviceinfo import adapter_id
+    from engine.device import get_gpu
+
+    return adapter_id(get_gpu().caps.as_dict())
+
+
 _hub: BrowserHub | None = None
 _hub_lock = threading.Lock()
+
+
+def running_hub(settings):
+    """The `farm hub` running on this host (orchestrator.browser_hub.HubClient), or None when
+    none answers: its key file is there and it answers on 127.0.0.1:hub_port."""
+    from engine.browser import BrowserError
+    from orchestrator.browser_hub import HubClient
+
+    try:
+        key = settings.hub_key_file.read_text().strip()
+    except OSError:
+        return None
+    client = HubClient(f"http://127.0.0.1:{settings.hub_port}", key, timeout_s=5.0)
+    try:
+        client.status("-")
+    except BrowserError:
+        return None
+    return client
 
 
 def local_hub() -> BrowserHub:
@@ -156,6 +210,24 @@ def local_hub() -> BrowserHub:
         if _hub is None:
             _hub = BrowserHub()
         return _hub
+
+
+def enrolment_url(origin: str, serial: str, token: str, farm_pub: Path) -> str:
+    """The URL that enrols a device's page: the hub's page at `origin`, with the device's name,
+    its token and the farm's public key (base64url) in the fragment, which no server sees."""
+    raw = load_public_key(farm_pub).public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    key = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    return f"{origin}{PAGE_PATH}#device={serial}&token={token}&key={key}"
+
+
+def web_enrolment_url(settings, serial: str) -> str:
+    """A web device's enrolment URL on this farm's hub (its token made on first use)."""
+    from orchestrator.browser_hub import read_or_make_token
+    from orchestrator.cli.builds import PUBLIC_KEY, farm_key
+
+    farm_key(settings.config_dir)
+    token = read_or_make_token(settings.browser_tokens_dir / serial)
+    return enrolment_url(settings.hub_public_url, serial, token, settings.config_dir / PUBLIC_KEY)
 
 
 class BrowserTransport(LocalTransport):
@@ -174,9 +246,7 @@ class BrowserTransport(LocalTransport):
     # ---- the page ------------------------------------------------------------------------------
 
     def enrolment_url(self) -> str:
-        raw = load_public_key(self.farm_pub).public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-        key = base64.urlsafe_b64encode(raw).decode().rstrip("=")
-        return f"{self.link.origin()}{PAGE_PATH}#device={self.name}&token={self.token}&key={key}"
+        return enrolment_url(self.link.origin(), self.name, self.token, self.farm_pub)
 
     def ensure_page(self) -> BrowserHub:
         """The hub, with this device's page polling it: the link prepared and, when the page is
@@ -207,16 +277,21 @@ class BrowserTransport(LocalTransport):
     # ---- the Transport interface -----------------------------------------------------------------
 
     def info(self) -> DeviceInfo:
-        hello = self._call("hello", timeout_s=60.0)
-        adapter = dict(hello["adapter"])
-        info = self.link.device_info(adapter)
-        from agent.deviceinfo import parse_user_agent
+        from agent.deviceinfo import adapter_id, parse_user_agent
+        from engine.browser import caps_of
 
-        browser = parse_user_agent(adapter.get("user_agent", ""))
+        hello = self._call("hello", timeout_s=60.0)
+        user_agent = hello["adapter"].get("user_agent", "")
+        adapter = caps_of(hello["adapter"]).as_dict()
+        info = self.link.device_info(adapter, user_agent)
+        browser = parse_user_agent(user_agent)
         info.properties.update({"runtime": "browser", "browser": browser.get("name", "unknown"),
-                                "browser_version": browser.get("version", "unknown"),
+                                "browser_version": browser.get("version", "unknown"), "user_agent": user_agent,
                                 "page_secure_context": str(hello.get("secure"))})
         info.agent_version = f"page@{hello.get('current') or 'none'}"
+        # A phone's GPU is its own; a virtual device's page runs on this host, beside the host's
+        # own adapter and the other virtual devices: one group, so none is timed beside another.
+        info.adapter_id = host_adapter_id() if info.virtual else adapter_id(adapter, machine=f"browser:{self.name}")
         return info
 
     def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:

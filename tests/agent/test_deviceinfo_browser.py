@@ -63,3 +63,24 @@ def test_a_browser_environment_has_the_page_adapter_and_nothing_of_this_host():
                                                    "vendor_id", "device_id")}
     assert (env.os, env.os_version, env.os_build, env.kernel, env.clocks_mhz) == ("", "", "", "", {})
     assert browser_environment(adapter, "curl/8.5.0").runtime == {"kind": "browser"}
+
+
+@pytest.mark.parametrize("ua,expected", [
+    ("Mozilla/5.0 (iPhone; CPU iPhone OS 18_6 like Mac OS X) AppleWebKit/605.1.15 (KHTML, like Gecko) "
+     "Version/26.0 Mobile/15E148 Safari/604.1", ("ios", "18.6", "iPhone")),
+    ("Mozilla/5.0 (iPad; CPU OS 17_4 like Mac OS X) AppleWebKit/605.1.15 (KHTML, like Gecko) Version/17.4 "
+     "Mobile/15E148 Safari/604.1", ("ipados", "17.4", "iPad")),
+    ("Mozilla/5.0 (Linux; Android 10; K) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 Mobile "
+     "Safari/537.36", ("android", "10", "Android")),
+    ("Mozilla/5.0 (Macintosh; Intel Mac OS X 10_15_7) AppleWebKit/605.1.15 (KHTML, like Gecko) Version/26.0 "
+     "Safari/605.1.15", ("darwin", "10.15.7", "Mac")),
+    ("Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 "
+     "Safari/537.36", ("windows", "10.0", "PC")),
+    ("Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) HeadlessChrome/156.0.0.0 "
+     "Safari/537.36", ("linux", "", "PC")),
+    ("curl/8.5.0", ("", "", "")),
+])
+def test_the_os_a_user_agent_claims(ua, expected):
+    from agent.deviceinfo import parse_user_agent_os
+
+    assert parse_user_agent_os(ua) == expected

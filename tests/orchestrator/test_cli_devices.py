@@ -158,3 +158,21 @@ def test_a_browser_device_is_added_over_adb_and_reached_through_its_browser(cli_
     token_file = settings.config_dir / "tokens" / "browser" / "pixel-8"
     assert transport.token == token_file.read_text().strip() and oct(token_file.stat().st_mode & 0o777) == "0o600"
     assert transport.enrolment_url().startswith("http://localhost:8790/web/index.html#device=pixel-8&token=")
+
+
+def test_a_web_device_is_added_with_the_url_and_qr_code_it_opens_once(cli_db):
+    cli = cli_db
+    added = cli("devices", "add", "ipad-1", "--transport", "web")
+    out = added.output
+    url = next(line for line in out.splitlines() if line.startswith("https://"))
+    assert url.startswith("https://testhost:8743/web/index.html#device=ipad-1&token=") and "&key=" in url
+    assert "▀" in out or "▄" in out or "█" in out  # the QR code, in half blocks
+    assert "farm hub" in out  # no CA yet: where it comes from
+    [device] = json.loads(cli("devices", "list", "--json").output)
+    assert (device["transport"], device["runtime"], device["address"]) == ("web", "browser", "")
+    again = cli("devices", "enrol", "ipad-1").output
+    assert url in again  # the same token: the page already enrolled keeps working
+    refused = cli("devices", "add", "ipad-2", "--transport", "web", "--address", "https://x:1", ok=False)
+    assert "has no address" in refused.output
+    cli("devices", "add", "pixel-9", "--transport", "adb", "--address", "127.0.0.1:5997")
+    assert "the farm opens its page itself" in cli("devices", "enrol", "pixel-9", ok=False).output

@@ -1,0 +1,32 @@
+"""web transport: browser devices that open the farm's hub over HTTPS themselves (iPhones,
+iPads, any browser on the network)
+
+Revision ID: 0014
+Revises: 0013
+Create Date: 2026-11-25 12:00:00
+"""
+
+from collections.abc import Sequence
+
+from alembic import op
+
+revision: str = '0014'
+down_revision: str | Sequence[str] | None = '0013'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def _transports(*values: str) -> None:
+    with op.batch_alter_table('devices', schema=None, recreate='auto') as batch_op:
+        batch_op.drop_constraint(op.f('ck_devices_transport'), type_='check')
+        batch_op.create_check_constraint(op.f('ck_devices_transport'),
+                                         "transport IN (" + ", ".join(f"'{v}'" for v in values) + ")")
+
+
+def upgrade() -> None:
+    _transports('adb', 'http', 'local', 'web')
+
+
+def downgrade() -> None:
+    op.execute("DELETE FROM devices WHERE transport = 'web'")
+    _transports('adb', 'http', 'local')
