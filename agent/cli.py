@@ -182,6 +182,31 @@ def serve(
         fail(str(exc))
 
 
+@app.command("simulate-tablet")
+def simulate_tablet(
+    url: str = typer.Option(..., "--url", help="The farm's enrolment URL (farm devices enrol SERIAL)."),
+    ca: Path = typer.Option(..., "--ca", help="The farm's CA certificate (PEM) the tablet trusts."),
+    root: Path = typer.Option(..., "--root", help="Folder for the tablet's browser profile."),
+):
+    """Run a virtual web device until SIGTERM: headless Chromium, trusting the farm's CA, on `url`."""
+    try:
+        from agent.simulator.tablet import TabletError, VirtualTablet
+    except ImportError as exc:
+        fail(f"the virtual tablet is not available in this build ({exc})")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with VirtualTablet(root, ca) as tablet:
+            tablet.open(url)
+            typer.echo(f"virtual tablet on {url.split('#', 1)[0]}")
+            while not stop.wait(1.0):
+                if not tablet.running:  # its browser died: a person would open the page again
+                    tablet.open(url)
+    except TabletError as exc:
+        fail(str(exc))
+
+
 @app.command()
 def simulate(
     port: int = typer.Option(..., help="TCP port the virtual phone's adbd listens on."),

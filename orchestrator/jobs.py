@@ -169,6 +169,7 @@ def browser_transport(device: Device, adb, settings: Settings) -> Transport:
         AdbPageLink,
         BrowserTransport,
         WebPageLink,
+        public_url,
         running_hub,
     )
 
@@ -176,10 +177,9 @@ def browser_transport(device: Device, adb, settings: Settings) -> Transport:
     token = read_or_make_token(settings.browser_tokens_dir / device.serial)
     hub = running_hub(settings)
     if adb is None and hub is None:
-        raise DeviceOffline(device.serial, "no `farm hub` answers on this host (port "
-                            f"{settings.hub_port}): a web device reaches the farm through it; start it "
-                            "(`farm up` and `farm demo` do)")
-    link = AdbPageLink(adb) if adb is not None else WebPageLink(settings.hub_public_url, device.serial)
+        raise DeviceOffline(device.serial, "no `farm hub` answers on this host: a web device reaches the farm "
+                            "through it; start it (`farm up` and `farm demo` do)")
+    link = AdbPageLink(adb) if adb is not None else WebPageLink(public_url(settings), device.serial)
     return BrowserTransport(settings.data_dir / "devices" / device.serial, link, token,
                             settings.config_dir / PUBLIC_KEY, name=device.serial, hub=hub)
 

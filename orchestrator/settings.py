@@ -92,9 +92,9 @@ class Settings(BaseSettings):
     # hub_https_host:hub_https_port for devices on the network, with a certificate of the farm's
     # CA for hub_names (default: host_name, localhost, 127.0.0.1) and the URL devices open at
     # https://hub_public_host:hub_https_port (default host: host_name).
-    hub_port: int = Field(8780, ge=1, le=65535)
+    hub_port: int = Field(8780, ge=0, le=65535)  # 0: any free port (the running hub says which: hub.json)
     hub_https_host: str = "0.0.0.0"
-    hub_https_port: int = Field(8743, ge=1, le=65535)
+    hub_https_port: int = Field(8743, ge=0, le=65535)
     hub_public_host: str = ""
     hub_names: str = ""
 
@@ -120,9 +120,9 @@ class Settings(BaseSettings):
         return self.config_dir / "adbkey"
 
     @property
-    def hub_key_file(self) -> Path:
-        """The running hub's key for its farm side (0600), written by `farm hub`."""
-        return self.config_dir / "hub.key"
+    def hub_file(self) -> Path:
+        """What `farm hub` writes while it runs (0600): its farm side's key and its ports."""
+        return self.config_dir / "hub.json"
 
     @property
     def hub_public_url(self) -> str:

@@ -99,6 +99,32 @@ class Stack:
             time.sleep(0.05)
         raise StackError(f"virtual phone {serial} did not start:\n{child.tail()}")
 
+    def start_hub(self) -> dict:
+        """`farm hub` on free ports; returns what it wrote of itself (hub.json: key, ports, URL)."""
+        import json
+
+        self.settings.hub_file.unlink(missing_ok=True)
+        child = self._spawn("hub", self._farm("hub", "--port", "0", "--https-port", "0"))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                record = json.loads(self.settings.hub_file.read_text())
+                if record.get("pid") == child.process.pid:
+                    return record
+            except (OSError, ValueError):
+                pass
+            if child.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise StackError(f"the hub did not start:\n{child.tail()}")
+
+    def start_tablet(self, serial: str, url: str, ca_pem: Path) -> Child:
+        """A virtual tablet (agent/simulator/tablet.py) that opens `url` in a Chromium trusting
+        `ca_pem`, its browser profile kept in <data_dir>/tablets/<serial>."""
+        return self._spawn(f"tablet-{serial}", [
+            sys.executable, "-m", "agent.cli", "simulate-tablet", "--url", url, "--ca", str(ca_pem),
+            "--root", str(self.settings.data_dir / "tablets" / serial)])
+
     def wait_worker_ready(self, app, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Round-trip a ping through this host's queue: the worker is consuming."""
         from celery.exceptions import TimeoutError as CeleryTimeout

@@ -13,6 +13,7 @@ const TOKEN_ITEM = "devicefarm.token";
 const DEVICE_ITEM = "devicefarm.device";
 const KEY_ITEM = "devicefarm.farmKey";
 const CURRENT_ITEM = "devicefarm.currentBuild";
+const VIRTUAL_ITEM = "devicefarm.virtual";
 
 // ---- enrolment -----------------------------------------------------------------------------
 
@@ -30,13 +31,16 @@ export function enrol() {
   if (key) localStorage.setItem(KEY_ITEM, key);
   if (frag.get("token")) localStorage.setItem(TOKEN_ITEM, frag.get("token"));
   if (frag.get("device")) localStorage.setItem(DEVICE_ITEM, frag.get("device"));
+  // A virtual device (a test or demo browser on the farm's own host) says so once, so the farm
+  // never times it beside the host's other work.
+  if (frag.get("virtual")) localStorage.setItem(VIRTUAL_ITEM, frag.get("virtual") === "1" ? "1" : "");
   if (frag.size) history.replaceState(null, "", location.pathname + location.search); // out of sight
   return { device: localStorage.getItem(DEVICE_ITEM) || "", token: localStorage.getItem(TOKEN_ITEM) || "" };
 }
 
 export function enrolled() {
   return { device: localStorage.getItem(DEVICE_ITEM) || "", key: !!localStorage.getItem(KEY_ITEM),
-    current: localStorage.getItem(CURRENT_ITEM) || "" };
+    current: localStorage.getItem(CURRENT_ITEM) || "", virtual: localStorage.getItem(VIRTUAL_ITEM) === "1" };
 }
 
 // base64url (the URL's form of the key) -> bytes

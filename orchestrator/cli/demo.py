@@ -1,7 +1,8 @@
 """`farm demo`: the whole farm on one machine with no configuration. It migrates the store,
 makes a tiny random-weight model, packs two signed builds of this checkout (A: kernels chosen
 per GPU by the shipped profiles; B: every reference kernel, so truly slower), starts the
-embedded stack (worker, beat, virtual phones reached over ADB, this host's GPU as a device),
+embedded stack (worker, beat, the hub, virtual phones reached over ADB, one whose Chrome runs the
+engine, a virtual tablet that opens the hub over HTTPS, this host's GPU as a device),
 and for A then B deploys the build to every device and runs a latency suite and a generation
 on each through Celery (generations in parallel; the latency jobs one at a time, because the
 devices share this machine's GPU); each batch's analysis compares it with the series'
@@ -55,7 +56,11 @@ def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
 
 
 def demo(
-    phones: int = typer.Option(2, "--phones", min=0, help="Virtual phones to start."),
+    phones: int = typer.Option(2, "--phones", min=0, help="Virtual phones to start (farm-agent on the phone)."),
+    browser_phones: int = typer.Option(1, "--browser-phones", min=0, help="Virtual phones whose Chrome runs the "
+                                       "engine (the browser runtime over adb: a reverse forward and am start)."),
+    tablets: int = typer.Option(1, "--tablets", min=0, help="Virtual web devices that open the farm's hub over "
+                                "HTTPS themselves (headless Chromium trusting the farm's CA)."),
     precision: str = typer.Option("fp32", "--precision", help="fp32 (any adapter) or fp16 (needs shader-f16)."),
     steps: int = typer.Option(4, "--steps", min=1, help="Denoising steps per generation."),
     timeout: float = typer.Option(TIMEOUT_S, "--timeout", help="Give up after this many seconds."),
@@ -90,7 +95,8 @@ def demo(
     sessions = make_session_factory(engine)
     ok, batches = True, []
     try:
-        with start_stack(settings, phones=phones, host_gpu=True, concurrency=None, beat=True) as running:
+        with start_stack(settings, phones=phones, host_gpu=True, concurrency=None, beat=True,
+                         browser_phones=browser_phones, tablets=tablets) as running:
             console.print(f"stack up: {', '.join(running.devices)} (logs in {running.stack.log_dir})",
                           highlight=False)
             _set_min_effect(sessions, running.devices, builds[0]["name"], demo_jobs(precision, steps))

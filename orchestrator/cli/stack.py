@@ -18,13 +18,14 @@ HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM
                            callback=validate.host_name)
 
 
-def register_devices(settings, entries: list[tuple[str, str, str]]) -> None:
-    """Record `entries` (serial, transport, address) as devices plugged into this host."""
+def register_devices(settings, entries: list[tuple[str, ...]]) -> None:
+    """Record `entries` (serial, transport, address[, runtime]) as devices plugged into this host."""
     from orchestrator.db import store
 
     with open_store(settings) as sessions, sessions() as session:
-        for serial, transport, address in entries:
-            store.upsert_device(session, serial, transport, address, host=settings.host_name)
+        for serial, transport, address, *runtime in entries:
+            store.upsert_device(session, serial, transport, address, host=settings.host_name,
+                                runtime=runtime[0] if runtime else None)
         store.get_or_create_host(session, settings.host_name)
         session.commit()
 
@@ -57,9 +58,15 @@ def worker(
 def hub(
     https: bool = typer.Option(True, "--https/--no-https", help="Also serve devices on the network over HTTPS "
                                "(the farm's CA is made on first use: `farm ca export` for the devices)."),
+    port: int = typer.Option(None, "--port", min=0, max=65535, help="Plain HTTP port on 127.0.0.1 (default: "
+                             "hub_port, 8780; 0: any free one)."),
+    https_port: int = typer.Option(None, "--https-port", min=0, max=65535, help="HTTPS port (default: "
+                                   "hub_https_port, 8743; 0: any free one)."),
 ):
     """Run the hub browser devices talk to: HTTP on 127.0.0.1 (workers, phones' reverse forwards)
-    and HTTPS for phones and tablets on the network (README: Real phones). One per farm host."""
+    and HTTPS for phones and tablets on the network (README: Real phones). One per farm host;
+    while it runs, <config_dir>/hub.json (0600) tells workers its key and ports."""
+    import json
     import signal
     import threading
 
@@ -67,6 +74,8 @@ def hub(
     from orchestrator.browser_hub import BrowserHub
 
     settings = _settings()
+    port = settings.hub_port if port is None else port
+    https_port = settings.hub_https_port if https_port is None else https_port
     tls = None
     if https:
         folder = ca.default_dir(settings.config_dir)
@@ -79,23 +88,24 @@ def hub(
         except ca.CaError as exc:
             fail(str(exc))
         try:
-            tls = (settings.hub_https_host, settings.hub_https_port,
-                   ca.server_ssl_context(folder, settings.hub_cert_names()))
+            tls = (settings.hub_https_host, https_port, ca.server_ssl_context(folder, settings.hub_cert_names()))
         except ca.CaError as exc:
             fail(str(exc))
     try:
-        running = BrowserHub("127.0.0.1", settings.hub_port, https=tls, tokens_dir=settings.browser_tokens_dir,
+        running = BrowserHub("127.0.0.1", port, https=tls, tokens_dir=settings.browser_tokens_dir,
                              stores=settings.data_dir / "devices")
     except OSError as exc:
         fail(f"cannot listen: {exc} (is another `farm hub` running? set hub_port / hub_https_port)")
+    public = f"https://{settings.hub_public_host or settings.host_name}:{running.https_port}" if tls else None
     settings.config_dir.mkdir(parents=True, exist_ok=True)
-    key_file = settings.hub_key_file
-    key_file.unlink(missing_ok=True)
-    with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(running.key + "\n")
+    hub_file = settings.hub_file
+    hub_file.unlink(missing_ok=True)
+    with open(os.open(hub_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump({"key": running.key, "port": running.port, "https_port": running.https_port,
+                   "public_url": public, "pid": os.getpid()}, f)
     console.print(f"hub listening on 127.0.0.1:{running.port}"
-                  + (f" and https://{settings.hub_https_host}:{running.https_port} ({settings.hub_public_url})"
-                     if tls else ""), highlight=False)
+                  + (f" and {settings.hub_https_host}:{running.https_port} (devices open {public})" if tls else ""),
+                  highlight=False)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -103,7 +113,7 @@ def hub(
         stop.wait()
     finally:
         running.close()
-        key_file.unlink(missing_ok=True)
+        hub_file.unlink(missing_ok=True)
 
 
 def beat(loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level.")):
@@ -124,13 +134,18 @@ def up(
     host_gpu: bool = typer.Option(True, "--host-gpu/--no-host-gpu", help="Register this host's GPU as a device "
                                   "(local transport)."),
     concurrency: int = typer.Option(None, "--concurrency", "-c", help="Worker concurrency (default: one per device)."),
+    browser_phones: int = typer.Option(0, "--browser-phones", min=0, help="Virtual phones whose Chrome runs the "
+                                       "engine (browser runtime over adb)."),
+    tablets: int = typer.Option(0, "--tablets", min=0, help="Virtual web devices (HTTPS through the hub)."),
 ):
-    """Run the embedded stack until Ctrl-C: a worker, beat and virtual phones, with this host's
-    GPU as a device. Every process it started is stopped when it returns."""
+    """Run the embedded stack until Ctrl-C: a worker, beat, the hub browser devices talk to and
+    virtual phones, with this host's GPU as a device. Every process it started is stopped when
+    it returns."""
     settings = _settings()
     with open_store(settings):
         pass
-    with start_stack(settings, phones=phones, host_gpu=host_gpu, concurrency=concurrency, beat=True) as stack:
+    with start_stack(settings, phones=phones, host_gpu=host_gpu, concurrency=concurrency, beat=True,
+                     browser_phones=browser_phones, tablets=tablets) as stack:
         console.print(f"[bold green]farm up[/]: {len(stack.devices)} devices on host {settings.host_name} "
                       f"({', '.join(stack.devices)}); logs in {stack.stack.log_dir}. Ctrl-C stops everything.")
         try:
@@ -161,14 +176,19 @@ class RunningStack:
 HOST_GPU_SERIAL = "host-gpu"
 
 
-def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | None, beat: bool) -> RunningStack:
-    """Start phones, register them (and the host GPU) as devices of this host, start the worker
-    (and beat), probe every device; stops what it started when anything fails."""
+def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | None, beat: bool,
+                browser_phones: int = 0, tablets: int = 0) -> RunningStack:
+    """Start the hub, phones and tablets, register them (and the host GPU) as devices of this
+    host, start the worker (and beat), probe every device; stops what it started when anything
+    fails. `browser_phones`: virtual phones whose Chrome runs the engine (browser runtime over
+    adb); `tablets`: virtual web devices that open the hub over HTTPS themselves."""
     from agent.bundle import provision_public_key
+    from orchestrator import ca
     from orchestrator.celery_app import make_celery
     from orchestrator.stack import Stack, StackError
     from orchestrator.transports.adb import load_or_create_adb_key
     from orchestrator.transports.base import TransportError
+    from orchestrator.transports.browser import enrolment_url
 
     from .builds import PUBLIC_KEY, farm_key
 
@@ -176,22 +196,41 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
     public = settings.config_dir / PUBLIC_KEY
     stack = Stack(settings)
     try:
-        entries = []
+        entries = []  # (serial, transport, address, runtime)
+        with console.status("starting the hub browser devices talk to"):
+            hub = stack.start_hub()
         if host_gpu:
             root = settings.data_dir / "devices" / HOST_GPU_SERIAL
             provision_public_key(root, public)
-            entries.append((HOST_GPU_SERIAL, "local", str(root)))
-        if phones:
+            entries.append((HOST_GPU_SERIAL, "local", str(root), "python"))
+        if phones or browser_phones:
             # The phones ask for ADB authentication and know one host: the key the worker's adb
             # transport signs with, as a real phone knows the host it was paired with.
             adb_key = load_or_create_adb_key(settings.adb_key)
             adb_public = adb_key.with_name(adb_key.name + ".pub")
-        with console.status(f"starting {phones} virtual phones"):
+        with console.status(f"starting {phones + browser_phones} virtual phones"):
             for index in range(1, phones + 1):
                 serial = f"vphone-{index}"
                 _, port = stack.start_phone(serial, public, adb_public,
                                             model="Pixel 7" if index % 2 else "Galaxy S23 Ultra")
-                entries.append((serial, "adb", f"127.0.0.1:{port}"))
+                entries.append((serial, "adb", f"127.0.0.1:{port}", "python"))
+            for index in range(1, browser_phones + 1):
+                serial = f"vphone-chrome-{index}"
+                _, port = stack.start_phone(serial, public, adb_public, model="Pixel 7")
+                entries.append((serial, "adb", f"127.0.0.1:{port}", "browser"))
+        if tablets:
+            from orchestrator.browser_hub import read_or_make_token
+
+            ca_pem = ca.default_dir(settings.config_dir) / ca.CA_CERT
+            with console.status(f"starting {tablets} virtual tablets"):
+                for index in range(1, tablets + 1):
+                    serial = f"vtablet-{index}"
+                    token = read_or_make_token(settings.browser_tokens_dir / serial)
+                    # The tablet is on this machine: it reaches the hub as localhost (a name
+                    # the hub's certificate covers), as a lab device reaches the farm's name.
+                    url = enrolment_url(f"https://localhost:{hub['https_port']}", serial, token, public, virtual=True)
+                    stack.start_tablet(serial, url, ca_pem)
+                    entries.append((serial, "web", "", "browser"))
         if not entries:
             fail("no devices: start phones (--phones N) or keep the host GPU")
         register_devices(settings, entries)
@@ -200,14 +239,14 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
             if beat:
                 stack.start_beat()
             stack.wait_worker_ready(make_celery(settings))
-        _probe_all(settings, [serial for serial, _, _ in entries])
+        _probe_all(settings, [entry[0] for entry in entries])
     except (StackError, TransportError) as exc:
         stack.stop()
         fail(str(exc))
     except BaseException:
         stack.stop()
         raise
-    return RunningStack(settings, stack, [serial for serial, _, _ in entries])
+    return RunningStack(settings, stack, [entry[0] for entry in entries])
 
 
 def _probe_all(settings, serials: list[str]) -> None:

@@ -16,22 +16,29 @@ then runs `farm-agent install` on the staged folder. A job runs `farm-agent run 
 shell v2 (exit code and stderr apart), streams the agent's JSON progress lines from stderr,
 and pulls result.json's artifacts. Everything on the device goes through the agent command,
 toybox commands and sync; nothing here imports the agent's job code.
+
+Every connection is a SharedAdbDevice (adb_shared.py): adb-shell's AdbDevice with one reader thread per
+connection, so that streams the phone opens (the OPENs of an `adb reverse` forward,
+orchestrator/transports/adb_reverse.py) are taken and relayed on the same connection while the
+transport's own commands run on it, over USB as over TCP.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import shlex
 import socket
 import struct
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
+from adb_shell import adb_device as adb_shell_device
 from adb_shell import exceptions as adb_errors
-from adb_shell.adb_device import AdbDevice
 from adb_shell.transport.tcp_transport import TcpTransport
 
 from agent.bundle import FILES, MANIFEST, SIGNATURE
@@ -46,6 +53,7 @@ from agent.protocol import (
     from_json,
     to_json,
 )
+from orchestrator.transports.adb_shared import SharedAdbDevice
 from orchestrator.transports.base import (
     AgentExit,
     BundleRefused,
@@ -58,6 +66,8 @@ from orchestrator.transports.base import (
     Transport,
     TransportError,
 )
+
+log = logging.getLogger("orchestrator.transports.adb")
 
 DEFAULT_KEY = Path("~/.config/devicefarm/adbkey")
 DEFAULT_ROOT = "/data/local/tmp/devicefarm"
@@ -129,7 +139,12 @@ def load_or_create_adb_key(path: Path) -> Path:
 class AdbTransport(Transport):
     """One Android device over ADB. `host`/`port` for TCP (`adb tcpip 5555`, or a virtual phone);
     `host=None` for USB (`usb_serial` picks one of several). `timeout_s` bounds every exchange
-    with the device except a running job, which gets its time limit plus `job_margin_s`."""
+    with the device except a running job, which gets its time limit plus `job_margin_s`.
+
+    Its commands may run from several threads at once on the one connection (a job's shell while
+    a pull runs, a reverse tunnel relaying beside both). A failed exchange closes the connection
+    it failed on and the next command connects again; functions given to add_connect_listener
+    run on each new connection before any command uses it (a reverse tunnel registers again)."""
 
     def __init__(self, host: str | None = None, port: int = 5555, *, usb_serial: str | None = None,
                  key_path: Path = DEFAULT_KEY, device_root: str = DEFAULT_ROOT,
@@ -142,8 +157,10 @@ class AdbTransport(Transport):
         self.agent = agent_command
         self.timeout_s, self.auth_timeout_s, self.job_margin_s = timeout_s, auth_timeout_s, job_margin_s
         self.tcp_nodelay = tcp_nodelay
-        self._device: AdbDevice | None = None
+        self._device: SharedAdbDevice | None = None
         self._handle: NoDelayTcpTransport | None = None
+        self._connecting = threading.RLock()  # one connect at a time; a listener may use the device
+        self._listeners: list[Callable[[SharedAdbDevice], None]] = []
 
     # ---- connection ------------------------------------------------------------------------
 
@@ -153,55 +170,84 @@ class AdbTransport(Transport):
         key = load_or_create_adb_key(self.key_path)
         return PythonRSASigner.FromRSAKeyPath(str(key))
 
-    def _connect(self) -> AdbDevice:
-        if self._device is not None:
-            return self._device
-        signer = self._signer()
-        if self.host is not None:
-            self._handle = NoDelayTcpTransport(self.host, self.port, self.tcp_nodelay)
-            device = AdbDevice(self._handle, default_transport_timeout_s=self.timeout_s)
-        else:
-            device = self._usb_device()
-        with self._errors("connect", connecting=True):
-            device.connect(rsa_keys=[signer], auth_timeout_s=self.auth_timeout_s, read_timeout_s=self.timeout_s,
-                           transport_timeout_s=self.timeout_s)
-        self._device = device
-        return device
+    def connection(self) -> SharedAdbDevice:
+        """The live connection, made (and announced to the connect listeners) when there is none."""
+        return self._connect()
 
-    def _usb_device(self) -> AdbDevice:
-        from adb_shell.adb_device import AdbDeviceUsb
+    def add_connect_listener(self, listener: Callable[[SharedAdbDevice], None]) -> None:
+        if listener not in self._listeners:
+            self._listeners.append(listener)
 
-        try:
-            return AdbDeviceUsb(serial=self.usb_serial, default_transport_timeout_s=self.timeout_s)
-        except adb_errors.InvalidTransportError:
+    def remove_connect_listener(self, listener: Callable[[SharedAdbDevice], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _connect(self) -> SharedAdbDevice:
+        with self._connecting:
+            device = self._device
+            if device is not None:
+                if device.alive:
+                    return device
+                self._drop(device)  # its reader saw the connection end: start afresh
+            signer = self._signer()
+            if self.host is not None:
+                self._handle = NoDelayTcpTransport(self.host, self.port, self.tcp_nodelay)
+                device = SharedAdbDevice(self._handle, default_transport_timeout_s=self.timeout_s)
+            else:
+                device = self._usb_device()
+            with self._errors("connect", device, connecting=True):
+                device.connect(rsa_keys=[signer], auth_timeout_s=self.auth_timeout_s,
+                               read_timeout_s=self.timeout_s, transport_timeout_s=self.timeout_s)
+            self._device = device
+            for listener in list(self._listeners):
+                try:
+                    listener(device)
+                except Exception:  # a listener's failure is its own; the connection is fine
+                    log.exception("%s: a connect listener failed", self.name)
+            return device
+
+    def _usb_device(self) -> SharedAdbDevice:
+        if adb_shell_device.UsbTransport is None:
             raise TransportError(self.name, "USB needs adb-shell's usb extra: pip install 'adb-shell[usb]' "
-                                 "(libusb1); or connect over TCP after `adb tcpip 5555`") from None
+                                 "(libusb1); or connect over TCP after `adb tcpip 5555`")
+        try:
+            handle = adb_shell_device.UsbTransport.find_adb(self.usb_serial, None, self.timeout_s)
         except adb_errors.UsbDeviceNotFoundError as exc:
             raise DeviceOffline(self.name, f"no USB device found ({exc}); check the cable and "
                                 "that USB debugging is on") from None
+        return SharedAdbDevice(handle, default_transport_timeout_s=self.timeout_s)
 
     def close(self) -> None:
-        if self._device is not None:
-            with contextlib.suppress(Exception):
-                self._device.close()
-        elif self._handle is not None:  # a connect that failed part-way
-            with contextlib.suppress(Exception):
-                self._handle.close()
-        self._device = None
+        device = self._device
+        if device is not None:
+            self._drop(device)
+
+    def _drop(self, device: SharedAdbDevice) -> None:
+        """Close `device`'s connection; the next command connects again if it was the current one
+        (a thread that failed on an old connection must not close the one another thread made)."""
+        if self._device is device:
+            self._device = None
+        with contextlib.suppress(Exception):
+            device.close()
 
     @contextlib.contextmanager
-    def _errors(self, what: str, connecting: bool = False) -> Iterator[None]:
+    def _errors(self, what: str, device: SharedAdbDevice | None, connecting: bool = False) -> Iterator[None]:
         """Turn adb-shell's and the socket's exceptions into TransportErrors; any of them leaves
-        the connection unusable, so it is closed and the next call reconnects."""
+        `device`'s connection unusable, so it is closed and the next call reconnects."""
+
+        def close() -> None:
+            if device is not None:
+                self._drop(device)
+
         try:
             yield
         except TransportError:
             raise
         except adb_errors.DeviceAuthError as exc:
-            self.close()
+            close()
             raise DeviceUnauthorized(self.name, f"{what}: {exc}") from None
         except (adb_errors.TcpTimeoutException, adb_errors.AdbTimeoutError, TimeoutError) as exc:
-            self.close()
+            close()
             if connecting and self._handle is not None and self._handle.auth_requested:
                 raise DeviceUnauthorized(
                     self.name, f"the device did not accept this host's RSA key ({self.key_path}.pub) within "
@@ -211,15 +257,15 @@ class AdbTransport(Transport):
                 raise DeviceOffline(self.name, f"{what}: no answer within {self.timeout_s:g} s ({exc})") from None
             raise DeviceTimeout(self.name, f"{what}: the device stopped answering ({exc})") from None
         except (ConnectionRefusedError, socket.gaierror) as exc:
-            self.close()
+            close()
             raise DeviceOffline(self.name, f"{what}: {exc}") from None
         except (ConnectionError, adb_errors.AdbConnectionError, adb_errors.UsbReadFailedError,
                 adb_errors.UsbWriteFailedError, OSError) as exc:
-            self.close()
+            close()
             raise DeviceOffline(self.name, f"{what}: connection lost ({exc})") from None
         except (adb_errors.InvalidResponseError, adb_errors.InvalidChecksumError,
                 adb_errors.InvalidCommandError) as exc:
-            self.close()
+            close()
             raise TransportError(self.name, f"{what}: garbled ADB stream ({exc})") from None
 
     # ---- device primitives -----------------------------------------------------------------
@@ -233,7 +279,7 @@ class AdbTransport(Transport):
         timeout = timeout_s or self.timeout_s
         out, err, code = bytearray(), bytearray(), None
         buf, line = bytearray(), bytearray()
-        with self._errors(f"shell {command[:60]!r}"):
+        with self._errors(f"shell {command[:60]!r}", device):
             info = device._open(b"shell,v2,raw:" + command.encode(), timeout, timeout, None)
             for chunk in device._read_until_close(info):
                 buf += chunk
@@ -264,7 +310,7 @@ class AdbTransport(Transport):
         device = self._connect()
         stream = io.BytesIO(source) if isinstance(source, bytes) else str(source)
         callback = (lambda _path, n, _total: progress(n)) if progress is not None else None
-        with self._errors(f"push {device_path}"):
+        with self._errors(f"push {device_path}", device):
             device.push(stream, device_path, st_mode=0o100000 | mode, progress_callback=callback,
                         transport_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s)
 
@@ -272,13 +318,14 @@ class AdbTransport(Transport):
         device = self._connect()
         sink = io.BytesIO()
         missing = None
-        with self._errors(f"pull {device_path}"):
+        with self._errors(f"pull {device_path}", device):
             try:
                 device.pull(device_path, sink, transport_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s)
             except adb_errors.AdbCommandFailureException as exc:
                 missing = exc  # raised outside: _errors takes any OSError for a lost connection
         if missing is not None:
-            self.close()  # adb-shell may leave the failed sync stream half-read: start afresh
+            # adb-shell's pull closes the failed sync stream (CLSE, and the phone's CLSE read) in a
+            # `finally`: the connection is whole, and a tunnel relaying on it goes on
             raise FileNotFoundError(f"{device_path}: {missing}")
         return sink.getvalue()
 

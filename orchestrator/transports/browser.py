@@ -103,7 +103,7 @@ class AdbPageLink(PageLink):
         if self._tunnel is None or self._tunnel_port != hub.port:
             if self._tunnel is not None:
                 self._tunnel.close()
-            self._tunnel = ReverseTunnel.over(self.adb, self.page_port, hub.port)
+            self._tunnel = ReverseTunnel.for_transport(self.adb, self.page_port, hub.port)
             self._tunnel_port = hub.port
         self._tunnel.ensure()
 
@@ -185,22 +185,37 @@ _hub: BrowserHub | None = None
 _hub_lock = threading.Lock()
 
 
+def hub_record(settings) -> dict | None:
+    """What the `farm hub` of this host wrote about itself (key, ports, public URL), or None."""
+    import json
+
+    try:
+        return json.loads(settings.hub_file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def running_hub(settings):
     """The `farm hub` running on this host (orchestrator.browser_hub.HubClient), or None when
-    none answers: its key file is there and it answers on 127.0.0.1:hub_port."""
+    none answers."""
     from engine.browser import BrowserError
     from orchestrator.browser_hub import HubClient
 
-    try:
-        key = settings.hub_key_file.read_text().strip()
-    except OSError:
+    record = hub_record(settings)
+    if not record:
         return None
-    client = HubClient(f"http://127.0.0.1:{settings.hub_port}", key, timeout_s=5.0)
+    client = HubClient(f"http://127.0.0.1:{record['port']}", record["key"], timeout_s=5.0)
     try:
         client.status("-")
     except BrowserError:
         return None
     return client
+
+
+def public_url(settings) -> str:
+    """The hub's HTTPS URL devices open: the running hub's word, else the settings'."""
+    record = hub_record(settings) or {}
+    return record.get("public_url") or settings.hub_public_url
 
 
 def local_hub() -> BrowserHub:
@@ -212,12 +227,13 @@ def local_hub() -> BrowserHub:
         return _hub
 
 
-def enrolment_url(origin: str, serial: str, token: str, farm_pub: Path) -> str:
+def enrolment_url(origin: str, serial: str, token: str, farm_pub: Path, virtual: bool = False) -> str:
     """The URL that enrols a device's page: the hub's page at `origin`, with the device's name,
-    its token and the farm's public key (base64url) in the fragment, which no server sees."""
+    its token and the farm's public key (base64url) in the fragment, which no server sees;
+    `virtual` marks a browser on the farm's own host (grouped with the host's adapter)."""
     raw = load_public_key(farm_pub).public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     key = base64.urlsafe_b64encode(raw).decode().rstrip("=")
-    return f"{origin}{PAGE_PATH}#device={serial}&token={token}&key={key}"
+    return f"{origin}{PAGE_PATH}#device={serial}&token={token}&key={key}" + ("&virtual=1" if virtual else "")
 
 
 def web_enrolment_url(settings, serial: str) -> str:
@@ -227,7 +243,7 @@ def web_enrolment_url(settings, serial: str) -> str:
 
     farm_key(settings.config_dir)
     token = read_or_make_token(settings.browser_tokens_dir / serial)
-    return enrolment_url(settings.hub_public_url, serial, token, settings.config_dir / PUBLIC_KEY)
+    return enrolment_url(public_url(settings), serial, token, settings.config_dir / PUBLIC_KEY)
 
 
 class BrowserTransport(LocalTransport):
@@ -242,6 +258,8 @@ class BrowserTransport(LocalTransport):
         self.hub = hub
         self.open_timeout_s = open_timeout_s
         self._before: list[ThermalReading] = []
+        self._cooldown: tuple[float, bool] | None = None
+        self._notes: list[str] = []
 
     # ---- the page ------------------------------------------------------------------------------
 
@@ -289,6 +307,7 @@ class BrowserTransport(LocalTransport):
                                 "browser_version": browser.get("version", "unknown"), "user_agent": user_agent,
                                 "page_secure_context": str(hello.get("secure"))})
         info.agent_version = f"page@{hello.get('current') or 'none'}"
+        info.virtual = info.virtual or bool(hello.get("virtual"))
         # A phone's GPU is its own; a virtual device's page runs on this host, beside the host's
         # own adapter and the other virtual devices: one group, so none is timed beside another.
         info.adapter_id = host_adapter_id() if info.virtual else adapter_id(adapter, machine=f"browser:{self.name}")
@@ -320,15 +339,27 @@ class BrowserTransport(LocalTransport):
     def exec_job(self, spec: JobSpec, limit_s: float, on_line, progress: ProgressFn | None) -> AgentExit:
         hub = self.ensure_page()
         self.job_env = {"FARM_ENGINE_RUNTIME": "browser", "FARM_BROWSER_PAGE": hub.control_url(self.name)}
+        self._cooldown, self._notes = None, []
+        if spec.cooldown is not None:  # on the device's own zones: the host's are not the device's
+            from agent.jobs import cool_down
+
+            self._cooldown = cool_down(spec.cooldown, self._hottest, self._notes.append,
+                                       lambda event: emit(progress, event))
         self._before = self.link.thermal("before")
-        # The host's thermal zones are not the device's: the agent does no cool-down here.
         return super().exec_job(dataclasses.replace(spec, cooldown=None), limit_s, on_line, progress)
+
+    def _hottest(self) -> float | None:
+        readings = self.link.thermal("before")
+        return max((r.celsius for r in readings), default=None)
 
     def finish_result(self, spec: JobSpec, result: JobResult) -> JobResult:
         error = result.error or ""
         if result.status == "failed" and any(error.startswith(f"browser: {k}:") for k in LOST_KINDS):
             raise InfraFailure(self.name, f"job {spec.job_id}: {error}", result.log_tail)
         result.thermal = [*self._before, *result.thermal, *self.link.thermal("after")]
+        if self._cooldown is not None:
+            result.cooldown_wait_s, result.cooldown_timed_out = self._cooldown
+            result.log_tail = "".join(f"[farm] {note}\n" for note in self._notes) + result.log_tail
         if result.environment is not None and not result.environment.os:
             try:
                 device = self.link.device_info({})

@@ -1,9 +1,13 @@
 """The host side of `adb reverse` (orchestrator/transports/adb_reverse.py) against the virtual
 phone: large bodies both ways, several connections at once, a target that refuses, the ADB
 connection cut mid-response (the client sees an error, never a short body; ensure() brings
-the forward back), close(); and the phone's Chrome: `am start` through the adb transport's
-shell opens a page of a host server in a real headless Chromium, where it runs in a secure
-context with WebGPU and keeps its Cache Storage between opens."""
+the forward back), close(); the same on the transport's own connection (ReverseTunnel.on: the
+code path of USB, which cannot be tested here), with the transport's shell, push and pull
+running on that connection at the same time, the forward registered again when the transport
+reconnects after a cut, and close() leaving the transport connected; and the phone's Chrome:
+`am start` through the adb transport's shell opens a page of a host server in a real headless
+Chromium, where it runs in a secure context with WebGPU and keeps its Cache Storage between
+opens."""
 
 from __future__ import annotations
 
@@ -134,9 +138,46 @@ def tunnel(adb, farm):
     t.close()
 
 
+@pytest.fixture
+def shared(adb, farm):
+    """A tunnel on the transport's own connection (what a USB phone gets)."""
+    t = ReverseTunnel.on(adb, PHONE_PORT, farm.port).open()
+    yield t
+    t.close()
+
+
+@pytest.fixture(params=["own", "shared"])
+def either(request, adb, farm):
+    make = ReverseTunnel.over if request.param == "own" else ReverseTunnel.on
+    t = make(adb, PHONE_PORT, farm.port).open()
+    yield t
+    t.close()
+
+
 def get(port: int, path: str = "/blob", timeout: float = 20) -> bytes:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
         return r.read()
+
+
+def post(port: int, body: bytes, timeout: float = 20) -> str:
+    """What /upload says of `body`: "sha256 length"."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/upload", data=body)
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def held_half(port: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A GET of /held with its first half read: a relayed connection with the rest to come."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    conn.request("GET", "/held")
+    response = conn.getresponse()
+    assert response.length == len(BODY)
+    assert response.read(len(BODY) // 2) == BODY[:len(BODY) // 2]
+    return conn, response
+
+
+def sha_line(data: bytes) -> str:
+    return f"{hashlib.sha256(data).hexdigest()} {len(data)}"
 
 
 def page_report(farm, phone, timeout_s: float = 25.0) -> dict:
@@ -173,7 +214,8 @@ def test_large_bodies_cross_both_ways_byte_for_byte(tunnel, phone, farm):
     assert tunnel.connections_relayed == 2 and _wait(lambda: tunnel.open_streams == 0)
 
 
-def test_six_connections_at_once(tunnel, phone):
+def test_six_connections_at_once(either, phone):
+    tunnel = either  # on a connection of its own, and on the transport's
     q = phone.host_port(PHONE_PORT)
     with ThreadPoolExecutor(CONCURRENT) as pool:
         together = list(pool.map(lambda _: get(q, "/together"), range(CONCURRENT)))  # all in flight at once
@@ -251,6 +293,120 @@ def test_close_removes_the_forward(tunnel, phone):
         socket.create_connection(("127.0.0.1", q), timeout=2)
     with pytest.raises(TransportError, match="closed"):
         tunnel.ensure()
+
+
+# ---- on the transport's own connection --------------------------------------------------------------
+
+
+def test_shared_bodies_cross_byte_for_byte_while_the_transport_runs_commands(shared, adb, phone, farm):
+    """Downloads (one held half-way throughout), an upload and a job's shell stream on the one
+    connection while shell commands, a push, a pull and a failed pull run on it too."""
+    device = adb.connection()
+    q = phone.host_port(PHONE_PORT)
+    blob, upload = os.urandom(3 * 1024 * 1024 + 7), os.urandom(6 * 1024 * 1024 + 5)
+    commands_done = threading.Event()
+    job_lines: list[str] = []
+
+    def downloads() -> list[bool]:
+        whole = []
+        while not commands_done.is_set() or not whole:  # bytes flow for as long as the commands run
+            whole.append(get(q) == BODY)
+        return whole
+
+    def job() -> tuple[str, str, int]:  # a job's `farm-agent run`: stderr lines live, open for a while
+        return adb.shell("cat /absent-progress; sleep 1; echo slept", on_stderr_line=job_lines.append)
+
+    t0 = time.monotonic()
+    conn, held = held_half(q)
+    with ThreadPoolExecutor(3) as pool:
+        flowing, uploaded, running = pool.submit(downloads), pool.submit(post, q, upload), pool.submit(job)
+        try:
+            echoes = [adb.shell(f"echo {i}") for i in range(10)]
+            adb.push(blob, "/data/local/tmp/shared.bin")
+            pulled = adb.pull("/data/local/tmp/shared.bin")
+            digest = adb.shell("sha256sum /data/local/tmp/shared.bin")[0].split()[:1]
+            with pytest.raises(FileNotFoundError):
+                adb.pull("/data/local/tmp/absent.bin")
+            assert not flowing.done()  # the commands ran while bytes were crossing
+        finally:
+            commands_done.set()
+            farm.release.set()
+        rest = held.read()
+        whole, answer, job_result = flowing.result(30), uploaded.result(30), running.result(30)
+    conn.close()
+    print(f"{len(whole)} downloads, an upload and a held GET beside the commands in {time.monotonic() - t0:.2f} s")
+
+    assert echoes == [(f"{i}\n", "", 0) for i in range(10)]
+    assert pulled == blob and digest == [hashlib.sha256(blob).hexdigest()]
+    assert job_result[::2] == ("slept\n", 0) and job_lines and "absent-progress" in job_lines[0]
+    assert BODY[:len(BODY) // 2] + rest == BODY and all(whole) and answer == sha_line(upload)
+    assert adb.connection() is device and shared.drops == 0  # one connection, never lost
+    assert shared.connections_relayed == len(whole) + 2 and _wait(lambda: shared.open_streams == 0)
+
+
+def test_a_cut_shared_connection_is_an_error_then_the_next_connection_has_the_forward(phone, farm, key):
+    proxy = Proxy(phone.port)  # the cable between host and phone
+    cut = AdbTransport("127.0.0.1", proxy.port, key_path=key)
+    try:
+        with ReverseTunnel.on(cut, PHONE_PORT, farm.port) as t:
+            first = cut.connection()
+            q = phone.host_port(PHONE_PORT)
+            conn, response = held_half(q)
+            started = threading.Event()
+            with ThreadPoolExecutor(1) as pool:  # a command in flight on the same connection
+                job = pool.submit(cut.shell, "cat /absent; sleep 10; echo never",
+                                  on_stderr_line=lambda _: started.set())
+                assert started.wait(5)
+                proxy.close_connections()  # pulled mid-response
+                farm.release.set()
+                with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+                    response.read()  # never a short body passed off as whole
+                with pytest.raises(DeviceOffline):
+                    job.result(timeout=5)  # nor a partial result for the command
+            conn.close()
+            assert t.wait_lost(5) and not t.alive and t.drops == 1
+
+            # the transport's next command connects again; the tunnel registers there first
+            assert cut.shell("echo back") == ("back\n", "", 0)
+            assert cut.connection() is not first and t.alive
+            assert phone.forwards() == {PHONE_PORT: f"tcp:{farm.port}"}
+            assert phone.host_port(PHONE_PORT) == q and get(q) == BODY
+            t.ensure()  # all is well: one round trip and nothing else
+            assert t.drops == 1 and cut.connection() is not first
+    finally:
+        proxy.close()
+        cut.close()
+
+
+def test_close_on_a_shared_connection_removes_the_forward_and_leaves_the_transport(shared, adb, phone):
+    device = adb.connection()
+    q = phone.host_port(PHONE_PORT)
+    assert get(q) == BODY
+    conn, response = held_half(q)
+    shared.close()  # with a relayed connection half-way
+    assert phone.forwards() == {} and not shared.alive and shared.open_streams == 0
+    with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+        response.read()  # ended, never passed off as whole
+    conn.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", q), timeout=2)
+    assert adb.shell("echo still here") == ("still here\n", "", 0) and adb.connection() is device
+    with pytest.raises(TransportError, match="closed"):
+        shared.ensure()
+    adb.close()  # a closed tunnel no longer follows the transport to its next connection
+    assert adb.shell("true")[2] == 0 and adb.connection() is not device and phone.forwards() == {}
+
+
+def test_the_default_shares_over_usb_and_keeps_a_connection_of_its_own_over_tcp(key):
+    tcp = AdbTransport("127.0.0.1", 5999, key_path=key, timeout_s=3)
+    own = ReverseTunnel.for_transport(tcp, PHONE_PORT, 8000)
+    assert own.own_connection and own.adb is not tcp and (own.adb.host, own.adb.port) == ("127.0.0.1", 5999)
+    assert own.timeout_s == 3
+    usb = AdbTransport(None, key_path=key)
+    on_usb = ReverseTunnel.for_transport(usb, PHONE_PORT, 8000)
+    assert not on_usb.own_connection and on_usb.adb is usb
+    with pytest.raises(TransportError, match="ReverseTunnel.on"):
+        ReverseTunnel.over(usb, PHONE_PORT, 8000)
 
 
 # ---- the phone's Chrome ----------------------------------------------------------------------------

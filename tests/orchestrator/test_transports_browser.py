@@ -14,7 +14,7 @@ import pytest
 from ci_support import missing
 
 from agent.bundle import build_bundle, generate_keypair
-from agent.protocol import JobSpec, Manifest
+from agent.protocol import Cooldown, JobSpec, Manifest
 from agent.simulator import VirtualPhone
 from engine.browser import find_chromium
 from engine.kernels import SHADER_ROOT
@@ -85,9 +85,13 @@ def test_a_deploy_is_verified_and_cached_by_the_page_and_sent_once(browser, farm
 def test_latency_and_generate_jobs_run_in_the_page(browser, farm, tmp_path):
     browser.send_bundle(farm["bundle"])
     events = []
-    latency = browser.run(job("lat-1", kind="latency", warmup=1, repetitions=1, unet_repetitions=3),
+    latency = browser.run(job("lat-1", kind="latency", warmup=1, repetitions=1, unet_repetitions=3,
+                              cooldown=Cooldown(max_celsius=99.0, max_wait_s=10.0, poll_s=0.5)),
                           tmp_path / "lat", progress=events.append)
     assert latency.status == "succeeded", latency.error
+    # the cool-down waited on the phone's own zones, read over ADB (the host's are not the phone's)
+    assert latency.cooldown_wait_s is not None and "[farm] cool-down:" in latency.log_tail
+    assert any(e.get("event") == "cooldown" for e in events)
     assert len([s for s in latency.samples if s.metric == "unet_step_ms"]) == 3
     assert latency.environment.runtime["kind"] == "browser" and latency.environment.os == "android"
     assert {r.phase for r in latency.thermal} == {"before", "after"}  # the phone's own zones

@@ -47,7 +47,7 @@ def farm(tmp_path_factory, tiny_model_dir):
                      stores=tmp / "devices")
     origin = f"https://localhost:{hub.https_port}"
     tablet = VirtualTablet(tmp / "tablet", tmp / "ca" / ca.CA_CERT)
-    tablet.open(enrolment_url(origin, SERIAL, token, tmp / "farm.pub"))
+    tablet.open(enrolment_url(origin, SERIAL, token, tmp / "farm.pub", virtual=True))
     client = HubClient(hub.local_url, hub.key)
     transport = BrowserTransport(tmp / "devices" / SERIAL, WebPageLink(origin, SERIAL), token, tmp / "farm.pub",
                                  name=SERIAL, hub=client)
@@ -64,6 +64,7 @@ def test_the_tablet_enrolled_itself_and_reports_its_browser(farm):
     info = farm["transport"].info()
     assert info.os == "linux" and info.adapter["architecture"] == "swiftshader"  # what its user agent says
     assert info.thermal == [] and info.properties["thermal"].startswith("unknown")
+    assert info.virtual  # it said so at enrolment: grouped with this host's adapter
     assert info.properties["browser"] in ("HeadlessChrome", "Chrome")
     assert info.properties["page_secure_context"] == "True"
 
