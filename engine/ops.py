@@ -17,7 +17,6 @@ import math
 from .kernels import PipelineCache, Selection, Variant, register
 from .runtime import WG_1D, Runtime, Tensor
 
-register("layer_norm", "reference", doc="one workgroup per row, two-pass statistics")(None)
 register("add", "reference", doc="element-wise or per-channel broadcast add")(None)
 register("softmax", "reference", doc="row softmax in f32, optional causal mask")(None)
 register("upsample", "reference", doc="nearest-neighbour resize")(None)
@@ -121,17 +120,7 @@ class Ops:
 
     def layer_norm(self, x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> Tensor:
         d = x.shape[-1]
-        rows = x.numel // d
-        y = self.rt.empty(x.shape, self.dtype)
-        gx = min(rows, self.rt.caps.max_workgroups)
-        self.rt.dispatch(
-            self._pipeline("layer_norm"),
-            "layer_norm",
-            (rows, d, float(eps)),
-            [x, gamma, beta, y],
-            (gx, math.ceil(rows / gx), 1),
-        )
-        return y
+        return self._launch("layer_norm", {"rows": x.numel // d, "d": d}, x, gamma, beta, eps)
 
     # ---- element-wise -----------------------------------------------------------------
 
@@ -335,6 +324,18 @@ def group_norm_reference(ops: Ops, v: Variant, consts: dict, x, gamma, beta, gro
     ops.rt.dispatch(
         ops.pipeline(v, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y], ops.grid_1d(x.numel)
     )
+    return y
+
+
+@register("layer_norm", "reference", doc="one workgroup per row, two-pass statistics")
+def layer_norm_reference(ops: Ops, v: Variant, consts: dict, x: Tensor, gamma: Tensor, beta: Tensor,
+                         eps: float) -> Tensor:
+    d = x.shape[-1]
+    rows = x.numel // d
+    y = ops.rt.empty(x.shape, ops.dtype)
+    gx = min(rows, ops.rt.caps.max_workgroups)
+    ops.rt.dispatch(ops.pipeline(v), "layer_norm", (rows, d, float(eps)), [x, gamma, beta, y],
+                    (gx, math.ceil(rows / gx), 1))
     return y
 
 

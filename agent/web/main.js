@@ -11,7 +11,7 @@ import { PlanError, PlanRunner, b64ToBytes, bytesToB64, describeAdapter, openDev
   sha256Hex, weightFetcher } from "./plan.js";
 
 const BEAT_MS = 3000;
-const MAX_RUNNERS = 2; // plans kept loaded: a job uses one or two
+const MAX_KEPT = 3; // a farm's plans kept loaded between jobs: a job uses one to three
 const params = new URLSearchParams(location.search);
 const session = params.get("session") || "";
 const pageId = crypto.randomUUID();
@@ -90,11 +90,14 @@ async function handle(cmd) {
     runners.get(plan.sha256)?.destroy();
     runners.delete(plan.sha256);
     runner.report = report;
+    runner.kept = !!cmd.build;
     runners.set(plan.sha256, runner);
-    while (runners.size > MAX_RUNNERS) { // each holds its own copy of the weights
-      const [oldest, r] = runners.entries().next().value;
+    // A farm's plans stay loaded between its jobs, the least recently used given up beyond
+    // MAX_KEPT (each holds its own copy of the weights); a host session unloads its own.
+    const kept = [...runners.entries()].filter(([, r]) => r.kept);
+    for (const [sha, r] of kept.slice(0, Math.max(0, kept.length - MAX_KEPT))) {
       r.destroy();
-      runners.delete(oldest);
+      runners.delete(sha);
     }
     return report;
   }

@@ -39,6 +39,7 @@ SHAPE_FIELDS = {
     "activation": ("kind", "n"),
     "geglu": ("m", "f"),
     "attention": ("tq", "tk", "dh", "heads", "b", "causal"),
+    "layer_norm": ("rows", "d"),
 }
 
 

@@ -66,7 +66,7 @@ def _shipped_choices() -> list[tuple[str, str, dict]]:
         for rule in json.loads(path.read_text())["rules"]:
             constants = rule.get("constants", {})
             seen[(rule["op"], rule["variant"], json.dumps(constants, sort_keys=True))] = constants
-    for op in ("linear", "conv2d", "group_norm", "attention"):
+    for op in ("linear", "conv2d", "group_norm", "attention", "layer_norm"):
         seen[(op, "reference", "{}")] = {}
     return [(op, v, c) for (op, v, _), c in sorted(seen.items())]
 
@@ -103,6 +103,10 @@ def _case(op: str, rng):
         y = y * g[None, :, None, None] + bb[None, :, None, None]
         return ({"x": x, "g": g, "b": bb}, lambda o, t: o.group_norm(t["x"], t["g"], t["b"], 8, 1e-5, silu=True),
                 y / (1 + np.exp(-y)))
+    if op == "layer_norm":
+        x, g, bb = rng.standard_normal((2, 77, 96)) * 2 + 0.5, rng.standard_normal(96), rng.standard_normal(96)
+        y = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * g + bb
+        return {"x": x, "g": g, "b": bb}, lambda o, t: o.layer_norm(t["x"], t["g"], t["b"], 1e-5), y
     q, k, v = (rng.standard_normal((2, 64, 80)) for _ in range(3))
     heads, dh = 2, 40
 

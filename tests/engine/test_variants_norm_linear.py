@@ -1,5 +1,5 @@
-"""The fused group_norm and tiled linear variants against numpy and against the reference
-variant, on fresh random inputs with outputs poisoned with NaN.
+"""The fused group_norm, row layer_norm and tiled linear variants against numpy and against the
+reference variant, on fresh random inputs with outputs poisoned with NaN.
 
 Tolerances as in test_kernels.py: fp32 within 2e-5 relative (to the largest reference
 magnitude) of float64 numpy on the same inputs, fp16 within 1e-2 relative of numpy on the
@@ -107,6 +107,36 @@ def test_group_norm_fused_large_offset(rt, gpu, fresh_rng):
     y = ops.group_norm(*(rt.upload(a, "f32") for a in (x, g, b)), 8, 1e-5)
     ref = np_group_norm(x.astype(np.float64), 8, 1e-5)
     assert rel_err(rt.read(y).astype(np.float64), ref) <= 1e-4  # the inputs themselves carry f32 rounding of ~300 * 6e-8
+
+
+@pytest.mark.parametrize(
+    "rows,d,wg",
+    [
+        (2 * 77, 768, None),  # CLIP's final norm, both prompts
+        (2 * 1024, 320, None),  # an SD transformer block at 32x32 latents
+        (2 * 64, 32, 32),  # the tiny model's, 32 rows per workgroup
+        (3, 1000, 128),  # fewer rows than one workgroup, D not a power of two
+        (130, 64, 64),  # a row past a workgroup
+    ],
+)
+def test_layer_norm_row(rt, gpu, dtype, fresh_rng, rows, d, wg):
+    x = rand(fresh_rng, rows, d, scale=2.0) + 0.5
+    g, b = rand(fresh_rng, d) + 1, rand(fresh_rng, d)
+
+    outs = {}
+    for variant in ("row", "reference"):
+        constants = (("WG", wg),) if variant == "row" and wg is not None else ()
+        ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features),
+                                                    [Rule("layer_norm", variant, constants=constants)]), dtype)
+        y = rt.read(ops.layer_norm(*(rt.upload(a, dtype) for a in (x, g, b)), 1e-5)).astype(np.float64)
+        assert np.isfinite(y).all(), f"layer_norm/{variant} left poisoned (NaN) elements"
+        assert [d.variant for d in ops.selection.decisions.values()] == [variant]
+        outs[variant] = y
+    got, ref_gpu = outs["row"], outs["reference"]
+    xq = q(dtype, x)
+    ref = (xq - xq.mean(-1, keepdims=True)) / np.sqrt(xq.var(-1, keepdims=True) + 1e-5) * q(dtype, g) + q(dtype, b)
+    assert rel_err(got, ref) <= TOL[dtype], "row vs numpy"
+    assert rel_err(got, ref_gpu) <= TOL[dtype], "row vs reference variant"
 
 
 @pytest.mark.parametrize(
