@@ -2,7 +2,8 @@
 through which the farm drives it. One hub serves many devices; each device's page is enrolled
 with a token (agent/web/farm.js keeps it) and polls the hub for its next command.
 
-    page side (Authorization: Bearer <device token>)
+    page side (Authorization: Bearer <device token>; a page naming another device than the
+    token's, in ?device=, is refused with 403)
       GET  /, /web/*              the page (agent/web), no token needed
       GET  /api/next?page=ID      long poll: the device's next command, or 204
       POST /api/done              a command's answer {id, ok, result | error}
@@ -280,6 +281,9 @@ class _Handler(BaseHTTPRequestHandler):
         device = self._page_device()
         if device is None:
             return self._error(401, "no device has this token: open the device's enrolment URL again")
+        claimed = urllib.parse.parse_qs(url.query).get("device", [""])[0]
+        if claimed and claimed != device.serial:
+            return self._error(403, f"this token is {device.serial}'s, not {claimed}'s")
         if path == "/api/next":
             return self._next(device, urllib.parse.parse_qs(url.query).get("page", [""])[0])
         if path.startswith("/blobs/"):
@@ -342,6 +346,9 @@ class _Handler(BaseHTTPRequestHandler):
         device = self._page_device()
         if device is None:
             return self._error(401, "no device has this token")
+        claimed = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("device", [""])[0]
+        if claimed and claimed != device.serial:
+            return self._error(403, f"this token is {device.serial}'s, not {claimed}'s")
         device.seen = time.monotonic()
         if path == "/api/done":
             try:

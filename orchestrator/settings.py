@@ -36,6 +36,16 @@ Device health (docs/devices.md):
 | field               | default | meaning |
 |---------------------|---------|---------|
 | health_check_every_s | 180    | beat runs the health check this often: offline and unauthorized devices due for a probe are probed (with back-off), busy devices nothing holds are freed |
+
+The hub browser devices talk to (`farm hub`; README, Real phones):
+
+| field           | default   | meaning |
+|-----------------|-----------|---------|
+| hub_port        | 8780      | plain HTTP on 127.0.0.1: workers, and phones through their reverse forwards (0: any free port) |
+| hub_https_host  | 0.0.0.0   | where the HTTPS listener binds |
+| hub_https_port  | 8743      | HTTPS for devices on the network, with a certificate of the farm's CA (0: any free port) |
+| hub_public_host | host_name | the name devices open (`https://hub_public_host:hub_https_port`) |
+| hub_names       | host name, localhost, 127.0.0.1 | the names and addresses the hub's certificate covers, comma-separated |
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ try {
 } catch (e) {
   enrolError = e;
 }
-const api = (path) => new URL(`/api/${path}?session=${encodeURIComponent(session)}&page=${pageId}`, location.href);
+const api = (path) => new URL(`/api/${path}?session=${encodeURIComponent(session)}&page=${pageId}` +
+  `&device=${encodeURIComponent(farm.device)}`, location.href);
 // Every request to the host carries the device's token, when the page has one.
 const hostFetch = (url, init = {}) => fetch(url, farm.token
   ? { ...init, headers: { ...(init.headers || {}), Authorization: `Bearer ${farm.token}` } } : init);
@@ -150,8 +151,9 @@ async function loop() {
       const r = await hostFetch(api("next"), { cache: "no-store" });
       if (r.status === 204) continue;
       if (r.status === 410) { state.textContent = "the host ended this session"; return; }
-      if (r.status === 401) {
-        state.textContent = "the farm does not know this page's token: open the enrolment URL again";
+      if (r.status === 401 || r.status === 403) {
+        state.textContent = r.status === 401 ? "the farm does not know this page's token: open the enrolment URL again"
+          : "this page's token belongs to another device: open this device's own enrolment URL";
         await pause(5000);
         continue;
       }

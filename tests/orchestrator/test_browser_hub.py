@@ -3,7 +3,8 @@
 signed build deployed into the page's cache (verified with WebCrypto Ed25519; a second deploy
 fetches nothing; a build signed by another key or altered is refused), a generation run from the
 deployed build through the hub's farm side equal to the plan runtime's (PSNR >= 40 dB) with no
-byte fetched at run time, a wrong token refused, and a page killed mid-command reported as lost."""
+byte fetched at run time, an unknown token or another device's refused, and a page killed
+mid-command reported as lost."""
 
 from __future__ import annotations
 
@@ -125,6 +126,11 @@ def test_requests_without_the_device_token_are_refused(farm):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 401
+    hub.register("d2", "token-of-d2", farm["root"] / "store")
+    req = urllib.request.Request(f"{hub.local_url}/api/next?device=d1", headers={"Authorization": "Bearer token-of-d2"})
+    with pytest.raises(urllib.error.HTTPError) as err:  # another device's token: not d1's page
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 403 and b"d2's, not d1's" in err.value.read()
     req = urllib.request.Request(f"{hub.local_url}/ctl/d1/call", data=json.dumps({"op": "hello"}).encode(),
                                  method="POST", headers={"X-Farm-Hub-Key": "not-the-key"})
     with pytest.raises(urllib.error.HTTPError) as err:

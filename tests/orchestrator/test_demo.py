@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
-from orchestrator.db.models import Alert, AlertKind, Batch, Deployment, Job, JobState
+from orchestrator.db.models import Alert, AlertKind, Batch, Deployment, Device, Job, JobState
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -42,9 +42,12 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
     env |= {"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
             "COLUMNS": "200", "DEMO_TEST_MARKER": str(tmp_path)}
     outputs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "--phones", "1", "--steps", "2"],
-                              env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # The first run has the browser devices too (a phone whose Chrome runs the engine over ADB, a
+    # tablet over HTTPS; both headless Chromium on SwiftShader); the second leaves them out, as
+    # `--browser-phones 0 --tablets 0` does, to keep the suite's time.
+    for browsers in (["--browser-phones", "1", "--tablets", "1"], ["--browser-phones", "0", "--tablets", "0"]):
+        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "--phones", "1", "--steps", "2",
+                               *browsers], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
         outputs.append(done.stdout + done.stderr)
         assert done.returncode == 0, outputs[-1][-6000:]
         assert _processes_with(f"DEMO_TEST_MARKER={tmp_path}") == []  # every process it started is gone
@@ -60,14 +63,18 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                 if extra not in batches:
                     assert extra.summary is not None, extra.name
                     assert {j.state for j in extra.jobs} == {JobState.succeeded}, [j.error for j in extra.jobs]
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 jobs = session.scalars(select(Job).where(Job.batch_id == batch.id)).all()
-                assert sorted(j.kind for j in jobs) == ["generate", "generate", "latency", "latency"]
+                devices = 4 if index < 2 else 2  # host-gpu, vphone-1, and the browser devices in the first run
+                assert sorted(j.kind for j in jobs) == ["generate"] * devices + ["latency"] * devices
                 assert {j.state for j in jobs} == {JobState.succeeded}, [j.error for j in jobs]
                 assert batch.summary is not None and batch.finished_at is not None
             for index, batch in enumerate(batches):
                 for dep in session.scalars(select(Deployment).where(Deployment.batch_id == batch.id)):
-                    if index == 0:
+                    if session.get(Device, dep.device_id).runtime == "browser":
+                        # what the page fetched: the shaders and the weights, then nothing new
+                        assert (dep.files_sent > 20) if index == 0 else (dep.files_sent == 0), dep.files_sent
+                    elif index == 0:
                         assert dep.files_sent > 50  # engine, shaders, agent, model: all new to the device
                     else:  # the same checkout and model: only the manifest-level files differ
                         assert dep.files_sent < 5 and dep.files_skipped > 50, (dep.files_sent, dep.files_skipped)
@@ -76,14 +83,19 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
             alerts = session.scalars(select(Alert).where(Alert.kind == AlertKind.regression)).all()
             b_builds = {batches[1].build_id, batches[3].build_id}
             assert {a.build_id for a in alerts} <= b_builds, [a.summary for a in alerts]  # none for A
-            for batch in (batches[1], batches[3]):
+            browser_devices = ["vphone-chrome-1", "vtablet-1"]
+            for batch, extra in ((batches[1], browser_devices), (batches[3], [])):
                 step = [a for a in alerts if a.build_id == batch.build_id and a.metric == "unet_step_ms"]
-                assert sorted(a.device.serial for a in step) == ["host-gpu", "vphone-1"], \
+                assert sorted(a.device.serial for a in step) == sorted(["host-gpu", "vphone-1", *extra]), \
                     batch.summary["analysis"]["comparisons"]
                 for alert in step:
                     assert alert.ratio > 1.1 and alert.ci_low > 1.03
                     top = [m["op"] for m in alert.detail["attribution_by_op"][:2]]
-                    assert set(top) == {"attention", "conv2d"}, alert.detail["attribution_by_op"]
+                    if alert.device.serial in browser_devices:  # SwiftShader: the reference layer norm
+                        assert "layer_norm" in top, alert.detail["attribution_by_op"]
+                    else:
+                        assert set(top) == {"attention", "conv2d"}, alert.detail["attribution_by_op"]
+                    assert alert.device.runtime == ("browser" if alert.device.serial in browser_devices else "python")
             # The second A is compared with the first A (B is not accepted while its alerts are open).
             second_a = [c for c in batches[2].summary["analysis"]["comparisons"] if c.get("metric") == "unet_step_ms"]
             assert {c["baseline_build"] for c in second_a} == {batches[0].build.name}
