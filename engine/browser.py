@@ -38,6 +38,7 @@ from .runtime import DTYPES
 
 WEB_ROOT = Path(__file__).resolve().parent.parent / "agent" / "web"
 POLL_S = 20.0  # how long the page's GET /api/next waits for a command
+HUB_KEY_HEADER = "X-Farm-Hub-Key"  # the farm side of a hub (orchestrator/browser_hub.py) asks for its key
 # JavaScript limit names -> engine.device's (wgpu-py) names
 LIMIT_NAMES = {"maxStorageBufferBindingSize": "max-storage-buffer-binding-size", "maxBufferSize": "max-buffer-size",
                "maxComputeWorkgroupsPerDimension": "max-compute-workgroups-per-dimension",
@@ -59,6 +60,31 @@ class BrowserError(GPUError):
     def __init__(self, kind: str, message: str):
         super().__init__(f"browser: {kind}: {message}")
         self.kind = kind
+
+
+def reply_result(reply: dict[str, Any]) -> dict[str, Any]:
+    """A page's answer ({id, ok, result | error}): its result, or the BrowserError it reports."""
+    if not reply.get("ok"):
+        err = reply.get("error") or {}
+        raise BrowserError(err.get("kind", "internal"), err.get("message", "no message"))
+    return reply["result"]
+
+
+def hub_request(url: str, key: str, method: str, body: bytes, timeout_s: float) -> dict[str, Any]:
+    """One request to the farm side of a hub (orchestrator/browser_hub.py), its JSON answer;
+    BrowserError "hub" for an HTTP error or a hub that cannot be reached."""
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={HUB_KEY_HEADER: key, "Content-Type": "application/json"})
+    where = urllib.parse.urlsplit(url)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise BrowserError("hub", f"{method} {where.path}: HTTP {exc.code}: "
+                           f"{exc.read()[:300].decode('utf-8', 'replace')}") from None
+    except OSError as exc:
+        raise BrowserError("hub", f"the farm's hub at {where.netloc} is unreachable ({exc}): is `farm hub` "
+                           "running?") from None
 
 
 def find_chromium() -> str | None:
@@ -290,10 +316,7 @@ class BrowserSession:
                             from None
         finally:
             self.server.replies.pop(command_id, None)
-        if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise BrowserError(err.get("kind", "internal"), err.get("message", "no message"))
-        return reply["result"]
+        return reply_result(reply)
 
     def serve_plan(self, plan: dict[str, Any]) -> tuple[str, str]:
         """Put a plan on the server: (its URL, the sha256 of the bytes served)."""
@@ -355,24 +378,11 @@ class RemotePage:
         return self.hello["adapter"]
 
     def _request(self, method: str, path: str, body: bytes, timeout_s: float) -> dict[str, Any]:
-        req = urllib.request.Request(self._base + path, data=body, method=method,
-                                     headers={"X-Farm-Hub-Key": self._key, "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            raise BrowserError("hub", f"{method} {path}: HTTP {exc.code}: {exc.read()[:300].decode('utf-8', 'replace')}") \
-                from None
-        except OSError as exc:
-            raise BrowserError("hub", f"{method} {path}: the farm's hub is unreachable ({exc})") from None
+        return hub_request(self._base + path, self._key, method, body, timeout_s)
 
     def call(self, op: str, *, timeout_s: float = 600.0, **fields) -> dict[str, Any]:
         body = json.dumps({"op": op, "timeout_s": timeout_s, **fields}).encode()
-        reply = self._request("POST", "/call", body, timeout_s + 30.0)
-        if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise BrowserError(err.get("kind", "internal"), err.get("message", "no message"))
-        return reply["result"]
+        return reply_result(self._request("POST", "/call", body, timeout_s + 30.0))
 
     def load_fields(self, plan: dict[str, Any], model_dir: Path | None) -> dict[str, Any]:
         body = json.dumps(plan, separators=(",", ":")).encode()

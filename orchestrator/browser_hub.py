@@ -41,11 +41,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from engine.browser import WEB_ROOT, BrowserError, send_file
+from engine.browser import (
+    HUB_KEY_HEADER,
+    WEB_ROOT,
+    BrowserError,
+    hub_request,
+    reply_result,
+    send_file,
+)
 
 POLL_S = 10.0  # how long a page's GET /api/next waits for a command
 PAGE_LOST_S = 15.0  # silence after which a page holding a command counts as gone
-KEY_HEADER = "X-Farm-Hub-Key"
 MAX_BODY = 64 * 2**20  # answers carry images and arrays as base64
 
 
@@ -171,14 +177,7 @@ class BrowserHub:
         """Until the device's page polls; BrowserError "timeout" after `timeout_s`. `gone()`
         may name a reason to stop waiting early (the browser process exited)."""
         device = self.device(serial)
-        deadline = time.monotonic() + timeout_s
-        while not (device.polling > 0 or time.monotonic() - device.seen < 2.0):
-            why = gone() if gone is not None else None
-            if why:
-                raise BrowserError("page-lost", why)
-            if time.monotonic() > deadline:
-                raise BrowserError("timeout", f"{serial}: the page did not reach the hub within {timeout_s:.0f} s")
-            time.sleep(0.2)
+        _wait_for(lambda: device.polling > 0 or time.monotonic() - device.seen < 2.0, serial, timeout_s, gone, 0.2)
 
     def put_plan(self, serial: str, name: str, body: bytes) -> str:
         self.device(serial).plans[name] = body
@@ -213,15 +212,26 @@ class BrowserHub:
             device.replies.pop(command_id, None)
             device.taken.pop(command_id, None)
             _drop(device.commands, command_id)
-        if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise BrowserError(err.get("kind", "internal"), err.get("message", "no message"))
-        return reply["result"]
+        return reply_result(reply)
 
     def close(self) -> None:
         for server in self.servers:
             server.shutdown()
             server.server_close()
+
+
+def _wait_for(online: Callable[[], bool], serial: str, timeout_s: float, gone: Callable[[], str | None] | None,
+              poll_s: float) -> None:
+    """Until `online()`: BrowserError "page-lost" as soon as `gone()` names a reason, "timeout"
+    after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not online():
+        why = gone() if gone is not None else None
+        if why:
+            raise BrowserError("page-lost", why)
+        if time.monotonic() > deadline:
+            raise BrowserError("timeout", f"{serial}: the page did not reach the hub within {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def _drop(commands: queue.Queue, command_id: int) -> None:
@@ -267,7 +277,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self.hub.by_token(token) if token else None
 
     def _farm_side(self) -> bool:
-        return hmac.compare_digest(self.headers.get(KEY_HEADER, ""), self.hub.key)
+        return hmac.compare_digest(self.headers.get(HUB_KEY_HEADER, ""), self.hub.key)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -408,21 +418,8 @@ class HubClient:
         self.port = urllib.parse.urlsplit(self.url).port
 
     def _post(self, serial: str, what: str, doc: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        import urllib.error
-        import urllib.request
-
-        req = urllib.request.Request(f"{self.url}/ctl/{urllib.parse.quote(serial)}/{what}",
-                                     data=json.dumps(doc).encode(), method="POST",
-                                     headers={KEY_HEADER: self.key, "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            raise BrowserError("hub", f"{what} {serial}: HTTP {exc.code}: {exc.read()[:300].decode('utf-8', 'replace')}") \
-                from None
-        except OSError as exc:
-            raise BrowserError("hub", f"the farm's hub at {self.url} is unreachable ({exc}): is `farm hub` "
-                               "running?") from None
+        return hub_request(f"{self.url}/ctl/{urllib.parse.quote(serial)}/{what}", self.key, "POST",
+                           json.dumps(doc).encode(), timeout_s)
 
     def register(self, serial: str, token: str, store: Path) -> None:
         self._post(serial, "register", {"token": token, "store": str(store)}, self.timeout_s)
@@ -434,21 +431,10 @@ class HubClient:
         return bool(self.status(serial)["online"])
 
     def wait_online(self, serial: str, timeout_s: float, gone: Callable[[], str | None] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.online(serial):
-            why = gone() if gone is not None else None
-            if why:
-                raise BrowserError("page-lost", why)
-            if time.monotonic() > deadline:
-                raise BrowserError("timeout", f"{serial}: the page did not reach the hub within {timeout_s:.0f} s")
-            time.sleep(0.5)
+        _wait_for(lambda: self.online(serial), serial, timeout_s, gone, 0.5)
 
     def call(self, serial: str, op: str, *, timeout_s: float = 600.0, **fields) -> dict[str, Any]:
-        reply = self._post(serial, "call", {"op": op, "timeout_s": timeout_s, **fields}, timeout_s + 30.0)
-        if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise BrowserError(err.get("kind", "internal"), err.get("message", "no message"))
-        return reply["result"]
+        return reply_result(self._post(serial, "call", {"op": op, "timeout_s": timeout_s, **fields}, timeout_s + 30.0))
 
     def control_url(self, serial: str) -> str:
         return f"{self.url}/ctl/{urllib.parse.quote(serial)}?key={self.key}"
