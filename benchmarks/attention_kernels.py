@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from engine.kernels import PipelineCache, Selection, variants
     from engine.ops import Ops
     from engine.runtime import Runtime
-    from engine.tune import _time
+    from engine.tune import time_gpu_work
 
     gpu = get_gpu()
     dtype = "f16" if args.precision == "fp16" else "f32"
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
                 try:
                     got = rt.read(v.launch(ops, v, consts, *x, heads, False, dh**-0.5)).astype(np.float64)
                     call = lambda v=v, c=consts, x=x, n=heads, sc=dh**-0.5: v.launch(ops, v, c, *x, n, False, sc)  # noqa: E731
-                    samples = _time(rt, call, args.warmup, args.reps)
+                    samples = time_gpu_work(rt, call, args.warmup, args.reps)
                 except EngineError as exc:
                     print(f"  {tq}x{tk} dh{dh} {name} {consts}: skipped ({exc})")
                     continue

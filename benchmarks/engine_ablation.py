@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--e2e-steps", type=int, default=0)
     ap.add_argument("--residency", choices=["resident", "staged"], default="resident")
+    ap.add_argument("--no-vae", action="store_true", help="bench: skip the VAE decode timing")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -58,16 +59,21 @@ def main(argv=None) -> int:
     pipe = load_pipeline(args.model, precision=args.precision, profile="reference", residency=args.residency)
     res = pipe.native_size[0]
     rows = run_ablation(pipe, res, res, reps=args.reps, warmup=args.warmup, e2e_steps=args.e2e_steps,
-                        tuned=args.tuned)
+                        tuned=args.tuned, vae=not args.no_vae)
     base = rows[0].unet_step_ms["median"]
     for r in rows:
         u = r.unet_step_ms
         print(f"{r.name:70s} {u['median']:8.1f} ({u['min']:.1f}-{u['max']:.1f}) {(u['median'] / base - 1) * 100:+6.1f}% "
-              f"peak {r.peak_gpu_bytes / 2**20:.0f} MiB e2e {r.end_to_end_ms or 0:.0f} ms")
+              f"peak {r.peak_gpu_bytes / 2**20:.0f} MiB e2e {r.end_to_end_ms or 0:.0f} ms"
+              + (f" vae {r.vae_decode_ms['median']:.1f} ms" if r.vae_decode_ms else ""))
     if rows[-1].stage_peak_gpu_bytes:
         print("stage peaks MiB:", {k: round(v / 2**20) for k, v in rows[-1].stage_peak_gpu_bytes.items()})
     for name, ms in list(rows[-1].kernel_ms.items())[:14]:
         print(f"  {name:40s} {ms:8.2f} ms")
+    if rows[-1].roofline:
+        from engine.roofline import print_roofline
+
+        print_roofline(rows[-1].roofline)
     if args.json:
         caps = pipe.gpu.caps
         args.json.write_text(json.dumps({"date": dt.date.today().isoformat(), "adapter": caps.device,

@@ -29,6 +29,9 @@ class AblationRow:
     kernel_ms: dict = field(default_factory=dict)
     # from the end-to-end generation: peak of text_encoder / unet / vae_decode
     stage_peak_gpu_bytes: dict = field(default_factory=dict)
+    vae_decode_ms: dict | None = None  # one latent to one image, when timed
+    # the last row's UNet step per op family against the adapter's measured peaks (engine.roofline)
+    roofline: dict = field(default_factory=dict)
 
 
 FLASH_VARIANTS = ("flash", "flash_gemm")  # the score matrix never stored
@@ -68,7 +71,11 @@ def _median(samples) -> dict:
 
 
 def run_ablation(pipe, height: int, width: int, reps: int = 5, warmup: int = 1, e2e_steps: int = 0,
-                 tuned=None, progress=None) -> list[AblationRow]:
+                 tuned=None, progress=None, vae: bool = False) -> list[AblationRow]:
+    """The rows, and for the last one the per-kernel times and the roofline where the adapter
+    has timestamps. `vae` also times the VAE decode of one latent in every row."""
+    from . import roofline as rl
+
     rt = pipe.rt
     f = pipe.vae_scale_factor
     rng = np.random.default_rng(0)
@@ -90,21 +97,40 @@ def run_ablation(pipe, height: int, width: int, reps: int = 5, warmup: int = 1, 
                 t0 = time.perf_counter()
                 pipe._unet(sample, 981, ctx)  # reads the result back: waits for the GPU
                 samples.append((time.perf_counter() - t0) * 1e3)
+            roof = {}
             if i == len(profiles) - 1 and pipe.gpu.caps.has_timestamps:
                 rt.set_profiling(True)
-                rt.take_kernel_times()
+                rt.take_times()
+                rt.take_work()
                 pipe._unet(sample, 981, ctx)
-                kernel_ms = {k: round(v.total_ms, 3) for k, v in sorted(
-                    rt.take_kernel_times().items(), key=lambda kv: -kv[1].total_ms)}
+                by_label, by_op = rt.take_times()
+                work = rt.take_work()
                 rt.set_profiling(False)
+                kernel_ms = {k: round(v.total_ms, 3) for k, v in sorted(by_label.items(), key=lambda kv: -kv[1].total_ms)}
+                peaks = rl.measure_peaks(pipe.gpu, rt)
+                roof = {"peaks": asdict(peaks), "dtype": pipe.dtype,
+                        "rows": rl.rows_as_json(rl.roofline(by_op, work, peaks, pipe.dtype))}
             del ctx
+        vae_ms = None
+        if vae:
+            latent = rng.standard_normal((1, pipe.latent_channels, height // f, width // f), dtype=np.float32)
+            with pipe.weights_on_gpu("vae_decoder"):
+                z = rt.upload(latent, "f32")
+                for _ in range(warmup):
+                    pipe._decode(z)
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    pipe._decode(z)  # reads the image back: waits for the GPU
+                    times.append((time.perf_counter() - t0) * 1e3)
+                vae_ms = _median(times)
         e2e, stage_peaks = None, {}
         if e2e_steps:
             r = pipe.generate("a photograph of an astronaut riding a horse", steps=e2e_steps,
                               height=height, width=width, seed=0)
             e2e, stage_peaks = r.timings["total_ms"], r.stage_peak_gpu_bytes
         rows.append(AblationRow(prof.name, len(prof.rules), _median(samples), rt.peak_bytes, e2e, kernel_ms,
-                                stage_peaks))
+                                stage_peaks, vae_ms, roof))
     if progress:
         progress(len(profiles), len(profiles), "done")
     return rows

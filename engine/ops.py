@@ -58,7 +58,16 @@ class Ops:
         variant, constants = self.selection.choose(op, shape)
         if self.calls is not None:
             self.calls.append((op, shape, args))
-        return variant.launch(self, variant, constants, *args)
+        rt = self.rt
+        if getattr(rt, "profiling", False):
+            from .roofline import op_work
+
+            rt.note_work(op, *op_work(op, shape, self.dtype))
+        outer, rt.op_family = getattr(rt, "op_family", None), op
+        try:
+            return variant.launch(self, variant, constants, *args)
+        finally:
+            rt.op_family = outer
 
     def score_chunks(self, pairs: int, tq: int, tk: int):
         """(first, count) ranges of (batch, head) pairs whose f32 score matrices fit one storage

@@ -370,6 +370,9 @@ class Runtime(_Memory):
         # profiling
         self.profiling = False
         self.kernel_times: dict[str, KernelTime] = defaultdict(KernelTime)
+        self.family_times: dict[str, KernelTime] = defaultdict(KernelTime)  # by the op that dispatched
+        self.op_family: str | None = None  # the variant op being launched (Ops sets it)
+        self.work: dict[str, list] = {}  # op -> [calls, FLOPs, bytes] while profiling (engine.roofline)
         self._query_set = None
         self._query_capacity = 0
         self._query_labels: list[str] = []
@@ -483,7 +486,7 @@ class Runtime(_Memory):
             self.flush()
             self._encoder = self.device.create_command_encoder()
             index = 0
-        self._query_labels.append(label)
+        self._query_labels.append((label, self.op_family or label))
         return self._encoder.begin_compute_pass(
             timestamp_writes={
                 "query_set": self._query_set,
@@ -512,10 +515,11 @@ class Runtime(_Memory):
         if resolve is not None:
             ticks = np.frombuffer(self.device.queue.read_buffer(resolve), dtype=np.uint64).reshape(n, 2)
             period = self.caps.timestamp_period_ns
-            for label, (t0, t1) in zip(self._query_labels, ticks, strict=True):
-                kt = self.kernel_times[label]
-                kt.calls += 1
-                kt.total_ms += max(int(t1) - int(t0), 0) * period / 1e6
+            for (label, family), (t0, t1) in zip(self._query_labels, ticks, strict=True):
+                ms = max(int(t1) - int(t0), 0) * period / 1e6
+                for kt in (self.kernel_times[label], self.family_times[family]):
+                    kt.calls += 1
+                    kt.total_ms += ms
             resolve.destroy()
             self._query_labels.clear()
 
@@ -541,10 +545,28 @@ class Runtime(_Memory):
         self.profiling = on
 
     def take_kernel_times(self) -> dict[str, KernelTime]:
+        """GPU time per dispatch label since the last take (resets take_times's views too)."""
+        return self.take_times()[0]
+
+    def take_times(self) -> tuple[dict[str, KernelTime], dict[str, KernelTime]]:
+        """GPU time since the last take per dispatch label, and per variant op that dispatched
+        (kernels of other ops under their label)."""
         self.flush()
-        times = dict(self.kernel_times)
+        times = dict(self.kernel_times), dict(self.family_times)
         self.kernel_times.clear()
+        self.family_times.clear()
         return times
+
+    def note_work(self, op: str, flops: float, nbytes: float) -> None:
+        """Count one call of `op` and its work while profiling (engine.roofline)."""
+        w = self.work.setdefault(op, [0, 0.0, 0.0])
+        w[0] += 1
+        w[1] += flops
+        w[2] += nbytes
+
+    def take_work(self) -> dict[str, list]:
+        work, self.work = self.work, {}
+        return work
 
 
 class StageTimer:

@@ -44,7 +44,8 @@ def _settings(variant) -> list[dict]:
     return [{}] + [dict(zip(names, c, strict=True)) for c in combos[step // 2 :: step][: MAX_CONSTANT_SETTINGS - 1]]
 
 
-def _time(rt: Runtime, fn: Callable, warmup: int, repeats: int) -> list[float]:
+def time_gpu_work(rt: Runtime, fn: Callable, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of GPU work per call of `fn`, `repeats` samples after `warmup` calls."""
     for _ in range(warmup):
         fn()
     rt.sync()
@@ -111,7 +112,7 @@ def tune(
                     continue  # out of time: only the baseline is still measured
                 ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), dtype)
                 try:
-                    samples = _time(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
+                    samples = time_gpu_work(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
                 except EngineError:
                     continue  # a setting this shape or adapter cannot take (e.g. a head dim above MAX_DH)
                 results.append({"variant": v.name, "constants": consts, "median_ms": statistics.median(samples),

@@ -29,9 +29,14 @@ echo "installing devicefarm${extras:+[$extras]} into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
 
-has_adapter() { .venv/bin/python -c 'import sys, wgpu; sys.exit(0 if wgpu.gpu.request_adapter_sync() else 1)' >/dev/null 2>&1; }
+# An adapter on a native backend: wgpu falls back to OpenGL where Mesa's GL is present, and that
+# adapter has no shader-f16 and no timestamps, so it does not count.
+has_adapter() {
+  .venv/bin/python -c 'import sys, wgpu; a = wgpu.gpu.request_adapter_sync()
+sys.exit(0 if a and a.info["backend_type"] in ("Vulkan", "Metal", "D3D12") else 1)' >/dev/null 2>&1
+}
 if ! has_adapter; then
-  echo "no WebGPU adapter found: installing Mesa's lavapipe (mesa-vulkan-drivers libvulkan1)"
+  echo "no Vulkan, Metal or D3D12 adapter found: installing Mesa's lavapipe (mesa-vulkan-drivers libvulkan1)"
   if ! apt_install mesa-vulkan-drivers libvulkan1 || ! has_adapter; then
     echo "error: no WebGPU adapter. Install a Vulkan/Metal/D3D12 GPU driver, or on Debian/Ubuntu" >&2
     echo "       'apt-get install mesa-vulkan-drivers libvulkan1' for the CPU (lavapipe) adapter." >&2

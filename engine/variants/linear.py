@@ -8,6 +8,9 @@ import math
 
 from ..kernels import Variant, register, variants
 from ..runtime import Tensor
+from .gemm import CANDIDATES as CORE_CANDIDATES
+from .gemm import CONSTANTS as CORE_CONSTANTS
+from .gemm import gemm, unsupported
 
 DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
 
@@ -59,3 +62,21 @@ def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Ten
         (math.ceil(n_out / tiles["TILE_N"]), math.ceil(m / tiles["TILE_M"]), 1),
     )
     return y
+
+
+@register(
+    "linear",
+    "gemm",
+    requires=("shader-f16",),
+    doc="the GEMM core (shaders/linear/gemm.wgsl): 8x8 register blocks of vec4<f16> FMAs, double-buffered "
+    "TILE_M x TILE_N x TILE_K workgroup tiles, f32 accumulation per tile, bias in the epilogue; f16 models "
+    "with K and N divisible by 4 (the tiled kernels with their defaults otherwise)",
+    constants=CORE_CONSTANTS,
+    candidates=CORE_CANDIDATES,
+)
+def linear_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    n_out, k = w.shape[0], math.prod(w.shape[1:])
+    if unsupported(k, n_out, ops.dtype):  # f32 models, odd sizes: the tiled kernels, their defaults
+        return linear_tiled_f16(ops, variants("linear")["tiled_f16"], {}, x, w, b)
+    m = x.numel // k
+    return gemm(ops, consts, x, w, m, n_out, k, bias=b, out_shape=(*x.shape[:-1], n_out), label="linear")

@@ -414,6 +414,7 @@ def bench(
     tuned: Path = typer.Option(None, help="A tuned profile for the last row."),
     reps: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
     e2e_steps: int = typer.Option(0, help="Also time a whole generation of this many steps (20: the paper)."),
+    vae: bool = typer.Option(True, help="Also time the VAE decode of one latent in every row."),
     residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
     runtime: Runtime = typer.Option(Runtime.native, help=RUNTIME_HELP + " plan and browser time the UNet step "
                                     "and a generation of the auto profile's plan (no ablation rows)."),
@@ -421,7 +422,9 @@ def bench(
     json_out: Path = typer.Option(None, "--json", help="Write the results as JSON here.",
                                   callback=validate.output_file),
 ):
-    """The paper's ablation table on this adapter: UNet step latency and peak memory per row."""
+    """The paper's ablation table on this adapter: UNet step latency and peak memory per row, the
+    VAE decode, and the roofline of the last row (per op family against this adapter's measured
+    SIMT and bandwidth peaks)."""
     import tempfile
 
     if runtime != Runtime.native:
@@ -447,18 +450,19 @@ def bench(
     with Progress(TextColumn("ablation"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("", total=None)
-        rows = run_ablation(pipe, res, res, reps=reps, warmup=warmup, e2e_steps=e2e_steps, tuned=tuned,
+        rows = run_ablation(pipe, res, res, reps=reps, warmup=warmup, e2e_steps=e2e_steps, tuned=tuned, vae=vae,
                             progress=lambda i, n, what: bar.update(task, completed=i, total=n, description=what))
     caps = pipe.gpu.caps
     base = rows[0].unet_step_ms["median"]
     table = Table("configuration", "UNet step ms (median)", "min-max", "vs reference", "peak GPU MiB",
-                  *(["end-to-end ms"] if e2e_steps else []),
+                  *(["VAE decode ms"] if vae else []), *(["end-to-end ms"] if e2e_steps else []),
                   title=f"{caps.device} ({caps.backend}), {pipe.precision}, {pipe.residency} weights, {res}x{res}, "
                         f"UNet batch 2")
     for r in rows:
         u = r.unet_step_ms
         table.add_row(r.name, f"{u['median']:.1f}", f"{u['min']:.1f}-{u['max']:.1f}",
                       f"{(u['median'] / base - 1) * 100:+.1f}%", f"{r.peak_gpu_bytes / 2**20:.0f}",
+                      *([f"{r.vae_decode_ms['median']:.1f}"] if vae else []),
                       *([f"{r.end_to_end_ms:.0f}"] if e2e_steps else []))
     console.print(table)
     if rows[-1].stage_peak_gpu_bytes:
@@ -469,6 +473,16 @@ def bench(
         for name, ms in list(rows[-1].kernel_ms.items())[:12]:
             k.add_row(name, f"{ms:.2f}")
         console.print(k)
+    if rows[-1].roofline:
+        roof, pk = rows[-1].roofline, rows[-1].roofline["peaks"]
+        t = Table("family", "calls", "ms", "GFLOP", "MB", "TFLOP/s", "GB/s", "of SIMT", "of BW",
+                  title=f"roofline, one UNet step, {rows[-1].name} ({roof['dtype']}; measured peaks: f32 "
+                        f"{pk['f32_tflops']} TFLOP/s, f16 {pk['f16_tflops'] or '-'} TFLOP/s, copy {pk['gbps']} GB/s)")
+        for r in roof["rows"]:
+            t.add_row(r["family"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['gflop']:.1f}", f"{r['mbytes']:.1f}",
+                      f"{r['tflops']:.3f}", f"{r['gbps']:.1f}", f"{r['simt_fraction']:.1%}",
+                      f"{r['bandwidth_fraction']:.1%}")
+        console.print(t)
     if json_out:
         json_out.write_text(json.dumps({"date": __import__("datetime").date.today().isoformat(),
                                         "adapter": caps.device, "backend": caps.backend, "driver": caps.description,

@@ -78,4 +78,13 @@ def test_bench_ablation_prints_the_table_and_writes_json(tiny_model_dir, tmp_pat
     names = [row["name"] for row in data["rows"]]
     assert names[0] == "reference" and any("Winograd" in n for n in names)
     assert all(row["unet_step_ms"]["median"] > 0 and row["peak_gpu_bytes"] > 0 for row in data["rows"])
-    assert "vs reference" in r.output
+    assert all(row["vae_decode_ms"]["median"] > 0 for row in data["rows"])
+    assert "reference" in r.output and "VAE" in r.output
+    # the roofline of the last row: the adapter's own peaks, and every variant op of the step
+    roof = data["rows"][-1]["roofline"]
+    assert roof["peaks"]["f32_tflops"] > 0 and roof["peaks"]["gbps"] > 0
+    families = {row["family"]: row for row in roof["rows"]}
+    assert {"linear", "conv2d", "attention", "group_norm"} <= set(families)
+    assert families["linear"]["gflop"] > 0 and families["linear"]["tflops"] > 0
+    assert 0 < families["conv2d"]["simt_fraction"]
+    assert "roofline" in r.output and "SIMT" in r.output

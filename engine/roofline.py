@@ -1,0 +1,169 @@
+"""The roofline of a UNet step: per op family, GPU time, the work the op must do (FLOPs of the
+direct algorithm, bytes of its inputs, weights and outputs read or written once) and how close
+the kernels come to the adapter's own ceilings, which the micro-kernels of
+shaders/roofline/ measure on the spot (no datasheet constant).
+
+FLOPs are the direct algorithm's (2 m n k for a product; a Winograd convolution is credited
+with the direct convolution's FLOPs, so its rate may pass the SIMT peak). Bytes are the
+compulsory traffic, so GB/s is a lower bound of what the kernels move.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .kernels import SHADER_ROOT
+from .runtime import Runtime
+from .tune import time_gpu_work
+
+ITEM = {"f32": 4, "f16": 2}
+
+
+def op_work(op: str, shape: dict, dtype: str) -> tuple[float, float]:
+    """(FLOPs, compulsory bytes) of one call of a variant op on `shape`."""
+    e = ITEM[dtype]
+    if op == "linear":
+        m, n, k = shape["m"], shape["n"], shape["k"]
+        return 2.0 * m * n * k, float(e * (m * k + n * k + m * n))
+    if op == "conv2d":
+        b, cin, cout, h, w, k, s = (shape[x] for x in ("b", "cin", "cout", "h", "w", "k", "stride"))
+        oh, ow = math.ceil(h / s), math.ceil(w / s)
+        return 2.0 * b * cout * oh * ow * cin * k * k, float(e * (b * cin * h * w + cout * cin * k * k + b * cout * oh * ow))
+    if op == "attention":
+        b, hd, tq, tk, dh = (shape[x] for x in ("b", "heads", "tq", "tk", "dh"))
+        return 4.0 * b * hd * tq * tk * dh, float(e * b * hd * (2 * tq * dh + 2 * tk * dh))
+    if op == "group_norm":
+        n = shape["b"] * shape["c"] * shape["s"]
+        return 8.0 * n, float(2 * e * n)
+    if op == "layer_norm":
+        n = shape["rows"] * shape["d"]
+        return 8.0 * n, float(2 * e * n)
+    if op == "geglu":
+        n = shape["m"] * shape["f"]
+        return 10.0 * n, float(3 * e * n)
+    if op == "activation":
+        return 8.0 * shape["n"], float(2 * e * shape["n"])
+    return 0.0, 0.0
+
+
+@dataclass
+class Peaks:
+    """The adapter's ceilings as its micro-kernels reach them."""
+
+    f32_tflops: float
+    f16_tflops: float | None  # None without shader-f16
+    gbps: float
+
+    def simt(self, dtype: str) -> float:
+        return (self.f16_tflops if dtype == "f16" and self.f16_tflops else self.f32_tflops)
+
+
+def _pipeline(gpu, file: str, entry: str):
+    code = (SHADER_ROOT / "roofline" / file).read_text()
+    module = gpu.device.create_shader_module(label=f"roofline/{file}", code=code)
+    return gpu.device.create_compute_pipeline(label=f"roofline/{entry}", layout="auto",
+                                              compute={"module": module, "entry_point": entry})
+
+
+def measure_peaks(gpu, rt: Runtime | None = None, reps: int = 5) -> Peaks:
+    """FMA throughput in f32 and f16 and copy bandwidth, medians of `reps` timed dispatches,
+    each grid grown until one dispatch takes at least 2 ms."""
+    rt = rt or Runtime(gpu)
+    seeds = rt.upload(np.random.default_rng(0).random(256, dtype=np.float32), "f32")
+
+    def fma_rate(file: str, entry: str) -> float:
+        pipe = _pipeline(gpu, file, entry)
+        iters, groups = 64, 64
+        out = rt.empty((groups * 256 * 4,), "f32")
+        while True:
+            out = rt.empty((groups * 256 * 4,), "f32")
+            gx, gy = min(groups, 65535), math.ceil(groups / 65535)
+            ms = statistics.median(time_gpu_work(
+                rt, lambda: rt.dispatch(pipe, f"roofline.{entry}", (iters, groups * 256), [seeds, out], (gx, gy, 1)),
+                1, reps))
+            if ms >= 2.0 or groups >= 1 << 16:
+                break
+            grow = min(8.0, max(2.0, 2.0 / max(ms, 1e-3)))
+            if iters < 4096:
+                iters = min(4096, int(iters * grow))
+            else:
+                groups = int(groups * grow)
+        flops = groups * 256 * iters * 8 * 4 * 2  # invocations x steps x chains x lanes x (mul + add)
+        return flops / (ms * 1e-3) / 1e12
+
+    f32 = fma_rate("peak.wgsl", "fma_f32")
+    f16 = fma_rate("peak_f16.wgsl", "fma_f16") if gpu.caps.has_f16 else None
+    n = min(64 << 20, rt.caps.max_binding_bytes) // 16  # vec4<u32> elements: 64 MiB each way at most
+    if gpu.caps.adapter_type.lower() == "cpu":
+        n = min(n, 1 << 20)
+    src, dst = rt.empty((n * 4,), "f32"), rt.empty((n * 4,), "f32")
+    pipe = _pipeline(gpu, "peak.wgsl", "copy")
+    groups = math.ceil(n / 256)
+    gx, gy = min(groups, 65535), math.ceil(groups / 65535)
+    ms = statistics.median(time_gpu_work(
+        rt, lambda: rt.dispatch(pipe, "roofline.copy", (0, n), [src, dst], (gx, gy, 1)), 1, reps))
+    return Peaks(round(f32, 4), round(f16, 4) if f16 is not None else None, round(2 * n * 16 / (ms * 1e-3) / 1e9, 3))
+
+
+@dataclass
+class RooflineRow:
+    family: str
+    calls: int
+    ms: float
+    gflop: float
+    mbytes: float
+    tflops: float
+    gbps: float
+    simt_fraction: float  # achieved TFLOP/s over the measured SIMT peak of the model's element type
+    bandwidth_fraction: float
+
+
+def roofline(times: dict, work: dict, peaks: Peaks, dtype: str) -> list[RooflineRow]:
+    """Rows per op family from `times` (op -> KernelTime, the second of Runtime.take_times())
+    and `work` (op -> [calls, FLOPs, bytes], Runtime.take_work()), largest time first; kernels
+    outside the variant ops (add, concat, transpose, ...) are one row, "other"."""
+    rows, other = [], [0, 0.0]
+    for family, kt in times.items():
+        if family not in work:
+            other[0] += kt.calls
+            other[1] += kt.total_ms
+            continue
+        _, flops, nbytes = work[family]
+        s = kt.total_ms * 1e-3
+        tf, gb = flops / s / 1e12 if s else 0.0, nbytes / s / 1e9 if s else 0.0
+        rows.append(RooflineRow(family, work[family][0], round(kt.total_ms, 3), round(flops / 1e9, 3),
+                                round(nbytes / 1e6, 2), round(tf, 4), round(gb, 2),
+                                round(tf / peaks.simt(dtype), 4), round(gb / peaks.gbps, 4)))
+    rows.sort(key=lambda r: -r.ms)
+    if other[0]:
+        rows.append(RooflineRow("other", other[0], round(other[1], 3), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+    return rows
+
+
+def rows_as_json(rows: list[RooflineRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def print_roofline(doc: dict, out=print) -> None:
+    """Print an AblationRow's roofline document ({"peaks", "dtype", "rows"})."""
+    out(format_table([RooflineRow(**r) for r in doc["rows"]], Peaks(**doc["peaks"]), doc["dtype"]))
+
+
+def format_table(rows: list[RooflineRow], peaks: Peaks, dtype: str) -> str:
+    head = (f"roofline ({dtype}; measured peaks: f32 {peaks.f32_tflops} TFLOP/s, "
+            f"f16 {peaks.f16_tflops if peaks.f16_tflops is not None else '-'} TFLOP/s, copy {peaks.gbps} GB/s)\n"
+            f"{'family':14s} {'calls':>5s} {'ms':>8s} {'GFLOP':>8s} {'MB':>8s} {'TFLOP/s':>8s} {'GB/s':>8s} "
+            f"{'of SIMT':>8s} {'of BW':>6s}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r.family:14s} {r.calls:5d} {r.ms:8.2f} {r.gflop:8.1f} {r.mbytes:8.1f} {r.tflops:8.2f} "
+                     f"{r.gbps:8.1f} {r.simt_fraction:8.1%} {r.bandwidth_fraction:6.1%}")
+    total = sum(r.ms for r in rows)
+    flops = sum(r.gflop for r in rows)
+    lines.append(f"{'total':14s} {sum(r.calls for r in rows):5d} {total:8.2f} {flops:8.1f} {'':8s} "
+                 f"{flops / total if total else 0:8.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""The GEMM core (shaders/linear/gemm.wgsl) and its launcher, shared by the linear variant
+"gemm", the 1x1 convolution and Winograd's 36 products.
+
+`gemm(ops, consts, a, b, ...)` computes C[z] = act(A[z] B[z]^T + bias + R[z]) in f16 with
+8 x 8 register blocks and double-buffered workgroup tiles; the tile sizes are the constants a
+profile or the tuner sets (`CONSTANTS`, `CANDIDATES`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import EngineError
+from ..kernels import variants
+from ..runtime import Tensor
+
+DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
+CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (32, 64, 128), "TILE_K": (8, 16, 32)}
+# the settings a tuner tries besides the defaults: large tiles for large products, small ones
+# so that small M x N still fill the GPU
+CANDIDATES = (
+    {"TILE_M": 128, "TILE_N": 128, "TILE_K": 16},
+    {"TILE_M": 128, "TILE_N": 64, "TILE_K": 32},
+    {"TILE_M": 128, "TILE_N": 64, "TILE_K": 16},
+    {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16},
+    {"TILE_M": 64, "TILE_N": 64, "TILE_K": 32},
+    {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16},
+)
+ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2}
+HAS_BIAS, BIAS_ON_M, HAS_RESIDUAL = 1, 2, 4
+PAD = 1  # vec4s of padding per staged row (the shader's PAD)
+
+
+def workgroup_bytes(tiles: dict) -> int:
+    """Workgroup memory of one setting: two stages of TILE_K rows of A and B, vec4<f16> each."""
+    return 2 * tiles["TILE_K"] * (tiles["TILE_M"] // 4 + PAD + tiles["TILE_N"] // 4 + PAD) * 8
+
+
+def check_tiles(tiles: dict, limits: dict) -> None:
+    """Raise EngineError for a setting the shader cannot take or the adapter cannot hold."""
+    tm, tn, tk = tiles["TILE_M"], tiles["TILE_N"], tiles["TILE_K"]
+    if tm % 16 or tn % 16 or tk % 4:
+        raise EngineError(f"gemm: TILE_M and TILE_N must be multiples of 16 and TILE_K of 4, got {tiles}")
+    if tk > tm // 2 or tk > tn // 2:
+        raise EngineError(f"gemm: TILE_K must be at most half of TILE_M and of TILE_N, got {tiles}")
+    threads = (tm // 8) * (tn // 8)
+    if threads > limits.get("max-compute-invocations-per-workgroup", 256):
+        raise EngineError(f"gemm: {tiles} needs {threads} invocations per workgroup; the adapter allows "
+                          f"{limits.get('max-compute-invocations-per-workgroup', 256)}")
+    need, have = workgroup_bytes(tiles), limits.get("max-compute-workgroup-storage-size", 16384)
+    if need > have:
+        raise EngineError(f"gemm: {tiles} needs {need} bytes of workgroup memory; the adapter has {have}")
+
+
+def unsupported(k: int, n: int, dtype: str) -> str | None:
+    """Why the core cannot run a product with inner size k and output width n (None: it can)."""
+    if dtype != "f16":
+        return "runs f16 models only"
+    if k % 4 or n % 4:
+        return f"needs K and N divisible by 4 (K={k}, N={n})"
+    return None
+
+
+def gemm(
+    ops,
+    consts: dict,
+    a: Tensor,
+    b: Tensor,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    batch: int = 1,
+    b_kn: bool = False,
+    bias: Tensor | None = None,
+    bias_on_m: bool = False,
+    residual: Tensor | None = None,
+    act: str | None = None,
+    out: Tensor | None = None,
+    out_shape: tuple[int, ...] | None = None,
+    strides: tuple[int, int, int] | None = None,
+    label: str = "gemm",
+) -> Tensor:
+    """C (batch, m, n) = act(A B^T + bias + residual) for A (batch, m, k) and B (batch, n, k),
+    or B (batch, k, n) when `b_kn`. `strides` are the batch strides of A, B and C in elements
+    (default: packed; 0 shares one operand across the batch)."""
+    why = unsupported(k, n, ops.dtype)
+    if why:
+        raise EngineError(f"gemm {m}x{n}x{k}: {why}")
+    tiles = {**DEFAULTS, **consts}
+    check_tiles(tiles, ops.rt.caps.limits)
+    sa, sb, sc = strides if strides is not None else (m * k, n * k, m * n)
+    if sa % 4 or sb % 4 or sc % 4:
+        raise EngineError(f"gemm: batch strides {sa, sb, sc} must be multiples of 4")
+    y = out if out is not None else ops.rt.empty(out_shape or ((batch, m, n) if batch > 1 else (m, n)), ops.dtype)
+    flags = (HAS_BIAS if bias is not None else 0) | (BIAS_ON_M if bias_on_m else 0) | \
+        (HAS_RESIDUAL if residual is not None else 0)
+    core = variants("linear")["gemm"]
+    ops.rt.dispatch(
+        ops.pipeline(core, "main", **tiles, B_KN=bool(b_kn)),
+        label,
+        (m, n, k, flags, sa, sb, sc, ACTIVATIONS[act]),
+        [a, b, bias if bias is not None else ops.dummy, residual if residual is not None else ops.dummy, y],
+        (math.ceil(n / tiles["TILE_N"]), math.ceil(m / tiles["TILE_M"]), batch),
+    )
+    return y

@@ -1,0 +1,237 @@
+// The engine's GEMM core: C[z] = epilogue(A[z] B[z]^T), f16 in and out, for linear layers, 1x1
+// convolutions and Winograd's 36 products (engine/variants/gemm.py launches it).
+//
+//   A[z]  M x K, K contiguous                      a4, batch stride a_batch (elements)
+//   B[z]  N x K, K contiguous   (B_KN = false)     b4, batch stride b_batch
+//         K x N, N contiguous   (B_KN = true)
+//   C[z]  M x N, N contiguous                      c4, batch stride c_batch
+//   epilogue, in f32: + bias (bias[n], or bias[m] when flags & 2), + R[z] (M x N, flags & 4,
+//   the residual, batch stride c_batch), then the activation p.act (0 none, 1 SiLU, 2 GELU)
+//
+// Blocking: a workgroup computes a TILE_M x TILE_N tile of C; each invocation an 8 x 8 register
+// block, rows {4ty..4ty+3} and {TILE_M/2 + 4ty..} by columns {4tx..4tx+3} and {TILE_N/2 + 4tx..}
+// (the two halves keep the workgroup-memory reads of a warp contiguous). K is walked TILE_K at a
+// time through two workgroup-memory stages: while the invocations multiply one stage, the next
+// slab's global loads are in flight and land in the other stage, one barrier per slab. Operands
+// are vec4<f16>; each slab's TILE_K products are summed by vec4<f16> FMAs (two f16 lanes per f32
+// lane) and then added to f32 accumulators, so f16 rounding is confined to sums of TILE_K terms.
+// Needs K % 4 == 0, N % 4 == 0 and batch strides that are multiples of 4 (vec4 loads and stores);
+// TILE_K <= TILE_M / 2 and TILE_K <= TILE_N / 2 (at most two 4 x 4 load quads per invocation).
+struct Params {
+    M: u32, N: u32, K: u32, flags: u32,
+    a_batch: u32, b_batch: u32, c_batch: u32, act: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> a4: array<vec4<T>>;
+@group(0) @binding(2) var<storage, read> b4: array<vec4<T>>;
+@group(0) @binding(3) var<storage, read> bias: array<T>;
+@group(0) @binding(4) var<storage, read> r4: array<vec4<T>>;
+@group(0) @binding(5) var<storage, read_write> c4: array<vec4<T>>;
+
+override TILE_M: u32 = 64;   // multiple of 16
+override TILE_N: u32 = 64;   // multiple of 16
+override TILE_K: u32 = 16;   // multiple of 4
+override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
+
+const HAS_BIAS: u32 = 1u;
+const BIAS_ON_M: u32 = 2u;
+const HAS_RESIDUAL: u32 = 4u;
+const MAXQ: u32 = 2u;  // load quads per invocation and operand
+
+// Rows of the staged slabs, padded by one vec4 so the transposing stores spread over banks.
+const PAD: u32 = 1u;
+var<workgroup> As: array<vec4<f16>, 2u * TILE_K * (TILE_M / 4u + PAD)>;  // [stage][k][m/4]
+var<workgroup> Bs: array<vec4<f16>, 2u * TILE_K * (TILE_N / 4u + PAD)>;  // [stage][k][n/4]
+
+fn sa() -> u32 { return TILE_M / 4u + PAD; }
+fn sb() -> u32 { return TILE_N / 4u + PAD; }
+fn threads() -> u32 { return (TILE_M / 8u) * (TILE_N / 8u); }
+
+// A quad is 4 rows (of M or N) by 4 k, or for B_KN 4 k by 4 columns: four vec4 loads.
+struct Quad { v0: vec4<f16>, v1: vec4<f16>, v2: vec4<f16>, v3: vec4<f16> }
+
+fn load_a(z: u32, m0: u32, k0: u32, q: u32) -> Quad {
+    let kq = q % (TILE_K / 4u);
+    let m = m0 + 4u * (q / (TILE_K / 4u));
+    let k = k0 + 4u * kq;
+    var o: Quad;
+    if (k >= p.K) { return o; }
+    let base = (z * p.a_batch + m * p.K + k) / 4u;
+    let row = p.K / 4u;
+    if (m < p.M) { o.v0 = vec4<f16>(a4[base]); }
+    if (m + 1u < p.M) { o.v1 = vec4<f16>(a4[base + row]); }
+    if (m + 2u < p.M) { o.v2 = vec4<f16>(a4[base + 2u * row]); }
+    if (m + 3u < p.M) { o.v3 = vec4<f16>(a4[base + 3u * row]); }
+    return o;
+}
+
+fn store_a(s: u32, q: u32, o: Quad) {
+    let kq = q % (TILE_K / 4u);
+    let mq = q / (TILE_K / 4u);
+    let at = (s * TILE_K + 4u * kq) * sa() + mq;
+    As[at] = vec4<f16>(o.v0.x, o.v1.x, o.v2.x, o.v3.x);
+    As[at + sa()] = vec4<f16>(o.v0.y, o.v1.y, o.v2.y, o.v3.y);
+    As[at + 2u * sa()] = vec4<f16>(o.v0.z, o.v1.z, o.v2.z, o.v3.z);
+    As[at + 3u * sa()] = vec4<f16>(o.v0.w, o.v1.w, o.v2.w, o.v3.w);
+}
+
+fn load_b(z: u32, n0: u32, k0: u32, q: u32) -> Quad {
+    var o: Quad;
+    if (B_KN) {  // 4 k rows of 4 columns: already the staged layout
+        let nq = q % (TILE_N / 4u);
+        let k = k0 + 4u * (q / (TILE_N / 4u));
+        let n = n0 + 4u * nq;
+        if (n >= p.N) { return o; }
+        let base = (z * p.b_batch + k * p.N + n) / 4u;
+        let row = p.N / 4u;
+        if (k < p.K) { o.v0 = vec4<f16>(b4[base]); }
+        if (k + 1u < p.K) { o.v1 = vec4<f16>(b4[base + row]); }
+        if (k + 2u < p.K) { o.v2 = vec4<f16>(b4[base + 2u * row]); }
+        if (k + 3u < p.K) { o.v3 = vec4<f16>(b4[base + 3u * row]); }
+        return o;
+    }
+    let kq = q % (TILE_K / 4u);
+    let n = n0 + 4u * (q / (TILE_K / 4u));
+    let k = k0 + 4u * kq;
+    if (k >= p.K) { return o; }
+    let base = (z * p.b_batch + n * p.K + k) / 4u;
+    let row = p.K / 4u;
+    if (n < p.N) { o.v0 = vec4<f16>(b4[base]); }
+    if (n + 1u < p.N) { o.v1 = vec4<f16>(b4[base + row]); }
+    if (n + 2u < p.N) { o.v2 = vec4<f16>(b4[base + 2u * row]); }
+    if (n + 3u < p.N) { o.v3 = vec4<f16>(b4[base + 3u * row]); }
+    return o;
+}
+
+fn store_b(s: u32, q: u32, o: Quad) {
+    if (B_KN) {
+        let nq = q % (TILE_N / 4u);
+        let at = (s * TILE_K + 4u * (q / (TILE_N / 4u))) * sb() + nq;
+        Bs[at] = o.v0;
+        Bs[at + sb()] = o.v1;
+        Bs[at + 2u * sb()] = o.v2;
+        Bs[at + 3u * sb()] = o.v3;
+        return;
+    }
+    let kq = q % (TILE_K / 4u);
+    let nq = q / (TILE_K / 4u);
+    let at = (s * TILE_K + 4u * kq) * sb() + nq;
+    Bs[at] = vec4<f16>(o.v0.x, o.v1.x, o.v2.x, o.v3.x);
+    Bs[at + sb()] = vec4<f16>(o.v0.y, o.v1.y, o.v2.y, o.v3.y);
+    Bs[at + 2u * sb()] = vec4<f16>(o.v0.z, o.v1.z, o.v2.z, o.v3.z);
+    Bs[at + 3u * sb()] = vec4<f16>(o.v0.w, o.v1.w, o.v2.w, o.v3.w);
+}
+
+fn erf_approx(z: f32) -> f32 {  // Abramowitz-Stegun 7.1.26, as shaders/activation
+    let a = abs(z);
+    let t = 1.0 / (1.0 + 0.3275911 * a);
+    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+    return sign(z) * (1.0 - poly * exp(-a * a));
+}
+
+fn activate(v: vec4<f32>) -> vec4<f32> {
+    switch p.act {
+        case 1u: { return v / (1.0 + exp(-v)); }
+        case 2u: {
+            let e = vec4<f32>(erf_approx(v.x * 0.7071067811865476), erf_approx(v.y * 0.7071067811865476),
+                              erf_approx(v.z * 0.7071067811865476), erf_approx(v.w * 0.7071067811865476));
+            return 0.5 * v * (1.0 + e);
+        }
+        default: { return v; }
+    }
+}
+
+fn store_c(z: u32, m: u32, n: u32, acc: vec4<f32>) {
+    if (m >= p.M || n >= p.N) { return; }
+    var v = acc;
+    if ((p.flags & HAS_BIAS) != 0u) {
+        if ((p.flags & BIAS_ON_M) != 0u) {
+            v += vec4<f32>(f32(bias[m]));
+        } else {
+            v += vec4<f32>(f32(bias[n]), f32(bias[n + 1u]), f32(bias[n + 2u]), f32(bias[n + 3u]));
+        }
+    }
+    let at = (z * p.c_batch + m * p.N + n) / 4u;
+    if ((p.flags & HAS_RESIDUAL) != 0u) { v += vec4<f32>(r4[at]); }
+    c4[at] = vec4<T>(activate(v));
+}
+
+@compute @workgroup_size(TILE_N / 8u, TILE_M / 8u)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let z = wid.z;
+    let m0 = wid.y * TILE_M;
+    let n0 = wid.x * TILE_N;
+    let qa = (TILE_M / 4u) * (TILE_K / 4u);
+    let qb = (TILE_N / 4u) * (TILE_K / 4u);
+    let nt = threads();
+    let slabs = (p.K + TILE_K - 1u) / TILE_K;
+
+    var pa: array<Quad, MAXQ>;
+    var pb: array<Quad, MAXQ>;
+    for (var i = 0u; i < MAXQ; i++) {
+        let q = li + i * nt;
+        if (q < qa) { pa[i] = load_a(z, m0, 0u, q); }
+        if (q < qb) { pb[i] = load_b(z, n0, 0u, q); }
+    }
+    for (var i = 0u; i < MAXQ; i++) {
+        let q = li + i * nt;
+        if (q < qa) { store_a(0u, q, pa[i]); }
+        if (q < qb) { store_b(0u, q, pb[i]); }
+    }
+    workgroupBarrier();
+
+    var acc: array<vec4<f32>, 16>;  // acc[2r + c]: register row r (0..7), column half c
+    // one slab's f16 sums, zeroed explicitly after each flush (a var declared inside the loop
+    // is not re-zeroed per iteration by every WGSL compiler)
+    var h: array<vec4<f16>, 16>;
+    for (var t = 0u; t < slabs; t++) {
+        let s = t % 2u;
+        let more = t + 1u < slabs;
+        if (more) {
+            let k0 = (t + 1u) * TILE_K;
+            for (var i = 0u; i < MAXQ; i++) {
+                let q = li + i * nt;
+                if (q < qa) { pa[i] = load_a(z, m0, k0, q); }
+                if (q < qb) { pb[i] = load_b(z, n0, k0, q); }
+            }
+        }
+        let abase = s * TILE_K * sa() + lid.y;
+        let bbase = s * TILE_K * sb() + lid.x;
+        for (var kk = 0u; kk < TILE_K; kk++) {
+            let a0 = As[abase + kk * sa()];
+            let a1 = As[abase + kk * sa() + TILE_M / 8u];
+            let b0 = Bs[bbase + kk * sb()];
+            let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
+            for (var r = 0u; r < 4u; r++) {
+                let x0 = vec4<f16>(a0[r]);
+                let x1 = vec4<f16>(a1[r]);
+                h[2u * r] = fma(x0, b0, h[2u * r]);
+                h[2u * r + 1u] = fma(x0, b1, h[2u * r + 1u]);
+                h[8u + 2u * r] = fma(x1, b0, h[8u + 2u * r]);
+                h[9u + 2u * r] = fma(x1, b1, h[9u + 2u * r]);
+            }
+        }
+        for (var i = 0u; i < 16u; i++) {
+            acc[i] += vec4<f32>(h[i]);
+            h[i] = vec4<f16>(0.0h);
+        }
+        if (more) {
+            for (var i = 0u; i < MAXQ; i++) {
+                let q = li + i * nt;
+                if (q < qa) { store_a(1u - s, q, pa[i]); }
+                if (q < qb) { store_b(1u - s, q, pb[i]); }
+            }
+        }
+        workgroupBarrier();
+    }
+
+    for (var r = 0u; r < 8u; r++) {
+        let m = m0 + (r / 4u) * (TILE_M / 2u) + 4u * lid.y + r % 4u;
+        store_c(z, m, n0 + 4u * lid.x, acc[2u * r]);
+        store_c(z, m, n0 + TILE_N / 2u + 4u * lid.x, acc[2u * r + 1u]);
+    }
+}

@@ -1,0 +1,44 @@
+"""engine.roofline: the work counted per op, the rows built from times and work, and the peak
+micro-kernels on the adapter (positive, f16 at least as fast as f32 is not assumed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.roofline import Peaks, format_table, measure_peaks, op_work, roofline
+from engine.runtime import KernelTime
+
+
+def test_op_work_counts_the_direct_algorithm():
+    assert op_work("linear", {"m": 8, "n": 4, "k": 16}, "f16") == (2 * 8 * 4 * 16, 2 * (8 * 16 + 4 * 16 + 8 * 4))
+    flops, nbytes = op_work("conv2d", {"b": 2, "cin": 3, "cout": 5, "h": 8, "w": 6, "k": 3, "stride": 2}, "f32")
+    assert flops == 2 * 2 * 5 * 4 * 3 * 3 * 9 and nbytes == 4 * (2 * 3 * 48 + 5 * 3 * 9 + 2 * 5 * 12)
+    flops, _ = op_work("attention", {"b": 2, "heads": 8, "tq": 64, "tk": 77, "dh": 40, "causal": 0}, "f16")
+    assert flops == 4 * 2 * 8 * 64 * 77 * 40
+    assert op_work("transpose", {}, "f16") == (0.0, 0.0)
+
+
+def test_roofline_rows_rates_and_fractions():
+    peaks = Peaks(f32_tflops=50.0, f16_tflops=100.0, gbps=2000.0)
+    times = {"linear": KernelTime(3, 2.0), "group_norm": KernelTime(2, 0.5), "add": KernelTime(4, 0.25),
+             "transpose": KernelTime(1, 0.25)}
+    work = {"linear": [3, 40e9, 1e9], "group_norm": [2, 1e8, 4e8]}
+    rows = roofline(times, work, peaks, "f16")
+    assert [r.family for r in rows] == ["linear", "group_norm", "other"]
+    lin = rows[0]
+    assert lin.tflops == pytest.approx(20.0) and lin.simt_fraction == pytest.approx(0.2)
+    assert lin.gbps == pytest.approx(500.0) and lin.bandwidth_fraction == pytest.approx(0.25)
+    assert rows[1].gbps == pytest.approx(800.0)
+    assert rows[-1].calls == 5 and rows[-1].ms == pytest.approx(0.5)
+    assert roofline(times, work, peaks, "f32")[0].simt_fraction == pytest.approx(0.4)  # f32 models: the f32 peak
+    text = format_table(rows, peaks, "f16")
+    assert "linear" in text and "20.00" in text and "total" in text
+
+
+@pytest.mark.gpu
+def test_measure_peaks_on_the_adapter(gpu):
+    peaks = measure_peaks(gpu, reps=2)
+    assert peaks.f32_tflops > 0 and peaks.gbps > 0
+    assert (peaks.f16_tflops is not None) == gpu.caps.has_f16
+    if peaks.f16_tflops is not None:
+        assert peaks.f16_tflops > 0
