@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-steps", type=int, default=0)
     ap.add_argument("--residency", choices=["resident", "staged"], default="resident")
     ap.add_argument("--no-vae", action="store_true", help="bench: skip the VAE decode timing")
+    ap.add_argument("--profiles-only", action="store_true",
+                    help="bench: only the shipped profile and --tuned (before/after), no ablation rows")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     pipe = load_pipeline(args.model, precision=args.precision, profile="reference", residency=args.residency)
     res = pipe.native_size[0]
     rows = run_ablation(pipe, res, res, reps=args.reps, warmup=args.warmup, e2e_steps=args.e2e_steps,
-                        tuned=args.tuned, vae=not args.no_vae)
+                        tuned=args.tuned, vae=not args.no_vae, profiles_only=args.profiles_only)
     base = rows[0].unet_step_ms["median"]
     for r in rows:
         u = r.unet_step_ms

@@ -42,10 +42,19 @@ TFLITE_WINOGRAD = Rule(
 )
 
 
-def ablation_profiles(caps, tuned=None) -> list[Profile]:
+def ablation_profiles(caps, tuned=None, profiles_only: bool = False) -> list[Profile]:
     """The paper's rows, cumulative. Flash goes where the adapter's family profile puts it (the
     paper's head-dim-40 rule when the family has none); Winograd by TFLite GPU's default rule.
-    The last row is the tuned profile given, or the shipped one tuned for this exact GPU."""
+    The last row is the tuned profile given, or the shipped one tuned for this exact GPU.
+    `profiles_only`: just the profile the adapter gets today, then the tuned one given (a
+    before/after of a profile in one run)."""
+    if profiles_only:
+        shipped = auto_profile(caps)
+        rows = [Profile(f"shipped profile ({shipped.name})", shipped.rules)]
+        if tuned is not None:
+            chosen = resolve_profile(tuned, caps)
+            rows.append(Profile(f"given profile ({chosen.name})", chosen.rules, measurements=chosen.measurements))
+        return rows
     family = auto_profile(caps, tuned=False)
     flash = [r for r in family.rules if r.op == "attention" and r.variant in FLASH_VARIANTS] or [PAPER_FLASH]
     gn = [Rule("group_norm", "fused")]
@@ -71,7 +80,7 @@ def _median(samples) -> dict:
 
 
 def run_ablation(pipe, height: int, width: int, reps: int = 5, warmup: int = 1, e2e_steps: int = 0,
-                 tuned=None, progress=None, vae: bool = False) -> list[AblationRow]:
+                 tuned=None, progress=None, vae: bool = False, profiles_only: bool = False) -> list[AblationRow]:
     """The rows, and for the last one the per-kernel times and the roofline where the adapter
     has timestamps. `vae` also times the VAE decode of one latent in every row."""
     from . import roofline as rl
@@ -81,7 +90,7 @@ def run_ablation(pipe, height: int, width: int, reps: int = 5, warmup: int = 1, 
     rng = np.random.default_rng(0)
     sample = rng.standard_normal((2, pipe.latent_channels, height // f, width // f), dtype=np.float32)
     ctx_np = rng.standard_normal((2, 77, pipe.config.unet.cross_attention_dim), dtype=np.float32)
-    profiles = ablation_profiles(pipe.gpu.caps, tuned)
+    profiles = ablation_profiles(pipe.gpu.caps, tuned, profiles_only)
     rows = []
     for i, prof in enumerate(profiles):
         if progress:

@@ -71,34 +71,33 @@ def _pipeline(gpu, file: str, entry: str):
 
 def measure_peaks(gpu, rt: Runtime | None = None, reps: int = 5) -> Peaks:
     """FMA throughput in f32 and f16 and copy bandwidth, medians of `reps` timed dispatches,
-    each grid grown until one dispatch takes at least 2 ms."""
+    each chain lengthened until one dispatch takes at least 2 ms."""
     rt = rt or Runtime(gpu)
     seeds = rt.upload(np.random.default_rng(0).random(256, dtype=np.float32), "f32")
 
+    cpu = gpu.caps.adapter_type.lower() == "cpu"
+
     def fma_rate(file: str, entry: str) -> float:
         pipe = _pipeline(gpu, file, entry)
-        iters, groups = 64, 64
+        # enough invocations to fill any GPU (4096 x 256 = 1M), then chains long enough that a
+        # dispatch takes 2 ms or more
+        groups, iters = (16 if cpu else 4096), 16
         out = rt.empty((groups * 256 * 4,), "f32")
+        grid = (groups, 1, 1)
         while True:
-            out = rt.empty((groups * 256 * 4,), "f32")
-            gx, gy = min(groups, 65535), math.ceil(groups / 65535)
+            params = (iters, groups * 256)
             ms = statistics.median(time_gpu_work(
-                rt, lambda: rt.dispatch(pipe, f"roofline.{entry}", (iters, groups * 256), [seeds, out], (gx, gy, 1)),
-                1, reps))
-            if ms >= 2.0 or groups >= 1 << 16:
+                rt, lambda p=params: rt.dispatch(pipe, f"roofline.{entry}", p, [seeds, out], grid), 1, reps))
+            if ms >= 2.0 or iters >= 1 << 16:
                 break
-            grow = min(8.0, max(2.0, 2.0 / max(ms, 1e-3)))
-            if iters < 4096:
-                iters = min(4096, int(iters * grow))
-            else:
-                groups = int(groups * grow)
+            iters = min(1 << 16, int(iters * min(16.0, max(2.0, 2.5 / max(ms, 1e-3)))))
         flops = groups * 256 * iters * 8 * 4 * 2  # invocations x steps x chains x lanes x (mul + add)
         return flops / (ms * 1e-3) / 1e12
 
     f32 = fma_rate("peak.wgsl", "fma_f32")
     f16 = fma_rate("peak_f16.wgsl", "fma_f16") if gpu.caps.has_f16 else None
     n = min(64 << 20, rt.caps.max_binding_bytes) // 16  # vec4<u32> elements: 64 MiB each way at most
-    if gpu.caps.adapter_type.lower() == "cpu":
+    if cpu:
         n = min(n, 1 << 20)
     src, dst = rt.empty((n * 4,), "f32"), rt.empty((n * 4,), "f32")
     pipe = _pipeline(gpu, "peak.wgsl", "copy")

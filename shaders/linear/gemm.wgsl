@@ -36,7 +36,6 @@ override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
 const HAS_BIAS: u32 = 1u;
 const BIAS_ON_M: u32 = 2u;
 const HAS_RESIDUAL: u32 = 4u;
-const MAXQ: u32 = 2u;  // load quads per invocation and operand
 
 // Rows of the staged slabs, padded by one vec4 so the transposing stores spread over banks.
 const PAD: u32 = 1u;
@@ -170,34 +169,37 @@ fn main(
     let nt = threads();
     let slabs = (p.K + TILE_K - 1u) / TILE_K;
 
-    var pa: array<Quad, MAXQ>;
-    var pb: array<Quad, MAXQ>;
-    for (var i = 0u; i < MAXQ; i++) {
-        let q = li + i * nt;
-        if (q < qa) { pa[i] = load_a(z, m0, 0u, q); }
-        if (q < qb) { pb[i] = load_b(z, n0, 0u, q); }
-    }
-    for (var i = 0u; i < MAXQ; i++) {
-        let q = li + i * nt;
-        if (q < qa) { store_a(0u, q, pa[i]); }
-        if (q < qb) { store_b(0u, q, pb[i]); }
-    }
+    // Registers are named, not arrays: a function-scope array indexed in a loop may live in
+    // local memory on some drivers (seen on NVIDIA through Vulkan), which costs 5x here.
+    var pa0: Quad; var pa1: Quad; var pb0: Quad; var pb1: Quad;  // the next slab, in flight
+    if (li < qa) { pa0 = load_a(z, m0, 0u, li); }
+    if (li + nt < qa) { pa1 = load_a(z, m0, 0u, li + nt); }
+    if (li < qb) { pb0 = load_b(z, n0, 0u, li); }
+    if (li + nt < qb) { pb1 = load_b(z, n0, 0u, li + nt); }
+    if (li < qa) { store_a(0u, li, pa0); }
+    if (li + nt < qa) { store_a(0u, li + nt, pa1); }
+    if (li < qb) { store_b(0u, li, pb0); }
+    if (li + nt < qb) { store_b(0u, li + nt, pb1); }
     workgroupBarrier();
 
-    var acc: array<vec4<f32>, 16>;  // acc[2r + c]: register row r (0..7), column half c
-    // one slab's f16 sums, zeroed explicitly after each flush (a var declared inside the loop
-    // is not re-zeroed per iteration by every WGSL compiler)
-    var h: array<vec4<f16>, 16>;
+    // cRC: f32 sums of register row R (0..7) by column half C; hRC: one slab's f16 sums
+    var c00 = vec4<f32>(0.0); var c01 = vec4<f32>(0.0); var h00 = vec4<f16>(0.0h); var h01 = vec4<f16>(0.0h);
+    var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0); var h10 = vec4<f16>(0.0h); var h11 = vec4<f16>(0.0h);
+    var c20 = vec4<f32>(0.0); var c21 = vec4<f32>(0.0); var h20 = vec4<f16>(0.0h); var h21 = vec4<f16>(0.0h);
+    var c30 = vec4<f32>(0.0); var c31 = vec4<f32>(0.0); var h30 = vec4<f16>(0.0h); var h31 = vec4<f16>(0.0h);
+    var c40 = vec4<f32>(0.0); var c41 = vec4<f32>(0.0); var h40 = vec4<f16>(0.0h); var h41 = vec4<f16>(0.0h);
+    var c50 = vec4<f32>(0.0); var c51 = vec4<f32>(0.0); var h50 = vec4<f16>(0.0h); var h51 = vec4<f16>(0.0h);
+    var c60 = vec4<f32>(0.0); var c61 = vec4<f32>(0.0); var h60 = vec4<f16>(0.0h); var h61 = vec4<f16>(0.0h);
+    var c70 = vec4<f32>(0.0); var c71 = vec4<f32>(0.0); var h70 = vec4<f16>(0.0h); var h71 = vec4<f16>(0.0h);
     for (var t = 0u; t < slabs; t++) {
         let s = t % 2u;
         let more = t + 1u < slabs;
         if (more) {
             let k0 = (t + 1u) * TILE_K;
-            for (var i = 0u; i < MAXQ; i++) {
-                let q = li + i * nt;
-                if (q < qa) { pa[i] = load_a(z, m0, k0, q); }
-                if (q < qb) { pb[i] = load_b(z, n0, k0, q); }
-            }
+            if (li < qa) { pa0 = load_a(z, m0, k0, li); }
+            if (li + nt < qa) { pa1 = load_a(z, m0, k0, li + nt); }
+            if (li < qb) { pb0 = load_b(z, n0, k0, li); }
+            if (li + nt < qb) { pb1 = load_b(z, n0, k0, li + nt); }
         }
         let abase = s * TILE_K * sa() + lid.y;
         let bbase = s * TILE_K * sb() + lid.x;
@@ -206,32 +208,50 @@ fn main(
             let a1 = As[abase + kk * sa() + TILE_M / 8u];
             let b0 = Bs[bbase + kk * sb()];
             let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
-            for (var r = 0u; r < 4u; r++) {
-                let x0 = vec4<f16>(a0[r]);
-                let x1 = vec4<f16>(a1[r]);
-                h[2u * r] = fma(x0, b0, h[2u * r]);
-                h[2u * r + 1u] = fma(x0, b1, h[2u * r + 1u]);
-                h[8u + 2u * r] = fma(x1, b0, h[8u + 2u * r]);
-                h[9u + 2u * r] = fma(x1, b1, h[9u + 2u * r]);
-            }
+            let x0 = vec4<f16>(a0.x);
+            h00 = fma(x0, b0, h00);  h01 = fma(x0, b1, h01);
+            let x1 = vec4<f16>(a0.y);
+            h10 = fma(x1, b0, h10);  h11 = fma(x1, b1, h11);
+            let x2 = vec4<f16>(a0.z);
+            h20 = fma(x2, b0, h20);  h21 = fma(x2, b1, h21);
+            let x3 = vec4<f16>(a0.w);
+            h30 = fma(x3, b0, h30);  h31 = fma(x3, b1, h31);
+            let x4 = vec4<f16>(a1.x);
+            h40 = fma(x4, b0, h40);  h41 = fma(x4, b1, h41);
+            let x5 = vec4<f16>(a1.y);
+            h50 = fma(x5, b0, h50);  h51 = fma(x5, b1, h51);
+            let x6 = vec4<f16>(a1.z);
+            h60 = fma(x6, b0, h60);  h61 = fma(x6, b1, h61);
+            let x7 = vec4<f16>(a1.w);
+            h70 = fma(x7, b0, h70);  h71 = fma(x7, b1, h71);
         }
-        for (var i = 0u; i < 16u; i++) {
-            acc[i] += vec4<f32>(h[i]);
-            h[i] = vec4<f16>(0.0h);
-        }
+        c00 += vec4<f32>(h00); h00 = vec4<f16>(0.0h); c01 += vec4<f32>(h01); h01 = vec4<f16>(0.0h);
+        c10 += vec4<f32>(h10); h10 = vec4<f16>(0.0h); c11 += vec4<f32>(h11); h11 = vec4<f16>(0.0h);
+        c20 += vec4<f32>(h20); h20 = vec4<f16>(0.0h); c21 += vec4<f32>(h21); h21 = vec4<f16>(0.0h);
+        c30 += vec4<f32>(h30); h30 = vec4<f16>(0.0h); c31 += vec4<f32>(h31); h31 = vec4<f16>(0.0h);
+        c40 += vec4<f32>(h40); h40 = vec4<f16>(0.0h); c41 += vec4<f32>(h41); h41 = vec4<f16>(0.0h);
+        c50 += vec4<f32>(h50); h50 = vec4<f16>(0.0h); c51 += vec4<f32>(h51); h51 = vec4<f16>(0.0h);
+        c60 += vec4<f32>(h60); h60 = vec4<f16>(0.0h); c61 += vec4<f32>(h61); h61 = vec4<f16>(0.0h);
+        c70 += vec4<f32>(h70); h70 = vec4<f16>(0.0h); c71 += vec4<f32>(h71); h71 = vec4<f16>(0.0h);
         if (more) {
-            for (var i = 0u; i < MAXQ; i++) {
-                let q = li + i * nt;
-                if (q < qa) { store_a(1u - s, q, pa[i]); }
-                if (q < qb) { store_b(1u - s, q, pb[i]); }
-            }
+            if (li < qa) { store_a(1u - s, li, pa0); }
+            if (li + nt < qa) { store_a(1u - s, li + nt, pa1); }
+            if (li < qb) { store_b(1u - s, li, pb0); }
+            if (li + nt < qb) { store_b(1u - s, li + nt, pb1); }
         }
         workgroupBarrier();
     }
 
-    for (var r = 0u; r < 8u; r++) {
-        let m = m0 + (r / 4u) * (TILE_M / 2u) + 4u * lid.y + r % 4u;
-        store_c(z, m, n0 + 4u * lid.x, acc[2u * r]);
-        store_c(z, m, n0 + TILE_N / 2u + 4u * lid.x, acc[2u * r + 1u]);
-    }
+    let n_lo = n0 + 4u * lid.x;
+    let n_hi = n0 + TILE_N / 2u + 4u * lid.x;
+    let m_lo = m0 + 4u * lid.y;
+    let m_hi = m0 + TILE_M / 2u + 4u * lid.y;
+    store_c(z, m_lo + 0u, n_lo, c00); store_c(z, m_lo + 0u, n_hi, c01);
+    store_c(z, m_lo + 1u, n_lo, c10); store_c(z, m_lo + 1u, n_hi, c11);
+    store_c(z, m_lo + 2u, n_lo, c20); store_c(z, m_lo + 2u, n_hi, c21);
+    store_c(z, m_lo + 3u, n_lo, c30); store_c(z, m_lo + 3u, n_hi, c31);
+    store_c(z, m_hi + 0u, n_lo, c40); store_c(z, m_hi + 0u, n_hi, c41);
+    store_c(z, m_hi + 1u, n_lo, c50); store_c(z, m_hi + 1u, n_hi, c51);
+    store_c(z, m_hi + 2u, n_lo, c60); store_c(z, m_hi + 2u, n_hi, c61);
+    store_c(z, m_hi + 3u, n_lo, c70); store_c(z, m_hi + 3u, n_hi, c71);
 }

@@ -1,5 +1,5 @@
 // Micro-kernels that measure an adapter's own ceilings for the roofline (engine/roofline.py):
-//   fma_f32   CHAINS independent vec4<f32> FMA chains per invocation, ITERS steps each
+//   fma_f32   8 independent vec4<f32> FMA chains per invocation (named registers), p.iters steps each
 //   fma_f16   the same with vec4<f16> (packed halves where the GPU has them); needs shader-f16
 //   copy      y = x over vec4<u32>: read and write bandwidth
 // The chains' operands come from the buffer, so no compiler can fold them, and every chain
@@ -8,8 +8,6 @@ struct Params { iters: u32, n: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<vec4<u32>>;
-
-const CHAINS: u32 = 8u;
 
 fn index(wid: vec3<u32>, nwg: vec3<u32>, li: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + li;
@@ -21,13 +19,19 @@ fn fma_f32(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let i = index(wid, nwg, li);
     let seed = bitcast<vec4<f32>>(x[i % 64u]);
     let mul = seed * 1e-3 + 0.999;
-    var c: array<vec4<f32>, CHAINS>;
-    for (var j = 0u; j < CHAINS; j++) { c[j] = seed + f32(j); }
+    var c0 = seed + f32(0);
+    var c1 = seed + f32(1);
+    var c2 = seed + f32(2);
+    var c3 = seed + f32(3);
+    var c4 = seed + f32(4);
+    var c5 = seed + f32(5);
+    var c6 = seed + f32(6);
+    var c7 = seed + f32(7);
     for (var t = 0u; t < p.iters; t++) {
-        for (var j = 0u; j < CHAINS; j++) { c[j] = fma(c[j], mul, seed); }
+        c0 = fma(c0, mul, seed); c1 = fma(c1, mul, seed); c2 = fma(c2, mul, seed); c3 = fma(c3, mul, seed);
+        c4 = fma(c4, mul, seed); c5 = fma(c5, mul, seed); c6 = fma(c6, mul, seed); c7 = fma(c7, mul, seed);
     }
-    var s = vec4<f32>(0.0);
-    for (var j = 0u; j < CHAINS; j++) { s += c[j]; }
+    let s = vec4<f32>(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7);
     if (i < p.n) { y[i] = bitcast<vec4<u32>>(s); }
 }
 
