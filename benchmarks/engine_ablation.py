@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp16")
     ap.add_argument("--out", type=Path, help="tune: the profile to write")
+    ap.add_argument("--ops", help="tune: only these ops, comma-separated (e.g. linear,conv2d)")
+    ap.add_argument("--merge-into", type=Path,
+                    help="tune: keep this profile's rules and measurements for the ops not tuned")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--time-budget", type=float, default=600.0)
     ap.add_argument("--tuned", type=Path, help="bench: a tuned profile for the last row")
@@ -51,7 +54,14 @@ def main(argv=None) -> int:
         dtype = "f16" if args.precision == "fp16" and gpu.caps.has_f16 else "f32"
         h, w = config.native_size
         t0 = time.perf_counter()
-        doc = tune(config, gpu, dtype, h, w, args.out, repeats=args.repeats, time_budget_s=args.time_budget)
+        ops = set(args.ops.split(",")) if args.ops else None
+        doc = tune(config, gpu, dtype, h, w, args.out, repeats=args.repeats, time_budget_s=args.time_budget, ops=ops)
+        if args.merge_into:
+            base = json.loads(args.merge_into.read_text())
+            doc["rules"] += [r for r in base["rules"] if ops and r["op"] not in ops]
+            doc["measurements"] += [m for m in base.get("measurements", []) if ops and m["op"] not in ops]
+            doc["description"] += f"; {', '.join(sorted(ops or []))} re-tuned, the rest from {base['name']}"
+            args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         print(f"wrote {args.out}: {len(doc['measurements'])} (op, shape) pairs in {time.perf_counter() - t0:.0f} s")
         return 0
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 import math
 
 from ..errors import EngineError
-from ..kernels import Variant, register
+from ..kernels import Variant, register, variants
 from ..ops import Ops, conv_out_size
 from ..runtime import Tensor
+from .gemm import CANDIDATES as CORE_CANDIDATES
+from .gemm import CONSTANTS as CORE_CONSTANTS
+from .gemm import gemm
 
 # Tunable tiling of both GEMMs (TILE_M pixels or Winograd tiles x TILE_N output channels per
 # workgroup, TILE_K deep slabs); every invocation owns a 4 x 4 register block, so a workgroup
@@ -156,4 +159,72 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
             [None, None, b if b is not None else ops.dummy, None, None, mx, y], ops.grid_1d(cout * pc),
         )
         del vt, mx
+    return y
+
+
+# ---- Winograd F(2x2, 3x3) through the GEMM core --------------------------------------------
+
+W2_TILE = 2  # output tile edge
+W2_POSITIONS = 16  # (2 + 2)^2 products per tile
+# Scratch of the core path, in bytes: the transformed filters of one chunk of output channels,
+# and the transformed input and the products of one chunk of tiles.
+WINOGRAD_CORE_FILTER_BYTES = 32 << 20
+WINOGRAD_CORE_TILE_BYTES = 32 << 20
+
+
+def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2) -> tuple[int, int]:
+    """(output channels, tiles) per chunk: as many as the scratch bounds allow, channels in
+    multiples of 64 (or all), tiles in multiples of 4 (or all)."""
+    cc = WINOGRAD_CORE_FILTER_BYTES // (W2_POSITIONS * cin * item)
+    cc = cout if cc >= cout else max(64, cc // 64 * 64)
+    tc = WINOGRAD_CORE_TILE_BYTES // (W2_POSITIONS * max(cin, cc) * item)
+    tc = n_tiles if tc >= n_tiles else max(4, tc // 4 * 4)
+    return min(cc, cout), tc
+
+
+@register(
+    "conv2d",
+    "winograd_2x2",
+    entry="input_main",
+    requires=("shader-f16",),
+    doc="Winograd F(2x2,3x3) through the GEMM core: filters and input tiles transformed into f16 scratch "
+    "(f32 arithmetic), 16 products by the core, output transform; f16 models with Cin % 4 == 0 "
+    "(the f32 Winograd F(4x4) kernel otherwise)",
+    constants=CORE_CONSTANTS,
+    candidates=CORE_CANDIDATES,
+    applies=winograd_applies,
+)
+def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+    bsz, cin, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    if (kh, kw) != (3, 3) or stride != 1:
+        raise EngineError(f"winograd needs a 3x3 stride-1 convolution, got {kh}x{kw} stride {stride}")
+    if ops.dtype != "f16" or cin % 4:
+        return conv2d_winograd(ops, variants("conv2d")["winograd"], {}, x, w, b, stride, pads)
+    oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
+    th, tw = math.ceil(oh / W2_TILE), math.ceil(ow / W2_TILE)
+    n_tiles = bsz * th * tw
+    cc_max, tc_max = winograd_core_chunks(cin, cout, n_tiles)
+    y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
+    filter_p, input_p, output_p = (ops.pipeline(v, e) for e in ("filter_main", "input_main", "output_main"))
+    bias = b if b is not None else ops.dummy
+    base = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
+    for co0 in range(0, cout, cc_max):
+        cc = min(cc_max, cout - co0)
+        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype)
+        ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc),
+                        [None, w, None, u], ops.grid_1d(cc * cin))
+        for t0 in range(0, n_tiles, tc_max):
+            pc = min(tc_max, n_tiles - t0)
+            pcp = -(-pc // 4) * 4
+            params = (*base, t0, pc, pcp, co0, cc)
+            vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype)
+            ops.rt.dispatch(input_p, "conv2d_winograd_input", params, [x, None, None, None, vt],
+                            ops.grid_1d(cin * pcp))
+            mx = gemm(ops, consts, u, vt, cc, pcp, cin, batch=W2_POSITIONS, b_kn=True,
+                      label="conv2d_winograd_gemm")
+            ops.rt.dispatch(output_p, "conv2d_winograd_output", params,
+                            [None, None, bias, None, None, mx, y], ops.grid_1d(cc * pc))
+            del vt, mx
+        del u
     return y

@@ -21,7 +21,8 @@ from engine.variants.conv2d import winograd_applies, winograd_pays
 
 pytestmark = pytest.mark.gpu
 
-TOL = {("implicit_gemm", "f32"): 2e-5, ("winograd", "f32"): 1e-4, ("implicit_gemm", "f16"): 1e-2, ("winograd", "f16"): 1e-2}
+TOL = {("implicit_gemm", "f32"): 2e-5, ("winograd", "f32"): 1e-4, ("implicit_gemm", "f16"): 1e-2, ("winograd", "f16"): 1e-2,
+       ("winograd_2x2", "f16"): 1e-2, ("winograd_2x2", "f32"): 1e-4}
 NP = {"f32": np.float32, "f16": np.float16}
 
 
@@ -128,6 +129,32 @@ def test_implicit_gemm(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, s
 )
 def test_winograd(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride, pads):
     run_and_compare(rt, pipelines, fresh_rng, "winograd", dtype, bsz, cin, cout, hw, k, stride, pads)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+@pytest.mark.parametrize(
+    "bsz,cin,cout,hw,constants",
+    [
+        pytest.param(1, 64, 64, (16, 16), {}, id="64ch-16x16"),
+        pytest.param(2, 32, 20, (9, 7), {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16}, id="edge-tiles-cout20-batch2"),
+        pytest.param(1, 128, 96, (12, 20), {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16}, id="128ch-12x20"),
+        pytest.param(1, 5, 7, (9, 7), {}, id="cin5-falls-back"),
+    ],
+)
+def test_winograd_2x2(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, constants):
+    """Through the GEMM core (f16 models; f32 models and Cin % 4 != 0 take the f32 Winograd F(4x4))."""
+    run_and_compare(rt, pipelines, fresh_rng, "winograd_2x2", dtype, bsz, cin, cout, hw, 3, 1, (1, 1, 1, 1),
+                    constants=constants)
+
+
+def test_winograd_2x2_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
+    """Small scratch bounds: three chunks of output channels, five of tiles, the last padded."""
+    from engine.variants import conv2d
+
+    monkeypatch.setattr(conv2d, "WINOGRAD_CORE_FILTER_BYTES", 16 * 48 * 2 * 64)  # 64 channels per chunk
+    monkeypatch.setattr(conv2d, "WINOGRAD_CORE_TILE_BYTES", 16 * 64 * 2 * 14)  # 14 -> 12 tiles per chunk
+    assert conv2d.winograd_core_chunks(48, 150, 50) == (64, 12)  # 2 x 5 x 5 tiles: the last chunk has 2 (+2 padding)
+    run_and_compare(rt, pipelines, fresh_rng, "winograd_2x2", "f16", 2, 48, 150, (10, 9), 3, 1, (1, 1, 1, 1))
 
 
 @pytest.mark.parametrize("variant", ["implicit_gemm", "winograd"])
