@@ -228,3 +228,32 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
             del vt, mx
         del u
     return y
+
+
+# ---- 1x1 convolutions through the GEMM core ------------------------------------------------
+
+
+def pointwise_applies(shape: dict) -> str | None:
+    if shape.get("k") != 1 or shape.get("stride") != 1:
+        return "the pointwise GEMM needs a 1x1 stride-1 convolution"
+    return None
+
+
+@register(
+    "conv2d",
+    "pointwise",
+    requires=("shader-f16",),
+    doc="a 1x1 stride-1 convolution as the GEMM core's batched product W (Cout x Cin) by x[b] (Cin x HW), "
+    "bias in the epilogue; f16 models with Cin and HW divisible by 4 (implicit GEMM otherwise)",
+    constants=CORE_CONSTANTS,
+    candidates=CORE_CANDIDATES,
+    applies=pointwise_applies,
+)
+def conv2d_pointwise(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+    bsz, cin, h, wd = x.shape
+    cout = w.shape[0]
+    hw = h * wd
+    if w.shape[2:] != (1, 1) or stride != 1 or any(pads) or ops.dtype != "f16" or cin % 4 or hw % 4:
+        return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
+    return gemm(ops, consts, w, x, cout, hw, cin, batch=bsz, b_kn=True, bias=b, bias_on_m=True,
+                strides=(0, cin * hw, cout * hw), out_shape=(bsz, cout, h, wd), label="conv2d")

@@ -2,8 +2,9 @@
 "gemm", the 1x1 convolution and Winograd's 36 products.
 
 `gemm(ops, consts, a, b, ...)` computes C[z] = act(A[z] B[z]^T + bias + R[z]) in f16 with
-8 x 8 register blocks and double-buffered workgroup tiles; the tile sizes are the constants a
-profile or the tuner sets (`CONSTANTS`, `CANDIDATES`).
+8 x 8 register blocks and double-buffered workgroup tiles; the tile sizes, the f16 flush
+interval and the split of K are the constants a profile or the tuner sets (`CONSTANTS`,
+`CANDIDATES`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from ..errors import EngineError
 from ..kernels import variants
 from ..runtime import Tensor
 
-DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
-CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (32, 64, 128), "TILE_K": (8, 16, 32)}
+DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "FLUSH": 1, "SPLIT_K": 1}
+CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (32, 64, 128), "TILE_K": (8, 16, 32), "FLUSH": (1, 2, 4),
+             "SPLIT_K": (1, 2, 4, 8)}
 # the settings a tuner tries besides the defaults: large tiles for large products, small ones
-# so that small M x N still fill the GPU
+# and splits of K so that small M x N still fill the GPU, longer f16 sums (FLUSH) for fewer
+# conversions to f32
 CANDIDATES = (
     {"TILE_M": 128, "TILE_N": 128, "TILE_K": 16},
     {"TILE_M": 128, "TILE_N": 64, "TILE_K": 32},
@@ -25,6 +28,10 @@ CANDIDATES = (
     {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16},
     {"TILE_M": 64, "TILE_N": 64, "TILE_K": 32},
     {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16},
+    {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "FLUSH": 2},
+    {"TILE_M": 128, "TILE_N": 64, "TILE_K": 16, "FLUSH": 2},
+    {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 4},
+    {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 8},
 )
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2}
 HAS_BIAS, BIAS_ON_M, HAS_RESIDUAL = 1, 2, 4
@@ -39,6 +46,11 @@ def workgroup_bytes(tiles: dict) -> int:
 def check_tiles(tiles: dict, limits: dict) -> None:
     """Raise EngineError for a setting the shader cannot take or the adapter cannot hold."""
     tm, tn, tk = tiles["TILE_M"], tiles["TILE_N"], tiles["TILE_K"]
+    for name, value in tiles.items():
+        if name not in CONSTANTS:
+            raise EngineError(f"gemm: unknown constant {name}; the core takes {', '.join(CONSTANTS)}")
+        if name in ("FLUSH", "SPLIT_K") and value not in CONSTANTS[name]:
+            raise EngineError(f"gemm: {name}={value} is not one of {CONSTANTS[name]}")
     if tm % 16 or tn % 16 or tk % 4:
         raise EngineError(f"gemm: TILE_M and TILE_N must be multiples of 16 and TILE_K of 4, got {tiles}")
     if tk > tm // 2 or tk > tn // 2:
@@ -96,11 +108,16 @@ def gemm(
     flags = (HAS_BIAS if bias is not None else 0) | (BIAS_ON_M if bias_on_m else 0) | \
         (HAS_RESIDUAL if residual is not None else 0)
     core = variants("linear")["gemm"]
+    split = tiles["SPLIT_K"]
+    params = (m, n, k, flags, sa, sb, sc, ACTIVATIONS[act], batch)
+    epilogue = [bias if bias is not None else ops.dummy, residual if residual is not None else ops.dummy, y]
+    part = ops.rt.empty((split, batch, m, n), "f32") if split > 1 else ops.dummy_f32
     ops.rt.dispatch(
         ops.pipeline(core, "main", **tiles, B_KN=bool(b_kn)),
-        label,
-        (m, n, k, flags, sa, sb, sc, ACTIVATIONS[act]),
-        [a, b, bias if bias is not None else ops.dummy, residual if residual is not None else ops.dummy, y],
-        (math.ceil(n / tiles["TILE_N"]), math.ceil(m / tiles["TILE_M"]), batch),
+        label, params, [a, b, *epilogue, part],
+        (math.ceil(n / tiles["TILE_N"]), math.ceil(m / tiles["TILE_M"]), batch * split),
     )
+    if split > 1:
+        ops.rt.dispatch(ops.pipeline(core, "reduce_main", SPLIT_K=split), f"{label}_reduce", params,
+                        [None, None, *epilogue, part], ops.grid_1d(batch * m * n // 4))
     return y

@@ -14,12 +14,18 @@
 // time through two workgroup-memory stages: while the invocations multiply one stage, the next
 // slab's global loads are in flight and land in the other stage, one barrier per slab. Operands
 // are vec4<f16>; each slab's TILE_K products are summed by vec4<f16> FMAs (two f16 lanes per f32
-// lane) and then added to f32 accumulators, so f16 rounding is confined to sums of TILE_K terms.
+// lane) and then added to f32 accumulators every FLUSH slabs, so f16 rounding is confined to
+// sums of FLUSH * TILE_K terms.
+//
+// Split-K (SPLIT_K > 1, for products whose M x N tiles alone cannot fill the GPU): the grid's z
+// is batch x SPLIT_K, each split sums its share of the slabs into f32 partials
+// part (SPLIT_K, batch, M, N), and reduce_main adds them up and applies the epilogue.
 // Needs K % 4 == 0, N % 4 == 0 and batch strides that are multiples of 4 (vec4 loads and stores);
 // TILE_K <= TILE_M / 2 and TILE_K <= TILE_N / 2 (at most two 4 x 4 load quads per invocation).
 struct Params {
     M: u32, N: u32, K: u32, flags: u32,
     a_batch: u32, b_batch: u32, c_batch: u32, act: u32,
+    batch: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> a4: array<vec4<T>>;
@@ -27,11 +33,14 @@ struct Params {
 @group(0) @binding(3) var<storage, read> bias: array<T>;
 @group(0) @binding(4) var<storage, read> r4: array<vec4<T>>;
 @group(0) @binding(5) var<storage, read_write> c4: array<vec4<T>>;
+@group(0) @binding(6) var<storage, read_write> part: array<vec4<f32>>;
 
 override TILE_M: u32 = 64;   // multiple of 16
 override TILE_N: u32 = 64;   // multiple of 16
 override TILE_K: u32 = 16;   // multiple of 4
 override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
+override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 accumulators
+override SPLIT_K: u32 = 1u;   // splits of K (1: none)
 
 const HAS_BIAS: u32 = 1u;
 const BIAS_ON_M: u32 = 2u;
@@ -161,21 +170,25 @@ fn main(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    let z = wid.z;
+    let z = wid.z / SPLIT_K;
+    let split = wid.z % SPLIT_K;
     let m0 = wid.y * TILE_M;
     let n0 = wid.x * TILE_N;
     let qa = (TILE_M / 4u) * (TILE_K / 4u);
     let qb = (TILE_N / 4u) * (TILE_K / 4u);
     let nt = threads();
-    let slabs = (p.K + TILE_K - 1u) / TILE_K;
+    let per = ((p.K + TILE_K - 1u) / TILE_K + SPLIT_K - 1u) / SPLIT_K;  // slabs per split
+    let first = split * per;
+    let slabs = min((p.K + TILE_K - 1u) / TILE_K, first + per);  // this split: slabs first .. slabs - 1
+    let kb = first * TILE_K;
 
     // Registers are named, not arrays: a function-scope array indexed in a loop may live in
     // local memory on some drivers (seen on NVIDIA through Vulkan), which costs 5x here.
     var pa0: Quad; var pa1: Quad; var pb0: Quad; var pb1: Quad;  // the next slab, in flight
-    if (li < qa) { pa0 = load_a(z, m0, 0u, li); }
-    if (li + nt < qa) { pa1 = load_a(z, m0, 0u, li + nt); }
-    if (li < qb) { pb0 = load_b(z, n0, 0u, li); }
-    if (li + nt < qb) { pb1 = load_b(z, n0, 0u, li + nt); }
+    if (li < qa) { pa0 = load_a(z, m0, kb, li); }
+    if (li + nt < qa) { pa1 = load_a(z, m0, kb, li + nt); }
+    if (li < qb) { pb0 = load_b(z, n0, kb, li); }
+    if (li + nt < qb) { pb1 = load_b(z, n0, kb, li + nt); }
     if (li < qa) { store_a(0u, li, pa0); }
     if (li + nt < qa) { store_a(0u, li + nt, pa1); }
     if (li < qb) { store_b(0u, li, pb0); }
@@ -191,8 +204,8 @@ fn main(
     var c50 = vec4<f32>(0.0); var c51 = vec4<f32>(0.0); var h50 = vec4<f16>(0.0h); var h51 = vec4<f16>(0.0h);
     var c60 = vec4<f32>(0.0); var c61 = vec4<f32>(0.0); var h60 = vec4<f16>(0.0h); var h61 = vec4<f16>(0.0h);
     var c70 = vec4<f32>(0.0); var c71 = vec4<f32>(0.0); var h70 = vec4<f16>(0.0h); var h71 = vec4<f16>(0.0h);
-    for (var t = 0u; t < slabs; t++) {
-        let s = t % 2u;
+    for (var t = first; t < slabs; t++) {
+        let s = (t - first) % 2u;
         let more = t + 1u < slabs;
         if (more) {
             let k0 = (t + 1u) * TILE_K;
@@ -225,14 +238,16 @@ fn main(
             let x7 = vec4<f16>(a1.w);
             h70 = fma(x7, b0, h70);  h71 = fma(x7, b1, h71);
         }
-        c00 += vec4<f32>(h00); h00 = vec4<f16>(0.0h); c01 += vec4<f32>(h01); h01 = vec4<f16>(0.0h);
-        c10 += vec4<f32>(h10); h10 = vec4<f16>(0.0h); c11 += vec4<f32>(h11); h11 = vec4<f16>(0.0h);
-        c20 += vec4<f32>(h20); h20 = vec4<f16>(0.0h); c21 += vec4<f32>(h21); h21 = vec4<f16>(0.0h);
-        c30 += vec4<f32>(h30); h30 = vec4<f16>(0.0h); c31 += vec4<f32>(h31); h31 = vec4<f16>(0.0h);
-        c40 += vec4<f32>(h40); h40 = vec4<f16>(0.0h); c41 += vec4<f32>(h41); h41 = vec4<f16>(0.0h);
-        c50 += vec4<f32>(h50); h50 = vec4<f16>(0.0h); c51 += vec4<f32>(h51); h51 = vec4<f16>(0.0h);
-        c60 += vec4<f32>(h60); h60 = vec4<f16>(0.0h); c61 += vec4<f32>(h61); h61 = vec4<f16>(0.0h);
-        c70 += vec4<f32>(h70); h70 = vec4<f16>(0.0h); c71 += vec4<f32>(h71); h71 = vec4<f16>(0.0h);
+        if (!more || (t - first + 1u) % FLUSH == 0u) {
+            c00 += vec4<f32>(h00); h00 = vec4<f16>(0.0h); c01 += vec4<f32>(h01); h01 = vec4<f16>(0.0h);
+            c10 += vec4<f32>(h10); h10 = vec4<f16>(0.0h); c11 += vec4<f32>(h11); h11 = vec4<f16>(0.0h);
+            c20 += vec4<f32>(h20); h20 = vec4<f16>(0.0h); c21 += vec4<f32>(h21); h21 = vec4<f16>(0.0h);
+            c30 += vec4<f32>(h30); h30 = vec4<f16>(0.0h); c31 += vec4<f32>(h31); h31 = vec4<f16>(0.0h);
+            c40 += vec4<f32>(h40); h40 = vec4<f16>(0.0h); c41 += vec4<f32>(h41); h41 = vec4<f16>(0.0h);
+            c50 += vec4<f32>(h50); h50 = vec4<f16>(0.0h); c51 += vec4<f32>(h51); h51 = vec4<f16>(0.0h);
+            c60 += vec4<f32>(h60); h60 = vec4<f16>(0.0h); c61 += vec4<f32>(h61); h61 = vec4<f16>(0.0h);
+            c70 += vec4<f32>(h70); h70 = vec4<f16>(0.0h); c71 += vec4<f32>(h71); h71 = vec4<f16>(0.0h);
+        }
         if (more) {
             if (li < qa) { store_a(1u - s, li, pa0); }
             if (li + nt < qa) { store_a(1u - s, li + nt, pa1); }
@@ -246,12 +261,39 @@ fn main(
     let n_hi = n0 + TILE_N / 2u + 4u * lid.x;
     let m_lo = m0 + 4u * lid.y;
     let m_hi = m0 + TILE_M / 2u + 4u * lid.y;
-    store_c(z, m_lo + 0u, n_lo, c00); store_c(z, m_lo + 0u, n_hi, c01);
-    store_c(z, m_lo + 1u, n_lo, c10); store_c(z, m_lo + 1u, n_hi, c11);
-    store_c(z, m_lo + 2u, n_lo, c20); store_c(z, m_lo + 2u, n_hi, c21);
-    store_c(z, m_lo + 3u, n_lo, c30); store_c(z, m_lo + 3u, n_hi, c31);
-    store_c(z, m_hi + 0u, n_lo, c40); store_c(z, m_hi + 0u, n_hi, c41);
-    store_c(z, m_hi + 1u, n_lo, c50); store_c(z, m_hi + 1u, n_hi, c51);
-    store_c(z, m_hi + 2u, n_lo, c60); store_c(z, m_hi + 2u, n_hi, c61);
-    store_c(z, m_hi + 3u, n_lo, c70); store_c(z, m_hi + 3u, n_hi, c71);
+    put(z, split, m_lo + 0u, n_lo, c00); put(z, split, m_lo + 0u, n_hi, c01);
+    put(z, split, m_lo + 1u, n_lo, c10); put(z, split, m_lo + 1u, n_hi, c11);
+    put(z, split, m_lo + 2u, n_lo, c20); put(z, split, m_lo + 2u, n_hi, c21);
+    put(z, split, m_lo + 3u, n_lo, c30); put(z, split, m_lo + 3u, n_hi, c31);
+    put(z, split, m_hi + 0u, n_lo, c40); put(z, split, m_hi + 0u, n_hi, c41);
+    put(z, split, m_hi + 1u, n_lo, c50); put(z, split, m_hi + 1u, n_hi, c51);
+    put(z, split, m_hi + 2u, n_lo, c60); put(z, split, m_hi + 2u, n_hi, c61);
+    put(z, split, m_hi + 3u, n_lo, c70); put(z, split, m_hi + 3u, n_hi, c71);
+}
+
+// One 4-column group of C: the epilogue, or this split's partial.
+fn put(z: u32, split: u32, m: u32, n: u32, acc: vec4<f32>) {
+    if (SPLIT_K == 1u) {
+        store_c(z, m, n, acc);
+        return;
+    }
+    if (m >= p.M || n >= p.N) { return; }
+    part[((split * p.batch + z) * p.M + m) * (p.N / 4u) + n / 4u] = acc;
+}
+
+// Split-K's second pass: C = epilogue(sum of the partials), one invocation per 4 columns.
+@compute @workgroup_size(256)
+fn reduce_main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let i = (wid.y * nwg.x + wid.x) * 256u + li;
+    let per_item = p.M * (p.N / 4u);
+    if (i >= p.batch * per_item) { return; }
+    let z = i / per_item;
+    let r = i % per_item;
+    var acc = vec4<f32>(0.0);
+    for (var s = 0u; s < SPLIT_K; s++) { acc += part[(s * p.batch + z) * per_item + r]; }
+    store_c(z, r / (p.N / 4u), 4u * (r % (p.N / 4u)), acc);
 }

@@ -22,7 +22,8 @@ from engine.variants.conv2d import winograd_applies, winograd_pays
 pytestmark = pytest.mark.gpu
 
 TOL = {("implicit_gemm", "f32"): 2e-5, ("winograd", "f32"): 1e-4, ("implicit_gemm", "f16"): 1e-2, ("winograd", "f16"): 1e-2,
-       ("winograd_2x2", "f16"): 1e-2, ("winograd_2x2", "f32"): 1e-4}
+       ("winograd_2x2", "f16"): 1e-2, ("winograd_2x2", "f32"): 1e-4,
+       ("pointwise", "f16"): 1e-2, ("pointwise", "f32"): 2e-5}
 NP = {"f32": np.float32, "f16": np.float16}
 
 
@@ -145,6 +146,21 @@ def test_winograd_2x2(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, const
     """Through the GEMM core (f16 models; f32 models and Cin % 4 != 0 take the f32 Winograd F(4x4))."""
     run_and_compare(rt, pipelines, fresh_rng, "winograd_2x2", dtype, bsz, cin, cout, hw, 3, 1, (1, 1, 1, 1),
                     constants=constants)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+@pytest.mark.parametrize(
+    "bsz,cin,cout,hw,pads,constants",
+    [
+        pytest.param(2, 64, 40, (8, 12), (0, 0, 0, 0), {}, id="sd-like-batch2"),
+        pytest.param(1, 96, 20, (6, 6), (0, 0, 0, 0), {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 4},
+                     id="split-K"),
+        pytest.param(1, 6, 5, (5, 5), (0, 0, 0, 0), {}, id="odd-falls-back"),
+        pytest.param(1, 8, 8, (4, 4), (1, 1, 1, 1), {}, id="padded-falls-back"),
+    ],
+)
+def test_pointwise(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, pads, constants):
+    run_and_compare(rt, pipelines, fresh_rng, "pointwise", dtype, bsz, cin, cout, hw, 1, 1, pads, constants=constants)
 
 
 def test_winograd_2x2_in_chunks(rt, pipelines, fresh_rng, monkeypatch):

@@ -70,6 +70,7 @@ def fits(gpu, tiles) -> bool:
         (154, 768, 96, False),  # CLIP-length rows: a partial tile in M
         (130, 2560, 68, True),  # SD's longest K; N a multiple of 4 but not of any tile
         (3, 12, 4, True),  # smaller than one tile in every direction, K shorter than TILE_K
+        (2, 1280, 320, True),  # SD's time-embedding projections: two rows, long K (split-K's case)
     ],
 )
 def test_linear_gemm(rt, gpu, fresh_rng, m, k, n, bias, tiles):
@@ -102,16 +103,18 @@ def test_linear_gemm_falls_back_where_the_core_cannot_run(rt, gpu, fresh_rng):
     assert rel_err(got32, x.astype(np.float64) @ w.astype(np.float64).T) <= 2e-5
 
 
+@pytest.mark.parametrize("split", [1, 4], ids=["whole-K", "split-K-4"])
 @pytest.mark.parametrize("b_kn", [False, True], ids=["B_NxK", "B_KxN"])
-def test_gemm_core_batched_forms(rt, gpu, fresh_rng, b_kn):
+def test_gemm_core_batched_forms(rt, gpu, fresh_rng, b_kn, split):
     """A batch of 3 products with A shared (stride 0), B per item in either layout, bias per
-    row (a 1x1 convolution's), a residual and SiLU."""
+    row (a 1x1 convolution's), a residual and SiLU; whole or split K (the epilogue then runs in
+    the reduction)."""
     batch, m, n, k = 3, 72, 100, 48
     a = rand(fresh_rng, m, k, scale=k**-0.5)
     bmat = rand(fresh_rng, batch, k, n) if b_kn else rand(fresh_rng, batch, n, k)
     bias, res = rand(fresh_rng, m), rand(fresh_rng, batch, m, n)
     ops = ops_for(rt, gpu)
-    y = core.gemm(ops, {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16}, rt.upload(a, "f16"), rt.upload(bmat, "f16"),
+    y = core.gemm(ops, {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": split}, rt.upload(a, "f16"), rt.upload(bmat, "f16"),
                   m, n, k, batch=batch, b_kn=b_kn, bias=rt.upload(bias, "f16"), bias_on_m=True,
                   residual=rt.upload(res, "f16"), act="silu", strides=(0, n * k, m * n))
     got = rt.read(y).astype(np.float64)
@@ -135,6 +138,8 @@ def test_gemm_core_gelu_epilogue(rt, gpu, fresh_rng):
 @pytest.mark.parametrize("tiles,why", [
     ({"TILE_M": 40, "TILE_N": 64, "TILE_K": 16}, "multiples of 16"),
     ({"TILE_M": 32, "TILE_N": 64, "TILE_K": 32}, "at most half"),
+    ({"SPLIT_K": 3}, "SPLIT_K=3 is not one of"),
+    ({"TILE_X": 3}, "unknown constant TILE_X"),
 ])
 def test_gemm_core_refuses_settings_it_cannot_take(rt, gpu, fresh_rng, tiles, why):
     a, b = rand(fresh_rng, 8, 8), rand(fresh_rng, 8, 8)
