@@ -121,8 +121,8 @@ class PlanRecorder(_Memory):
         self.buffers.append({"id": buf.id, "kind": kind, "size": buf.size, **info})
         return buf
 
-    def empty(self, shape, dtype: str = "f32") -> Tensor:
-        return self._pooled(shape, dtype)
+    def empty(self, shape, dtype: str = "f32", at_least: int = 0) -> Tensor:
+        return self._pooled(shape, dtype, at_least)
 
     def state(self, shape, dtype: str, name: str) -> Tensor:
         """A buffer outside the pool (the denoising loop's state: it outlives every stage)."""

@@ -259,8 +259,8 @@ class _Memory:
         self.trim()
         self.peak_bytes = self.gpu_bytes
 
-    def _pooled(self, shape, dtype: str) -> Tensor:
-        nbytes = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+    def _pooled(self, shape, dtype: str, at_least: int = 0) -> Tensor:
+        nbytes = max(math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize, at_least)
         buf, size, new = self.pool.take(nbytes)
         if new:
             self._note_peak()
@@ -322,8 +322,8 @@ class TraceRuntime(_Memory):
     def pipeline_cache(self, gpu=None):
         return None  # nothing is compiled
 
-    def empty(self, shape, dtype: str = "f32") -> Tensor:
-        return self._pooled(shape, dtype)
+    def empty(self, shape, dtype: str = "f32", at_least: int = 0) -> Tensor:
+        return self._pooled(shape, dtype, at_least)
 
     def upload(self, array, dtype: str | None = None, static: bool = False) -> Tensor:
         dtype = dtype or dtype_of(np.asarray(array))
@@ -360,6 +360,11 @@ class Runtime(_Memory):
         limit = self.caps.limits.get("max-buffer-size")
         self._init_memory(self._create_buffer, None if limit is None else int(limit))
         self._params: dict[bytes, object] = {}
+        # Bind groups by (pipeline, params, bound buffers and sizes): a denoising step binds the
+        # same pool buffers in the same order every time, so after the first step no dispatch
+        # creates one. The keys hold the buffers, so an id is never reused while cached; the cache
+        # is emptied whenever buffers are destroyed (trim, release_weights).
+        self._bind_groups: dict[tuple, object] = {}
         self._encoder = None
         self._pass = None
         self._fence = Fence(self.device)
@@ -382,6 +387,14 @@ class Runtime(_Memory):
 
         return PipelineCache(gpu)
 
+    def trim(self):
+        super().trim()
+        self._bind_groups.clear()
+
+    def release_weights(self, tensors) -> None:
+        super().release_weights(tensors)
+        self._bind_groups.clear()
+
     # ---- memory -------------------------------------------------------------------------
 
     def _create_buffer(self, nbytes: int, what: str = "an activation buffer"):
@@ -396,9 +409,11 @@ class Runtime(_Memory):
                 f"{limit / 2**20:.1f} MiB; use a smaller resolution or batch"
             )
 
-    def empty(self, shape, dtype: str = "f32") -> Tensor:
+    def empty(self, shape, dtype: str = "f32", at_least: int = 0) -> Tensor:
+        """A pooled tensor. `at_least`: take a buffer of at least that many bytes, so scratch of
+        varying shapes (bounded by one budget) reuses one size class instead of adding many."""
         self._check_binding(math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize, shape, "an activation")
-        t = self._pooled(shape, dtype)
+        t = self._pooled(shape, dtype, at_least)
         if self.poison:  # the whole buffer, so a kernel reading past its tensor sees NaN too
             self.flush()
             self.device.queue.write_buffer(t.buffer, 0, b"\xff" * t.storage.nbytes)
@@ -442,18 +457,23 @@ class Runtime(_Memory):
     def dispatch(self, pipeline, label: str, params: tuple, tensors: list[Tensor | None], groups):
         """Record one dispatch: binding 0 is the params uniform, 1.. the tensors in order
         (None skips a binding number the entry point does not use)."""
-        entries = [{"binding": 0, "resource": {"buffer": self.params_buffer(params)}}]
-        entries += [
-            {"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.binding_bytes}}
-            for i, t in enumerate(tensors)
-            if t is not None
-        ]
-        bind_group = gpu_call(
-            f"binding the buffers of {label}",
-            self.device.create_bind_group,
-            layout=pipeline.get_bind_group_layout(0),
-            entries=entries,
-        )
+        uniform = self.params_buffer(params)
+        key = (pipeline, uniform, *((t.buffer, t.binding_bytes) if t is not None else None for t in tensors))
+        bind_group = self._bind_groups.get(key)
+        if bind_group is None:
+            entries = [{"binding": 0, "resource": {"buffer": uniform}}]
+            entries += [
+                {"binding": i + 1, "resource": {"buffer": t.buffer, "offset": 0, "size": t.binding_bytes}}
+                for i, t in enumerate(tensors)
+                if t is not None
+            ]
+            bind_group = gpu_call(
+                f"binding the buffers of {label}",
+                self.device.create_bind_group,
+                layout=pipeline.get_bind_group_layout(0),
+                entries=entries,
+            )
+            self._bind_groups[key] = bind_group
         gx, gy, gz = groups
         if max(gx, gy, gz) > self.caps.max_workgroups:
             raise GPUError(f"{label}: grid {groups} exceeds max-compute-workgroups-per-dimension")

@@ -20,7 +20,7 @@ from ..ops import Ops, conv_out_size
 from ..runtime import Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
-from .gemm import gemm
+from .gemm import SCRATCH_BYTES, gemm
 
 # Tunable tiling of both GEMMs (TILE_M pixels or Winograd tiles x TILE_N output channels per
 # workgroup, TILE_K deep slabs); every invocation owns a 4 x 4 register block, so a workgroup
@@ -167,9 +167,10 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
 W2_TILE = 2  # output tile edge
 W2_POSITIONS = 16  # (2 + 2)^2 products per tile
 # Scratch of the core path, in bytes: the transformed filters of one chunk of output channels,
-# and the transformed input and the products of one chunk of tiles.
-WINOGRAD_CORE_FILTER_BYTES = 32 << 20
-WINOGRAD_CORE_TILE_BYTES = 32 << 20
+# and the transformed input and the products of one chunk of tiles (one size class with the
+# core's own scratch).
+WINOGRAD_CORE_FILTER_BYTES = SCRATCH_BYTES
+WINOGRAD_CORE_TILE_BYTES = SCRATCH_BYTES
 
 
 def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2) -> tuple[int, int]:
@@ -211,17 +212,18 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     base = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
     for co0 in range(0, cout, cc_max):
         cc = min(cc_max, cout - co0)
-        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype)
+        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=WINOGRAD_CORE_FILTER_BYTES)
         ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc),
                         [None, w, None, u], ops.grid_1d(cc * cin))
         for t0 in range(0, n_tiles, tc_max):
             pc = min(tc_max, n_tiles - t0)
             pcp = -(-pc // 4) * 4
             params = (*base, t0, pc, pcp, co0, cc)
-            vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype)
+            vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES)
             ops.rt.dispatch(input_p, "conv2d_winograd_input", params, [x, None, None, None, vt],
                             ops.grid_1d(cin * pcp))
             mx = gemm(ops, consts, u, vt, cc, pcp, cin, batch=W2_POSITIONS, b_kn=True,
+                      out=ops.rt.empty((W2_POSITIONS, cc, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES),
                       label="conv2d_winograd_gemm")
             ops.rt.dispatch(output_p, "conv2d_winograd_output", params,
                             [None, None, bias, None, None, mx, y], ops.grid_1d(cc * pc))

@@ -36,6 +36,10 @@ CANDIDATES = (
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2}
 HAS_BIAS, BIAS_ON_M, HAS_RESIDUAL = 1, 2, 4
 PAD = 1  # vec4s of padding per staged row (the shader's PAD)
+# Every scratch buffer of the core's users (split-K partials, Winograd's transformed operands
+# and products) is at most this big and is taken from the pool at exactly this size, so all of
+# them share one size class: a UNet step adds a few such buffers to the pool, not one per shape.
+SCRATCH_BYTES = 16 << 20
 
 
 def workgroup_bytes(tiles: dict) -> int:
@@ -111,7 +115,10 @@ def gemm(
     split = tiles["SPLIT_K"]
     params = (m, n, k, flags, sa, sb, sc, ACTIVATIONS[act], batch)
     epilogue = [bias if bias is not None else ops.dummy, residual if residual is not None else ops.dummy, y]
-    part = ops.rt.empty((split, batch, m, n), "f32") if split > 1 else ops.dummy_f32
+    if split > 1 and split * batch * m * n * 4 > SCRATCH_BYTES:
+        raise EngineError(f"gemm: SPLIT_K={split} of a {batch}x{m}x{n} product needs more than "
+                          f"{SCRATCH_BYTES >> 20} MiB of partials; split products that small M x N need")
+    part = ops.rt.empty((split, batch, m, n), "f32", at_least=SCRATCH_BYTES) if split > 1 else ops.dummy_f32
     ops.rt.dispatch(
         ops.pipeline(core, "main", **tiles, B_KN=bool(b_kn)),
         label, params, [a, b, *epilogue, part],
