@@ -210,25 +210,33 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     filter_p, input_p, output_p = (ops.pipeline(v, e) for e in ("filter_main", "input_main", "output_main"))
     bias = b if b is not None else ops.dummy
     base = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
-    for co0 in range(0, cout, cc_max):
-        cc = min(cc_max, cout - co0)
+
+    def transformed_filters(co0: int, cc: int) -> Tensor:
         u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=WINOGRAD_CORE_FILTER_BYTES)
         ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc),
                         [None, w, None, u], ops.grid_1d(cc * cin))
-        for t0 in range(0, n_tiles, tc_max):
-            pc = min(tc_max, n_tiles - t0)
-            pcp = -(-pc // 4) * 4
-            params = (*base, t0, pc, pcp, co0, cc)
-            vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES)
-            ops.rt.dispatch(input_p, "conv2d_winograd_input", params, [x, None, None, None, vt],
-                            ops.grid_1d(cin * pcp))
+        return u
+
+    # Tiles outside, channel chunks inside: each chunk of tiles is transformed once; the filters
+    # of a channel chunk are transformed once per tile chunk (once in all when one chunk holds
+    # every channel, as at SD's large resolutions, or every tile, as at its small ones).
+    channel_chunks = [(co0, min(cc_max, cout - co0)) for co0 in range(0, cout, cc_max)]
+    u_all = transformed_filters(0, cout) if len(channel_chunks) == 1 else None
+    for t0 in range(0, n_tiles, tc_max):
+        pc = min(tc_max, n_tiles - t0)
+        pcp = -(-pc // 4) * 4
+        vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES)
+        ops.rt.dispatch(input_p, "conv2d_winograd_input", (*base, t0, pc, pcp, 0, cout),
+                        [x, None, None, None, vt], ops.grid_1d(cin * pcp))
+        for co0, cc in channel_chunks:
+            u = u_all if u_all is not None else transformed_filters(co0, cc)
             mx = gemm(ops, consts, u, vt, cc, pcp, cin, batch=W2_POSITIONS, b_kn=True,
                       out=ops.rt.empty((W2_POSITIONS, cc, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES),
                       label="conv2d_winograd_gemm")
-            ops.rt.dispatch(output_p, "conv2d_winograd_output", params,
+            ops.rt.dispatch(output_p, "conv2d_winograd_output", (*base, t0, pc, pcp, co0, cc),
                             [None, None, bias, None, None, mx, y], ops.grid_1d(cc * pc))
-            del vt, mx
-        del u
+            del mx, u
+        del vt
     return y
 
 
