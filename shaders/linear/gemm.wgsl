@@ -214,21 +214,13 @@ fn main(
             if (li < qb) { pb0 = load_b(z, n0, k0, li); }
             if (li + nt < qb) { pb1 = load_b(z, n0, k0, li + nt); }
         }
-        // The next k's operands are read from workgroup memory while this k's FMAs run
-        // (registers a/b and na/nb), so the reads' latency hides behind 32 FMAs even with few
-        // warps per SM (this block's registers allow two or three workgroups).
         let abase = s * TILE_K * sa() + lid.y;
         let bbase = s * TILE_K * sb() + lid.x;
-        var a0 = As[abase];
-        var a1 = As[abase + TILE_M / 8u];
-        var b0 = Bs[bbase];
-        var b1 = Bs[bbase + TILE_N / 8u];
         for (var kk = 0u; kk < TILE_K; kk++) {
-            let kn = min(kk + 1u, TILE_K - 1u);  // the last k re-reads itself: no branch
-            let na0 = As[abase + kn * sa()];
-            let na1 = As[abase + kn * sa() + TILE_M / 8u];
-            let nb0 = Bs[bbase + kn * sb()];
-            let nb1 = Bs[bbase + kn * sb() + TILE_N / 8u];
+            let a0 = As[abase + kk * sa()];
+            let a1 = As[abase + kk * sa() + TILE_M / 8u];
+            let b0 = Bs[bbase + kk * sb()];
+            let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
             let x0 = vec4<f16>(a0.x);
             h00 = fma(x0, b0, h00);  h01 = fma(x0, b1, h01);
             let x1 = vec4<f16>(a0.y);
@@ -245,10 +237,6 @@ fn main(
             h60 = fma(x6, b0, h60);  h61 = fma(x6, b1, h61);
             let x7 = vec4<f16>(a1.w);
             h70 = fma(x7, b0, h70);  h71 = fma(x7, b1, h71);
-            a0 = na0;
-            a1 = na1;
-            b0 = nb0;
-            b1 = nb1;
         }
         if (!more || (t - first + 1u) % FLUSH == 0u) {
             c00 += vec4<f32>(h00); h00 = vec4<f16>(0.0h); c01 += vec4<f32>(h01); h01 = vec4<f16>(0.0h);
