@@ -15,12 +15,12 @@ from ..errors import EngineError
 from ..kernels import variants
 from ..runtime import Tensor
 
-DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "FLUSH": 1, "SPLIT_K": 1}
+DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "FLUSH": 1, "SPLIT_K": 1, "PREFETCH": 1}
 CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (32, 64, 128), "TILE_K": (8, 16, 32), "FLUSH": (1, 2, 4),
-             "SPLIT_K": (1, 2, 4, 8)}
+             "SPLIT_K": (1, 2, 4, 8), "PREFETCH": (0, 1)}
 # the settings a tuner tries besides the defaults: large tiles for large products, small ones
 # and splits of K so that small M x N still fill the GPU, longer f16 sums (FLUSH) for fewer
-# conversions to f32
+# conversions to f32, no global prefetch (PREFETCH 0) for fewer registers
 CANDIDATES = (
     {"TILE_M": 128, "TILE_N": 128, "TILE_K": 16},
     {"TILE_M": 128, "TILE_N": 64, "TILE_K": 32},
@@ -32,6 +32,8 @@ CANDIDATES = (
     {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "FLUSH": 2},
     {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "SPLIT_K": 2},
     {"TILE_M": 128, "TILE_N": 64, "TILE_K": 16, "FLUSH": 2},
+    {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "PREFETCH": 0},
+    {"TILE_M": 128, "TILE_N": 128, "TILE_K": 16, "PREFETCH": 0},
     {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 4},
     {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 8},
 )
@@ -55,7 +57,7 @@ def check_tiles(tiles: dict, limits: dict) -> None:
     for name, value in tiles.items():
         if name not in CONSTANTS:
             raise EngineError(f"gemm: unknown constant {name}; the core takes {', '.join(CONSTANTS)}")
-        if name in ("FLUSH", "SPLIT_K") and value not in CONSTANTS[name]:
+        if name in ("FLUSH", "SPLIT_K", "PREFETCH") and value not in CONSTANTS[name]:
             raise EngineError(f"gemm: {name}={value} is not one of {CONSTANTS[name]}")
     if tm % 16 or tn % 16 or tk % 4:
         raise EngineError(f"gemm: TILE_M and TILE_N must be multiples of 16 and TILE_K of 4, got {tiles}")

@@ -12,7 +12,8 @@
 // block, rows {4ty..4ty+3} and {TILE_M/2 + 4ty..} by columns {4tx..4tx+3} and {TILE_N/2 + 4tx..}
 // (the two halves keep the workgroup-memory reads of a warp contiguous). K is walked TILE_K at a
 // time through two workgroup-memory stages: while the invocations multiply one stage, the next
-// slab's global loads are in flight and land in the other stage, one barrier per slab. Operands
+// slab's global loads are in flight (PREFETCH; else they are issued after the FMAs, which frees
+// their registers for more workgroups per SM) and land in the other stage, one barrier per slab. Operands
 // are vec4<f16>; each slab's TILE_K products are summed by vec4<f16> FMAs (two f16 lanes per f32
 // lane) and then added to f32 accumulators every FLUSH slabs, so f16 rounding is confined to
 // sums of FLUSH * TILE_K terms.
@@ -41,6 +42,7 @@ override TILE_K: u32 = 16;   // multiple of 4
 override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
 override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 accumulators
 override SPLIT_K: u32 = 1u;   // splits of K (1: none)
+override PREFETCH: bool = true;  // next slab's global loads in flight during the FMAs (more registers)
 
 const HAS_BIAS: u32 = 1u;
 const BIAS_ON_M: u32 = 2u;
@@ -207,8 +209,8 @@ fn main(
     for (var t = first; t < slabs; t++) {
         let s = (t - first) % 2u;
         let more = t + 1u < slabs;
-        if (more) {
-            let k0 = (t + 1u) * TILE_K;
+        let k0 = (t + 1u) * TILE_K;
+        if (more && PREFETCH) {
             if (li < qa) { pa0 = load_a(z, m0, k0, li); }
             if (li + nt < qa) { pa1 = load_a(z, m0, k0, li + nt); }
             if (li < qb) { pb0 = load_b(z, n0, k0, li); }
@@ -247,6 +249,12 @@ fn main(
             c50 += vec4<f32>(h50); h50 = vec4<f16>(0.0h); c51 += vec4<f32>(h51); h51 = vec4<f16>(0.0h);
             c60 += vec4<f32>(h60); h60 = vec4<f16>(0.0h); c61 += vec4<f32>(h61); h61 = vec4<f16>(0.0h);
             c70 += vec4<f32>(h70); h70 = vec4<f16>(0.0h); c71 += vec4<f32>(h71); h71 = vec4<f16>(0.0h);
+        }
+        if (more && !PREFETCH) {  // loaded now: the registers are free during the FMAs
+            if (li < qa) { pa0 = load_a(z, m0, k0, li); }
+            if (li + nt < qa) { pa1 = load_a(z, m0, k0, li + nt); }
+            if (li < qb) { pb0 = load_b(z, n0, k0, li); }
+            if (li + nt < qb) { pb1 = load_b(z, n0, k0, li + nt); }
         }
         if (more) {
             if (li < qa) { store_a(1u - s, li, pa0); }
