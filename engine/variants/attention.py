@@ -168,9 +168,9 @@ GEMM_MAX_DH = 160
 GEMM_BQ = (64, 32, 16, 8, 4)
 
 
-def gemm_workgroup_bytes(bq: int, tx: int, co: int, ke: int = 4) -> int:
+def gemm_workgroup_bytes(bq: int, tx: int, co: int) -> int:
     """Workgroup memory of flash_gemm.wgsl: qs, kv, pt and red, all vec4<f32> rows of odd pitch."""
-    dvp, typ, bk = (co * tx) | 1, (bq // 4) | 1, ke * tx
+    dvp, typ, bk = (co * tx) | 1, (bq // 4) | 1, 4 * tx
     return 16 * (bq * dvp + bk * dvp + bk * typ + tx * typ)
 
 
@@ -183,9 +183,6 @@ def gemm_config(dh: int, consts: dict, storage_limit: int, invocation_limit: int
     tx0 = min(dv, 10)
     txs = [int(consts["TX"])] if "TX" in consts else sorted({tx0, -(-tx0 // 2), -(-tx0 // 4), 1}, reverse=True)
     bqs = [int(consts["BQ"])] if "BQ" in consts else list(GEMM_BQ)
-    ke = int(consts.get("KE", 4))
-    if ke not in (4, 8):
-        raise EngineError(f"attention/flash_gemm: KE={ke}; the shader holds 4 or 8 keys per invocation")
     best, why = None, ""
     for tx in txs:
         co = -(-dv // max(tx, 1))
@@ -196,7 +193,7 @@ def gemm_config(dh: int, consts: dict, storage_limit: int, invocation_limit: int
         for bq in bqs:
             if bq < 4 or bq % 4:
                 raise EngineError(f"attention/flash_gemm: BQ={bq}; use a multiple of 4")
-            need = gemm_workgroup_bytes(bq, tx, co, ke)
+            need = gemm_workgroup_bytes(bq, tx, co)
             if need > storage_limit:
                 why = why or (f"BQ={bq}, TX={tx} need {need} bytes of workgroup memory for head dim {dh}, above "
                               f"this adapter's max-compute-workgroup-storage-size of {storage_limit}; choose smaller blocks")
@@ -206,7 +203,7 @@ def gemm_config(dh: int, consts: dict, storage_limit: int, invocation_limit: int
                               f"adapter's limit of {invocation_limit}; choose a smaller BQ or TX")
                 continue
             if best is None or tx * bq > best["TX"] * best["BQ"]:
-                best = {"BQ": bq, "TX": tx, "CO": co, "KE": ke}
+                best = {"BQ": bq, "TX": tx, "CO": co}
     if best is None:
         raise EngineError(f"attention/flash_gemm: {why}")
     return best
@@ -224,12 +221,11 @@ def gemm_applies(shape: dict) -> str | None:
     "flash_gemm",
     doc="flash attention as two register-blocked GEMMs per key block (S = QK^T and O += PV, 4x4 "
     "register blocks), online softmax between them, P in workgroup memory; the score matrix is never stored",
-    constants={"BQ": (16, 32, 64, 128), "TX": (4, 5, 8, 10, 20), "KE": (4, 8)},
+    constants={"BQ": (16, 32, 64, 128), "TX": (4, 5, 8, 10, 20)},
     # For the tuner, beside the defaults: fewer rows per workgroup (more workgroups, less memory
     # each), fewer invocations per row (shorter key blocks, more head-dim columns each), and
-    # with those, more rows; 8 keys per invocation (half the blocks).
-    candidates=({"BQ": 32}, {"BQ": 16}, {"TX": 5}, {"BQ": 32, "TX": 5}, {"BQ": 128, "TX": 5},
-                {"BQ": 128, "TX": 5, "KE": 8}, {"BQ": 64, "TX": 5, "KE": 8}, {"KE": 8}),
+    # with those, more rows.
+    candidates=({"BQ": 32}, {"BQ": 16}, {"TX": 5}, {"BQ": 32, "TX": 5}, {"BQ": 128, "TX": 5}),
     applies=gemm_applies,
 )
 def attention_flash_gemm(

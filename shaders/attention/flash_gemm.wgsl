@@ -7,9 +7,9 @@
 //   acc   = acc * exp2(m_old - m) + P V_blk                (BQ, dh), in registers
 //   O     = acc / l
 // Invocation (tx, ty) of the TX x TY grid (TY = BQ / 4) owns the query rows ty + TY * r,
-// r = 0..3, in both GEMMs: in S the keys tx + TX * e (e < KE, 4 or 8, so BK = KE * TX), in O the vec4
+// r = 0..3, in both GEMMs: in S the keys tx + TX * e (e < 4, so BK = 4 * TX), in O the vec4
 // head-dim columns tx + TX * c (c < CO <= 4, so the head dim is padded with zeros to 4 * DV,
-// DV = CO * TX). Its S block is 4 rows x KE keys (s0..s7) and its accumulator 4 rows x CO
+// DV = CO * TX). Its S block is 4 rows x 4 keys (s0..s3) and its accumulator 4 rows x CO
 // vec4s (a0..a3), so each vec4 it reads from workgroup memory feeds 16 FMAs. The register
 // blocks are named variables, not arrays: indexed private arrays can end up in local memory.
 // The same invocation holds the same rows in both GEMMs, so the rescale by exp2(m_old - m)
@@ -37,10 +37,8 @@ struct Params {
 override BQ: u32 = 64u;  // query rows per workgroup, a multiple of 4
 override TX: u32 = 10u;  // invocations across the keys (S) and the head-dim columns (O)
 override CO: u32 = 1u;   // vec4 head-dim columns per invocation, 1..4
-override KE: u32 = 4u;   // keys per invocation in S, 4 or 8 (8: half the blocks, so half the
-                         // barriers and row-max exchanges per key)
 override TY: u32 = BQ / 4u;
-override BK: u32 = KE * TX;  // keys per block
+override BK: u32 = 4u * TX;  // keys per block
 override DV: u32 = CO * TX;  // vec4 columns of the padded head dim
 override DVP: u32 = DV | 1u; // odd row pitches (vec4s)
 override TYP: u32 = TY | 1u;
@@ -172,10 +170,6 @@ fn main(
         var s1 = vec4<f32>(0.0);
         var s2 = vec4<f32>(0.0);
         var s3 = vec4<f32>(0.0);
-        var s4 = vec4<f32>(0.0);
-        var s5 = vec4<f32>(0.0);
-        var s6 = vec4<f32>(0.0);
-        var s7 = vec4<f32>(0.0);
         for (var dv = 0u; dv < DV; dv++) {
             let q0 = qs[ty * DVP + dv];
             let q1 = qs[(ty + TY) * DVP + dv];
@@ -185,12 +179,6 @@ fn main(
             s1 += scores(q0, q1, q2, q3, kv[(tx + TX) * DVP + dv]);
             s2 += scores(q0, q1, q2, q3, kv[(tx + 2u * TX) * DVP + dv]);
             s3 += scores(q0, q1, q2, q3, kv[(tx + 3u * TX) * DVP + dv]);
-            if (KE > 4u) {
-                s4 += scores(q0, q1, q2, q3, kv[(tx + 4u * TX) * DVP + dv]);
-                s5 += scores(q0, q1, q2, q3, kv[(tx + 5u * TX) * DVP + dv]);
-                s6 += scores(q0, q1, q2, q3, kv[(tx + 6u * TX) * DVP + dv]);
-                s7 += scores(q0, q1, q2, q3, kv[(tx + 7u * TX) * DVP + dv]);
-            }
         }
         // Masked keys score NEG_BIG. Key 0 is in every row's first block, so m is finite
         // from then on and exp2(NEG_BIG - m) is exactly 0.
@@ -198,15 +186,7 @@ fn main(
         s1 = masked(s1, j0 + tx + TX, rows);
         s2 = masked(s2, j0 + tx + 2u * TX, rows);
         s3 = masked(s3, j0 + tx + 3u * TX, rows);
-        var smax = max(max(s0, s1), max(s2, s3));
-        if (KE > 4u) {
-            s4 = masked(s4, j0 + tx + 4u * TX, rows);
-            s5 = masked(s5, j0 + tx + 5u * TX, rows);
-            s6 = masked(s6, j0 + tx + 6u * TX, rows);
-            s7 = masked(s7, j0 + tx + 7u * TX, rows);
-            smax = max(smax, max(max(s4, s5), max(s6, s7)));
-        }
-        red[tx * TYP + ty] = smax;
+        red[tx * TYP + ty] = max(max(s0, s1), max(s2, s3));
         workgroupBarrier();  // every S is computed (kv is free) and every row max posted
 
         for (var e = li; e < BK * DV; e += nt) {
@@ -229,19 +209,7 @@ fn main(
         pt[(tx + TX) * TYP + ty] = p1;
         pt[(tx + 2u * TX) * TYP + ty] = p2;
         pt[(tx + 3u * TX) * TYP + ty] = p3;
-        var psum = (p0 + p1) + (p2 + p3);
-        if (KE > 4u) {
-            let p4 = exp2(s4 - m_new);
-            let p5 = exp2(s5 - m_new);
-            let p6 = exp2(s6 - m_new);
-            let p7 = exp2(s7 - m_new);
-            pt[(tx + 4u * TX) * TYP + ty] = p4;
-            pt[(tx + 5u * TX) * TYP + ty] = p5;
-            pt[(tx + 6u * TX) * TYP + ty] = p6;
-            pt[(tx + 7u * TX) * TYP + ty] = p7;
-            psum += (p4 + p5) + (p6 + p7);
-        }
-        l = l * alpha + psum;
+        l = l * alpha + ((p0 + p1) + (p2 + p3));
         rescale(&a0, alpha);
         if (CO > 1u) { rescale(&a1, alpha); }
         if (CO > 2u) { rescale(&a2, alpha); }

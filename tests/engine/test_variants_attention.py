@@ -214,10 +214,6 @@ GEMM_SETTINGS = [
     ((1, 33, 40, 1, 160, False), {"BQ": 4, "TX": 10}),
     ((1, 30, 30, 1, 3, True), {}),
     ((1, 20, 20, 1, 44, False), {"BQ": 4, "TX": 4}),
-    # 8 keys per invocation: partial last block, causal, key count below one block, SD's dh 40
-    ((1, 70, 50, 2, 36, True), {"BQ": 16, "TX": 3, "KE": 8}),
-    ((2, 45, 9, 2, 40, False), {"BQ": 32, "TX": 5, "KE": 8}),
-    ((1, 77, 77, 2, 64, True), {"KE": 8}),
 ]
 
 
@@ -247,9 +243,8 @@ def test_flash_gemm_defaults_fit_the_adapter_limits():
         assert 4 * cfg["TX"] * cfg["CO"] >= dh and cfg["CO"] <= attn.GEMM_MAX_CO, (dh, cfg)
         need = attn.gemm_workgroup_bytes(cfg["BQ"], cfg["TX"], cfg["CO"])
         assert need <= limit and cfg["TX"] * cfg["BQ"] // 4 <= 256, (dh, cfg)
-    assert attn.gemm_config(40, {}, 49152, 1024) == {"BQ": 64, "TX": 10, "CO": 1, "KE": 4}
-    assert attn.gemm_config(80, {}, 49152, 1024) == {"BQ": 64, "TX": 10, "CO": 2, "KE": 4}
-    assert attn.gemm_config(40, {"KE": 8}, 49152, 1024) == {"BQ": 32, "TX": 10, "CO": 1, "KE": 8}  # 80-key blocks
+    assert attn.gemm_config(40, {}, 49152, 1024) == {"BQ": 64, "TX": 10, "CO": 1}
+    assert attn.gemm_config(80, {}, 49152, 1024) == {"BQ": 64, "TX": 10, "CO": 2}
 
 
 def test_flash_gemm_register_bounds_match_the_shader():
@@ -267,7 +262,6 @@ def test_flash_gemm_register_bounds_match_the_shader():
         (160, {"TX": 5}, 49152, "TX=5"),
         (40, {"BQ": 6}, 49152, "BQ=6"),
         (160, {"BQ": 64, "TX": 10}, 49152, "max-compute-workgroup-storage-size"),
-        (40, {"KE": 6}, 49152, "KE=6"),
     ],
 )
 def test_flash_gemm_rejects_constants_it_cannot_run(dh, consts, limit, match):
