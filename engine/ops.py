@@ -41,6 +41,8 @@ class Ops:
         # an unused f32 input of a step kernel
         self.dummy_f32 = self.dummy if dtype == "f32" else rt.upload(__import__("numpy").zeros(4, dtype="float32"),
                                                                       "f32", static=True)
+        # a writable f32 placeholder, never the same buffer as a read-only one of one dispatch
+        self.dummy_rw = rt.upload(__import__("numpy").zeros(4, dtype="float32"), "f32", static=True)
 
     # ---- helpers ----------------------------------------------------------------------
 

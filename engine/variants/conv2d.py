@@ -187,10 +187,9 @@ def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2) -> tu
     "conv2d",
     "winograd_2x2",
     entry="input_main",
-    requires=("shader-f16",),
-    doc="Winograd F(2x2,3x3) through the GEMM core: filters and input tiles transformed into f16 scratch "
-    "(f32 arithmetic), 16 products by the core, output transform; f16 models with Cin % 4 == 0 "
-    "(the f32 Winograd F(4x4) kernel otherwise)",
+    doc="Winograd F(2x2,3x3) through the GEMM core: filters and input tiles transformed into scratch of "
+    "the model's element type (f32 arithmetic), 16 products by the core, output transform; Cin % 4 == 0 "
+    "(the Winograd F(4x4) kernel otherwise)",
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
     applies=winograd_applies,
@@ -200,12 +199,12 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     cout, _, kh, kw = w.shape
     if (kh, kw) != (3, 3) or stride != 1:
         raise EngineError(f"winograd needs a 3x3 stride-1 convolution, got {kh}x{kw} stride {stride}")
-    if ops.dtype != "f16" or cin % 4:
+    if cin % 4:
         return conv2d_winograd(ops, variants("conv2d")["winograd"], {}, x, w, b, stride, pads)
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     th, tw = math.ceil(oh / W2_TILE), math.ceil(ow / W2_TILE)
     n_tiles = bsz * th * tw
-    cc_max, tc_max = winograd_core_chunks(cin, cout, n_tiles)
+    cc_max, tc_max = winograd_core_chunks(cin, cout, n_tiles, 2 if ops.dtype == "f16" else 4)
     y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
     filter_p, input_p, output_p = (ops.pipeline(v, e) for e in ("filter_main", "input_main", "output_main"))
     bias = b if b is not None else ops.dummy
@@ -252,9 +251,8 @@ def pointwise_applies(shape: dict) -> str | None:
 @register(
     "conv2d",
     "pointwise",
-    requires=("shader-f16",),
     doc="a 1x1 stride-1 convolution as the GEMM core's batched product W (Cout x Cin) by x[b] (Cin x HW), "
-    "bias in the epilogue; f16 models with Cin and HW divisible by 4 (implicit GEMM otherwise)",
+    "bias in the epilogue; Cin and HW divisible by 4 (implicit GEMM otherwise)",
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
     applies=pointwise_applies,
@@ -263,7 +261,7 @@ def conv2d_pointwise(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, p
     bsz, cin, h, wd = x.shape
     cout = w.shape[0]
     hw = h * wd
-    if w.shape[2:] != (1, 1) or stride != 1 or any(pads) or ops.dtype != "f16" or cin % 4 or hw % 4:
+    if w.shape[2:] != (1, 1) or stride != 1 or any(pads) or cin % 4 or hw % 4:
         return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
     return gemm(ops, consts, w, x, cout, hw, cin, batch=bsz, b_kn=True, bias=b, bias_on_m=True,
                 strides=(0, cin * hw, cout * hw), out_shape=(bsz, cout, h, wd), label="conv2d")

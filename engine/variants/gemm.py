@@ -1,7 +1,9 @@
-"""The GEMM core (shaders/linear/gemm.wgsl) and its launcher, shared by the linear variant
-"gemm", the 1x1 convolution and Winograd's 36 products.
+"""The GEMM core (shaders/linear/gemm.wgsl; gemm_f32.wgsl, generated from it, for f32 models)
+and its launcher, shared by the linear variant "gemm", the 1x1 convolution and Winograd's 16
+products.
 
-`gemm(ops, consts, a, b, ...)` computes C[z] = act(A[z] B[z]^T + bias + R[z]) in f16 with
+`gemm(ops, consts, a, b, ...)` computes C[z] = act(A[z] B[z]^T + bias + R[z]) in the model's
+element type with
 8 x 8 register blocks and double-buffered workgroup tiles; the tile sizes, the f16 flush
 interval and the split of K are the constants a profile or the tuner sets (`CONSTANTS`,
 `CANDIDATES`).
@@ -46,12 +48,14 @@ PAD = 1  # vec4s of padding per staged row (the shader's PAD)
 SCRATCH_BYTES = 16 << 20
 
 
-def workgroup_bytes(tiles: dict) -> int:
-    """Workgroup memory of one setting: two stages of TILE_K rows of A and B, vec4<f16> each."""
-    return 2 * tiles["TILE_K"] * (tiles["TILE_M"] // 4 + PAD + tiles["TILE_N"] // 4 + PAD) * 8
+def workgroup_bytes(tiles: dict, dtype: str = "f16") -> int:
+    """Workgroup memory of one setting: two stages of TILE_K rows of A and B, vec4s of the
+    element type (f16: 8 bytes; the f32 core: 16)."""
+    item = 8 if dtype == "f16" else 16
+    return 2 * tiles["TILE_K"] * (tiles["TILE_M"] // 4 + PAD + tiles["TILE_N"] // 4 + PAD) * item
 
 
-def check_tiles(tiles: dict, limits: dict) -> None:
+def check_tiles(tiles: dict, limits: dict, dtype: str = "f16") -> None:
     """Raise EngineError for a setting the shader cannot take or the adapter cannot hold."""
     tm, tn, tk = tiles["TILE_M"], tiles["TILE_N"], tiles["TILE_K"]
     for name, value in tiles.items():
@@ -67,15 +71,13 @@ def check_tiles(tiles: dict, limits: dict) -> None:
     if threads > limits.get("max-compute-invocations-per-workgroup", 256):
         raise EngineError(f"gemm: {tiles} needs {threads} invocations per workgroup; the adapter allows "
                           f"{limits.get('max-compute-invocations-per-workgroup', 256)}")
-    need, have = workgroup_bytes(tiles), limits.get("max-compute-workgroup-storage-size", 16384)
+    need, have = workgroup_bytes(tiles, dtype), limits.get("max-compute-workgroup-storage-size", 16384)
     if need > have:
         raise EngineError(f"gemm: {tiles} needs {need} bytes of workgroup memory; the adapter has {have}")
 
 
-def unsupported(k: int, n: int, dtype: str) -> str | None:
+def unsupported(k: int, n: int) -> str | None:
     """Why the core cannot run a product with inner size k and output width n (None: it can)."""
-    if dtype != "f16":
-        return "runs f16 models only"
     if k % 4 or n % 4:
         return f"needs K and N divisible by 4 (K={k}, N={n})"
     return None
@@ -104,25 +106,25 @@ def gemm(
     """C (batch, m, n) = act(A B^T + bias + residual) for A (batch, m, k) and B (batch, n, k),
     or B (batch, k, n) when `b_kn`. `strides` are the batch strides of A, B and C in elements
     (default: packed; 0 shares one operand across the batch)."""
-    why = unsupported(k, n, ops.dtype)
+    why = unsupported(k, n)
     if why:
         raise EngineError(f"gemm {m}x{n}x{k}: {why}")
     tiles = {**DEFAULTS, **consts}
-    check_tiles(tiles, ops.rt.caps.limits)
+    check_tiles(tiles, ops.rt.caps.limits, ops.dtype)
     sa, sb, sc = strides if strides is not None else (m * k, n * k, m * n)
     if sa % 4 or sb % 4 or sc % 4:
         raise EngineError(f"gemm: batch strides {sa, sb, sc} must be multiples of 4")
     y = out if out is not None else ops.rt.empty(out_shape or ((batch, m, n) if batch > 1 else (m, n)), ops.dtype)
     flags = (HAS_BIAS if bias is not None else 0) | (BIAS_ON_M if bias_on_m else 0) | \
         (HAS_RESIDUAL if residual is not None else 0)
-    core = variants("linear")["gemm"]
+    core = variants("linear")["gemm" if ops.dtype == "f16" else "gemm_f32"]
     split = tiles["SPLIT_K"]
     params = (m, n, k, flags, sa, sb, sc, ACTIVATIONS[act], batch)
     epilogue = [bias if bias is not None else ops.dummy, residual if residual is not None else ops.dummy, y]
     if split > 1 and split * batch * m * n * 4 > SCRATCH_BYTES:
         raise EngineError(f"gemm: SPLIT_K={split} of a {batch}x{m}x{n} product needs more than "
                           f"{SCRATCH_BYTES >> 20} MiB of partials; split products that small M x N need")
-    part = ops.rt.empty((split, batch, m, n), "f32", at_least=SCRATCH_BYTES) if split > 1 else ops.dummy_f32
+    part = ops.rt.empty((split, batch, m, n), "f32", at_least=SCRATCH_BYTES) if split > 1 else ops.dummy_rw
     ops.rt.dispatch(
         ops.pipeline(core, "main", **tiles, B_KN=bool(b_kn)),
         label, params, [a, b, *epilogue, part],

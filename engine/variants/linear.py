@@ -67,16 +67,27 @@ def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Ten
 @register(
     "linear",
     "gemm",
-    requires=("shader-f16",),
-    doc="the GEMM core (shaders/linear/gemm.wgsl): 8x8 register blocks of vec4<f16> FMAs, double-buffered "
-    "TILE_M x TILE_N x TILE_K workgroup tiles, f32 accumulation per tile, bias in the epilogue; f16 models "
-    "with K and N divisible by 4 (the tiled kernels with their defaults otherwise)",
+    doc="the GEMM core (shaders/linear/gemm.wgsl): 8x8 register blocks of vec4<f16> FMAs (f32 models: "
+    "gemm_f32.wgsl, f32 FMAs), double-buffered TILE_M x TILE_N x TILE_K workgroup tiles, f32 accumulation, "
+    "optional split-K, bias in the epilogue; K and N divisible by 4 (the tiled kernels otherwise)",
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
 )
 def linear_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     n_out, k = w.shape[0], math.prod(w.shape[1:])
-    if unsupported(k, n_out, ops.dtype):  # f32 models, odd sizes: the tiled kernels, their defaults
+    if unsupported(k, n_out):  # odd sizes: the tiled kernels, with their defaults
         return linear_tiled_f16(ops, variants("linear")["tiled_f16"], {}, x, w, b)
     m = x.numel // k
     return gemm(ops, consts, x, w, m, n_out, k, bias=b, out_shape=(*x.shape[:-1], n_out), label="linear")
+
+
+# The f32 core's own entry in the registry: its shader file, for gemm() to compile when the
+# model is f32 (a profile selects "gemm" for both element types).
+register(
+    "linear",
+    "gemm_f32",
+    doc="the GEMM core for f32 models (shaders/linear/gemm_f32.wgsl, generated from gemm.wgsl); "
+    "profiles select 'gemm', which runs it for f32 models",
+    constants=CORE_CONSTANTS,
+    applies=lambda shape: "is selected through 'gemm' (which runs it for f32 models)",
+)(linear_gemm)

@@ -1,10 +1,11 @@
-"""The GEMM core (shaders/linear/gemm.wgsl) against numpy and the reference linear variant, on
-fresh random inputs with outputs poisoned with NaN: the linear variant "gemm" at every tile
-setting a tuner may pick, partial tiles in M, N and K, and the core's other forms (a batch with
-a shared operand, B stored K x N, bias per row, a residual, SiLU and GELU in the epilogue).
+"""The GEMM core (shaders/linear/gemm.wgsl, and gemm_f32.wgsl for f32 models) against numpy and
+the reference linear variant, on fresh random inputs with outputs poisoned with NaN: the linear
+variant "gemm" at every tile setting a tuner may pick, partial tiles in M, N and K, and the
+core's other forms (a batch with a shared operand, B stored K x N, bias per row, a residual,
+SiLU and GELU in the epilogue, split K).
 
-Tolerance as in test_variants_norm_linear.py: f16 within 1e-2 relative (to the largest
-reference magnitude) of float64 numpy on the fp16-rounded inputs."""
+Tolerances as in test_variants_norm_linear.py, relative to the largest reference magnitude: f16
+within 1e-2 of float64 numpy on the fp16-rounded inputs, f32 within 2e-5."""
 
 from __future__ import annotations
 
@@ -21,27 +22,33 @@ from engine.variants import gemm as core
 
 pytestmark = pytest.mark.gpu
 
-TOL = 1e-2
+TOL = {"f16": 1e-2, "f32": 2e-5}
+NP = {"f16": np.float16, "f32": np.float32}
 
 
 @pytest.fixture(scope="module")
 def rt(gpu):
-    if not gpu.caps.has_f16:
-        pytest.fail("the GEMM core runs f16 models only; this adapter lacks shader-f16 "
-                    "(lavapipe and every GPU the farm targets have it)")
     return Runtime(gpu, poison=True)
 
 
-def ops_for(rt, gpu, rules=()):
-    return Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features), list(rules)), "f16")
+@pytest.fixture(params=["f16", "f32"])
+def dtype(request, gpu):
+    if request.param == "f16" and not gpu.caps.has_f16:
+        pytest.fail("this adapter lacks shader-f16 (lavapipe and every GPU the farm targets have it)")
+    return request.param
+
+
+def ops_for(rt, gpu, rules=(), dtype="f16"):
+    return Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features), list(rules)), dtype)
 
 
 def rand(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def h(a):
-    return np.asarray(a, dtype=np.float16).astype(np.float64)
+def h(a, dtype="f16"):
+    """What the kernel sees: rounded to the storage type, as float64."""
+    return np.asarray(a, dtype=NP[dtype]).astype(np.float64)
 
 
 def rel_err(got, ref) -> float:
@@ -54,9 +61,9 @@ def gelu(v):
     return 0.5 * v * (1.0 + np.vectorize(erf)(v / math.sqrt(2.0)))
 
 
-def fits(gpu, tiles) -> bool:
+def fits(gpu, tiles, dtype="f16") -> bool:
     try:
-        core.check_tiles({**core.DEFAULTS, **tiles}, gpu.caps.limits)
+        core.check_tiles({**core.DEFAULTS, **tiles}, gpu.caps.limits, dtype)
     except EngineError:
         return False
     return True
@@ -73,39 +80,49 @@ def fits(gpu, tiles) -> bool:
         (2, 1280, 320, True),  # SD's time-embedding projections: two rows, long K (split-K's case)
     ],
 )
-def test_linear_gemm(rt, gpu, fresh_rng, m, k, n, bias, tiles):
+def test_linear_gemm(rt, gpu, fresh_rng, dtype, m, k, n, bias, tiles):
     x, w, b = rand(fresh_rng, m, k), rand(fresh_rng, n, k, scale=k**-0.5), rand(fresh_rng, n)
-    ops = ops_for(rt, gpu, [Rule("linear", "gemm", constants=tuple(tiles.items()))])
-    if not fits(gpu, tiles):  # an adapter with 16 KiB of workgroup memory: refused, never run
+    ops = ops_for(rt, gpu, [Rule("linear", "gemm", constants=tuple(tiles.items()))], dtype)
+    if not fits(gpu, tiles, dtype):  # less workgroup memory than the setting needs: refused, never run
         with pytest.raises(EngineError, match="workgroup memory"):
-            ops.linear(rt.upload(x, "f16"), rt.upload(w, "f16"))
+            ops.linear(rt.upload(x, dtype), rt.upload(w, dtype))
         return
-    got = rt.read(ops.linear(rt.upload(x, "f16"), rt.upload(w, "f16"),
-                             rt.upload(b, "f16") if bias else None)).astype(np.float64)
+    got = rt.read(ops.linear(rt.upload(x, dtype), rt.upload(w, dtype),
+                             rt.upload(b, dtype) if bias else None)).astype(np.float64)
     assert np.isfinite(got).all(), "gemm left poisoned (NaN) elements or overflowed"
     assert [d.variant for d in ops.selection.decisions.values()] == ["gemm"]
-    ref = h(x) @ h(w).T + (h(b) if bias else 0)
-    assert rel_err(got, ref) <= TOL, "gemm vs numpy"
-    ref_ops = Ops(rt, PipelineCache(gpu), Selection.forcing(gpu.caps.features, {"linear": "reference"}), "f16")
-    ref_gpu = rt.read(ref_ops.linear(rt.upload(x, "f16"), rt.upload(w, "f16"),
-                                     rt.upload(b, "f16") if bias else None)).astype(np.float64)
-    assert rel_err(got, ref_gpu) <= TOL, "gemm vs the reference variant"
+    ref = h(x, dtype) @ h(w, dtype).T + (h(b, dtype) if bias else 0)
+    assert rel_err(got, ref) <= TOL[dtype], "gemm vs numpy"
+    ref_ops = Ops(rt, PipelineCache(gpu), Selection.forcing(gpu.caps.features, {"linear": "reference"}), dtype)
+    ref_gpu = rt.read(ref_ops.linear(rt.upload(x, dtype), rt.upload(w, dtype),
+                                     rt.upload(b, dtype) if bias else None)).astype(np.float64)
+    assert rel_err(got, ref_gpu) <= TOL[dtype], "gemm vs the reference variant"
 
 
-def test_linear_gemm_falls_back_where_the_core_cannot_run(rt, gpu, fresh_rng):
-    """K % 4 != 0: the tiled kernels serve the call, still correct (an f32 model likewise)."""
+def test_linear_gemm_falls_back_where_the_core_cannot_run(rt, gpu, fresh_rng, dtype):
+    """K % 4 != 0: the tiled kernels serve the call, still correct."""
     x, w = rand(fresh_rng, 77, 37), rand(fresh_rng, 45, 37, scale=37**-0.5)
-    ops = ops_for(rt, gpu, [Rule("linear", "gemm", constants=(("TILE_M", 128), ("TILE_N", 128)))])
-    got = rt.read(ops.linear(rt.upload(x, "f16"), rt.upload(w, "f16"))).astype(np.float64)
-    assert rel_err(got, h(x) @ h(w).T) <= TOL
-    f32 = Ops(rt, PipelineCache(gpu), Selection.forcing(gpu.caps.features, {"linear": "gemm"}), "f32")
-    got32 = rt.read(f32.linear(rt.upload(x, "f32"), rt.upload(w, "f32"))).astype(np.float64)
-    assert rel_err(got32, x.astype(np.float64) @ w.astype(np.float64).T) <= 2e-5
+    ops = ops_for(rt, gpu, [Rule("linear", "gemm", constants=(("TILE_M", 128), ("TILE_N", 128)))], dtype)
+    got = rt.read(ops.linear(rt.upload(x, dtype), rt.upload(w, dtype))).astype(np.float64)
+    assert rel_err(got, h(x, dtype) @ h(w, dtype).T) <= TOL[dtype]
+
+
+def test_the_f32_core_is_generated_from_the_f16_core():
+    """shaders/linear/gemm_f32.wgsl is scripts/make_gemm_f32.py's output for today's gemm.wgsl."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("make_gemm_f32", root / "scripts" / "make_gemm_f32.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.DST.read_text() == gen.f32_core(gen.SRC.read_text()), "run python scripts/make_gemm_f32.py"
+    assert "f16" not in gen.DST.read_text().replace("slabs summed in f16", "")
 
 
 @pytest.mark.parametrize("split", [1, 4], ids=["whole-K", "split-K-4"])
 @pytest.mark.parametrize("b_kn", [False, True], ids=["B_NxK", "B_KxN"])
-def test_gemm_core_batched_forms(rt, gpu, fresh_rng, b_kn, split):
+def test_gemm_core_batched_forms(rt, gpu, fresh_rng, dtype, b_kn, split):
     """A batch of 3 products with A shared (stride 0), B per item in either layout, bias per
     row (a 1x1 convolution's), a residual and SiLU; whole or split K (the epilogue then runs in
     the reduction)."""
@@ -113,17 +130,17 @@ def test_gemm_core_batched_forms(rt, gpu, fresh_rng, b_kn, split):
     a = rand(fresh_rng, m, k, scale=k**-0.5)
     bmat = rand(fresh_rng, batch, k, n) if b_kn else rand(fresh_rng, batch, n, k)
     bias, res = rand(fresh_rng, m), rand(fresh_rng, batch, m, n)
-    ops = ops_for(rt, gpu)
-    y = core.gemm(ops, {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": split}, rt.upload(a, "f16"), rt.upload(bmat, "f16"),
-                  m, n, k, batch=batch, b_kn=b_kn, bias=rt.upload(bias, "f16"), bias_on_m=True,
-                  residual=rt.upload(res, "f16"), act="silu", strides=(0, n * k, m * n))
+    ops = ops_for(rt, gpu, dtype=dtype)
+    y = core.gemm(ops, {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": split}, rt.upload(a, dtype),
+                  rt.upload(bmat, dtype), m, n, k, batch=batch, b_kn=b_kn, bias=rt.upload(bias, dtype),
+                  bias_on_m=True, residual=rt.upload(res, dtype), act="silu", strides=(0, n * k, m * n))
     got = rt.read(y).astype(np.float64)
     assert got.shape == (batch, m, n)
-    bt = h(bmat) if b_kn else h(bmat).transpose(0, 2, 1)
-    pre = h(a)[None] @ bt + h(bias)[None, :, None] + h(res)
+    bt = h(bmat, dtype) if b_kn else h(bmat, dtype).transpose(0, 2, 1)
+    pre = h(a, dtype)[None] @ bt + h(bias, dtype)[None, :, None] + h(res, dtype)
     ref = pre / (1.0 + np.exp(-pre))
     assert np.isfinite(got).all()
-    assert rel_err(got, ref) <= TOL
+    assert rel_err(got, ref) <= TOL[dtype]
 
 
 def test_gemm_core_gelu_epilogue(rt, gpu, fresh_rng):
@@ -132,7 +149,7 @@ def test_gemm_core_gelu_epilogue(rt, gpu, fresh_rng):
     y = core.gemm(ops_for(rt, gpu), {}, rt.upload(a, "f16"), rt.upload(b, "f16"), m, n, k,
                   bias=rt.upload(bias, "f16"), act="gelu")
     pre = h(a) @ h(b).T + h(bias)
-    assert rel_err(rt.read(y).astype(np.float64), gelu(pre)) <= TOL
+    assert rel_err(rt.read(y).astype(np.float64), gelu(pre)) <= TOL["f16"]
 
 
 @pytest.mark.parametrize("tiles,why", [
