@@ -42,7 +42,9 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
     rt = TraceRuntime(caps)
     out = []
     for network in ("text_encoder", "unet", "vae_decoder"):
-        ops = Ops(rt, None, selection, dtype)
+        # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)
+        net_dtype = "f32" if network == "vae_decoder" and dtype == "f16" and config.vae.force_upcast else dtype
+        ops = Ops(rt, None, selection, net_dtype)
         ops.calls = []
         if network == "text_encoder":
             cfg = config.text_encoder
@@ -56,8 +58,8 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
             )
         else:
             cfg = config.vae
-            AutoencoderKL(cfg, _shape_weights(rt, params.vae_param_shapes(cfg), dtype), ops).decode(
-                rt.empty((1, cfg.latent_channels, h, w), dtype)
+            AutoencoderKL(cfg, _shape_weights(rt, params.vae_param_shapes(cfg), net_dtype), ops).decode(
+                rt.empty((1, cfg.latent_channels, h, w), net_dtype)
             )
         out.append((network, ops.calls))
     return out

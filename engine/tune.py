@@ -26,7 +26,7 @@ from .explain import distinct_calls, random_like
 from .kernels import PipelineCache, Selection, variants
 from .ops import Ops
 from .profiles import SCHEMA_ID
-from .runtime import Runtime
+from .runtime import Runtime, Tensor
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
@@ -110,7 +110,9 @@ def tune(
             for consts in _settings(v):
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
-                ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), dtype)
+                # the call's own element type: a force_upcast VAE runs (and is timed) in f32
+                call_dtype = next((a.dtype for a in real if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
+                ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), call_dtype)
                 try:
                     samples = time_gpu_work(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
                 except EngineError:
