@@ -87,8 +87,11 @@ def _np_conv(x, w, b, stride, pad):
     return out + b[None, :, None, None]
 
 
-def _case(op: str, rng):
+def _case(op: str, rng, variant: str = ""):
     """(inputs {name: array}, build(ops, tensors) -> tensor, float64 reference)."""
+    if op == "conv2d" and variant == "pointwise":  # 1x1 convolutions only
+        x, w, b = rng.standard_normal((2, 8, 6, 6)), rng.standard_normal((16, 8, 1, 1)) / 3, rng.standard_normal(16)
+        return {"x": x, "w": w, "b": b}, lambda o, t: o.conv2d(t["x"], t["w"], t["b"]), _np_conv(x, w, b, 1, 0)
     if op == "linear":
         x, w, b = rng.standard_normal((2, 77, 96)), rng.standard_normal((40, 96)) / 10, rng.standard_normal(40)
         return {"x": x, "w": w, "b": b}, lambda o, t: o.linear(t["x"], t["w"], t["b"]), x @ w.T + b
@@ -126,7 +129,7 @@ def test_every_selectable_variant_in_chromium(session, caps, fresh_rng, op, vari
         # not skipped silently: a variant SwiftShader cannot run is one that needs shader-f16
         assert needs == {"shader-f16"}, needs
         return
-    arrays, build, want = _case(op, fresh_rng)
+    arrays, build, want = _case(op, fresh_rng, variant)
     selection = Selection(caps.features, [Rule(op, variant, constants=tuple(sorted(constants.items())))])
 
     def record(rec, tensors):
@@ -140,6 +143,14 @@ def test_every_selectable_variant_in_chromium(session, caps, fresh_rng, op, vari
         if need > caps.limits["max-compute-workgroup-storage-size"]:
             # a tuned H100 block size: this adapter refuses it by name, it does not fall back silently
             with pytest.raises(EngineError, match="max-compute-workgroup-storage-size"):
+                op_plan(caps, "f32", {k: (a.shape, "f32") for k, a in arrays.items()}, record)
+            return
+    if variant in ("gemm", "winograd_2x2", "pointwise"):
+        from engine.variants.gemm import DEFAULTS, workgroup_bytes
+
+        if workgroup_bytes({**DEFAULTS, **constants}, "f32") > caps.limits["max-compute-workgroup-storage-size"]:
+            # a GEMM-core tile for an H100: refused by name on this adapter, never a silent fallback
+            with pytest.raises(EngineError, match="workgroup memory"):
                 op_plan(caps, "f32", {k: (a.shape, "f32") for k, a in arrays.items()}, record)
             return
     plan = op_plan(caps, "f32", {k: (a.shape, "f32") for k, a in arrays.items()}, record)
