@@ -3,10 +3,9 @@ and its launcher, shared by the linear variant "gemm", the 1x1 convolution and W
 products.
 
 `gemm(ops, consts, a, b, ...)` computes C[z] = act(A[z] B[z]^T + bias + R[z]) in the model's
-element type with
-8 x 8 register blocks and double-buffered workgroup tiles; the tile sizes, the f16 flush
-interval and the split of K are the constants a profile or the tuner sets (`CONSTANTS`,
-`CANDIDATES`).
+element type with 8 x 8 register blocks and double-buffered workgroup tiles; the tile sizes, the
+f16 flush interval, the split of K and the global prefetch are the constants a profile or the
+tuner sets (`CONSTANTS`, `CANDIDATES`).
 """
 
 from __future__ import annotations
