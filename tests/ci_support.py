@@ -17,3 +17,8 @@ def missing(message: str, ci_hint: str = "CI needs it") -> None:
     if in_ci():
         pytest.fail(f"{message} ({ci_hint})", pytrace=False)
     pytest.skip(message)
+
+
+# Why CI must have shader-f16: scripts/bootstrap.sh installs Mesa's lavapipe (which has it) when
+# the only adapter is wgpu's OpenGL fallback (which has not).
+F16_HINT = "CI runs on lavapipe, which has shader-f16: scripts/bootstrap.sh installs mesa-vulkan-drivers"

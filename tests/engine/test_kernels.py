@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 
 from engine.kernels import PipelineCache, Selection
 from engine.ops import Ops
@@ -27,7 +28,7 @@ def rt(gpu):
 @pytest.fixture(params=["f32", "f16"])
 def ops(request, rt, gpu):
     if request.param == "f16" and not gpu.caps.has_f16:
-        pytest.skip("adapter lacks shader-f16")
+        missing("adapter lacks shader-f16", F16_HINT)
     return Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), request.param)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +23,7 @@ def pipe(request, tiny_model_dir, gpu):
     import engine
 
     if request.param == "fp16" and not gpu.caps.has_f16:
-        pytest.skip("adapter lacks shader-f16")
+        missing("adapter lacks shader-f16", F16_HINT)
     return engine.load_pipeline(tiny_model_dir, precision=request.param)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 
 import engine
 from engine.errors import EngineError, InputError, ModelError
@@ -81,7 +82,7 @@ def test_seeded_noise_is_reproducible_and_progress_is_reported(pipe):
 
 def test_fp16_pipeline_close_to_fp32(tiny_model_dir, gpu, golden):
     if not gpu.caps.has_f16:
-        pytest.skip("adapter lacks shader-f16")
+        missing("adapter lacks shader-f16", F16_HINT)
     half = engine.load_pipeline(tiny_model_dir, precision="fp16")
     r = half.generate(str(golden["txt2img_prompt"]), steps=2, seed=0, height=64, width=64,
                       latents=golden["txt2img_initial_noise"])
@@ -154,7 +155,7 @@ def test_fp16_pipeline_runs_a_force_upcast_vae_in_fp32(tiny_model_dir, gpu, tmp_
     import shutil
 
     if not gpu.caps.has_f16:
-        pytest.skip("adapter lacks shader-f16")
+        missing("adapter lacks shader-f16", F16_HINT)
     assert engine.load_pipeline(tiny_model_dir, precision="fp16").vae_dtype == (
         "f32" if json.loads((tiny_model_dir / "vae" / "config.json").read_text()).get("force_upcast", True) else "f16"
     )

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 
 from engine.device import DeviceCaps
 from engine.kernels import REGISTRY, Selection
@@ -144,7 +145,7 @@ def test_unet_with_each_variant_matches_diffusers(tiny_model_dir, golden, gpu, o
     import engine
 
     if REGISTRY[op][variant].requires - gpu.caps.features:
-        pytest.skip(f"adapter lacks {REGISTRY[op][variant].requires}")
+        missing(f"adapter lacks {REGISTRY[op][variant].requires}", F16_HINT)
     pipe = engine.load_pipeline(tiny_model_dir, profile={op: variant})
     out = pipe.unet(golden["unet_sample"], golden["unet_timesteps"], golden["unet_encoder_hidden_states"])
     assert np.linalg.norm(out - golden["unet_out"]) / np.linalg.norm(golden["unet_out"]) <= 1e-4

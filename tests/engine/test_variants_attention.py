@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 
 from engine.kernels import PipelineCache, Selection, variants
 from engine.ops import Ops
@@ -27,7 +28,7 @@ def rt(gpu):
 
 def make_ops(rt, gpu, dtype, variant=None):
     if dtype == "f16" and not gpu.caps.has_f16:
-        pytest.skip("adapter lacks shader-f16")
+        missing("adapter lacks shader-f16", F16_HINT)
     features = gpu.caps.features
     selection = Selection.forcing(features, {"attention": variant}) if variant else Selection(frozenset(features))
     return Ops(rt, PipelineCache(gpu), selection, dtype)

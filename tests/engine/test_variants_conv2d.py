@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 
 from engine.errors import EngineError
 from engine.kernels import PipelineCache, Rule, Selection
@@ -40,7 +41,7 @@ def pipelines(gpu):
 def make_ops(rt, pipelines, dtype: str, variant: str, constants: dict | None = None) -> Ops:
     caps = rt.gpu.caps
     if dtype == "f16" and not caps.has_f16:
-        pytest.skip("adapter lacks shader-f16")
+        missing("adapter lacks shader-f16", F16_HINT)
     rule = Rule("conv2d", variant, constants=tuple(sorted((constants or {}).items())))
     selection = Selection(frozenset(caps.features), [rule], profile_name=f"test-{variant}")
     return Ops(rt, pipelines, selection, dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 
 from engine.kernels import PipelineCache, Rule, Selection
 from engine.ops import Ops
@@ -32,7 +33,7 @@ def make_ops(rt, gpu, dtype, choices):
 
 def need_f16(gpu, dtype):
     if dtype == "f16" and not gpu.caps.has_f16:
-        pytest.skip("adapter lacks shader-f16")
+        missing("adapter lacks shader-f16", F16_HINT)
 
 
 @pytest.fixture(params=["f32", "f16"])
