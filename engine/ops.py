@@ -56,7 +56,9 @@ class Ops:
             return None
         return self.pipelines.get(variant, self.dtype, constants or None, entry)
 
-    def _launch(self, op: str, shape: dict, *args):
+    def _launch(self, op: str, shape: dict, *args, **fused):
+        """Launch the chosen variant of `op`. `fused` are extra inputs only some variants take
+        (the caller has checked that this one does); they are not part of the recorded call."""
         variant, constants = self.selection.choose(op, shape)
         if self.calls is not None:
             self.calls.append((op, shape, args))
@@ -67,7 +69,7 @@ class Ops:
             rt.note_work(op, *op_work(op, shape, self.dtype))
         outer, rt.op_family = getattr(rt, "op_family", None), op
         try:
-            return variant.launch(self, variant, constants, *args)
+            return variant.launch(self, variant, constants, *args, **fused)
         finally:
             rt.op_family = outer
 
@@ -92,12 +94,21 @@ class Ops:
 
     # ---- dense ------------------------------------------------------------------------
 
-    def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        """x (..., K) @ w (N, K)^T + b (N) -> (..., N)."""
+    def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+        """x (..., K) @ w (N, K)^T + b (N) [+ residual (..., N)] -> (..., N). The residual is added
+        in the product's epilogue where the chosen variant has one (`fuses_residual`), else by
+        `add` after it."""
         n_out, k = w.shape[0], math.prod(w.shape[1:])
         if x.shape[-1] != k:
             raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
-        return self._launch("linear", {"m": x.numel // k, "n": n_out, "k": k}, x, w, b)
+        shape = {"m": x.numel // k, "n": n_out, "k": k}
+        if residual is None:
+            return self._launch("linear", shape, x, w, b)
+        if residual.shape != (*x.shape[:-1], n_out):
+            raise ValueError(f"linear: residual {residual.shape} does not match the output {(*x.shape[:-1], n_out)}")
+        if getattr(self.selection.variant("linear", shape).launch, "fuses_residual", False):
+            return self._launch("linear", shape, x, w, b, residual=residual)
+        return self.add(self._launch("linear", shape, x, w, b), residual)
 
     def conv2d(
         self,

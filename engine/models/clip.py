@@ -34,10 +34,10 @@ class CLIPTextEncoder:
             k = ops.linear(x, w[lp + "self_attn.k_proj.weight"], w[lp + "self_attn.k_proj.bias"])
             v = ops.linear(x, w[lp + "self_attn.v_proj.weight"], w[lp + "self_attn.v_proj.bias"])
             a = ops.attention(q, k, v, cfg.num_attention_heads, causal=True)
-            h = ops.add(h, ops.linear(a, w[lp + "self_attn.out_proj.weight"], w[lp + "self_attn.out_proj.bias"]))
+            h = ops.linear(a, w[lp + "self_attn.out_proj.weight"], w[lp + "self_attn.out_proj.bias"], residual=h)
             x = ops.layer_norm(h, w[lp + "layer_norm2.weight"], w[lp + "layer_norm2.bias"], cfg.layer_norm_eps)
             x = ops.activation(ops.linear(x, w[lp + "mlp.fc1.weight"], w[lp + "mlp.fc1.bias"]), act)
-            h = ops.add(h, ops.linear(x, w[lp + "mlp.fc2.weight"], w[lp + "mlp.fc2.bias"]))
+            h = ops.linear(x, w[lp + "mlp.fc2.weight"], w[lp + "mlp.fc2.bias"], residual=h)
         return ops.layer_norm(
             h, w[p + "final_layer_norm.weight"], w[p + "final_layer_norm.bias"], cfg.layer_norm_eps
         )

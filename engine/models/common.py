@@ -70,12 +70,13 @@ def resnet_block(
 
 
 def attention_block(
-    ops: Ops, w: GPUWeights, p: str, x: Tensor, context: Tensor | None, heads: int
+    ops: Ops, w: GPUWeights, p: str, x: Tensor, context: Tensor | None, heads: int, residual: Tensor | None = None
 ) -> Tensor:
-    """diffusers Attention on tokens: x (B, T, C), context (B, Tk, Cctx) or None (self)."""
+    """diffusers Attention on tokens: x (B, T, C), context (B, Tk, Cctx) or None (self), plus
+    `residual` when given (added in the output projection's epilogue where it can be)."""
     ctx = x if context is None else context
     q = ops.linear(x, w[p + "to_q.weight"], w.get(p + "to_q.bias"))
     k = ops.linear(ctx, w[p + "to_k.weight"], w.get(p + "to_k.bias"))
     v = ops.linear(ctx, w[p + "to_v.weight"], w.get(p + "to_v.bias"))
     a = ops.attention(q, k, v, heads)
-    return ops.linear(a, w[p + "to_out.0.weight"], w.get(p + "to_out.0.bias"))
+    return ops.linear(a, w[p + "to_out.0.weight"], w.get(p + "to_out.0.bias"), residual=residual)

@@ -56,12 +56,12 @@ class UNet2DCondition:
         for j in range(layers):
             bp = f"{p}transformer_blocks.{j}."
             n = ops.layer_norm(h, w[bp + "norm1.weight"], w[bp + "norm1.bias"], BLOCK_LN_EPS)
-            h = ops.add(h, attention_block(ops, w, bp + "attn1.", n, None, heads))
+            h = attention_block(ops, w, bp + "attn1.", n, None, heads, residual=h)
             n = ops.layer_norm(h, w[bp + "norm2.weight"], w[bp + "norm2.bias"], BLOCK_LN_EPS)
-            h = ops.add(h, attention_block(ops, w, bp + "attn2.", n, ctx, heads))
+            h = attention_block(ops, w, bp + "attn2.", n, ctx, heads, residual=h)
             n = ops.layer_norm(h, w[bp + "norm3.weight"], w[bp + "norm3.bias"], BLOCK_LN_EPS)
             f = ops.geglu(ops.linear(n, w[bp + "ff.net.0.proj.weight"], w[bp + "ff.net.0.proj.bias"]))
-            h = ops.add(h, ops.linear(f, w[bp + "ff.net.2.weight"], w[bp + "ff.net.2.bias"]))
+            h = ops.linear(f, w[bp + "ff.net.2.weight"], w[bp + "ff.net.2.bias"], residual=h)
         h = ops.linear(h, w[p + "proj_out.weight"], w[p + "proj_out.bias"])
         h = ops.transpose(h).reshape(b, c, hh, ww)  # (B, C, H, W)
         return ops.add(h, x)

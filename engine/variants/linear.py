@@ -73,12 +73,18 @@ def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Ten
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
 )
-def linear_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+def linear_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None,
+                residual: Tensor | None = None) -> Tensor:
     n_out, k = w.shape[0], math.prod(w.shape[1:])
     if unsupported(k, n_out):  # odd sizes: the tiled kernels, with their defaults
-        return linear_tiled_f16(ops, variants("linear")["tiled_f16"], {}, x, w, b)
+        y = linear_tiled_f16(ops, variants("linear")["tiled_f16"], {}, x, w, b)
+        return y if residual is None else ops.add(y, residual)
     m = x.numel // k
-    return gemm(ops, consts, x, w, m, n_out, k, bias=b, out_shape=(*x.shape[:-1], n_out), label="linear")
+    return gemm(ops, consts, x, w, m, n_out, k, bias=b, residual=residual, out_shape=(*x.shape[:-1], n_out),
+                label="linear")
+
+
+linear_gemm.fuses_residual = True  # Ops.linear hands it the residual to add in the epilogue
 
 
 # The f32 core's own entry in the registry: its shader file, for gemm() to compile when the

@@ -171,3 +171,20 @@ def test_gemm_core_refuses_what_the_adapter_cannot_hold():
                                  "max-compute-invocations-per-workgroup": 256})
     core.check_tiles(tiles, {"max-compute-workgroup-storage-size": 49152,
                              "max-compute-invocations-per-workgroup": 256})
+
+
+@pytest.mark.parametrize("variant,dispatches", [("gemm", 1), ("tiled", 2)])
+def test_linear_adds_the_residual_in_the_epilogue_where_it_can(rt, gpu, fresh_rng, dtype, variant, dispatches):
+    """Ops.linear(..., residual=r): the core adds r in its epilogue (one dispatch); a variant
+    without an epilogue gets an add after it (two). Both equal x w^T + b + r."""
+    x, w, b, r = rand(fresh_rng, 2, 40, 64), rand(fresh_rng, 48, 64, scale=0.125), rand(fresh_rng, 48), \
+        rand(fresh_rng, 2, 40, 48)
+    ops = Ops(rt, PipelineCache(gpu), Selection.forcing(gpu.caps.features, {"linear": variant}), dtype)
+    xt, wt, bt, res = (rt.upload(a, dtype) for a in (x, w, b, r))
+    before = rt.dispatches
+    got = rt.read(ops.linear(xt, wt, bt, residual=res)).astype(np.float64)
+    assert rt.dispatches - before == dispatches
+    assert got.shape == (2, 40, 48)
+    assert rel_err(got, h(x, dtype) @ h(w, dtype).T + h(b, dtype) + h(r, dtype)) <= TOL[dtype]
+    with pytest.raises(ValueError, match="residual"):
+        ops.linear(xt, wt, bt, residual=xt)
