@@ -39,11 +39,13 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
     Returns [(network, [(op, shape, args), ...])]."""
     f = 2 ** (len(config.vae.block_out_channels) - 1)
     h, w = height // f, width // f
+    from .pipeline import _vae_dtype
+
     rt = TraceRuntime(caps)
     out = []
     for network in ("text_encoder", "unet", "vae_decoder"):
         # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)
-        net_dtype = "f32" if network == "vae_decoder" and dtype == "f16" and config.vae.force_upcast else dtype
+        net_dtype = _vae_dtype(config, dtype) if network == "vae_decoder" else dtype
         ops = Ops(rt, None, selection, net_dtype)
         ops.calls = []
         if network == "text_encoder":

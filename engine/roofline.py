@@ -147,22 +147,29 @@ def rows_as_json(rows: list[RooflineRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
+COLUMNS = ("family", "calls", "ms", "GFLOP", "MB", "TFLOP/s", "GB/s", "of SIMT", "of BW")
+
+
+def title(doc: dict) -> str:
+    """What a roofline document ({"peaks", "dtype", "rows"}) is measured against."""
+    pk = doc["peaks"]
+    return (f"roofline ({doc['dtype']}; measured peaks: f32 {pk['f32_tflops']} TFLOP/s, "
+            f"f16 {pk['f16_tflops'] if pk['f16_tflops'] is not None else '-'} TFLOP/s, copy {pk['gbps']} GB/s)")
+
+
+def cells(row: dict) -> list[str]:
+    """One row of a roofline document as the table's COLUMNS."""
+    return [row["family"], str(row["calls"]), f"{row['ms']:.2f}", f"{row['gflop']:.1f}", f"{row['mbytes']:.1f}",
+            f"{row['tflops']:.3f}", f"{row['gbps']:.1f}", f"{row['simt_fraction']:.1%}",
+            f"{row['bandwidth_fraction']:.1%}"]
+
+
 def print_roofline(doc: dict, out=print) -> None:
-    """Print an AblationRow's roofline document ({"peaks", "dtype", "rows"})."""
-    out(format_table([RooflineRow(**r) for r in doc["rows"]], Peaks(**doc["peaks"]), doc["dtype"]))
-
-
-def format_table(rows: list[RooflineRow], peaks: Peaks, dtype: str) -> str:
-    head = (f"roofline ({dtype}; measured peaks: f32 {peaks.f32_tflops} TFLOP/s, "
-            f"f16 {peaks.f16_tflops if peaks.f16_tflops is not None else '-'} TFLOP/s, copy {peaks.gbps} GB/s)\n"
-            f"{'family':14s} {'calls':>5s} {'ms':>8s} {'GFLOP':>8s} {'MB':>8s} {'TFLOP/s':>8s} {'GB/s':>8s} "
-            f"{'of SIMT':>8s} {'of BW':>6s}")
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r.family:14s} {r.calls:5d} {r.ms:8.2f} {r.gflop:8.1f} {r.mbytes:8.1f} {r.tflops:8.2f} "
-                     f"{r.gbps:8.1f} {r.simt_fraction:8.1%} {r.bandwidth_fraction:6.1%}")
-    total = sum(r.ms for r in rows)
-    flops = sum(r.gflop for r in rows)
-    lines.append(f"{'total':14s} {sum(r.calls for r in rows):5d} {total:8.2f} {flops:8.1f} {'':8s} "
-                 f"{flops / total if total else 0:8.2f}")
-    return "\n".join(lines)
+    """Print a roofline document (an AblationRow's) as a plain-text table."""
+    widths = (14, 5, 8, 8, 8, 8, 8, 8, 6)
+    out(title(doc))
+    for row in [list(COLUMNS), *(cells(r) for r in doc["rows"])]:
+        out(" ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    total, gflop = sum(r["ms"] for r in doc["rows"]), sum(r["gflop"] for r in doc["rows"])
+    out(f"{'total':14s} {sum(r['calls'] for r in doc['rows']):5d} {total:8.2f} {gflop:8.1f} {'':8s} "
+        f"{gflop / total if total else 0:8.2f}")

@@ -103,6 +103,8 @@ def tune(
         if progress:
             progress(i, len(calls), f"{op} {shape}")
         real = random_like(rt, args, rng)
+        # the call's own element type: a force_upcast VAE runs (and is timed) in f32
+        call_dtype = next((a.dtype for a in real if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
         results = []
         for v in variants(op).values():
             if v.requires - caps.features or (v.applies and v.applies(shape)):
@@ -110,8 +112,6 @@ def tune(
             for consts in _settings(v):
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
-                # the call's own element type: a force_upcast VAE runs (and is timed) in f32
-                call_dtype = next((a.dtype for a in real if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
                 ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), call_dtype)
                 try:
                     samples = time_gpu_work(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)

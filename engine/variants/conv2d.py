@@ -106,6 +106,12 @@ def winograd_applies(shape: dict) -> str | None:
     return None
 
 
+def _require_3x3_stride1(kh: int, kw: int, stride: int) -> None:
+    """The launchers' own check (a profile's rule is checked by winograd_applies first)."""
+    if (kh, kw) != (3, 3) or stride != 1:
+        raise EngineError(f"winograd needs a 3x3 stride-1 convolution, got {kh}x{kw} stride {stride}")
+
+
 def winograd_pays(shape: dict, min_channels: int = 64, min_tiles: int = 32) -> bool:
     """TFLite GPU's rule for Winograd 4x4: a 3x3 stride-1 convolution with at least
     `min_channels` input and output channels and at least `min_tiles` 4x4 output tiles per image
@@ -129,8 +135,7 @@ def winograd_pays(shape: dict, min_channels: int = 64, min_tiles: int = 32) -> b
 def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
     bsz, cin, h, wd = x.shape
     cout, _, kh, kw = w.shape
-    if (kh, kw) != (3, 3) or stride != 1:
-        raise EngineError(f"winograd needs a 3x3 stride-1 convolution, got {kh}x{kw} stride {stride}")
+    _require_3x3_stride1(kh, kw, stride)
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     tiling = _gemm_tiling(ops, consts)
     th, tw = math.ceil(oh / WINOGRAD_TILE), math.ceil(ow / WINOGRAD_TILE)
@@ -197,8 +202,7 @@ def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2) -> tu
 def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
     bsz, cin, h, wd = x.shape
     cout, _, kh, kw = w.shape
-    if (kh, kw) != (3, 3) or stride != 1:
-        raise EngineError(f"winograd needs a 3x3 stride-1 convolution, got {kh}x{kw} stride {stride}")
+    _require_3x3_stride1(kh, kw, stride)
     if cin % 4:
         return conv2d_winograd(ops, variants("conv2d")["winograd"], {}, x, w, b, stride, pads)
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)

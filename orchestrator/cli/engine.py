@@ -474,14 +474,11 @@ def bench(
             k.add_row(name, f"{ms:.2f}")
         console.print(k)
     if rows[-1].roofline:
-        roof, pk = rows[-1].roofline, rows[-1].roofline["peaks"]
-        t = Table("family", "calls", "ms", "GFLOP", "MB", "TFLOP/s", "GB/s", "of SIMT", "of BW",
-                  title=f"roofline, one UNet step, {rows[-1].name} ({roof['dtype']}; measured peaks: f32 "
-                        f"{pk['f32_tflops']} TFLOP/s, f16 {pk['f16_tflops'] or '-'} TFLOP/s, copy {pk['gbps']} GB/s)")
-        for r in roof["rows"]:
-            t.add_row(r["family"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['gflop']:.1f}", f"{r['mbytes']:.1f}",
-                      f"{r['tflops']:.3f}", f"{r['gbps']:.1f}", f"{r['simt_fraction']:.1%}",
-                      f"{r['bandwidth_fraction']:.1%}")
+        from engine import roofline
+
+        t = Table(*roofline.COLUMNS, title=f"{roofline.title(rows[-1].roofline)}, one UNet step, {rows[-1].name}")
+        for r in rows[-1].roofline["rows"]:
+            t.add_row(*roofline.cells(r))
         console.print(t)
     if json_out:
         json_out.write_text(json.dumps({"date": __import__("datetime").date.today().isoformat(),

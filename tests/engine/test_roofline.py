@@ -3,9 +3,11 @@ micro-kernels on the adapter (positive, f16 at least as fast as f32 is not assum
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from engine.roofline import Peaks, format_table, measure_peaks, op_work, roofline
+from engine.roofline import Peaks, measure_peaks, op_work, print_roofline, roofline, rows_as_json
 from engine.runtime import KernelTime
 
 
@@ -31,7 +33,9 @@ def test_roofline_rows_rates_and_fractions():
     assert rows[1].gbps == pytest.approx(800.0)
     assert rows[-1].calls == 5 and rows[-1].ms == pytest.approx(0.5)
     assert roofline(times, work, peaks, "f32")[0].simt_fraction == pytest.approx(0.4)  # f32 models: the f32 peak
-    text = format_table(rows, peaks, "f16")
+    lines = []
+    print_roofline({"peaks": asdict(peaks), "dtype": "f16", "rows": rows_as_json(rows)}, lines.append)
+    text = "\n".join(lines)
     assert "linear" in text and "20.00" in text and "total" in text
 
 
