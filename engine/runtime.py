@@ -172,6 +172,12 @@ class BufferPool:
         self.pooled_bytes = 0
         self.in_use_bytes = 0
         self.created = 0  # buffers created, for tests and the memory estimate
+        # Every buffer the pool created and has not destroyed. A buffer in use is otherwise
+        # referenced by its _Storage alone; when a reference cycle (an exception's traceback
+        # holding a frame that holds a tensor) is collected, Python finalises everything it
+        # reaches in one sweep, so the buffer's wrapper could be released before _Storage.__del__
+        # hands the buffer back to the free list. Held here, the buffer is never in that sweep.
+        self.owned: set = set()
 
     def buffer_bytes(self, nbytes: int) -> int:
         size = size_class(nbytes)
@@ -187,6 +193,7 @@ class BufferPool:
             buf, new = bucket.pop(), False
         else:
             buf, new = self.create(size), True
+            self.owned.add(buf)
             self.pooled_bytes += size
             self.created += 1
         self.in_use_bytes += size
@@ -206,6 +213,7 @@ class BufferPool:
         for nbytes, bucket in self.free.items():
             for buf in bucket:
                 buf.destroy()
+                self.owned.discard(buf)
                 self.pooled_bytes -= nbytes
         self.free.clear()
 

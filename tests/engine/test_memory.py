@@ -59,6 +59,33 @@ def test_pool_reuses_a_buffer_for_a_nearby_size_and_binds_only_the_tensor(rt, fr
 
 
 @pytest.mark.gpu
+def test_a_tensor_collected_with_a_reference_cycle_returns_a_live_buffer(rt):
+    """An exception's traceback holding the frame that holds a tensor is a reference cycle:
+    the collector finalises all it reaches at once, and the buffer's own wrapper must not be
+    released before the tensor hands the buffer back (the next tensor of that class got a
+    dead buffer: wgpu raised on the poisoning write)."""
+    gc.disable()  # collect only when the test says so
+    try:
+        def fails_holding_a_tensor():
+            t = rt.empty((3000,), "f32")  # noqa: F841 (held by the frame)
+            raise ValueError("boom")
+
+        try:
+            fails_holding_a_tensor()
+        except ValueError as exc:
+            cycle = [exc]
+            cycle.append(cycle)  # a cycle that reaches the frame through the traceback
+        del cycle
+        gc.collect()
+    finally:
+        gc.enable()
+    assert rt.pool.in_use_bytes == 0
+    t = rt.empty((3000,), "f32")  # the same class: the pooled buffer, poisoned on the way out
+    assert rt.pool.created == 1
+    assert np.isnan(rt.read(t)).all()
+
+
+@pytest.mark.gpu
 def test_trim_destroys_free_buffers_only_and_peak_counts_what_is_allocated(rt):
     live = rt.empty((256, 256), "f32")
     for n in (1000, 3000, 9000):
