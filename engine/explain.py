@@ -39,14 +39,14 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
     Returns [(network, [(op, shape, args), ...])]."""
     f = 2 ** (len(config.vae.block_out_channels) - 1)
     h, w = height // f, width // f
-    from .pipeline import _vae_dtype
+    from .pipeline import VAE_SCRATCH_SCALE, _vae_dtype
 
     rt = TraceRuntime(caps)
     out = []
     for network in ("text_encoder", "unet", "vae_decoder"):
         # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)
         net_dtype = _vae_dtype(config, dtype) if network == "vae_decoder" else dtype
-        ops = Ops(rt, None, selection, net_dtype)
+        ops = Ops(rt, None, selection, net_dtype, scratch_scale=VAE_SCRATCH_SCALE if network == "vae_decoder" else 1)
         ops.calls = []
         if network == "text_encoder":
             cfg = config.text_encoder

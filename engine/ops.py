@@ -31,8 +31,14 @@ ACT = {"silu": 0, "gelu": 1, "quick_gelu": 2}
 class Ops:
     """Op functions bound to one runtime, pipeline cache, selection and element type."""
 
-    def __init__(self, rt: Runtime, pipelines: PipelineCache | None, selection: Selection, dtype: str):
+    def __init__(
+        self, rt: Runtime, pipelines: PipelineCache | None, selection: Selection, dtype: str, scratch_scale: int = 1
+    ):
         self.rt = rt
+        # Multiplier of the scratch bounds of chunked kernels (Winograd through the GEMM core):
+        # 1 keeps the UNet stage within its memory budget; a network whose stage peaks lower (the
+        # VAE decoder, VAE_SCRATCH_SCALE) takes larger chunks: fewer, larger products.
+        self.scratch_scale = scratch_scale
         self.calls: list | None = None  # (op, shape, args) of every variant-op call, when recording
         self.pipelines = pipelines
         self.selection = selection

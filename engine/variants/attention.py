@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 
 from ..errors import EngineError
-from ..kernels import Variant, register
+from ..kernels import Variant, register, variants
 from ..runtime import Tensor
+from .gemm import CONSTANTS as CORE_CONSTANTS
+from .gemm import gemm, unsupported
 
 TILE = 16  # the 16x16 tiles of partial_softmax.wgsl
 ROW_WG = 256  # invocations per row in partial_softmax.wgsl:row_stats
@@ -168,14 +170,17 @@ GEMM_MAX_DH = 160
 GEMM_BQ = (64, 32, 16, 8, 4)
 
 
-def gemm_workgroup_bytes(bq: int, tx: int, co: int) -> int:
-    """Workgroup memory of flash_gemm.wgsl: qs, kv, pt and red, all vec4<f32> rows of odd pitch."""
+def gemm_workgroup_bytes(bq: int, tx: int, co: int, operand_bytes: int = 16) -> int:
+    """Workgroup memory of flash_gemm.wgsl (and flash_packed.wgsl): qs, kv and pt, rows of
+    `operand_bytes` vec4s (16 for f32, 8 for flash_packed's f16), and red, vec4<f32>; odd pitches."""
     dvp, typ, bk = (co * tx) | 1, (bq // 4) | 1, 4 * tx
-    return 16 * (bq * dvp + bk * dvp + bk * typ + tx * typ)
+    return operand_bytes * (bq * dvp + bk * dvp + bk * typ) + 16 * tx * typ
 
 
-def gemm_config(dh: int, consts: dict, storage_limit: int, invocation_limit: int) -> dict[str, int]:
-    """The override constants flash_gemm.wgsl runs with for head dim `dh`. The profile's BQ and
+def gemm_config(
+    dh: int, consts: dict, storage_limit: int, invocation_limit: int, operand_bytes: int = 16, name: str = "flash_gemm"
+) -> dict[str, int]:
+    """The override constants flash_gemm.wgsl (or flash_packed.wgsl) runs with for head dim `dh`. The profile's BQ and
     TX win; what it leaves open is chosen to give the most invocations per workgroup within the
     adapter's limits (TX defaults to the head dim's vec4 count, capped at 10, so that SD's
     40 / 80 / 160 pad nothing). Raises EngineError naming the bad constant or the limit."""
@@ -192,8 +197,8 @@ def gemm_config(dh: int, consts: dict, storage_limit: int, invocation_limit: int
             continue
         for bq in bqs:
             if bq < 4 or bq % 4:
-                raise EngineError(f"attention/flash_gemm: BQ={bq}; use a multiple of 4")
-            need = gemm_workgroup_bytes(bq, tx, co)
+                raise EngineError(f"attention/{name}: BQ={bq}; use a multiple of 4")
+            need = gemm_workgroup_bytes(bq, tx, co, operand_bytes)
             if need > storage_limit:
                 why = why or (f"BQ={bq}, TX={tx} need {need} bytes of workgroup memory for head dim {dh}, above "
                               f"this adapter's max-compute-workgroup-storage-size of {storage_limit}; choose smaller blocks")
@@ -205,7 +210,7 @@ def gemm_config(dh: int, consts: dict, storage_limit: int, invocation_limit: int
             if best is None or tx * bq > best["TX"] * best["BQ"]:
                 best = {"BQ": bq, "TX": tx, "CO": co}
     if best is None:
-        raise EngineError(f"attention/flash_gemm: {why}")
+        raise EngineError(f"attention/{name}: {why}")
     return best
 
 
@@ -231,6 +236,35 @@ def gemm_applies(shape: dict) -> str | None:
 def attention_flash_gemm(
     ops, v: Variant, consts: dict, q: Tensor, k: Tensor, vv: Tensor, heads: int, causal: bool, scale: float
 ) -> Tensor:
+    return _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, 16)
+
+
+@register(
+    "attention",
+    "flash_packed",
+    doc="flash_gemm with Q, K, V and P in the model's type and both products summed in it (two f16 "
+    "lanes per FMA) before they reach the f32 scores and accumulators; softmax statistics in f32",
+    constants={"BQ": (16, 32, 64, 128), "TX": (4, 5, 8, 10, 20)},
+    # As flash_gemm's; its halved workgroup memory also admits 128 rows at the default TX.
+    candidates=({"BQ": 32}, {"BQ": 16}, {"TX": 5}, {"BQ": 32, "TX": 5}, {"BQ": 128, "TX": 5}, {"BQ": 128}),
+    applies=gemm_applies,
+)
+def attention_flash_packed(
+    ops, v: Variant, consts: dict, q: Tensor, k: Tensor, vv: Tensor, heads: int, causal: bool, scale: float
+) -> Tensor:
+    if ops.dtype == "f16":
+        return _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, 8)
+    # An f32 model stages vec4<f32> operands, twice the workgroup memory of the f16 blocks a
+    # profile was tuned with: it keeps the profile's blocks where they fit, else the defaults.
+    try:
+        return _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, 16)
+    except EngineError:
+        if not consts:
+            raise
+        return _launch_flash_gemm(ops, v, {}, q, k, vv, heads, causal, scale, 16)
+
+
+def _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, operand_bytes: int) -> Tensor:
     bsz, tq, width = q.shape
     tk = k.shape[1]
     dh = width // heads
@@ -238,11 +272,52 @@ def attention_flash_gemm(
     invocations = min(
         int(lim.get("max-compute-invocations-per-workgroup", 256)), int(lim.get("max-compute-workgroup-size-x", 256))
     )
-    cfg = gemm_config(dh, consts, int(lim.get("max-compute-workgroup-storage-size", WEBGPU_MIN_WORKGROUP_STORAGE)),
-                      invocations)
+    storage = int(lim.get("max-compute-workgroup-storage-size", WEBGPU_MIN_WORKGROUP_STORAGE))
+    cfg = gemm_config(dh, consts, storage, invocations, operand_bytes, v.name)
+    if "FLUSH_DV" in consts:  # flash_packed's summation length in T (benchmarks; not tuned: it trades accuracy)
+        cfg["FLUSH_DV"] = int(consts["FLUSH_DV"])
     o = ops.rt.empty((bsz, tq, width), ops.dtype)
     params = (heads, tq, tk, dh, width, width, int(causal), scale)
     ops.rt.dispatch(
-        ops.pipeline(v, **cfg), "attention/flash_gemm", params, [q, k, vv, o], (math.ceil(tq / cfg["BQ"]), bsz * heads, 1)
+        ops.pipeline(v, **cfg), f"attention/{v.name}", params, [q, k, vv, o], (math.ceil(tq / cfg["BQ"]), bsz * heads, 1)
     )
     return o
+
+
+def gemm_softmax_applies(shape: dict) -> str | None:
+    if shape.get("heads", 1) != 1:
+        return f"runs one-head attention only, the VAE's (got {shape.get('heads')} heads)"
+    return None
+
+
+@register(
+    "attention",
+    "gemm_softmax",
+    entry="softmax_main",
+    doc="one-head attention (the VAE's, head dim 512) as two products of the GEMM core with the score "
+    "matrix stored in the model's type between them, and a row softmax in place (f32 arithmetic); "
+    "head dim and key count divisible by 4 (partial_softmax otherwise)",
+    constants=CORE_CONSTANTS,
+    candidates=({"TILE_M": 128, "TILE_N": 128, "TILE_K": 16}, {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16}),
+    applies=gemm_softmax_applies,
+)
+def attention_gemm_softmax(
+    ops, v: Variant, consts: dict, q: Tensor, k: Tensor, vv: Tensor, heads: int, causal: bool, scale: float
+) -> Tensor:
+    bsz, tq, dh = q.shape
+    tk = k.shape[1]
+    if heads != 1:
+        raise EngineError(f"attention/gemm_softmax: {heads} heads; it runs one-head attention only")
+    if unsupported(dh, tk) or unsupported(tk, dh):  # the core's vec4 rows
+        fallback = variants("attention")["partial_softmax"]
+        return attention_partial_softmax(ops, fallback, {}, q, k, vv, heads, causal, scale)
+    # S (bsz, Tq, Tk) = Q K^T, rows of Q and K contiguous (one head: no stride between heads)
+    s = gemm(ops, consts, q, k, tq, tk, dh, batch=bsz, strides=(tq * dh, tk * dh, tq * tk),
+             out_shape=(bsz, tq, tk), label="attention/scores_gemm")
+    rows = bsz * tq
+    gx = min(rows, ops.rt.caps.max_workgroups)
+    ops.rt.dispatch(ops.pipeline(v, "softmax_main"), "attention/softmax", (rows, tq, tk, int(causal), scale), [s],
+                    (gx, math.ceil(rows / gx), 1))
+    # O (bsz, Tq, dh) = P V, V (Tk, dh) with dh contiguous: the core's K x N layout of B
+    return gemm(ops, consts, s, vv, tq, dh, tk, batch=bsz, b_kn=True, strides=(tq * tk, tk * dh, tq * dh),
+                out_shape=(bsz, tq, dh), label="attention/weighted_gemm")

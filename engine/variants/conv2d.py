@@ -178,12 +178,12 @@ WINOGRAD_CORE_FILTER_BYTES = SCRATCH_BYTES
 WINOGRAD_CORE_TILE_BYTES = SCRATCH_BYTES
 
 
-def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2) -> tuple[int, int]:
-    """(output channels, tiles) per chunk: as many as the scratch bounds allow, channels in
-    multiples of 64 (or all), tiles in multiples of 4 (or all)."""
-    cc = WINOGRAD_CORE_FILTER_BYTES // (W2_POSITIONS * cin * item)
+def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale: int = 1) -> tuple[int, int]:
+    """(output channels, tiles) per chunk: as many as the scratch bounds (times `scale`, the
+    Ops' scratch_scale) allow, channels in multiples of 64 (or all), tiles in multiples of 4 (or all)."""
+    cc = WINOGRAD_CORE_FILTER_BYTES * scale // (W2_POSITIONS * cin * item)
     cc = cout if cc >= cout else max(64, cc // 64 * 64)
-    tc = WINOGRAD_CORE_TILE_BYTES // (W2_POSITIONS * max(cin, cc) * item)
+    tc = WINOGRAD_CORE_TILE_BYTES * scale // (W2_POSITIONS * max(cin, cc) * item)
     tc = n_tiles if tc >= n_tiles else max(4, tc // 4 * 4)
     return min(cc, cout), tc
 
@@ -208,14 +208,15 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     th, tw = math.ceil(oh / W2_TILE), math.ceil(ow / W2_TILE)
     n_tiles = bsz * th * tw
-    cc_max, tc_max = winograd_core_chunks(cin, cout, n_tiles, 2 if ops.dtype == "f16" else 4)
+    scale = ops.scratch_scale
+    cc_max, tc_max = winograd_core_chunks(cin, cout, n_tiles, 2 if ops.dtype == "f16" else 4, scale)
     y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
     filter_p, input_p, output_p = (ops.pipeline(v, e) for e in ("filter_main", "input_main", "output_main"))
     bias = b if b is not None else ops.dummy
     base = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
 
     def transformed_filters(co0: int, cc: int) -> Tensor:
-        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=WINOGRAD_CORE_FILTER_BYTES)
+        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=WINOGRAD_CORE_FILTER_BYTES * scale)
         ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc),
                         [None, w, None, u], ops.grid_1d(cc * cin))
         return u
@@ -228,13 +229,13 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     for t0 in range(0, n_tiles, tc_max):
         pc = min(tc_max, n_tiles - t0)
         pcp = -(-pc // 4) * 4
-        vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES)
+        vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES * scale)
         ops.rt.dispatch(input_p, "conv2d_winograd_input", (*base, t0, pc, pcp, 0, cout),
                         [x, None, None, None, vt], ops.grid_1d(cin * pcp))
         for co0, cc in channel_chunks:
             u = u_all if u_all is not None else transformed_filters(co0, cc)
             mx = gemm(ops, consts, u, vt, cc, pcp, cin, batch=W2_POSITIONS, b_kn=True,
-                      out=ops.rt.empty((W2_POSITIONS, cc, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES),
+                      out=ops.rt.empty((W2_POSITIONS, cc, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES * scale),
                       label="conv2d_winograd_gemm")
             ops.rt.dispatch(output_p, "conv2d_winograd_output", (*base, t0, pc, pcp, co0, cc),
                             [None, None, bias, None, None, mx, y], ops.grid_1d(cc * pc))
@@ -269,3 +270,33 @@ def conv2d_pointwise(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, p
         return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
     return gemm(ops, consts, w, x, cout, hw, cin, batch=bsz, b_kn=True, bias=b, bias_on_m=True,
                 strides=(0, cin * hw, cout * hw), out_shape=(bsz, cout, h, wd), label="conv2d")
+
+
+# ---- any convolution through the GEMM core (im2col) ----------------------------------------
+
+
+@register(
+    "conv2d",
+    "im2col",
+    doc="the input unfolded (im2col) into scratch, then the GEMM core's batched product W (Cout x "
+    "Cin*KH*KW) by the unfolded image, bias in the epilogue, split-K for the few pixels of SD's "
+    "stride-2 convolutions; Cin*KH*KW and the pixel count divisible by 4 and the batch's unfolding "
+    "within the scratch bound (implicit GEMM otherwise)",
+    constants=CORE_CONSTANTS,
+    candidates=CORE_CANDIDATES,
+)
+def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+    bsz, cin, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
+    kk, npix = cin * kh * kw, oh * ow
+    budget = SCRATCH_BYTES * ops.scratch_scale
+    nbytes = bsz * kk * npix * (2 if ops.dtype == "f16" else 4)
+    if kk % 4 or npix % 4 or nbytes > budget:
+        return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
+    col = ops.rt.empty((bsz, kk, npix), ops.dtype, at_least=budget)
+    ops.rt.dispatch(ops.pipeline(v, "main"), "conv2d_im2col",
+                    (cin, h, wd, kh, kw, stride, pads[0], pads[2], oh, ow, 0, bsz * kk * npix),
+                    [x, col], ops.grid_1d(bsz * kk * npix))
+    return gemm(ops, consts, w, col, cout, npix, kk, batch=bsz, b_kn=True, bias=b, bias_on_m=True,
+                strides=(0, kk * npix, cout * npix), out_shape=(bsz, cout, oh, ow), label="conv2d")

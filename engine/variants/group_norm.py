@@ -1,12 +1,14 @@
 """Optimized group normalisation: the single-dispatch "fused" variant (statistics, normalise,
 affine and optional SiLU in one workgroup per (batch, group), no intermediate tensor), after
-"Speed Is All You Need" (Chen et al., 2023)."""
+"Speed Is All You Need" (Chen et al., 2023), and the "split" variant for groups too large for
+one workgroup (statistics of CHUNK-element runs in workgroups of their own, merged per group,
+then the reference's element-wise apply)."""
 
 from __future__ import annotations
 
 import math
 
-from ..kernels import Variant, register
+from ..kernels import Variant, register, variants
 from ..runtime import Tensor
 
 
@@ -28,4 +30,35 @@ def group_norm_fused(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps,
         [x, gamma, beta, y],
         (gx, math.ceil(n_groups / gx), 1),
     )
+    return y
+
+
+SPLIT_CHUNKS = (1024, 2048, 4096, 8192, 16384)
+
+
+@register(
+    "group_norm",
+    "split",
+    doc="three dispatches: per CHUNK-element run of a group (count, mean, M2) in its own workgroup, a "
+    "Chan merge per group, the reference's element-wise apply; for groups far larger than a workgroup",
+    constants={"CHUNK": SPLIT_CHUNKS},
+    candidates=({"CHUNK": 1024}, {"CHUNK": 16384}),
+)
+def group_norm_split(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu) -> Tensor:
+    bsz, c = x.shape[:2]
+    s = x.numel // (bsz * c)
+    chunk = int(consts.get("CHUNK", 4096))
+    n_groups = bsz * groups
+    n_chunks = -(-(c // groups * s) // chunk)
+    params = (bsz, c, s, groups, float(eps), int(silu))
+    part = ops.rt.empty((n_groups, n_chunks, 3), "f32")
+    stats = ops.rt.empty((n_groups, 2), "f32")
+    ops.rt.dispatch(ops.pipeline(v, "partial_main", CHUNK=chunk), "group_norm", params, [x, part],
+                    (n_chunks, n_groups, 1))
+    ops.rt.dispatch(ops.pipeline(v, "finalize_main", CHUNK=chunk), "group_norm", params, [None, part, stats],
+                    (math.ceil(n_groups / 64), 1, 1))
+    y = ops.rt.empty(x.shape, ops.dtype)
+    apply = variants("group_norm")["reference"]
+    ops.rt.dispatch(ops.pipeline(apply, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y],
+                    ops.grid_1d(x.numel))
     return y

@@ -82,7 +82,7 @@ def doc(**rules_or_top):
     [
         (doc(schema="devicefarm.profile/9"), "expected 'devicefarm.profile/1'"),
         (doc(rules=[{"op": "convolution", "variant": "reference"}]), "choose one of linear, conv2d"),
-        (doc(rules=[{"op": "attention", "variant": "fast"}]), "choose one of flash, flash_gemm, partial_softmax, reference"),
+        (doc(rules=[{"op": "attention", "variant": "fast"}]), "choose one of flash, flash_gemm, flash_packed, gemm_softmax, partial_softmax, reference"),
         (doc(rules=[{"op": "attention", "variant": "reference", "when": {"tokens": 4}}]), "choose from tq, tk, dh"),
         (doc(rules=[{"op": "attention", "variant": "reference", "constants": {"BLOCK": 3}}]), "not a constant"),
         (doc(match={"gpu": ["x"]}), "keys must be among"),

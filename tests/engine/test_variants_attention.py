@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from ci_support import F16_HINT, missing
 
+from engine.errors import EngineError
 from engine.kernels import PipelineCache, Selection, variants
 from engine.ops import Ops
 from engine.runtime import Runtime
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 TOL = {"f32": 2e-5, "f16": 1e-2}
 NP = {"f32": np.float32, "f16": np.float16}
-VARIANTS = ["partial_softmax", "flash", "flash_gemm"]
+VARIANTS = ["partial_softmax", "flash", "flash_gemm", "flash_packed"]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,79 @@ def test_attention_variant(rt, gpu, fresh_rng, variant, dtype, b, tq, tk, heads,
     assert err <= TOL[dtype], f"{variant} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
     err = rel_err(got, run(ref_ops, (qx, kx, vx), heads, causal))
     assert err <= TOL[dtype], f"{variant} vs reference variant: max relative error {err:.3g} > {TOL[dtype]}"
+
+
+def test_flash_packed_sums_in_f16_within_tolerance_for_large_logits(rt, gpu, fresh_rng):
+    """flash_packed sums S's partial dot products in f16 (every FLUSH_DV vec4 columns into f32):
+    its error grows with the logits' magnitude. Q and K of standard deviation 2 (logits of
+    standard deviation 4, a sharper softmax than SD's) stay within the fp16 tolerance."""
+    ops = make_ops(rt, gpu, "f16", "flash_packed")
+    heads, dh = 2, 40
+    qx, kx = (2 * fresh_rng.standard_normal((1, 1024, heads * dh)).astype(np.float32) for _ in range(2))
+    vx = fresh_rng.standard_normal((1, 1024, heads * dh)).astype(np.float32)
+    seen = [np.asarray(a, np.float16).astype(np.float64) for a in (qx, kx, vx)]
+    err = rel_err(run(ops, (qx, kx, vx), heads, False), np_attention(*seen, heads))
+    assert err <= TOL["f16"], f"flash_packed at logits of std 4: max relative error {err:.3g} > {TOL['f16']}"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_flash_packed_blocks_too_large_for_the_adapter(rt, gpu, fresh_rng, monkeypatch, dtype):
+    """Profiles tune flash_packed's blocks in f16, whose staged operands take half the workgroup
+    memory of f32's. An f32 model keeps the blocks where they fit and otherwise takes the
+    defaults for the adapter; an f16 model is refused by name, never silently changed."""
+    ops = make_ops(rt, gpu, dtype)
+    heads, dh = 2, 40
+    qx, kx, vx = (fresh_rng.standard_normal((1, 70, heads * dh)).astype(np.float32) for _ in range(3))
+    limit = attn.gemm_workgroup_bytes(128, 10, 1, 8 if dtype == "f16" else 16) - 16
+    limits = dict(gpu.caps.limits, **{"max-compute-workgroup-storage-size": limit})
+    monkeypatch.setattr(rt, "caps", type(gpu.caps)(**{**gpu.caps.__dict__, "limits": limits}))
+    variant = variants("attention")["flash_packed"]
+    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
+    if dtype == "f16":
+        with pytest.raises(EngineError, match="max-compute-workgroup-storage-size"):
+            variant.launch(ops, variant, {"BQ": 128, "TX": 10}, *tensors, heads, False, dh**-0.5)
+        return
+    got = rt.read(variant.launch(ops, variant, {"BQ": 128, "TX": 10}, *tensors, heads, False, dh**-0.5)).astype(np.float64)
+    ref = np_attention(*(a.astype(np.float64) for a in (qx, kx, vx)), heads)
+    assert rel_err(got, ref) <= TOL["f32"]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize(
+    "b,tq,tk,dh,causal",
+    [
+        (1, 256, 256, 512, False),  # the VAE's mid-block attention, smaller
+        (2, 77, 76, 64, True),  # causal, Tq != Tk, rows not a multiple of the core's tiles
+        (2, 33, 20, 8, False),  # odd sizes, partial tiles everywhere
+    ],
+)
+def test_gemm_softmax_one_head(rt, gpu, fresh_rng, dtype, b, tq, tk, dh, causal):
+    ops = make_ops(rt, gpu, dtype, "gemm_softmax")
+    ref_ops = make_ops(rt, gpu, dtype)
+    qx, kx, vx = (fresh_rng.standard_normal((b, t, dh)).astype(np.float32) for t in (tq, tk, tk))
+    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+    got = run(ops, (qx, kx, vx), 1, causal)
+    assert {d.variant for d in ops.selection.decisions.values()} == {"gemm_softmax"}
+    err = rel_err(got, np_attention(*seen, 1, causal))
+    assert err <= TOL[dtype], f"gemm_softmax vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+    err = rel_err(got, run(ref_ops, (qx, kx, vx), 1, causal))
+    assert err <= TOL[dtype], f"gemm_softmax vs reference variant: max relative error {err:.3g} > {TOL[dtype]}"
+
+
+def test_gemm_softmax_refuses_several_heads_and_falls_back_where_the_core_cannot_run(rt, gpu, fresh_rng, monkeypatch):
+    v = variants("attention")["gemm_softmax"]
+    assert "one-head" in v.applies({"heads": 8, "dh": 40, "tk": 4096, "tq": 4096})
+    assert v.applies({"heads": 1, "dh": 512, "tk": 4096, "tq": 4096}) is None
+    # 37 keys: not the core's vec4 rows; partial_softmax's three dispatches run instead
+    ran = []
+    real = attn.attention_partial_softmax
+    monkeypatch.setattr(attn, "attention_partial_softmax", lambda *a: ran.append(a[1].name) or real(*a))
+    ops = make_ops(rt, gpu, "f32")
+    qx, kx, vx = (fresh_rng.standard_normal((1, t, 16)).astype(np.float32) for t in (30, 37, 37))
+    y = v.launch(ops, v, {}, *(rt.upload(a, "f32") for a in (qx, kx, vx)), 1, False, 0.25)
+    assert ran == ["partial_softmax"]
+    ref = np_attention(*(a.astype(np.float64) for a in (qx, kx, vx)), 1)
+    assert rel_err(rt.read(y).astype(np.float64), ref) <= TOL["f32"]
 
 
 @pytest.mark.parametrize("variant,per_chunk", [("partial_softmax", 3), ("flash", None)])

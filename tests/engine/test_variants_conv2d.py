@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 TOL = {("implicit_gemm", "f32"): 2e-5, ("winograd", "f32"): 1e-4, ("implicit_gemm", "f16"): 1e-2, ("winograd", "f16"): 1e-2,
        ("winograd_2x2", "f16"): 1e-2, ("winograd_2x2", "f32"): 1e-4,
-       ("pointwise", "f16"): 1e-2, ("pointwise", "f32"): 2e-5}
+       ("pointwise", "f16"): 1e-2, ("pointwise", "f32"): 2e-5, ("im2col", "f16"): 1e-2, ("im2col", "f32"): 2e-5}
 NP = {"f32": np.float32, "f16": np.float16}
 
 
@@ -164,6 +164,22 @@ def test_pointwise(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, pads, co
     run_and_compare(rt, pipelines, fresh_rng, "pointwise", dtype, bsz, cin, cout, hw, 1, 1, pads, constants=constants)
 
 
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+@pytest.mark.parametrize(
+    "bsz,cin,cout,hw,k,stride,pads,constants",
+    [
+        # SD's stride-2 downsamplers (asymmetric padding), smaller, with split-K as tuned for them
+        pytest.param(2, 64, 64, (16, 16), 3, 2, (0, 1, 0, 1), {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 8},
+                     id="stride2-split-K"),
+        pytest.param(2, 4, 32, (12, 8), 3, 1, (1, 1, 1, 1), {}, id="conv-in-cin4"),  # K = 36
+        pytest.param(1, 8, 12, (9, 13), 3, 2, (1, 1, 1, 1), {}, id="odd-pixels-falls-back"),  # 5 x 7 pixels
+        pytest.param(1, 12, 8, (6, 6), 1, 1, (0, 0, 0, 0), {}, id="1x1"),
+    ],
+)
+def test_im2col(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride, pads, constants):
+    run_and_compare(rt, pipelines, fresh_rng, "im2col", dtype, bsz, cin, cout, hw, k, stride, pads, constants=constants)
+
+
 def test_winograd_2x2_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
     """Small scratch bounds: three chunks of output channels, five of tiles, the last padded."""
     from engine.variants import conv2d
@@ -171,6 +187,8 @@ def test_winograd_2x2_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
     monkeypatch.setattr(conv2d, "WINOGRAD_CORE_FILTER_BYTES", 16 * 48 * 2 * 64)  # 64 channels per chunk
     monkeypatch.setattr(conv2d, "WINOGRAD_CORE_TILE_BYTES", 16 * 64 * 2 * 14)  # 14 -> 12 tiles per chunk
     assert conv2d.winograd_core_chunks(48, 150, 50) == (64, 12)  # 2 x 5 x 5 tiles: the last chunk has 2 (+2 padding)
+    # an Ops with scratch_scale 3 (as the VAE decoder's 4): every channel in one chunk, 16 tiles
+    assert conv2d.winograd_core_chunks(48, 150, 50, 2, 3) == (150, 16)
     run_and_compare(rt, pipelines, fresh_rng, "winograd_2x2", "f16", 2, 48, 150, (10, 9), 3, 1, (1, 1, 1, 1))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from ci_support import F16_HINT, missing
 
-from engine.kernels import PipelineCache, Rule, Selection
+from engine.kernels import PipelineCache, Rule, Selection, variants
 from engine.ops import Ops
 from engine.runtime import Runtime
 
@@ -83,7 +83,8 @@ def run_both(rt, gpu, dtype, op, variant, call):
         (64, 32, (1, 1), False),  # 2 elements per group
     ],
 )
-def test_group_norm_fused(rt, gpu, dtype, fresh_rng, c, groups, hw, silu):
+@pytest.mark.parametrize("variant", ["fused", "split"])
+def test_group_norm_variant(rt, gpu, dtype, fresh_rng, variant, c, groups, hw, silu):
     eps = 1e-5 if c > 64 else 1e-6
     x = rand(fresh_rng, 2, c, *hw, scale=3.0) + 1.5
     g, b = rand(fresh_rng, c) + 1, rand(fresh_rng, c)
@@ -91,23 +92,37 @@ def test_group_norm_fused(rt, gpu, dtype, fresh_rng, c, groups, hw, silu):
     def call(ops):
         return ops.group_norm(*(rt.upload(a, dtype) for a in (x, g, b)), groups, eps, silu)
 
-    got, ref_gpu = run_both(rt, gpu, dtype, "group_norm", "fused", call)
+    got, ref_gpu = run_both(rt, gpu, dtype, "group_norm", variant, call)
     ref = np_group_norm(q(dtype, x), groups, eps)
     ref = ref * q(dtype, g)[None, :, None, None] + q(dtype, b)[None, :, None, None]
     if silu:
         ref = ref / (1 + np.exp(-ref))
-    assert rel_err(got, ref) <= TOL[dtype], "fused vs numpy"
-    assert rel_err(got, ref_gpu) <= TOL[dtype], "fused vs reference variant"
+    assert rel_err(got, ref) <= TOL[dtype], f"{variant} vs numpy"
+    assert rel_err(got, ref_gpu) <= TOL[dtype], f"{variant} vs reference variant"
 
 
-def test_group_norm_fused_large_offset(rt, gpu, fresh_rng):
+@pytest.mark.parametrize("variant", ["fused", "split"])
+def test_group_norm_large_offset(rt, gpu, fresh_rng, variant):
     """A group whose mean dwarfs its spread: one-pass E[x^2] - E[x]^2 would lose it in f32."""
     x = rand(fresh_rng, 1, 32, 16, 16) + 300.0
     g, b = np.ones(32, np.float32), np.zeros(32, np.float32)
-    ops = make_ops(rt, gpu, "f32", {"group_norm": "fused"})
+    ops = make_ops(rt, gpu, "f32", {"group_norm": variant})
     y = ops.group_norm(*(rt.upload(a, "f32") for a in (x, g, b)), 8, 1e-5)
     ref = np_group_norm(x.astype(np.float64), 8, 1e-5)
     assert rel_err(rt.read(y).astype(np.float64), ref) <= 1e-4  # the inputs themselves carry f32 rounding of ~300 * 6e-8
+
+
+@pytest.mark.parametrize("chunk", [1024, 16384])
+@pytest.mark.parametrize("c,groups,hw", [(128, 32, (48, 48)), (6, 3, (5, 7)), (64, 4, (33, 35))])
+def test_group_norm_split_chunks(rt, gpu, fresh_rng, chunk, c, groups, hw):
+    """split's statistics merged over many chunks, a partial last chunk, and one chunk."""
+    x = rand(fresh_rng, 2, c, *hw, scale=2.0) - 0.7
+    g, b = rand(fresh_rng, c) + 1, rand(fresh_rng, c)
+    ops = make_ops(rt, gpu, "f32", {})
+    v = variants("group_norm")["split"]
+    y = v.launch(ops, v, {"CHUNK": chunk}, *(rt.upload(a, "f32") for a in (x, g, b)), groups, 1e-5, False)
+    ref = np_group_norm(x.astype(np.float64), groups, 1e-5) * g[None, :, None, None] + b[None, :, None, None]
+    assert rel_err(rt.read(y).astype(np.float64), ref) <= TOL["f32"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,266 @@
+// Flash attention as flash_gemm.wgsl computes it (the same workgroup, invocation and key-block
+// layout, the same online softmax), with Q, K, V and P staged in the model's type T and both
+// products summed in T before they reach the f32 scores and accumulators, as the GEMM core does:
+//   S: each invocation's 4 rows x 4 keys are 16 vec2<T> partial dot products, two T FMAs per
+//      4 head-dim elements (packed, two lanes per f32 lane where T = f16); every FLUSH_DV vec4
+//      columns they are summed into the f32 scores s0..s3, so T rounding is confined to sums of
+//      2 * FLUSH_DV terms (5: on the H100 3% slower than 10 at half its error for large logits);
+//   P V: the block's P (in (0, 1]) times V is summed over the BK keys in vec4<T> and then added
+//      to the f32 accumulator, after its rescale by exp2(m_old - m).
+// The row max, the exponentials and the row sums stay in f32. With T = f32 this is flash_gemm
+// with other summation order. Workgroup memory (rows padded to an odd number of vec4s):
+//   qs  [BQ][DVP]   vec4<T>   Q of the workgroup's rows, pre-scaled by scale * log2(e)
+//   kv  [BK][DVP]   vec4<T>   the block's K, then its V
+//   pt  [BK][TYP]   vec4<T>   P, one vec4 per (key, ty) holding rows ty + TY * r
+//   red [TX][TYP]   vec4<f32> per-invocation row maxima, at the end the row sums
+// With causal = 1, keys j > i are masked (CLIP) and blocks past the last row are skipped.
+struct Params {
+    H: u32, Tq: u32, Tk: u32, dh: u32,
+    q_stride: u32, kv_stride: u32, causal: u32, scale: f32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<T>;
+@group(0) @binding(2) var<storage, read> k: array<T>;
+@group(0) @binding(3) var<storage, read> v: array<T>;
+@group(0) @binding(4) var<storage, read_write> o: array<T>;
+
+override BQ: u32 = 64u;  // query rows per workgroup, a multiple of 4
+override TX: u32 = 10u;  // invocations across the keys (S) and the head-dim columns (O)
+override CO: u32 = 1u;   // vec4 head-dim columns per invocation, 1..4
+override TY: u32 = BQ / 4u;
+override BK: u32 = 4u * TX;  // keys per block
+override DV: u32 = CO * TX;  // vec4 columns of the padded head dim
+override DVP: u32 = DV | 1u; // odd row pitches (vec4s)
+override TYP: u32 = TY | 1u;
+override FLUSH_DV: u32 = 5u;  // vec4 head-dim columns of S summed in T before each add to f32
+const NEG_BIG = -3.0e38;
+const LOG2E = 1.4426950408889634;
+
+var<workgroup> qs: array<vec4<T>, BQ * DVP>;
+var<workgroup> kv: array<vec4<T>, BK * DVP>;
+var<workgroup> pt: array<vec4<T>, BK * TYP>;
+var<workgroup> red: array<vec4<f32>, TX * TYP>;
+
+// Element i of q (src 0), k (1) or v (2); the call sites pass src as a literal.
+fn elem(src: u32, i: u32) -> f32 {
+    switch src {
+        case 0u: { return f32(q[i]); }
+        case 1u: { return f32(k[i]); }
+        default: { return f32(v[i]); }
+    }
+}
+
+// Head-dim elements 4*dv .. 4*dv+3 of row `row` of a (rows, stride) tensor, 0 past dh.
+fn load4(src: u32, row: u32, stride: u32, h: u32, dv: u32) -> vec4<f32> {
+    let d0 = 4u * dv;
+    let base = row * stride + h * p.dh + d0;
+    if (d0 + 4u <= p.dh) {
+        return vec4<f32>(elem(src, base), elem(src, base + 1u), elem(src, base + 2u), elem(src, base + 3u));
+    }
+    var x = vec4<f32>(0.0);
+    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { x[e] = elem(src, base + e); } }
+    return x;
+}
+
+// The partial dot products of one key with the invocation's rows r = 0..3 (two T lanes each).
+struct Dots { r0: vec2<T>, r1: vec2<T>, r2: vec2<T>, r3: vec2<T> }
+
+fn dots(h: ptr<function, Dots>, q0: vec4<T>, q1: vec4<T>, q2: vec4<T>, q3: vec4<T>, kx: vec4<T>) {
+    (*h).r0 = fma(q0.zw, kx.zw, fma(q0.xy, kx.xy, (*h).r0));
+    (*h).r1 = fma(q1.zw, kx.zw, fma(q1.xy, kx.xy, (*h).r1));
+    (*h).r2 = fma(q2.zw, kx.zw, fma(q2.xy, kx.xy, (*h).r2));
+    (*h).r3 = fma(q3.zw, kx.zw, fma(q3.xy, kx.xy, (*h).r3));
+}
+
+fn total(h: Dots) -> vec4<f32> {
+    let a = vec2<f32>(h.r0);
+    let b = vec2<f32>(h.r1);
+    let c = vec2<f32>(h.r2);
+    let d = vec2<f32>(h.r3);
+    return vec4<f32>(a.x + a.y, b.x + b.y, c.x + c.y, d.x + d.y);
+}
+
+// One vec4 head-dim column of an accumulator for the invocation's rows r = 0..3.
+struct Rows { r0: vec4<f32>, r1: vec4<f32>, r2: vec4<f32>, r3: vec4<f32> }
+struct RowsT { r0: vec4<T>, r1: vec4<T>, r2: vec4<T>, r3: vec4<T> }
+
+fn rescale(a: ptr<function, Rows>, alpha: vec4<f32>) {
+    (*a).r0 *= alpha.x;
+    (*a).r1 *= alpha.y;
+    (*a).r2 *= alpha.z;
+    (*a).r3 *= alpha.w;
+}
+
+fn accumulate(g: ptr<function, RowsT>, pr: vec4<T>, vx: vec4<T>) {
+    (*g).r0 = fma(vec4<T>(pr.x), vx, (*g).r0);
+    (*g).r1 = fma(vec4<T>(pr.y), vx, (*g).r1);
+    (*g).r2 = fma(vec4<T>(pr.z), vx, (*g).r2);
+    (*g).r3 = fma(vec4<T>(pr.w), vx, (*g).r3);
+}
+
+fn flush(a: ptr<function, Rows>, g: RowsT) {
+    (*a).r0 += vec4<f32>(g.r0);
+    (*a).r1 += vec4<f32>(g.r1);
+    (*a).r2 += vec4<f32>(g.r2);
+    (*a).r3 += vec4<f32>(g.r3);
+}
+
+// Rows brow + i + TY*r of O (brow = b * Tq), head-dim elements d0..d0+3, divided by the row sums.
+fn store(a: Rows, brow: u32, i: u32, h: u32, d0: u32, inv_l: vec4<f32>) {
+    store_row_at(brow, i, h, d0, a.r0 * inv_l.x);
+    store_row_at(brow, i + TY, h, d0, a.r1 * inv_l.y);
+    store_row_at(brow, i + 2u * TY, h, d0, a.r2 * inv_l.z);
+    store_row_at(brow, i + 3u * TY, h, d0, a.r3 * inv_l.w);
+}
+
+fn store_row_at(brow: u32, i: u32, h: u32, d0: u32, y: vec4<f32>) {
+    if (i >= p.Tq) { return; }
+    let base = (brow + i) * (p.H * p.dh) + h * p.dh + d0;
+    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { o[base + e] = T(y[e]); } }
+}
+
+// The scores of key j for the rows i (NEG_BIG where masked).
+fn masked(sv: vec4<f32>, j: u32, i: vec4<u32>) -> vec4<f32> {
+    var keep = vec4<bool>(j < p.Tk);
+    if (p.causal != 0u) { keep = keep & (vec4<u32>(j) <= i); }
+    return select(vec4<f32>(NEG_BIG), sv, keep);
+}
+
+@compute @workgroup_size(TX, TY)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let nt = TX * TY;
+    let tx = lid.x;
+    let ty = lid.y;
+    let i0 = wid.x * BQ;
+    let bh = wid.y;
+    let b = bh / p.H;
+    let h = bh % p.H;
+    let qscale = p.scale * LOG2E;
+    // Rows past Tq compute on zeros and are not stored.
+    for (var e = li; e < BQ * DV; e += nt) {
+        let r = e / DV;
+        let dv = e % DV;
+        var x = vec4<f32>(0.0);
+        if (i0 + r < p.Tq && 4u * dv < p.dh) { x = load4(0u, b * p.Tq + i0 + r, p.q_stride, h, dv) * qscale; }
+        qs[r * DVP + dv] = vec4<T>(x);
+    }
+    let rows = vec4<u32>(i0 + ty) + vec4<u32>(0u, 1u, 2u, 3u) * TY;
+
+    var a0: Rows;  // head-dim columns tx, tx + TX, tx + 2 TX, tx + 3 TX
+    var a1: Rows;
+    var a2: Rows;
+    var a3: Rows;
+    var m = vec4<f32>(NEG_BIG);  // running max of the rows
+    var l = vec4<f32>(0.0);      // this invocation's share of the running sums
+
+    var kv_end = p.Tk;
+    if (p.causal != 0u) { kv_end = min(p.Tk, i0 + BQ); }
+    for (var j0 = 0u; j0 < kv_end; j0 += BK) {
+        workgroupBarrier();  // the previous block is done with kv and pt
+        for (var e = li; e < BK * DV; e += nt) {
+            let j = j0 + e / DV;
+            let dv = e % DV;
+            var x = vec4<f32>(0.0);
+            if (j < p.Tk && 4u * dv < p.dh) { x = load4(1u, b * p.Tk + j, p.kv_stride, h, dv); }
+            kv[(e / DV) * DVP + dv] = vec4<T>(x);
+        }
+        workgroupBarrier();
+
+        // S = Q K^T: s_e holds key tx + TX*e for the 4 rows.
+        var s0 = vec4<f32>(0.0);
+        var s1 = vec4<f32>(0.0);
+        var s2 = vec4<f32>(0.0);
+        var s3 = vec4<f32>(0.0);
+        for (var d0 = 0u; d0 < DV; d0 += FLUSH_DV) {
+            // Initialised explicitly (zero) so that every key block and flush starts anew.
+            var h0 = Dots();
+            var h1 = Dots();
+            var h2 = Dots();
+            var h3 = Dots();
+            let d1 = min(d0 + FLUSH_DV, DV);
+            for (var dv = d0; dv < d1; dv++) {
+                let q0 = qs[ty * DVP + dv];
+                let q1 = qs[(ty + TY) * DVP + dv];
+                let q2 = qs[(ty + 2u * TY) * DVP + dv];
+                let q3 = qs[(ty + 3u * TY) * DVP + dv];
+                dots(&h0, q0, q1, q2, q3, kv[tx * DVP + dv]);
+                dots(&h1, q0, q1, q2, q3, kv[(tx + TX) * DVP + dv]);
+                dots(&h2, q0, q1, q2, q3, kv[(tx + 2u * TX) * DVP + dv]);
+                dots(&h3, q0, q1, q2, q3, kv[(tx + 3u * TX) * DVP + dv]);
+            }
+            s0 += total(h0);
+            s1 += total(h1);
+            s2 += total(h2);
+            s3 += total(h3);
+        }
+        // Masked keys score NEG_BIG. Key 0 is in every row's first block, so m is finite
+        // from then on and exp2(NEG_BIG - m) is exactly 0.
+        s0 = masked(s0, j0 + tx, rows);
+        s1 = masked(s1, j0 + tx + TX, rows);
+        s2 = masked(s2, j0 + tx + 2u * TX, rows);
+        s3 = masked(s3, j0 + tx + 3u * TX, rows);
+        red[tx * TYP + ty] = max(max(s0, s1), max(s2, s3));
+        workgroupBarrier();  // every S is computed (kv is free) and every row max posted
+
+        for (var e = li; e < BK * DV; e += nt) {
+            let j = j0 + e / DV;
+            let dv = e % DV;
+            var x = vec4<f32>(0.0);
+            if (j < p.Tk && 4u * dv < p.dh) { x = load4(2u, b * p.Tk + j, p.kv_stride, h, dv); }
+            kv[(e / DV) * DVP + dv] = vec4<T>(x);
+        }
+        // Every invocation of a row reduces the same values in the same order, so they agree on m.
+        var m_new = m;
+        for (var u = 0u; u < TX; u++) { m_new = max(m_new, red[u * TYP + ty]); }
+        let alpha = exp2(m - m_new);
+        m = m_new;
+        let p0 = exp2(s0 - m_new);
+        let p1 = exp2(s1 - m_new);
+        let p2 = exp2(s2 - m_new);
+        let p3 = exp2(s3 - m_new);
+        pt[tx * TYP + ty] = vec4<T>(p0);
+        pt[(tx + TX) * TYP + ty] = vec4<T>(p1);
+        pt[(tx + 2u * TX) * TYP + ty] = vec4<T>(p2);
+        pt[(tx + 3u * TX) * TYP + ty] = vec4<T>(p3);
+        l = l * alpha + ((p0 + p1) + (p2 + p3));
+        rescale(&a0, alpha);
+        if (CO > 1u) { rescale(&a1, alpha); }
+        if (CO > 2u) { rescale(&a2, alpha); }
+        if (CO > 3u) { rescale(&a3, alpha); }
+        workgroupBarrier();  // P and V are in place
+
+        // acc += P V for the rows and columns tx + TX*c, summed over the block in T.
+        var g0 = RowsT();
+        var g1 = RowsT();
+        var g2 = RowsT();
+        var g3 = RowsT();
+        for (var jj = 0u; jj < BK; jj++) {
+            let pr = pt[jj * TYP + ty];
+            let vrow = jj * DVP + tx;
+            accumulate(&g0, pr, kv[vrow]);
+            if (CO > 1u) { accumulate(&g1, pr, kv[vrow + TX]); }
+            if (CO > 2u) { accumulate(&g2, pr, kv[vrow + 2u * TX]); }
+            if (CO > 3u) { accumulate(&g3, pr, kv[vrow + 3u * TX]); }
+        }
+        flush(&a0, g0);
+        if (CO > 1u) { flush(&a1, g1); }
+        if (CO > 2u) { flush(&a2, g2); }
+        if (CO > 3u) { flush(&a3, g3); }
+    }
+
+    workgroupBarrier();  // the last block's reads of red are done
+    red[tx * TYP + ty] = l;
+    workgroupBarrier();
+    var l_row = vec4<f32>(0.0);
+    for (var u = 0u; u < TX; u++) { l_row += red[u * TYP + ty]; }
+    let inv_l = 1.0 / l_row;
+    let brow = b * p.Tq;
+    store(a0, brow, i0 + ty, h, 4u * tx, inv_l);
+    if (CO > 1u) { store(a1, brow, i0 + ty, h, 4u * (tx + TX), inv_l); }
+    if (CO > 2u) { store(a2, brow, i0 + ty, h, 4u * (tx + 2u * TX), inv_l); }
+    if (CO > 3u) { store(a3, brow, i0 + ty, h, 4u * (tx + 3u * TX), inv_l); }
+}
