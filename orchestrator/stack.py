@@ -1,8 +1,11 @@
 """The embedded stack: a Celery worker, beat and virtual phones as child processes of one
 command (`farm up`, `farm demo`), each in its own process group with its log under
-<data_dir>/logs, stopped together: SIGTERM to every group (a worker finishes or hands back its
-task: acks are late), then SIGKILL to whatever is left after a grace period. The broker is
-whatever the settings say: the embedded filesystem broker needs no process of its own."""
+<data_dir>/logs, stopped together: SIGTERM to each child itself (a worker finishes or hands back
+its task: acks are late), then SIGKILL to every group, with whatever is left in it, once the child
+has exited or a grace period has passed. Not SIGTERM to the groups: a worker's prefork children
+would die at once, one possibly holding the pool's queue lock, and the worker's warm shutdown
+would wait on that lock until the SIGKILL. The broker is whatever the settings say: the
+embedded filesystem broker needs no process of its own."""
 
 from __future__ import annotations
 
@@ -154,10 +157,11 @@ class Stack:
                 raise StackError(f"{child.name} exited with code {code}:\n{child.tail()}")
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM every process group, wait up to `grace_s`, SIGKILL what is left; afterwards no
-        process this stack started is running."""
+        """SIGTERM every child (the group leader alone), wait up to `grace_s`, SIGKILL every group;
+        afterwards no process this stack started is running."""
         for child in self.children:
-            _signal_group(child.process, signal.SIGTERM)
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:
             try:

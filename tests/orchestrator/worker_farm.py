@@ -43,8 +43,12 @@ class Workers:
         return worker
 
     def stop(self) -> None:
+        """SIGTERM each worker itself, as orchestrator.stack stops one (not its group: prefork
+        children killed at once can leave the pool's queue lock held and the warm shutdown
+        waiting on it), then SIGKILL each group."""
         for worker in self.processes:
-            kill_group(worker, signal.SIGTERM)
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
         for worker in self.processes:
             try:
                 worker.wait(timeout=20)
