@@ -35,7 +35,7 @@ def parse_setting(text: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp16")
-    ap.add_argument("--variants", default="partial_softmax,flash,flash_gemm")
+    ap.add_argument("--variants", default="partial_softmax,flash,flash_gemm,flash_packed")
     ap.add_argument("--set", action="append", default=[], help="extra constant setting tried on every variant, e.g. BQ=128,TX=5")
     ap.add_argument("--candidates", action="store_true", help="also time each variant's tuner candidates")
     ap.add_argument("--warmup", type=int, default=2)

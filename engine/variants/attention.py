@@ -294,9 +294,9 @@ def gemm_softmax_applies(shape: dict) -> str | None:
     "attention",
     "gemm_softmax",
     entry="softmax_main",
-    doc="one-head attention (the VAE's, head dim 512) as two products of the GEMM core with the score "
-    "matrix stored in the model's type between them, and a row softmax in place (f32 arithmetic); "
-    "head dim and key count divisible by 4 (partial_softmax otherwise)",
+    doc="one-head attention (the VAE's, head dim 512) in f32 as two products of the GEMM core with the "
+    "score matrix stored between them and a row softmax in place; f32 models, head dim and key count "
+    "divisible by 4 (partial_softmax otherwise)",
     constants=CORE_CONSTANTS,
     candidates=({"TILE_M": 128, "TILE_N": 128, "TILE_K": 16}, {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16}),
     applies=gemm_softmax_applies,
@@ -308,7 +308,9 @@ def attention_gemm_softmax(
     tk = k.shape[1]
     if heads != 1:
         raise EngineError(f"attention/gemm_softmax: {heads} heads; it runs one-head attention only")
-    if unsupported(dh, tk) or unsupported(tk, dh):  # the core's vec4 rows
+    # f16 would store the unscaled scores in f16: at head dim 512 their rounding reaches the
+    # logits (and large ones overflow); partial_softmax keeps them in f32. The core needs vec4 rows.
+    if ops.dtype != "f32" or unsupported(dh, tk) or unsupported(tk, dh):
         fallback = variants("attention")["partial_softmax"]
         return attention_partial_softmax(ops, fallback, {}, q, k, vv, heads, causal, scale)
     # S (bsz, Tq, Tk) = Q K^T, rows of Q and K contiguous (one head: no stride between heads)

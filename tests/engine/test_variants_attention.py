@@ -123,7 +123,7 @@ def test_flash_packed_blocks_too_large_for_the_adapter(rt, gpu, fresh_rng, monke
     assert rel_err(got, ref) <= TOL["f32"]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])  # f16: partial_softmax's f32 scores
 @pytest.mark.parametrize(
     "b,tq,tk,dh,causal",
     [
@@ -149,16 +149,19 @@ def test_gemm_softmax_refuses_several_heads_and_falls_back_where_the_core_cannot
     v = variants("attention")["gemm_softmax"]
     assert "one-head" in v.applies({"heads": 8, "dh": 40, "tk": 4096, "tq": 4096})
     assert v.applies({"heads": 1, "dh": 512, "tk": 4096, "tq": 4096}) is None
-    # 37 keys: not the core's vec4 rows; partial_softmax's three dispatches run instead
     ran = []
     real = attn.attention_partial_softmax
     monkeypatch.setattr(attn, "attention_partial_softmax", lambda *a: ran.append(a[1].name) or real(*a))
-    ops = make_ops(rt, gpu, "f32")
-    qx, kx, vx = (fresh_rng.standard_normal((1, t, 16)).astype(np.float32) for t in (30, 37, 37))
-    y = v.launch(ops, v, {}, *(rt.upload(a, "f32") for a in (qx, kx, vx)), 1, False, 0.25)
-    assert ran == ["partial_softmax"]
-    ref = np_attention(*(a.astype(np.float64) for a in (qx, kx, vx)), 1)
-    assert rel_err(rt.read(y).astype(np.float64), ref) <= TOL["f32"]
+    # 37 keys are not the core's vec4 rows, and f16 scores would be stored in f16: partial_softmax
+    # runs instead; 36 keys in f32 go through the core
+    for dtype, tk, expect in (("f32", 37, ["partial_softmax"]), ("f16", 36, ["partial_softmax"]), ("f32", 36, [])):
+        ran.clear()
+        ops = make_ops(rt, gpu, dtype)
+        qx, kx, vx = (fresh_rng.standard_normal((1, t, 16)).astype(np.float32) for t in (30, tk, tk))
+        y = v.launch(ops, v, {}, *(rt.upload(a, dtype) for a in (qx, kx, vx)), 1, False, 0.25)
+        assert ran == expect, (dtype, tk)
+        seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+        assert rel_err(rt.read(y).astype(np.float64), np_attention(*seen, 1)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("variant,per_chunk", [("partial_softmax", 3), ("flash", None)])
