@@ -296,7 +296,7 @@ def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads
         return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
     col = ops.rt.empty((bsz, kk, npix), ops.dtype, at_least=budget)
     ops.rt.dispatch(ops.pipeline(v, "main"), "conv2d_im2col",
-                    (cin, h, wd, kh, kw, stride, pads[0], pads[2], oh, ow, 0, bsz * kk * npix),
+                    (cin, h, wd, kh, kw, stride, pads[0], pads[2], oh, ow, bsz * kk * npix),
                     [x, col], ops.grid_1d(bsz * kk * npix))
     return gemm(ops, consts, w, col, cout, npix, kk, batch=bsz, b_kn=True, bias=b, bias_on_m=True,
                 strides=(0, kk * npix, cout * npix), out_shape=(bsz, cout, oh, ow), label="conv2d")

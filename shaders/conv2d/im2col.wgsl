@@ -1,15 +1,15 @@
 // The unfolded input of a convolution (im2col), for the GEMM core's product W (Cout x K) by
 // X_col[b] (K x P): X_col[b, k, p] = x[b, c, oy * stride - pad_top + ky, ox * stride - pad_left + kx]
 // (0 outside the image), k = (c * KH + ky) * KW + kx (the order of a weight row), p = oy * OW + ox.
-// One invocation per element of X_col (images b0 onwards; the launcher passes b0 = 0).
+// One invocation per element of X_col, the whole batch's.
 struct Params {
     Cin: u32, H: u32, W: u32, KH: u32,
     KW: u32, stride: u32, pad_top: u32, pad_left: u32,
-    OH: u32, OW: u32, b0: u32, n: u32,
+    OH: u32, OW: u32, n: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<T>;
-@group(0) @binding(2) var<storage, read_write> col: array<T>;  // (nb, Cin * KH * KW, OH * OW)
+@group(0) @binding(2) var<storage, read_write> col: array<T>;  // (B, Cin * KH * KW, OH * OW)
 
 @compute @workgroup_size(256)
 fn main(
@@ -23,7 +23,7 @@ fn main(
     let kk = p.Cin * p.KH * p.KW;
     let pix = i % npix;
     let k = (i / npix) % kk;
-    let b = p.b0 + i / (npix * kk);
+    let b = i / (npix * kk);
     let c = k / (p.KH * p.KW);
     let ky = (k / p.KW) % p.KH;
     let kx = k % p.KW;
