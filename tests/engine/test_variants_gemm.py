@@ -120,7 +120,7 @@ def test_the_f32_core_is_generated_from_the_f16_core():
     assert "f16" not in gen.DST.read_text().replace("slabs summed in f16", "")
 
 
-@pytest.mark.parametrize("split", [1, 4], ids=["whole-K", "split-K-4"])
+@pytest.mark.parametrize("split", [1, 4, 32], ids=["whole-K", "split-K-4", "split-K-32-more-than-slabs"])
 @pytest.mark.parametrize("b_kn", [False, True], ids=["B_NxK", "B_KxN"])
 def test_gemm_core_batched_forms(rt, gpu, fresh_rng, dtype, b_kn, split):
     """A batch of 3 products with A shared (stride 0), B per item in either layout, bias per

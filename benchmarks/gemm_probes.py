@@ -1,0 +1,170 @@
+"""Where the GEMM core's time goes: the core timed as shipped and with parts of its main loop
+taken out, on a few SD shapes, so that the cost of each part shows as the time it saves.
+
+    python benchmarks/gemm_probes.py --json out.json [--reps 20]
+
+A probe is the shipped shader (shaders/linear/gemm.wgsl) with one textual change:
+
+  noflush    the f16 partial sums added to the f32 accumulators once, at the end, not per slab
+  nosplat    each row's operand used as the whole vec4 it was read as, not splat per row
+  noglobal   no global loads after the first slab (the same staged data is multiplied again)
+  nostore    no stores of the next slab to workgroup memory
+  nobarrier  no barrier between slabs
+  loop       noglobal + nostore + nobarrier: only the workgroup-memory reads and the FMAs
+  loop+...   the loop with one more part out
+
+Every probe but the shipped one computes a wrong product: this is a measurement of cost, and
+its outputs are not checked. Prints a table of medians (GPU timestamps) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+FLUSH_IF = "if (!more || (t - first + 1u) % FLUSH == 0u) {"
+PREFETCH_IF = "if (more && PREFETCH) {"
+LATE_IF = "if (more && !PREFETCH) {"
+STORE_IF = "        if (more) {\n            if (li < qa) { store_a(1u - s"
+LOOP_BARRIER = "        workgroupBarrier();\n    }\n\n    let n_lo"
+
+
+def _splat_out(src: str) -> str:
+    for i, (reg, lane) in enumerate([("a0", c) for c in "xyzw"] + [("a1", c) for c in "xyzw"]):
+        src = src.replace(f"let x{i} = vec4<f16>({reg}.{lane});", f"let x{i} = {reg};")
+    return src
+
+
+EDITS = {
+    "noflush": lambda s: s.replace(FLUSH_IF, "if (!more) {"),
+    "nosplat": _splat_out,
+    "noglobal": lambda s: s.replace(PREFETCH_IF, "if (false) {").replace(LATE_IF, "if (false) {"),
+    "nostore": lambda s: s.replace(STORE_IF, "        if (false) {\n            if (li < qa) { store_a(1u - s"),
+    "nobarrier": lambda s: s.replace(LOOP_BARRIER, "    }\n\n    let n_lo"),
+}
+PROBES = {
+    "shipped": (),
+    "noflush": ("noflush",),
+    "nosplat": ("nosplat",),
+    "noglobal": ("noglobal",),
+    "nostore": ("nostore",),
+    "nobarrier": ("nobarrier",),
+    "loop": ("noglobal", "nostore", "nobarrier"),
+    "loop+noflush": ("noglobal", "nostore", "nobarrier", "noflush"),
+    "loop+nosplat": ("noglobal", "nostore", "nobarrier", "nosplat"),
+}
+# (label, batch, m, n, k, B is K x N, tile settings)
+SHAPES = (
+    ("linear FF1 64x64", 1, 8192, 2560, 320, False, {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "PREFETCH": 0}),
+    ("linear FF2 64x64", 1, 8192, 320, 1280, False, {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "PREFETCH": 0}),
+    ("linear qkv 64x64", 1, 8192, 320, 320, False, {}),
+    ("winograd 640->640 64x64", 16, 640, 2048, 640, True, {"TILE_M": 128, "TILE_N": 64, "TILE_K": 16}),
+    ("im2col 1280->1280 8x8", 2, 1280, 64, 11520, True, {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 8}),
+)
+
+
+def probe_source(text: str, edits: tuple[str, ...]) -> str:
+    for e in edits:
+        changed = EDITS[e](text)
+        if changed == text:
+            raise SystemExit(f"probe edit {e!r} no longer matches shaders/linear/gemm.wgsl: update the probe")
+        text = changed
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--probes", default=",".join(PROBES), help="comma-separated, of: " + ", ".join(PROBES))
+    ap.add_argument("--shapes", help="comma-separated indices into the shape list (default: all)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    import numpy as np
+
+    from engine import kernels
+    from engine.device import get_gpu
+    from engine.kernels import PipelineCache, Selection, Variant, variants
+    from engine.ops import Ops
+    from engine.roofline import measure_peaks
+    from engine.runtime import Runtime
+    from engine.tune import time_gpu_work
+    from engine.variants import gemm as core
+
+    gpu = get_gpu()
+    if not gpu.caps.has_f16:
+        print("the GEMM core needs shader-f16; this adapter has none", file=sys.stderr)
+        return 2
+    rt = Runtime(gpu)
+    peaks = measure_peaks(gpu, rt)
+    print(f"{gpu.caps.device} ({gpu.caps.backend}): measured f16 SIMT peak {peaks.f16_tflops} TFLOP/s")
+    rng = np.random.default_rng(0)
+    shipped = variants("linear")["gemm"]
+    source = shipped.path.read_text()
+    tmp = Path(tempfile.mkdtemp(prefix="gemm-probes-"))
+
+    @dataclasses.dataclass(frozen=True)
+    class Probe(Variant):
+        file: str = ""
+
+        @property
+        def path(self) -> Path:
+            return Path(self.file)
+
+    names = [p.strip() for p in args.probes.split(",") if p.strip()]
+    unknown = [p for p in names if p not in PROBES]
+    if unknown:
+        ap.error(f"unknown probes {unknown}; known: {', '.join(PROBES)}")
+    rows = []
+    # a probe named twice is timed twice ("NAME again"): the shipped core first and last shows
+    # whether the probes between them left the GPU slower
+    keys = []
+    for i, n in enumerate(names):
+        seen = names[:i].count(n)
+        keys.append(n if not seen else f"{n} again" if seen == 1 else f"{n} again {seen}")
+    print(f"{'shape':28s} " + " ".join(f"{p:>13s}" for p in keys) + "   (ms; TFLOP/s below)")
+    chosen = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else list(SHAPES)
+    for label, batch, m, n, k, b_kn, tiles in chosen:
+        a = rt.upload(rng.standard_normal((batch, m, k)).astype(np.float32), "f16")
+        b = rt.upload((rng.standard_normal((batch, k, n) if b_kn else (batch, n, k)) * k**-0.5).astype(np.float32), "f16")
+        flops = 2.0 * batch * m * n * k
+        times = {}
+        for key in keys:
+            name = key.split(" again")[0]
+            f = tmp / f"gemm_{name.replace('+', '_')}.wgsl"
+            f.write_text(probe_source(source, PROBES[name]))
+            probe = Probe(**{fld.name: getattr(shipped, fld.name) for fld in dataclasses.fields(Variant)},
+                          file=str(f))
+            probe = dataclasses.replace(probe, name=f"gemm~{name}")
+            kernels.REGISTRY["linear"]["gemm"] = probe
+            try:
+                ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f16")
+                times[key] = statistics.median(time_gpu_work(
+                    rt, lambda o=ops: core.gemm(o, tiles, a, b, m, n, k, batch=batch, b_kn=b_kn),
+                    args.warmup, args.reps))
+            finally:
+                kernels.REGISTRY["linear"]["gemm"] = shipped
+        rows.append({"shape": label, "batch": batch, "m": m, "n": n, "k": k, "b_kn": b_kn, "constants": tiles,
+                     "gflop": flops / 1e9, "ms": {p: round(t, 4) for p, t in times.items()},
+                     "tflops": {p: round(flops / t / 1e9, 2) for p, t in times.items()}})
+        print(f"{label:28s} " + " ".join(f"{times[p]:13.4f}" for p in keys))
+        print(f"{'':28s} " + " ".join(f"{flops / times[p] / 1e9:13.1f}" for p in keys))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": dt.date.today().isoformat(), "adapter": gpu.caps.device, "backend": gpu.caps.backend,
+            "driver": gpu.caps.description, "reps": args.reps, "f16_peak_tflops": peaks.f16_tflops,
+            "probes": {p: list(PROBES[p]) for p in set(names)}, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
