@@ -10,6 +10,8 @@ A probe is the shipped shader (shaders/linear/gemm.wgsl) with one textual change
   noglobal   no global loads after the first slab (the same staged data is multiplied again)
   nostore    no stores of the next slab to workgroup memory
   nobarrier  no barrier between slabs
+  halflds    half the workgroup-memory reads: each invocation's second operand vec4s of A and B
+             are its first ones, lanes reversed (same FMAs, same kind of values)
   loop       noglobal + nostore + nobarrier: only the workgroup-memory reads and the FMAs
   loop+...   the loop with one more part out
 
@@ -49,7 +51,23 @@ EDITS = {
     "noglobal": lambda s: s.replace(PREFETCH_IF, "if (false) {").replace(LATE_IF, "if (false) {"),
     "nostore": lambda s: s.replace(STORE_IF, "        if (false) {\n            if (li < qa) { store_a(1u - s"),
     "nobarrier": lambda s: s.replace(LOOP_BARRIER, "    }\n\n    let n_lo"),
+    "halflds": lambda s: s.replace("let a1 = As[abase + kk * sa() + TILE_M / 8u];", "let a1 = a0.wzyx;")
+                          .replace("let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];", "let b1 = b0.wzyx;"),
 }
+# flash_packed (shaders/attention/flash_packed.wgsl): its S loop reads 4 Q and 4 K vec4s for 32
+# FMAs of vec2 lanes; `halflds` reads Q rows 0 and 1 and K keys 0 and 1 and reuses them, lanes
+# reversed, for rows 2, 3 and keys 2, 3
+ATTN_EDITS = {
+    "halflds": lambda s: s.replace("let q2 = qs[(ty + 2u * TY) * DVP + dv];", "let q2 = q0.wzyx;")
+                          .replace("let q3 = qs[(ty + 3u * TY) * DVP + dv];", "let q3 = q1.wzyx;")
+                          .replace("dots(&h1, q0, q1, q2, q3, kv[(tx + TX) * DVP + dv]);",
+                                   "let k1 = kv[(tx + TX) * DVP + dv];\n                dots(&h1, q0, q1, q2, q3, k1);")
+                          .replace("dots(&h2, q0, q1, q2, q3, kv[(tx + 2u * TX) * DVP + dv]);",
+                                   "dots(&h2, q0, q1, q2, q3, k1.wzyx);")
+                          .replace("dots(&h3, q0, q1, q2, q3, kv[(tx + 3u * TX) * DVP + dv]);",
+                                   "dots(&h3, q0, q1, q2, q3, k1.zwxy);"),
+}
+ATTN_SHAPES = (("self-attention 4096 tokens, head dim 40", 2, 4096, 8, 40), ("self-attention 1024 tokens, head dim 80", 2, 1024, 8, 80))
 PROBES = {
     "shipped": (),
     "noflush": ("noflush",),
@@ -60,6 +78,8 @@ PROBES = {
     "loop": ("noglobal", "nostore", "nobarrier"),
     "loop+noflush": ("noglobal", "nostore", "nobarrier", "noflush"),
     "loop+nosplat": ("noglobal", "nostore", "nobarrier", "nosplat"),
+    "halflds": ("halflds",),
+    "loop+halflds": ("noglobal", "nostore", "nobarrier", "halflds"),
 }
 # (label, batch, m, n, k, B is K x N, tile settings)
 SHAPES = (
@@ -71,11 +91,11 @@ SHAPES = (
 )
 
 
-def probe_source(text: str, edits: tuple[str, ...]) -> str:
+def probe_source(text: str, edits: tuple[str, ...], table: dict = EDITS, file: str = "linear/gemm.wgsl") -> str:
     for e in edits:
-        changed = EDITS[e](text)
+        changed = table[e](text)
         if changed == text:
-            raise SystemExit(f"probe edit {e!r} no longer matches shaders/linear/gemm.wgsl: update the probe")
+            raise SystemExit(f"probe edit {e!r} no longer matches shaders/{file}: update the probe")
         text = changed
     return text
 
@@ -86,6 +106,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--probes", default=",".join(PROBES), help="comma-separated, of: " + ", ".join(PROBES))
     ap.add_argument("--shapes", help="comma-separated indices into the shape list (default: all)")
+    ap.add_argument("--data", choices=["normal", "zeros", "ones"], default="normal",
+                    help="the operands: N(0,1) (B scaled by K^-0.5), all zero, or all one (B 1/K): a GPU whose "
+                    "clock falls with its power draw runs the same instructions faster on quiet data")
+    ap.add_argument("--attention", action="store_true", help="also time flash_packed as shipped and with halflds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -134,8 +158,13 @@ def main(argv=None) -> int:
     print(f"{'shape':28s} " + " ".join(f"{p:>13s}" for p in keys) + "   (ms; TFLOP/s below)")
     chosen = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else list(SHAPES)
     for label, batch, m, n, k, b_kn, tiles in chosen:
-        a = rt.upload(rng.standard_normal((batch, m, k)).astype(np.float32), "f16")
-        b = rt.upload((rng.standard_normal((batch, k, n) if b_kn else (batch, n, k)) * k**-0.5).astype(np.float32), "f16")
+        bshape = (batch, k, n) if b_kn else (batch, n, k)
+        if args.data == "normal":
+            a_np, b_np = rng.standard_normal((batch, m, k)), rng.standard_normal(bshape) * k**-0.5
+        else:
+            fill = 0.0 if args.data == "zeros" else 1.0
+            a_np, b_np = np.full((batch, m, k), fill), np.full(bshape, fill / k)
+        a, b = rt.upload(a_np.astype(np.float32), "f16"), rt.upload(b_np.astype(np.float32), "f16")
         flops = 2.0 * batch * m * n * k
         times = {}
         for key in keys:
@@ -158,11 +187,33 @@ def main(argv=None) -> int:
                      "tflops": {p: round(flops / t / 1e9, 2) for p, t in times.items()}})
         print(f"{label:28s} " + " ".join(f"{times[p]:13.4f}" for p in keys))
         print(f"{'':28s} " + " ".join(f"{flops / times[p] / 1e9:13.1f}" for p in keys))
+    attn_rows = []
+    if args.attention:
+        packed = variants("attention")["flash_packed"]
+        asrc = packed.path.read_text()
+        for label, bsz, t, heads, dh in ATTN_SHAPES:
+            q, kk, vv = (rt.upload(rng.standard_normal((bsz, t, heads * dh)).astype(np.float32), "f16") for _ in range(3))
+            flops = 4.0 * bsz * heads * t * t * dh
+            times = {}
+            for name in ("shipped", "halflds", "shipped again"):
+                f = tmp / f"flash_packed_{name.replace(' ', '_')}.wgsl"
+                f.write_text(probe_source(asrc, () if name.startswith("shipped") else (name,), ATTN_EDITS,
+                                          "attention/flash_packed.wgsl"))
+                probe = Probe(**{fld.name: getattr(packed, fld.name) for fld in dataclasses.fields(Variant)}, file=str(f))
+                probe = dataclasses.replace(probe, name=f"flash_packed~{name.replace(' ', '_')}")
+                ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f16")
+                times[name] = statistics.median(time_gpu_work(
+                    rt, lambda o=ops, pr=probe: pr.launch(o, pr, {}, q, kk, vv, heads, False, dh**-0.5),
+                    args.warmup, args.reps))
+            attn_rows.append({"shape": label, "gflop": flops / 1e9, "ms": {p: round(t, 4) for p, t in times.items()},
+                              "tflops": {p: round(flops / t / 1e9, 2) for p, t in times.items()}})
+            print(f"{label:40s} " + "  ".join(f"{p} {t:.4f} ms ({flops / t / 1e9:.1f} TFLOP/s)" for p, t in times.items()))
     if args.json:
         args.json.write_text(json.dumps({
             "date": dt.date.today().isoformat(), "adapter": gpu.caps.device, "backend": gpu.caps.backend,
-            "driver": gpu.caps.description, "reps": args.reps, "f16_peak_tflops": peaks.f16_tflops,
-            "probes": {p: list(PROBES[p]) for p in set(names)}, "rows": rows}, indent=1))
+            "driver": gpu.caps.description, "reps": args.reps, "data": args.data, "f16_peak_tflops": peaks.f16_tflops,
+            "probes": {p: list(PROBES[p]) for p in set(names)}, "rows": rows,
+            "attention": attn_rows}, indent=1))
     return 0
 
 

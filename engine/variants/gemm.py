@@ -16,13 +16,15 @@ from ..errors import EngineError
 from ..kernels import variants
 from ..runtime import Tensor
 
-DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "FLUSH": 1, "SPLIT_K": 1, "PREFETCH": 1}
+DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "FLUSH": 1, "SPLIT_K": 1, "PREFETCH": 1, "COLS": 8}
 CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (32, 64, 128), "TILE_K": (8, 16, 32), "FLUSH": (1, 2, 4),
-             "SPLIT_K": (1, 2, 4, 8, 16, 32), "PREFETCH": (0, 1)}
+             "SPLIT_K": (1, 2, 4, 8, 16, 32), "PREFETCH": (0, 1), "COLS": (8, 4)}
 # the settings a tuner tries besides the defaults: large tiles for large products, small ones
 # and splits of K so that small M x N still fill the GPU (SD's 8x8 and 16x16 levels: 128 rows
 # or tiles by 1280 channels, K up to 11520), no global prefetch (PREFETCH 0) for fewer registers,
-# TILE_K 8 for half the workgroup memory (the f32 core's large VAE products: 1.2x on the H100).
+# TILE_K 8 for half the workgroup memory (the f32 core's large VAE products: 1.2x on the H100),
+# 8 x 4 register blocks (COLS 4: twice the invocations, half the registers; 2-7% on the H100
+# for SD's 64x64-level convolutions and projections and the split-K products).
 # FLUSH 2 and TILE_K 32 stay tunable constants but are not tried by default: on the H100 they were
 # 1.4-1.7x slower on every SD shape (the tunes of 2026-11-25).
 CANDIDATES = (
@@ -41,6 +43,9 @@ CANDIDATES = (
     {"TILE_M": 128, "TILE_N": 128, "TILE_K": 8},
     {"TILE_M": 64, "TILE_N": 128, "TILE_K": 8},
     {"TILE_M": 64, "TILE_N": 64, "TILE_K": 8, "SPLIT_K": 16},
+    {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "COLS": 4},
+    {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 16, "COLS": 4},
+    {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 16, "COLS": 4},
 )
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2}
 HAS_BIAS, BIAS_ON_M, HAS_RESIDUAL = 1, 2, 4
@@ -64,13 +69,13 @@ def check_tiles(tiles: dict, limits: dict, dtype: str = "f16") -> None:
     for name, value in tiles.items():
         if name not in CONSTANTS:
             raise EngineError(f"gemm: unknown constant {name}; the core takes {', '.join(CONSTANTS)}")
-        if name in ("FLUSH", "SPLIT_K", "PREFETCH") and value not in CONSTANTS[name]:
+        if name in ("FLUSH", "SPLIT_K", "PREFETCH", "COLS") and value not in CONSTANTS[name]:
             raise EngineError(f"gemm: {name}={value} is not one of {CONSTANTS[name]}")
     if tm % 16 or tn % 16 or tk % 4:
         raise EngineError(f"gemm: TILE_M and TILE_N must be multiples of 16 and TILE_K of 4, got {tiles}")
     if tk > tm // 2 or tk > tn // 2:
         raise EngineError(f"gemm: TILE_K must be at most half of TILE_M and of TILE_N, got {tiles}")
-    threads = (tm // 8) * (tn // 8)
+    threads = (tm // 8) * (tn // tiles.get("COLS", 8))
     if threads > limits.get("max-compute-invocations-per-workgroup", 256):
         raise EngineError(f"gemm: {tiles} needs {threads} invocations per workgroup; the adapter allows "
                           f"{limits.get('max-compute-invocations-per-workgroup', 256)}")

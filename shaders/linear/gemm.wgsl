@@ -10,7 +10,8 @@
 //
 // Blocking: a workgroup computes a TILE_M x TILE_N tile of C; each invocation an 8 x 8 register
 // block, rows {4ty..4ty+3} and {TILE_M/2 + 4ty..} by columns {4tx..4tx+3} and {TILE_N/2 + 4tx..}
-// (the two halves keep the workgroup-memory reads of a warp contiguous). K is walked TILE_K at a
+// (the two halves keep the workgroup-memory reads of a warp contiguous), or with COLS = 4 an
+// 8 x 4 block, columns {4tx..4tx+3} only: twice the invocations, half the registers each. K is walked TILE_K at a
 // time through two workgroup-memory stages: while the invocations multiply one stage, the next
 // slab's global loads are in flight (PREFETCH; else they are issued after the FMAs, which frees
 // their registers for more workgroups per SM) and land in the other stage, one barrier per slab. Operands
@@ -43,6 +44,7 @@ override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
 override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 accumulators
 override SPLIT_K: u32 = 1u;   // splits of K (1: none)
 override PREFETCH: bool = true;  // next slab's global loads in flight during the FMAs (more registers)
+override COLS: u32 = 8u;      // columns of an invocation's register block: 8 (two vec4 groups) or 4
 
 const HAS_BIAS: u32 = 1u;
 const BIAS_ON_M: u32 = 2u;
@@ -55,7 +57,7 @@ var<workgroup> Bs: array<vec4<f16>, 2u * TILE_K * (TILE_N / 4u + PAD)>;  // [sta
 
 fn sa() -> u32 { return TILE_M / 4u + PAD; }
 fn sb() -> u32 { return TILE_N / 4u + PAD; }
-fn threads() -> u32 { return (TILE_M / 8u) * (TILE_N / 8u); }
+fn threads() -> u32 { return (TILE_M / 8u) * (TILE_N / COLS); }
 
 // A quad is 4 rows (of M or N) by 4 k, or for B_KN 4 k by 4 columns: four vec4 loads.
 struct Quad { v0: vec4<f16>, v1: vec4<f16>, v2: vec4<f16>, v3: vec4<f16> }
@@ -166,7 +168,7 @@ fn store_c(z: u32, m: u32, n: u32, acc: vec4<f32>) {
     c4[at] = vec4<T>(activate(v));
 }
 
-@compute @workgroup_size(TILE_N / 8u, TILE_M / 8u)
+@compute @workgroup_size(TILE_N / COLS, TILE_M / 8u)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
@@ -222,23 +224,21 @@ fn main(
             let a0 = As[abase + kk * sa()];
             let a1 = As[abase + kk * sa() + TILE_M / 8u];
             let b0 = Bs[bbase + kk * sb()];
-            let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
             let x0 = vec4<f16>(a0.x);
-            h00 = fma(x0, b0, h00);  h01 = fma(x0, b1, h01);
             let x1 = vec4<f16>(a0.y);
-            h10 = fma(x1, b0, h10);  h11 = fma(x1, b1, h11);
             let x2 = vec4<f16>(a0.z);
-            h20 = fma(x2, b0, h20);  h21 = fma(x2, b1, h21);
             let x3 = vec4<f16>(a0.w);
-            h30 = fma(x3, b0, h30);  h31 = fma(x3, b1, h31);
             let x4 = vec4<f16>(a1.x);
-            h40 = fma(x4, b0, h40);  h41 = fma(x4, b1, h41);
             let x5 = vec4<f16>(a1.y);
-            h50 = fma(x5, b0, h50);  h51 = fma(x5, b1, h51);
             let x6 = vec4<f16>(a1.z);
-            h60 = fma(x6, b0, h60);  h61 = fma(x6, b1, h61);
             let x7 = vec4<f16>(a1.w);
-            h70 = fma(x7, b0, h70);  h71 = fma(x7, b1, h71);
+            h00 = fma(x0, b0, h00);  h10 = fma(x1, b0, h10);  h20 = fma(x2, b0, h20);  h30 = fma(x3, b0, h30);
+            h40 = fma(x4, b0, h40);  h50 = fma(x5, b0, h50);  h60 = fma(x6, b0, h60);  h70 = fma(x7, b0, h70);
+            if (COLS == 8u) {
+                let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
+                h01 = fma(x0, b1, h01);  h11 = fma(x1, b1, h11);  h21 = fma(x2, b1, h21);  h31 = fma(x3, b1, h31);
+                h41 = fma(x4, b1, h41);  h51 = fma(x5, b1, h51);  h61 = fma(x6, b1, h61);  h71 = fma(x7, b1, h71);
+            }
         }
         if (!more || (t - first + 1u) % FLUSH == 0u) {
             c00 += vec4<f32>(h00); h00 = vec4<f16>(0.0h); c01 += vec4<f32>(h01); h01 = vec4<f16>(0.0h);
@@ -269,14 +269,16 @@ fn main(
     let n_hi = n0 + TILE_N / 2u + 4u * lid.x;
     let m_lo = m0 + 4u * lid.y;
     let m_hi = m0 + TILE_M / 2u + 4u * lid.y;
-    put(z, split, m_lo + 0u, n_lo, c00); put(z, split, m_lo + 0u, n_hi, c01);
-    put(z, split, m_lo + 1u, n_lo, c10); put(z, split, m_lo + 1u, n_hi, c11);
-    put(z, split, m_lo + 2u, n_lo, c20); put(z, split, m_lo + 2u, n_hi, c21);
-    put(z, split, m_lo + 3u, n_lo, c30); put(z, split, m_lo + 3u, n_hi, c31);
-    put(z, split, m_hi + 0u, n_lo, c40); put(z, split, m_hi + 0u, n_hi, c41);
-    put(z, split, m_hi + 1u, n_lo, c50); put(z, split, m_hi + 1u, n_hi, c51);
-    put(z, split, m_hi + 2u, n_lo, c60); put(z, split, m_hi + 2u, n_hi, c61);
-    put(z, split, m_hi + 3u, n_lo, c70); put(z, split, m_hi + 3u, n_hi, c71);
+    put(z, split, m_lo + 0u, n_lo, c00); put(z, split, m_lo + 1u, n_lo, c10);
+    put(z, split, m_lo + 2u, n_lo, c20); put(z, split, m_lo + 3u, n_lo, c30);
+    put(z, split, m_hi + 0u, n_lo, c40); put(z, split, m_hi + 1u, n_lo, c50);
+    put(z, split, m_hi + 2u, n_lo, c60); put(z, split, m_hi + 3u, n_lo, c70);
+    if (COLS == 8u) {
+        put(z, split, m_lo + 0u, n_hi, c01); put(z, split, m_lo + 1u, n_hi, c11);
+        put(z, split, m_lo + 2u, n_hi, c21); put(z, split, m_lo + 3u, n_hi, c31);
+        put(z, split, m_hi + 0u, n_hi, c41); put(z, split, m_hi + 1u, n_hi, c51);
+        put(z, split, m_hi + 2u, n_hi, c61); put(z, split, m_hi + 3u, n_hi, c71);
+    }
 }
 
 // One 4-column group of C: the epilogue, or this split's partial.

@@ -22,6 +22,7 @@ override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
 override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 accumulators
 override SPLIT_K: u32 = 1u;   // splits of K (1: none)
 override PREFETCH: bool = true;  // next slab's global loads in flight during the FMAs (more registers)
+override COLS: u32 = 8u;      // columns of an invocation's register block: 8 (two vec4 groups) or 4
 
 const HAS_BIAS: u32 = 1u;
 const BIAS_ON_M: u32 = 2u;
@@ -34,7 +35,7 @@ var<workgroup> Bs: array<vec4<f32>, 2u * TILE_K * (TILE_N / 4u + PAD)>;  // [sta
 
 fn sa() -> u32 { return TILE_M / 4u + PAD; }
 fn sb() -> u32 { return TILE_N / 4u + PAD; }
-fn threads() -> u32 { return (TILE_M / 8u) * (TILE_N / 8u); }
+fn threads() -> u32 { return (TILE_M / 8u) * (TILE_N / COLS); }
 
 // A quad is 4 rows (of M or N) by 4 k, or for B_KN 4 k by 4 columns: four vec4 loads.
 struct Quad { v0: vec4<f32>, v1: vec4<f32>, v2: vec4<f32>, v3: vec4<f32> }
@@ -145,7 +146,7 @@ fn store_c(z: u32, m: u32, n: u32, acc: vec4<f32>) {
     c4[at] = vec4<T>(activate(v));
 }
 
-@compute @workgroup_size(TILE_N / 8u, TILE_M / 8u)
+@compute @workgroup_size(TILE_N / COLS, TILE_M / 8u)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
@@ -201,23 +202,21 @@ fn main(
             let a0 = As[abase + kk * sa()];
             let a1 = As[abase + kk * sa() + TILE_M / 8u];
             let b0 = Bs[bbase + kk * sb()];
-            let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
             let x0 = vec4<f32>(a0.x);
-            c00 = fma(x0, b0, c00);  c01 = fma(x0, b1, c01);
             let x1 = vec4<f32>(a0.y);
-            c10 = fma(x1, b0, c10);  c11 = fma(x1, b1, c11);
             let x2 = vec4<f32>(a0.z);
-            c20 = fma(x2, b0, c20);  c21 = fma(x2, b1, c21);
             let x3 = vec4<f32>(a0.w);
-            c30 = fma(x3, b0, c30);  c31 = fma(x3, b1, c31);
             let x4 = vec4<f32>(a1.x);
-            c40 = fma(x4, b0, c40);  c41 = fma(x4, b1, c41);
             let x5 = vec4<f32>(a1.y);
-            c50 = fma(x5, b0, c50);  c51 = fma(x5, b1, c51);
             let x6 = vec4<f32>(a1.z);
-            c60 = fma(x6, b0, c60);  c61 = fma(x6, b1, c61);
             let x7 = vec4<f32>(a1.w);
-            c70 = fma(x7, b0, c70);  c71 = fma(x7, b1, c71);
+            c00 = fma(x0, b0, c00);  c10 = fma(x1, b0, c10);  c20 = fma(x2, b0, c20);  c30 = fma(x3, b0, c30);
+            c40 = fma(x4, b0, c40);  c50 = fma(x5, b0, c50);  c60 = fma(x6, b0, c60);  c70 = fma(x7, b0, c70);
+            if (COLS == 8u) {
+                let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
+                c01 = fma(x0, b1, c01);  c11 = fma(x1, b1, c11);  c21 = fma(x2, b1, c21);  c31 = fma(x3, b1, c31);
+                c41 = fma(x4, b1, c41);  c51 = fma(x5, b1, c51);  c61 = fma(x6, b1, c61);  c71 = fma(x7, b1, c71);
+            }
         }
         if (more && !PREFETCH) {  // loaded now: the registers are free during the FMAs
             if (li < qa) { pa0 = load_a(z, m0, k0, li); }
@@ -238,14 +237,16 @@ fn main(
     let n_hi = n0 + TILE_N / 2u + 4u * lid.x;
     let m_lo = m0 + 4u * lid.y;
     let m_hi = m0 + TILE_M / 2u + 4u * lid.y;
-    put(z, split, m_lo + 0u, n_lo, c00); put(z, split, m_lo + 0u, n_hi, c01);
-    put(z, split, m_lo + 1u, n_lo, c10); put(z, split, m_lo + 1u, n_hi, c11);
-    put(z, split, m_lo + 2u, n_lo, c20); put(z, split, m_lo + 2u, n_hi, c21);
-    put(z, split, m_lo + 3u, n_lo, c30); put(z, split, m_lo + 3u, n_hi, c31);
-    put(z, split, m_hi + 0u, n_lo, c40); put(z, split, m_hi + 0u, n_hi, c41);
-    put(z, split, m_hi + 1u, n_lo, c50); put(z, split, m_hi + 1u, n_hi, c51);
-    put(z, split, m_hi + 2u, n_lo, c60); put(z, split, m_hi + 2u, n_hi, c61);
-    put(z, split, m_hi + 3u, n_lo, c70); put(z, split, m_hi + 3u, n_hi, c71);
+    put(z, split, m_lo + 0u, n_lo, c00); put(z, split, m_lo + 1u, n_lo, c10);
+    put(z, split, m_lo + 2u, n_lo, c20); put(z, split, m_lo + 3u, n_lo, c30);
+    put(z, split, m_hi + 0u, n_lo, c40); put(z, split, m_hi + 1u, n_lo, c50);
+    put(z, split, m_hi + 2u, n_lo, c60); put(z, split, m_hi + 3u, n_lo, c70);
+    if (COLS == 8u) {
+        put(z, split, m_lo + 0u, n_hi, c01); put(z, split, m_lo + 1u, n_hi, c11);
+        put(z, split, m_lo + 2u, n_hi, c21); put(z, split, m_lo + 3u, n_hi, c31);
+        put(z, split, m_hi + 0u, n_hi, c41); put(z, split, m_hi + 1u, n_hi, c51);
+        put(z, split, m_hi + 2u, n_hi, c61); put(z, split, m_hi + 3u, n_hi, c71);
+    }
 }
 
 // One 4-column group of C: the epilogue, or this split's partial.
