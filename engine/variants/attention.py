@@ -243,7 +243,9 @@ def attention_flash_gemm(
     "attention",
     "flash_packed",
     doc="flash_gemm with Q, K, V and P in the model's type and both products summed in it (two f16 "
-    "lanes per FMA) before they reach the f32 scores and accumulators; softmax statistics in f32",
+    "lanes per FMA) before they reach the f32 scores and accumulators; softmax statistics in f32; vec4 "
+    "loads of Q, K and V, the next block's K and V in flight during the FMAs; head dims divisible by 4 "
+    "(flash_gemm otherwise)",
     constants={"BQ": (16, 32, 64, 128), "TX": (4, 5, 8, 10, 20)},
     # As flash_gemm's; its halved workgroup memory also admits 128 rows at the default TX.
     candidates=({"BQ": 32}, {"BQ": 16}, {"TX": 5}, {"BQ": 32, "TX": 5}, {"BQ": 128, "TX": 5}, {"BQ": 128}),
@@ -252,8 +254,11 @@ def attention_flash_gemm(
 def attention_flash_packed(
     ops, v: Variant, consts: dict, q: Tensor, k: Tensor, vv: Tensor, heads: int, causal: bool, scale: float
 ) -> Tensor:
+    aligned = (q.shape[2] // heads) % 4 == 0
+    if not aligned:  # its vec4 loads need the head dim (and so the rows) in vec4s
+        v, consts = variants("attention")["flash_gemm"], {c: x for c, x in consts.items() if c != "FLUSH_DV"}
     if ops.dtype == "f16":
-        return _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, 8)
+        return _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, 8 if aligned else 16)
     # An f32 model stages vec4<f32> operands, twice the workgroup memory of the f16 blocks a
     # profile was tuned with: it keeps the profile's blocks where they fit, else the defaults.
     try:

@@ -14,14 +14,19 @@
 //   pt  [BK][TYP]   vec4<T>   P, one vec4 per (key, ty) holding rows ty + TY * r
 //   red [TX][TYP]   vec4<f32> per-invocation row maxima, at the end the row sums
 // With causal = 1, keys j > i are masked (CLIP) and blocks past the last row are skipped.
+// Q, K and V are read as vec4s: the head dim and the row strides must be multiples of 4 (the
+// launcher runs flash_gemm otherwise). Each invocation's first four staged vec4s of a K or V
+// block travel in registers, loaded a phase ahead: V during S, the next block's K during the
+// softmax and P V, so their latency hides behind the FMAs; any further ones (blocks of more than
+// 4 vec4s per invocation) are loaded when staged.
 struct Params {
     H: u32, Tq: u32, Tk: u32, dh: u32,
     q_stride: u32, kv_stride: u32, causal: u32, scale: f32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> q: array<T>;
-@group(0) @binding(2) var<storage, read> k: array<T>;
-@group(0) @binding(3) var<storage, read> v: array<T>;
+@group(0) @binding(1) var<storage, read> q: array<vec4<T>>;
+@group(0) @binding(2) var<storage, read> k: array<vec4<T>>;
+@group(0) @binding(3) var<storage, read> v: array<vec4<T>>;
 @group(0) @binding(4) var<storage, read_write> o: array<T>;
 
 override BQ: u32 = 64u;  // query rows per workgroup, a multiple of 4
@@ -41,25 +46,19 @@ var<workgroup> kv: array<vec4<T>, BK * DVP>;
 var<workgroup> pt: array<vec4<T>, BK * TYP>;
 var<workgroup> red: array<vec4<f32>, TX * TYP>;
 
-// Element i of q (src 0), k (1) or v (2); the call sites pass src as a literal.
-fn elem(src: u32, i: u32) -> f32 {
-    switch src {
-        case 0u: { return f32(q[i]); }
-        case 1u: { return f32(k[i]); }
-        default: { return f32(v[i]); }
-    }
+// Staged vec4 e (row e / DV, head-dim column e % DV) of the K (src 1) or V (src 2) block at key
+// j0: zero past the block, past Tk and past the head dim. The call sites pass src as a literal.
+fn fetch(src: u32, b: u32, h: u32, j0: u32, e: u32) -> vec4<T> {
+    let j = j0 + e / DV;
+    let dv = e % DV;
+    if (e >= BK * DV || j >= p.Tk || 4u * dv >= p.dh) { return vec4<T>(); }
+    let i = ((b * p.Tk + j) * p.kv_stride + h * p.dh) / 4u + dv;
+    if (src == 1u) { return k[i]; }
+    return v[i];
 }
 
-// Head-dim elements 4*dv .. 4*dv+3 of row `row` of a (rows, stride) tensor, 0 past dh.
-fn load4(src: u32, row: u32, stride: u32, h: u32, dv: u32) -> vec4<f32> {
-    let d0 = 4u * dv;
-    let base = row * stride + h * p.dh + d0;
-    if (d0 + 4u <= p.dh) {
-        return vec4<f32>(elem(src, base), elem(src, base + 1u), elem(src, base + 2u), elem(src, base + 3u));
-    }
-    var x = vec4<f32>(0.0);
-    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { x[e] = elem(src, base + e); } }
-    return x;
+fn stage(e: u32, x: vec4<T>) {
+    if (e < BK * DV) { kv[(e / DV) * DVP + e % DV] = x; }
 }
 
 // The partial dot products of one key with the invocation's rows r = 0..3 (two T lanes each).
@@ -145,7 +144,9 @@ fn main(
         let r = e / DV;
         let dv = e % DV;
         var x = vec4<f32>(0.0);
-        if (i0 + r < p.Tq && 4u * dv < p.dh) { x = load4(0u, b * p.Tq + i0 + r, p.q_stride, h, dv) * qscale; }
+        if (i0 + r < p.Tq && 4u * dv < p.dh) {
+            x = vec4<f32>(q[((b * p.Tq + i0 + r) * p.q_stride + h * p.dh) / 4u + dv]) * qscale;
+        }
         qs[r * DVP + dv] = vec4<T>(x);
     }
     let rows = vec4<u32>(i0 + ty) + vec4<u32>(0u, 1u, 2u, 3u) * TY;
@@ -159,16 +160,22 @@ fn main(
 
     var kv_end = p.Tk;
     if (p.causal != 0u) { kv_end = min(p.Tk, i0 + BQ); }
+    let e1 = li + nt;
+    let e2 = li + 2u * nt;
+    let e3 = li + 3u * nt;
+    var r0 = fetch(1u, b, h, 0u, li);  // the staged vec4s in flight: K of block 0
+    var r1 = fetch(1u, b, h, 0u, e1);
+    var r2 = fetch(1u, b, h, 0u, e2);
+    var r3 = fetch(1u, b, h, 0u, e3);
     for (var j0 = 0u; j0 < kv_end; j0 += BK) {
         workgroupBarrier();  // the previous block is done with kv and pt
-        for (var e = li; e < BK * DV; e += nt) {
-            let j = j0 + e / DV;
-            let dv = e % DV;
-            var x = vec4<f32>(0.0);
-            if (j < p.Tk && 4u * dv < p.dh) { x = load4(1u, b * p.Tk + j, p.kv_stride, h, dv); }
-            kv[(e / DV) * DVP + dv] = vec4<T>(x);
-        }
+        stage(li, r0); stage(e1, r1); stage(e2, r2); stage(e3, r3);
+        for (var e = li + 4u * nt; e < BK * DV; e += nt) { stage(e, fetch(1u, b, h, j0, e)); }
         workgroupBarrier();
+        r0 = fetch(2u, b, h, j0, li);  // this block's V, in flight during S
+        r1 = fetch(2u, b, h, j0, e1);
+        r2 = fetch(2u, b, h, j0, e2);
+        r3 = fetch(2u, b, h, j0, e3);
 
         // S = Q K^T: s_e holds key tx + TX*e for the 4 rows.
         var s0 = vec4<f32>(0.0);
@@ -206,13 +213,12 @@ fn main(
         red[tx * TYP + ty] = max(max(s0, s1), max(s2, s3));
         workgroupBarrier();  // every S is computed (kv is free) and every row max posted
 
-        for (var e = li; e < BK * DV; e += nt) {
-            let j = j0 + e / DV;
-            let dv = e % DV;
-            var x = vec4<f32>(0.0);
-            if (j < p.Tk && 4u * dv < p.dh) { x = load4(2u, b * p.Tk + j, p.kv_stride, h, dv); }
-            kv[(e / DV) * DVP + dv] = vec4<T>(x);
-        }
+        stage(li, r0); stage(e1, r1); stage(e2, r2); stage(e3, r3);
+        for (var e = li + 4u * nt; e < BK * DV; e += nt) { stage(e, fetch(2u, b, h, j0, e)); }
+        r0 = fetch(1u, b, h, j0 + BK, li);  // the next block's K, in flight during the softmax and P V
+        r1 = fetch(1u, b, h, j0 + BK, e1);
+        r2 = fetch(1u, b, h, j0 + BK, e2);
+        r3 = fetch(1u, b, h, j0 + BK, e3);
         // Every invocation of a row reduces the same values in the same order, so they agree on m.
         var m_new = m;
         for (var u = 0u; u < TX; u++) { m_new = max(m_new, red[u * TYP + ty]); }

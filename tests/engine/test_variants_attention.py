@@ -102,6 +102,20 @@ def test_flash_packed_sums_in_f16_within_tolerance_for_large_logits(rt, gpu, fre
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_flash_packed_head_dim_not_in_vec4s(rt, gpu, fresh_rng, dtype):
+    """flash_packed reads Q, K and V as vec4s; a head dim that is no multiple of 4 (rows that
+    start inside a vec4) runs flash_gemm's scalar loads instead, and stays right."""
+    ops = make_ops(rt, gpu, dtype, "flash_packed")
+    heads, dh = 3, 6
+    qx, kx, vx = (fresh_rng.standard_normal((2, t, heads * dh)).astype(np.float32) for t in (45, 37, 37))
+    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+    got = run(ops, (qx, kx, vx), heads, False)
+    assert {d.variant for d in ops.selection.decisions.values()} == {"flash_packed"}
+    err = rel_err(got, np_attention(*seen, heads))
+    assert err <= TOL[dtype], f"flash_packed (head dim 6) vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_flash_packed_blocks_too_large_for_the_adapter(rt, gpu, fresh_rng, monkeypatch, dtype):
     """Profiles tune flash_packed's blocks in f16, whose staged operands take half the workgroup
     memory of f32's. An f32 model keeps the blocks where they fit and otherwise takes the
