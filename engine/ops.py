@@ -116,6 +116,20 @@ class Ops:
             return self._launch("linear", shape, x, w, b, residual=residual)
         return self.add(self._launch("linear", shape, x, w, b), residual)
 
+    def linear_geglu(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        """GEGLU of the projection: x (..., K) @ w (2F, K)^T + b (2F) -> (..., F), the first F
+        outputs times GELU of the last F. In the product's epilogue where the chosen variant and
+        setting can take it (`fuses_geglu`), else by `geglu` after it."""
+        n_out, k = w.shape[0], math.prod(w.shape[1:])
+        if x.shape[-1] != k:
+            raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
+        shape = {"m": x.numel // k, "n": n_out, "k": k}
+        variant, consts = self.selection.choose("linear", shape)
+        fuses = getattr(variant.launch, "fuses_geglu", None)
+        if fuses is not None and fuses(consts, n_out, k):
+            return self._launch("linear", shape, x, w, b, geglu=True)
+        return self.geglu(self._launch("linear", shape, x, w, b))
+
     def conv2d(
         self,
         x: Tensor,

@@ -60,7 +60,7 @@ class UNet2DCondition:
             n = ops.layer_norm(h, w[bp + "norm2.weight"], w[bp + "norm2.bias"], BLOCK_LN_EPS)
             h = attention_block(ops, w, bp + "attn2.", n, ctx, heads, residual=h)
             n = ops.layer_norm(h, w[bp + "norm3.weight"], w[bp + "norm3.bias"], BLOCK_LN_EPS)
-            f = ops.geglu(ops.linear(n, w[bp + "ff.net.0.proj.weight"], w[bp + "ff.net.0.proj.bias"]))
+            f = ops.linear_geglu(n, w[bp + "ff.net.0.proj.weight"], w[bp + "ff.net.0.proj.bias"])
             h = ops.linear(f, w[bp + "ff.net.2.weight"], w[bp + "ff.net.2.bias"], residual=h)
         h = ops.linear(h, w[p + "proj_out.weight"], w[p + "proj_out.bias"])
         h = ops.transpose(h).reshape(b, c, hh, ww)  # (B, C, H, W)

@@ -84,6 +84,16 @@ def check_tiles(tiles: dict, limits: dict, dtype: str = "f16") -> None:
         raise EngineError(f"gemm: {tiles} needs {need} bytes of workgroup memory; the adapter has {have}")
 
 
+def gated_unsupported(consts: dict, n: int, b_kn: bool, residual, act) -> str | None:
+    """Why the core cannot run a product with the GEGLU epilogue in this setting (None: it can)."""
+    tiles = {**DEFAULTS, **consts}
+    if tiles["COLS"] != 8 or tiles["SPLIT_K"] != 1:
+        return f"the GEGLU epilogue needs COLS 8 and SPLIT_K 1 (got COLS {tiles['COLS']}, SPLIT_K {tiles['SPLIT_K']})"
+    if n % 8 or b_kn or residual is not None or act is not None:
+        return "the GEGLU epilogue needs N divisible by 8, B as N x K, no residual and no activation"
+    return None
+
+
 def unsupported(k: int, n: int) -> str | None:
     """Why the core cannot run a product with inner size k and output width n (None: it can)."""
     if k % 4 or n % 4:
@@ -110,19 +120,22 @@ def gemm(
     out_shape: tuple[int, ...] | None = None,
     strides: tuple[int, int, int] | None = None,
     label: str = "gemm",
+    gated: bool = False,
 ) -> Tensor:
     """C (batch, m, n) = act(A B^T + bias + residual) for A (batch, m, k) and B (batch, n, k),
     or B (batch, k, n) when `b_kn`. `strides` are the batch strides of A, B and C in elements
-    (default: packed; 0 shares one operand across the batch)."""
-    why = unsupported(k, n)
+    (default: packed; 0 shares one operand across the batch). `gated`: GEGLU, C (batch, m, n/2)
+    = value * GELU(gate), the first n/2 of B's rows (and of bias) the value's, the rest the gate's."""
+    why = unsupported(k, n) or (gated_unsupported(consts, n, b_kn, residual, act) if gated else None)
     if why:
         raise EngineError(f"gemm {m}x{n}x{k}: {why}")
     tiles = {**DEFAULTS, **consts}
     check_tiles(tiles, ops.rt.caps.limits, ops.dtype)
-    sa, sb, sc = strides if strides is not None else (m * k, n * k, m * n)
+    n_c = n // 2 if gated else n
+    sa, sb, sc = strides if strides is not None else (m * k, n * k, m * n_c)
     if sa % 4 or sb % 4 or sc % 4:
         raise EngineError(f"gemm: batch strides {sa, sb, sc} must be multiples of 4")
-    y = out if out is not None else ops.rt.empty(out_shape or ((batch, m, n) if batch > 1 else (m, n)), ops.dtype)
+    y = out if out is not None else ops.rt.empty(out_shape or ((batch, m, n_c) if batch > 1 else (m, n_c)), ops.dtype)
     flags = (HAS_BIAS if bias is not None else 0) | (BIAS_ON_M if bias_on_m else 0) | \
         (HAS_RESIDUAL if residual is not None else 0)
     core = variants("linear")["gemm" if ops.dtype == "f16" else "gemm_f32"]
@@ -134,7 +147,7 @@ def gemm(
                           f"{SCRATCH_BYTES >> 20} MiB of partials; split products that small M x N need")
     part = ops.rt.empty((split, batch, m, n), "f32", at_least=SCRATCH_BYTES) if split > 1 else ops.dummy_rw
     ops.rt.dispatch(
-        ops.pipeline(core, "main", **tiles, B_KN=bool(b_kn)),
+        ops.pipeline(core, "main", **tiles, B_KN=bool(b_kn), **({"GATED": True} if gated else {})),
         label, params, [a, b, *epilogue, part],
         (math.ceil(n / tiles["TILE_N"]), math.ceil(m / tiles["TILE_M"]), batch * split),
     )

@@ -10,7 +10,7 @@ from ..kernels import Variant, register, variants
 from ..runtime import Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
-from .gemm import gemm, unsupported
+from .gemm import gated_unsupported, gemm, unsupported
 
 DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
 
@@ -74,17 +74,23 @@ def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Ten
     candidates=CORE_CANDIDATES,
 )
 def linear_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None,
-                residual: Tensor | None = None) -> Tensor:
+                residual: Tensor | None = None, geglu: bool = False) -> Tensor:
     n_out, k = w.shape[0], math.prod(w.shape[1:])
+    m = x.numel // k
+    if geglu:  # Ops.linear_geglu has checked that this setting takes it (fuses_geglu)
+        return gemm(ops, consts, x, w, m, n_out, k, bias=b, gated=True, out_shape=(*x.shape[:-1], n_out // 2),
+                    label="linear")
     if unsupported(k, n_out):  # odd sizes: the tiled kernels, with their defaults
         y = linear_tiled_f16(ops, variants("linear")["tiled_f16"], {}, x, w, b)
         return y if residual is None else ops.add(y, residual)
-    m = x.numel // k
     return gemm(ops, consts, x, w, m, n_out, k, bias=b, residual=residual, out_shape=(*x.shape[:-1], n_out),
                 label="linear")
 
 
 linear_gemm.fuses_residual = True  # Ops.linear hands it the residual to add in the epilogue
+# Ops.linear_geglu hands it GEGLU's gate where the setting can take it in the epilogue
+linear_gemm.fuses_geglu = lambda consts, n, k: unsupported(k, n) is None and \
+    gated_unsupported(consts, n, False, None, None) is None
 
 
 # The f32 core's own entry in the registry: its shader file, for gemm() to compile when the

@@ -19,6 +19,11 @@
 // lane) and then added to f32 accumulators every FLUSH slabs, so f16 rounding is confined to
 // sums of FLUSH * TILE_K terms.
 //
+// GEGLU (GATED): B's N = 2F rows are F value rows then F gate rows; a workgroup's TILE_N rows are
+// TILE_N / 2 value rows and the gate rows of the same output columns, so each invocation holds
+// value and gate of its columns (its two column halves) and writes value * GELU(gate) (exact
+// erf form, bias added to both first) to C, M x F. Needs COLS 8, SPLIT_K 1, B as N x K, F % 4 == 0.
+//
 // Split-K (SPLIT_K > 1, for products whose M x N tiles alone cannot fill the GPU): the grid's z
 // is batch x SPLIT_K, each split sums its share of the slabs into f32 partials
 // part (SPLIT_K, batch, M, N), and reduce_main adds them up and applies the epilogue.
@@ -45,6 +50,7 @@ override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 
 override SPLIT_K: u32 = 1u;   // splits of K (1: none)
 override PREFETCH: bool = true;  // next slab's global loads in flight during the FMAs (more registers)
 override COLS: u32 = 8u;      // columns of an invocation's register block: 8 (two vec4 groups) or 4
+override GATED: bool = false; // GEGLU epilogue (see above)
 
 const HAS_BIAS: u32 = 1u;
 const BIAS_ON_M: u32 = 2u;
@@ -103,15 +109,23 @@ fn load_b(z: u32, n0: u32, k0: u32, q: u32) -> Quad {
         return o;
     }
     let kq = q % (TILE_K / 4u);
-    let n = n0 + 4u * (q / (TILE_K / 4u));
+    let r = 4u * (q / (TILE_K / 4u));  // row of the tile
     let k = k0 + 4u * kq;
     if (k >= p.K) { return o; }
+    var n = n0 + r;
+    var n_end = p.N;
+    if (GATED) {  // the value rows of the tile's output columns, then their gate rows
+        let f = p.N / 2u;
+        let c = n0 / 2u + r % (TILE_N / 2u);
+        n = select(c, f + c, r >= TILE_N / 2u);
+        n_end = select(f, p.N, r >= TILE_N / 2u);
+    }
     let base = (z * p.b_batch + n * p.K + k) / 4u;
     let row = p.K / 4u;
-    if (n < p.N) { o.v0 = vec4<f16>(b4[base]); }
-    if (n + 1u < p.N) { o.v1 = vec4<f16>(b4[base + row]); }
-    if (n + 2u < p.N) { o.v2 = vec4<f16>(b4[base + 2u * row]); }
-    if (n + 3u < p.N) { o.v3 = vec4<f16>(b4[base + 3u * row]); }
+    if (n < n_end) { o.v0 = vec4<f16>(b4[base]); }
+    if (n + 1u < n_end) { o.v1 = vec4<f16>(b4[base + row]); }
+    if (n + 2u < n_end) { o.v2 = vec4<f16>(b4[base + 2u * row]); }
+    if (n + 3u < n_end) { o.v3 = vec4<f16>(b4[base + 3u * row]); }
     return o;
 }
 
@@ -166,6 +180,21 @@ fn store_c(z: u32, m: u32, n: u32, acc: vec4<f32>) {
     let at = (z * p.c_batch + m * p.N + n) / 4u;
     if ((p.flags & HAS_RESIDUAL) != 0u) { v += vec4<f32>(r4[at]); }
     c4[at] = vec4<T>(activate(v));
+}
+
+// GEGLU's epilogue: output columns c..c+3 of row m from their value and gate sums.
+fn store_gated(z: u32, m: u32, c: u32, value: vec4<f32>, gate: vec4<f32>) {
+    let f = p.N / 2u;
+    if (m >= p.M || c >= f) { return; }
+    var a = value;
+    var g = gate;
+    if ((p.flags & HAS_BIAS) != 0u) {
+        a += vec4<f32>(f32(bias[c]), f32(bias[c + 1u]), f32(bias[c + 2u]), f32(bias[c + 3u]));
+        g += vec4<f32>(f32(bias[f + c]), f32(bias[f + c + 1u]), f32(bias[f + c + 2u]), f32(bias[f + c + 3u]));
+    }
+    let e = vec4<f32>(erf_approx(g.x * 0.7071067811865476), erf_approx(g.y * 0.7071067811865476),
+                      erf_approx(g.z * 0.7071067811865476), erf_approx(g.w * 0.7071067811865476));
+    c4[(z * p.c_batch + m * f + c) / 4u] = vec4<T>(a * 0.5 * g * (1.0 + e));
 }
 
 @compute @workgroup_size(TILE_N / COLS, TILE_M / 8u)
@@ -269,6 +298,14 @@ fn main(
     let n_hi = n0 + TILE_N / 2u + 4u * lid.x;
     let m_lo = m0 + 4u * lid.y;
     let m_hi = m0 + TILE_M / 2u + 4u * lid.y;
+    if (GATED) {
+        let c = n0 / 2u + 4u * lid.x;
+        store_gated(z, m_lo + 0u, c, c00, c01); store_gated(z, m_lo + 1u, c, c10, c11);
+        store_gated(z, m_lo + 2u, c, c20, c21); store_gated(z, m_lo + 3u, c, c30, c31);
+        store_gated(z, m_hi + 0u, c, c40, c41); store_gated(z, m_hi + 1u, c, c50, c51);
+        store_gated(z, m_hi + 2u, c, c60, c61); store_gated(z, m_hi + 3u, c, c70, c71);
+        return;
+    }
     put(z, split, m_lo + 0u, n_lo, c00); put(z, split, m_lo + 1u, n_lo, c10);
     put(z, split, m_lo + 2u, n_lo, c20); put(z, split, m_lo + 3u, n_lo, c30);
     put(z, split, m_hi + 0u, n_lo, c40); put(z, split, m_hi + 1u, n_lo, c50);

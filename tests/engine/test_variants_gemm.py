@@ -188,3 +188,52 @@ def test_linear_adds_the_residual_in_the_epilogue_where_it_can(rt, gpu, fresh_rn
     assert rel_err(got, h(x, dtype) @ h(w, dtype).T + h(b, dtype) + h(r, dtype)) <= TOL[dtype]
     with pytest.raises(ValueError, match="residual"):
         ops.linear(xt, wt, bt, residual=xt)
+
+
+@pytest.mark.parametrize("tiles", [{}, {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "PREFETCH": 0},
+                                   {"TILE_M": 128, "TILE_N": 128, "TILE_K": 16}],
+                         ids=lambda t: "x".join(map(str, t.values())) or "defaults")
+@pytest.mark.parametrize("m,f,k", [
+    (70, 100, 48),  # partial tiles in M and in both halves of N (F not a multiple of TILE_N / 2)
+    (256, 320, 320),  # SD's 64x64 level feed-forward, fewer tokens
+    (3, 4, 12),  # one output vec4, K shorter than TILE_K
+])
+def test_linear_geglu_in_the_epilogue(rt, gpu, fresh_rng, dtype, m, f, k, tiles):
+    """Ops.linear_geglu with the core's GEGLU epilogue: each tile stages the value rows of its
+    output columns and their gate rows, and writes value * GELU(gate); against numpy (exact
+    erf GELU) and against the unfused projection followed by the geglu kernel."""
+    x, w, b = rand(fresh_rng, 2, m, k), rand(fresh_rng, 2 * f, k, scale=k**-0.5), rand(fresh_rng, 2 * f)
+    ops = ops_for(rt, gpu, [Rule("linear", "gemm", constants=tuple(tiles.items()))], dtype)
+    assert ops.selection.variant("linear", {"m": 2 * m, "n": 2 * f, "k": k}).launch.fuses_geglu(tiles, 2 * f, k)
+    xs, ws, bs = rt.upload(x, dtype), rt.upload(w, dtype), rt.upload(b, dtype)
+    if not fits(gpu, tiles, dtype):  # less workgroup memory than the setting needs: refused, never run
+        with pytest.raises(EngineError, match="workgroup memory"):
+            ops.linear_geglu(xs, ws, bs)
+        return
+    got = rt.read(ops.linear_geglu(xs, ws, bs)).astype(np.float64)
+    assert got.shape == (2, m, f)
+    assert np.isfinite(got).all(), "the GEGLU epilogue left poisoned (NaN) elements"
+    pre = h(x, dtype) @ h(w, dtype).T + h(b, dtype)
+    ref = pre[..., :f] * gelu(pre[..., f:])
+    assert rel_err(got, ref) <= TOL[dtype], "GEGLU epilogue vs numpy"
+    unfused = rt.read(ops.geglu(ops.linear(xs, ws, bs))).astype(np.float64)
+    assert rel_err(got, unfused) <= TOL[dtype], "GEGLU epilogue vs linear + geglu"
+
+
+@pytest.mark.parametrize("tiles", [{"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "COLS": 4},
+                                   {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 4}],
+                         ids=["COLS-4", "split-K"])
+def test_linear_geglu_unfused_where_the_setting_cannot_take_it(rt, gpu, fresh_rng, tiles):
+    """A setting whose invocations hold one column half (COLS 4) or whose epilogue runs in the
+    split-K reduction cannot gate in the epilogue: the projection runs as selected and geglu after
+    it, with the same result; the core itself refuses the gated form by name."""
+    m, f, k = 40, 64, 96
+    x, w, b = rand(fresh_rng, m, k), rand(fresh_rng, 2 * f, k, scale=k**-0.5), rand(fresh_rng, 2 * f)
+    ops = ops_for(rt, gpu, [Rule("linear", "gemm", constants=tuple(tiles.items()))])
+    assert not ops.selection.variant("linear", {"m": m, "n": 2 * f, "k": k}).launch.fuses_geglu(tiles, 2 * f, k)
+    xs, ws, bs = rt.upload(x, "f16"), rt.upload(w, "f16"), rt.upload(b, "f16")
+    got = rt.read(ops.linear_geglu(xs, ws, bs)).astype(np.float64)
+    pre = h(x) @ h(w).T + h(b)
+    assert rel_err(got, pre[..., :f] * gelu(pre[..., f:])) <= TOL["f16"]
+    with pytest.raises(EngineError, match="GEGLU epilogue needs COLS 8 and SPLIT_K 1"):
+        core.gemm(ops, tiles, xs, ws, m, 2 * f, k, bias=bs, gated=True)
