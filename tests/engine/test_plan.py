@@ -149,6 +149,14 @@ def test_a_replayed_plan_equals_generate_bit_for_bit(native, planned, scheduler)
     np.testing.assert_array_equal(b.latents, a.latents)
     np.testing.assert_array_equal(b.image, a.image)
     assert set(b.timings) >= {"text_encoder_ms", "unet_step_ms", "vae_decode_ms", "total_ms"}
+    # the denoising loop ran back to back and was timed whole: its steps are the UNet runs
+    ex = planned.executor(64, 64, 3, scheduler)
+    runs = sum(1 for c in ex.plan["generate"] if c["op"] == "run" and c["stage"] == "unet_step")
+    assert ex.loop_steps == runs >= 3
+    t = b.timings
+    assert 0 < t["unet_total_ms"] < t["total_ms"]
+    assert t["unet_step_ms"] == pytest.approx(t["unet_total_ms"] / runs)
+    assert t["text_encoder_ms"] + t["unet_total_ms"] + t["vae_decode_ms"] <= t["total_ms"]
 
 
 @pytest.mark.gpu
