@@ -147,9 +147,9 @@ class PlanExecutor:
         self._fence = Fence(self.device)
         self.stage_ms: dict[str, float] = {}
         # generate()'s denoising loop runs its steps back to back, with no wait for the GPU
-        # between them (a wait per step left the GPU idle while the next step's first commands
-        # were recorded: 1.1 ms a step on an H100); it is timed as a whole, from its first step
-        # to the next stage, as stage_ms["unet_step"] over loop_steps steps
+        # between them (the three waits a step it had left the GPU idle while the next commands
+        # were recorded: 3 ms a step on an H100); it is timed as a whole, from its first step to
+        # the next stage, as stage_ms["unet_step"] over loop_steps steps
         self.loop_steps = 0
         self._loop_t0: float | None = None
 
