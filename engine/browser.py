@@ -468,8 +468,8 @@ class BrowserExecutor:
         self.plan, self.session, self.timeout_s = plan, session, timeout_s
         self.load_report = session.call("load", timeout_s=timeout_s, **session.load_fields(plan, model_dir))
         self.bytes = self.load_report["buffer_bytes"]
-        self.step_ms: list[float] = []
         self.stage_ms: dict[str, float] = {}
+        self.loop_steps = 0  # as PlanExecutor's: the page runs the denoising loop back to back
 
     def run(self, stage: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from .plan import stage_inputs
@@ -489,7 +489,7 @@ class BrowserExecutor:
         else:
             inputs["latents"] = _array_in(latents, "f32")
         reply = self.session.call("generate", timeout_s=self.timeout_s, plan=self.plan["sha256"], inputs=inputs)
-        self.step_ms = list(reply["step_ms"])
+        self.loop_steps = int(reply["loop_steps"])
         self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items() if k != "total_ms"}
         return {k: _array_out(v) for k, v in reply["outputs"].items()}
 

@@ -115,7 +115,7 @@ async function handle(cmd) {
   if (cmd.op === "generate") {
     const out = await runner.generate(inputs);
     return { outputs: Object.fromEntries(Object.entries(out.outputs).map(([k, a]) => [k, arrayOut(a)])),
-      timings: out.timings, step_ms: out.step_ms, buffer_bytes: runner.bytes, weight_bytes: runner.weightBytes };
+      timings: out.timings, loop_steps: out.loop_steps, buffer_bytes: runner.bytes, weight_bytes: runner.weightBytes };
   }
   if (cmd.op === "time") {
     return { ms: await runner.timeStage(cmd.stage, cmd.repetitions, cmd.warmup || 0) };

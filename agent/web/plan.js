@@ -1,9 +1,9 @@
 // The browser executor of engine plans (docs/engine-plans.md): WebGPU, ES modules, no build
 // step. A PlanRunner loads one plan on one GPUDevice (pipelines, buffers, uniform buffers,
 // bind groups, weights fetched by byte range and cached by sha256), then runs its stages or its
-// whole generation and returns host arrays, wall times per stage and step, GPU time per kernel
-// where the adapter has timestamp queries, and the bytes its buffers hold. Every failure is a
-// PlanError with a kind the host can act on.
+// whole generation and returns host arrays, wall times per stage (the denoising loop, run back
+// to back, as one), GPU time per kernel where the adapter has timestamp queries, and the bytes
+// its buffers hold. Every failure is a PlanError with a kind the host can act on.
 
 export const SCHEMA = 1;
 export const FORMAT = "devicefarm-engine-plan";
@@ -311,8 +311,16 @@ export class PlanRunner {
         if (this.pass) { this.pass.end(); this.pass = null; }
         enc.copyBufferToBuffer(c.src, 0, c.dst, 0, c.size);
       } else if (c.op === "run") {
+        if (this.loopT0 !== null && c.stage === "unet_step") {  // inside the loop: no wait
+          await this.walk(this.stages[c.stage], inputs);
+          continue;
+        }
         await this.sync();
         const t0 = performance.now();
+        if (this.loopT0 !== null) {  // the loop is done: the stage after it starts
+          this.stageMs.unet_step = t0 - this.loopT0;
+          this.loopT0 = null;
+        }
         await this.walk(this.stages[c.stage], inputs);
         await this.sync();
         this.stageMs[c.stage] = (this.stageMs[c.stage] || 0) + performance.now() - t0;
@@ -322,12 +330,12 @@ export class PlanRunner {
         if (!value) throw new PlanError("input", `the generation needs input ${c.name}${c.name === "noise" ? ` #${c.index}` : ""}`);
         this.flush();
         this.device.queue.writeBuffer(this.buffers[c.buffer], 0, pad4(value));
-      } else if (c.op === "step") {
-        if (c.index > 0) {
+      } else if (c.op === "step") {  // the loop runs back to back and is timed whole
+        if (this.loopT0 === null) {
           await this.sync();
-          this.stepMs.push(performance.now() - this.stepT0);
+          this.loopT0 = performance.now();
         }
-        this.stepT0 = performance.now();
+        this.loopSteps += 1;
       }
     }
   }
@@ -348,7 +356,8 @@ export class PlanRunner {
 
   begin() {
     this.stageMs = {};
-    this.stepMs = [];
+    this.loopSteps = 0;
+    this.loopT0 = null;
     this.device.pushErrorScope("validation");
   }
 
@@ -379,16 +388,19 @@ export class PlanRunner {
   async generate(inputs) {
     this.begin();
     const t0 = performance.now();
-    this.stepT0 = t0;
-    await this.walk(this.program, inputs);
-    await this.end();
-    this.stepMs.push(performance.now() - this.stepT0);
+    try {
+      await this.walk(this.program, inputs);
+      await this.end();
+      if (this.loopT0 !== null) this.stageMs.unet_step = performance.now() - this.loopT0;  // no stage after it
+    } finally {
+      this.loopT0 = null;
+    }
     const outputs = {};
     for (const [name, io] of Object.entries(this.plan.outputs)) outputs[name] = await this.read(io);
     const timings = {};
     for (const [k, v] of Object.entries(this.stageMs)) timings[`${k}_ms`] = v;
     timings.total_ms = performance.now() - t0;
-    return { outputs, timings, step_ms: this.stepMs };
+    return { outputs, timings, loop_steps: this.loopSteps };
   }
 
   // Wall times (ms, to GPU completion) of replays of one stage, its inputs as they are (the

@@ -223,6 +223,11 @@ def test_generations_match_the_python_engine(native, browser, fresh_rng, schedul
     assert psnr(b.image, a.image) >= 40.0
     assert _rel(b.latents, a.latents) <= 1e-3
     assert b.timings["unet_step_ms"] > 0 and b.timings["vae_decode_ms"] > 0
+    # the page ran the denoising loop back to back and timed it whole, as PlanExecutor does
+    ex = browser.executor(64, 64, 3, scheduler)
+    runs = sum(1 for c in ex.plan["generate"] if c["op"] == "run" and c["stage"] == "unet_step")
+    assert ex.loop_steps == runs >= 3
+    assert b.timings["unet_step_ms"] == pytest.approx(b.timings["unet_total_ms"] / runs)
 
 
 def test_per_kernel_gpu_times_from_timestamp_queries(browser):
