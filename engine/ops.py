@@ -100,14 +100,20 @@ class Ops:
 
     # ---- dense ------------------------------------------------------------------------
 
+    @staticmethod
+    def _linear_shape(x: Tensor, w: Tensor) -> dict:
+        """The linear op's shape key for x (..., K) and w (N, K...); refuses a mismatch."""
+        n_out, k = w.shape[0], math.prod(w.shape[1:])
+        if x.shape[-1] != k:
+            raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
+        return {"m": x.numel // k, "n": n_out, "k": k}
+
     def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
         """x (..., K) @ w (N, K)^T + b (N) [+ residual (..., N)] -> (..., N). The residual is added
         in the product's epilogue where the chosen variant has one (`fuses_residual`), else by
         `add` after it."""
-        n_out, k = w.shape[0], math.prod(w.shape[1:])
-        if x.shape[-1] != k:
-            raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
-        shape = {"m": x.numel // k, "n": n_out, "k": k}
+        shape = self._linear_shape(x, w)
+        n_out = shape["n"]
         if residual is None:
             return self._launch("linear", shape, x, w, b)
         if residual.shape != (*x.shape[:-1], n_out):
@@ -120,13 +126,10 @@ class Ops:
         """GEGLU of the projection: x (..., K) @ w (2F, K)^T + b (2F) -> (..., F), the first F
         outputs times GELU of the last F. In the product's epilogue where the chosen variant and
         setting can take it (`fuses_geglu`), else by `geglu` after it."""
-        n_out, k = w.shape[0], math.prod(w.shape[1:])
-        if x.shape[-1] != k:
-            raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
-        shape = {"m": x.numel // k, "n": n_out, "k": k}
+        shape = self._linear_shape(x, w)
         variant, consts = self.selection.choose("linear", shape)
         fuses = getattr(variant.launch, "fuses_geglu", None)
-        if fuses is not None and fuses(consts, n_out, k):
+        if fuses is not None and fuses(consts, shape["n"], shape["k"]):
             return self._launch("linear", shape, x, w, b, geglu=True)
         return self.geglu(self._launch("linear", shape, x, w, b))
 
