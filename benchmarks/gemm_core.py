@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         return rt.upload((rng.standard_normal(shape) * scale).astype(np.float32), "f16")
 
     rows = []
-    shapes = [s for op, s, _ in distinct_calls(config, gpu.caps, "f16", res, res) if op == "linear"]
+    shapes = [s for op, s, *_ in distinct_calls(config, gpu.caps, "f16", res, res) if op == "linear"]
     for shape in shapes:
         m, n, k = shape["m"], shape["n"], shape["k"]
         x, w, b = upload(m, k), upload(n, k, scale=k**-0.5), upload(n)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
               + (f"; gemm best {best_gemm['constants']} {best_gemm['median_ms']:.3f} ms" if best_gemm else ""))
 
     if args.winograd:
-        convs = {tuple(sorted(s.items())): s for op, s, _ in distinct_calls(config, gpu.caps, "f16", res, res)
+        convs = {tuple(sorted(s.items())): s for op, s, *_ in distinct_calls(config, gpu.caps, "f16", res, res)
                  if op == "conv2d" and s["k"] == 3 and s["stride"] == 1 and s["cin"] >= 64}
         for s in convs.values():
             p, cin, cout = s["b"] * s["tiles"], s["cin"], s["cout"]

@@ -51,8 +51,8 @@ EDITS = {
     "noglobal": lambda s: s.replace(PREFETCH_IF, "if (false) {").replace(LATE_IF, "if (false) {"),
     "nostore": lambda s: s.replace(STORE_IF, "        if (false) {\n            if (li < qa) { store_a(1u - s"),
     "nobarrier": lambda s: s.replace(LOOP_BARRIER, "    }\n\n    let n_lo"),
-    "halflds": lambda s: s.replace("let a1 = As[abase + kk * sa() + TILE_M / 8u];", "let a1 = a0.wzyx;")
-                          .replace("let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];", "let b1 = b0.wzyx;"),
+    "halflds": lambda s: s.replace("let a1 = As[at + TILE_M / 8u];", "let a1 = a0.wzyx;")
+                          .replace("let b1 = Bs[bt + TILE_N / 8u];", "let b1 = b0.wzyx;"),
 }
 # flash_packed (shaders/attention/flash_packed.wgsl) with its K and V staged from Q's workgroup
 # rows instead of global memory: what their loads still cost

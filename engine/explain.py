@@ -35,18 +35,18 @@ def _shape_weights(rt: TraceRuntime, shapes: dict[str, tuple], dtype: str) -> GP
 
 
 def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2):
-    """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone.
-    Returns [(network, [(op, shape, args), ...])]."""
+    """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone, each on Ops with
+    the scratch bounds a pipeline gives it. Returns [(network, [(op, shape, args), ...])]."""
     f = 2 ** (len(config.vae.block_out_channels) - 1)
     h, w = height // f, width // f
-    from .pipeline import VAE_SCRATCH_SCALE, _vae_dtype
+    from .pipeline import _vae_dtype, scratch_scale
 
     rt = TraceRuntime(caps)
     out = []
     for network in ("text_encoder", "unet", "vae_decoder"):
         # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)
         net_dtype = _vae_dtype(config, dtype) if network == "vae_decoder" else dtype
-        ops = Ops(rt, None, selection, net_dtype, scratch_scale=VAE_SCRATCH_SCALE if network == "vae_decoder" else 1)
+        ops = Ops(rt, None, selection, net_dtype, scratch_scale=scratch_scale(network))
         ops.calls = []
         if network == "text_encoder":
             cfg = config.text_encoder
@@ -77,12 +77,16 @@ def explain(config, selection: Selection, caps, dtype: str, height: int, width: 
     return rows
 
 
-def distinct_calls(config, caps, dtype: str, height: int, width: int) -> list[tuple[str, dict, tuple]]:
-    """One example (op, shape, args) per distinct (op, shape) of the whole model."""
+def distinct_calls(config, caps, dtype: str, height: int, width: int) -> list[tuple[str, dict, tuple, int]]:
+    """One example (op, shape, args, scratch scale) per distinct (op, shape) of the whole model:
+    the scale is the Ops scratch_scale of the network the call is from, which decides how a
+    Winograd or im2col convolution is chunked (so the tuner times the chunks a pipeline runs)."""
+    from .pipeline import scratch_scale
+
     seen = {}
-    for _, calls in trace_calls(config, Selection(frozenset(caps.features)), caps, dtype, height, width):
+    for network, calls in trace_calls(config, Selection(frozenset(caps.features)), caps, dtype, height, width):
         for op, shape, args in calls:
-            seen.setdefault((op, tuple(sorted(shape.items()))), (op, shape, args))
+            seen.setdefault((op, tuple(sorted(shape.items()))), (op, shape, args, scratch_scale(network)))
     return list(seen.values())
 
 

@@ -106,6 +106,12 @@ def _selection(caps, profile) -> Selection:
 VAE_SCRATCH_SCALE = 4
 
 
+def scratch_scale(network: str) -> int:
+    """The Ops scratch_scale a pipeline runs `network` with (text_encoder, unet, vae_decoder,
+    vae_encoder)."""
+    return VAE_SCRATCH_SCALE if network.startswith("vae") else 1
+
+
 def _vae_dtype(config, dtype: str) -> str:
     # Like diffusers, a VAE marked force_upcast runs in fp32 inside an fp16 pipeline: SD 1.x
     # decoders overflow fp16's range on real weights.
@@ -268,7 +274,7 @@ class Pipeline:
         self.rt = Runtime(gpu) if rt is None else rt
         self.selection = selection
         pipelines = self.rt.pipeline_cache(gpu)
-        self.ops = Ops(self.rt, pipelines, selection, dtype)
+        self.ops = Ops(self.rt, pipelines, selection, dtype, scratch_scale=scratch_scale("unet"))
         self.notes = list(notes)
         self.vae_dtype = _vae_dtype(config, dtype)
         on_gpu = None if residency == "staged" else states  # staged: nothing goes up yet
@@ -285,7 +291,7 @@ class Pipeline:
         self.upload_ms = 0.0  # staged: time spent uploading weights, since the last generate
         self.text_encoder = CLIPTextEncoder(config.text_encoder, self.weights["text_encoder"], self.ops)
         self.unet_model = UNet2DCondition(config.unet, self.weights["unet"], self.ops)
-        vae_ops = Ops(self.rt, self.ops.pipelines, selection, self.vae_dtype, scratch_scale=VAE_SCRATCH_SCALE)
+        vae_ops = Ops(self.rt, self.ops.pipelines, selection, self.vae_dtype, scratch_scale=scratch_scale("vae_decoder"))
         self.vae = AutoencoderKL(config.vae, self.weights["vae"], vae_ops)
         self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
         self.latent_channels = config.unet.in_channels

@@ -72,6 +72,26 @@ def time_gpu_work(rt: Runtime, fn: Callable, warmup: int, repeats: int) -> list[
     return samples
 
 
+def _call_dtype(args: tuple, dtype: str) -> str:
+    """A call's own element type (its first float tensor's): a force_upcast VAE runs in f32."""
+    return next((a.dtype for a in args if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
+
+
+WARM_UP_S = 2.0  # GPU work before the first measurement
+
+
+def warm_up(rt: Runtime, fn: Callable, seconds: float = WARM_UP_S) -> int:
+    """Run `fn` (GPU work) to completion again and again for `seconds`; returns the calls made.
+    Meant for a GPU fresh from idle. On the H100 of 2026-11-25 it did not remove the slow spells
+    that made a tune's first shapes 2-6x slow (docs/benchmarks.md, "Fifth increment")."""
+    calls, t_end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        fn()
+        rt.sync()
+        calls += 1
+    return calls
+
+
 def tune(
     config,
     gpu,
@@ -90,7 +110,7 @@ def tune(
     caps = gpu.caps
     calls = distinct_calls(config, caps, dtype, height, width)
     if ops:
-        unknown = set(ops) - {op for op, _, _ in calls}
+        unknown = set(ops) - {c[0] for c in calls}
         if unknown:
             raise EngineError(f"the model has no {', '.join(sorted(unknown))} calls to tune")
         calls = [c for c in calls if c[0] in ops]
@@ -99,12 +119,17 @@ def tune(
     rng = np.random.default_rng(0)
     rules, measurements = [], []
     deadline = time.monotonic() + time_budget_s
-    for i, (op, shape, args) in enumerate(calls):
+    if calls and rt.caps.adapter_type.lower() != "cpu":
+        op, shape, args, scale = calls[0]
+        first, v = random_like(rt, args, rng), variants(op)["reference"]
+        ops0 = Ops(rt, pipelines, Selection(frozenset(caps.features)), _call_dtype(first, dtype), scratch_scale=scale)
+        warm_up(rt, lambda: v.launch(ops0, v, {}, *first))
+    for i, (op, shape, args, scale) in enumerate(calls):
         if progress:
             progress(i, len(calls), f"{op} {shape}")
         real = random_like(rt, args, rng)
         # the call's own element type: a force_upcast VAE runs (and is timed) in f32
-        call_dtype = next((a.dtype for a in real if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
+        call_dtype = _call_dtype(real, dtype)
         results = []
         for v in variants(op).values():
             if v.requires - caps.features or (v.applies and v.applies(shape)):
@@ -112,7 +137,7 @@ def tune(
             for consts in _settings(v):
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
-                ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), call_dtype)
+                ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), call_dtype, scratch_scale=scale)
                 try:
                     samples = time_gpu_work(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
                 except EngineError:

@@ -171,11 +171,14 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
 
 W2_TILE = 2  # output tile edge
 W2_POSITIONS = 16  # (2 + 2)^2 products per tile
-# Scratch of the core path, in bytes: the transformed filters of one chunk of output channels,
-# and the transformed input and the products of one chunk of tiles (one size class with the
-# core's own scratch).
+# Scratch of the core path, in bytes: the transformed filters of one chunk of output channels
+# and the products of one chunk of tiles (one size class with the core's own scratch), and the
+# transformed input of one chunk of tiles, twice that: with 16 MiB, SD's 32x32 level (512 tiles,
+# 1280-1920 input channels) split into a chunk of 272-408 tiles and a small one, and its
+# convolutions ran at 60% of the 640-channel ones' rate.
 WINOGRAD_CORE_FILTER_BYTES = SCRATCH_BYTES
 WINOGRAD_CORE_TILE_BYTES = SCRATCH_BYTES
+WINOGRAD_CORE_INPUT_BYTES = 2 * SCRATCH_BYTES
 
 
 def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale: int = 1) -> tuple[int, int]:
@@ -183,9 +186,11 @@ def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale
     Ops' scratch_scale) allow, channels in multiples of 64 (or all), tiles in multiples of 4 (or all)."""
     cc = WINOGRAD_CORE_FILTER_BYTES * scale // (W2_POSITIONS * cin * item)
     cc = cout if cc >= cout else max(64, cc // 64 * 64)
-    tc = WINOGRAD_CORE_TILE_BYTES * scale // (W2_POSITIONS * max(cin, cc) * item)
+    cc = min(cc, cout)
+    tc = min(WINOGRAD_CORE_INPUT_BYTES * scale // (W2_POSITIONS * cin * item),
+             WINOGRAD_CORE_TILE_BYTES * scale // (W2_POSITIONS * cc * item))
     tc = n_tiles if tc >= n_tiles else max(4, tc // 4 * 4)
-    return min(cc, cout), tc
+    return cc, tc
 
 
 @register(
@@ -229,7 +234,7 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     for t0 in range(0, n_tiles, tc_max):
         pc = min(tc_max, n_tiles - t0)
         pcp = -(-pc // 4) * 4
-        vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES * scale)
+        vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_INPUT_BYTES * scale)
         ops.rt.dispatch(input_p, "conv2d_winograd_input", (*base, t0, pc, pcp, 0, cout),
                         [x, None, None, None, vt], ops.grid_1d(cin * pcp))
         for co0, cc in channel_chunks:

@@ -68,8 +68,8 @@ def check_tiles(tiles: dict, limits: dict, dtype: str = "f16") -> None:
             raise EngineError(f"gemm: unknown constant {name}; the core takes {', '.join(CONSTANTS)}")
         if name in ("FLUSH", "SPLIT_K", "PREFETCH", "COLS") and value not in CONSTANTS[name]:
             raise EngineError(f"gemm: {name}={value} is not one of {CONSTANTS[name]}")
-    if tm % 16 or tn % 16 or tk % 4:
-        raise EngineError(f"gemm: TILE_M and TILE_N must be multiples of 16 and TILE_K of 4, got {tiles}")
+    if tm % 16 or tn % 16 or tk % 8:
+        raise EngineError(f"gemm: TILE_M and TILE_N must be multiples of 16 and TILE_K of 8, got {tiles}")
     if tk > tm // 2 or tk > tn // 2:
         raise EngineError(f"gemm: TILE_K must be at most half of TILE_M and of TILE_N, got {tiles}")
     threads = (tm // 8) * (tn // tiles.get("COLS", 8))
@@ -139,10 +139,11 @@ def gemm(
     split = tiles["SPLIT_K"]
     params = (m, n, k, flags, sa, sb, sc, ACTIVATIONS[act], batch)
     epilogue = [bias if bias is not None else ops.dummy, residual if residual is not None else ops.dummy, y]
-    if split > 1 and split * batch * m * n * 4 > SCRATCH_BYTES:
+    budget = SCRATCH_BYTES * ops.scratch_scale  # the size class of every scratch buffer of these Ops
+    if split > 1 and split * batch * m * n * 4 > budget:
         raise EngineError(f"gemm: SPLIT_K={split} of a {batch}x{m}x{n} product needs more than "
-                          f"{SCRATCH_BYTES >> 20} MiB of partials; split products that small M x N need")
-    part = ops.rt.empty((split, batch, m, n), "f32", at_least=SCRATCH_BYTES) if split > 1 else ops.dummy_rw
+                          f"{budget >> 20} MiB of partials; split products that small M x N need")
+    part = ops.rt.empty((split, batch, m, n), "f32", at_least=budget) if split > 1 else ops.dummy_rw
     ops.rt.dispatch(
         ops.pipeline(core, "main", **tiles, B_KN=bool(b_kn), **({"GATED": True} if gated else {})),
         label, params, [a, b, *epilogue, part],

@@ -17,7 +17,7 @@ struct Params {
 
 override TILE_M: u32 = 64;   // multiple of 16
 override TILE_N: u32 = 64;   // multiple of 16
-override TILE_K: u32 = 16;   // multiple of 4
+override TILE_K: u32 = 16;   // multiple of 8
 override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
 override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 accumulators
 override SPLIT_K: u32 = 1u;   // splits of K (1: none)
@@ -121,6 +121,45 @@ fn store_b(s: u32, q: u32, o: Quad) {
     Bs[at + 3u * sb()] = vec4<f32>(o.v0.w, o.v1.w, o.v2.w, o.v3.w);
 }
 
+// An invocation's 8 x 8 block (COLS = 4: 8 x 4, the rRC with C = 1 unused): rRC holds register
+// row R (0..7) by column half C (0..1), 4 columns each.
+// Acc: the f32 sums.
+struct Acc {
+    r00: vec4<f32>, r01: vec4<f32>, r10: vec4<f32>, r11: vec4<f32>, r20: vec4<f32>, r21: vec4<f32>,
+    r30: vec4<f32>, r31: vec4<f32>, r40: vec4<f32>, r41: vec4<f32>, r50: vec4<f32>, r51: vec4<f32>,
+    r60: vec4<f32>, r61: vec4<f32>, r70: vec4<f32>, r71: vec4<f32>,
+}
+
+// One k of the slab: the invocation's 8 rows of A (staged at `at`) times its 4 or 8 columns of B
+// (at `bt`), each row's value splat over a vec4 of columns. The main loop calls it 8 times per
+// iteration: written as a loop over single k's, NVIDIA's compiler (Vulkan) kept the loop and
+// re-packed the packed-half sums on every trip (32 permutes per 32 FMAs; FMAs were 36% of the
+// loop's instructions); unrolled, the loop pays that once per 8 k's.
+fn mac(acc: ptr<function, Acc>, at: u32, bt: u32) {
+    let a0 = As[at];
+    let a1 = As[at + TILE_M / 8u];
+    let b0 = Bs[bt];
+    let x0 = vec4<f32>(a0.x);
+    let x1 = vec4<f32>(a0.y);
+    let x2 = vec4<f32>(a0.z);
+    let x3 = vec4<f32>(a0.w);
+    let x4 = vec4<f32>(a1.x);
+    let x5 = vec4<f32>(a1.y);
+    let x6 = vec4<f32>(a1.z);
+    let x7 = vec4<f32>(a1.w);
+    (*acc).r00 = fma(x0, b0, (*acc).r00);  (*acc).r10 = fma(x1, b0, (*acc).r10);
+    (*acc).r20 = fma(x2, b0, (*acc).r20);  (*acc).r30 = fma(x3, b0, (*acc).r30);
+    (*acc).r40 = fma(x4, b0, (*acc).r40);  (*acc).r50 = fma(x5, b0, (*acc).r50);
+    (*acc).r60 = fma(x6, b0, (*acc).r60);  (*acc).r70 = fma(x7, b0, (*acc).r70);
+    if (COLS == 8u) {
+        let b1 = Bs[bt + TILE_N / 8u];
+        (*acc).r01 = fma(x0, b1, (*acc).r01);  (*acc).r11 = fma(x1, b1, (*acc).r11);
+        (*acc).r21 = fma(x2, b1, (*acc).r21);  (*acc).r31 = fma(x3, b1, (*acc).r31);
+        (*acc).r41 = fma(x4, b1, (*acc).r41);  (*acc).r51 = fma(x5, b1, (*acc).r51);
+        (*acc).r61 = fma(x6, b1, (*acc).r61);  (*acc).r71 = fma(x7, b1, (*acc).r71);
+    }
+}
+
 fn erf_approx(z: f32) -> f32 {  // Abramowitz-Stegun 7.1.26, as shaders/activation
     let a = abs(z);
     let t = 1.0 / (1.0 + 0.3275911 * a);
@@ -201,15 +240,7 @@ fn main(
     if (li + nt < qb) { store_b(0u, li + nt, pb1); }
     workgroupBarrier();
 
-    // cRC: f32 sums of register row R (0..7) by column half C
-    var c00 = vec4<f32>(0.0); var c01 = vec4<f32>(0.0);
-    var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
-    var c20 = vec4<f32>(0.0); var c21 = vec4<f32>(0.0);
-    var c30 = vec4<f32>(0.0); var c31 = vec4<f32>(0.0);
-    var c40 = vec4<f32>(0.0); var c41 = vec4<f32>(0.0);
-    var c50 = vec4<f32>(0.0); var c51 = vec4<f32>(0.0);
-    var c60 = vec4<f32>(0.0); var c61 = vec4<f32>(0.0);
-    var c70 = vec4<f32>(0.0); var c71 = vec4<f32>(0.0);
+    var c = Acc();   // f32 sums
     for (var t = first; t < slabs; t++) {
         let s = (t - first) % 2u;
         let more = t + 1u < slabs;
@@ -222,25 +253,17 @@ fn main(
         }
         let abase = s * TILE_K * sa() + lid.y;
         let bbase = s * TILE_K * sb() + lid.x;
-        for (var kk = 0u; kk < TILE_K; kk++) {
-            let a0 = As[abase + kk * sa()];
-            let a1 = As[abase + kk * sa() + TILE_M / 8u];
-            let b0 = Bs[bbase + kk * sb()];
-            let x0 = vec4<f32>(a0.x);
-            let x1 = vec4<f32>(a0.y);
-            let x2 = vec4<f32>(a0.z);
-            let x3 = vec4<f32>(a0.w);
-            let x4 = vec4<f32>(a1.x);
-            let x5 = vec4<f32>(a1.y);
-            let x6 = vec4<f32>(a1.z);
-            let x7 = vec4<f32>(a1.w);
-            c00 = fma(x0, b0, c00);  c10 = fma(x1, b0, c10);  c20 = fma(x2, b0, c20);  c30 = fma(x3, b0, c30);
-            c40 = fma(x4, b0, c40);  c50 = fma(x5, b0, c50);  c60 = fma(x6, b0, c60);  c70 = fma(x7, b0, c70);
-            if (COLS == 8u) {
-                let b1 = Bs[bbase + kk * sb() + TILE_N / 8u];
-                c01 = fma(x0, b1, c01);  c11 = fma(x1, b1, c11);  c21 = fma(x2, b1, c21);  c31 = fma(x3, b1, c31);
-                c41 = fma(x4, b1, c41);  c51 = fma(x5, b1, c51);  c61 = fma(x6, b1, c61);  c71 = fma(x7, b1, c71);
-            }
+        for (var kk = 0u; kk < TILE_K; kk += 8u) {  // TILE_K is a multiple of 8
+            let at = abase + kk * sa();
+            let bt = bbase + kk * sb();
+            mac(&c, at, bt);
+            mac(&c, at + sa(), bt + sb());
+            mac(&c, at + 2u * sa(), bt + 2u * sb());
+            mac(&c, at + 3u * sa(), bt + 3u * sb());
+            mac(&c, at + 4u * sa(), bt + 4u * sb());
+            mac(&c, at + 5u * sa(), bt + 5u * sb());
+            mac(&c, at + 6u * sa(), bt + 6u * sb());
+            mac(&c, at + 7u * sa(), bt + 7u * sb());
         }
         if (more && !PREFETCH) {  // loaded now: the registers are free during the FMAs
             if (li < qa) { pa0 = load_a(z, m0, k0, li); }
@@ -262,22 +285,22 @@ fn main(
     let m_lo = m0 + 4u * lid.y;
     let m_hi = m0 + TILE_M / 2u + 4u * lid.y;
     if (GATED) {
-        let c = n0 / 2u + 4u * lid.x;
-        store_gated(z, m_lo + 0u, c, c00, c01); store_gated(z, m_lo + 1u, c, c10, c11);
-        store_gated(z, m_lo + 2u, c, c20, c21); store_gated(z, m_lo + 3u, c, c30, c31);
-        store_gated(z, m_hi + 0u, c, c40, c41); store_gated(z, m_hi + 1u, c, c50, c51);
-        store_gated(z, m_hi + 2u, c, c60, c61); store_gated(z, m_hi + 3u, c, c70, c71);
+        let col = n0 / 2u + 4u * lid.x;
+        store_gated(z, m_lo + 0u, col, c.r00, c.r01); store_gated(z, m_lo + 1u, col, c.r10, c.r11);
+        store_gated(z, m_lo + 2u, col, c.r20, c.r21); store_gated(z, m_lo + 3u, col, c.r30, c.r31);
+        store_gated(z, m_hi + 0u, col, c.r40, c.r41); store_gated(z, m_hi + 1u, col, c.r50, c.r51);
+        store_gated(z, m_hi + 2u, col, c.r60, c.r61); store_gated(z, m_hi + 3u, col, c.r70, c.r71);
         return;
     }
-    put(z, split, m_lo + 0u, n_lo, c00); put(z, split, m_lo + 1u, n_lo, c10);
-    put(z, split, m_lo + 2u, n_lo, c20); put(z, split, m_lo + 3u, n_lo, c30);
-    put(z, split, m_hi + 0u, n_lo, c40); put(z, split, m_hi + 1u, n_lo, c50);
-    put(z, split, m_hi + 2u, n_lo, c60); put(z, split, m_hi + 3u, n_lo, c70);
+    put(z, split, m_lo + 0u, n_lo, c.r00); put(z, split, m_lo + 1u, n_lo, c.r10);
+    put(z, split, m_lo + 2u, n_lo, c.r20); put(z, split, m_lo + 3u, n_lo, c.r30);
+    put(z, split, m_hi + 0u, n_lo, c.r40); put(z, split, m_hi + 1u, n_lo, c.r50);
+    put(z, split, m_hi + 2u, n_lo, c.r60); put(z, split, m_hi + 3u, n_lo, c.r70);
     if (COLS == 8u) {
-        put(z, split, m_lo + 0u, n_hi, c01); put(z, split, m_lo + 1u, n_hi, c11);
-        put(z, split, m_lo + 2u, n_hi, c21); put(z, split, m_lo + 3u, n_hi, c31);
-        put(z, split, m_hi + 0u, n_hi, c41); put(z, split, m_hi + 1u, n_hi, c51);
-        put(z, split, m_hi + 2u, n_hi, c61); put(z, split, m_hi + 3u, n_hi, c71);
+        put(z, split, m_lo + 0u, n_hi, c.r01); put(z, split, m_lo + 1u, n_hi, c.r11);
+        put(z, split, m_lo + 2u, n_hi, c.r21); put(z, split, m_lo + 3u, n_hi, c.r31);
+        put(z, split, m_hi + 0u, n_hi, c.r41); put(z, split, m_hi + 1u, n_hi, c.r51);
+        put(z, split, m_hi + 2u, n_hi, c.r61); put(z, split, m_hi + 3u, n_hi, c.r71);
     }
 }
 

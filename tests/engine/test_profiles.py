@@ -214,3 +214,37 @@ def test_estimated_gain_against_the_family_from_the_tune_measurements():
     est = estimated_gain(tuned, odd, caps())
     assert est["calls"] == 5 and est["calls_not_comparable"] == 1
     assert est["gain"] == pytest.approx(np.sum(ref_ms[1:]) / np.sum(tiled_ms[1:]), rel=1e-12)
+
+
+def test_tune_warm_up_keeps_the_gpu_busy_for_its_seconds(gpu):
+    """tune's warm-up runs the GPU work to completion, again and again, for the time asked."""
+    import time
+
+    from engine.runtime import Runtime
+    from engine.tune import warm_up
+
+    rt = Runtime(gpu)
+    x = rt.upload(np.ones((256, 256), np.float32), "f32")
+    calls = []
+
+    def work():
+        calls.append(rt.read(x).sum())
+
+    t0 = time.perf_counter()
+    n = warm_up(rt, work, seconds=0.3)
+    assert time.perf_counter() - t0 >= 0.3
+    assert n == len(calls) >= 1 and all(c == 256 * 256 for c in calls)
+
+
+def test_the_tuner_times_each_call_with_its_networks_scratch_bounds(tiny_model_dir, gpu):
+    """distinct_calls gives each call the Ops scratch scale its network runs with (the VAE's
+    larger Winograd chunks), so a tune times the chunks a pipeline runs."""
+    from engine.explain import distinct_calls
+    from engine.models.config import load_model_config
+    from engine.pipeline import VAE_SCRATCH_SCALE
+
+    calls = distinct_calls(load_model_config(tiny_model_dir), gpu.caps, "f32", 64, 64)
+    scales = {scale for *_, scale in calls}
+    assert scales == {1, VAE_SCRATCH_SCALE}
+    vae_convs = [s for op, s, _, scale in calls if op == "conv2d" and scale == VAE_SCRATCH_SCALE]
+    assert vae_convs and all(s["b"] == 1 for s in vae_convs)  # the decoder runs one image

@@ -46,3 +46,54 @@ def test_measure_peaks_on_the_adapter(gpu):
     assert (peaks.f16_tflops is not None) == gpu.caps.has_f16
     if peaks.f16_tflops is not None:
         assert peaks.f16_tflops > 0
+
+
+def _driver_sass():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "driver_sass.py"
+    spec = importlib.util.spec_from_file_location("driver_sass", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_driver_sass_finds_each_kernels_code_in_a_cache_entry():
+    """benchmarks/driver_sass.py: a kernel's code is the run of instruction words (control bits in
+    bytes 14-15) that ends in a branch to itself; metadata before it (no control bits) is not."""
+    import numpy as np
+
+    ds = _driver_sass()
+    rng = np.random.default_rng(7)
+
+    def instructions(n):
+        words = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+        words[:, 14] = rng.integers(1, 256, n)  # stall/yield bits set
+        words[:, 15] = rng.integers(0, 0x20, n)
+        return words.tobytes()
+
+    end_word = ds.BRA_SELF + bytes([0, 0, 0x83, 0x03, 0, 0, 0x0F, 0])
+    meta = bytes(16 * 20) + b"NVuc" + bytes(4)  # 328 bytes: kernels start at offsets = 8 mod 16
+    k1 = instructions(40) + end_word
+    k2 = instructions(25) + end_word
+    blob = b"hdr" + meta + k1 + bytes(16 * 7) + b"pad" + k2
+    ranges = ds.code_ranges(blob)
+    assert [blob[s:e] for s, e in ranges] == [k1, k2]
+
+
+def test_driver_sass_reports_each_loops_instruction_mix():
+    ds = _driver_sass()
+    sass = """
+        /*0000*/                   S2R R6, SR_CTAID.X ;
+        /*0010*/                   LDS.64 R0, [R1+0x2100] ;
+        /*0020*/                   HFMA2 R136, R1.reuse.H1_H1, R3.reuse, R136 ;
+        /*0030*/                   HFMA2.MMA R5, R5, R9.reuse, R7.reuse ;
+        /*0040*/                   PRMT R15, R106, 0x5432, R106 ;
+        /*0050*/               @P1 BRA 0x10 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA 0x70;
+    """
+    (lp,) = ds.loops(sass)
+    assert (lp["from"], lp["to"], lp["instructions"]) == (0x10, 0x50, 5)
+    assert lp["mix"] == {"LDS.64": 1, "HFMA2": 1, "HFMA2.MMA": 1, "PRMT": 1, "BRA": 1}
