@@ -119,10 +119,11 @@ def tune(
     rng = np.random.default_rng(0)
     rules, measurements = [], []
     deadline = time.monotonic() + time_budget_s
+    selection = Selection(frozenset(caps.features))  # every variant's own defaults, no profile
     if calls and rt.caps.adapter_type.lower() != "cpu":
         op, shape, args, scale = calls[0]
         first, v = random_like(rt, args, rng), variants(op)["reference"]
-        ops0 = Ops(rt, pipelines, Selection(frozenset(caps.features)), _call_dtype(first, dtype), scratch_scale=scale)
+        ops0 = Ops(rt, pipelines, selection, _call_dtype(first, dtype), scratch_scale=scale)
         warm_up(rt, lambda: v.launch(ops0, v, {}, *first))
     for i, (op, shape, args, scale) in enumerate(calls):
         if progress:
@@ -137,7 +138,7 @@ def tune(
             for consts in _settings(v):
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
-                ops = Ops(rt, pipelines, Selection(frozenset(caps.features)), call_dtype, scratch_scale=scale)
+                ops = Ops(rt, pipelines, selection, call_dtype, scratch_scale=scale)
                 try:
                     samples = time_gpu_work(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
                 except EngineError:

@@ -20,7 +20,7 @@ from ..ops import Ops, conv_out_size
 from ..runtime import Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
-from .gemm import SCRATCH_BYTES, gemm
+from .gemm import SCRATCH_BYTES, gemm, scratch_bytes
 
 # Tunable tiling of both GEMMs (TILE_M pixels or Winograd tiles x TILE_N output channels per
 # workgroup, TILE_K deep slabs); every invocation owns a 4 x 4 register block, so a workgroup
@@ -295,7 +295,7 @@ def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads
     cout, _, kh, kw = w.shape
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     kk, npix = cin * kh * kw, oh * ow
-    budget = SCRATCH_BYTES * ops.scratch_scale
+    budget = scratch_bytes(ops)
     nbytes = bsz * kk * npix * (2 if ops.dtype == "f16" else 4)
     if kk % 4 or npix % 4 or nbytes > budget:
         return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)

@@ -53,6 +53,11 @@ PAD = 1  # vec4s of padding per staged row (the shader's PAD)
 SCRATCH_BYTES = 16 << 20
 
 
+def scratch_bytes(ops) -> int:
+    """The size class of every scratch buffer of `ops`: SCRATCH_BYTES times its scratch_scale."""
+    return SCRATCH_BYTES * ops.scratch_scale
+
+
 def workgroup_bytes(tiles: dict, dtype: str = "f16") -> int:
     """Workgroup memory of one setting: two stages of TILE_K rows of A and B, vec4s of the
     element type (f16: 8 bytes; the f32 core: 16)."""
@@ -139,7 +144,7 @@ def gemm(
     split = tiles["SPLIT_K"]
     params = (m, n, k, flags, sa, sb, sc, ACTIVATIONS[act], batch)
     epilogue = [bias if bias is not None else ops.dummy, residual if residual is not None else ops.dummy, y]
-    budget = SCRATCH_BYTES * ops.scratch_scale  # the size class of every scratch buffer of these Ops
+    budget = scratch_bytes(ops)
     if split > 1 and split * batch * m * n * 4 > budget:
         raise EngineError(f"gemm: SPLIT_K={split} of a {batch}x{m}x{n} product needs more than "
                           f"{budget >> 20} MiB of partials; split products that small M x N need")
