@@ -5,18 +5,16 @@ image as resident, lower peak), per-stage peaks, and the shape-only estimate
 from __future__ import annotations
 
 import gc
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
+from script_support import load_script
 
 import engine
 from engine.models.config import load_model_config
 from engine.pipeline import Pipeline
 from engine.runtime import CLASSES_PER_DOUBLING, MIN_CLASS_BYTES, Runtime, size_class
 
-ROOT = Path(__file__).resolve().parents[2]
 STAGES = {"text_encoder", "unet", "vae_decode"}
 
 
@@ -161,10 +159,7 @@ def test_img2img_reports_the_vae_encode_stage(pipes):
 
 
 def _memory_estimate():
-    spec = importlib.util.spec_from_file_location("memory_estimate", ROOT / "benchmarks" / "memory_estimate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/memory_estimate.py")
 
 
 @pytest.mark.gpu

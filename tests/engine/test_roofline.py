@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
+from script_support import load_script
 
 from engine.roofline import Peaks, measure_peaks, op_work, print_roofline, roofline, rows_as_json
 from engine.runtime import KernelTime
@@ -49,14 +50,7 @@ def test_measure_peaks_on_the_adapter(gpu):
 
 
 def _driver_sass():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "driver_sass.py"
-    spec = importlib.util.spec_from_file_location("driver_sass", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/driver_sass.py")
 
 
 def test_driver_sass_finds_each_kernels_code_in_a_cache_entry():

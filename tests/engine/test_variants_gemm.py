@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+from script_support import load_script
 
 from engine.errors import EngineError
 from engine.kernels import PipelineCache, Rule, Selection
@@ -109,13 +110,7 @@ def test_linear_gemm_falls_back_where_the_core_cannot_run(rt, gpu, fresh_rng, dt
 
 def test_the_f32_core_is_generated_from_the_f16_core():
     """shaders/linear/gemm_f32.wgsl is scripts/make_gemm_f32.py's output for today's gemm.wgsl."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("make_gemm_f32", root / "scripts" / "make_gemm_f32.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("scripts/make_gemm_f32.py")
     assert gen.DST.read_text() == gen.f32_core(gen.SRC.read_text()), "run python scripts/make_gemm_f32.py"
     assert "f16" not in gen.DST.read_text().replace("slabs summed in f16", "")
 

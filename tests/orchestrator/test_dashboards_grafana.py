@@ -41,7 +41,6 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import importlib.metadata
-import importlib.util
 import json
 import re
 import shutil
@@ -54,6 +53,7 @@ from types import SimpleNamespace
 import pytest
 from ci_support import missing
 from ruamel.yaml import YAML
+from script_support import load_script
 from sqlalchemy import text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,14 +61,7 @@ DASHBOARDS = REPO / "dashboards"
 PROVISIONING = DASHBOARDS / "provisioning"
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("make_dashboards", DASHBOARDS / "make_dashboards.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = load_generator()
+GEN = load_script("dashboards/make_dashboards.py")
 
 
 def committed() -> dict[str, dict]:
