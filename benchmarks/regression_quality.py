@@ -5,6 +5,7 @@ through detect_change_points on simulated build histories (a real step, single s
 
     python benchmarks/regression_quality.py                       # table on stdout
     python benchmarks/regression_quality.py --json out.json --series 2000
+    python benchmarks/regression_quality.py --only-small --json out.json   # 5-10 samples a build
 
 The noise model (per series): a base latency drawn from 20-500 ms; each run (one night's
 repetitions on one device) multiplies it by a run-to-run drift exp(N(0, drift)); each
@@ -107,6 +108,63 @@ def simulate_compare(shift: float, noise: Noise, n_series: int, seed: int, max_r
     }
 
 
+SMALL_SAMPLES = (5, 6, 7, 8, 10)
+SMALL_SHIFTS = (0.0, 1.0)  # A/A, and the candidate twice as slow
+
+
+def previous_p(res, b: np.ndarray, c: np.ndarray) -> float:
+    """The p of the method before issue 26: the smaller of Mann-Whitney and Kolmogorov-Smirnov,
+    doubled (Bonferroni), against the same drift-aware test."""
+    import warnings
+
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="ks_2samp: Exact calculation unsuccessful")
+        p_ks = float(stats.ks_2samp(b, c, alternative="two-sided").pvalue)
+    return max(min(1.0, 2.0 * min(res.p_mannwhitney, p_ks)), res.p_drift)
+
+
+def simulate_small(n: int, shift: float, noise: Noise, n_series: int, seed: int, history_runs: int,
+                   min_effect: float, extra_rounds: int = 2) -> dict:
+    """One run of n repetitions of each build (a first look, as a CI check or the demo has), the
+    candidate `shift` slower: how often each verdict comes out, with this method and with the
+    previous one (same data, same interval); then after up to `extra_rounds` more-repetitions
+    rounds (each a new run of both builds of the size the comparison asks for), as the demo
+    runs them."""
+    rng = np.random.default_rng(seed)
+    now, before, final = (dict.fromkeys(VERDICTS, 0) for _ in range(3))
+    for _ in range(n_series):
+        base, p_out = rng.uniform(20, 500), rng.uniform(*noise.outlier_p)
+        history = [draw_run(rng, base, REPETITIONS, noise, p_out) for _ in range(history_runs)]
+        estimated = estimate_drift(history)
+        drift = DEFAULT_DRIFT if estimated is None else estimated
+        b = draw_run(rng, base, n, noise, p_out)
+        c = draw_run(rng, base * (1 + shift), n, noise, p_out)
+        res = compare(b, c, drift=drift, min_effect=min_effect)
+        now[res.verdict] += 1
+        verdict = res.verdict
+        if res.verdict in ("regression", "improvement", "inconclusive"):
+            p_old, m, r = previous_p(res, b, c), min_effect, res.ratio
+            changed = p_old <= 0.01 and (r > 1 + m or r < 1 - m)
+            verdict = ("regression" if r > 1 else "improvement") if changed else "inconclusive"
+        before[verdict] += 1
+        b_runs, c_runs = [0] * n, [0] * n
+        for k in range(1, extra_rounds + 1):
+            if res.verdict != "inconclusive" or res.more_repetitions_suggested == 0:
+                break
+            extra = res.more_repetitions_suggested
+            b = np.concatenate([b, draw_run(rng, base, extra, noise, p_out)])
+            c = np.concatenate([c, draw_run(rng, base * (1 + shift), extra, noise, p_out)])
+            b_runs, c_runs = b_runs + [k] * extra, c_runs + [k] * extra
+            res = compare(b, c, baseline_runs=b_runs, candidate_runs=c_runs, drift=drift, min_effect=min_effect)
+        final[res.verdict] += 1
+    frac = lambda d: {v: d[v] / n_series for v in VERDICTS}  # noqa: E731
+    return {"n": n, "shift": shift, "noise": noise.name, "outliers": noise.outlier_p, "series": n_series,
+            "history_runs": history_runs, "min_effect": min_effect, "extra_rounds": extra_rounds,
+            "verdicts": frac(now), "previous_method": frac(before), "after_rounds": frac(final)}
+
+
 def simulate_history(kind: str, noise: Noise, n_hist: int, length: int, seed: int) -> dict:
     """Histories of per-build medians (REPETITIONS samples each, one run per build)."""
     rng = np.random.default_rng(seed)
@@ -152,6 +210,8 @@ def main() -> None:
     ap.add_argument("--history-runs", type=int, default=HISTORY_RUNS,
                     help="nights of history per series for the drift estimate (0: the default drift)")
     ap.add_argument("--only-compare", action="store_true", help="skip the change-point histories")
+    ap.add_argument("--only-small", action="store_true", help="only the 5-10 sample first looks")
+    ap.add_argument("--small-series", type=int, default=2000, help="series per small-sample scenario")
     ap.add_argument("--seed", type=int, default=20261121)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
@@ -160,9 +220,33 @@ def main() -> None:
     # 1. Comparisons: the default noise at full size, the bound on repetitions varied, then
     #    the other noise levels.
     #    Then the typical noise without history (the default drift: a new series).
-    runs = [(NOISES["typical"], args.series, MAX_REPETITIONS, args.history_runs)]
-    runs += [(NOISES[n], args.sensitivity_series, MAX_REPETITIONS, args.history_runs) for n in ("quiet", "noisy")]
-    runs += [(NOISES["typical"], args.sensitivity_series, MAX_REPETITIONS, 0)]
+    # 0. Small samples: one run of 5-10 repetitions a build, A/A and a 2x slowdown, this method
+    #    against the previous one; new series (default drift) and series with history, the
+    #    default minimum effect and the demo's 15%.
+    small = []
+    clean = Noise("typical, no outliers", 0.02, 0.01, outlier_p=(0.0, 0.0))
+    for j, (noise, hist, m) in enumerate([(clean, 0, 0.03), (NOISES["typical"], 0, 0.03),
+                                          (NOISES["typical"], args.history_runs, 0.03), (NOISES["noisy"], 0, 0.15)]):
+        for n in SMALL_SAMPLES:
+            for i, shift in enumerate(SMALL_SHIFTS):
+                small.append(simulate_small(n, shift, noise, args.small_series, args.seed + 5000 + 100 * j + 10 * n + i,
+                                            hist, m))
+    print("compare() on one run of n repetitions a build (alpha 0.01): regression / improvement / same / "
+          "inconclusive, %; then after up to 2 more-repetitions rounds")
+    print(f"{'noise':21} {'history':>7} {'min eff':>7} {'n':>3} {'shift':>6} | {'first look, previous':>27} | "
+          f"{'first look, now':>27} | {'after rounds, now':>27}")
+    for r in small:
+        fmt = lambda d: " ".join(f"{100 * d[v]:6.1f}" for v in VERDICTS)  # noqa: E731
+        print(f"{r['noise']:21} {r['history_runs']:7d} {100 * r['min_effect']:6.0f}% {r['n']:3d} "
+              f"{100 * r['shift']:5.0f}% | {fmt(r['previous_method'])} | {fmt(r['verdicts'])} | "
+              f"{fmt(r['after_rounds'])}")
+    print()
+    if args.only_small:
+        args.only_compare = True
+    runs = [] if args.only_small else [(NOISES["typical"], args.series, MAX_REPETITIONS, args.history_runs)]
+    if not args.only_small:
+        runs += [(NOISES[n], args.sensitivity_series, MAX_REPETITIONS, args.history_runs) for n in ("quiet", "noisy")]
+        runs += [(NOISES["typical"], args.sensitivity_series, MAX_REPETITIONS, 0)]
     comparisons = []
     for j, (noise, n, max_reps, hist) in enumerate(runs):
         for i, shift in enumerate(SHIFTS):
@@ -196,7 +280,7 @@ def main() -> None:
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "platform": platform.platform(), "python": platform.python_version(),
             "seed": args.seed, "repetitions": REPETITIONS, "noise_models": {k: asdict(v) for k, v in NOISES.items()},
-            "compare": comparisons, "change_points": histories, "elapsed_s": round(elapsed, 1),
+            "small_samples": small, "compare": comparisons, "change_points": histories, "elapsed_s": round(elapsed, 1),
         }, indent=2) + "\n")
 
 

@@ -5,7 +5,8 @@ the candidate's runs recorded where such a build exists), with thermally flagged
 a comparison across an environment change (a phone update, a new driver) says so in its verdict
 and its alert, and asks for the baseline to be measured again in the new environment;
 regressions and improvements become alerts, with the kernels that moved most attributed for
-latency; an inconclusive comparison asks for more repetitions (bounded);
+latency; an inconclusive comparison asks for more repetitions (bounded; always when its cause
+is the sample count);
 generated images are checked against the series' previous image (fidelity); devices that stop
 reporting raise a data-stoppage alert. The statistics are orchestrator/regression's pure
 functions; this module only fetches and records. Every function takes a session and flushes;
@@ -372,7 +373,10 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
                                       baseline_runs, candidate_runs)
                 report["alerts"].append(alert.id)
             elif result["verdict"] == "inconclusive" and (batch.round_metrics is None
-                                                          or metric in batch.round_metrics):
+                                                          or metric in batch.round_metrics
+                                                          or result["cause"] in rg.SAMPLE_LIMITED):
+                # A verdict the sample counts alone keep out of reach is rounded on whatever
+                # metrics the batch rounds on: more samples are what it needs.
                 more = max(more, result["more_repetitions_suggested"])
                 undecided.append(metric)
             if result["environment_change"]:

@@ -25,9 +25,16 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
   fi
 fi
-echo "installing devicefarm${extras:+[$extras]} into .venv"
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+# pip's and setuptools' warnings (an editable install's "be careful with folders named like the
+# package", a pip.conf's missing index folders) go to a log, shown only when the install fails.
+log=.venv/install.log
+echo "installing devicefarm${extras:+[$extras]} into .venv (log: $log)"
+if ! { .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip &&
+       .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"; } >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "error: pip could not install devicefarm${extras:+[$extras]} (the log above, also in $log)" >&2
+  exit 1
+fi
 
 # An adapter on a native backend: wgpu falls back to OpenGL where Mesa's GL is present, and that
 # adapter has no shader-f16 and no timestamps, so it does not count.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.console import Console
 
 from engine.errors import EngineError
 
@@ -27,15 +26,36 @@ from . import schedules as schedules_cmd
 from . import secrets as secrets_cmd
 from . import stack as stack_cmd
 from . import validate
+from .output import err_console
 
 app = typer.Typer(
     name="farm",
     cls=validate.FarmGroup,
     help="Ship Stable Diffusion to phones and GPU hosts, and prove every night it got faster.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"farm (devicefarm) {version('devicefarm')}")
+        except PackageNotFoundError:
+            typer.echo("farm (devicefarm): not installed as a package (pip install -e .)")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit."),
+) -> None:
+    """Ship Stable Diffusion to phones and GPU hosts, and prove every night it got faster."""
+
+
 app.add_typer(engine_cmd.app, name="engine")
 app.add_typer(db_cmd.app, name="db")
 app.add_typer(devices_cmd.app, name="devices")
@@ -56,8 +76,6 @@ app.command("beat")(stack_cmd.beat)
 app.command("hub")(stack_cmd.hub)
 app.command("up")(stack_cmd.up)
 app.command("demo")(demo_cmd.demo)
-
-err_console = Console(stderr=True)
 
 
 def main() -> None:

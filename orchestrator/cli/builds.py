@@ -32,14 +32,17 @@ PACKAGES = ("engine", "shaders", "agent")
 BUILD_EXCLUDE = (*DEFAULT_EXCLUDE, "simulator")
 
 
-def farm_key(config_dir: Path) -> Path:
-    """The farm's private key path, generating the pair (private 0600) on first use."""
+def farm_key(config_dir: Path, announce: bool = True) -> Path:
+    """The farm's private key path, generating the pair (private 0600) on first use (and, when
+    `announce`, saying where the public key must go)."""
     from agent.bundle import generate_keypair
 
     private, public = config_dir / PRIVATE_KEY, config_dir / PUBLIC_KEY
     if not private.exists():
         # The public key is derived from the private one: a stale farm.pub alone is replaced.
         generate_keypair(private, public, overwrite=True)
+        if not announce:
+            return private
         console.print(f"generated the farm signing key {private}; provision [bold]{public}[/] on each "
                       "device (it is the key devices check bundles with):", highlight=False)
         console.print(public.read_text().strip(), highlight=False, soft_wrap=True)

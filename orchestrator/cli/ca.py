@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from orchestrator import ca
 
 from . import validate
 from .devices import JSON_OPTION, _print_json, _settings, console, fail
+from .output import field
 
 app = typer.Typer(help="The farm's certificate authority: the CA devices trust for the farm's HTTPS pages.",
                   no_args_is_help=True)
@@ -114,20 +114,19 @@ def show(as_json: bool = JSON_OPTION):
     if as_json:
         _print_json(data)
         return
-    table = Table(show_header=False, box=None)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    table.add_row("subject", data["subject"])
-    table.add_row("valid", f"{cert.not_valid_before_utc:%Y-%m-%d} to {cert.not_valid_after_utc:%Y-%m-%d}")
-    table.add_row("SHA-256", data["fingerprint"])
-    table.add_row("certificate", data["cert"])
-    table.add_row("key", data["key"])
+    # One line a value: the fingerprint is what a person compares on the phone, so it is never
+    # cut or folded inside a table cell, whatever the terminal's width.
+    field(console, "subject", data["subject"])
+    field(console, "valid", f"{cert.not_valid_before_utc:%Y-%m-%d} to {cert.not_valid_after_utc:%Y-%m-%d}")
+    field(console, "SHA-256 fingerprint", data["fingerprint"])
+    field(console, "certificate", data["cert"])
+    field(console, "key", data["key"])
     if server is None:
-        table.add_row("server", "no server certificate yet (`farm ca issue NAME...` writes one)")
+        field(console, "server", "no server certificate yet (`farm ca issue NAME...` writes one)")
     else:
-        table.add_row("server", f"{', '.join(server.names)} until {server.not_after:%Y-%m-%d}")
-        table.add_row("server files", f"{server.cert}, {server.key}")
-    console.print(table, highlight=False)
+        field(console, "server", f"{', '.join(server.names)} until {server.not_after:%Y-%m-%d}")
+        field(console, "server certificate", server.cert)
+        field(console, "server key", server.key)
 
 
 @app.command()

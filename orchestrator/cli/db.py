@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
 from . import validate
+from .output import console
 
 app = typer.Typer(help="Manage the farm's SQL database.", no_args_is_help=True)
-console = Console()
 
 
 @app.command()

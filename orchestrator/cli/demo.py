@@ -23,6 +23,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .devices import _settings, console, fail
+from .output import field
 
 DEMO_PREFIX = "demo "
 TIMEOUT_S = 600.0
@@ -39,7 +40,10 @@ DEMO_MIN_EFFECT = 0.15
 # An inconclusive comparison gets up to this many more-repetitions rounds (a new run of the
 # candidate and of its baseline on that device, with the repetitions the analysis asks for);
 # the output says how many rounds each verdict needed.
-DEMO_EXTRA_ROUNDS = 2  # on the UNet step only: the metric the demo's verdicts are about
+DEMO_EXTRA_ROUNDS = 2
+# The metrics the demo's verdicts are about: each gets its more-repetitions rounds.
+DEMO_ROUND_METRICS = ["unet_step_ms", "e2e_ms"]
+ADD_BROWSERS = "bash scripts/ensure-chromium.sh"  # the one command that adds the browser devices
 
 
 def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
@@ -54,10 +58,12 @@ def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
     python = [{"kind": "latency", "spec": common | {"warmup": 1, "repetitions": MIN_SAMPLES, "unet_repetitions": 10}},
               {"kind": "generate", "spec": dict(common)}]
     # The browser devices' pages run on Chromium's software adapter (SwiftShader), 4-5x slower
-    # than lavapipe per UNet step here: their suite times the UNet step as the others do and
-    # skips the end-to-end repetitions (one generation, two steps), so the demo stays minutes.
+    # than lavapipe per UNet step here: their generations have at most two steps, and their
+    # suite times 5 UNet steps and 5 generations, the fewest the analysis decides on (5 against
+    # 5 reaches p = 0.008), so the demo stays minutes.
     light = common | {"steps": min(steps, 2)}
-    browser = [{"kind": "latency", "spec": light | {"warmup": 1, "repetitions": 1, "unet_repetitions": 10}},
+    browser = [{"kind": "latency", "spec": light | {"warmup": 1, "repetitions": MIN_SAMPLES,
+                                                    "unet_repetitions": MIN_SAMPLES}},
                {"kind": "generate", "spec": dict(light)}]
     return [*({**j, "runtime": "python"} for j in python), *({**j, "runtime": "browser"} for j in browser)]
 
@@ -83,7 +89,11 @@ def demo(
     if precision not in ("fp16", "fp32"):
         fail(f"unknown precision {precision!r}; choose fp16 or fp32")
     started = time.monotonic()
+    browser_phones, tablets = _browser_devices(browser_phones, tablets)
     settings = _settings()
+    from .builds import farm_key
+
+    farm_key(settings.config_dir, announce=False)  # the demo installs it on its own devices
     with console.status("migrating the store"):
         upgrade(settings.database_url)
     model = settings.data_dir / "models" / "tiny"
@@ -110,7 +120,7 @@ def demo(
             for build in builds:
                 batch_id = launch_suite(make_celery(settings), f"{DEMO_PREFIX}{build['name']}",
                                         demo_jobs(precision, steps), build=build["name"], devices=running.devices,
-                                        max_extra_rounds=DEMO_EXTRA_ROUNDS, round_metrics=["unet_step_ms"])
+                                        max_extra_rounds=DEMO_EXTRA_ROUNDS, round_metrics=DEMO_ROUND_METRICS)
                 batches.append(batch_id)
                 ok = _follow(sessions, batch_id, running, started + timeout) and ok
                 console.print()
@@ -122,6 +132,30 @@ def demo(
                   highlight=False)
     if not ok:
         raise typer.Exit(1)
+
+
+def _browser_devices(browser_phones: int, tablets: int) -> tuple[int, int]:
+    """The browser devices this machine can run: none without Chromium, no tablet without
+    certutil (it trusts the farm's CA through NSS). What is left out is said in one line with
+    the command that adds it; the rest of the demo runs as ever."""
+    import os
+    import shutil
+
+    from engine.browser import find_chromium
+
+    configured = os.environ.get("FARM_CHROMIUM")
+    chromium = (configured if configured and shutil.which(configured) else None) if configured else find_chromium()
+    missing = None if chromium else "Chromium"
+    left_out = [f"vphone-chrome-{i}" for i in range(1, browser_phones + 1)] if missing else []
+    if tablets and not missing and not shutil.which("certutil"):
+        missing = "certutil (libnss3-tools)"
+    if missing:
+        left_out += [f"vtablet-{i}" for i in range(1, tablets + 1)]
+    if left_out:
+        console.print(f"[yellow]no {missing} on this machine:[/] the demo runs without {', '.join(left_out)} "
+                      f"(the browser runtime); `{ADD_BROWSERS}` adds them", highlight=False, soft_wrap=True)
+        return (0 if not chromium else browser_phones), 0
+    return browser_phones, tablets
 
 
 def _set_min_effect(sessions, serials: list[str], build: str, jobs: list[dict[str, Any]]) -> None:
@@ -224,18 +258,42 @@ def final_verdicts(family) -> list[dict[str, Any]]:
     return [final[k] for k in sorted(final)]
 
 
+def build_label(name: str, current: list[str]) -> str:
+    """A short name a table can hold whole: A and B for this run's builds, A or B with the time
+    of its run for an earlier demo's ("A 10:15:00"), the name itself for any other build. The
+    full names are printed once, as a legend (_legend)."""
+    if name in current:
+        return "AB"[current.index(name)] if len(current) <= 2 else name
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "demo" and parts[2] in ("a", "b") and len(parts[1]) == 16:
+        stamp = parts[1]  # 20261127T101500Z
+        return f"{parts[2].upper()} {stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}"
+    return name
+
+
+def _legend(names: list[str], current: list[str]) -> None:
+    for name in dict.fromkeys(names):
+        label = build_label(name, current)
+        if label != name:
+            field(console, label, name)
+
+
 def _report(sessions, batch_ids: list[int]) -> None:
-    """A table per build (a row per device), then what each batch's analysis found."""
+    """A table per build (a row per device) and the images' paths, then what each batch's
+    analysis found, builds named by short labels with a legend of their full names."""
     from orchestrator.db.models import Batch
 
-    failures, verdicts = [], []
+    failures, verdicts, current = [], [], []
     with sessions() as session:
-        for batch_id in batch_ids:
-            batch = session.get(Batch, batch_id)
-            if batch.summary is None:
-                continue
-            console.print(_device_table(batch.summary))
-            family, _ = batch_family(session, batch_id)
+        batches = [b for b in (session.get(Batch, i) for i in batch_ids) if b.summary is not None]
+        current = [b.summary["build"] for b in batches]
+        for batch in batches:
+            label = build_label(batch.summary["build"], current)
+            console.print(_device_table(batch.summary, label))
+            for row in device_rows(batch.summary):
+                if row["image"]:
+                    field(console, f"{label} image, {row['device']}", row["image"])
+            family, _ = batch_family(session, batch.id)
             for member in family:
                 failures += [r for r in (member.summary or {}).get("jobs", []) if r["state"] != "succeeded"]
             verdicts.append((batch.summary["build"], final_verdicts(family)))
@@ -245,13 +303,22 @@ def _report(sessions, batch_ids: list[int]) -> None:
     table = Table("build", "device", "metric", "baseline", "ratio", "95% CI", "verdict", "rounds",
                   title="analysis (against each series' last accepted build; rounds: the batch, then "
                         "its more-repetitions rounds)")
+    names, reasons = list(current), []
     for build, comparisons in verdicts:
         for c in comparisons:
             ratio = f"{c['ratio']:.3f}" if c.get("ratio") is not None else "-"
             ci = f"{c['ci_low']:.3f}-{c['ci_high']:.3f}" if c.get("ci_low") is not None else "-"
-            table.add_row(build, c["device"], c.get("metric", "-"), c.get("baseline_build", "-"), ratio, ci,
-                          c["verdict"], str(c["rounds"]))
+            baseline = c.get("baseline_build", "-")
+            names += [baseline] if baseline != "-" else []
+            table.add_row(build_label(build, current), c["device"], c.get("metric", "-"),
+                          build_label(baseline, current) if baseline != "-" else "-", ratio, ci, c["verdict"],
+                          str(c["rounds"]))
+            if c["verdict"] == "inconclusive":
+                reasons.append((build_label(build, current), c["device"], c.get("metric", "-"), c["reason"]))
     console.print(table)
+    _legend(names, current)
+    for label, device, metric, reason in reasons:  # why each open verdict is open, whole
+        console.print(f"inconclusive, {label} on {device}, {metric}: {reason}", highlight=False, soft_wrap=True)
     console.print("alerts: `farm regressions list`; details: `farm regressions show ID`")
 
 
@@ -283,17 +350,15 @@ def device_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [merged[k] for k in sorted(merged)]
 
 
-def _device_table(summary: dict[str, Any]) -> Table:
+def _device_table(summary: dict[str, Any], label: str) -> Table:
     def ms(v):
         return f"{v:.1f}" if v is not None else "-"
 
     table = Table("device", "GPU", "UNet step ms", "end-to-end ms", "peak GPU MiB", "cool-down s",
-                  title=f"build {summary['build']} (batch {summary['batch']})")
-    table.add_column("image", overflow="fold")
+                  title=f"build {label}: {summary['build']} (batch {summary['batch']})")
     for r in device_rows(summary):
         peak = f"{r['peak_gpu_bytes'] / 2**20:.1f}" if r["peak_gpu_bytes"] is not None else "-"
         cool = f"{r['cooldown_wait_s']:.1f}" + (" (timed out)" if r["cooldown_timed_out"] else "")
         gpu = (r["gpu"] or "-").split(" (")[0]  # "llvmpipe (LLVM 15.0.6, 256 bits)" -> "llvmpipe"
-        table.add_row(r["device"], gpu, ms(r["unet_step_ms"]), ms(r["e2e_ms"]), peak, cool,
-                      r["image"] or "-")
+        table.add_row(r["device"], gpu, ms(r["unet_step_ms"]), ms(r["e2e_ms"]), peak, cool)
     return table

@@ -16,7 +16,6 @@ from enum import StrEnum
 from typing import Any, NoReturn
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
@@ -25,9 +24,10 @@ from orchestrator import inputs
 from orchestrator.db.models import Device, DeviceState, TransportKind
 
 from . import validate
+from .output import console
 
 app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
-console = Console()
+
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON.")
 

@@ -8,13 +8,12 @@ from enum import StrEnum
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import validate
+from .output import console
 
 app = typer.Typer(help="Run the Stable Diffusion engine on this machine's GPU.", no_args_is_help=True)
-console = Console()
 
 
 class Preset(StrEnum):

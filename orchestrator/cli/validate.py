@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
 from orchestrator import inputs
 
-err_console = Console(stderr=True)
+from .output import err_console
 
 USAGE_ERROR = 2
 

@@ -15,17 +15,20 @@ API (docs/regression.md has the method and its measured quality):
     compare(baseline, candidate, *, baseline_runs=None, candidate_runs=None, drift=0.01,
             min_effect=0.03, higher_is_worse=True, alpha=0.01, confidence=0.95, n_boot=2000,
             seed=0, min_samples=5, max_repetitions=40)
-        -> Comparison(verdict, reason, medians, ratio, ci_low, ci_high, p_value,
-                      p_mannwhitney, p_ks, p_drift, runs_*, more_repetitions_suggested, ...)
+        -> Comparison(verdict, cause, reason, medians, ratio, ci_low, ci_high, p_value,
+                      p_mannwhitney, p_min, p_drift, runs_*, more_repetitions_suggested, ...)
         verdict in "regression" | "improvement" | "same" | "inconclusive". The interval is a
         percentile bootstrap of median(candidate) / median(baseline) widened by the series'
         run-to-run drift over the runs each build has (samples labelled by run); p is the
-        larger of min(1, 2 * min(Mann-Whitney U, Kolmogorov-Smirnov)) and the drift-aware
-        normal test of log ratio. A change is called only when p <= alpha AND the ratio lies
-        beyond 1 +/- min_effect; "same" when the whole interval lies inside that band; fewer
-        than min_samples in either build is always "inconclusive". When inconclusive,
-        more_repetitions_suggested (> 0) is the size of one more run of each build, bounded
-        so that no build exceeds max_repetitions; 0 there means the verdict is final.
+        larger of the two-sided Mann-Whitney U p and the drift-aware normal test of log
+        ratio. A change is called only when p <= alpha AND the ratio lies beyond 1 +/-
+        min_effect; "same" when the whole interval lies inside that band; fewer than
+        min_samples in either build is always "inconclusive". An inconclusive verdict says
+        its cause: too_few, unreachable (p_min, the smallest p the sample counts allow, is
+        above alpha, and the reason says how many samples can), not_significant, drift or
+        within_effect. When inconclusive, more_repetitions_suggested (> 0) is the size of one
+        more run of each build (at least what makes p <= alpha reachable), bounded so that no
+        build exceeds max_repetitions; 0 there means the verdict is final.
     estimate_drift(runs, *, min_runs=6) -> float | None
         a series' run-to-run drift from its history (one sample array per run, in order).
     detect_change_points(history, *, min_segment=3, sig_level=0.01, n_permutations=199,
@@ -50,10 +53,13 @@ from orchestrator.regression.attribution import KernelMove, attribute
 from orchestrator.regression.changepoint import ChangePoint, detect_change_points
 from orchestrator.regression.compare import (
     DEFAULT_DRIFT,
+    SAMPLE_LIMITED,
+    Cause,
     Comparison,
     Verdict,
     compare,
     estimate_drift,
+    min_rank_p,
 )
 from orchestrator.regression.fidelity import ImageCheck, compare_images, load_image, psnr
 from orchestrator.regression.series import CheckedSeries, SeriesKey, SeriesSample, check_series
@@ -61,6 +67,8 @@ from orchestrator.regression.thermal import ThermalFlag, ThermalReading, thermal
 
 __all__ = [
     "DEFAULT_DRIFT",
+    "SAMPLE_LIMITED",
+    "Cause",
     "ChangePoint",
     "CheckedSeries",
     "Comparison",
@@ -78,6 +86,7 @@ __all__ = [
     "detect_change_points",
     "estimate_drift",
     "load_image",
+    "min_rank_p",
     "psnr",
     "thermal_flag",
 ]

@@ -18,16 +18,26 @@ Notation:
     [lo, hi]   percentile-bootstrap interval of log r, each side widened by z d sqrt(1/k_b +
                1/k_c) in quadrature (z for `confidence`), back on the ratio scale
     m          the minimum effect: changes inside [1 - m, 1 + m] do not matter
-    p_rank     min(1, 2 * min(p_MW, p_KS)): Mann-Whitney U and Kolmogorov-Smirnov, both
-               two-sided, Bonferroni-corrected for taking the smaller of two tests
+    p_rank     Mann-Whitney U, two-sided (exact without ties below 8 samples a build, else
+               the normal approximation, as scipy chooses)
+    p_min      the smallest p_rank n_b and n_c samples can give (every candidate sample beyond
+               every baseline one): 2 / C(n_b + n_c, n_b) when exact. When p_min > alpha no
+               data can make a change significant, so the comparison asks for the samples
+               that can instead of reporting a verdict it could never reach
     p_drift    two-sided normal p of log r / s
     p          max(p_rank, p_drift): significant only when both tests say so
+
+Why one rank test: taking the smaller of Mann-Whitney and Kolmogorov-Smirnov needs a factor of
+2 (Bonferroni), and 2 x 2 / C(10, 5) = 0.016 put every 5-against-5 comparison out of reach of
+alpha 0.01, however large the change (a 3x slowdown read "inconclusive"). Kolmogorov-Smirnov
+adds nothing the verdict uses: the verdict is about the ratio of medians, and a shift of that
+is what Mann-Whitney detects best. docs/regression.md has the simulated false-positive rate
+and power of this test.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +46,12 @@ import numpy as np
 from scipy import stats
 
 Verdict = Literal["regression", "improvement", "same", "inconclusive"]
+# Why a verdict is what it is: "decided" (regression, improvement, same) or, for an
+# inconclusive one, the cause that applied. "too_few" and "unreachable" are about the sample
+# count, not the data: more samples always help them, so every such metric gets a
+# more-repetitions round (orchestrator/analysis.py), whatever metrics the batch rounds on.
+Cause = Literal["decided", "too_few", "unreachable", "not_significant", "drift", "within_effect"]
+SAMPLE_LIMITED: tuple[Cause, ...] = ("too_few", "unreachable")
 
 MIN_SAMPLES = 5
 MAX_REPETITIONS = 40
@@ -47,6 +63,7 @@ MIN_HISTORY_RUNS = 6  # runs of history estimate_drift() needs before it replace
 class Comparison:
     verdict: Verdict
     reason: str  # one line saying why this verdict
+    cause: Cause
     n_baseline: int
     n_candidate: int
     baseline_median: float | None
@@ -57,7 +74,7 @@ class Comparison:
     confidence: float
     p_value: float | None  # max(p_rank, p_drift)
     p_mannwhitney: float | None
-    p_ks: float | None
+    p_min: float | None  # the smallest p_mannwhitney these sample counts can give
     p_drift: float | None
     runs_baseline: int
     runs_candidate: int
@@ -132,17 +149,31 @@ def estimate_drift(runs: Sequence[Sequence[float]], *, min_runs: int = MIN_HISTO
     return float(math.sqrt(max(0.0, spread**2 / 2 - within)))
 
 
-def rank_p_values(b: np.ndarray, c: np.ndarray) -> tuple[float, float, float]:
-    """(p, p_MW, p_KS): both tests two-sided, p their Bonferroni-corrected minimum."""
+def rank_p_value(b: np.ndarray, c: np.ndarray) -> float:
+    """Mann-Whitney U, two-sided; 1 when every value is equal (no evidence of any difference)."""
     if np.ptp(np.concatenate([b, c])) == 0:
-        return 1.0, 1.0, 1.0  # all values equal: no evidence of any difference
-    p_mw = float(stats.mannwhitneyu(b, c, alternative="two-sided").pvalue)
-    with warnings.catch_warnings():
-        # scipy falls back from the exact to the asymptotic KS distribution on its own for
-        # some sizes and says so; the fallback is the intended behaviour here.
-        warnings.filterwarnings("ignore", message="ks_2samp: Exact calculation unsuccessful")
-        p_ks = float(stats.ks_2samp(b, c, alternative="two-sided").pvalue)
-    return min(1.0, 2.0 * min(p_mw, p_ks)), p_mw, p_ks
+        return 1.0
+    return float(stats.mannwhitneyu(b, c, alternative="two-sided").pvalue)
+
+
+def min_rank_p(n_b: int, n_c: int) -> float:
+    """The smallest p rank_p_value can give with n_b and n_c samples: its p when every
+    candidate sample lies beyond every baseline sample (the test picks exact or asymptotic
+    from the counts alone when there are no ties)."""
+    if n_b < 1 or n_c < 1:
+        return 1.0
+    return rank_p_value(np.arange(n_b, dtype=float), np.arange(n_b, n_b + n_c, dtype=float))
+
+
+def samples_for(alpha: float, n_b: int, n_c: int, limit: int = MAX_REPETITIONS) -> tuple[int, int] | None:
+    """The fewest samples (each build adding the same number) whose min_rank_p is at most
+    alpha; None when not even `limit` a build would do."""
+    for extra in range(0, limit + 1):
+        if max(n_b, n_c) + extra > limit:
+            return None
+        if min_rank_p(n_b + extra, n_c + extra) <= alpha:
+            return n_b + extra, n_c + extra
+    return None
 
 
 def _more_repetitions(n: int, per_run: int, *, max_repetitions: int) -> int:
@@ -199,15 +230,19 @@ def compare(
     med_c = float(np.median(c)) if c.size else None
     n = min(b.size, c.size)
 
+    p_min = min_rank_p(b.size, c.size)
+    enough = samples_for(alpha, b.size, c.size, max_repetitions)
+
     # 1. Too few samples: no statistics, ask for enough to start.
     if n < min_samples:
         ratio = med_c / med_b if med_b and med_c is not None else None
+        want = max(min_samples, *(enough or (0,)))
         return Comparison(
-            verdict="inconclusive",
+            verdict="inconclusive", cause="too_few",
             reason=f"too few samples ({b.size} baseline, {c.size} candidate; {min_samples} needed)",
             baseline_median=med_b, candidate_median=med_c, ratio=ratio, ci_low=None, ci_high=None,
-            p_value=None, p_mannwhitney=None, p_ks=None, p_drift=None,
-            more_repetitions_suggested=max(0, min(min_samples, max_repetitions) - n), **common,
+            p_value=None, p_mannwhitney=None, p_min=p_min, p_drift=None,
+            more_repetitions_suggested=max(0, min(want, max_repetitions) - n), **common,
         )
     if med_b <= 0:
         raise ValueError(f"baseline median is {med_b}: the ratio of medians is undefined")
@@ -223,34 +258,52 @@ def compare(
         lo = math.exp(log_r - math.hypot(log_r - math.log(boot_lo), z * math.sqrt(runs_var)))
         hi = math.exp(log_r + math.hypot(math.log(boot_hi) - log_r, z * math.sqrt(runs_var)))
 
-    # 3. Significance: the rank tests on the repetitions, and log r against its drift-aware error.
-    p_rank, p_mw, p_ks = rank_p_values(b, c)
+    # 3. Significance: the rank test on the repetitions, and log r against its drift-aware error.
+    p_mw = rank_p_value(b, c)
     s_total = math.sqrt(s_boot**2 + runs_var)
     if s_total > 0 and math.isfinite(s_total) and math.isfinite(log_r):
         p_drift = float(2.0 * stats.norm.sf(abs(log_r) / s_total))
     else:
         p_drift = 1.0 if log_r == 0 or not math.isfinite(s_total) else 0.0
-    p = max(p_rank, p_drift)
+    p = max(p_mw, p_drift)
     significant = p <= alpha
 
-    # 4. Verdict.
+    # 4. Verdict, and for an inconclusive one the cause that applied.
     up, down = significant and r > 1 + m, significant and r < 1 - m
+    interval = f"interval [{lo:.4f}, {hi:.4f}]"
+    cause: Cause = "decided"
     if up or down:
         verdict: Verdict = "regression" if up == higher_is_worse else "improvement"
-        reason = (f"p={p:.2g} <= {alpha} and ratio {r:.4f} beyond {'1+' if up else '1-'}{m} "
-                  f"(interval [{lo:.4f}, {hi:.4f}])")
+        reason = f"p={p:.2g} <= {alpha} and ratio {r:.4f} beyond {'1+' if up else '1-'}{m} ({interval})"
     elif 1 - m <= lo and hi <= 1 + m:
-        verdict, reason = "same", f"interval [{lo:.4f}, {hi:.4f}] within 1 +/- {m}"
+        verdict, reason = "same", f"{interval} within 1 +/- {m}"
     else:
         verdict = "inconclusive"
-        reason = (f"p={p:.2g}, ratio {r:.4f}, interval [{lo:.4f}, {hi:.4f}]: not significant, or "
-                  f"significant but within 1 +/- {m} while the interval leaves it")
+        if p_min > alpha:
+            cause = "unreachable"
+            reason = (f"{b.size} vs {c.size} samples cannot reach p <= {alpha} (the rank test's smallest p "
+                      f"with them is {p_min:.2g}): " + (f"{enough[0]} vs {enough[1]} needed" if enough else
+                                                      f"more than {max_repetitions} a build needed"))
+        elif significant:
+            cause = "within_effect"
+            reason = (f"p={p:.2g} <= {alpha}, but ratio {r:.4f} is within 1 +/- {m} while the {interval} "
+                      f"leaves that band: not yet known to be smaller than the minimum effect")
+        elif p_mw <= alpha:
+            cause = "drift"
+            reason = (f"ratio {r:.4f} ({interval}): the repetitions differ (rank p={p_mw:.2g}), but {k_b} vs "
+                      f"{k_c} runs cannot tell that from run-to-run drift ({drift:.1%} a run; p={p_drift:.2g} "
+                      f"with it): more runs of each build can")
+        else:
+            cause = "not_significant"
+            reason = f"not significant: p={p:.2g} > {alpha} (rank p={p_mw:.2g}), ratio {r:.4f} ({interval})"
 
     more = 0
     if verdict == "inconclusive":
         more = _more_repetitions(n, min(b.size, c.size) // max(k_b, k_c), max_repetitions=max_repetitions)
+        if cause == "unreachable" and enough:
+            more = max(more, max(enough[0] - b.size, enough[1] - c.size))
     return Comparison(
-        verdict=verdict, reason=reason, baseline_median=med_b, candidate_median=med_c, ratio=r,
-        ci_low=lo, ci_high=hi, p_value=p, p_mannwhitney=p_mw, p_ks=p_ks, p_drift=p_drift,
+        verdict=verdict, cause=cause, reason=reason, baseline_median=med_b, candidate_median=med_c, ratio=r,
+        ci_low=lo, ci_high=hi, p_value=p, p_mannwhitney=p_mw, p_min=p_min, p_drift=p_drift,
         more_repetitions_suggested=more, **common,
     )

@@ -95,7 +95,6 @@ def _farm_cli(tmp_path, monkeypatch, url):
     monkeypatch.setenv("FARM_HOST_NAME", "testhost")
     monkeypatch.delenv("FARM_BROKER_URL", raising=False)
     monkeypatch.delenv("FARM_DEVICES", raising=False)
-    monkeypatch.setenv("COLUMNS", "200")  # tables whole, not folded to 80 columns
     upgrade(url)
     engine = make_engine(url)
     runner = CliRunner()

@@ -311,7 +311,6 @@ def farm(tmp_path, monkeypatch):
     monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FARM_HOST_NAME", "testhost")
-    monkeypatch.setenv("COLUMNS", "200")
     runner = CliRunner()
 
     def invoke(*args: str, code: int = 0):

@@ -97,32 +97,38 @@ def test_the_demo_follows_a_batch_until_every_round_it_asked_for_is_analysed(tmp
     engine.dispose()
 
 
-def test_a_batch_rounds_only_on_its_round_metrics(Session):  # noqa: N803
-    """B is 30% slower in its UNet step (decided), and its end-to-end time has too few samples
-    to decide: every-metric batches ask for a round; a batch rounding on the UNet step does not."""
+def test_a_batch_rounds_only_on_its_round_metrics_unless_the_sample_count_decides(Session):  # noqa: N803
+    """B is 30% slower in its UNet step (decided). Its end-to-end time, equal but noisy over 10
+    samples, is inconclusive for want of evidence: every-metric batches ask for a round, a batch
+    rounding on the UNet step does not. With 3 end-to-end samples the sample count alone keeps
+    it undecided, so every batch asks for a round, whatever metrics it rounds on."""
     import numpy as np
     from test_analysis import _latency, _manifest, _record
 
     from agent.protocol import Sample
     from orchestrator import analysis
 
-    rng = np.random.default_rng()
-    asked = {}
-    for label, metrics in (("all", None), ("unet", ["unet_step_ms"])):
+    rng = np.random.default_rng(26)
+    asked, causes = {}, {}
+    cases = (("all", None, 10), ("unet", ["unet_step_ms"], 10), ("few", ["unet_step_ms"], 3))
+    for label, metrics, e2e_reps in cases:
         with Session() as s, s.begin():
             device = store.upsert_device(s, f"p-{label}", "local", f"/tmp/p-{label}", host="h")
             base = store.create_build(s, _manifest(f"a-{label}", 1_700_000_000.0))
             cand = store.create_build(s, _manifest(f"b-{label}", 1_700_086_400.0))
             for build, slow in ((base, 1.0), (cand, 1.3)):
                 result = _latency(rng, slow)
-                result.samples += [Sample("e2e_ms", 500.0 * slow + float(rng.normal(0, 5)), "ms", r) for r in range(3)]
+                result.samples += [Sample("e2e_ms", 500.0 * float(np.exp(rng.normal(0, 0.3))), "ms", r)
+                                   for r in range(e2e_reps)]
                 batch = store.create_batch(s, f"nightly {build.name}", build_id=build.id, round_metrics=metrics)
                 _record(s, device.id, build.id, "latency", result, batch.id)
             report = analysis.analyze_batch(s, batch.id)
             verdicts = {c["metric"]: c["verdict"] for c in report["comparisons"]}
             assert verdicts["unet_step_ms"] == "regression" and verdicts["e2e_ms"] == "inconclusive", verdicts
+            causes[label] = next(c["cause"] for c in report["comparisons"] if c["metric"] == "e2e_ms")
             asked[label] = [e["device"] for e in report["more_repetitions"]]
-    assert asked == {"all": ["p-all"], "unet": []}
+    assert causes == {"all": "not_significant", "unet": "not_significant", "few": "too_few"}
+    assert asked == {"all": ["p-all"], "unet": [], "few": ["p-few"]}
 
 
 def test_a_unet_step_round_times_unet_steps_only():

@@ -1,0 +1,36 @@
+"""How `farm` writes for people: one rich Console kind for every command. On a terminal it fits
+the terminal; anywhere else (a pipe, a log file, CI, a test's captured output) there is no width
+to fit, so it is as wide as what it prints: tables keep every cell whole, whatever COLUMNS or the
+parent process's terminal say. Values a person must read or copy whole (fingerprints, URLs,
+paths, build names) are printed as lines of their own (`field`), never inside a table cell
+that a narrow terminal would cut or fold."""
+
+from __future__ import annotations
+
+from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
+
+# Wide enough for any table the CLI prints; rich sizes a table to its content within this.
+UNBOUNDED_WIDTH = 10_000
+
+
+class FarmConsole(Console):
+    @property
+    def size(self) -> ConsoleDimensions:
+        if not self.is_terminal:
+            return ConsoleDimensions(UNBOUNDED_WIDTH, super().size.height)
+        return super().size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
+def field(out: Console, name: str, value: object, note: str = "") -> None:
+    """`name: value` on a line of its own, the value whole (long values wrap with the line,
+    never inside a cell)."""
+    out.print(f"[bold]{escape(name)}:[/] {escape(str(value))}{escape(note)}", highlight=False, soft_wrap=True)
+
+
+console = FarmConsole()
+err_console = FarmConsole(stderr=True)
