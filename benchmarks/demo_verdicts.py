@@ -1,7 +1,8 @@
 """`farm demo` N times in a row on one fresh home (new XDG folders, no FARM_* settings), then
-the verdict of every UNet-step comparison it made, as its last round left it, with the number
-of rounds it took: the check that build B (every reference kernel, about 2x slower) is called a
-regression on every device every time and A against A never is.
+the verdict of every UNet-step and end-to-end comparison it made, as its last round left it,
+with the number of rounds it took: the check that build B (every reference kernel, 2-5x
+slower) is called a regression on both metrics on every device every time and A against A
+never is.
 
     python benchmarks/demo_verdicts.py --runs 5 --json docs/benchmarks/DATE-cpu-demo-verdicts.json
 
@@ -22,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def run_demos(home: Path, runs: int) -> list[dict]:
+def run_demos(home: Path, runs: int, logs: Path | None = None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
-    env |= {"XDG_DATA_HOME": str(home / "data"), "XDG_CONFIG_HOME": str(home / "config"), "COLUMNS": "200"}
+    env |= {"XDG_DATA_HOME": str(home / "data"), "XDG_CONFIG_HOME": str(home / "config")}
     timings = []
     for i in range(1, runs + 1):
         t0 = time.monotonic()
@@ -33,6 +34,9 @@ def run_demos(home: Path, runs: int) -> list[dict]:
         seconds = time.monotonic() - t0
         timings.append({"run": i, "seconds": round(seconds, 1), "exit": done.returncode})
         print(f"run {i}: exit {done.returncode} in {seconds:.0f} s", flush=True)
+        if logs is not None:  # what a person reading a piped run sees
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"demo-run-{i}.txt").write_text(done.stdout + done.stderr)
         if done.returncode != 0:
             print(done.stdout[-4000:] + done.stderr[-4000:])
     return timings
@@ -105,44 +109,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the tables here")
+    parser.add_argument("--logs", type=Path, help="write each run's output (stdout, then stderr) here")
     parser.add_argument("--home", type=Path, help="run in this (new) folder and keep it; default: a temporary one")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="demo-verdicts-") as tmp:
         home = args.home or Path(tmp)
-        timings = run_demos(home, args.runs)
+        timings = run_demos(home, args.runs, args.logs)
         rows = verdicts(home)
         levels = run_levels(home)
 
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
-    print("\n| run | comparison | device | ratio | 95% CI | verdict | rounds |\n|---|---|---|---|---|---|---|")
+    metrics = ("unet_step_ms", "e2e_ms")
+    print("\n| run | comparison | device | metric | ratio | 95% CI | verdict | rounds |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if r["metric"] != "unet_step_ms":
+        if r["metric"] not in metrics:
             continue
         ci = f"{num(r['ci_low'], '.2f')} - {num(r['ci_high'], '.2f')}" if r["ci_low"] is not None else "-"
-        print(f"| {r['run']} | {r['comparison']} | {r['device']} | {num(r['ratio'], '.3f')} | {ci} | {r['verdict']} | "
-              f"{r['rounds']} |")
-    unet = [r for r in rows if r["metric"] == "unet_step_ms"]
-    b = [r for r in unet if r["comparison"].startswith("B vs A")]
-    aa = [r for r in unet if r["comparison"] == "A vs A"]
+        print(f"| {r['run']} | {r['comparison']} | {r['device']} | {r['metric']} | {num(r['ratio'], '.3f')} | {ci} | "
+              f"{r['verdict']} | {r['rounds']} |")
     print("\nUNet-step median of every latency run (ms):\n| demo run | round | device | build | n | median |\n"
           "|---|---|---|---|---|---|")
     for r in levels:
         print(f"| {r['demo_run']} | {r['round']} | {r['device']} | {r['build'][-1:].upper()} | {r['n']} | "
               f"{num(r['median'], '.2f')} |")
-    print("\nother metrics (first round -> last):")
-    for r in rows:
-        if r["metric"] != "unet_step_ms":
-            print(f"  run {r['run']} {r['comparison']} {r['device']} {r['metric']}: "
-                  f"{r['first_round_verdict']} -> {r['verdict']} ({r['rounds']} rounds)")
-    summary = {"b_regression": sum(r["verdict"] == "regression" for r in b), "b_comparisons": len(b),
-               "aa_regression": sum(r["verdict"] == "regression" for r in aa), "aa_comparisons": len(aa),
-               "aa_inconclusive": sum(r["verdict"] == "inconclusive" for r in aa),
-               "run_seconds": [t["seconds"] for t in timings]}
-    print(f"\nB vs A called a regression {summary['b_regression']}/{summary['b_comparisons']}; "
-          f"A vs A called a regression {summary['aa_regression']}/{summary['aa_comparisons']} "
-          f"(inconclusive {summary['aa_inconclusive']}); runs took {summary['run_seconds']} s")
+    summary = {"run_seconds": [t["seconds"] for t in timings]}
+    for metric in metrics:
+        b = [r for r in rows if r["metric"] == metric and r["comparison"].startswith("B vs A")]
+        aa = [r for r in rows if r["metric"] == metric and r["comparison"] == "A vs A"]
+        summary[metric] = {"b_regression": sum(r["verdict"] == "regression" for r in b), "b_comparisons": len(b),
+                           "aa_regression": sum(r["verdict"] == "regression" for r in aa),
+                           "aa_comparisons": len(aa),
+                           "aa_inconclusive": sum(r["verdict"] == "inconclusive" for r in aa)}
+        m = summary[metric]
+        print(f"\n{metric}: B vs A called a regression {m['b_regression']}/{m['b_comparisons']}; A vs A called a "
+              f"regression {m['aa_regression']}/{m['aa_comparisons']} (inconclusive {m['aa_inconclusive']})")
+    print(f"runs took {summary['run_seconds']} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"timings": timings, "verdicts": rows, "runs": levels,
