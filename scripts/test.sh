@@ -21,4 +21,6 @@ export FARM_TEST_REDIS_URL="$(bash scripts/ensure-redis.sh)"
 bash scripts/ensure-chromium.sh  # the HTML dashboard is tested in headless Chromium
 bash scripts/ensure-grafana-schema.sh >/dev/null  # the Grafana dashboards are type-checked against @grafana/schema
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+# Several workers, a file at a time, longest files first (tests/conftest.py): most of the suite's
+# time is spent waiting on processes, browsers and timeouts rather than on the CPU.
+exec .venv/bin/python -m pytest -n "${FARM_TEST_WORKERS:-4}" --dist loadfile --durations=20 "$@"

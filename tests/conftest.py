@@ -1,9 +1,14 @@
-"""Suite-wide test wiring: the `gpu` marker. Tests that need a WebGPU adapter run on whatever
-adapter exists (lavapipe on CPU machines). Without one they are skipped locally, but in CI
-(CI=true) they fail: a missing adapter there is a broken install, not a reason to pass."""
+"""Suite-wide test wiring: the `gpu` marker, and the order files are handed out in a parallel
+run. Tests that need a WebGPU adapter run on whatever adapter exists (lavapipe on CPU
+machines). Without one they are skipped locally, but in CI (CI=true) they fail: a missing
+adapter there is a broken install, not a reason to pass. scripts/test.sh runs the suite on
+pytest-xdist workers, a file at a time (module fixtures such as a started stack or browser are
+made once); the longest files (tests/durations.json) go first, so none starts last and runs
+alone at the end."""
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cache
 from pathlib import Path
@@ -14,6 +19,22 @@ from report_guard import pytest_make_collect_report, pytest_runtest_makereport  
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_model.npz"
 GOLDEN_3STEP = Path(__file__).resolve().parent / "golden" / "tiny_model_3step.npz"
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+REPO = Path(__file__).resolve().parent.parent
+NEW_FILE_SECONDS = 10.0  # a file not in durations.json yet: somewhere in the middle
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, files longest first (stable within a file and among equals): every worker
+    computes the same order, which the controller hands out a file at a time."""
+    if not hasattr(config, "workerinput"):
+        return
+    seconds = json.loads(DURATIONS.read_text())["seconds_per_file"] if DURATIONS.is_file() else {}
+
+    def cost(item) -> float:
+        return seconds.get(Path(str(item.path)).relative_to(REPO).as_posix(), NEW_FILE_SECONDS)
+
+    items.sort(key=lambda item: -cost(item))
 
 
 @cache
