@@ -23,4 +23,4 @@ bash scripts/ensure-grafana-schema.sh >/dev/null  # the Grafana dashboards are t
 .venv/bin/ruff check .
 # Several workers, a file at a time, longest files first (tests/conftest.py): most of the suite's
 # time is spent waiting on processes, browsers and timeouts rather than on the CPU.
-exec .venv/bin/python -m pytest -n "${FARM_TEST_WORKERS:-4}" --dist loadfile --durations=20 "$@"
+exec .venv/bin/python -m pytest -n "${FARM_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder --durations=20 "$@"
