@@ -20,6 +20,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -156,6 +157,13 @@ def _answer(handler: BaseHTTPRequestHandler, status: int, body: bytes, ctype: st
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A page that went away mid-answer (its long poll timed out, the tab closed) is no
+        error of the engine's: socketserver would print its traceback into the caller's output."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), _Handler)

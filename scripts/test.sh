@@ -21,6 +21,15 @@ export FARM_TEST_REDIS_URL="$(bash scripts/ensure-redis.sh)"
 bash scripts/ensure-chromium.sh  # the HTML dashboard is tested in headless Chromium
 bash scripts/ensure-grafana-schema.sh >/dev/null  # the Grafana dashboards are type-checked against @grafana/schema
 .venv/bin/ruff check .
-# Several workers, a file at a time, longest files first (tests/conftest.py): most of the suite's
-# time is spent waiting on processes, browsers and timeouts rather than on the CPU.
-exec .venv/bin/python -m pytest -n "${FARM_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder --durations=20 "$@"
+# Most of the suite's time is spent waiting on processes, browsers and timeouts rather than on
+# the CPU: it runs on several workers, a file at a time, longest files first (tests/conftest.py).
+# Tests marked `alone` time builds against each other or wait on second-long deadlines: they run
+# afterwards, one at a time, with nothing beside them. Both parts always run; either failing
+# fails the suite (a part that selects no test, exit 5, is no failure: `bash scripts/test.sh
+# tests/engine` has nothing to run alone).
+status=0
+part() { "$@" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }; }
+part .venv/bin/python -m pytest -n "${FARM_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder --durations=15 \
+  -m "not alone" "$@"
+part .venv/bin/python -m pytest -p no:xdist --durations=5 -m alone "$@"
+exit "$status"

@@ -20,7 +20,8 @@ from orchestrator.db import store
 from orchestrator.db.models import Batch, Build, Job, JobKind, JobState
 from orchestrator.jobs import launch_suite
 
-pytestmark = pytest.mark.gpu
+# `alone`: scripts/test.sh runs this file with no other test beside it: it times builds against each other on this machine's CPU.
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]
 SPEC = {"precision": "fp32", "steps": 1, "warmup": 1, "repetitions": 1,
         "unet_repetitions": 8, "kernel_timings": False, "time_limit_s": 300.0}
 

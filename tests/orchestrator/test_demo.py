@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session
 
 from orchestrator.db.models import Alert, AlertKind, Batch, Deployment, Device, Job, JobState
 
-pytestmark = pytest.mark.gpu
+# `alone`: scripts/test.sh runs this file with no other test beside it: it times build A against build B on devices that share this machine's CPU.
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -33,6 +33,9 @@ from orchestrator.db.models import Deployment, DeploymentStatus, Device, Job, Jo
 from orchestrator.jobs import check_time_limit, reconcile, send_jobs
 from orchestrator.settings import Settings
 
+# `alone`: scripts/test.sh runs this file with no other test beside it: its leases and reconciler deadlines are seconds long.
+pytestmark = pytest.mark.alone
+
 HOST = "relhost"
 REPO = Path(__file__).resolve().parents[2]
 QUICK_SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 1, "scheduler": "euler", "time_limit_s": 120.0,
