@@ -15,6 +15,13 @@ UNBOUNDED_WIDTH = 10_000
 
 
 class FarmConsole(Console):
+    """No emoji codes: rich would turn the ":CD:" of a fingerprint (or ":ok:" in a path) into a
+    picture."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("emoji", False)
+        super().__init__(*args, **kwargs)
+
     @property
     def size(self) -> ConsoleDimensions:
         if not self.is_terminal:

@@ -36,6 +36,18 @@ def test_a_table_written_to_a_pipe_keeps_every_cell_whole_whatever_columns_says(
     assert LONG in text and "vphone-chrome-1" in text and "regression" in text and "…" not in text
 
 
+def test_hex_pairs_that_spell_emoji_codes_stay_text():
+    # A CA fingerprint such as ...:D7:CD:B8:... printed as ...:D7💿B8:... by rich's emoji codes.
+    out = io.StringIO()
+    console = FarmConsole(file=out)
+    fingerprint = "27:16:C7:19:4A:18:D7:CD:B8:01:FE:53"
+    console.print(fingerprint, soft_wrap=True)
+    table = Table("SHA-256")
+    table.add_row(fingerprint)
+    console.print(table)
+    assert out.getvalue().count(fingerprint) == 2, out.getvalue()
+
+
 def test_a_terminal_still_gets_tables_fitted_to_its_width():
     out = io.StringIO()
     console = FarmConsole(file=out, force_terminal=True, width=40, color_system=None)
