@@ -61,7 +61,7 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
     no_chromium = env | {"PATH": _path_without_chromium(tmp_path / "bin")}
     for run_env in (env, no_chromium):
         done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "--phones", "1", "--steps", "2"],
-                              env=run_env, cwd=REPO, capture_output=True, text=True, timeout=900)
+                              env=run_env, cwd=REPO, capture_output=True, text=True, timeout=1000)
         outputs.append(done.stdout + done.stderr)
         assert done.returncode == 0, outputs[-1][-6000:]
         assert _processes_with(f"DEMO_TEST_MARKER={tmp_path}") == []  # every process it started is gone
