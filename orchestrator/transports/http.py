@@ -233,6 +233,14 @@ class HttpTransport(Transport):
                 if time.monotonic() > deadline:
                     raise InfraFailure(self.name, f"job {spec.job_id}: still running {limit_s:g} s after it started")
                 time.sleep(self.poll_s)
+        # The job may end between a fetch of its events and the next look at its status: what it
+        # emitted in between (its "finished" among them) is fetched once more, best effort.
+        try:
+            _, events = self._json("GET", f"{job}/events?since={seen}")
+            for event in events["events"]:
+                emit(progress, event)
+        except TransportError:
+            pass
         return AgentExit(0, raw.decode(errors="replace"))
 
     def read_job_file(self, spec: JobSpec, path: str) -> bytes:
