@@ -113,8 +113,10 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                     top = [m["op"] for m in alert.detail["attribution_by_op"][:2]]
                     if alert.device.serial in browser_devices:  # SwiftShader: the reference layer norm
                         assert "layer_norm" in top, alert.detail["attribution_by_op"]
-                    else:
-                        assert set(top) == {"attention", "conv2d"}, alert.detail["attribution_by_op"]
+                    else:  # attention moves ~100 ms; the next movers (conv2d, linear, geglu) lie within
+                        # about a millisecond of each other on lavapipe, so their order is noise (the
+                        # earlier {attention, conv2d} check failed on clean clones of 93b3a05 and later)
+                        assert top[0] == "attention", alert.detail["attribution_by_op"]
                     assert alert.device.runtime == ("browser" if alert.device.serial in browser_devices else "python")
             # The second A is compared with the first A (B is not accepted while its alerts are open).
             second_a = [c for c in batches[2].summary["analysis"]["comparisons"]
