@@ -145,8 +145,8 @@ def _browser_devices(browser_phones: int, tablets: int) -> tuple[int, int]:
 
     from engine.browser import find_chromium
 
-    configured = os.environ.get("FARM_CHROMIUM")
-    chromium = (configured if configured and shutil.which(configured) else None) if configured else find_chromium()
+    configured = os.environ.get("FARM_CHROMIUM")  # as the phone's Chrome and the tablet look it up
+    chromium = shutil.which(configured) if configured else find_chromium()
     missing = None if chromium else "Chromium"
     left_out = [f"vphone-chrome-{i}" for i in range(1, browser_phones + 1)] if missing else []
     if tablets and not missing and not shutil.which("certutil"):
