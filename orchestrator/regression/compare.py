@@ -231,12 +231,11 @@ def compare(
     n = min(b.size, c.size)
 
     p_min = min_rank_p(b.size, c.size)
-    enough = samples_for(alpha, b.size, c.size, max_repetitions)
 
     # 1. Too few samples: no statistics, ask for enough to start.
     if n < min_samples:
         ratio = med_c / med_b if med_b and med_c is not None else None
-        want = max(min_samples, *(enough or (0,)))
+        want = max(min_samples, *(samples_for(alpha, b.size, c.size, max_repetitions) or (0,)))
         return Comparison(
             verdict="inconclusive", cause="too_few",
             reason=f"too few samples ({b.size} baseline, {c.size} candidate; {min_samples} needed)",
@@ -281,6 +280,7 @@ def compare(
         verdict = "inconclusive"
         if p_min > alpha:
             cause = "unreachable"
+            enough = samples_for(alpha, b.size, c.size, max_repetitions)
             reason = (f"{b.size} vs {c.size} samples cannot reach p <= {alpha} (the rank test's smallest p "
                       f"with them is {p_min:.2g}): " + (f"{enough[0]} vs {enough[1]} needed" if enough else
                                                       f"more than {max_repetitions} a build needed"))
