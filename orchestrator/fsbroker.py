@@ -18,6 +18,12 @@ with requeue or when the channel closes. Any consumer checks the claims every
 RESTORE_EVERY_S and puts back those whose owner process is gone, so a message held by a dead
 worker comes back within that time of the next consumer polling.
 
+Exchange tables: kombu creates an exchange's table file and then locks and writes it, so a
+process binding or publishing at that moment reads an empty file and fails to decode it, and
+two processes creating it at once can overwrite each other's binding. Here a table is changed
+under an exclusive lock on a sibling lock file and replaced whole by a rename; readers need no
+lock, and an empty table file (left by kombu's own code) reads as no bindings.
+
 The URL scheme is `farmfs://`; the transport options are kombu's filesystem ones.
 """
 
@@ -27,12 +33,14 @@ import logging
 import os
 import socket
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from queue import Empty
 from time import monotonic
 
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem, virtual
+from kombu.transport.filesystem import LOCK_EX, exchange_queue_t, lock, unlock
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
 
@@ -175,6 +183,51 @@ class Channel(filesystem.Channel):
             return message
         raise Empty()
 
+    # ---- exchange tables -------------------------------------------------------------------
+
+    def get_table(self, exchange):
+        return _read_table(self._exchange_file(exchange))
+
+    def _queue_bind(self, exchange, routing_key, pattern, queue):
+        binding = exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        with self._table_for_change(exchange) as queues:
+            if binding not in queues:
+                queues.insert(0, binding)
+
+    def _delete(self, queue, exchange, routing_key, pattern, *args, **kwargs):
+        virtual.Channel._delete(self, queue, exchange, routing_key, pattern, *args, **kwargs)
+        binding = exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        with self._table_for_change(exchange) as queues:
+            if binding in queues:
+                queues.remove(binding)
+
+    @contextmanager
+    def _table_for_change(self, exchange):
+        """The exchange's bindings as a list to change in place, read and written back (whole,
+        by rename) under the exchange's lock file."""
+        file = self._exchange_file(exchange)
+        try:
+            self.control_folder.mkdir(exist_ok=True)
+            guard = open(file.with_name(file.name + ".lock"), "ab")
+        except OSError as exc:
+            raise ChannelError(f"cannot open the lock of {file}: {exc}") from exc
+        try:
+            lock(guard, LOCK_EX)
+            queues = _read_table(file)
+            before = list(queues)
+            yield queues
+            if queues != before:
+                staged = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+                try:
+                    staged.write_bytes(str_to_bytes(dumps(queues)))
+                    os.replace(staged, file)
+                except OSError as exc:
+                    staged.unlink(missing_ok=True)
+                    raise ChannelError(f"cannot write {file}: {exc}") from exc
+        finally:
+            unlock(guard)
+            guard.close()
+
     def _settle_claim(self, delivery_tag, *, requeue: bool) -> None:
         claimed = self._claims.pop(delivery_tag, None)
         if claimed is None:
@@ -208,6 +261,22 @@ class Channel(filesystem.Channel):
             log.warning("put back %d message(s) claimed by consumers that are gone: %s", len(restored),
                         ", ".join(restored[:5]))
         return restored
+
+
+def _read_table(file: Path) -> list:
+    """An exchange table's bindings; none when the file is missing or still empty."""
+    try:
+        text = bytes_to_str(file.read_bytes())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise ChannelError(f"cannot read {file}: {exc}") from exc
+    if not text.strip():
+        return []
+    try:
+        return [exchange_queue_t(*q) for q in loads(text)]
+    except (ValueError, TypeError) as exc:
+        raise ChannelError(f"{file} is not an exchange table: {exc}") from exc
 
 
 class Transport(filesystem.Transport):

@@ -45,9 +45,12 @@ def connect(port: int, rsa_keys=None, auth_timeout_s: float = 5.0) -> AdbDevice:
     return device
 
 
+SHELL_WAIT_S = 120.0  # a command may print nothing for long on a loaded machine (a Python start)
+
+
 def shell_v2(device: AdbDevice, command: str) -> tuple[bytes, bytes, int]:
     """adb-shell has no shell v2 API; speak it over its stream primitives."""
-    info = device._open(b"shell,v2,raw:" + command.encode(), None, 10.0, None)
+    info = device._open(b"shell,v2,raw:" + command.encode(), SHELL_WAIT_S, SHELL_WAIT_S, None)
     buf = b"".join(device._read_until_close(info))
     out, err, code = b"", b"", None
     while buf:
@@ -327,20 +330,27 @@ def test_thermal_rises_while_agent_runs_and_falls_after(tmp_path):
 
 def test_agent_on_the_phone_reads_the_phones_thermal_zones(tmp_path):
     """The agent's cool-down reads the phone's simulated zones (mirrored for it while it runs),
-    not the host's: its readings start at the phone's and rise with the phone's load."""
+    not the host's: its readings lie in the phone's range, start no colder than the idle phone
+    and rise with the phone's load.
+
+    The phone lives in a freezer (-38 C idle, -8 C under load) so that no host zone can pass for
+    it, and heats with a 5 s time constant so that its rise is still visible after a slow start
+    of the agent's Python on a loaded machine."""
     code = ("import time; from agent.deviceinfo import read_thermal_local, hottest_celsius\n"
             "for _ in range(3):\n    print(hottest_celsius(read_thermal_local()), flush=True); time.sleep(0.6)")
     agent = AgentSettings(command=(sys.executable, "-c", code))
-    with VirtualPhone(serial="thermo", root=tmp_path / "p", thermal=FAST_THERMAL, agent=agent, auth=False) as p:
+    freezer = ThermalSettings(ambient_c=-38.0, load_c=-8.0, heat_tau_s=5.0, cool_tau_s=5.0)
+    with VirtualPhone(serial="thermo", root=tmp_path / "p", thermal=freezer, agent=agent, auth=False) as p:
         d = connect(p.port)
         zones = d.shell("cat /sys/class/thermal/thermal_zone*/temp").split()
-        phone_hottest = max(int(z) for z in zones) / 1000
+        idle_hottest = max(int(z) for z in zones) / 1000
+        hottest_possible = freezer.load_c + max(zone.offset_c for zone in p.model.zones)
         out, err, status = shell_v2(d, "farm-agent")
         assert status == 0, err
         readings = [float(v) for v in out.decode().split()]
         assert len(readings) == 3
-        assert readings[0] == pytest.approx(phone_hottest, abs=3.0), (readings, phone_hottest)
-        assert readings[-1] > readings[0] + 5, readings
+        assert all(idle_hottest - 0.01 <= r <= hottest_possible + 0.01 for r in readings), (readings, idle_hottest)
+        assert readings[-1] > readings[0] + 0.3, readings
         d.close()
 
 

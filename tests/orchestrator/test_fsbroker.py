@@ -129,3 +129,44 @@ def test_a_wait_with_every_prefetch_slot_held_ends_after_one_polling_interval(tm
         producer.join()
         queue.close()
     assert waited < 2.0, f"a wait with a 10 s timeout, a 0.2 s polling interval and no free slot took {waited:.1f} s"
+
+
+def _bind_many(root: str, worker: int, count: int, start) -> None:
+    start.wait(30)
+    with Connection("farmfs://", transport_options=_options(Path(root))) as conn:
+        channel = conn.default_channel
+        channel.exchange_declare("shared-exchange", "direct")
+        for i in range(count):
+            channel.queue_bind(f"q-{worker}-{i}", "shared-exchange", f"key-{worker}-{i}")
+
+
+def test_queues_bound_at_once_by_many_processes_are_all_in_the_exchange_table(tmp_path):
+    """Several processes declaring queues on one exchange at the same moment (workers and
+    clients starting together): none fails on a table another is writing, and none loses
+    another's binding."""
+    workers, per_worker = 6, 15
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    processes = [ctx.Process(target=_bind_many, args=(str(tmp_path), w, per_worker, start)) for w in range(workers)]
+    for process in processes:
+        process.start()
+    start.set()
+    for process in processes:
+        process.join(120)
+        assert process.exitcode == 0
+    with Connection("farmfs://", transport_options=_options(tmp_path)) as conn:
+        table = conn.default_channel.get_table("shared-exchange")
+    assert sorted(q.queue for q in table) == sorted(f"q-{w}-{i}" for w in range(workers) for i in range(per_worker))
+
+
+def test_an_exchange_table_caught_mid_creation_reads_as_empty_and_takes_a_binding(tmp_path):
+    """The moment between a process creating an exchange's table file and writing it: a reader
+    sees no bindings and a binder adds its own, instead of failing to decode an empty file."""
+    options = _options(tmp_path)
+    (tmp_path / "control" / "new-exchange.exchange").write_bytes(b"")
+    with Connection("farmfs://", transport_options=options) as conn:
+        channel = conn.default_channel
+        channel.exchange_declare("new-exchange", "direct")
+        assert channel.get_table("new-exchange") == []
+        channel.queue_bind("q", "new-exchange", "k")
+        assert [q.queue for q in channel.get_table("new-exchange")] == ["q"]
