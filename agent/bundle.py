@@ -46,12 +46,20 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from agent.protocol import NAME_PATTERN, Manifest, ManifestFile, ProtocolError, from_json, to_json
+from agent.protocol import (
+    FARM_KEY,
+    FILES,
+    MANIFEST,
+    NAME_PATTERN,
+    SIGNATURE,
+    Manifest,
+    ManifestFile,
+    ProtocolError,
+    from_json,
+    sha256_file,
+    to_json,
+)
 
-MANIFEST = "manifest.json"
-SIGNATURE = "manifest.sig"
-FILES = "files"
-FARM_KEY = "farm.pub"
 CURRENT = "current"
 # Names a build tree keeps for itself, so no manifest path may take them.
 RESERVED_PATHS = frozenset({MANIFEST, SIGNATURE})
@@ -72,6 +80,7 @@ class InstalledBuild:
     build_id: str
     path: Path  # <root>/builds/<build_id>
     manifest: Manifest
+    kept_current: str | None = None  # install_bundle: the newer build left current (a downgrade not allowed)
 
 
 # ---- keys -----------------------------------------------------------------------------------
@@ -358,39 +367,117 @@ def blob_path(root: Path, sha256: str) -> Path:
 
 
 def missing_files(manifest: Manifest, root: Path, staged: Path | None = None) -> list[ManifestFile]:
-    """The manifest entries whose blob the store lacks (absent or of the wrong size), one per
-    distinct sha256: a re-deploy sends only these; install takes the rest from the store. With
-    `staged` (a bundle folder an interrupted upload was filling), a file already there whole
-    (its size and sha256) is not missing either: a resumed upload sends only what had not
-    arrived, and a damaged staged file is sent again rather than refused at every install."""
+    """The manifest entries whose blob the store lacks (absent, or not hashing to its sha256:
+    a blob damaged in place is sent again), one per distinct sha256: a re-deploy sends only
+    these; install takes the rest from the store. With `staged` (a bundle folder an
+    interrupted upload was filling), a file already there whole (its size and sha256) is not
+    missing either: a resumed upload sends only what had not arrived, and a damaged staged
+    file is sent again rather than refused at every install."""
     out, seen = [], set()
     present = set()
-    for f in manifest.files if staged is not None else []:
-        path = staged / FILES / f.path
-        if f.sha256 not in present and _is_file_of_size(path, f.size) and sha256_file(path) == f.sha256:
-            present.add(f.sha256)
-    for f in manifest.files:
-        if f.sha256 in seen:
-            continue
-        seen.add(f.sha256)
-        if f.sha256 not in present and not _is_file_of_size(blob_path(root, f.sha256), f.size):
-            out.append(f)
+    with HashCache(root) as hashes:
+        for f in manifest.files if staged is not None else []:
+            if f.sha256 not in present and hashes.holds(staged / FILES / f.path, f):
+                present.add(f.sha256)
+        for f in manifest.files:
+            if f.sha256 in seen:
+                continue
+            seen.add(f.sha256)
+            if f.sha256 not in present and not hashes.holds(blob_path(root, f.sha256), f):
+                out.append(f)
     return out
 
 
-def _is_file_of_size(path: Path, size: int) -> bool:
-    try:
-        return path.is_file() and not path.is_symlink() and path.stat().st_size == size
-    except (OSError, ValueError):  # a manifest path this filesystem cannot hold
-        return False
+def verify_build(root: Path, build: InstalledBuild) -> list[str]:
+    """The paths of an installed build whose file is missing or does not hash to the signed
+    manifest's sha256 (empty: the build is intact). Run before every job, so a file damaged
+    after its install never runs; cheap after the first time (HashCache)."""
+    damaged = []
+    with HashCache(root) as hashes:
+        for f in build.manifest.files:
+            if not hashes.holds(build.path / f.path, f):
+                damaged.append(f.path)
+    return damaged
+
+
+class HashCache:
+    """What this agent root has hashed: a file's identity and change times -> its sha256, in
+    <root>/hashes.json. A file is hashed again when its inode, size, mtime or ctime differ
+    from the recorded ones; writing into a file changes its mtime and ctime (and only the
+    kernel sets ctime), so a file damaged in place is hashed again and found out. The cache
+    holds only what was hashed here; a lost or unreadable one costs a re-hash, nothing more."""
+
+    NAME = "hashes.json"
+    MAX_ENTRIES = 100_000
+
+    def __init__(self, root: Path):
+        self.path = Path(root) / self.NAME
+        self.entries: dict[str, list] = {}
+        self.changed = False
+
+    def __enter__(self) -> HashCache:
+        import json
+
+        try:
+            loaded = json.loads(self.path.read_text())
+            if isinstance(loaded, dict):
+                self.entries = loaded
+        except (OSError, ValueError):
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import json
+
+        if not self.changed or not self.path.parent.is_dir():
+            return
+        if len(self.entries) > self.MAX_ENTRIES:  # files long gone: start again
+            self.entries = dict(list(self.entries.items())[-self.MAX_ENTRIES // 2:])
+        tmp = self.path.parent / f".tmp-{self.NAME}-{uuid.uuid4().hex}"
+        try:
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only or full root: the next look hashes again
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def holds(self, path: Path, entry: ManifestFile) -> bool:
+        """Whether `path` is a regular file (not a symlink) of the entry's size and sha256."""
+        try:
+            st = os.lstat(path)
+        except (OSError, ValueError):  # absent, or a manifest path this filesystem cannot hold
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+            return False
+        key = f"{st.st_dev}:{st.st_ino}"
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        known = self.entries.get(key)
+        if isinstance(known, list) and len(known) == 4 and known[:3] == stamp:
+            return known[3] == entry.sha256
+        try:
+            digest = sha256_file(path)
+            after = os.lstat(path)
+        except OSError:
+            return False
+        if [after.st_size, after.st_mtime_ns, after.st_ctime_ns] == stamp:  # unchanged while hashed
+            self.entries[key] = [*stamp, digest]
+            self.changed = True
+        return digest == entry.sha256
 
 
 def install_bundle(bundle_dir: Path, root: Path, public_key: Ed25519PublicKey | Path | None = None,
-                   activate: bool = True) -> InstalledBuild:
+                   activate: bool = True, allow_downgrade: bool = False) -> InstalledBuild:
     """Verify a (possibly partial) bundle, add its files to the store, materialize the build
     tree and, with `activate`, point builds/current at it. `public_key` None means the
     provisioned <root>/farm.pub. Nothing becomes visible before it is complete: an install
-    that fails part-way leaves the store without partial blobs and `current` unchanged."""
+    that fails part-way leaves the store without partial blobs and `current` unchanged.
+
+    A build signed before the current one is installed beside it (jobs that name it run it)
+    but made current only with `allow_downgrade`: an old, validly signed build never becomes
+    what the device runs by default on its own. The returned build's `kept_current` then
+    names the build left current."""
     bundle_dir, root = Path(bundle_dir), Path(root)
     key = farm_public_key(root) if public_key is None else _public_key(public_key)
     with _install_lock(root):
@@ -400,21 +487,27 @@ def install_bundle(bundle_dir: Path, root: Path, public_key: Ed25519PublicKey | 
         present = _check_present_files(bundle_dir, manifest)
         # 2. the files that did not come must already be in the store, intact
         coming = {f.sha256 for f in manifest.files if f.path in present}
-        for f in manifest.files:
-            if f.path in present or f.sha256 in coming:
-                continue
-            blob = blob_path(root, f.sha256)
-            if not blob.is_file():
-                raise BundleError(f"{FILES}/{f.path}: not in the bundle and not in the device's store "
-                                  f"(sha256 {f.sha256[:12]}...); send the files missing_files() lists")
-            _check_file(blob, f, f"{FILES}/{f.path} (store blob {f.sha256[:12]}...)")
+        with HashCache(root) as hashes:
+            for f in manifest.files:
+                if f.path in present or f.sha256 in coming:
+                    continue
+                blob = blob_path(root, f.sha256)
+                if not blob.is_file():
+                    raise BundleError(f"{FILES}/{f.path}: not in the bundle and not in the device's store "
+                                      f"(sha256 {f.sha256[:12]}...); send the files missing_files() lists")
+                if not hashes.holds(blob, f):
+                    _check_file(blob, f, f"{FILES}/{f.path} (store blob {f.sha256[:12]}...)")
         # 3. store the files that came (skipping blobs already there and intact)
         for f in manifest.files:
             if f.path in present:
                 _store_blob(present[f.path], f, root)
         # 4. the build tree, then 5. the switch
         build = _materialize(bundle_dir, manifest, root)
-        if activate:
+        current = current_build(root) if activate else None
+        if (current is not None and current.build_id != build.build_id and not allow_downgrade
+                and manifest.created < current.manifest.created):
+            build.kept_current = current.build_id
+        elif activate:
             activate_build(root, build.build_id)
         return build
 
@@ -484,11 +577,8 @@ def _materialize(bundle_dir: Path, manifest: Manifest, root: Path) -> InstalledB
 
 
 def _tree_intact(tree: Path, manifest: Manifest) -> bool:
-    for f in manifest.files:
-        path = tree / f.path
-        if path.is_symlink() or not path.is_file() or path.stat().st_size != f.size:
-            return False
-    return True
+    with HashCache(tree.parent.parent) as hashes:
+        return all(hashes.holds(tree / f.path, f) for f in manifest.files)
 
 
 def _try_link(blob: Path, target: Path) -> bool:
@@ -557,14 +647,6 @@ def _read_build(path: Path) -> InstalledBuild | None:
 
 
 # ---- file helpers ---------------------------------------------------------------------------
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _copy_hashing(source: Path, target: Path, fsync: bool = False) -> tuple[str, int]:

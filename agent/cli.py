@@ -87,8 +87,11 @@ def install(
     bundle_dir: Path = typer.Argument(..., help="Bundle folder: manifest.json, manifest.sig, files/."),
     root: Path = ROOT_OPTION,
     public_key: Path = typer.Option(None, help="The farm's public key (default: farm.pub in the root)."),
+    allow_downgrade: bool = typer.Option(False, "--allow-downgrade",
+                                         help="Make the build current even if it was built before the current one."),
 ):
-    """Verify a signed bundle against the farm's key and install it as the current build."""
+    """Verify a signed bundle against the farm's key and install it as the current build (a
+    build older than the current one is installed beside it, current only with --allow-downgrade)."""
     from agent.bundle import BundleError, install_bundle
 
     root = agent_root(root)
@@ -96,10 +99,35 @@ def install(
     if not bundle_dir.is_dir():
         fail(f"bundle folder {bundle_dir} does not exist", EXIT_BAD_INPUT)
     try:
-        build = install_bundle(bundle_dir, root, public_key)
+        build = install_bundle(bundle_dir, root, public_key, allow_downgrade=allow_downgrade)
     except (BundleError, OSError) as exc:
         fail(f"install refused: {exc}")
-    typer.echo(f"installed build {build.build_id} ({len(build.manifest.files)} files) at {build.path}; now current")
+    where = f"{len(build.manifest.files)} files) at {build.path}"
+    if build.kept_current:
+        typer.echo(f"installed build {build.build_id} ({where}; not made current: it is older than the current "
+                   f"build {build.kept_current} (--allow-downgrade makes it current)")
+    else:
+        typer.echo(f"installed build {build.build_id} ({where}; now current")
+
+
+@app.command()
+def verify(
+    build_id: str = typer.Argument(None, help="The installed build to check (default: the current one)."),
+    root: Path = ROOT_OPTION,
+):
+    """Hash an installed build's files against its signed manifest; exit 0 when all are intact."""
+    from agent.bundle import current_build, list_builds, verify_build
+
+    root = agent_root(root)
+    confined_paths({"--root": root})
+    builds = [current_build(root)] if build_id is None else [b for b in list_builds(root) if b.build_id == build_id]
+    if not builds or builds[0] is None:
+        fail(f"no build {build_id or 'current'} is installed under {root / 'builds'}", EXIT_BAD_INPUT)
+    damaged = verify_build(root, builds[0])
+    if damaged:
+        fail(f"build {builds[0].build_id}: {len(damaged)} damaged or missing file(s): {', '.join(damaged[:10])}"
+             + (" ..." if len(damaged) > 10 else "") + "; deploy it again")
+    typer.echo(f"build {builds[0].build_id}: {len(builds[0].manifest.files)} files intact")
 
 
 def _read_spec(job: str):
@@ -160,6 +188,23 @@ def run(
 
 
 @app.command()
+def stop(
+    job_id: str = typer.Argument(..., help="The running job's id (its JobSpec's job_id)."),
+    root: Path = ROOT_OPTION,
+    reason: str = typer.Option("stopped by the farm", "--reason", help="Recorded as the job's error."),
+):
+    """Stop a running job: its process is killed and it ends failed with the reason. Exit 0 when
+    it was running, 1 when it is not (already ended, or another job runs)."""
+    from agent.jobs import stop_job
+
+    root = agent_root(root)
+    confined_paths({"--root": root})
+    if not stop_job(root, job_id, reason):
+        fail(f"job {job_id} is not running on this device")
+    typer.echo(f"job {job_id} stopped: {reason}")
+
+
+@app.command()
 def serve(
     port: int = typer.Option(8765, help="TCP port to listen on."),
     token_file: Path = typer.Option(..., help="File holding the bearer token clients must send (mode 600)."),
@@ -184,11 +229,15 @@ def serve(
 
 @app.command("simulate-tablet")
 def simulate_tablet(
-    url: str = typer.Option(..., "--url", help="The farm's enrolment URL (farm devices enrol SERIAL)."),
+    url_file: Path = typer.Option(..., "--url-file", help="A file holding the farm's enrolment URL (farm "
+                                  "devices enrol SERIAL); it carries the device's token, which a command "
+                                  "line would show to every user of the machine.", exists=True, dir_okay=False),
     ca: Path = typer.Option(..., "--ca", help="The farm's CA certificate (PEM) the tablet trusts."),
     root: Path = typer.Option(..., "--root", help="Folder for the tablet's browser profile."),
 ):
-    """Run a virtual web device until SIGTERM: headless Chromium, trusting the farm's CA, on `url`."""
+    """Run a virtual web device until SIGTERM: headless Chromium, trusting the farm's CA, on the
+    enrolment URL."""
+    url = url_file.read_text().strip()
     try:
         from agent.simulator.tablet import TabletError, VirtualTablet
     except ImportError as exc:

@@ -17,11 +17,12 @@ The GPU work runs in a child so that a hung driver or a runaway job can be kille
 taking the agent down, and so the agent process itself never holds a GPU device. Samples are
 raw, one per repetition; nothing is aggregated on the device.
 
-The engine runtime is $FARM_ENGINE_RUNTIME (native when unset): "native" runs the eager engine
-on this host's GPU, "plan" replays engine plans on it, "browser" has a WebGPU page run them (a
-headless Chromium started here, or with $FARM_BROWSER_PAGE the page of a phone's browser that a
-farm's hub holds). Generate and latency jobs run on all three with the same sample metrics;
-tune jobs only on the native runtime.
+The engine runtime is the JobSpec's `engine_runtime` (where it is None, $FARM_ENGINE_RUNTIME,
+native when that is unset): "native" runs the eager engine on this host's GPU, "plan" replays
+engine plans on it, "browser" has a WebGPU page run them (a headless Chromium started here, or
+with $FARM_BROWSER_PAGE the page of a phone's browser that a farm's hub holds). Generate and
+latency jobs run on all three with the same sample metrics; tune jobs only on the native
+runtime.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pathlib import Path
 from agent.bundle import atomic_write, sha256_file
 from agent.fsroot import FsRoot, PathRefused
 from agent.protocol import (
+    ENGINE_RUNTIMES,
     LOG_TAIL_CHARS,
     Artifact,
     JobResult,
@@ -68,7 +70,7 @@ TUNED_PROFILES_DIR = "profiles/tuned"
 RESULT_EVENT = "result"
 ENGINE_RUNTIME_ENV = "FARM_ENGINE_RUNTIME"
 BROWSER_PAGE_ENV = "FARM_BROWSER_PAGE"  # the browser runtime's page; its URL holds the hub's key
-RUNTIMES = ("native", "plan", "browser")  # engine.pipeline.RUNTIMES, without importing the engine here
+RUNTIMES = ENGINE_RUNTIMES  # engine.load.RUNTIMES, without importing the engine here
 
 
 class AgentBusy(RuntimeError):
@@ -96,10 +98,12 @@ def artifact(out_dir: Path, path: Path, kind: str) -> Artifact:
 
 
 def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    """The end of a job's log as text; NUL bytes (a program's binary output) as U+FFFD, since
+    the protocol refuses NUL in every string."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
-            return f.read().decode("utf-8", "replace")
+            return f.read().decode("utf-8", "replace").replace("\x00", "\ufffd")
     except OSError:
         return ""
 
@@ -234,6 +238,42 @@ class DeviceLock:
                 self.path.unlink()
 
 
+# ---- stopping a running job ----------------------------------------------------------------
+
+
+def _stop_path(root: Path, job_id: str) -> Path:
+    return Path(root) / "locks" / f"stop-{job_id}"
+
+
+def stop_job(root: Path, job_id: str, reason: str) -> bool:
+    """Stop job `job_id` if it is the one running on this device: the request is written where
+    its agent looks (before starting its job process and when that process ends), then the
+    process and all it started are killed. The job ends `failed` with "stopped: <reason>".
+    False when that job is not running here (finished, never started, or another one runs)."""
+    from agent.protocol import NAME_PATTERN
+
+    held = read_lock(root)
+    if not NAME_PATTERN.fullmatch(job_id) or held is None or held.get("job_id") != job_id:
+        return False
+    path = _stop_path(root, job_id)
+    atomic_write_text(path, reason[:500])
+    child = held.get("child_pid")
+    if isinstance(child, int) and child > 0:
+        with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+            if os.name == "posix":
+                os.killpg(child, signal.SIGKILL)  # the job process leads its own group
+            else:
+                os.kill(child, signal.SIGTERM)
+    return True
+
+
+def _stop_requested(root: Path, job_id: str) -> str | None:
+    try:
+        return _stop_path(root, job_id).read_text().strip() or "no reason given"
+    except OSError:
+        return None
+
+
 # ---- cool-down ----------------------------------------------------------------------------
 
 
@@ -301,17 +341,22 @@ def cooling_rate(readings: list[tuple[float, float]], window_s: float) -> float 
 
 
 def job_runtime(spec: JobSpec) -> str:
-    """The engine runtime this job runs on: $FARM_ENGINE_RUNTIME, native when unset."""
-    runtime = os.environ.get(ENGINE_RUNTIME_ENV) or "native"
-    if runtime not in RUNTIMES:
-        raise JobError(f"{ENGINE_RUNTIME_ENV}={runtime!r} is not an engine runtime; "
-                       f"set one of {', '.join(RUNTIMES)}, or leave it unset for native")
+    """The engine runtime this job runs on: its spec's engine_runtime, else $FARM_ENGINE_RUNTIME,
+    native when both are unset."""
+    if spec.engine_runtime is not None:
+        runtime, said = spec.engine_runtime, f"engine_runtime {spec.engine_runtime}"
+    else:
+        runtime = os.environ.get(ENGINE_RUNTIME_ENV) or "native"
+        said = f"{ENGINE_RUNTIME_ENV}={runtime}"
+        if runtime not in RUNTIMES:
+            raise JobError(f"{ENGINE_RUNTIME_ENV}={runtime!r} is not an engine runtime; "
+                           f"set one of {', '.join(RUNTIMES)}, or leave it unset for native")
     if os.environ.get(BROWSER_PAGE_ENV) and runtime != "browser":
-        raise JobError(f"{BROWSER_PAGE_ENV} is for {ENGINE_RUNTIME_ENV}=browser; this agent runs the {runtime} "
-                       "runtime")
+        raise JobError(f"{BROWSER_PAGE_ENV} is for the browser runtime ({ENGINE_RUNTIME_ENV}=browser); "
+                       f"this job runs on the {runtime} runtime")
     if spec.kind == "tune" and runtime != "native":
         raise JobError(f"tune jobs run on the native runtime (the farm tunes on the GPU host), not on "
-                       f"{ENGINE_RUNTIME_ENV}={runtime}; send this job to an agent without {ENGINE_RUNTIME_ENV}")
+                       f"{said}; send this job to an agent on a GPU host, with engine_runtime native")
     return runtime
 
 
@@ -352,6 +397,14 @@ def _plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot) -> dict:
     need_build = not model.is_absolute() or (
         spec.profile not in SHIPPED_PROFILES and not Path(spec.profile).is_absolute() and spec.profile.endswith(".json"))
     build = _find_build(root, spec.build) if (need_build or spec.build) else None
+    if build is not None:
+        from agent.bundle import verify_build
+
+        damaged = verify_build(root, build)
+        if damaged:
+            raise JobError(f"build {build.build_id} is damaged on this device: {', '.join(damaged[:5])}"
+                           f"{' ...' if len(damaged) > 5 else ''} no longer hash(es) to the signed manifest; "
+                           "deploy the build again (farm deploy) to repair it")
     if not model.is_absolute():
         if build is None:
             raise JobError(f"model {spec.model!r} is relative to a build, but no build is installed under "
@@ -488,7 +541,11 @@ def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | Non
                     spec.cooldown, thermal or read_hottest_celsius, log, emit)
             plan = make_plan(spec, root, out_dir, fs, runtime)
             atomic_write_text(out_dir / "plan.json", json.dumps(plan, indent=2))
-            _run_child(plan, spec, result, lock, log, emit, log_path)
+            if _stop_requested(root, spec.job_id) is None:
+                _run_child(plan, spec, result, lock, log, emit, log_path)
+            if (why := _stop_requested(root, spec.job_id)) is not None:  # before it started, or while it ran
+                result.status, result.error = "failed", f"stopped: {why}"
+                log(f"the job was stopped: {why}")
         except JobError as exc:
             result.error = str(exc)
             log(f"error: {exc}")
@@ -498,6 +555,9 @@ def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | Non
         except Exception as exc:  # the agent's own bug: still a result, never a bare traceback
             result.error = f"agent error: {type(exc).__name__}: {exc}"
             log(traceback.format_exc())
+        finally:
+            with contextlib.suppress(OSError):
+                _stop_path(root, spec.job_id).unlink()
         result.finished_at = time.time()
         log(f"{result.status}{': ' + result.error if result.error else ''} "
             f"after {result.finished_at - result.started_at:.1f} s")
@@ -702,6 +762,8 @@ class _Child:
             return self.pipe
         from engine import load_pipeline
 
+        from .hubpage import HubPage
+
         if self.runtime == "native":
             self.phase("load", model=self.plan["model"], profile=self.plan["profile"])
             t0 = time.perf_counter()
@@ -711,7 +773,7 @@ class _Child:
             page = os.environ.get(BROWSER_PAGE_ENV)
             t0 = time.perf_counter()
             self.pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.plan["profile"],
-                                      runtime=self.runtime, **({"page": page} if page else {}))
+                                      runtime=self.runtime, **({"session": HubPage(page)} if page else {}))
             self.caps = self.pipe.caps
             if self.plan["profile"] == "auto" and self.plan.get("tuned_profiles"):
                 self.pipe.set_profile(self.profile())  # chosen for the page's adapter, known now

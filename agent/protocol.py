@@ -13,7 +13,9 @@ Plain dataclasses and JSON, so the device side needs nothing beyond the standard
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -45,6 +47,52 @@ class ProtocolError(ValueError):
     """A document that does not follow the protocol (version, kind, field or type)."""
 
 
+class BadValue(ProtocolError):
+    """A value that follows the types but that nothing downstream can take: a number that is
+    not finite (NaN, Infinity: no store keeps it, no timer ever expires on it), a string with a
+    NUL character (PostgreSQL refuses it), a number out of its field's bounds."""
+
+
+# Bounds of a job's numbers: what the engine and a device can do, with room to spare.
+MAX_STEPS = 1000  # the schedulers' training timesteps: more steps than that repeat timesteps
+MAX_SIDE = 4096  # pixels a side (SD 1.4 is made for 512; 4096 is already far past a phone's memory)
+MAX_REPETITIONS = 1_000_000  # runs of one kind in one job (its time limit ends it sooner)
+MAX_GUIDANCE = 100.0  # classifier-free guidance scale (7.5 is usual; 1 turns it off)
+MAX_TIME_S = 7 * 86400.0  # a job's time limit, a tune's budget, a cool-down's longest wait
+MAX_SEED = 2**64 - 1
+
+
+def _bounded(_obj, name: str, value, low, high, *, low_open: bool = False) -> None:
+    """BadValue unless `value` is a finite number in [low, high] ((low, high] with low_open)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise BadValue(f"{name} must be a finite number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        side = "(" if low_open else "["
+        raise BadValue(f"{name} must be in {side}{_number(low)}, {_number(high)}], got {_number(value)}")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e21 else f"{x:g}"
+
+
+def check_plain(value: Any, where: str) -> None:
+    """BadValue for a non-finite number or a NUL character anywhere in `value` (parsed JSON:
+    dicts, lists, strings, numbers), naming where."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadValue(f"{where} must be a finite number, got {value!r}")
+    if isinstance(value, str) and "\x00" in value:
+        raise BadValue(f"{where}: contains a NUL character")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_plain(key, f"{where} (a key)")
+            check_plain(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+
+
 # ---- job specification --------------------------------------------------------------------
 
 
@@ -66,6 +114,16 @@ class Cooldown:
     poll_s: float = 5.0
     settle_window_s: float = 30.0
     settle_c_per_min: float = 0.5
+
+    def __post_init__(self):
+        _bounded(self, "Cooldown.max_celsius", self.max_celsius, -273.15, 150.0, low_open=True)  # any real temperature
+        _bounded(self, "Cooldown.max_wait_s", self.max_wait_s, 0.0, MAX_TIME_S)
+        _bounded(self, "Cooldown.poll_s", self.poll_s, 0.0, 3600.0, low_open=True)
+        _bounded(self, "Cooldown.settle_window_s", self.settle_window_s, 0.0, MAX_TIME_S)
+        _bounded(self, "Cooldown.settle_c_per_min", self.settle_c_per_min, 0.0, 1000.0)
+
+
+ENGINE_RUNTIMES = ("native", "plan", "browser")  # engine.load.RUNTIMES, without importing the engine
 
 
 @dataclass
@@ -108,6 +166,11 @@ class JobSpec:
     # the image travels with the job), a path in the build, or a path on the device.
     init_image: str | None = None
     strength: float = 0.8
+    # How the engine runs the job (ENGINE_RUNTIMES): "native" (the eager engine on the device's
+    # GPU), "plan" (engine plans replayed there) or "browser" (a WebGPU page runs the plans: what
+    # the farm sends to a phone's browser). None: the agent's own default, $FARM_ENGINE_RUNTIME
+    # where it is set (an agent run by hand), else native.
+    engine_runtime: str | None = None
     protocol: int = PROTOCOL_VERSION
 
     def __post_init__(self):
@@ -118,10 +181,23 @@ class JobSpec:
         for name in ("steps", "repetitions", "unet_repetitions", "tune_repeats"):
             if getattr(self, name) < 1:
                 raise ProtocolError(f"JobSpec.{name} must be at least 1, got {getattr(self, name)}")
-        if self.warmup < 0 or self.time_limit_s <= 0:
+        if self.warmup < 0 or not self.time_limit_s > 0:
             raise ProtocolError("JobSpec.warmup must be >= 0 and time_limit_s > 0")
+        _bounded(self, "JobSpec.steps", self.steps, 1, MAX_STEPS)
+        for name in ("repetitions", "unet_repetitions", "tune_repeats", "warmup"):
+            _bounded(self, f"JobSpec.{name}", getattr(self, name), 0, MAX_REPETITIONS)
+        for name in ("height", "width"):
+            if getattr(self, name) is not None:
+                _bounded(self, f"JobSpec.{name}", getattr(self, name), 8, MAX_SIDE)
+        _bounded(self, "JobSpec.seed", self.seed, 0, MAX_SEED)
+        _bounded(self, "JobSpec.guidance_scale", self.guidance_scale, 0.0, MAX_GUIDANCE)
+        _bounded(self, "JobSpec.time_limit_s", self.time_limit_s, 0.0, MAX_TIME_S, low_open=True)
+        _bounded(self, "JobSpec.tune_time_budget_s", self.tune_time_budget_s, 0.0, MAX_TIME_S, low_open=True)
         if not 0.0 < self.strength <= 1.0:
             raise ProtocolError(f"JobSpec.strength must be in (0, 1], got {self.strength}")
+        if self.engine_runtime is not None and self.engine_runtime not in ENGINE_RUNTIMES:
+            raise ProtocolError(f"JobSpec.engine_runtime {self.engine_runtime!r} is not one of "
+                                f"{', '.join(ENGINE_RUNTIMES)}")
         if self.init_image is not None:
             if self.kind != "generate":
                 raise ProtocolError(f"JobSpec.init_image is for generate jobs, not {self.kind}")
@@ -262,6 +338,25 @@ class DeviceInfo:
 # ---- bundle manifest ----------------------------------------------------------------------
 
 
+# A signed build as it travels and as devices keep it (agent/bundle.py makes and checks it):
+#     <bundle>/manifest.json  <bundle>/manifest.sig  <bundle>/files/<path>
+# and a device's farm key beside its builds, the key manifests are checked with. Files are
+# named by their sha256 (sha256_file), which is how a transport tells what a device holds.
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
+FILES = "files"
+FARM_KEY = "farm.pub"
+
+
+def sha256_file(path, chunk: int = 1 << 20) -> str:
+    """The hex sha256 of a file's bytes, read a chunk at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 @dataclass
 class ManifestFile:
     path: str  # relative, forward slashes
@@ -327,10 +422,16 @@ def from_dict(cls, data: Any, where: str | None = None):
         raise ProtocolError(f"{where}: {exc}") from None
 
 
+def _no_constant(name: str):
+    raise BadValue(f"{name} is not a number JSON has (a NaN or an infinity)")
+
+
 def from_json(cls, text: str | bytes):
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = json.loads(text, parse_constant=_no_constant)
+    except BadValue as exc:
+        raise BadValue(f"{cls.__name__}: {exc}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ProtocolError(f"{cls.__name__}: not valid JSON ({exc})") from None
     return from_dict(cls, data)
 
@@ -361,14 +462,18 @@ def _coerce(tp, value, where: str):
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected an object")
+        check_plain(list(value), f"{where} (its keys)")
         return {str(k): _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
     if tp is Any:
+        check_plain(value, where)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ProtocolError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise BadValue(f"{where} must be a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -376,4 +481,6 @@ def _coerce(tp, value, where: str):
         return value
     if tp in (str, bool) and not isinstance(value, tp):
         raise ProtocolError(f"{where}: expected {tp.__name__}, got {value!r}")
+    if tp is str and "\x00" in value:
+        raise BadValue(f"{where}: contains a NUL character")
     return value

@@ -15,6 +15,7 @@ document of another protocol version gets 409 with the ProtocolError message.
     POST /v1/bundles/<build>/install             verify + install the staged bundle (bundle.py)
     POST /v1/jobs[?wait=1]                       body: JobSpec -> 202 (running) or, with wait,
                                                  the JobResult; 503 while another job runs
+    POST /v1/jobs/<id>/stop                      body: {"reason": ...}; 404 when it is not running
     GET  /v1/jobs/<id>                           JobResult when done, 202 + progress while running
     GET  /v1/jobs/<id>/events?since=N            progress events from the N-th on
     GET  /v1/jobs/<id>/artifacts/<path>          a file of the job's output folder
@@ -43,7 +44,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -54,8 +54,9 @@ from agent.bundle import (
     install_bundle,
     list_builds,
     missing_files,
+    verify_build,
 )
-from agent.jobs import AgentBusy, busy_message, lock_problem, read_lock, run_job
+from agent.jobs import AgentBusy, busy_message, lock_problem, read_lock, run_job, stop_job
 from agent.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
@@ -68,13 +69,20 @@ from agent.protocol import (
     to_dict,
     to_json,
 )
+from engine.httpserver import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    REQUEST_DEADLINE_S,
+    GuardedHandler,
+    GuardedServer,
+    RequestError,
+)
 
 MAX_JSON_BYTES = 16 << 20
+MAX_FILE_BYTES = 64 << 30  # one file of a build (SD 1.4's UNet in fp32 is 3.4 GB)
 CHUNK = 1 << 20
 EVENTS_KEPT = 1000
 DEFAULT_HOST = "127.0.0.1"
-IDLE_TIMEOUT_S = 30.0
-MAX_CONNECTIONS = 64
 
 
 class ServeError(Exception):
@@ -199,78 +207,26 @@ def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
     return context
 
 
-class AgentServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
+class AgentServer(GuardedServer):
     def __init__(self, address: tuple[str, int], root: Path, token: str, info=None, quiet: bool = False,
                  job_runner=run_job, tls: ssl.SSLContext | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS, request_deadline_s: float = REQUEST_DEADLINE_S):
         if not token:
             raise ServeError("refusing to serve without a token")
-        self.tls = tls
-        self.idle_timeout_s = idle_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = token.encode()
         self.info = info or DeviceInfoSource()
-        self.quiet = quiet
         self.job_runner = job_runner
         self.jobs: dict[str, RunningJob] = {}
         self.jobs_lock = threading.Lock()
-        super().__init__(address, AgentHandler)
-
-    def handle_error(self, request, client_address) -> None:
-        """A client that went away mid-reply (a cut connection, a client timeout) is one line,
-        not a traceback; anything else is reported in full."""
-        error = sys.exc_info()[1]
-        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
-            if not self.quiet:
-                sys.stderr.write(f"{client_address[0]} {time.strftime('%H:%M:%S')} client went away: {error}\n")
-            return
-        super().handle_error(request, client_address)
+        super().__init__(address, AgentHandler, tls=tls, quiet=quiet, max_connections=max_connections,
+                         idle_timeout_s=idle_timeout_s, request_deadline_s=request_deadline_s)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"{'https' if self.tls else 'http'}://{host}:{port}"
-
-    # ---- connections: bounded, timed out, TLS in the connection's own thread ------------------
-
-    def process_request(self, request, client_address) -> None:
-        # Blocks the accept loop while every slot is busy; idle connections free theirs within
-        # idle_timeout_s, so a waiting client is served by then.
-        self._slots.acquire()
-        try:
-            request.settimeout(self.idle_timeout_s)
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def finish_request(self, request, client_address) -> None:
-        if self.tls is None:
-            super().finish_request(request, client_address)
-            return
-        # The handshake happens here, not in accept(): a client that never finishes it holds
-        # one slot until its timeout, not the whole server.
-        try:
-            conn = self.tls.wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError) as exc:
-            if not self.quiet:
-                sys.stderr.write(f"{client_address[0]} TLS handshake failed: {exc}\n")
-            return
-        try:
-            super().finish_request(conn, client_address)
-        finally:
-            self.shutdown_request(conn)
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / "jobs" / _check_name("job id", job_id)
@@ -298,14 +254,11 @@ class AgentServer(ThreadingHTTPServer):
             job.done.set()
 
 
-class AgentHandler(BaseHTTPRequestHandler):
+class AgentHandler(GuardedHandler):
     server: AgentServer
     server_version = "farm-agent"
-    protocol_version = "HTTP/1.1"
 
     # ---- plumbing -----------------------------------------------------------------------
-
-    timeout = None  # the server sets each connection's timeout before the TLS handshake
 
     def log_message(self, format, *args):  # noqa: A002  (the base class's name)
         if not self.server.quiet:
@@ -338,17 +291,17 @@ class AgentHandler(BaseHTTPRequestHandler):
         scheme, _, token = header.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.server.token)
 
-    def _length(self) -> int:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise HTTPError(411, "a Content-Length header is required")
-        return int(length)
+    def _length(self, limit: int) -> int:
+        try:
+            return self.content_length(limit)
+        except RequestError as exc:
+            raise HTTPError(exc.status, str(exc)) from None
 
     def _read_json(self):
-        length = self._length()
-        if length > MAX_JSON_BYTES:
-            raise HTTPError(413, f"JSON body of {length} bytes is over the {MAX_JSON_BYTES} byte limit")
-        raw = self.rfile.read(length)
+        try:
+            raw = self.read_body(MAX_JSON_BYTES)
+        except RequestError as exc:
+            raise HTTPError(exc.status, str(exc)) from None
         try:
             return json.loads(raw)
         except ValueError as exc:
@@ -396,6 +349,7 @@ class AgentHandler(BaseHTTPRequestHandler):
             ("POST", ["bundles", "*", "install"], self.install),
             ("POST", ["jobs"], self.post_job),
             ("GET", ["jobs", "*"], self.get_job),
+            ("POST", ["jobs", "*", "stop"], self.stop_job),
             ("GET", ["jobs", "*", "events"], self.get_events),
             ("GET", ["jobs", "*", "artifacts", "**"], self.get_artifact),
         ]
@@ -418,7 +372,9 @@ class AgentHandler(BaseHTTPRequestHandler):
 
     def get_builds(self, p, q) -> None:
         current = current_build(self.server.root)
+        damaged = verify_build(self.server.root, current) if current else []
         self._json(200, {"current": current.build_id if current else None,
+                         "current_damaged": damaged,  # files of the current build no longer intact
                          "builds": [{"build_id": b.build_id, "version": b.manifest.version,
                                      "created": b.manifest.created, "files": len(b.manifest.files)}
                                     for b in list_builds(self.server.root)]})
@@ -436,7 +392,10 @@ class AgentHandler(BaseHTTPRequestHandler):
         staging = self._staging(p[1])
         rel = _safe_relative("/".join(p[2:]))
         target = staging / rel
-        length = self._length()
+        length = self._length(MAX_FILE_BYTES)
+        # An authorized upload of a model's weights takes what it takes (each read still has
+        # the idle timeout); the request deadline is for what comes before the token is known.
+        self.request_read()
         target.parent.mkdir(parents=True, exist_ok=True)
         # Written beside the staging folder, never inside it: a bundle folder holds only its files.
         tmp = self.server.root / "incoming" / f".tmp-{uuid.uuid4().hex}"
@@ -458,15 +417,17 @@ class AgentHandler(BaseHTTPRequestHandler):
     def install(self, p, q) -> None:
         staging = self._staging(p[1])
         if self.headers.get("Content-Length") not in (None, "0"):
-            self.rfile.read(self._length())  # the body carries nothing; drain it
+            self.rfile.read(self._length(MAX_JSON_BYTES))  # the body carries nothing; drain it
         if not staging.is_dir():
             raise HTTPError(404, f"nothing staged for build {p[1]!r}; PUT its manifest.json, manifest.sig and files first")
         try:
-            build = install_bundle(staging, self.server.root)
+            build = install_bundle(staging, self.server.root,
+                                   allow_downgrade=q.get("allow_downgrade", ["0"])[0] in ("1", "true", "yes"))
         except BundleError as exc:
             raise HTTPError(400, f"install of build {p[1]!r} refused: {exc}") from None
         shutil.rmtree(staging, ignore_errors=True)
-        self._json(200, {"build_id": build.build_id, "path": str(build.path), "files": len(build.manifest.files)})
+        self._json(200, {"build_id": build.build_id, "path": str(build.path), "files": len(build.manifest.files),
+                         "kept_current": build.kept_current})
 
     def post_job(self, p, q) -> None:
         spec = self._document(JobSpec, self._read_json())
@@ -481,6 +442,14 @@ class AgentHandler(BaseHTTPRequestHandler):
             return
         job.done.wait()
         self._job_answer(job)
+
+    def stop_job(self, p, q) -> None:
+        body = self._read_json() if self.headers.get("Content-Length") not in (None, "0") else {}
+        reason = body.get("reason") if isinstance(body, dict) else None
+        job_id = _check_name("job id", p[1])
+        if not stop_job(self.server.root, job_id, reason if isinstance(reason, str) else "stopped by the farm"):
+            raise HTTPError(404, f"job {job_id} is not running on this device")
+        self._json(200, {"job_id": job_id, "stopped": True})
 
     def _job_answer(self, job: RunningJob) -> None:
         if job.busy:

@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     from engine.errors import EngineError
     from engine.kernels import PipelineCache, Selection, variants
     from engine.ops import Ops
-    from engine.runtime import Runtime
-    from engine.tune import time_gpu_work
+    from engine.runtime import Runtime, time_gpu_work
 
     gpu = get_gpu()
     dtype = "f16" if args.precision == "fp16" else "f32"

@@ -79,7 +79,7 @@ def run_levels(home: Path) -> list[dict]:
     from sqlalchemy.orm import Session
 
     from orchestrator.db.models import Batch, Build, Device, Job, JobKind, Run, RunStatus, Sample
-    from orchestrator.jobs import extra_round
+    from orchestrator.db.store import extra_round
 
     engine = create_engine(f"sqlite:///{home / 'data' / 'devicefarm' / 'farm.db'}")
     rows = []

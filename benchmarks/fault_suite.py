@@ -56,7 +56,7 @@ from agent.bundle import build_bundle, generate_keypair, provision_public_key  #
 from orchestrator.celery_app import DEFAULT_QUEUE, host_queue, make_celery  # noqa: E402
 from orchestrator.db import make_engine, make_session_factory, store, upgrade  # noqa: E402
 from orchestrator.db.models import Deployment, DeploymentStatus, Job, JobState, Run, utcnow  # noqa: E402
-from orchestrator.jobs import launch_suite  # noqa: E402
+from orchestrator.jobservice import launch_suite  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from orchestrator.stack import settings_env  # noqa: E402
 from orchestrator.transports import DeviceOffline  # noqa: E402

@@ -48,8 +48,7 @@ def main(argv=None) -> int:
     from engine.ops import Ops
     from engine.profiles import parse_profile
     from engine.roofline import measure_peaks
-    from engine.runtime import Runtime
-    from engine.tune import time_gpu_work
+    from engine.runtime import Runtime, time_gpu_work
     from engine.variants import gemm as core
 
     gpu = get_gpu()

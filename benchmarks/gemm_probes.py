@@ -113,8 +113,7 @@ def main(argv=None) -> int:
     from engine.kernels import PipelineCache, Selection, Variant, variants
     from engine.ops import Ops
     from engine.roofline import measure_peaks
-    from engine.runtime import Runtime
-    from engine.tune import time_gpu_work
+    from engine.runtime import Runtime, time_gpu_work
     from engine.variants import gemm as core
 
     gpu = get_gpu()

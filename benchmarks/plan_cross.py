@@ -34,14 +34,14 @@ def _run(backend: str, plan_path: Path, model: Path, out: Path, make: dict | Non
 
     from engine.device import get_gpu
     from engine.models.config import load_model_config
-    from engine.plan import load_plan, make_plan, write_plan
+    from engine.plan import load_plan, record_plan, write_plan
     from engine.plan_exec import PlanExecutor
     from engine.tokenizer import CLIPTokenizer
 
     gpu = get_gpu()
     if make is not None:
         config = load_model_config(model)
-        write_plan(make_plan(config, gpu.caps, model_dir=model, **make), plan_path)
+        write_plan(record_plan(config, gpu.caps, model_dir=model, **make), plan_path)
     plan = load_plan(plan_path)
     missing = set(plan["requires"]["features"]) - set(gpu.caps.features)
     if missing:

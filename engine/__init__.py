@@ -8,7 +8,11 @@ __all__ = ["EngineError", "GenerationResult", "Pipeline", "load_pipeline"]
 
 def __getattr__(name):
     # The pipeline pulls in wgpu; importing `engine` for its errors or tools should not.
-    if name in ("load_pipeline", "Pipeline", "GenerationResult"):
+    if name == "load_pipeline":
+        from .load import load_pipeline
+
+        return load_pipeline
+    if name in ("Pipeline", "GenerationResult"):
         from . import pipeline
 
         return getattr(pipeline, name)

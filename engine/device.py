@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 
 from .errors import AdapterError, GPUError
 
@@ -16,16 +17,19 @@ WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
 
 # Limits requested at the adapter's own maximum: the defaults (128 MiB bindings, 16 KiB of
 # workgroup storage) are far below what real Stable Diffusion weights and activations need.
-WANTED_LIMITS = (
-    "max-storage-buffer-binding-size",
-    "max-buffer-size",
-    "max-compute-workgroup-storage-size",
-    "max-compute-invocations-per-workgroup",
-    "max-compute-workgroup-size-x",
-    "max-compute-workgroup-size-y",
-    "max-compute-workgroups-per-dimension",
-    "max-storage-buffers-per-shader-stage",
-)
+# Keys are wgpu-py's names (DeviceCaps.limits); values the JavaScript API's, which a browser
+# page reports and a plan's "requires" uses. The one table of both spellings.
+JS_LIMIT_NAMES = {
+    "max-storage-buffer-binding-size": "maxStorageBufferBindingSize",
+    "max-buffer-size": "maxBufferSize",
+    "max-compute-workgroup-storage-size": "maxComputeWorkgroupStorageSize",
+    "max-compute-invocations-per-workgroup": "maxComputeInvocationsPerWorkgroup",
+    "max-compute-workgroup-size-x": "maxComputeWorkgroupSizeX",
+    "max-compute-workgroup-size-y": "maxComputeWorkgroupSizeY",
+    "max-compute-workgroups-per-dimension": "maxComputeWorkgroupsPerDimension",
+    "max-storage-buffers-per-shader-stage": "maxStorageBuffersPerShaderStage",
+}
+WANTED_LIMITS = tuple(JS_LIMIT_NAMES)
 
 INSTALL_HINT = (
     "install a Vulkan, Metal or D3D12 driver; on Debian/Ubuntu without a GPU, "
@@ -83,6 +87,20 @@ class DeviceCaps:
             "limits": dict(sorted(self.limits.items())),
             "timestamp_period_ns": self.timestamp_period_ns,
         }
+
+
+ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"  # phones' browsers, from public sources
+
+
+def caps_from_dict(doc: dict) -> DeviceCaps:
+    """DeviceCaps from their JSON form (`DeviceCaps.as_dict`, `farm engine info --json`, the
+    files in engine/adapters). A `source` entry (where the figures come from) is kept out;
+    ValueError or TypeError for anything else that is not an adapter description."""
+    if not isinstance(doc, dict):
+        raise ValueError("an adapter description is a JSON object")
+    fields = {k: v for k, v in doc.items() if k != "source"}
+    return DeviceCaps(**{**fields, "features": frozenset(fields.get("features", ())),
+                         "limits": {k: int(v) for k, v in fields.get("limits", {}).items()}})
 
 
 class GPU:

@@ -24,3 +24,13 @@ class AdapterError(EngineError):
 
 class GPUError(EngineError):
     """WebGPU reported a validation, out-of-memory or internal error."""
+
+
+class BrowserError(GPUError):
+    """What a browser page reported (`kind`: no-webgpu, missing-feature, limit, schema,
+    plan-hash, shader-compile, pipeline, weight-fetch, hash-mismatch, out-of-memory, validation,
+    device-lost, input, internal), or that it stopped answering ("timeout", "page-lost")."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"browser: {kind}: {message}")
+        self.kind = kind

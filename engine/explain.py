@@ -37,7 +37,7 @@ def _shape_weights(rt: TraceRuntime, shapes: dict[str, tuple], dtype: str) -> GP
 def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2):
     """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone, each on Ops with
     the scratch bounds a pipeline gives it. Returns [(network, [(op, shape, args), ...])]."""
-    f = 2 ** (len(config.vae.block_out_channels) - 1)
+    f = config.vae.vae_scale_factor
     h, w = height // f, width // f
     from .pipeline import _vae_dtype, scratch_scale
 

@@ -238,3 +238,9 @@ class Selection:
     def forcing(cls, features, choices: dict[str, str], name: str = "custom") -> Selection:
         """Every shape of each named op uses the named variant (ablations, tuning)."""
         return cls(frozenset(features), [Rule(op, v) for op, v in choices.items()], profile_name=name)
+
+
+def conv_out_size(h: int, w: int, kh: int, kw: int, stride: int, pads) -> tuple[int, int]:
+    """A convolution's output height and width (pads: top, bottom, left, right)."""
+    pt, pb, pl, pr = pads
+    return (h + pt + pb - kh) // stride + 1, (w + pl + pr - kw) // stride + 1

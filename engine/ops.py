@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from .kernels import PipelineCache, Selection, Variant, register
+from .kernels import PipelineCache, Selection, Variant, conv_out_size, register
 from .runtime import WG_1D, Runtime, Tensor
 
 register("add", "reference", doc="element-wise or per-channel broadcast add")(None)
@@ -337,11 +337,6 @@ def linear_reference(ops: Ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b
         [x, w, b if b is not None else ops.dummy, y], (math.ceil(n_out / 16), math.ceil(m / 16), 1),
     )
     return y
-
-
-def conv_out_size(h: int, w: int, kh: int, kw: int, stride: int, pads) -> tuple[int, int]:
-    pt, pb, pl, pr = pads
-    return (h + pt + pb - kh) // stride + 1, (w + pl + pr - kw) // stride + 1
 
 
 @register("conv2d", "reference", doc="direct convolution, one invocation per output")

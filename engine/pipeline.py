@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .denoise import DenoisingLoop
 from .device import GPU, get_gpu
 from .errors import InputError, ModelError
 from .kernels import Selection
@@ -118,33 +119,16 @@ def _vae_dtype(config, dtype: str) -> str:
     return "f32" if dtype == "f16" and config.vae.force_upcast else dtype
 
 
-def _check_residency(residency: str) -> None:
+def check_residency(residency: str) -> None:
     if residency not in RESIDENCIES:
         raise InputError(f"residency {residency!r} is not one of {', '.join(RESIDENCIES)}")
 
 
-RUNTIMES = ("native", "plan", "browser")
-
-
-def load_pipeline(
-    model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None, residency: str = "resident",
-    runtime: str = "native", **browser_options,
-) -> Pipeline:
-    """Load a model (diffusers folder or SD 1.x single-file checkpoint) for the GPU: its
-    weights onto it ("resident"), or into host memory, to go up one network at a time
-    ("staged"; see the module docstring). `runtime` picks who runs it: "native" (this
-    process, eagerly), "plan" (this process, replaying engine plans: engine/plan_exec.py) or
-    "browser" (a WebGPU page in Chromium running the same plans: engine/browser.py); all three
-    return the same API."""
-    if precision not in PRECISIONS:
-        raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if runtime not in RUNTIMES:
-        raise InputError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
-    _check_residency(residency)
-    if runtime != "native":
-        if residency != "resident":
-            raise InputError(f"residency {residency!r} is for the native runtime; plans keep their weights resident")
-        return _load_plan_pipeline(Path(model_dir), precision, profile, tokenizer_dir, runtime, browser_options)
+def load_native_pipeline(model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None,
+                         residency: str = "resident") -> Pipeline:
+    """The native runtime of engine.load.load_pipeline: a model (diffusers folder or SD 1.x
+    single-file checkpoint) run eagerly by this process, its weights on the GPU ("resident")
+    or in host memory, to go up one network at a time ("staged"; see the module docstring)."""
     config, tokenizer, states = _load_components(Path(model_dir), tokenizer_dir and Path(tokenizer_dir))
     if config.text_encoder.hidden_act not in ACTIVATIONS:
         raise ModelError(
@@ -168,9 +152,10 @@ def load_pipeline(
     return Pipeline(config, tokenizer, states, gpu, dtype, _selection(gpu.caps, profile), notes, residency)
 
 
-def check_generate_args(vae_scale_factor: int, steps, height, width, scheduler, guidance_scale, strength,
-                        init_image) -> None:
-    """What a generation's arguments must be, whichever runtime runs it."""
+def check_generate_args(vae_scale_factor: int, steps, height, width, scheduler, guidance_scale,
+                        strength: float | None) -> None:
+    """What a generation's arguments must be, whichever runtime runs or records it (strength
+    None: text-to-image)."""
     f = vae_scale_factor
     for name, v in (("height", height), ("width", width)):
         if not isinstance(v, int) or v <= 0 or v % 8 or v % f:
@@ -181,7 +166,7 @@ def check_generate_args(vae_scale_factor: int, steps, height, width, scheduler, 
         raise InputError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
     if not np.isfinite(guidance_scale):
         raise InputError(f"guidance_scale must be a finite number, got {guidance_scale}")
-    if init_image is not None and not 0.0 < strength <= 1.0:
+    if strength is not None and not 0.0 < strength <= 1.0:
         raise InputError(f"strength must be in (0, 1], got {strength}")
 
 
@@ -227,24 +212,6 @@ def image_from_decoded(decoded: np.ndarray) -> np.ndarray:
     return np.round(image * 255.0).astype(np.uint8)
 
 
-def _load_plan_pipeline(model_dir: Path, precision: str, profile, tokenizer_dir, runtime: str, options: dict):
-    from .models.config import load_model_config
-    from .tokenizer import CLIPTokenizer
-
-    if not model_dir.is_dir():
-        raise ModelError(f"runtime {runtime!r} runs diffusers model folders; {model_dir} is not one")
-    config = load_model_config(model_dir)
-    tokenizer = CLIPTokenizer(tokenizer_dir or config.tokenizer_dir)
-    if runtime == "plan":
-        from .plan_exec import PlanPipeline
-
-        gpu = get_gpu()
-        return PlanPipeline(model_dir, config, tokenizer, gpu.caps, precision, profile, gpu=gpu)
-    from .browser import browser_pipeline
-
-    return browser_pipeline(model_dir, config, tokenizer, precision, profile, **options)
-
-
 class _PaddingTokenizer:
     """Stands in for the tokenizer of a shape-only pipeline: every text is 77 padding ids."""
 
@@ -261,12 +228,65 @@ STAGE_WEIGHTS = {
 }
 
 
-class Pipeline:
-    def __init__(self, config, tokenizer, states: dict, gpu: GPU | None, dtype: str, selection: Selection,
-                 notes, residency: str = "resident", rt: Runtime | TraceRuntime | None = None):
-        _check_residency(residency)
+class BasePipeline:
+    """What every pipeline is, whichever runtime runs it (this process eagerly, plans, a browser
+    page): one model's config and tokenizer, and one `generate` with one signature, defaults
+    and input check (as diffusers' DiffusionPipeline gives every pipeline). A runtime
+    implements `_generate`, which receives checked arguments."""
+
+    runtime: str
+
+    def __init__(self, config, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
+        self.vae_scale_factor = config.vae.vae_scale_factor
+        self.latent_channels = config.unet.in_channels
+        self.native_size = config.native_size  # (height, width)
+
+    def tokenize(self, texts: list[str] | str) -> np.ndarray:
+        """Texts -> (B, 77) int64 token ids, padded and truncated like CLIPTokenizer."""
+        return self.tokenizer([texts] if isinstance(texts, str) else list(texts))
+
+    def _temb_array(self, timestep, batch: int) -> np.ndarray:
+        """The UNet's sinusoidal timestep embedding (batch, C), computed on the host."""
+        cfg = self.config.unet
+        t = np.broadcast_to(np.asarray(timestep, dtype=np.float64).reshape(-1), (batch,))
+        return timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+
+    def generate(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        steps: int = 20,
+        guidance_scale: float = 7.5,
+        seed: int = 0,
+        height: int = 512,
+        width: int = 512,
+        scheduler: str = "pndm",
+        latents: np.ndarray | None = None,
+        progress: ProgressFn | None = None,
+        init_image=None,
+        strength: float = 0.8,
+    ) -> GenerationResult:
+        """One image from a prompt (and, with `init_image`, from an image: the last
+        int(steps * strength) steps); see the module docstring for where its noise comes from."""
+        check_generate_args(self.vae_scale_factor, steps, height, width, scheduler, guidance_scale,
+                            None if init_image is None else strength)
+        return self._generate(prompt, negative_prompt, steps, guidance_scale, seed, height, width, scheduler,
+                              latents, progress, init_image, strength)
+
+    def _generate(self, prompt, negative_prompt, steps, guidance_scale, seed, height, width, scheduler,
+                  latents, progress, init_image, strength) -> GenerationResult:
+        raise NotImplementedError
+
+
+class Pipeline(BasePipeline):
+    """The native runtime: the networks run eagerly, op by op, on this process's GPU."""
+
+    def __init__(self, config, tokenizer, states: dict, gpu: GPU | None, dtype: str, selection: Selection,
+                 notes, residency: str = "resident", rt: Runtime | TraceRuntime | None = None):
+        check_residency(residency)
+        super().__init__(config, tokenizer)
         self.gpu = gpu
         self.dtype = dtype
         self.precision = "fp16" if dtype == "f16" else "fp32"
@@ -293,9 +313,6 @@ class Pipeline:
         self.unet_model = UNet2DCondition(config.unet, self.weights["unet"], self.ops)
         vae_ops = Ops(self.rt, self.ops.pipelines, selection, self.vae_dtype, scratch_scale=scratch_scale("vae_decoder"))
         self.vae = AutoencoderKL(config.vae, self.weights["vae"], vae_ops)
-        self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
-        self.latent_channels = config.unet.in_channels
-        self.native_size = config.native_size  # (height, width)
 
     @property
     def caps(self):
@@ -369,10 +386,6 @@ class Pipeline:
 
     # ---- the networks, host arrays in and out --------------------------------------------
 
-    def tokenize(self, texts: list[str] | str) -> np.ndarray:
-        """Texts -> (B, 77) int64 token ids, padded and truncated like CLIPTokenizer."""
-        return self.tokenizer([texts] if isinstance(texts, str) else list(texts))
-
     def _ids_tensor(self, input_ids: np.ndarray):
         ids = np.asarray(input_ids)
         vocab = self.config.text_encoder.vocab_size
@@ -386,12 +399,6 @@ class Pipeline:
         """(B, 77) ids -> (B, 77, hidden) float32 last hidden state."""
         with self.weights_on_gpu("text_encoder"):
             return self.rt.read(self.text_encoder(self._ids_tensor(input_ids))).astype(np.float32)
-
-    def _temb_array(self, timestep, batch: int) -> np.ndarray:
-        """The UNet's sinusoidal timestep embedding (batch, C), computed on the host."""
-        cfg = self.config.unet
-        t = np.broadcast_to(np.asarray(timestep, dtype=np.float64).reshape(-1), (batch,))
-        return timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
 
     def _temb(self, timestep, batch: int):
         return self.rt.upload(self._temb_array(timestep, batch), self.dtype)
@@ -428,29 +435,14 @@ class Pipeline:
 
     # ---- generation ----------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompt: str,
-        negative_prompt: str = "",
-        steps: int = 20,
-        guidance_scale: float = 7.5,
-        seed: int = 0,
-        height: int = 512,
-        width: int = 512,
-        scheduler: str = "pndm",
-        latents: np.ndarray | None = None,
-        progress: ProgressFn | None = None,
-        init_image=None,
-        strength: float = 0.8,
-    ) -> GenerationResult:
-        check_generate_args(self.vae_scale_factor, steps, height, width, scheduler, guidance_scale, strength,
-                            init_image)
+    def _generate(self, prompt, negative_prompt, steps, guidance_scale, seed, height, width, scheduler,
+                  latents, progress, init_image, strength) -> GenerationResult:
         t_start = time.perf_counter()
         self.rt.trim()  # what earlier calls left in the pool is not this generation's
         self.upload_ms = 0.0
         with self.rt.watch_peak() as total:
-            result = self._generate(prompt, negative_prompt, steps, guidance_scale, seed, height, width,
-                                    scheduler, latents, progress, init_image, strength)
+            result = self._run_stages(prompt, negative_prompt, steps, guidance_scale, seed, height, width,
+                                      scheduler, latents, progress, init_image, strength)
         self.rt.trim()  # an idle pipeline holds its resident weights only
         result.peak_gpu_bytes = total.peak_bytes
         if self.residency == "staged":
@@ -458,8 +450,8 @@ class Pipeline:
         result.timings["total_ms"] = (time.perf_counter() - t_start) * 1e3
         return result
 
-    def _generate(self, prompt, negative_prompt, steps, guidance_scale, seed, height, width, scheduler,
-                  latents, progress, init_image, strength) -> GenerationResult:
+    def _run_stages(self, prompt, negative_prompt, steps, guidance_scale, seed, height, width, scheduler,
+                    latents, progress, init_image, strength) -> GenerationResult:
         timer = StageTimer(self.rt)
         peaks: dict[str, int] = {}
         rng = np.random.default_rng(seed)
@@ -490,33 +482,14 @@ class Pipeline:
 
         # 3. denoising loop with classifier-free guidance, on the GPU: the program's
         # combinations step the f32 latents, which come back to the host once, at the end
-        step_ms = []
+        loop = _EagerLoop(self, program, float(guidance_scale) if cfg_on else None, ctx, shape, rng, progress)
         with self._stage("unet", peaks, "unet"):
             env = {k: v if not isinstance(v, np.ndarray) else self.rt.upload(v, "f32") for k, v in first.items()}
             del first
-            for op in program.prologue:
-                env[op.out] = self.ops.step_combine([(c, env[src]) for c, src in op.terms], op.clamp)
-            last_use = program.last_use()
-            for step in program.steps:
-                t0 = time.perf_counter()
-                i = step.index
-                x_in = self.ops.step_prepare(env[f"x{i}"], step.input_scale, 2 if cfg_on else 1)
-                eps = self.unet_model(x_in, self._temb(step.timestep, x_in.shape[0]), ctx)
-                env[f"e{i}"] = self.ops.step_guide(eps, float(guidance_scale) if cfg_on else None)
-                del x_in, eps
-                for name in step.noise:
-                    env[name] = self.rt.upload(rng.standard_normal(shape, dtype=np.float32), "f32")
-                for op in step.ops:
-                    env[op.out] = self.ops.step_combine([(c, env[src]) for c, src in op.terms], op.clamp)
-                for name in [n for n in env if last_use.get(n, -1) <= i and n != f"x{i + 1}"]:
-                    del env[name]  # its buffer goes back to the pool
-                self.rt.sync()
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-                if progress is not None:
-                    progress(i + 1, len(program.steps))
-            final = env[f"x{len(program.steps)}"]
+            final = loop.run(env)
             latents = self.rt.read(final)
-        del ctx  # its buffer goes back to the pool, and is trimmed with the UNet's
+        step_ms = loop.step_ms
+        del ctx, loop  # their buffers go back to the pool, and are trimmed with the UNet's
 
         # 4. decode to an 8-bit image
         with timer("vae_decode_ms"), self._stage("vae_decode", peaks, "vae_decoder"):
@@ -531,7 +504,39 @@ class Pipeline:
             image=image_u8,
             latents=latents,
             timings=timings,
-            peak_gpu_bytes=0,  # generate() fills in the whole generation's
+            peak_gpu_bytes=0,  # _generate() fills in the whole generation's
             warnings=self.notes + self.selection.warnings,
             stage_peak_gpu_bytes=peaks,
         )
+
+
+class _EagerLoop(DenoisingLoop):
+    """The denoising loop run eagerly: every value a fresh pool tensor, freed after the last
+    step that reads it; the UNet called on the GPU; noise drawn from the generation's
+    generator; each step timed to GPU completion."""
+
+    def __init__(self, pipe: Pipeline, program, guidance_scale: float | None, ctx, shape: tuple,
+                 rng: np.random.Generator, progress: ProgressFn | None):
+        super().__init__(pipe.ops, program, guidance_scale)
+        self.pipe, self.ctx, self.shape, self.rng, self.progress = pipe, ctx, shape, rng, progress
+        self.last_use = program.last_use()
+        self.step_ms: list[float] = []
+        self._t0 = 0.0
+
+    def unet(self, sample, timestep: float):
+        return self.pipe.unet_model(sample, self.pipe._temb(timestep, sample.shape[0]), self.ctx)
+
+    def draw(self, name: str):
+        return self.pipe.rt.upload(self.rng.standard_normal(self.shape, dtype=np.float32), "f32")
+
+    def begin_step(self, step) -> None:
+        self._t0 = time.perf_counter()
+
+    def end_step(self, step) -> None:
+        i = step.index
+        for name in [n for n in self.env if self.last_use.get(n, -1) <= i and n != f"x{i + 1}"]:
+            del self.env[name]  # its buffer goes back to the pool
+        self.pipe.rt.sync()
+        self.step_ms.append((time.perf_counter() - self._t0) * 1e3)
+        if self.progress is not None:
+            self.progress(i + 1, len(self.program.steps))

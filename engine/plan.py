@@ -1,13 +1,14 @@
 """Engine plans: what the engine runs for one model, profile, precision, image size, step count
 and scheduler, written down as data that any WebGPU runtime can execute (docs/engine-plans.md
-is the format's reference; engine/plan_exec.py and agent/web/plan.js are its executors).
+is the format's reference; engine/plan_exec.py and engine/web/plan.js are its executors).
 
 A plan is recorded, not written by hand: the networks run on a `PlanRecorder`, a runtime that
 keeps every buffer, pipeline and dispatch the real runtime would make, in the same order, with
 the buffer pool's reuse (so an executor needs no allocator of its own), and the denoising loop
-is the scheduler's own program (engine/schedulers/program.py) unrolled into dispatches. So a
-plan replayed through wgpu-native runs exactly the kernels `Pipeline.generate` runs, in the
-same order, and gives the same bits on the same adapter.
+(engine/denoise.py, the one `Pipeline.generate` runs) is recorded as it runs the scheduler's
+own program (engine/schedulers/program.py), unrolled into dispatches. So a plan replayed
+through wgpu-native runs exactly the kernels `Pipeline.generate` runs, in the same order, and
+gives the same bits on the same adapter.
 
 Weights are named, never embedded: component, tensor name and byte range in the model's
 safetensors file, the stored and the GPU element type, and the sha256 of the stored bytes
@@ -29,21 +30,14 @@ from typing import Any
 
 import numpy as np
 
+from .denoise import DenoisingLoop
+from .device import JS_LIMIT_NAMES
 from .errors import InputError
 from .kernels import SHADER_HEADERS, SHADER_ROOT, Variant
 from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of, pack_params
 
 SCHEMA = 1
 FORMAT = "devicefarm-engine-plan"
-
-# WebGPU limit names as the JavaScript API spells them, from wgpu-py's.
-JS_LIMITS = {
-    "max-storage-buffer-binding-size": "maxStorageBufferBindingSize",
-    "max-buffer-size": "maxBufferSize",
-    "max-compute-workgroups-per-dimension": "maxComputeWorkgroupsPerDimension",
-    "max-storage-buffers-per-shader-stage": "maxStorageBuffersPerShaderStage",
-}
-
 
 @dataclass(frozen=True)
 class WeightRef:
@@ -270,42 +264,41 @@ def _range_sha256(path: Path, begin: int, end: int) -> str:
 # ---- the plan -----------------------------------------------------------------------------------
 
 
-def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "fp32", height: int | None = None,
-              width: int | None = None, steps: int = 20, scheduler: str = "pndm", guidance_scale: float = 7.5,
-              profile=None, model_name: str = "", hashes: bool = True,
-              strength: float | None = None) -> dict[str, Any]:
+def record_plan(config, caps, *, model_dir: Path | None = None, precision: str = "fp32", height: int | None = None,
+                width: int | None = None, steps: int = 20, scheduler: str = "pndm", guidance_scale: float = 7.5,
+                profile=None, model_name: str = "", hashes: bool = True,
+                strength: float | None = None) -> dict[str, Any]:
     """The plan of one generation configuration on an adapter with `caps` (its features decide
-    shader-f16 and which variants may run, its limits the chunking and grids). Needs the
+    shader-f16 and which variants may run, its limits the chunking and grids), recorded from the
+    denoising loop `Pipeline.generate` runs (engine/denoise.py). Needs the
     model's config alone; `model_dir` adds where each weight lives (without it the plan names
     tensors and shapes only, for inspection). With `strength`, image-to-image: the plan also
     encodes an input image (stage vae_encode) and denoises the last int(steps * strength)
     steps from it."""
     from .pipeline import (
         PRECISIONS,
+        STAGE_WEIGHTS,
         Pipeline,
         _PaddingTokenizer,
         _selection,
         _vae_dtype,
+        check_generate_args,
         vae_input_scale,
     )
-    from .schedulers import SCHEDULERS
     from .schedulers.program import loop_program
 
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if scheduler not in SCHEDULERS:
-        raise InputError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
-    if not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps must be an integer >= 1, got {steps}")
     height, width = height or config.native_size[0], width or config.native_size[1]
-    f = 2 ** (len(config.vae.block_out_channels) - 1)
-    for name, v in (("height", height), ("width", width)):
-        if v <= 0 or v % 8 or v % f:
-            raise InputError(f"{name} must be a positive multiple of {max(8, f)}, got {v}")
+    check_generate_args(config.vae.vae_scale_factor, steps, height, width, scheduler, guidance_scale, strength)
+    f = config.vae.vae_scale_factor
     dtype = "f16" if precision == "fp16" and caps.has_f16 else "f32"
     vae_dtype = _vae_dtype(config, dtype)
     selection = _selection(caps, profile)
     refs = weight_refs(config, model_dir, hashes=hashes)
+    if strength is None:  # text to image binds no VAE encoder weight: the plan holds none (130 MiB in SD 1.4)
+        encoder = STAGE_WEIGHTS["vae_encoder"][1]
+        refs = {**refs, "vae": {k: r for k, r in refs["vae"].items() if not k.startswith(encoder)}}
     rec = PlanRecorder(caps)
     pipe = Pipeline(config, _PaddingTokenizer(), refs, None, dtype, selection, [], "resident", rt=rec)
     cfg_on = guidance_scale > 1.0
@@ -336,37 +329,25 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
         image_in = rec.empty((1, 3, height, width), vae_dtype)
         moments = stage("vae_encode", {"image": image_in}, lambda: {"moments": pipe.vae.encode(image_in)})["moments"]
     program = loop_program(scheduler, config.scheduler, steps, latent, strength=strength)
-    slots, slot_of = _allocate_slots(rec, program, latent)
+    loop = _RecordedLoop(rec, pipe, program, float(guidance_scale) if cfg_on else None, latent,
+                         sample=sample, temb=temb, eps=eps)
     generate: list[dict[str, Any]] = []
     with rec.commands_into(generate):
         rec.emit("input", name="input_ids", buffer=ids.storage.buffer.id)
         rec.emit("run", stage="text_encoder")
         if strength is None:
-            rec.emit("input", name="latents", buffer=slot_of["x0"].storage.buffer.id)
-            noise_index = 0
+            first = {"x0": loop.out("x0")}
+            rec.emit("input", name="latents", buffer=first["x0"].storage.buffer.id)
         else:
             rec.emit("input", name="image", buffer=image_in.storage.buffer.id)
             rec.emit("run", stage="vae_encode")
+            i0 = loop.out("i0")
             n0 = rec.state(latent, "f32", "posterior_noise")
             rec.emit("input", name="noise", index=0, buffer=n0.storage.buffer.id)
-            pipe.vae.ops.step_posterior(moments, n0, float(np.float32(config.vae.scaling_factor)), out=slot_of["i0"])
-            rec.emit("input", name="noise", index=1, buffer=slot_of["n1"].storage.buffer.id)
-            for op in program.prologue:
-                pipe.ops.step_combine([(c, slot_of[s]) for c, s in op.terms], op.clamp, out=slot_of[op.out])
-            noise_index = 2
-        for step in program.steps:
-            i = step.index
-            rec.emit("step", index=i, timestep=step.timestep)
-            pipe.ops.step_prepare(slot_of[f"x{i}"], step.input_scale, batch, out=sample)
-            rec.write(temb, pipe._temb_array(step.timestep, batch))
-            rec.emit("run", stage="unet_step")
-            pipe.ops.step_guide(eps, float(guidance_scale) if cfg_on else None, out=slot_of[f"e{i}"])
-            for name in step.noise:
-                rec.emit("input", name="noise", index=noise_index, buffer=slot_of[name].storage.buffer.id)
-                noise_index += 1
-            for op in step.ops:
-                pipe.ops.step_combine([(c, slot_of[s]) for c, s in op.terms], op.clamp, out=slot_of[op.out])
-        final = slot_of[f"x{len(program.steps)}"]
+            first = {"i0": pipe.vae.ops.step_posterior(moments, n0, float(np.float32(config.vae.scaling_factor)),
+                                                       out=i0)}
+            first["n1"] = loop.draw("n1")
+        final = loop.run(first)
         rec.emit("copy", src=final.storage.buffer.id, dst=latents_in.storage.buffer.id, size=final.binding_bytes)
         rec.emit("run", stage="vae_decode")
 
@@ -379,7 +360,7 @@ def make_plan(config, caps, *, model_dir: Path | None = None, precision: str = "
         "warnings": list(selection.warnings),
         "adapter": {"vendor": caps.vendor, "architecture": caps.architecture, "device": caps.device},
         "stages": stages,
-        "loop": {**program.as_dict(), "slots": slots},
+        "loop": {**program.as_dict(), "slots": loop.slots},
         "inputs": {"input_ids": {"dtype": "u32", "shape": [batch, 77]},
                    **({"latents": {"dtype": "f32", "shape": list(latent)}} if strength is None else
                       {"image": {"dtype": vae_dtype, "shape": [1, 3, height, width]}}),
@@ -398,10 +379,11 @@ def _assemble(rec: PlanRecorder, *dtypes_and_fields) -> dict[str, Any]:
     plan = {
         "format": FORMAT, "schema": SCHEMA, **fields,
         "requires": {"features": sorted(features),
-                     "limits": {"maxStorageBufferBindingSize": rec.max_binding_bytes,
-                                "maxBufferSize": max(b["size"] for b in rec.buffers),
-                                "maxComputeWorkgroupsPerDimension": rec.max_groups,
-                                "maxStorageBuffersPerShaderStage": rec.max_bindings}},
+                     "limits": {JS_LIMIT_NAMES[k]: v for k, v in (
+                         ("max-storage-buffer-binding-size", rec.max_binding_bytes),
+                         ("max-buffer-size", max(b["size"] for b in rec.buffers)),
+                         ("max-compute-workgroups-per-dimension", rec.max_groups),
+                         ("max-storage-buffers-per-shader-stage", rec.max_bindings))}},
         "shaders": _shaders(rec.pipelines),
         "shader_header": dict(SHADER_HEADERS),
         "pipelines": rec.pipelines,
@@ -429,39 +411,48 @@ def op_plan(caps, dtype: str, inputs: dict[str, tuple[tuple[int, ...], str]], bu
     })
 
 
-def _allocate_slots(rec: PlanRecorder, program, latent) -> tuple[list[dict], dict[str, Tensor]]:
-    """A state buffer for every source of the loop program (x, e, n, c), reusing one whose
-    source is no longer read: the fewest latent-sized buffers the loop needs."""
-    last = program.last_use()
-    free: list[Tensor] = []
-    live: dict[str, Tensor] = {}
-    slot_of: dict[str, Tensor] = {}
-    slots: list[dict] = []
+class _RecordedLoop(DenoisingLoop):
+    """The denoising loop on a PlanRecorder: every source gets a state buffer (a slot), taken
+    when the loop first writes it and reusing one whose source is no longer read, so the loop
+    needs the fewest latent-sized buffers; each UNet call becomes a run of stage unet_step and
+    each noise draw an input the caller writes."""
 
-    def take(name: str, step: int) -> None:
-        for done in [n for n, _ in live.items() if last.get(n, -1) < step]:
-            free.append(live.pop(done))
-        t = free.pop() if free else rec.state(latent, "f32", f"slot{len(slots)}")
-        if t.storage.buffer.id not in {s["buffer"] for s in slots}:
-            slots.append({"buffer": t.storage.buffer.id})
-        live[name] = slot_of[name] = t
+    def __init__(self, rec: PlanRecorder, pipe, program, guidance_scale: float | None, latent: tuple, *,
+                 sample: Tensor, temb: Tensor, eps: Tensor):
+        super().__init__(pipe.ops, program, guidance_scale)
+        self.rec, self.pipe, self.latent = rec, pipe, latent
+        self.sample, self.temb, self.eps = sample, temb, eps  # unet_step's inputs and output
+        self.last_use = program.last_use()
+        self.slots: list[dict] = []
+        self._live: dict[str, Tensor] = {}  # source -> its slot, until the step after its last read
+        self._free: list[Tensor] = []
 
-    if program.prologue:  # img2img: the encoded image and the forward noise make x0
-        take("i0", 0)
-        take("n1", 0)
-        for op in program.prologue:
-            take(op.out, 0)
-    else:
-        take("x0", 0)
-    for step in program.steps:
-        take(f"e{step.index}", step.index)
-        for name in step.noise:
-            take(name, step.index)
-        for op in step.ops:
-            # sources read at this step stay live: an op's output never shares a buffer with
-            # its inputs (WebGPU refuses a buffer bound for reading and writing at once)
-            take(op.out, step.index)
-    return slots, slot_of
+    def out(self, name: str) -> Tensor:
+        if name == "sample":
+            return self.sample
+        # sources read at this step stay live: an op's output never shares a buffer with its
+        # inputs (WebGPU refuses a buffer bound for reading and writing at once)
+        for done in [n for n in self._live if self.last_use.get(n, -1) < self.step_index]:
+            self._free.append(self._live.pop(done))
+        t = self._free.pop() if self._free else self.rec.state(self.latent, "f32", f"slot{len(self.slots)}")
+        if t.storage.buffer.id not in {s["buffer"] for s in self.slots}:
+            self.slots.append({"buffer": t.storage.buffer.id})
+        self._live[name] = t
+        return t
+
+    def unet(self, sample: Tensor, timestep: float) -> Tensor:
+        # sample is unet_step's own input buffer (out("sample")): the stage reads it there
+        self.rec.write(self.temb, self.pipe._temb_array(timestep, self.batch))
+        self.rec.emit("run", stage="unet_step")
+        return self.eps
+
+    def draw(self, name: str) -> Tensor:
+        t = self.out(name)  # n{k}: the caller's k-th noise tensor
+        self.rec.emit("input", name="noise", index=int(name[1:]), buffer=t.storage.buffer.id)
+        return t
+
+    def begin_step(self, step) -> None:
+        self.rec.emit("step", index=step.index, timestep=step.timestep)
 
 
 def _decisions(selection) -> list[dict[str, Any]]:

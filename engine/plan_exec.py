@@ -17,9 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from .device import GPU, gpu_call
+from .device import GPU, JS_LIMIT_NAMES, gpu_call
 from .errors import EngineError, GPUError, InputError, ModelError
-from .plan import JS_LIMITS, check_plan, stage_inputs
+from .pipeline import (
+    BasePipeline,
+    GenerationResult,
+    first_sample,
+    image_from_decoded,
+    prepare_image,
+)
+from .plan import check_plan, stage_inputs
 from .runtime import Fence, read_array, write_array
 
 SUBMIT_EVERY = 64  # dispatches per queue submit, as engine.runtime does
@@ -157,7 +164,7 @@ class PlanExecutor:
         missing = sorted(set(self.plan["requires"]["features"]) - set(caps.features))
         if missing:
             raise GPUError(f"the plan needs adapter feature(s) {', '.join(missing)}, which {caps.device!r} lacks")
-        for ours, js in JS_LIMITS.items():
+        for ours, js in JS_LIMIT_NAMES.items():
             need, have = self.plan["requires"]["limits"].get(js), caps.limits.get(ours)
             if need is not None and have is not None and need > have:
                 raise GPUError(f"the plan needs {js} >= {need}; {caps.device!r} allows {have}")
@@ -375,21 +382,19 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
-class PlanPipeline:
+class PlanPipeline(BasePipeline):
     """The Pipeline API over plans run by PlanExecutor: each call runs the stage (or the whole
-    generation) of a plan made for its shapes on this GPU's adapter; plans are made on first
-    use and kept, and share one copy of the weights."""
+    generation) of a plan recorded for its shapes on this GPU's adapter; plans are recorded on
+    first use and kept, and share one copy of the weights."""
 
     runtime = "plan"
     residency = "resident"
 
     def __init__(self, model_dir: Path, config, tokenizer, caps, precision: str, profile=None, *,
                  gpu: GPU | None = None, make_executor=None):
-        self.model_dir, self.config, self.tokenizer, self.caps = Path(model_dir), config, tokenizer, caps
+        super().__init__(config, tokenizer)
+        self.model_dir, self.caps = Path(model_dir), caps
         self.precision, self.profile = precision, profile
-        self.vae_scale_factor = 2 ** (len(config.vae.block_out_channels) - 1)
-        self.latent_channels = config.unet.in_channels
-        self.native_size = config.native_size
         self._weights: dict[tuple, Any] = {}
         if make_executor is None:
             if gpu is None:
@@ -423,14 +428,14 @@ class PlanPipeline:
 
     def executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
                  guidance_scale: float = 7.5, strength: float | None = None):
-        from .plan import make_plan
+        from .plan import record_plan
 
         key = (height, width, steps, scheduler, float(guidance_scale), strength)
         if key not in self._executors:
-            plan = make_plan(self.config, self.caps, model_dir=self.model_dir, precision=self.precision,
-                             height=height, width=width, steps=steps, scheduler=scheduler,
-                             guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name,
-                             strength=strength)
+            plan = record_plan(self.config, self.caps, model_dir=self.model_dir, precision=self.precision,
+                               height=height, width=width, steps=steps, scheduler=scheduler,
+                               guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name,
+                               strength=strength)
             self.plans[key] = plan
             self._executors[key] = self._make_executor(plan)
         return self._executors[key]
@@ -444,21 +449,14 @@ class PlanPipeline:
     def dtype(self) -> str:
         return "f16" if self.precision == "fp16" and self.caps.has_f16 else "f32"
 
-    def tokenize(self, texts) -> np.ndarray:
-        return self.tokenizer([texts] if isinstance(texts, str) else list(texts))
-
     def encode_text(self, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids)
         return self._stage_executor(ids.shape[0]).run("text_encoder", {"input_ids": ids})["context"] \
             .astype(np.float32)
 
     def unet(self, sample: np.ndarray, timestep, encoder_hidden_states: np.ndarray) -> np.ndarray:
-        from .models.unet import timestep_embedding
-
         sample = np.asarray(sample, np.float32)
-        cfg = self.config.unet
-        t = np.broadcast_to(np.asarray(timestep, dtype=np.float64).reshape(-1), (sample.shape[0],))
-        temb = timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        temb = self._temb_array(timestep, sample.shape[0])
         ex = self._stage_executor(sample.shape[0], sample.shape[2:])
         return ex.run("unet_step", {"sample": sample, "timestep_embedding": temb,
                                     "context": np.asarray(encoder_hidden_states, np.float32)})["noise_pred"] \
@@ -481,19 +479,8 @@ class PlanPipeline:
         mean, logvar = np.split(moments, 2, axis=1)
         return mean, np.clip(logvar, -30.0, 20.0)
 
-    def generate(self, prompt: str, negative_prompt: str = "", steps: int = 20, guidance_scale: float = 7.5,
-                 seed: int = 0, height: int = 512, width: int = 512, scheduler: str = "pndm",
-                 latents: np.ndarray | None = None, progress=None, init_image=None, strength: float = 0.8):
-        from .pipeline import (
-            GenerationResult,
-            check_generate_args,
-            first_sample,
-            image_from_decoded,
-            prepare_image,
-        )
-
-        check_generate_args(self.vae_scale_factor, steps, height, width, scheduler, guidance_scale, strength,
-                            init_image)
+    def _generate(self, prompt, negative_prompt, steps, guidance_scale, seed, height, width, scheduler,
+                  latents, progress, init_image, strength) -> GenerationResult:
         t_start = time.perf_counter()
         ex = self.executor(height, width, steps, scheduler, guidance_scale,
                            None if init_image is None else float(strength))

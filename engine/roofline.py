@@ -17,8 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .kernels import SHADER_ROOT
-from .runtime import Runtime
-from .tune import time_gpu_work
+from .runtime import Runtime, time_gpu_work
 
 ITEM = {"f32": 4, "f16": 2}
 
@@ -105,7 +104,13 @@ def measure_peaks(gpu, rt: Runtime | None = None, reps: int = 5) -> Peaks:
     gx, gy = min(groups, 65535), math.ceil(groups / 65535)
     ms = statistics.median(time_gpu_work(
         rt, lambda: rt.dispatch(pipe, "roofline.copy", (0, n), [src, dst], (gx, gy, 1)), 1, reps))
-    return Peaks(round(f32, 4), round(f16, 4) if f16 is not None else None, round(2 * n * 16 / (ms * 1e-3) / 1e9, 3))
+    # Four significant digits, not four decimals: a CPU adapter's peak is a small fraction of a
+    # TFLOPS (lavapipe on a loaded 2-core machine measured under 0.00005, printed as 0.0).
+    return Peaks(_digits(f32), _digits(f16) if f16 is not None else None, _digits(2 * n * 16 / (ms * 1e-3) / 1e9))
+
+
+def _digits(value: float, significant: int = 4) -> float:
+    return float(f"{value:.{significant}g}")
 
 
 @dataclass

@@ -618,3 +618,31 @@ class StageTimer:
                 timer.ms[name] += (time.perf_counter() - self.t0) * 1e3
 
         return _Stage()
+
+
+def time_gpu_work(rt: Runtime, fn, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of GPU work per call of `fn`, `repeats` samples after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    rt.sync()
+    samples = []
+    # lavapipe's timestamps disagree with wall clock (3.5x on its flash attention), so CPU
+    # adapters are timed by wall clock to GPU completion.
+    use_gpu_clock = rt.caps.has_timestamps and rt.caps.adapter_type.lower() != "cpu"
+    if use_gpu_clock:
+        rt.set_profiling(True)
+    try:
+        for _ in range(repeats):
+            if use_gpu_clock:
+                rt.take_kernel_times()
+                fn()
+                samples.append(sum(k.total_ms for k in rt.take_kernel_times().values()))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                rt.sync()
+                samples.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if use_gpu_clock:
+            rt.set_profiling(False)
+    return samples

@@ -26,7 +26,7 @@ from .explain import distinct_calls, random_like
 from .kernels import PipelineCache, Selection, variants
 from .ops import Ops
 from .profiles import SCHEMA_ID
-from .runtime import Runtime, Tensor
+from .runtime import Runtime, Tensor, time_gpu_work
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
@@ -42,34 +42,6 @@ def _settings(variant) -> list[dict]:
     combos = list(itertools.product(*(variant.constants[n] for n in names)))
     step = max(1, len(combos) // (MAX_CONSTANT_SETTINGS - 1))
     return [{}] + [dict(zip(names, c, strict=True)) for c in combos[step // 2 :: step][: MAX_CONSTANT_SETTINGS - 1]]
-
-
-def time_gpu_work(rt: Runtime, fn: Callable, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds of GPU work per call of `fn`, `repeats` samples after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    rt.sync()
-    samples = []
-    # lavapipe's timestamps disagree with wall clock (3.5x on its flash attention), so CPU
-    # adapters are timed by wall clock to GPU completion.
-    use_gpu_clock = rt.caps.has_timestamps and rt.caps.adapter_type.lower() != "cpu"
-    if use_gpu_clock:
-        rt.set_profiling(True)
-    try:
-        for _ in range(repeats):
-            if use_gpu_clock:
-                rt.take_kernel_times()
-                fn()
-                samples.append(sum(k.total_ms for k in rt.take_kernel_times().values()))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                rt.sync()
-                samples.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        if use_gpu_clock:
-            rt.set_profiling(False)
-    return samples
 
 
 def _call_dtype(args: tuple, dtype: str) -> str:

@@ -98,35 +98,61 @@ def env_key_of(run: Run, device: Device) -> str:
     return run.env_key or run_env.environment_key(run_environment(run, device))
 
 
-def min_effect(session: Session, key: rg.SeriesKey) -> float:
-    """The series' minimum effect: set for this series in this environment, else set for it in
-    any environment (the newest such setting; a driver update keeps the series' tolerance),
-    else DEFAULT_MIN_EFFECT."""
+def _series_setting(session: Session, key: rg.SeriesKey, field: str) -> float | None:
+    """A series setting's `field` (min_effect or drift): set for this series in this
+    environment, else set for it in any environment (the newest such setting: a driver update
+    keeps the series' tolerance), else None."""
     setting = session.scalar(select(SeriesSetting).where(SeriesSetting.series_key == key.canonical()))
-    if setting is not None:
-        return setting.min_effect
+    if setting is not None and getattr(setting, field) is not None:
+        return getattr(setting, field)
     wanted = key.in_any_environment()
     device_part = json.dumps({"device": key.device}, separators=(",", ":"), ensure_ascii=False)[1:-1]
     found = None
     for other in session.scalars(select(SeriesSetting).where(
             SeriesSetting.series_key.contains(device_part, autoescape=True)).order_by(SeriesSetting.id)):
         try:
-            if rg.SeriesKey.parse(other.series_key).in_any_environment() == wanted:
+            if getattr(other, field) is not None and rg.SeriesKey.parse(other.series_key).in_any_environment() == wanted:
                 found = other
         except ValueError:  # not a key this version reads: not this series
             continue
-    return found.min_effect if found is not None else DEFAULT_MIN_EFFECT
+    return getattr(found, field) if found is not None else None
+
+
+def min_effect(session: Session, key: rg.SeriesKey) -> float:
+    """The series' minimum effect (a series setting, else DEFAULT_MIN_EFFECT)."""
+    value = _series_setting(session, key, "min_effect")
+    return DEFAULT_MIN_EFFECT if value is None else value
+
+
+def drift_prior(session: Session, key: rg.SeriesKey) -> float | None:
+    """The run-to-run drift set for the series (a series setting), which the analysis assumes
+    until the series' history is long enough to estimate its own; None: not set."""
+    return _series_setting(session, key, "drift")
+
+
+def _set(session: Session, key: rg.SeriesKey, **values: float) -> None:
+    setting = session.scalar(select(SeriesSetting).where(SeriesSetting.series_key == key.canonical()))
+    if setting is None:
+        session.add(SeriesSetting(series_key=key.canonical(), **values))
+    else:
+        for field, value in values.items():
+            setattr(setting, field, value)
+    session.flush()
 
 
 def set_min_effect(session: Session, key: rg.SeriesKey, value: float) -> None:
     if not 0 < value < 1:
         raise store.StoreError(f"minimum effect {value} must be between 0 and 1 (0.03 = 3%)")
-    setting = session.scalar(select(SeriesSetting).where(SeriesSetting.series_key == key.canonical()))
-    if setting is None:
-        session.add(SeriesSetting(series_key=key.canonical(), min_effect=value))
-    else:
-        setting.min_effect = value
-    session.flush()
+    _set(session, key, min_effect=value)
+
+
+def set_drift(session: Session, key: rg.SeriesKey, value: float) -> None:
+    """Assume `value` run-to-run drift (0.1 = 10% a run) on the series until its history
+    estimates its own: for devices known to move from one run to the next by more than
+    DEFAULT_DRIFT (several devices sharing one machine's CPU, a phone without fixed clocks)."""
+    if not 0 <= value < 1:
+        raise store.StoreError(f"drift {value} must be in [0, 1) (0.01 = 1% a run)")
+    _set(session, key, drift=value)
 
 
 # ---- fetching -----------------------------------------------------------------------------
@@ -210,6 +236,14 @@ def _has_open_regression(session: Session, build_id: int, device_id: int, key: r
     return any(_same_workload(a.series, key) and not (a.detail or {}).get("environment_change") for a in alerts)
 
 
+def _builds_with_open_regressions(session: Session, device_id: int, key: rg.SeriesKey) -> set[int]:
+    """The builds _has_open_regression holds true of on this device and workload, in one query."""
+    alerts = session.scalars(select(Alert).where(
+        Alert.device_id == device_id, Alert.kind == AlertKind.regression, Alert.state.in_(OPEN_STATES)))
+    return {a.build_id for a in alerts
+            if _same_workload(a.series, key) and not (a.detail or {}).get("environment_change")}
+
+
 def baseline_build(session: Session, build: Build, device: Device, spec: SpecKey, key: rg.SeriesKey,
                    environment: str | None = None) -> tuple[Build, list[Run]] | None:
     """The newest earlier build with latency runs on this series and no open regression alert
@@ -249,7 +283,7 @@ def _environment_group(runs: list[Run], device: Device, prefer: str | None = Non
 
 def compare_builds(session: Session, device: Device, spec: SpecKey, metric: str, baseline: Build,
                    baseline_runs: list[Run], candidate: Build, candidate_runs: list[Run],
-                   include_flagged: bool = False) -> dict[str, Any] | None:
+                   include_flagged: bool = False, runs_left: int | None = None) -> dict[str, Any] | None:
     """One metric of two builds on one device and spec: the comparison, as a dict; None when
     neither build measured it. The candidate's runs of its newest environment are compared with
     the baseline's runs of that environment, or of the baseline's newest when it has none
@@ -277,10 +311,11 @@ def compare_builds(session: Session, device: Device, spec: SpecKey, metric: str,
     drift, drift_runs = series_drift(session, device, spec, metric, candidate, environment=key.environment)
     comparison = rg.compare(base.values, cand.values, baseline_runs=base.run_ids, candidate_runs=cand.run_ids,
                             drift=drift, min_effect=min_effect(session, key),
-                            higher_is_worse=HEADLINE_METRICS.get(metric, True))
+                            higher_is_worse=HEADLINE_METRICS.get(metric, True), runs_left=runs_left)
     result = {"device": device.serial, "metric": metric, "unit": cand.unit, "series": key.as_dict(),
               "baseline_build": baseline.name, "candidate_build": candidate.name,
-              "drift_source": f"estimated from {drift_runs} earlier runs" if drift_runs else "default",
+              "drift_source": (f"estimated from {drift_runs} earlier runs" if drift_runs
+                               else "series setting" if drift_prior(session, key) is not None else "default"),
               "excluded_runs": sorted(set(base.excluded_runs) | set(cand.excluded_runs)),
               "thermal": {run_id: list(flags[run_id].reasons) for run_id in flagged}} | comparison.as_dict()
     result |= {"environment": run_env.label(cand_env), "baseline_environment": run_env.label(base_env),
@@ -302,20 +337,19 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     on the series left out too: they are not part of the accepted series (baseline_build skips
     them alike), and their steps are no drift. With the demo's A, B, A, B, ... builds (B 2x
     slower) they made every consecutive pair a step, estimated a drift near 100% and turned
-    B's regression and A's sameness into "inconclusive" (CI 0.15-29). (rg.DEFAULT_DRIFT, 0)
-    with too little history."""
+    B's regression and A's sameness into "inconclusive" (CI 0.15-29). With too little
+    history, (the series' drift setting, else rg.DEFAULT_DRIFT, 0)."""
     rows = session.execute(
         select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
         .where(Run.device_id == device.id, _before(candidate), Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
         .order_by(Run.id.desc()).limit(20 * DRIFT_HISTORY_RUNS)).all()  # other specs' runs are filtered below
-    key, rejected = series_key(device, spec, metric), {}
+    key = series_key(device, spec, metric)
+    rejected = _builds_with_open_regressions(session, device.id, key)
     runs = []
     for run, job_spec in rows:
         if SpecKey.of(job_spec or {}) != spec or (environment and env_key_of(run, device) != environment):
             continue
         if run.build_id not in rejected:
-            rejected[run.build_id] = _has_open_regression(session, run.build_id, device.id, key)
-        if not rejected[run.build_id]:
             runs.append(run)
     runs = runs[:DRIFT_HISTORY_RUNS]
     flags = _flagged(session, runs)
@@ -326,7 +360,10 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
         values[run_id].append(value)
     history = [values[r.id] for r in runs if values[r.id]]
     drift = rg.estimate_drift(history)
-    return (rg.DEFAULT_DRIFT, 0) if drift is None else (drift, len(history))
+    if drift is None:
+        prior = drift_prior(session, key)  # a setting holds in every environment of the series
+        return (rg.DEFAULT_DRIFT if prior is None else prior), 0
+    return drift, len(history)
 
 
 def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = None) -> dict[str, Any]:
@@ -340,6 +377,8 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
         return report
     build = session.get(Build, batch.build_id)
     jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id)))
+    # Each more-repetitions round adds one run of each build: what is left of the batch's rounds.
+    runs_left = None if batch.max_extra_rounds is None else max(0, batch.max_extra_rounds - store.extra_round(batch.idempotency_key))
     # A more-repetitions batch also reruns the baseline build; its jobs are not candidates.
     pairs = {(job.device_id, SpecKey.of(job.spec or {})): job for job in jobs
              if job.kind == JobKind.latency and job.build_id == build.id}
@@ -360,7 +399,7 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
         for metric in HEADLINE_METRICS:
             try:
                 result = compare_builds(session, device, spec, metric, baseline, baseline_runs, build,
-                                        candidate_runs)
+                                        candidate_runs, runs_left=runs_left)
             except ValueError as exc:  # mixed units or keys, no samples: refused, not averaged
                 report["comparisons"].append({"device": device.serial, "metric": metric,
                                               "verdict": "refused", "reason": str(exc)})
@@ -372,9 +411,9 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
                 alert = _record_alert(session, batch, build, baseline, device, spec, result,
                                       baseline_runs, candidate_runs)
                 report["alerts"].append(alert.id)
-            elif result["verdict"] == "inconclusive" and (batch.round_metrics is None
-                                                          or metric in batch.round_metrics
-                                                          or result["cause"] in rg.SAMPLE_LIMITED):
+            elif result["verdict"] == "inconclusive" and result["more_repetitions_suggested"] and (
+                    batch.round_metrics is None or metric in batch.round_metrics
+                    or result["cause"] in rg.SAMPLE_LIMITED):
                 # A verdict the sample counts alone keep out of reach is rounded on whatever
                 # metrics the batch rounds on: more samples are what it needs.
                 more = max(more, result["more_repetitions_suggested"])
@@ -495,10 +534,29 @@ def scan_change_points(session: Session, device: Device | None = None, metric: s
     smaller than the series' minimum effect is not one: with ten samples a build, a 1% shift can
     be significant and still be nothing anyone would act on. Returns them, `new` marking those
     not recorded before. Flushes only."""
-    now = now or utcnow()
+    found = record_change_points(session, find_change_points(session, device, metric), now)
+    session.flush()
+    return found
+
+
+@dataclass
+class FoundChangePoint:
+    """A change point find_change_points saw, with what record_change_points needs to record it."""
+
+    device_id: int
+    key: rg.SeriesKey
+    history: list[dict[str, Any]]
+    point: Any  # rg.ChangePoint
+
+
+def find_change_points(session: Session, device: Device | None = None,
+                       metric: str | None = None) -> list[FoundChangePoint]:
+    """scan_change_points' reading and computing, which writes nothing: what an analysis runs in
+    a read snapshot (orchestrator.db.session.read_snapshot), so that a whole history's scan
+    never holds the store's write lock."""
     devices = [device] if device is not None else list(session.scalars(select(Device).order_by(Device.serial)))
     metrics = [metric] if metric is not None else list(HEADLINE_METRICS)
-    found: list[dict[str, Any]] = []
+    found: list[FoundChangePoint] = []
     for dev in devices:
         legacy = store.result_environment(dev)  # runs stored before runs carried an environment
         series: dict[tuple[SpecKey, str], dict[str, Any]] = {}
@@ -519,9 +577,19 @@ def scan_change_points(session: Session, device: Device | None = None, metric: s
                 for point in rg.detect_change_points([h["values"] for h in history]):
                     if point.ratio is None or abs(point.ratio - 1) < floor:
                         continue
-                    found.append(_record_change_point(session, dev, key, history, point, now))
-    session.flush()
+                    found.append(FoundChangePoint(dev.id, key, history, point))
     return found
+
+
+def record_change_points(session: Session, found: list[FoundChangePoint],
+                         now: dt.datetime | None = None) -> list[dict[str, Any]]:
+    """Record what find_change_points found (ChangePoint, one per series and build, updated
+    when found again); flushes only. Returns them as scan_change_points does."""
+    now = now or utcnow()
+    out = []
+    for f in found:
+        out.append(_record_change_point(session, session.get(Device, f.device_id), f.key, f.history, f.point, now))
+    return out
 
 
 def _record_change_point(session: Session, device: Device, key: rg.SeriesKey, history: list[dict[str, Any]],

@@ -4,7 +4,8 @@ with a token (agent/web/farm.js keeps it) and polls the hub for its next command
 
     page side (Authorization: Bearer <device token>; a page naming another device than the
     token's, in ?device=, is refused with 403)
-      GET  /, /web/*              the page (agent/web), no token needed
+      GET  /, /web/*              the page (agent/web, on the engine's modules in engine/web),
+                                  no token needed
       GET  /api/next?page=ID      long poll: the device's next command, or 204
       POST /api/done              a command's answer {id, ok, result | error}
       POST /api/beat              "still working on command id" (every few seconds)
@@ -16,20 +17,18 @@ with a token (agent/web/farm.js keeps it) and polls the hub for its next command
       POST /ctl/<device>/call     {op, timeout_s, ...}: one command to the page, its answer back
       PUT  /ctl/<device>/plans/<name>   a plan for the page to fetch
 
-A page is alive while it polls, answers or beats; a command whose page goes quiet for
-PAGE_LOST_S, or whose page was replaced by a new one (the tab reloaded), ends with a
-BrowserError of kind "page-lost": the caller treats it as an infrastructure failure. A command
-taken by a poll whose answer could not be written (the page died in between) goes back to the
-queue. The hub counts the blob bytes it serves per device, so a deploy can show it sent nothing.
+The page side is the engine's page host (engine/pagehost.py), the one the engine's own browser
+runtime is served by too: each device's commands go through a PageChannel; a command whose
+page goes quiet for PAGE_LOST_S, or whose page was replaced by a new one (the tab reloaded),
+ends with a BrowserError of kind "page-lost": the caller treats it as an infrastructure
+failure. The hub counts the blob bytes it serves per device, so a deploy can show it sent nothing.
 """
 
 from __future__ import annotations
 
 import hmac
-import itertools
 import json
 import os
-import queue
 import secrets
 import ssl
 import threading
@@ -37,22 +36,33 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from engine.browser import (
-    HUB_KEY_HEADER,
+from agent.hubpage import HUB_KEY_HEADER, hub_request
+from engine.errors import BrowserError
+from engine.httpserver import GuardedServer, RequestError
+from engine.pagehost import (
+    MAX_BODY,
+    PAGE_LOST_S,
+    POLL_S,
     WEB_ROOT,
-    BrowserError,
-    hub_request,
+    PageChannel,
+    PageHostHandler,
+    json_object,
     reply_result,
     send_file,
 )
 
-POLL_S = 10.0  # how long a page's GET /api/next waits for a command
-PAGE_LOST_S = 15.0  # silence after which a page holding a command counts as gone
-MAX_BODY = 64 * 2**20  # answers carry images and arrays as base64
+AGENT_WEB_ROOT = Path(__file__).resolve().parent.parent / "agent" / "web"  # the farm's page
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _host_name(host: str) -> str:
+    """The name part of a Host header ("127.0.0.1:8780" -> "127.0.0.1", "[::1]:80" -> "::1")."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 @dataclass
@@ -60,24 +70,18 @@ class _Device:
     serial: str
     token: str
     store: Path  # <agent root>/store: the blobs of the builds deployed to the device
-    commands: queue.Queue = field(default_factory=queue.Queue)
-    replies: dict[int, queue.Queue] = field(default_factory=dict)
-    taken: dict[int, str] = field(default_factory=dict)  # command id -> the page that took it
-    page: str = ""  # the page instance seen last
-    seen: float = 0.0  # monotonic time of the page's last word
-    polling: int = 0  # polls held open now
+    channel: PageChannel  # its page's commands (engine/pagehost.py: one rule for every page host)
     bytes_served: int = 0
     plans: dict[str, bytes] = field(default_factory=dict)
-    console: list[dict[str, Any]] = field(default_factory=list)
-
-    def alive(self, now: float, lost_s: float) -> bool:
-        return self.polling > 0 or now - self.seen < lost_s
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    hub: BrowserHub
+class _Server(GuardedServer):
+    """One listener of the hub (engine/httpserver.py: bounded connections, TLS handshakes in
+    their own threads, a deadline on each request)."""
+
+    def __init__(self, address, hub: BrowserHub, tls: ssl.SSLContext | None, loopback: bool):
+        self.hub, self.loopback = hub, loopback
+        super().__init__(address, _Handler, tls=tls, quiet=True)
 
 
 class BrowserHub:
@@ -96,7 +100,6 @@ class BrowserHub:
         self.tokens_dir, self.stores = tokens_dir, stores
         self.devices: dict[str, _Device] = {}
         self._by_token: dict[str, _Device] = {}
-        self._ids = itertools.count(1)
         self.lock = threading.Lock()
         self.servers = [self._serve(host, port, None)]
         self.port = self.servers[0].server_address[1]
@@ -106,10 +109,7 @@ class BrowserHub:
             self.https_port = self.servers[1].server_address[1]
 
     def _serve(self, host: str, port: int, context: ssl.SSLContext | None) -> _Server:
-        server = _Server((host, port), _Handler)
-        server.hub = self
-        if context is not None:
-            server.socket = context.wrap_socket(server.socket, server_side=True)
+        server = _Server((host, port), self, context, loopback=host in LOOPBACK_NAMES)
         threading.Thread(target=server.serve_forever, name=f"browser-hub-{port}", daemon=True).start()
         return server
 
@@ -124,7 +124,8 @@ class BrowserHub:
             if old is not None and old.token != token:
                 self._by_token.pop(old.token, None)
             if old is None or old.token != token:
-                device = _Device(serial, token, Path(store))
+                device = _Device(serial, token, Path(store), PageChannel(f"{serial}'s page", poll_s=self.poll_s,
+                                                                          lost_s=self.page_lost_s))
                 self.devices[serial] = device
                 self._by_token[token] = device
             else:
@@ -137,13 +138,34 @@ class BrowserHub:
             raise BrowserError("unknown-device", f"the hub serves no device {serial!r}") from None
 
     def by_token(self, token: str) -> _Device | None:
+        """The device whose page holds `token`. With tokens_dir, a token is good while its file
+        says so: `farm devices remove|quarantine|revoke-token` delete the file, and the next
+        request with the token is refused, whichever process enrolled it."""
         for attempt in range(2):
             for known, device in list(self._by_token.items()):
                 if hmac.compare_digest(known, token):
-                    return device
+                    return device if self._still_valid(device) else None
             if attempt == 0 and not self._enrol_from_files():
                 break
         return None
+
+    def _still_valid(self, device: _Device) -> bool:
+        if self.tokens_dir is None:
+            return True  # a hub without token files: its registrations are the truth
+        try:
+            valid = hmac.compare_digest((self.tokens_dir / device.serial).read_text().strip(), device.token)
+        except (OSError, ValueError):
+            valid = False
+        if not valid:
+            self.revoke(device.serial)
+        return valid
+
+    def revoke(self, serial: str) -> None:
+        """Stop serving `serial`'s token; commands waiting for its page end as page-lost."""
+        with self.lock:
+            device = self.devices.pop(serial, None)
+            if device is not None:
+                self._by_token.pop(device.token, None)
 
     def _enrol_from_files(self) -> bool:
         """Register the devices of tokens_dir not registered yet; whether any was."""
@@ -162,22 +184,23 @@ class BrowserHub:
         if device is None:
             return {"serial": serial, "registered": False, "online": False}
         now = time.monotonic()
-        return {"serial": serial, "registered": True, "online": device.alive(now, self.page_lost_s),
-                "seen_s_ago": round(now - device.seen, 3) if device.seen else None,
-                "bytes_served": device.bytes_served, "console": device.console[-20:]}
+        return {"serial": serial, "registered": True, "online": device.channel.alive(now),
+                "seen_s_ago": round(now - device.channel.seen, 3) if device.channel.seen else None,
+                "bytes_served": device.bytes_served, "console": device.channel.console[-20:]}
 
     def control_url(self, serial: str) -> str:
-        """Where `farm-agent run` reaches the device's page (engine.browser.RemotePage)."""
+        """Where `farm-agent run` reaches the device's page (agent.hubpage.HubPage)."""
         return f"{self.local_url}/ctl/{urllib.parse.quote(serial)}?key={self.key}"
 
     def online(self, serial: str) -> bool:
-        return serial in self.devices and self.devices[serial].alive(time.monotonic(), self.page_lost_s)
+        return serial in self.devices and self.devices[serial].channel.alive()
 
     def wait_online(self, serial: str, timeout_s: float, gone: Callable[[], str | None] | None = None) -> None:
         """Until the device's page polls; BrowserError "timeout" after `timeout_s`. `gone()`
         may name a reason to stop waiting early (the browser process exited)."""
         device = self.device(serial)
-        _wait_for(lambda: device.polling > 0 or time.monotonic() - device.seen < 2.0, serial, timeout_s, gone, 0.2)
+        channel = device.channel
+        _wait_for(lambda: channel.polling > 0 or time.monotonic() - channel.seen < 2.0, serial, timeout_s, gone, 0.2)
 
     def put_plan(self, serial: str, name: str, body: bytes) -> str:
         self.device(serial).plans[name] = body
@@ -186,33 +209,7 @@ class BrowserHub:
     def call(self, serial: str, op: str, *, timeout_s: float = 600.0, **fields) -> dict[str, Any]:
         """Send the device's page one command and return its answer; BrowserError for the page's
         own errors, for a page that goes quiet or is replaced, and past `timeout_s`."""
-        device = self.device(serial)
-        command_id = next(self._ids)
-        box: queue.Queue = queue.Queue()
-        device.replies[command_id] = box
-        device.commands.put({"id": command_id, "op": op, **fields})
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    reply = box.get(timeout=0.5)
-                    break
-                except queue.Empty:
-                    pass
-                now = time.monotonic()
-                taker = device.taken.get(command_id)
-                if taker is not None and device.page and device.page != taker:
-                    raise BrowserError("page-lost", f"{op}: the page was replaced (reloaded) while it ran the command")
-                if not device.alive(now, self.page_lost_s):
-                    raise BrowserError("page-lost", f"{op}: no word from {serial}'s page for "
-                                       f"{now - device.seen:.0f} s (tab closed, screen off or device lost)")
-                if now > deadline:
-                    raise BrowserError("timeout", f"{op}: the page did not answer within {timeout_s:.0f} s")
-        finally:
-            device.replies.pop(command_id, None)
-            device.taken.pop(command_id, None)
-            _drop(device.commands, command_id)
-        return reply_result(reply)
+        return self.device(serial).channel.call(op, timeout_s=timeout_s, **fields)
 
     def close(self) -> None:
         for server in self.servers:
@@ -234,47 +231,51 @@ def _wait_for(online: Callable[[], bool], serial: str, timeout_s: float, gone: C
         time.sleep(poll_s)
 
 
-def _drop(commands: queue.Queue, command_id: int) -> None:
-    """Take an abandoned command out of the queue, so no later page runs it."""
-    with commands.mutex:
-        kept = [c for c in commands.queue if c.get("id") != command_id]
-        commands.queue.clear()
-        commands.queue.extend(kept)
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(PageHostHandler):
     server: _Server
-    protocol_version = "HTTP/1.1"
+    # the farm's page (agent/web: main.js, farm.js) over the engine's (index.html, page.js, plan.js)
+    web_roots = (AGENT_WEB_ROOT, WEB_ROOT)
 
-    def log_message(self, *args):
-        pass
+    def parse_request(self) -> bool:
+        """The request line and headers, then what no route takes: on the loopback listener a
+        Host that is not this machine (a web page's DNS rebinding: evil.example resolving to
+        127.0.0.1), and anywhere an Origin that is not the hub's own (another site's page
+        posting to it; the hub's page fetches from its own origin)."""
+        if not super().parse_request():
+            return False
+        host = (self.headers.get("Host") or "").strip().lower()
+        if self.server.loopback and _host_name(host) not in LOOPBACK_NAMES:
+            self.refuse(421, f"Host {host[:100]!r} is not this machine: the hub's local listener answers "
+                             "127.0.0.1 and localhost only")
+            return False
+        origin = self.headers.get("Origin")
+        if origin is not None and urllib.parse.urlsplit(origin.strip().lower()).netloc != host:
+            self.refuse(403, f"a page of {origin[:100]!r} may not use the hub")
+            return False
+        return True
 
     @property
     def hub(self) -> BrowserHub:
         return self.server.hub
 
-    def _send(self, status: int, body: bytes = b"", ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _error(self, status: int, message: str) -> None:
-        self._send(status, json.dumps({"error": message}).encode())
-
-    def _body(self) -> bytes:
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > MAX_BODY:
-            raise ValueError(f"a body of {n} bytes is over the hub's {MAX_BODY}")
-        return self.rfile.read(n)
-
-    def _page_device(self) -> _Device | None:
+    def _page_device(self, query: dict[str, list[str]]) -> _Device | None:
+        """The device whose token the request carries; None once the refusal is sent (401 for no
+        known token, 403 for a page naming another device than the token's)."""
         auth = self.headers.get("Authorization", "")
         token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        return self.hub.by_token(token) if token else None
+        device = self.hub.by_token(token) if token else None
+        if device is None:
+            self.refuse(401, "no device has this token: open the device's enrolment URL again")
+            return None
+        claimed = query.get("device", [""])[0]
+        if claimed and claimed != device.serial:
+            self.refuse(403, f"this token is {device.serial}'s, not {claimed}'s")
+            return None
+        return device
+
+    def page_channel(self, query: dict[str, list[str]]) -> PageChannel | None:
+        device = self._page_device(query)
+        return device.channel if device is not None else None
 
     def _farm_side(self) -> bool:
         return hmac.compare_digest(self.headers.get(HUB_KEY_HEADER, ""), self.hub.key)
@@ -283,130 +284,90 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802  (http.server's name)
         url = urllib.parse.urlsplit(self.path)
-        path = url.path
-        if path in ("/", "/index.html"):
-            return send_file(self, WEB_ROOT / "index.html")
-        if path.startswith("/web/"):
-            return send_file(self, WEB_ROOT, path[len("/web/"):])
-        device = self._page_device()
+        path, query = url.path, urllib.parse.parse_qs(url.query)
+        if self.send_web_file(path):
+            return None
+        device = self._page_device(query)
         if device is None:
-            return self._error(401, "no device has this token: open the device's enrolment URL again")
-        claimed = urllib.parse.parse_qs(url.query).get("device", [""])[0]
-        if claimed and claimed != device.serial:
-            return self._error(403, f"this token is {device.serial}'s, not {claimed}'s")
+            return None
         if path == "/api/next":
-            return self._next(device, urllib.parse.parse_qs(url.query).get("page", [""])[0])
+            return self.serve_next(device.channel, query)
         if path.startswith("/blobs/"):
             sha = path[len("/blobs/"):]
             if len(sha) != 64 or not all(c in "0123456789abcdef" for c in sha):
-                return self._error(404, "not a blob name")
+                return self.error(404, "not a blob name")
             served = send_file(self, device.store / sha[:2], sha)
             with self.hub.lock:
                 device.bytes_served += served
             return None
         if path.startswith("/plans/"):
             body = device.plans.get(urllib.parse.unquote(path[len("/plans/"):]))
-            return self._send(200, body) if body is not None else self._error(404, "no such plan")
-        return self._error(404, "not found")
+            return self.send(200, body) if body is not None else self.error(404, "no such plan")
+        return self.error(404, "not found")
 
     def do_HEAD(self):  # noqa: N802
         return self.do_GET()
 
-    def _next(self, device: _Device, page: str) -> None:
-        now = time.monotonic()
-        device.seen, device.page = now, page or device.page
-        with self.hub.lock:
-            device.polling += 1
-        try:
-            try:
-                command = device.commands.get(timeout=self.hub.poll_s)
-            except queue.Empty:
-                return self._send(204)
-            device.taken[command["id"]] = page
-            try:
-                self._send(200, json.dumps(command).encode())
-            except OSError:  # the page went away between its poll and our answer: someone else's now
-                device.taken.pop(command["id"], None)
-                device.commands.put(command)
-        finally:
-            with self.hub.lock:
-                device.polling -= 1
-            device.seen = time.monotonic()
-
     def do_PUT(self):  # noqa: N802
         parts = urllib.parse.urlsplit(self.path).path.strip("/").split("/")
         if not self._farm_side():
-            return self._error(403, "the farm side needs the hub's key")
+            return self.error(403, "the farm side needs the hub's key")
         if len(parts) == 4 and parts[0] == "ctl" and parts[2] == "plans":
             try:
-                name = self.hub.put_plan(urllib.parse.unquote(parts[1]), urllib.parse.unquote(parts[3]), self._body())
+                body = self.read_body(MAX_BODY, required=False)
+            except RequestError as exc:
+                return self.refuse(exc.status, str(exc))
+            try:
+                name = self.hub.put_plan(urllib.parse.unquote(parts[1]), urllib.parse.unquote(parts[3]), body)
             except (BrowserError, ValueError) as exc:
-                return self._error(404, str(exc))
-            return self._send(200, json.dumps({"url": name}).encode())
-        return self._error(404, "not found")
+                return self.error(404, str(exc))
+            return self.send(200, json.dumps({"url": name}).encode())
+        return self.refuse(404, "not found")
 
     def do_POST(self):  # noqa: N802
-        path = urllib.parse.urlsplit(self.path).path
-        try:
-            body = self._body()
-        except ValueError as exc:
-            return self._error(413, str(exc))
-        if path.startswith("/ctl/"):
-            return self._control(path, body)
-        device = self._page_device()
-        if device is None:
-            return self._error(401, "no device has this token")
-        claimed = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("device", [""])[0]
-        if claimed and claimed != device.serial:
-            return self._error(403, f"this token is {device.serial}'s, not {claimed}'s")
-        device.seen = time.monotonic()
-        if path == "/api/done":
+        # Who is asking comes first: no byte of a body is read for a client without a key or
+        # a token (a 300 MiB POST with none was read whole before).
+        url = urllib.parse.urlsplit(self.path)
+        if url.path.startswith("/ctl/"):
+            if not self._farm_side():
+                return self.refuse(403, "the farm side needs the hub's key")
             try:
-                reply = json.loads(body)
-            except ValueError:
-                return self._error(400, "the answer is not JSON")
-            box = device.replies.get(reply.get("id"))
-            if box is not None:
-                box.put(reply)
-            return self._send(204)
-        if path == "/api/beat":
-            return self._send(204)
-        if path == "/api/log":
-            try:
-                device.console.append(json.loads(body))
-            except ValueError:
-                device.console.append({"level": "error", "message": body[:500].decode("utf-8", "replace")})
-            del device.console[:-200]
-            return self._send(204)
-        return self._error(404, "not found")
+                body = self.read_body(MAX_BODY, required=False)
+            except RequestError as exc:
+                return self.refuse(exc.status, str(exc))
+            return self._control(url.path, body)
+        channel = self.page_channel(urllib.parse.parse_qs(url.query))
+        if channel is not None and not self.serve_page_post(url.path, channel):
+            self.refuse(404, "not found")
+        return None
 
     def _control(self, path: str, body: bytes) -> None:
-        if not self._farm_side():
-            return self._error(403, "the farm side needs the hub's key")
         parts = path.strip("/").split("/")
         if len(parts) != 3 or parts[2] not in ("call", "register", "status"):
-            return self._error(404, "not found")
+            return self.error(404, "not found")
         serial = urllib.parse.unquote(parts[1])
         if parts[2] == "status":
-            return self._send(200, json.dumps(self.hub.status(serial)).encode())
+            return self.send(200, json.dumps(self.hub.status(serial)).encode())
         if parts[2] == "register":
+            doc = json_object(body)
             try:
-                doc = json.loads(body)
                 self.hub.register(serial, str(doc["token"]), Path(doc["store"]))
             except (ValueError, KeyError, TypeError):
-                return self._error(400, "a registration is {token, store}")
-            return self._send(200, json.dumps(self.hub.status(serial)).encode())
+                return self.error(400, "a registration is {token, store}")
+            return self.send(200, json.dumps(self.hub.status(serial)).encode())
+        command = json_object(body)
         try:
-            command = json.loads(body)
-            op, timeout_s = command.pop("op"), float(command.pop("timeout_s", 600.0))
+            op, timeout_s = str(command.pop("op")), float(command.pop("timeout_s", 600.0))
+            if not 0 < timeout_s <= 86400:
+                raise ValueError(timeout_s)
         except (ValueError, KeyError, TypeError, AttributeError):
-            return self._error(400, "a call is {op, timeout_s, ...}")
+            return self.error(400, "a call is {op, timeout_s (seconds, at most a day), ...}")
         try:
             result = self.hub.call(serial, op, timeout_s=timeout_s, **command)
             answer = {"ok": True, "result": result}
         except BrowserError as exc:
             answer = {"ok": False, "error": {"kind": exc.kind, "message": str(exc).removeprefix(f"browser: {exc.kind}: ")}}
-        return self._send(200, json.dumps(answer).encode())
+        return self.send(200, json.dumps(answer).encode())
 
 
 class HubClient:
@@ -442,6 +403,16 @@ class HubClient:
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def revoke_token(path: Path) -> bool:
+    """Revoke the device token kept at `path` (every hub reading the tokens folder refuses it
+    from its next request on); whether there was one."""
+    try:
+        Path(path).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def read_or_make_token(path: Path) -> str:

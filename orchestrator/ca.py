@@ -39,10 +39,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 SERVER_KEY, SERVER_CERT = "server.key", "server.pem"
 
-# Each lab device installs the CA by hand (and on iOS also switches on full trust by hand), so
-# the CA lives long enough never to be replaced in a device's life: 10 years. Browsers put no
-# limit on a root's validity; its key never leaves this host.
-CA_VALIDITY = dt.timedelta(days=3650)
+# Each lab device installs the CA by hand (and on iOS also switches on full trust by hand), so a
+# new CA costs a visit to every device; a leaked CA key vouches for its names until the CA ends.
+# Two years bounds the second and keeps the first rare; `farm ca rotate` replaces it sooner.
+CA_VALIDITY = dt.timedelta(days=730)
+# What a CA made without names vouches for: this machine alone.
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 # The limit browsers and Apple set for TLS leaf certificates (398 days for public CAs; iOS holds
 # certificates from user-installed roots to 825 days): 397 days is within every one of them.
 SERVER_VALIDITY = dt.timedelta(days=397)
@@ -89,10 +91,14 @@ class ServerCert:
 # ---- the CA -----------------------------------------------------------------------------------
 
 
-def init_ca(folder: Path, name: str = DEFAULT_CA_NAME, *, force: bool = False) -> x509.Certificate:
+def init_ca(folder: Path, name: str = DEFAULT_CA_NAME, *, names: Iterable[str] = LOCAL_NAMES,
+            force: bool = False) -> x509.Certificate:
     """Make the CA in `folder`: an EC P-256 key (0600) and a self-signed certificate valid for
-    10 years. An existing CA is kept (CaError) unless `force`: devices trust it, and a new one
-    must be installed on every device again."""
+    two years, name-constrained to `names` (the lab's host names, each with its subdomains,
+    and IP addresses): whoever takes its key can impersonate those and nothing else to the
+    devices that trust it (without constraints, accounts.google.com or *.apple.com). An
+    existing CA is kept (CaError) unless `force`: devices trust it, and a new one must be
+    installed on every device again."""
     folder = Path(folder)
     name = name.strip()
     if not name or len(name) > 64:  # X.520 caps a common name at 64 characters
@@ -101,12 +107,12 @@ def init_ca(folder: Path, name: str = DEFAULT_CA_NAME, *, force: bool = False) -
     if existing and not force:
         raise CaError(f"{folder} already holds a CA ({', '.join(p.name for p in existing)}); devices that "
                       "trust it would have to install a new one. Keep it, or replace it with --force")
+    constraints = name_constraints(parse_names(names))
     _make_private_dir(folder)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
                          x509.NameAttribute(NameOID.ORGANIZATION_NAME, "devicefarm")])
     now = dt.datetime.now(dt.UTC)
-    # No name constraints: the names and addresses the farm's hosts will have are not known here.
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject).issuer_name(subject)
@@ -115,12 +121,52 @@ def init_ca(folder: Path, name: str = DEFAULT_CA_NAME, *, force: bool = False) -
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_key_usage(key_cert_sign=True, crl_sign=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(constraints, critical=True)  # RFC 5280: critical
         .sign(key, hashes.SHA256())
     )
     # Key first: a CA folder interrupted here has a key and no certificate, which load refuses.
     _write_atomic(folder / CA_KEY, _key_pem(key), 0o600)
     _write_atomic(folder / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return cert
+
+
+def name_constraints(names: list[Name]) -> x509.NameConstraints:
+    """Permitted: each DNS name with its subdomains, each IP address alone. No IP address given:
+    every IP address excluded (without an IP subtree, RFC 5280 leaves IP addresses free)."""
+    dns = [x509.DNSName(n) for n in names if isinstance(n, str)]
+    ips = [x509.IPAddress(ipaddress.ip_network(n)) for n in names if not isinstance(n, str)]
+    if not dns:
+        raise CaError("the CA needs at least one host name to vouch for (localhost, the farm's name)")
+    excluded = None if ips else [x509.IPAddress(ipaddress.ip_network("0.0.0.0/0")),
+                                 x509.IPAddress(ipaddress.ip_network("::/0"))]
+    return x509.NameConstraints(permitted_subtrees=dns + ips, excluded_subtrees=excluded)
+
+
+def permitted_names(cert: x509.Certificate) -> list[str] | None:
+    """What the CA may vouch for, as text (None: no constraints, a CA made before they were)."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.NameConstraints).value
+    except x509.ExtensionNotFound:
+        return None
+    return [str(g.value.network_address) if isinstance(g, x509.IPAddress) and g.value.num_addresses == 1
+            else str(g.value) for g in constraints.permitted_subtrees or []]
+
+
+def _covered(name: Name, cert: x509.Certificate) -> bool:
+    """Whether the CA's name constraints let it vouch for `name`."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.NameConstraints).value
+    except x509.ExtensionNotFound:
+        return True
+    for subtree in constraints.permitted_subtrees or []:
+        if isinstance(name, str) and isinstance(subtree, x509.DNSName):
+            base = subtree.value.lower()
+            if name == base or name.endswith("." + base):
+                return True
+        if not isinstance(name, str) and isinstance(subtree, x509.IPAddress):
+            if subtree.value.version == name.version and name in subtree.value:
+                return True
+    return False
 
 
 def load_ca_cert(folder: Path) -> x509.Certificate:
@@ -170,13 +216,18 @@ def issue_server_cert(folder: Path, hostnames_and_ips: Iterable[str]) -> ServerC
     folder = Path(folder)
     wanted = parse_names(hostnames_and_ips)
     ca_cert, ca_key = load_ca(folder)
+    outside = [str(n) for n in wanted if not _covered(n, ca_cert)]
+    if outside:
+        raise CaError(f"the farm CA may not vouch for {', '.join(outside)} (it is limited to "
+                      f"{', '.join(permitted_names(ca_cert) or [])}); add them to hub_names and make a new CA "
+                      "with `farm ca rotate` (every device then installs it again)")
     current = _current_server_cert(folder, ca_cert)
     if current is not None:
         cert, covered = current
         renew_from = cert.not_valid_after_utc - RENEW_BEFORE
         if set(wanted) <= set(covered) and dt.datetime.now(dt.UTC) < renew_from:
             return _server_cert(folder, cert, issued=False)
-        wanted = _ordered({*wanted, *covered})
+        wanted = _ordered({*wanted, *(n for n in covered if _covered(n, ca_cert))})
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
     not_before = now - CLOCK_SKEW

@@ -14,7 +14,7 @@ here that is the longest job the farm accepts plus a margin (visibility_timeout_
 running job is never delivered twice for being long, and a message held by a dead worker comes
 back within that time. The embedded broker brings such a message back as soon as another
 consumer sees that its owner process is gone (orchestrator/fsbroker.py). Either way the store
-is the truth: the reconciler (orchestrator/jobs.py) finds work whose owner is gone long before.
+is the truth: the reconciler (orchestrator/reconciler.py) finds work whose owner is gone long before.
 
 A worker is started with `celery -A orchestrator.celery_app worker -Q host.<name>,farm -c N`;
 `app` is built from load_settings() on first access (the worker's entry point), so importing
@@ -22,9 +22,13 @@ this module has no side effects."""
 
 from __future__ import annotations
 
+from functools import cache
+
 from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import fsbroker
+from orchestrator.db import make_engine, make_session_factory
 from orchestrator.settings import Settings, load_settings
 
 DEFAULT_QUEUE = "farm"
@@ -108,6 +112,25 @@ def make_celery(settings: Settings) -> Celery:
     )
     app.farm_settings = settings
     return app
+
+
+def settings_of(app: Celery) -> Settings:
+    """The settings a farm app was made with: what every task reads."""
+    settings = getattr(app, "farm_settings", None)
+    if settings is None:
+        raise RuntimeError("this Celery app was not made by orchestrator.celery_app.make_celery")
+    return settings
+
+
+@cache
+def _sessions(database_url: str) -> sessionmaker[Session]:
+    # One engine per process (created lazily, so after the prefork fork).
+    return make_session_factory(make_engine(database_url))
+
+
+def session_for(app: Celery) -> Session:
+    """A new session on the store of `app`'s settings (the process's one engine)."""
+    return _sessions(settings_of(app).database_url)()
 
 
 _app: Celery | None = None

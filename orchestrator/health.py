@@ -23,13 +23,13 @@ from sqlalchemy.orm import Session
 
 from agent.protocol import DeviceInfo
 from orchestrator import inputs
-from orchestrator.celery_app import host_queue
+from orchestrator.celery_app import host_queue, session_for, settings_of
 from orchestrator.db import store
 from orchestrator.db.device_states import PROBED_STATES, DeviceEvent
 from orchestrator.db.models import Device, DeviceState, TransportKind, utcnow
-from orchestrator.jobs import make_transport, session_for, settings_of
 from orchestrator.settings import Settings
 from orchestrator.transports import TransportError
+from orchestrator.worker import make_transport
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from agent.bundle import CURRENT, NAME_PATTERN
-from orchestrator.settings import TRANSPORTS
 
 DEFAULT_ADB_PORT = 5555
+TRANSPORTS = ("adb", "http", "local", "web")  # how the farm reaches a device
 
 # A device serial or a host name becomes a file or folder name (<config_dir>/tokens/<serial>,
 # <data_dir>/devices/<serial>, the broker's host.<name> queue): one plain path component. ':'

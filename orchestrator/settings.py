@@ -170,14 +170,11 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, toml)
 
 
-TRANSPORTS = ("adb", "http", "local", "web")
-
-
 def parse_device_entry(entry: str) -> tuple[str, str, str]:
     """`SERIAL=TRANSPORT:ADDRESS` (the address may hold colons: host:port, a URL) ->
     (serial, transport, address), the serial and the address checked as `farm devices add`
     checks them and the address in its canonical form; ValueError naming the entry."""
-    from orchestrator.inputs import BadInput, check_serial, parse_device_address
+    from orchestrator.inputs import TRANSPORTS, BadInput, check_serial, parse_device_address
 
     serial, sep, rest = entry.strip().partition("=")
     transport, _, address = rest.partition(":")

@@ -124,9 +124,15 @@ class Stack:
     def start_tablet(self, serial: str, url: str, ca_pem: Path) -> Child:
         """A virtual tablet (agent/simulator/tablet.py) that opens `url` in a Chromium trusting
         `ca_pem`, its browser profile kept in <data_dir>/tablets/<serial>."""
+        root = self.settings.data_dir / "tablets" / serial
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        url_file = root / "enrolment-url"  # the URL holds the device's token: a file, not an argument
+        fd = os.open(url_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(url + "\n")
         return self._spawn(f"tablet-{serial}", [
-            sys.executable, "-m", "agent.cli", "simulate-tablet", "--url", url, "--ca", str(ca_pem),
-            "--root", str(self.settings.data_dir / "tablets" / serial)])
+            sys.executable, "-m", "agent.cli", "simulate-tablet", "--url-file", str(url_file), "--ca", str(ca_pem),
+            "--root", str(root)])
 
     def wait_worker_ready(self, app, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Round-trip a ping through this host's queue: the worker is consuming."""

@@ -1,6 +1,7 @@
-"""The farm's Celery tasks: thin wrappers that take ids and call the job path
-(orchestrator/jobs.py), where what the farm promises about delivery lives, or the device health
-check (orchestrator/health.py). Every task is safe to run twice (delivery is at least once):
+"""The farm's Celery tasks: thin wrappers that take ids and call the job path (the worker,
+orchestrator/worker.py; the reconciler; the schedules of the job service; a batch's analysis),
+whose promise about delivery orchestrator/dispatch.py states, or the device health check
+(orchestrator/health.py). Every task is safe to run twice (delivery is at least once):
 run_job and deploy carry the dispatch sequence number of the message that sent them; a job
 whose device is busy waits in the store (no message) until the device is handed to it, and a
 deployment's wait is a Celery retry with the countdown the job path chose; a probe re-reads
@@ -12,39 +13,39 @@ import logging
 
 from celery import shared_task
 
-from orchestrator import health, jobs
+from orchestrator import batch_analysis, health, jobservice, reconciler, worker
 
 log = logging.getLogger(__name__)
 
 
 @shared_task(bind=True, name="orchestrator.tasks.run_job")
 def run_job(self, job_id: int, seq: int | None = None) -> str:
-    """Run job `job_id` once (orchestrator.jobs.run_job). A busy device is not polled: the job
-    waits in the store and whoever frees the device sends it again."""
-    outcome = jobs.run_job(self.app, job_id, seq, worker=self.request.hostname)
+    """Run job `job_id` once (orchestrator.worker.run_attempt). A busy device is not polled: the
+    job waits in the store and whoever frees the device sends it again."""
+    outcome = worker.run_attempt(self.app, job_id, seq, worker=self.request.hostname)
     log.info("job %s, message %s: %s", job_id, seq, outcome)  # which job a message was for, in the worker log
     return outcome
 
 
 @shared_task(bind=True, name="orchestrator.tasks.deploy", max_retries=None)
 def deploy(self, deployment_id: int, seq: int | None = None) -> int | str:
-    """Send a pending deployment's build to its device, then its jobs (orchestrator.jobs.deploy)."""
-    outcome = jobs.deploy(self.app, deployment_id, seq, retries=self.request.retries)
-    if isinstance(outcome, jobs.Wait):
+    """Send a pending deployment's build to its device, then its jobs (orchestrator.worker.deploy)."""
+    outcome = worker.deploy(self.app, deployment_id, seq, retries=self.request.retries)
+    if isinstance(outcome, worker.Wait):
         raise self.retry(countdown=outcome.countdown)
     return outcome
 
 
 @shared_task(bind=True, name="orchestrator.tasks.reconcile")
 def reconcile(self) -> dict[str, list[int]]:
-    """Beat's sweep: whatever lost its owner is sent again or ended (orchestrator.jobs.reconcile)."""
-    return jobs.reconcile(self.app)
+    """Beat's sweep: whatever lost its owner is sent again or ended (orchestrator.reconciler.reconcile)."""
+    return reconciler.reconcile(self.app)
 
 
 @shared_task(bind=True, name="orchestrator.tasks.check_schedules")
 def check_schedules(self) -> list[int]:
     """Beat's tick: fire the database's due schedules, each firing once."""
-    return jobs.fire_due_schedules(self.app)
+    return jobservice.fire_due_schedules(self.app)
 
 
 @shared_task(bind=True, name="orchestrator.tasks.health_check")
@@ -62,8 +63,8 @@ def probe_device(self, device_id: int) -> str:
 
 @shared_task(bind=True, name="orchestrator.tasks.analyze_batch")
 def analyze_batch(self, batch_id: int) -> dict:
-    """A finished batch's analysis, and its more-repetition rounds (orchestrator.jobs.analyze)."""
-    return jobs.analyze(self.app, batch_id)
+    """A finished batch's analysis, and its more-repetition rounds (orchestrator.batch_analysis.analyze)."""
+    return batch_analysis.analyze(self.app, batch_id)
 
 
 @shared_task(name="orchestrator.tasks.ping")

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" errors without one; give them a private one.
 [ -n "${XDG_RUNTIME_DIR:-}" ] || export XDG_RUNTIME_DIR="$(mktemp -d)"
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh farm
 # The browser devices (a phone whose Chrome runs the engine, a tablet over HTTPS) need Debian's
 # Chromium and certutil; without them (no root, no apt) `farm demo` leaves those devices out and
 # says so.

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" errors without one; give them a private one.
 [ -n "${XDG_RUNTIME_DIR:-}" ] || export XDG_RUNTIME_DIR="$(mktemp -d)"
-bash scripts/bootstrap.sh test
+bash scripts/bootstrap.sh farm,test
 # The virtual phone is tested with Google's own adb client too (Debian package adb).
 if ! command -v adb >/dev/null; then
   echo "installing Google's adb client (Debian package adb) for the virtual-phone tests"
@@ -21,6 +21,7 @@ export FARM_TEST_REDIS_URL="$(bash scripts/ensure-redis.sh)"
 bash scripts/ensure-chromium.sh  # the HTML dashboard is tested in headless Chromium
 bash scripts/ensure-grafana-schema.sh >/dev/null  # the Grafana dashboards are type-checked against @grafana/schema
 .venv/bin/ruff check .
+.venv/bin/lint-imports --no-cache  # the layers: pyproject.toml [tool.importlinter]
 # Most of the suite's time is spent waiting on processes, browsers and timeouts rather than on
 # the CPU: it runs on several workers, a file at a time, longest files first (tests/conftest.py).
 # Tests marked `alone` time builds against each other or wait on second-long deadlines: they run

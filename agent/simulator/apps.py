@@ -238,7 +238,7 @@ class PhoneApps:
         self._launch(package, self.reverse.host_url(url))
 
     def _launch(self, package: str, url: str) -> None:
-        from engine.browser import chromium_command, find_chromium
+        from engine.browser import chromium_command, find_chromium, launch_page, private_log
 
         chromium = self.settings.chromium or os.environ.get("FARM_CHROMIUM") or find_chromium()
         if not chromium:
@@ -249,11 +249,14 @@ class PhoneApps:
         (folder / "profile").mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._stop_locked(package)
-            with open(folder / "chromium.log", "ab") as log:
-                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} am start {url}\n".encode())
+            # An enrolment URL carries the page's token: never on Chromium's command line (every
+            # user of the machine reads those) nor whole in the log.
+            with private_log(folder / "chromium.log") as log:
+                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} am start {url.split('#', 1)[0]}\n".encode())
                 log.flush()
                 self._processes[package] = subprocess.Popen(
-                    chromium_command(chromium, folder / "profile", url, adapter), stdout=log,
+                    chromium_command(chromium, folder / "profile", launch_page(folder / "launch", url), adapter),
+                    stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _webgpu_adapter(self) -> str | None:

@@ -9,7 +9,7 @@ whose NSS database trusts the farm's CA, exactly the trust a person installs on 
     .kill()                                 end it at once, as a closed tab
     .close()                                end it
 
-`farm-agent simulate-tablet --url URL --ca CA.pem --root DIR` runs one until SIGTERM (the demo's
+`farm-agent simulate-tablet --url-file FILE --ca CA.pem --root DIR` runs one until SIGTERM (the demo's
 stack starts it so)."""
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ import signal
 import subprocess
 from pathlib import Path
 
-from engine.browser import chromium_command, default_webgpu_adapter, find_chromium
+from engine.browser import (
+    chromium_command,
+    default_webgpu_adapter,
+    find_chromium,
+    launch_page,
+    private_log,
+)
 
 CA_NICKNAME = "devicefarm CA"
 
@@ -62,9 +68,11 @@ class VirtualTablet:
         self.profile.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME")}
         env["HOME"] = str(self.home)
-        log = open(self.root / "chromium.log", "ab")  # noqa: SIM115  (the child holds it)
-        with log:
-            self.process = subprocess.Popen(chromium_command(self.chromium, self.profile, url, self.webgpu_adapter),
+        # The URL holds the device's token: Chromium is started on a private page that opens it,
+        # never with it on its command line; its log is the owner's alone.
+        with private_log(self.root / "chromium.log") as log:
+            start = launch_page(self.root / "launch", url)
+            self.process = subprocess.Popen(chromium_command(self.chromium, self.profile, start, self.webgpu_adapter),
                                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                             start_new_session=True)
 

@@ -75,11 +75,17 @@ async function verifiedManifest(manifestBytes, signature) {
 const blobKey = (sha256) => new Request(new URL(`/blob-cache/${sha256}`, location.href));
 const buildKey = (build, what) => new Request(new URL(`/build-cache/${encodeURIComponent(build)}/${what}`, location.href));
 
-async function cachedBlob(cache, entry) {
+// The cached blob of a manifest entry, or null. Runs check what they read (each shader whole,
+// each weight's byte range against the plan's sha256); a deploy asks for `whole`: the blob
+// counts as held only when all of it still hashes to the signed manifest's sha256, so a
+// damaged one (same size, other bytes) is fetched again instead of failing every run.
+async function cachedBlob(cache, entry, whole = false) {
   const hit = await cache.match(blobKey(entry.sha256));
   if (!hit) return null;
   const blob = await hit.blob();
-  return blob.size === entry.size ? blob : null;
+  if (blob.size !== entry.size) return null;
+  if (whole && (await sha256Hex(new Uint8Array(await blob.arrayBuffer()))) !== entry.sha256) return null;
+  return blob;
 }
 
 // cmd: {build, manifest_b64 (the signed canonical bytes), signature_b64, files: [paths to hold]}.
@@ -98,7 +104,7 @@ export async function deploy(cmd, fetchBlob, onProgress) {
   for (const [i, path] of wanted.entries()) {
     const entry = byPath.get(path);
     if (!entry) throw new PlanError("input", `${path} is not a file of build ${manifest.build}`);
-    if (await cachedBlob(cache, entry)) {
+    if (await cachedBlob(cache, entry, true)) {
       report.held_files++;
       continue;
     }

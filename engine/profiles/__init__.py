@@ -1,14 +1,17 @@
 """Kernel-selection profiles: data that says, per GPU family, which variant each op uses on
-which shapes. A profile is a versioned JSON document (schema in schema.json beside this file):
+which shapes. A profile is a versioned JSON document:
 
     {"schema": "devicefarm.profile/1", "name": "adreno", "priority": 10,
-     "match": {"vendor": ["qualcomm"], "device": "(?i)adreno"},
+     "match": [{"vendor_id": [20803]}, {"vendor": ["qualcomm"]}],
      "rules": [{"op": "attention", "when": {"dh": 40}, "variant": "flash"}, ...],
      "measurements": [...]}                       # written by `farm engine tune`
 
-`match` fields (all optional, all must hold): vendor, architecture, backend, adapter_type
-(lists of accepted values, case-insensitive), vendor_id (list of ints), device (a regular
-expression searched in the adapter's device name). Rules are tried in order, the first whose
+`match` is one set of conditions or a list of alternatives (the profile matches an adapter
+when any of them holds: a native driver names its vendor by PCI id, a browser by name, as
+"qualcomm"/"adreno-7xx", "arm"/"valhall", "apple"). Fields of a set (all optional, all must
+hold): vendor, architecture, backend, adapter_type (lists of accepted values,
+case-insensitive), vendor_id (list of ints), device (a regular expression searched in the
+adapter's device name). Rules are tried in order, the first whose
 `when` holds for the call's shape wins; `when` maps a shape field to a value or to
 {"min": a, "max": b}. Ops no rule covers use their reference variant.
 
@@ -51,20 +54,14 @@ class ProfileError(EngineError):
 class Profile:
     name: str
     rules: list[Rule]
-    match: dict = field(default_factory=dict)
+    match: dict | list = field(default_factory=dict)  # one set of conditions, or alternatives
     priority: int = 0
     description: str = ""
     measurements: list = field(default_factory=list)
     source: str = "<built-in>"
 
     def matches(self, caps) -> bool:
-        m = self.match
-        for key in MATCH_LISTS:
-            if key in m and str(getattr(caps, key)).lower() not in [str(v).lower() for v in m[key]]:
-                return False
-        if "vendor_id" in m and caps.vendor_id not in m["vendor_id"]:
-            return False
-        return not ("device" in m and not re.search(m["device"], caps.device))
+        return any(_holds(m, caps) for m in _alternatives(self.match))
 
     def selection(self, caps) -> Selection:
         return Selection(frozenset(caps.features), list(self.rules), profile_name=self.name)
@@ -94,6 +91,20 @@ def _cond_json(cond):
     if not isinstance(cond, tuple):
         return cond
     return {k: v for k, v in zip(("min", "max"), cond, strict=True) if v is not None}
+
+
+def _alternatives(match: dict | list) -> list[dict]:
+    return match if isinstance(match, list) else [match]
+
+
+def _holds(m: dict, caps) -> bool:
+    """Whether every condition of one set holds for `caps`."""
+    for key in MATCH_LISTS:
+        if key in m and str(getattr(caps, key)).lower() not in [str(v).lower() for v in m[key]]:
+            return False
+    if "vendor_id" in m and caps.vendor_id not in m["vendor_id"]:
+        return False
+    return not ("device" in m and not re.search(m["device"], caps.device))
 
 
 REFERENCE = Profile("reference", [], description="every op's reference variant: the baseline")
@@ -158,18 +169,10 @@ def parse_profile(doc, source: str = "<dict>") -> Profile:
     if not isinstance(name, str) or not name:
         _fail(source, "name", "a non-empty string is required")
     match = doc.get("match", {})
-    if not isinstance(match, dict) or set(match) - {*MATCH_LISTS, "vendor_id", "device"}:
-        _fail(source, "match", f"keys must be among {', '.join((*MATCH_LISTS, 'vendor_id', 'device'))}")
-    for key in MATCH_LISTS:
-        if key in match and not (isinstance(match[key], list) and all(isinstance(v, str) for v in match[key])):
-            _fail(source, f"match.{key}", "must be a list of strings")
-    if "vendor_id" in match and not (isinstance(match["vendor_id"], list) and all(isinstance(v, int) for v in match["vendor_id"])):
-        _fail(source, "match.vendor_id", "must be a list of integers")
-    if "device" in match:
-        try:
-            re.compile(match["device"])
-        except (re.error, TypeError) as exc:
-            _fail(source, "match.device", f"not a regular expression: {exc}")
+    if isinstance(match, list) and not match:
+        _fail(source, "match", "a list of alternatives needs at least one")
+    for i, alternative in enumerate(_alternatives(match)):
+        _check_match(source, "match" if isinstance(match, dict) else f"match[{i}]", alternative)
     rules = doc.get("rules", [])
     if not isinstance(rules, list):
         _fail(source, "rules", "must be a list")
@@ -199,6 +202,23 @@ def load_profile_file(path: Path) -> Profile:
 
 def shipped_profiles() -> list[Profile]:
     return [load_profile_file(p) for p in sorted(PROFILE_DIR.glob("*.json")) if p.name != "schema.json"]
+
+
+def _check_match(source: str, where: str, match) -> None:
+    if not isinstance(match, dict) or set(match) - {*MATCH_LISTS, "vendor_id", "device"}:
+        _fail(source, where, f"an object (or a list of them) whose keys are among "
+                             f"{', '.join((*MATCH_LISTS, 'vendor_id', 'device'))}")
+    for key in MATCH_LISTS:
+        if key in match and not (isinstance(match[key], list) and all(isinstance(v, str) for v in match[key])):
+            _fail(source, f"{where}.{key}", "must be a list of strings")
+    if "vendor_id" in match and not (isinstance(match["vendor_id"], list)
+                                     and all(isinstance(v, int) for v in match["vendor_id"])):
+        _fail(source, f"{where}.vendor_id", "must be a list of integers")
+    if "device" in match:
+        try:
+            re.compile(match["device"])
+        except (re.error, TypeError) as exc:
+            _fail(source, f"{where}.device", f"not a regular expression: {exc}")
 
 
 def auto_profile(caps, tuned: bool = True, extra: list[Profile] | tuple = ()) -> Profile:

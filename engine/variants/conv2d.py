@@ -13,14 +13,17 @@ each one from the filter while staging it, and no copy of the weights exists.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ..errors import EngineError
-from ..kernels import Variant, register, variants
-from ..ops import Ops, conv_out_size
+from ..kernels import Variant, conv_out_size, register, variants
 from ..runtime import Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
 from .gemm import SCRATCH_BYTES, gemm, scratch_bytes
+
+if TYPE_CHECKING:  # the launchers' first argument; engine.ops loads this module
+    from ..ops import Ops
 
 # Tunable tiling of both GEMMs (TILE_M pixels or Winograd tiles x TILE_N output channels per
 # workgroup, TILE_K deep slabs); every invocation owns a 4 x 4 register block, so a workgroup

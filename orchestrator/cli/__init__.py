@@ -26,7 +26,7 @@ from . import schedules as schedules_cmd
 from . import secrets as secrets_cmd
 from . import stack as stack_cmd
 from . import validate
-from .output import err_console
+from .output import err_console, escape
 
 app = typer.Typer(
     name="farm",
@@ -82,7 +82,7 @@ def main() -> None:
     try:
         app(standalone_mode=True)
     except EngineError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
 
 

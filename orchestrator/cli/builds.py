@@ -13,19 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from agent.bundle import DEFAULT_EXCLUDE
 from orchestrator.db.models import Build
+from orchestrator.keys import PUBLIC_KEY, ensure_farm_key
 
 from . import validate
-from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .output import Table, console
 
 app = typer.Typer(help="Create and inspect signed build bundles.", no_args_is_help=True)
 
 REPO = Path(__file__).resolve().parents[2]
-PRIVATE_KEY = "farm.key"
-PUBLIC_KEY = "farm.pub"  # copy it to each device's agent root (farm-agent checks bundles with it)
 PACKAGES = ("engine", "shaders", "agent")
 # The virtual phone (agent/simulator) is a test and demo device that runs on the farm's host; no
 # device ever runs it from a build, so builds leave it out.
@@ -35,14 +34,9 @@ BUILD_EXCLUDE = (*DEFAULT_EXCLUDE, "simulator")
 def farm_key(config_dir: Path, announce: bool = True) -> Path:
     """The farm's private key path, generating the pair (private 0600) on first use (and, when
     `announce`, saying where the public key must go)."""
-    from agent.bundle import generate_keypair
-
-    private, public = config_dir / PRIVATE_KEY, config_dir / PUBLIC_KEY
-    if not private.exists():
-        # The public key is derived from the private one: a stale farm.pub alone is replaced.
-        generate_keypair(private, public, overwrite=True)
-        if not announce:
-            return private
+    private, made = ensure_farm_key(config_dir)
+    if made and announce:
+        public = config_dir / PUBLIC_KEY
         console.print(f"generated the farm signing key {private}; provision [bold]{public}[/] on each "
                       "device (it is the key devices check bundles with):", highlight=False)
         console.print(public.read_text().strip(), highlight=False, soft_wrap=True)

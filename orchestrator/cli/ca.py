@@ -14,8 +14,8 @@ import typer
 from orchestrator import ca
 
 from . import validate
-from .devices import JSON_OPTION, _print_json, _settings, console, fail
-from .output import field
+from .common import JSON_OPTION, _print_json, _settings, fail
+from .output import console, escape, field
 
 app = typer.Typer(help="The farm's certificate authority: the CA devices trust for the farm's HTTPS pages.",
                   no_args_is_help=True)
@@ -51,20 +51,45 @@ def init(
                              "<host name>).", show_default=False),
     force: bool = typer.Option(False, "--force", help="Replace an existing CA (every device must then install "
                                "the new one)."),
+    names: list[str] = typer.Option(None, "--name-constraint", help="A host name (with its subdomains) or IP "
+                                    "address the CA may vouch for (repeatable; default: hub_names, else this "
+                                    "host's name, localhost and 127.0.0.1)."),
 ):
-    """Make the farm's CA: an EC P-256 key (0600) and a CA certificate valid for 10 years."""
+    """Make the farm's CA: an EC P-256 key (0600) and a CA certificate valid for two years that
+    can vouch only for the lab's names."""
+    _make(name, names, force=force, made="made")
+
+
+@app.command()
+def rotate(
+    name: str = typer.Option(None, "--name", help="The new CA's name (default: devicefarm CA <host name>).",
+                             show_default=False),
+    names: list[str] = typer.Option(None, "--name-constraint", help="A host name or IP address the new CA may "
+                                    "vouch for (repeatable; default: hub_names, else this host's name, "
+                                    "localhost and 127.0.0.1)."),
+):
+    """Replace the farm's CA with a new one (new key, new names, two more years): before the old
+    one ends, when its key may have leaked, or for names it may not vouch for. Every device
+    must then install the new one; the hub serves a certificate of the new CA from its next
+    start."""
+    _make(name, names, force=True, made="rotated: made the new")
+
+
+def _make(name: str | None, names: list[str] | None, *, force: bool, made: str) -> None:
     settings = _settings()
     folder = ca.default_dir(settings.config_dir)
     name = name if name is not None else f"{ca.DEFAULT_CA_NAME} {settings.host_name}"[:64]
     try:
-        cert = ca.init_ca(folder, name, force=force)
+        cert = ca.init_ca(folder, name, names=names or settings.hub_cert_names(), force=force)
     except ca.CaError as exc:
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot write the CA into {folder}: {exc}")
-    console.print(f"made the farm CA [bold]{cert.subject.rfc4514_string()}[/] in {folder}", highlight=False,
+    console.print(f"{made} farm CA [bold]{escape(cert.subject.rfc4514_string())}[/] in {folder}", highlight=False,
                   soft_wrap=True)
     console.print(f"SHA-256 fingerprint: {ca.fingerprint(cert)}", highlight=False, soft_wrap=True)
+    field(console, "may vouch for", ", ".join(ca.permitted_names(cert) or []))
+    field(console, "valid until", f"{cert.not_valid_after_utc:%Y-%m-%d}")
     console.print("next: `farm ca export farm-ca.mobileconfig` (iOS) or `farm ca export farm-ca.cer` (Android), "
                   "and install it on each device", highlight=False, soft_wrap=True)
 
@@ -107,6 +132,7 @@ def show(as_json: bool = JSON_OPTION):
         "not_before": cert.not_valid_before_utc.isoformat(),
         "not_after": cert.not_valid_after_utc.isoformat(),
         "fingerprint": ca.fingerprint(cert),
+        "permitted_names": ca.permitted_names(cert),
         "cert": str(folder / ca.CA_CERT),
         "key": str(folder / ca.CA_KEY),
         "server": _server_dict(server) if server is not None else None,
@@ -118,6 +144,9 @@ def show(as_json: bool = JSON_OPTION):
     # cut or folded inside a table cell, whatever the terminal's width.
     field(console, "subject", data["subject"])
     field(console, "valid", f"{cert.not_valid_before_utc:%Y-%m-%d} to {cert.not_valid_after_utc:%Y-%m-%d}")
+    permitted = data["permitted_names"]
+    field(console, "may vouch for", ", ".join(permitted) if permitted is not None else
+          "any name (a CA made before name constraints: `farm ca rotate` replaces it)")
     field(console, "SHA-256 fingerprint", data["fingerprint"])
     field(console, "certificate", data["cert"])
     field(console, "key", data["key"])

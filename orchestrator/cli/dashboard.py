@@ -12,7 +12,8 @@ from pathlib import Path
 import typer
 
 from . import validate
-from .devices import _settings, console, fail, open_store
+from .common import _settings, fail, open_store
+from .output import console
 
 app = typer.Typer(help="Build or serve the static HTML dashboard.", no_args_is_help=True)
 

@@ -8,16 +8,9 @@ from typing import Any
 
 import typer
 from rich.live import Live
-from rich.table import Table
 
-from .devices import (
-    JSON_OPTION,
-    _print_json,
-    _settings,
-    console,
-    fail,
-    open_store,
-)
+from .common import JSON_OPTION, _print_json, _settings, fail, open_store
+from .output import Table, console, escape
 
 DEFAULT_TIMEOUT_S = 1800.0
 POLL_S = 0.25
@@ -29,6 +22,9 @@ def deploy(
     all_devices: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
     timeout: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Give up waiting after this many seconds "
                                   "(the deployments go on)."),
+    allow_downgrade: bool = typer.Option(False, "--allow-downgrade",
+                                         help="Make the build current on devices whose current build is newer "
+                                              "(without it, an older build is installed beside the current one)."),
     as_json: bool = JSON_OPTION,
 ):
     """Deploy a build to devices; exits non-zero when any deployment fails."""
@@ -36,7 +32,7 @@ def deploy(
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
     from orchestrator.health import stored_input_error
-    from orchestrator.jobs import deploy_build
+    from orchestrator.jobservice import deploy_build
 
     if bool(device) == all_devices:
         fail("name devices with --device SERIAL (repeatable) or pass --all")
@@ -65,15 +61,20 @@ def deploy(
             # The deployments are found again by their batch (no clock comparisons across hosts).
             batch_id = store.create_batch(session, f"deploy {build_name}", build_id=build_id).id
             session.commit()
-        deploy_build(make_celery(settings), build_id, [device_id for device_id, _, _ in plan], batch_id)
+        deploy_build(make_celery(settings), build_id, [device_id for device_id, _, _ in plan], batch_id,
+                     allow_downgrade=allow_downgrade)
         rows = _follow(sessions, batch_id, {device_id: serial for device_id, serial, _ in plan},
                        timeout, quiet=as_json, title=f"deploying {build_name}")
     if as_json:
         _print_json(rows)
+    for r in rows if not as_json else ():
+        if r.get("note"):
+            console.print(f"note: {escape(r['device'])}: {escape(r['note'])}", highlight=False)
     failed = [r for r in rows if r["status"] != "succeeded"]
     if failed:
         for r in failed if not as_json else ():  # the JSON carries each device's status and error
-            console.print(f"[bold red]error:[/] {r['device']}: {r['error'] or r['status']}", highlight=False)
+            console.print(f"[bold red]error:[/] {escape(r['device'])}: {escape(r['error'] or r['status'])}",
+                          highlight=False)
         raise typer.Exit(1)
 
 
@@ -114,7 +115,7 @@ def _follow(sessions, batch_id: int, devices: dict[int, str], timeout: float, *,
 def _row(dep, serial: str) -> dict[str, Any]:
     return {"device": serial, "deployment": dep.id, "status": str(dep.status), "bytes_sent": dep.bytes_sent,
             "bytes_total": dep.bytes_total, "files_sent": dep.files_sent, "files_skipped": dep.files_skipped,
-            "duration_s": dep.duration_s, "error": dep.error}
+            "duration_s": dep.duration_s, "error": dep.error, "note": dep.note}
 
 
 def _mib(n: int | None) -> str:

@@ -7,71 +7,23 @@ reaches the database: settings read here, schema checked at head."""
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from enum import StrEnum
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 
 from orchestrator import inputs
 from orchestrator.db.models import Device, DeviceState, TransportKind
 
 from . import validate
-from .output import console
+from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .output import Table, Text, console, styled
 
 app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
-
-
-JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON.")
-
-
-# ---- shared by the store-backed commands --------------------------------------------------
-
-
-def fail(message: str) -> NoReturn:
-    """One red line and exit code 1: how every error a user can cause ends."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
-
-
-@contextmanager
-def open_store(settings) -> Iterator[Any]:
-    """A session factory on the settings' database, after checking that its schema is the one
-    this code needs (the CLI never migrates on its own: `farm db upgrade` does)."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from orchestrator.db import make_engine, make_session_factory, migrate
-
-    engine = make_engine(settings.database_url)
-    try:
-        try:
-            migrate.check(engine)
-        except migrate.SchemaMismatch as exc:
-            fail(str(exc))
-        except SQLAlchemyError as exc:
-            fail(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
-        yield make_session_factory(engine)
-    finally:
-        engine.dispose()
-
-
-def iso(value: dt.datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
-def _settings(**overrides):
-    """The settings for this command: FARM_* environment and config file, then `overrides`
-    (command-line values; None = not given)."""
-    from orchestrator.settings import load_settings
-
-    return load_settings(**overrides)
 
 
 # ---- presentation -------------------------------------------------------------------------
@@ -110,13 +62,9 @@ _STATE_STYLE = {"available": "green", "busy": "yellow", "offline": "red", "unaut
                 "quarantined": "magenta"}
 
 
-def _state(device: Device) -> str:
+def _state(device: Device) -> Text:
     state = str(device.state)
-    return f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]"
-
-
-def _print_json(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2))
+    return styled(state, _STATE_STYLE.get(state, "white"))
 
 
 # ---- commands -----------------------------------------------------------------------------
@@ -160,7 +108,7 @@ def add(
                                      runtime=runtime.value)
         session.commit()
         console.print(f"added device {device.serial} ({device.transport}, {device.runtime} runtime, "
-                      f"{device.address or 'default address'})", highlight=False)
+                      f"{device.address or 'default address'})", highlight=False, markup=False)
     if transport is TransportKind.web:
         _print_enrolment(settings, serial)
 
@@ -271,7 +219,15 @@ def remove(
                  "`farm devices quarantine` it, or pass --force to delete them too")
         session.delete(device)
         session.commit()
-    console.print(f"removed device {serial}", highlight=False)
+    revoked = _revoke(serial)
+    console.print(f"removed device {serial}" + (" and revoked its page token" if revoked else ""), highlight=False)
+
+
+def _revoke(serial: str) -> bool:
+    """Revoke a device's page token (the hub refuses it from its next request on)."""
+    from orchestrator.browser_hub import revoke_token
+
+    return revoke_token(_settings().browser_tokens_dir / serial)
 
 
 @app.command()
@@ -279,8 +235,23 @@ def quarantine(
     serial: str = typer.Argument(..., help="Device serial."),
     reason: str = typer.Option(..., "--reason", help="Why (shown in listings)."),
 ):
-    """Take a device out of service until `farm devices release`; discovery will not bring it back."""
+    """Take a device out of service until `farm devices release`; discovery will not bring it back.
+    A browser device's page token is revoked: after the release, open its new enrolment URL
+    (`farm devices enrol`)."""
     _set_state(serial, DeviceState.quarantined, reason)
+    if _revoke(serial):
+        console.print(f"revoked {serial}'s page token: after `farm devices release {serial}`, open "
+                      f"`farm devices enrol {serial}`'s new URL on it", highlight=False, markup=False)
+
+
+@app.command("revoke-token")
+def revoke_token_command(serial: str = typer.Argument(..., help="Device serial.", callback=validate.serial)):
+    """Revoke a browser device's page token at once (a lost or shared phone): the hub refuses
+    it from its next request on; `farm devices enrol SERIAL` prints a new one."""
+    if not _revoke(serial):
+        fail(f"{serial} has no page token (only browser devices have one)")
+    console.print(f"revoked {serial}'s page token; `farm devices enrol {serial}` prints the URL of a new one",
+                  highlight=False, markup=False)
 
 
 @app.command()
@@ -311,7 +282,7 @@ def set_address(
             raise typer.BadParameter(str(exc), param_hint="'ADDRESS'") from None
         session.commit()
         console.print(f"device {serial} ({device.transport}) is reached at {device.address or 'its default address'}",
-                      highlight=False)
+                      highlight=False, markup=False)
 
 
 def _set_state(serial: str, state: DeviceState, reason: str) -> None:
@@ -325,7 +296,7 @@ def _set_state(serial: str, state: DeviceState, reason: str) -> None:
             fail(str(exc))
         session.commit()
     console.print(f"device {serial} is {state}" + (f": {reason}" if state == DeviceState.quarantined else ""),
-                  highlight=False)
+                  highlight=False, markup=False)
 
 
 def probe(settings, sessions, device: Device) -> dict[str, Any]:
@@ -448,7 +419,6 @@ def _print_scan(seen, usb_note: str | None) -> None:
     table = Table("address", "source", "serial", "model", "gpu", "state", "registered as", "note")
     for entry in seen:
         note = entry.note or ("" if entry.state == DeviceState.available else entry.error or "")
-        table.add_row(escape(entry.address), entry.source, escape(entry.serial or "-"), escape(entry.model or "-"),
-                      escape(entry.gpu or "-"), f"[{_STATE_STYLE[str(entry.state)]}]{entry.state}[/]",
-                      escape(entry.registered_as or "-"), escape(note))
+        table.add_row(entry.address, entry.source, entry.serial or "-", entry.model or "-", entry.gpu or "-",
+                      styled(entry.state, _STATE_STYLE[str(entry.state)]), entry.registered_as or "-", note)
     console.print(table)

@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import validate
-from .output import console
+from .output import console, escape
 
 app = typer.Typer(help="Run the Stable Diffusion engine on this machine's GPU.", no_args_is_help=True)
 
@@ -73,10 +73,11 @@ def info(as_json: bool = typer.Option(False, "--json", help="Print machine-reada
     if as_json:
         typer.echo(json.dumps(caps.as_dict(), indent=2))
         return
-    from rich.table import Table
+    from .output import Table
 
-    console.print(f"[bold]{caps.device}[/] ({caps.vendor or 'unknown vendor'}, {caps.adapter_type}, {caps.backend})")
-    console.print(f"driver: {caps.description}")
+    console.print(f"[bold]{escape(caps.device)}[/] ({escape(caps.vendor or 'unknown vendor')}, {caps.adapter_type}, "
+                  f"{caps.backend})")
+    console.print(f"driver: {caps.description}", markup=False)
     console.print(f"features: {', '.join(sorted(caps.features)) or 'none'}")
     table = Table("limit", "value")
     for k, v in sorted(caps.limits.items()):
@@ -178,7 +179,7 @@ def _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height,
         typer.echo(json.dumps(summary, indent=2))
         return
     for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {escape(w)}")
     t = result.timings
     console.print(
         f"{out}  {width}x{height}, {steps} steps {scheduler}, {pipe.precision} on {pipe.caps.device} ({pipe.runtime}): "
@@ -196,10 +197,10 @@ def _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, r
     import statistics
     import tempfile
 
-    from rich.table import Table
-
     from engine import load_pipeline
     from engine.errors import InputError
+
+    from .output import Table
 
     if (model is None) == (preset is None):
         raise InputError("give exactly one of --model DIR or --preset tiny|sd14")
@@ -273,11 +274,11 @@ def explain(
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
 ):
     """Show which kernel variant each op of the model uses on this adapter, and why."""
-    from rich.table import Table
-
     from engine.device import get_gpu
     from engine.explain import explain as run_explain
     from engine.profiles import resolve_profile
+
+    from .output import Table
 
     config = _config_for(model, preset)
     caps = get_gpu().caps
@@ -289,7 +290,8 @@ def explain(
         typer.echo(json.dumps({"profile": prof.name, "adapter": caps.device, "dtype": dtype,
                                "rows": [r.__dict__ for r in rows]}, indent=2))
         return
-    console.print(f"profile [bold]{prof.name}[/] ({prof.source}) on {caps.device}, {dtype}, {width}x{height}")
+    console.print(f"profile [bold]{escape(prof.name)}[/] ({escape(str(prof.source))}) on {escape(caps.device)}, {dtype}, "
+                  f"{width}x{height}")
     table = Table("network", "op", "shape", "variant", "calls", "why")
     for r in rows:
         shape = " ".join(f"{k}={v}" for k, v in r.shape.items())
@@ -335,20 +337,17 @@ def plan(
 ):
     """Write the engine plan of one generation configuration: buffers, pipelines and dispatches
     as data, for any WebGPU executor (docs/engine-plans.md)."""
-    from engine.plan import make_plan, write_plan
-    from engine.profiles import resolve_profile
+    from engine.fit import fit_plan
+    from engine.plan import write_plan
 
-    config = _config_for(model, preset)
-    caps = _caps(adapter)
-    height, width = _native(config, height, width)
-    prof = resolve_profile(profile, caps)
-    with console.status("recording the plan"):
-        doc = make_plan(config, caps, model_dir=model, precision=precision.value, height=height, width=width,
-                        steps=steps, scheduler=scheduler, guidance_scale=guidance, profile=prof.to_json(),
-                        model_name=(model.name if model else preset.value), strength=strength)
+    caps, prof, height, width, record = _planning(model, preset, adapter, profile, height, width)
+    doc = record(precision=precision.value, steps=steps, scheduler=scheduler, guidance_scale=guidance,
+                 strength=strength)
     write_plan(doc, out)
+    for reason in fit_plan(doc, caps).reasons:  # the page would refuse it at load
+        console.print(f"[yellow]warning:[/] the plan does not fit this adapter: {escape(reason)}", highlight=False)
     if precision == Precision.fp16 and doc["dtype"] != "f16":
-        console.print(f"[yellow]warning:[/] {caps.device} has no shader-f16: the plan runs in f32; give the "
+        console.print(f"[yellow]warning:[/] {escape(caps.device)} has no shader-f16: the plan runs in f32; give the "
                       "target's capabilities with --adapter to plan for it", highlight=False)
     dispatches = {name: sum(c["op"] == "dispatch" for c in st["commands"]) for name, st in doc["stages"].items()}
     weights = [b for b in doc["buffers"] if b["kind"] == "weight"]
@@ -359,17 +358,88 @@ def plan(
                   + (", named only: no model folder given" if model is None else "") + ")", highlight=False)
 
 
+@app.command()
+def fit(
+    adapter: Path = typer.Option(..., help="The target adapter's capabilities as JSON (engine/adapters/ has phones' "
+                                           "browsers; `farm engine info --json` prints this machine's)."),
+    model: Path = typer.Option(None, help="diffusers model folder."),
+    preset: Preset = typer.Option(None, help="Or a preset's architecture (sd14: the real model's sizes)."),
+    precision: Precision = typer.Option(Precision.fp16, help="fp16 where the adapter has shader-f16, else fp32."),
+    height: int = typer.Option(None), width: int = typer.Option(None),
+    steps: int = typer.Option(20, help="Denoising steps."),
+    scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
+    profile: str = typer.Option("auto", help="auto, reference, a shipped profile's name, or a JSON file."),
+    budget_mb: float = typer.Option(None, "--budget-mb", min=1, help="GPU memory the page may use, in MB "
+                                    "(10^6 bytes; the paper ran SD 1.4 in 2,093 MB on a Galaxy S23 Ultra)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Whether one generation fits an adapter, from its engine plan alone: the GPU memory its
+    executors allocate, the largest buffer and binding, the workgroup storage and invocations
+    its kernels need, against the adapter's limits and a budget. Exit 1 when it does not fit,
+    with the reasons."""
+    from engine.errors import EngineError, InputError, ModelError
+    from engine.fit import Fit, fit_plan
+
+    from .output import Table
+
+    caps, prof, height, width, record = _planning(model, preset, adapter, profile, height, width)
+    budget = None if budget_mb is None else int(budget_mb * 1e6)
+    try:
+        doc = record(precision=precision.value, steps=steps, scheduler=scheduler, guidance_scale=7.5)
+    except (InputError, ModelError):
+        raise
+    except EngineError as exc:  # a kernel no setting of which this adapter can run
+        result = Fit(fits=False, profile=prof.name, precision="", peak_gpu_bytes=0, max_binding_bytes=0,
+                     max_buffer_bytes=0, max_workgroup_storage_bytes=0, max_invocations_per_workgroup=0,
+                     budget_bytes=budget, reasons=[f"no plan can be made: {exc}"])
+    else:
+        result = fit_plan(doc, caps, budget)
+    if as_json:
+        typer.echo(json.dumps(result.as_dict(), indent=2))
+    else:
+        table = Table("what", "value", title=f"{width}x{height}, {steps} steps {scheduler} on {escape(caps.description or caps.device)}")
+        table.add_row("fits", "yes" if result.fits else "no")
+        table.add_row("profile", result.profile)
+        table.add_row("precision", result.precision)
+        for name in ("peak_gpu_bytes", "max_binding_bytes", "max_buffer_bytes", "max_workgroup_storage_bytes",
+                     "max_invocations_per_workgroup", "budget_bytes"):
+            value = getattr(result, name)
+            table.add_row(name, "-" if not value else f"{value:,}")
+        console.print(table)
+        for reason in result.reasons:
+            console.print(f"[red]does not fit:[/] {escape(reason)}", highlight=False)
+    if not result.fits:
+        raise typer.Exit(1)
+
+
+def _planning(model: Path | None, preset: Preset | None, adapter: Path | None, profile: str, height, width):
+    """What `plan` and `fit` record a generation's plan for: the adapter's caps, the profile
+    chosen for it, the image size, and `record(**generation)`, which records the plan."""
+    from engine.plan import record_plan
+    from engine.profiles import resolve_profile
+
+    config = _config_for(model, preset)
+    caps = _caps(adapter)
+    height, width = _native(config, height, width)
+    prof = resolve_profile(profile, caps)
+
+    def record(**generation):
+        with console.status("recording the plan"):
+            return record_plan(config, caps, model_dir=model, height=height, width=width, profile=prof.to_json(),
+                               model_name=(model.name if model else preset.value), **generation)
+
+    return caps, prof, height, width, record
+
+
 def _caps(adapter: Path | None):
     """DeviceCaps from a JSON file (as `farm engine info --json` prints them), or this machine's."""
-    from engine.device import DeviceCaps, get_gpu
+    from engine.device import caps_from_dict, get_gpu
     from engine.errors import InputError
 
     if adapter is None:
         return get_gpu().caps
     try:
-        doc = json.loads(adapter.read_text())
-        return DeviceCaps(**{**doc, "features": frozenset(doc.get("features", ())),
-                             "limits": {k: int(v) for k, v in doc.get("limits", {}).items()}})
+        return caps_from_dict(json.loads(adapter.read_text()))
     except (OSError, ValueError, TypeError) as exc:
         raise InputError(f"--adapter {adapter}: not an adapter description ({exc})") from exc
 
@@ -429,11 +499,11 @@ def bench(
     if runtime != Runtime.native:
         return _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, runtime, browser, json_out)
 
-    from rich.table import Table
-
     from engine import load_pipeline
     from engine.bench import rows_as_json, run_ablation
     from engine.errors import InputError
+
+    from .output import Table
 
     if (model is None) == (preset is None):
         raise InputError("give exactly one of --model DIR or --preset tiny|sd14")

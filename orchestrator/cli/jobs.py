@@ -13,12 +13,12 @@ from typing import Any
 
 import typer
 from rich.live import Live
-from rich.table import Table
 
 from orchestrator.db.models import Build, Job, JobKind, JobState
 
 from . import validate
-from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .output import Table, Text, console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
 
@@ -33,8 +33,8 @@ _STATE_STYLE = {"queued": "cyan", "running": "yellow", "succeeded": "green", "fa
                 "infra_failed": "red", "cancelled": "magenta"}
 
 
-def _state(state: JobState | str) -> str:
-    return f"[{_STATE_STYLE.get(str(state), 'white')}]{state}[/]"
+def _state(state: JobState | str) -> Text:
+    return styled(state, _STATE_STYLE.get(str(state), "white"))
 
 
 def _when(value: dt.datetime | None) -> str:
@@ -193,10 +193,9 @@ def submit(
 ):
     """Queue one job per device as one batch and send them to the workers."""
 
+    from orchestrator import jobservice
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
-    from orchestrator.db.models import DeviceState
-    from orchestrator.jobs import queue_jobs, send_jobs
 
     if bool(devices) == all_devices:
         fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
@@ -212,23 +211,10 @@ def submit(
             try:
                 build = store.get_build(session, build_name)
                 model = model or store.default_model(build)
+                targets = jobservice.target_devices(session, "all" if all_devices else devices,
+                                                    refuse_quarantined=True)
             except store.StoreError as exc:
                 fail(str(exc))
-            if all_devices:
-                targets = store.in_service_devices(session)
-                if not targets:
-                    fail("no devices that are not quarantined; `farm devices list` shows them")
-            else:
-                targets = []
-                for serial in dict.fromkeys(devices):
-                    try:
-                        device = store.get_device(session, serial)
-                    except store.StoreError as exc:
-                        fail(str(exc))
-                    if device.state == DeviceState.quarantined:
-                        fail(f"device {serial!r} is quarantined ({device.state_reason or 'no reason given'}); "
-                             f"`farm devices release {serial}` first")
-                    targets.append(device)
             spec = _build_spec(kind, build, model, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                                steps=steps, scheduler=scheduler, guidance_scale=guidance_scale,
                                precision=precision, resolution=resolution, profile=profile, warmup=warmup,
@@ -240,8 +226,8 @@ def submit(
                                strength=0.8 if strength is None else strength)
             stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             try:
-                batch, job_ids = queue_jobs(session, settings, name or f"{kind} {build.name} {stamp}", build.id,
-                                            kind, spec, [device.id for device in targets])
+                batch, job_ids = jobservice.queue_jobs(session, settings, name or f"{kind} {build.name} {stamp}",
+                                                       build.id, kind, spec, [device.id for device in targets])
             except store.StoreError as exc:
                 fail(str(exc))
             session.commit()
@@ -250,14 +236,14 @@ def submit(
 
         # Sent after the commit, so a worker never looks for a job that is not there yet.
         try:
-            send_jobs(make_celery(settings), job_ids, strict=True)
+            jobservice.send_jobs(make_celery(settings), job_ids, strict=True)
         except Exception as exc:  # noqa: BLE001  (a broker that cannot be reached, in any of its forms)
             with sessions() as session:
-                for job_id in job_ids:
-                    store.transition_job(session, job_id, JobState.cancelled, error=f"not sent: {exc}")
+                cancelled, running = jobservice.cancel_unsent(session, job_ids, f"not sent: {exc}")
                 session.commit()
+            went_on = f"; job(s) {', '.join(map(str, running))} had reached a worker and go on" if running else ""
             fail(f"could not send the jobs to the workers ({type(exc).__name__}: {exc}); "
-                 f"batch {batch_id}'s jobs are cancelled")
+                 f"batch {batch_id}'s {len(cancelled)} unsent job(s) are cancelled{went_on}")
 
         submitted = {"batch_id": batch_id, "batch": batch_name, "build": build_label, "kind": str(kind),
                      "jobs": [{"id": j, "device": s} for j, s in zip(job_ids, serials, strict=True)]}
@@ -418,12 +404,14 @@ def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.recor
 def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.record_id)):
     """Cancel a queued or running job.
 
-    A running job's device finishes what it is doing; that result is not recorded."""
-    from orchestrator.db import queries, store
+    A running job is stopped on its device within seconds (its worker's next heartbeat); what
+    it had done is not recorded."""
+    from orchestrator.db import store
+    from orchestrator.jobservice import cancel_job
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
-            job = queries.cancel_job(session, job_id)
+            job = cancel_job(session, job_id)
         except store.StoreError as exc:
             fail(str(exc))
         session.commit()
@@ -431,7 +419,7 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.rec
     console.print(f"job {job_id} cancelled", highlight=False)
     if batch_id is not None:  # it may have been its batch's last open job: the analysis follows
         from orchestrator.celery_app import make_celery
-        from orchestrator.jobs import settle_batch
+        from orchestrator.dispatch import settle_batch
 
         settle_batch(make_celery(_settings()), batch_id)
 
@@ -454,7 +442,7 @@ def logs(
         except store.StoreError as exc:
             fail(str(exc))
         runs = list(job.runs)
-        console.print(f"[bold]job {job.id}[/] {job.kind} on {job.device.serial}: {_state(job.state)}, "
+        console.print(f"[bold]job {job.id}[/] {job.kind} on {escape(job.device.serial)}: {_state(job.state).markup}, "
                       f"{job.attempts} attempt(s)", highlight=False)
         if job.error:
             console.print(f"error: {job.error}", highlight=False, soft_wrap=True, markup=False)

@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .output import Table, console
 
 app = typer.Typer(help="Kernel profiles tuned per GPU: list, show, promote, diff.", no_args_is_help=True)
 
@@ -188,9 +188,9 @@ def diff(
         return side["variant"] + (f" [{consts}]" if consts else "")
 
     console.print(f"A: {da['name']} (id {da['id']}, {da['gpu']['device']}, {gain_text(da)})", highlight=False,
-                  soft_wrap=True)
+                  soft_wrap=True, markup=False)
     console.print(f"B: {db['name']} (id {db['id']}, {db['gpu']['device']}, {gain_text(db)})", highlight=False,
-                  soft_wrap=True)
+                  soft_wrap=True, markup=False)
     if not changes:
         console.print("the two profiles choose the same kernels")
         return

@@ -9,10 +9,10 @@ import time
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from . import validate
-from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .output import Table, console, escape
 
 ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
 
@@ -102,18 +102,19 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
     if as_json:
         _print_json(data)
         return
-    console.print(f"[bold]alert {data['id']}[/] {data['kind']} ({data['state']}): {data['summary']}", highlight=False)
+    console.print(f"[bold]alert {data['id']}[/] {data['kind']} ({data['state']}): {escape(data['summary'] or '')}",
+                  highlight=False)
     detail = data["detail"] or {}
     for change in detail.get("environment_change") or []:
-        console.print(f"environment changed: {change}", highlight=False)
+        console.print(f"environment changed: {change}", highlight=False, markup=False)
     if detail.get("environment"):
-        console.print(f"environment: {detail['environment']}", highlight=False)
+        console.print(f"environment: {detail['environment']}", highlight=False, markup=False)
     for key in ("baseline_build", "metric", "p_value", "batch", "note"):
         if data[key] not in (None, ""):
-            console.print(f"{key}: {data[key]}", highlight=False)
+            console.print(f"{key}: {data[key]}", highlight=False, markup=False)
     for key in ("baseline_median", "candidate_median", "n_baseline", "n_candidate", "unit", "reason", "psnr_db"):
         if key in detail:
-            console.print(f"{key}: {detail[key]}", highlight=False)
+            console.print(f"{key}: {detail[key]}", highlight=False, markup=False)
     if detail.get("attribution_by_op"):
         table = Table("op", "baseline ms", "candidate ms", "delta ms", "share", title="attribution by op")
         for m in detail["attribution_by_op"]:
@@ -304,7 +305,7 @@ def bisect(
     from orchestrator.celery_app import make_celery
     from orchestrator.db import store
     from orchestrator.db.models import Batch, Build, JobKind
-    from orchestrator.jobs import launch_suite
+    from orchestrator.jobservice import launch_suite
 
     if metric not in analysis.HEADLINE_METRICS:
         fail(f"unknown metric {metric!r}; choose from {', '.join(analysis.HEADLINE_METRICS)}")

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from orchestrator.db.models import JobKind
 
 from . import validate
-from .devices import JSON_OPTION, _print_json, _settings, console, fail, iso, open_store
+from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
 from .jobs import _fmt_metric, _state, _when
+from .output import Table, console
 
 app = typer.Typer(help="Read and export what the runs measured.", no_args_is_help=True)
 

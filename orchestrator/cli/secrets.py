@@ -14,7 +14,8 @@ from pathlib import Path
 
 import typer
 
-from .devices import _settings, console, fail
+from .common import _settings, fail
+from .output import console
 
 app = typer.Typer(help="Secrets of the production stack: its .env and the keys devices trust.",
                   no_args_is_help=True)
@@ -81,10 +82,11 @@ def public_keys(
 
     Devices trust those two files: farm.pub to accept signed builds, adbkey.pub to let this host
     in over ADB. The private halves stay in the config dir."""
+    from orchestrator.keys import PUBLIC_KEY
     from orchestrator.transports.adb import load_or_create_adb_key
     from orchestrator.transports.base import TransportError
 
-    from .builds import PUBLIC_KEY, farm_key
+    from .builds import farm_key
 
     settings = _settings()
     if folder.exists() and not folder.is_dir():

@@ -7,12 +7,15 @@ process tree until Ctrl-C."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import typer
 
 from . import validate
-from .devices import _settings, console, fail, open_store
+from .common import _settings, fail, open_store
+from .output import console, escape
 
 HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM_HOST_NAME, else the OS host name).",
                            callback=validate.host_name)
@@ -67,8 +70,6 @@ def hub(
     and HTTPS for phones and tablets on the network (README: Real phones). One per farm host;
     while it runs, <config_dir>/hub.json (0600) tells workers its key and ports."""
     import json
-    import signal
-    import threading
 
     from orchestrator import ca
     from orchestrator.browser_hub import BrowserHub
@@ -82,7 +83,7 @@ def hub(
         try:
             ca.load_ca_cert(folder)
         except ca.NoCa:
-            ca.init_ca(folder, f"devicefarm CA {settings.host_name}"[:64])
+            ca.init_ca(folder, f"devicefarm CA {settings.host_name}"[:64], names=settings.hub_cert_names())
             console.print(f"made the farm's CA in {folder}; install it on the devices: `farm ca export`",
                           highlight=False)
         except ca.CaError as exc:
@@ -146,31 +147,61 @@ def up(
         pass
     with start_stack(settings, phones=phones, host_gpu=host_gpu, concurrency=concurrency, beat=True,
                      browser_phones=browser_phones, tablets=tablets) as stack:
-        console.print(f"[bold green]farm up[/]: {len(stack.devices)} devices on host {settings.host_name} "
-                      f"({', '.join(stack.devices)}); logs in {stack.stack.log_dir}. Ctrl-C stops everything.")
-        try:
+        try:  # the stop signal may land while the line below is still being written
+            console.print(f"[bold green]farm up[/]: {len(stack.devices)} devices on host {settings.host_name} "
+                          f"({', '.join(stack.devices)}); logs in {stack.stack.log_dir}. Ctrl-C stops everything.")
             while True:
                 stack.stack.check_alive()
                 time.sleep(1.0)
         except KeyboardInterrupt:
             console.print("stopping the stack")
         except Exception as exc:  # noqa: BLE001  (a child died: say which, then stop the rest)
-            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from None
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt_on_stop_signals() -> dict:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does, so a
+    stack ended by `kill`, a closed terminal or a CI time limit stops every process it started
+    (their default action ends this process at once and leaves the hub, the phones, the worker
+    and Chromium running). Returns the handlers to put back; none outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+
+
+def _stop(stack, handlers: dict) -> None:
+    """Stop the stack with the stop signals held off (a second `kill` must not cut the stopping
+    short), then put the caller's handlers back."""
+    for sig in handlers:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        stack.stop()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 class RunningStack:
     """The embedded stack with its devices registered; `with` stops it."""
 
-    def __init__(self, settings, stack, devices: list[str]):
+    def __init__(self, settings, stack, devices: list[str], handlers: dict | None = None):
         self.settings, self.stack, self.devices = settings, stack, devices
+        self._handlers = handlers or {}
 
     def __enter__(self) -> RunningStack:
         return self
 
     def __exit__(self, *exc) -> None:
         with console.status("stopping worker, beat and phones"):
-            self.stack.stop()
+            _stop(self.stack, self._handlers)
 
 
 HOST_GPU_SERIAL = "host-gpu"
@@ -185,16 +216,18 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
     from agent.bundle import provision_public_key
     from orchestrator import ca
     from orchestrator.celery_app import make_celery
+    from orchestrator.keys import PUBLIC_KEY
     from orchestrator.stack import Stack, StackError
     from orchestrator.transports.adb import load_or_create_adb_key
     from orchestrator.transports.base import TransportError
     from orchestrator.transports.browser import enrolment_url
 
-    from .builds import PUBLIC_KEY, farm_key
+    from .builds import farm_key
 
     farm_key(settings.config_dir)
     public = settings.config_dir / PUBLIC_KEY
     stack = Stack(settings)
+    handlers = _interrupt_on_stop_signals()
     try:
         entries = []  # (serial, transport, address, runtime)
         with console.status("starting the hub browser devices talk to"):
@@ -241,12 +274,12 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
             stack.wait_worker_ready(make_celery(settings))
         _probe_all(settings, [entry[0] for entry in entries])
     except (StackError, TransportError) as exc:
-        stack.stop()
+        _stop(stack, handlers)
         fail(str(exc))
     except BaseException:
-        stack.stop()
+        _stop(stack, handlers)
         raise
-    return RunningStack(settings, stack, [entry[0] for entry in entries])
+    return RunningStack(settings, stack, [entry[0] for entry in entries], handlers)
 
 
 def _probe_all(settings, serials: list[str]) -> None:
@@ -263,4 +296,4 @@ def _probe_all(settings, serials: list[str]) -> None:
             for device in devices:
                 outcome = probe(settings, sessions, device)
                 if outcome["error"]:
-                    console.print(f"[yellow]warning:[/] {device.serial}: {outcome['error']}", highlight=False)
+                    console.print(f"[yellow]warning:[/] {escape(device.serial)}: {escape(outcome['error'])}", highlight=False)

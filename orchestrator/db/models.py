@@ -285,7 +285,7 @@ class Deployment(Base):
     """One build pushed to one device. Like a job, a deployment that waits on a message has an
     owner and a deadline: `pending` ones are due to start by `due_at` (or the reconciler sends
     them again, with a new `dispatch_seq`), `running` ones say they are alive in `heartbeat_at`
-    (orchestrator/jobs.py)."""
+    (orchestrator/dispatch.py)."""
 
     __tablename__ = "deployments"
     __table_args__ = (
@@ -306,6 +306,10 @@ class Deployment(Base):
     files_skipped: Mapped[int] = mapped_column(default=0)
     duration_s: Mapped[float | None]
     error: Mapped[str | None] = mapped_column(Text)
+    # An older build than the device's current one becomes current only with this (farm deploy
+    # --allow-downgrade); without it, it is installed beside the current one, and `note` says so.
+    allow_downgrade: Mapped[bool] = mapped_column(default=False, server_default=false())
+    note: Mapped[str | None] = mapped_column(Text)
     attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     dispatch_seq: Mapped[int] = mapped_column(default=0, server_default="0")  # which message may start it
     due_at: Mapped[dt.datetime | None]  # pending: resent when still pending then
@@ -351,7 +355,7 @@ class Job(Base):
     dead worker can be found and requeued. A queued job is owned by the deployment it waits for
     (`deployment_id`, until that deployment succeeded) or by its message, which must have
     started it by `due_at`; otherwise the reconciler sends a new message with the next
-    `dispatch_seq`, and older messages are dropped when they arrive (orchestrator/jobs.py)."""
+    `dispatch_seq`, and older messages are dropped when they arrive (orchestrator/dispatch.py)."""
 
     __tablename__ = "jobs"
     __table_args__ = (
@@ -514,6 +518,8 @@ class Schedule(Base):
     enabled: Mapped[bool] = mapped_column(default=True)
     suite: Mapped[dict[str, Any]]  # build selector, devices, job specs
     last_run_at: Mapped[dt.datetime | None]
+    # Why the last firing could not launch its suite (None: it did); `farm schedules list` shows it.
+    last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
@@ -585,11 +591,14 @@ class ChangePoint(Base):
 
 
 class SeriesSetting(Base):
-    """Per-series overrides of the analysis (the minimum effect that counts as a change)."""
+    """Per-series overrides of the analysis: the minimum effect that counts as a change, and the
+    run-to-run drift to assume until the series' history estimates its own (None: not set
+    here)."""
 
     __tablename__ = "series_settings"
 
     id: Mapped[int] = mapped_column(primary_key=True)
     series_key: Mapped[str] = mapped_column(String(1024), unique=True)  # canonical JSON of the key
-    min_effect: Mapped[float]
+    min_effect: Mapped[float | None]
+    drift: Mapped[float | None]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

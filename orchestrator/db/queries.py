@@ -1,7 +1,7 @@
 """Read queries behind `farm jobs` and `farm results`, and the ones dashboards and regression
 analysis share: job and run listings with filters, one run's metrics and kernel times, the
 samples of one metric on one device along builds, and raw samples streamed in chunks for
-export. Plus one small write, cancelling a job, which is a guarded store transition.
+export. Reads only: cancelling a job is the job service's (orchestrator/jobservice.py).
 
 Medians are computed in Python from the raw samples of the runs asked for: SQLite has no
 median aggregate, and a listing is one page of runs, so the samples involved are few (counts,
@@ -87,18 +87,6 @@ def job_states(session: Session, job_ids: Sequence[int]) -> list[tuple[int, str,
         .order_by(Job.id)
     )
     return [tuple(r) for r in rows]
-
-
-def cancel_job(session: Session, job_id: int) -> Job:
-    """Cancel a queued or running job (flushes only). A queued job's task finds it cancelled
-    and skips it; a running one finishes on the device, and the worker's attempt to record it
-    is refused by the guarded transition, so the job stays cancelled."""
-    job = store.get_job(session, job_id)
-    session.refresh(job)
-    if job.state not in (JobState.queued, JobState.running):
-        raise store.InvalidTransition(f"job {job_id} is {job.state}: only queued or running jobs can be "
-                                      "cancelled")
-    return store.transition_job(session, job_id, JobState.cancelled, error="cancelled by operator")
 
 
 # ---- runs and their samples -----------------------------------------------------------------

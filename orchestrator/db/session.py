@@ -46,9 +46,24 @@ def make_engine(url: str, **kwargs) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # A read-only snapshot (read_snapshot) begins deferred: under WAL it reads a consistent
+        # snapshot and takes no lock, so long reads never keep a writer waiting.
+        connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(SNAPSHOT_OPTION)
+                                   else "BEGIN IMMEDIATE")
 
     return engine
+
+
+SNAPSHOT_OPTION = "farm_read_snapshot"
+
+
+def read_snapshot(session: Session) -> None:
+    """Make the session's transaction a read-only snapshot: call it first thing inside
+    `session.begin()`, before any statement. On SQLite it then begins deferred and holds no write lock
+    while it reads (a write in it would fail rather than wait: read only); on PostgreSQL every
+    transaction reads a snapshot anyway. For long reads, such as an analysis' scan of a whole
+    history; what they find is written afterwards in a short transaction of its own."""
+    session.connection(execution_options={SNAPSHOT_OPTION: True})
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 from sqlalchemy.orm.util import identity_key
 
-from agent.protocol import DeviceInfo, JobResult, JobSpec, Manifest, to_dict
+from agent.protocol import BadValue, DeviceInfo, JobResult, JobSpec, Manifest, check_plain, to_dict
 from orchestrator import environment as run_env
 
 from .device_states import PROBED_STATES, DeviceEvent, accepting, moves, refusal, transition
@@ -44,6 +45,8 @@ from .models import (
     TransportKind,
     utcnow,
 )
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(Exception):
@@ -432,11 +435,12 @@ def record_job_progress(session: Session, job_id: int, attempt: int, progress: d
 
 
 def create_deployment(session: Session, build_id: int, device_id: int, *, batch_id: int | None = None,
-                      due_at: dt.datetime | None = None) -> Deployment:
+                      due_at: dt.datetime | None = None, allow_downgrade: bool = False) -> Deployment:
     """A pending deployment whose message must start it by `due_at` (now when None: the caller
     sends it right after its commit, or the reconciler will)."""
     deployment = Deployment(build_id=build_id, device_id=device_id, batch_id=batch_id,
-                            status=DeploymentStatus.pending, due_at=due_at or utcnow())
+                            status=DeploymentStatus.pending, due_at=due_at or utcnow(),
+                            allow_downgrade=allow_downgrade)
     session.add(deployment)
     session.flush()
     return deployment
@@ -501,11 +505,12 @@ def heartbeat_deployment(session: Session, deployment_id: int) -> None:
 
 def finish_deployment(session: Session, deployment_id: int, attempt: int, status: DeploymentStatus, *,
                       error: str | None = None, bytes_sent: int = 0, files_sent: int = 0,
-                      files_skipped: int = 0, duration_s: float | None = None) -> bool:
+                      files_skipped: int = 0, duration_s: float | None = None, note: str | None = None) -> bool:
     """running -> succeeded/failed, only for the execution of attempt `attempt` (one the
     reconciler gave up on cannot settle a newer one). False when it no longer owns it."""
     values: dict[str, Any] = {"status": status, "error": error, "bytes_sent": bytes_sent, "files_sent": files_sent,
-                              "files_skipped": files_skipped, "duration_s": duration_s, "finished_at": utcnow()}
+                              "files_skipped": files_skipped, "duration_s": duration_s, "finished_at": utcnow(),
+                              "note": note}
     if status == DeploymentStatus.succeeded:
         values["bytes_total"] = func.coalesce(Deployment.bytes_total, bytes_sent)
     return _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.running,
@@ -613,6 +618,12 @@ def get_job(session: Session, job_id: int) -> Job:
     return job
 
 
+def text_for_store(text: str) -> str:
+    """Free text from a device (an error, a log) as every backend keeps it: PostgreSQL refuses
+    NUL characters in text, so each is stored as U+FFFD."""
+    return text.replace("\x00", "\ufffd")
+
+
 def transition_job(
     session: Session,
     job_id: int,
@@ -651,9 +662,9 @@ def transition_job(
     if worker_lost:
         values["worker_losses"] = Job.worker_losses + 1
     if error is not None:
-        values["error"] = error
+        values["error"] = text_for_store(error)
     if log_tail is not None:
-        values["log_tail"] = log_tail
+        values["log_tail"] = text_for_store(log_tail)
     conditions = [Job.id == job_id, Job.state == current]
     if attempt is not None:
         conditions.append(Job.attempts == attempt)
@@ -671,15 +682,18 @@ def transition_job(
     return job
 
 
-def heartbeat_job(session: Session, job_id: int) -> None:
-    """The worker running a job says it is alive; see find_stale_running_jobs."""
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state == JobState.running)
-        .values(heartbeat_at=utcnow())
-        .execution_options(synchronize_session=False)
+def heartbeat_job(session: Session, job_id: int, attempt: int | None = None) -> bool:
+    """The worker running a job (attempt `attempt`) says it is alive; see
+    find_stale_running_jobs. False when the job is no longer running at that attempt
+    (cancelled, or given to another worker): its worker must stop it."""
+    conditions = [Job.id == job_id, Job.state == JobState.running]
+    if attempt is not None:
+        conditions.append(Job.attempts == attempt)
+    result = session.execute(
+        update(Job).where(*conditions).values(heartbeat_at=utcnow()).execution_options(synchronize_session=False)
     )
     session.flush()
+    return result.rowcount == 1
 
 
 def redispatch_job(session: Session, job_id: int, due_at: dt.datetime, *, new_message: bool) -> int | None:
@@ -786,6 +800,10 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
     state is left to transition_job, in the same transaction. The run keeps the environment
     the agent read (result.environment), or, from an agent that sent none, what the device's
     record says now, marked source "device-record"."""
+    try:  # what no backend keeps the same way (SQLite stores NaN as NULL, PostgreSQL refuses NUL)
+        check_plain(to_dict(result), "result")
+    except BadValue as exc:
+        raise StoreError(f"the device's result cannot be stored: {exc}") from None
     job = get_job(session, job_id)
     attempt = job.attempts if attempt is None else attempt
     query = select(Run).where(Run.job_id == job_id, Run.attempt == attempt)
@@ -914,11 +932,20 @@ def finish_batch_if_done(session: Session, batch_id: int) -> bool:
     return result.rowcount == 1
 
 
+def extra_round(idempotency_key: str | None) -> int:
+    """Which more-repetitions round a batch is, from its idempotency key ("more:ROOT:N:DEVICE";
+    0: the original batch)."""
+    if idempotency_key and idempotency_key.startswith("more:"):
+        return int(idempotency_key.split(":")[2])
+    return 0
+
+
 # ---- schedules ----------------------------------------------------------------------------
 
 
-def validate_cron(cron: str, timezone: str) -> None:
-    """StoreError unless `cron` is a five-field cron expression and `timezone` an IANA zone."""
+def validate_cron(cron: str, timezone: str, now: dt.datetime | None = None) -> None:
+    """StoreError unless `cron` is a five-field cron expression that names a date (not "0 0 31 2
+    *": February has no 31st) and `timezone` an IANA zone."""
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
     from croniter import croniter
@@ -931,28 +958,81 @@ def validate_cron(cron: str, timezone: str) -> None:
     except (ZoneInfoNotFoundError, ValueError):
         raise StoreError(f"unknown time zone {timezone!r}: use an IANA name such as UTC or "
                          "Europe/Paris") from None
+    next_fire_time(cron, timezone, now or utcnow())  # StoreError when it never fires
+
+
+# Cron times are wall-clock times in the schedule's zone. A wall time the zone repeats (the
+# autumn change's hour) is the first of the two instants; one the zone skips (the spring
+# change's hour) is the instant the clocks jump, after which the wall clock reads a later time.
+# So each wall time the cron names maps to one instant, never earlier than the wall time before
+# it: a repeated hour fires once, a skipped one once (several skipped wall times, once).
+_CRON_SEARCH_YEARS = 10  # a cron that names no date within this many years is refused
+_REPEATS_AT_MOST = dt.timedelta(hours=3)  # the longest wall-clock span a zone repeats (usually 1 h)
+
+
+def _wall_to_utc(wall: dt.datetime, zone) -> dt.datetime:
+    """The instant a naive wall-clock time of `zone` stands for (see above), in UTC."""
+    first = wall.replace(tzinfo=zone, fold=0).astimezone(dt.UTC)
+    if first.astimezone(zone).replace(tzinfo=None) == wall:
+        return first
+    # Skipped by the zone: the jump happens between the instants read with the offsets before
+    # (fold=0, later) and after (fold=1, earlier) it; find it to the minute.
+    low, high = wall.replace(tzinfo=zone, fold=1).astimezone(dt.UTC), first
+    while high - low > dt.timedelta(minutes=1):
+        middle = low + (high - low) / 2
+        if middle.astimezone(zone).replace(tzinfo=None) >= wall:
+            high = middle
+        else:
+            low = middle
+    return high.replace(second=0, microsecond=0) if high.second or high.microsecond else high
+
+
+def _cron_walls(cron: str, start: dt.datetime, forward: bool):
+    """The wall-clock times `cron` names, from `start` (naive) on, forward or backward."""
+    from croniter import CroniterBadDateError, croniter
+
+    itr = croniter(cron, start)
+    limit = start + dt.timedelta(days=366 * _CRON_SEARCH_YEARS) * (1 if forward else -1)
+    while True:
+        try:
+            wall = itr.get_next(dt.datetime) if forward else itr.get_prev(dt.datetime)
+        except CroniterBadDateError:
+            wall = None
+        if wall is None or (wall > limit if forward else wall < limit):
+            raise StoreError(f"cron expression {cron!r} names no date within {_CRON_SEARCH_YEARS} years "
+                             "(e.g. the 31st of a month that has 30 days): it would never fire")
+        yield wall
 
 
 def next_fire_time(cron: str, timezone: str, after: dt.datetime) -> dt.datetime:
-    """The first time strictly after `after` that `cron`, read as wall-clock time in `timezone`,
-    names; returned in UTC. Daylight-saving changes follow croniter's rules (a skipped hour
-    fires at the next valid time, a repeated hour once)."""
+    """The first instant strictly after `after` that `cron`, read as wall-clock time in
+    `timezone`, names; in UTC. A repeated hour fires once, a skipped one once (above).
+    StoreError for a cron that never fires."""
     from zoneinfo import ZoneInfo
 
-    from croniter import croniter
-
-    local = after.astimezone(ZoneInfo(timezone))
-    return croniter(cron, local).get_next(dt.datetime).astimezone(dt.UTC)
+    zone = ZoneInfo(timezone)
+    # The mapping never goes back, and `after`'s own wall time maps at or before it: the search
+    # starts there.
+    start = after.astimezone(zone).replace(tzinfo=None)
+    for wall in _cron_walls(cron, start, forward=True):
+        fire = _wall_to_utc(wall, zone)
+        if fire > after:
+            return fire
+    raise AssertionError("unreachable")  # _cron_walls raises when it runs out
 
 
 def last_fire_time(cron: str, timezone: str, at: dt.datetime) -> dt.datetime:
-    """The latest time at or before `at` that `cron` (wall clock in `timezone`) names, in UTC."""
+    """The latest instant at or before `at` that `cron` (wall clock in `timezone`) names, in UTC."""
     from zoneinfo import ZoneInfo
 
-    from croniter import croniter
-
-    local = (at + dt.timedelta(seconds=1)).astimezone(ZoneInfo(timezone))
-    return croniter(cron, local).get_prev(dt.datetime).astimezone(dt.UTC)
+    zone = ZoneInfo(timezone)
+    # In a repeated hour, wall times after `at`'s own map to its first pass, before `at`.
+    start = at.astimezone(zone).replace(tzinfo=None) + _REPEATS_AT_MOST
+    for wall in _cron_walls(cron, start, forward=False):
+        fire = _wall_to_utc(wall, zone)
+        if fire <= at:
+            return fire
+    raise AssertionError("unreachable")
 
 
 def get_schedule(session: Session, ref: int | str) -> Schedule:
@@ -978,12 +1058,21 @@ def create_schedule(session: Session, name: str, cron: str, timezone: str, suite
 def due_schedules(session: Session, now: dt.datetime) -> list[tuple[Schedule, dt.datetime]]:
     """Enabled schedules whose next firing after their last run is at or before `now`, with
     the latest firing time that is due (a beat that was down fires a missed schedule once, for
-    its latest firing, not once per miss)."""
+    its latest firing, not once per miss). A stored schedule whose cron or zone this version
+    cannot read (stored before it was checked, or by hand) is left out with its error in
+    `last_error` (flushed) and a log line: it never stops the others."""
     due = []
     for schedule in session.scalars(select(Schedule).where(Schedule.enabled).order_by(Schedule.id)):
-        fire = next_fire_time(schedule.cron, schedule.timezone, schedule.last_run_at or schedule.created_at)
-        if fire <= now:
-            due.append((schedule, max(fire, last_fire_time(schedule.cron, schedule.timezone, now))))
+        try:
+            fire = next_fire_time(schedule.cron, schedule.timezone, schedule.last_run_at or schedule.created_at)
+            if fire <= now:
+                due.append((schedule, max(fire, last_fire_time(schedule.cron, schedule.timezone, now))))
+        except Exception as exc:  # noqa: BLE001  (whatever it is, it is this schedule's alone)
+            error = f"cannot fire: {exc if isinstance(exc, StoreError) else f'{type(exc).__name__}: {exc}'}"
+            if schedule.last_error != error:
+                log.error("schedule %s (%s): %s", schedule.name, schedule.cron, error)
+                schedule.last_error = error
+    session.flush()
     return due
 
 
@@ -995,7 +1084,7 @@ def claim_schedule_firing(session: Session, schedule_id: int, previous: dt.datet
     result = session.execute(
         update(Schedule)
         .where(Schedule.id == schedule_id, condition)
-        .values(last_run_at=fired_at)
+        .values(last_run_at=fired_at, last_error=None)
         .execution_options(synchronize_session=False)
     )
     session.flush()

@@ -184,6 +184,22 @@ def _more_repetitions(n: int, per_run: int, *, max_repetitions: int) -> int:
     return max(0, min(room, max(MIN_SAMPLES, per_run)))
 
 
+def _decidable(log_r: float, s_boot: float, drift: float, k_b: int, k_c: int, n: int, per_run: int, runs: int,
+               z: float, alpha: float, m: float) -> bool:
+    """Whether `runs` more runs of each build could decide a comparison whose log ratio stays
+    as it is: the drift's share of the error shrinks with the runs, the repetitions' share
+    with the samples they add (`per_run` a run, to the `n` there are). Decided: a change
+    beyond the minimum effect significant at alpha, or the whole interval inside 1 +/- m."""
+    if runs <= 0 or not math.isfinite(log_r):
+        return runs > 0
+    s_reps = s_boot * math.sqrt(n / (n + runs * max(1, per_run)))
+    s = math.sqrt(s_reps**2 + drift**2 * (1.0 / (k_b + runs) + 1.0 / (k_c + runs)))
+    z_alpha = float(stats.norm.isf(alpha / 2.0))
+    change = abs(log_r) > z_alpha * s and abs(math.expm1(log_r)) > m
+    same = abs(log_r) + z * s < math.log1p(m) and -abs(log_r) - z * s > math.log1p(-m)
+    return change or same
+
+
 def compare(
     baseline: Sequence[float],
     candidate: Sequence[float],
@@ -199,6 +215,7 @@ def compare(
     seed: int = 0,
     min_samples: int = MIN_SAMPLES,
     max_repetitions: int = MAX_REPETITIONS,
+    runs_left: int | None = None,
 ) -> Comparison:
     """Compare a candidate build's samples with its baseline's on one series (same key, same
     unit: check_series() first). `baseline_runs` / `candidate_runs` label each sample with its
@@ -210,6 +227,10 @@ def compare(
       inconclusive              anything else, and always with fewer than `min_samples` in
                                 either build; more_repetitions_suggested says how many more
                                 (from a new run of each build: only new runs average drift)
+    `runs_left`: how many more runs of each build may still come (a batch's rounds left; None:
+    no limit). When even that many could not decide the comparison (its ratio and errors as
+    they are, the drift's share shrinking with the runs), no more are asked for and the reason
+    says so: a round that cannot change the verdict only costs device time.
     Deterministic: the bootstrap draws from numpy's default_rng(seed)."""
     if not 0 <= min_effect < 1:
         raise ValueError(f"min_effect must be in [0, 1), got {min_effect!r} (0.03 means 3%)")
@@ -292,7 +313,7 @@ def compare(
             cause = "drift"
             reason = (f"ratio {r:.4f} ({interval}): the repetitions differ (rank p={p_mw:.2g}), but {k_b} vs "
                       f"{k_c} runs cannot tell that from run-to-run drift ({drift:.1%} a run; p={p_drift:.2g} "
-                      f"with it): more runs of each build can")
+                      f"with it): more runs of each build can tell them apart")
         else:
             cause = "not_significant"
             reason = f"not significant: p={p:.2g} > {alpha} (rank p={p_mw:.2g}), ratio {r:.4f} ({interval})"
@@ -302,6 +323,12 @@ def compare(
         more = _more_repetitions(n, min(b.size, c.size) // max(k_b, k_c), max_repetitions=max_repetitions)
         if cause == "unreachable" and enough:
             more = max(more, max(enough[0] - b.size, enough[1] - c.size))
+        elif cause in ("drift", "not_significant", "within_effect") and runs_left is not None and more:
+            per_run = min(b.size, c.size) // max(k_b, k_c)
+            if not _decidable(log_r, s_boot, drift, k_b, k_c, n, per_run, runs_left, z, alpha, m):
+                more = 0
+                reason += (f"; {runs_left} more run{'s' if runs_left != 1 else ''} of each build could not decide "
+                           f"it either (with {drift:.1%} drift a run): none asked for")
     return Comparison(
         verdict=verdict, cause=cause, reason=reason, baseline_median=med_b, candidate_median=med_c, ratio=r,
         ci_low=lo, ci_high=hi, p_value=p, p_mannwhitney=p_mw, p_min=p_min, p_drift=p_drift,

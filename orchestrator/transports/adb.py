@@ -41,10 +41,12 @@ from adb_shell import adb_device as adb_shell_device
 from adb_shell import exceptions as adb_errors
 from adb_shell.transport.tcp_transport import TcpTransport
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE
 from agent.deviceinfo import collect_android
 from agent.protocol import (
     EXIT_NOT_FOUND,
+    FILES,
+    MANIFEST,
+    SIGNATURE,
     DeviceInfo,
     JobSpec,
     Manifest,
@@ -55,6 +57,7 @@ from agent.protocol import (
 )
 from orchestrator.transports.adb_shared import SharedAdbDevice
 from orchestrator.transports.base import (
+    MAX_REPLY_BYTES,
     AgentExit,
     BundleRefused,
     DeviceOffline,
@@ -65,9 +68,12 @@ from orchestrator.transports.base import (
     ProtocolMismatch,
     Transport,
     TransportError,
+    kept_current,
+    reply_too_large,
 )
 
 log = logging.getLogger("orchestrator.transports.adb")
+STDERR_TAIL_BYTES = 2**20  # of a command's stderr, what is kept for its error message (lines are relayed as they come)
 
 DEFAULT_KEY = Path("~/.config/devicefarm/adbkey")
 DEFAULT_ROOT = "/data/local/tmp/devicefarm"
@@ -278,7 +284,7 @@ class AdbTransport(Transport):
         device = self._connect()
         timeout = timeout_s or self.timeout_s
         out, err, code = bytearray(), bytearray(), None
-        buf, line = bytearray(), bytearray()
+        buf, line, overflow = bytearray(), bytearray(), False
         with self._errors(f"shell {command[:60]!r}", device):
             info = device._open(b"shell,v2,raw:" + command.encode(), timeout, timeout, None)
             for chunk in device._read_until_close(info):
@@ -290,19 +296,25 @@ class AdbTransport(Transport):
                     data = bytes(buf[5:5 + length])
                     del buf[:5 + length]
                     if kind == 1:
-                        out += data
+                        if len(out) + len(data) > MAX_REPLY_BYTES:
+                            overflow = True  # read on (the stream stays in step), keep nothing more
+                        else:
+                            out += data
                     elif kind == 2:
                         err += data
+                        del err[:-STDERR_TAIL_BYTES]  # a long job's progress: only its tail is kept
                         if on_stderr_line is not None:
                             line += data
-                            while b"\n" in line:
+                            while b"\n" in line or len(line) > STDERR_TAIL_BYTES:
                                 one, _, rest = bytes(line).partition(b"\n")
                                 line[:] = rest
-                                on_stderr_line(one.decode(errors="replace"))
+                                on_stderr_line(one[:STDERR_TAIL_BYTES].decode(errors="replace"))
                     elif kind == 3:
                         code = data[0]
         if code is None:
             raise DeviceOffline(self.name, f"shell {command[:60]!r}: the stream closed without an exit code")
+        if overflow:
+            raise reply_too_large(self.name, f"the output of shell {command[:60]!r}")
         return out.decode(errors="replace"), err.decode(errors="replace"), code
 
     def push(self, source: Path | bytes, device_path: str, mode: int = 0o644,
@@ -341,6 +353,18 @@ class AdbTransport(Transport):
                     found[path] = int(size)
         return found
 
+    def digests(self, paths: list[str]) -> dict[str, str]:
+        """sha256 of the readable regular files among `paths`, one `sha256sum` per batch."""
+        found: dict[str, str] = {}
+        for batch in _batches(paths):
+            out, _, _ = self.shell("sha256sum " + " ".join(shlex.quote(p) for p in batch),
+                                   timeout_s=max(self.timeout_s, 600.0))  # a model's weights: gigabytes
+            for line in out.splitlines():
+                digest, _, path = line.partition("  ")
+                if len(digest) == 64 and path:
+                    found[path] = digest
+        return found
+
     def _run_checked(self, command: str, what: str) -> str:
         out, err, code = self.shell(command)
         if code != 0:
@@ -377,7 +401,10 @@ class AdbTransport(Transport):
 
     def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
         out, _, _ = self.shell(f"sha256sum {shlex.quote(self.root + '/builds/current/' + MANIFEST)}")
-        return out.split()[:1] == [_sha256(manifest_bytes)]
+        if out.split()[:1] != [_sha256(manifest_bytes)]:
+            return False
+        _, _, code = self.shell(f"{self.agent} verify --root {shlex.quote(self.root)}", timeout_s=max(self.timeout_s, 600.0))
+        return code == 0  # else a file of it is damaged (or the agent is missing): deploy again
 
     def _staging(self, manifest: Manifest) -> tuple[str, str]:
         return f"{self.root}/incoming/{manifest.build}", f"{self.root}/incoming/.partial"
@@ -390,7 +417,12 @@ class AdbTransport(Transport):
         blob = {f.sha256: f"{self.root}/store/{f.sha256[:2]}/{f.sha256}" for f in firsts}
         staged = {f.sha256: f"{staging}/{FILES}/{f.path}" for f in firsts}
         have = self.sizes([*blob.values(), *staged.values()])
-        lacking = [f for f in firsts if have.get(blob[f.sha256]) != f.size and have.get(staged[f.sha256]) != f.size]
+        # Of the right size is not enough (a file damaged in place keeps its size): the ones
+        # that are get hashed on the device, and only those that hash right are held.
+        sized = [path for f in firsts for path in (blob[f.sha256], staged[f.sha256]) if have.get(path) == f.size]
+        digests = self.digests(sized)
+        lacking = [f for f in firsts
+                   if digests.get(blob[f.sha256]) != f.sha256 and digests.get(staged[f.sha256]) != f.sha256]
         parents = sorted({str(PurePosixPath(staged[f.sha256]).parent) for f in lacking})
         for batch in _batches(parents):
             self._run_checked("mkdir -p " + " ".join(shlex.quote(p) for p in batch), "mkdir")
@@ -409,16 +441,25 @@ class AdbTransport(Transport):
             self.push((bundle_dir / name).read_bytes(), f"{partial}/{name}")
             self._run_checked(f"mv {shlex.quote(partial + '/' + name)} {shlex.quote(staging + '/' + name)}", "staging")
 
-    def install(self, manifest: Manifest) -> None:
+    def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:
         """The agent verifies every file against the signed manifest and installs."""
         staging, partial = self._staging(manifest)
-        out, err, code = self.shell(f"{self.agent} install {shlex.quote(staging)} --root {shlex.quote(self.root)}",
+        out, err, code = self.shell(f"{self.agent} install {shlex.quote(staging)} --root {shlex.quote(self.root)}"
+                                    + (" --allow-downgrade" if allow_downgrade else ""),
                                     timeout_s=max(self.timeout_s, 600.0))
         if code == EXIT_NOT_FOUND:
             raise self.agent_missing(err)
         if code != 0:
             raise BundleRefused(self.name, f"build {manifest.build}: {(err or out).strip().removeprefix('error: ')}")
         self._run_checked(f"rm -rf {shlex.quote(staging)} {shlex.quote(partial)}", "cleaning up")
+        return kept_current(out)
+
+    def stop_job(self, job_id: str, reason: str) -> bool:
+        out, err, code = self.shell(f"{self.agent} stop {shlex.quote(job_id)} --root {shlex.quote(self.root)} "
+                                    f"--reason {shlex.quote(reason)}", timeout_s=60.0)
+        if code == EXIT_NOT_FOUND:
+            raise self.agent_missing(err)
+        return code == 0
 
     def _job_dir(self, spec: JobSpec) -> str:
         return f"{self.root}/jobs/{spec.job_id}"
@@ -436,6 +477,9 @@ class AdbTransport(Transport):
         return AgentExit(code, out, code - 128 if code > 128 else None)
 
     def read_job_file(self, spec: JobSpec, path: str) -> bytes:
+        where = f"{self._job_dir(spec)}/{path}"
+        if self.sizes([where]).get(where, 0) > MAX_REPLY_BYTES:
+            raise reply_too_large(self.name, f"job {spec.job_id}'s {path}")
         return self.pull(f"{self._job_dir(spec)}/{path}")
 
 

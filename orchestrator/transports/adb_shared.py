@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import queue
 import socket
 import struct
 import threading
@@ -36,6 +37,17 @@ POLL_S = 0.5  # how often the reader looks whether its connection is being close
 # Local stream ids from here up belong to streams the phone opened; adb-shell counts its own from 1
 # and SharedAdbDevice keeps them below (2**31 streams on one connection: never, in practice)
 DEVICE_STREAM_IDS = 2**31
+# What the phone may make this host hold (a phone is not trusted with the host's memory):
+HOST_MAX_DATA = constants.MAX_ADB_DATA  # the largest message, as the host's CNXN announces (1 MiB)
+MAX_PHONE_STREAMS = 64  # streams the phone opened, open or being opened, at once; more are refused
+MAX_REFUSALS_QUEUED = 256  # refusals waiting to be sent; a phone that outruns them is cut off
+MAX_HELD_BYTES = 16 * 2**20  # unread messages of adb-shell's streams (a shell's output, a pull)
+
+
+class PhoneMisbehaved(adb_errors.InvalidResponseError):
+    """The phone broke the protocol in a way that would make this host hold what it asks: a
+    message over the size the host announced, a WRTE before its last was acknowledged, OPENs
+    faster than they can be refused. The connection is closed with this reason."""
 
 class StreamHandler(Protocol):
     """Takes the streams a phone opens on a SharedAdbDevice's connection (adb_reverse.ReverseTunnel).
@@ -62,6 +74,14 @@ class _Store(_AdbPacketStore):
         if cmd == constants.CLSE and arg0 == 0 and arg0 not in self._dict.get(arg1, {}):
             self._dict.setdefault(arg1, {})[arg0] = _StoreQueue()
         super().put(arg0, arg1, cmd, data)
+
+    def held_bytes(self) -> int:
+        """What the store holds unread: adb-shell's streams wait for OKAY, so a phone that keeps
+        to the protocol leaves one message a stream; one that sends to streams nobody reads
+        fills it."""
+        # adb-shell's queues are asyncio's or queue's by Python version: the deque under either
+        return sum(len(data) for streams in self._dict.values() for q in streams.values()
+                   for _, data in getattr(q, "queue", None) or getattr(q, "_queue", ()))
 
 
 class SharedIO(_AdbIOManager):
@@ -95,6 +115,11 @@ class SharedIO(_AdbIOManager):
         self._listeners: dict[str, StreamHandler] = {}
         self._owners: dict[int, StreamHandler] = {}
         self._ids = itertools.count(DEVICE_STREAM_IDS)
+        self._opening = 0  # the phone's OPENs handed to a handler that has not answered yet
+        self._unacked: set[int] = set()  # phone-opened streams whose last WRTE awaits our OKAY
+        self._refusals: queue.Queue[int] = queue.Queue(MAX_REFUSALS_QUEUED)
+        self._refuser: threading.Thread | None = None
+        self._held = 0  # bytes put in the packet store since it was last counted (an upper bound)
 
     @property
     def alive(self) -> bool:
@@ -107,10 +132,29 @@ class SharedIO(_AdbIOManager):
             self.close()
         self._error, self._reader = None, None
         connected, maxdata = super().connect(banner, rsa_keys, auth_timeout_s, auth_callback, adb_info)
-        self.maxdata = maxdata or constants.MAX_PUSH_DATA
+        if maxdata and maxdata > HOST_MAX_DATA:  # ADB's rule: each side sends at most the smaller of the two
+            log.info("the phone announced %d-byte messages; the host keeps to the %d it announced",
+                     maxdata, HOST_MAX_DATA)
+        self.maxdata = min(maxdata or constants.MAX_PUSH_DATA, HOST_MAX_DATA)
         self._reader = threading.Thread(target=self._read_loop, name="adb-reader", daemon=True)
         self._reader.start()
         return connected, maxdata
+
+    def _read_packet_from_device(self, adb_info):
+        """adb-shell's read of one message, for the handshake (before the reader runs), with the
+        size check the reader makes: a phone's CNXN or AUTH of 4 GiB is refused, not buffered."""
+        header = self._read_bytes_from_device(constants.MESSAGE_SIZE, adb_info)
+        wire, arg0, arg1, length, check = unpack(header)
+        command = constants.WIRE_TO_ID.get(wire)
+        if not command:
+            raise adb_errors.InvalidCommandError(f"garbled ADB header {header.hex()}")
+        if length > HOST_MAX_DATA:
+            raise PhoneMisbehaved(f"a {command.decode()} of {length} bytes, more than the {HOST_MAX_DATA} the host "
+                                  "announced")
+        data = self._read_bytes_from_device(length, adb_info) if length else b""
+        if checksum(data) != check:
+            raise adb_errors.InvalidChecksumError(f"bad checksum on {command.decode()}")
+        return command, arg0, arg1, bytes(data)
 
     def read(self, expected_cmds, adb_info, allow_zeros=False):
         """adb-shell's read (the same matching, the same AdbTimeoutError after read_timeout_s),
@@ -177,16 +221,24 @@ class SharedIO(_AdbIOManager):
                 raise self._lost()
             local_id = next(self._ids)
             self._owners[local_id] = handler
+            self._opening = max(0, self._opening - 1)
             return local_id
 
     def end_stream(self, local_id: int) -> None:
         with self._routes:
             self._owners.pop(local_id, None)
+            self._unacked.discard(local_id)
 
     def post(self, command: bytes, arg0: int, arg1: int, data: bytes = b"") -> None:
         """Send one message for a handler. Raises ConnectionError (itself, never a subclass: a
         handler tells the connection's failure from its own socket's reset) when the message could
         not be sent whole."""
+        if command == constants.OKAY and arg0 >= DEVICE_STREAM_IDS:
+            with self._routes:  # before it leaves: the phone may answer with its next WRTE at once
+                self._unacked.discard(arg0)
+        elif command == constants.CLSE and arg0 == 0:  # a handler refused the phone's OPEN
+            with self._routes:
+                self._opening = max(0, self._opening - 1)
         try:
             self.send(AdbMessage(command, arg0, arg1, data), _AdbTransactionInfo(arg0, arg1, self.timeout_s,
                                                                                    self.timeout_s))
@@ -211,25 +263,59 @@ class SharedIO(_AdbIOManager):
             destination = data.rstrip(b"\0").decode("utf-8", "replace")
             with self._routes:
                 handler = self._listeners.get(destination)
-            if handler is not None:
+                full = len(self._owners) + self._opening >= MAX_PHONE_STREAMS
+                if handler is not None and not full:
+                    self._opening += 1
+            if handler is not None and not full:
                 handler.on_open(self, arg0, destination)
             else:
-                log.warning("refused the phone's OPEN of %r: nothing here takes it", destination)
-                threading.Thread(target=self._refuse, args=(arg0,), daemon=True).start()
+                log.warning("refused the phone's OPEN of %r: %s", destination[:100],
+                            f"{MAX_PHONE_STREAMS} of its streams are open already" if handler is not None
+                            else "nothing here takes it")
+                self._refuse_later(arg0)
             return
         if arg1 >= DEVICE_STREAM_IDS:
             with self._routes:
                 handler = self._owners.get(arg1)
+                if handler is not None and command == constants.WRTE:
+                    if arg1 in self._unacked:  # ADB: one WRTE in flight per stream and direction
+                        raise PhoneMisbehaved(f"the phone sent a WRTE on stream {arg1} before its last one was "
+                                              "acknowledged (ADB's flow control): closing the connection")
+                    self._unacked.add(arg1)
             if handler is not None:
                 handler.on_message(command, arg0, arg1, data)
             return
         with self._arrived:
             self._packet_store.put(arg0, arg1, command, data)
+            self._held += len(data)
+            if self._held > MAX_HELD_BYTES:  # an upper bound passed: count what is really held
+                self._held = self._packet_store.held_bytes()
+                if self._held > MAX_HELD_BYTES:
+                    raise PhoneMisbehaved(f"the phone sent more than {MAX_HELD_BYTES} bytes to streams nobody "
+                                          "reads: closing the connection")
             self._arrived.notify_all()
 
-    def _refuse(self, remote_id: int) -> None:
-        with contextlib.suppress(ConnectionError):
-            self.post(constants.CLSE, 0, remote_id)
+    def _refuse_later(self, remote_id: int) -> None:
+        """CLSE the phone's OPEN from the one refusing thread (the reader never sends); a phone
+        whose OPENs outrun it is cut off, not given a thread each."""
+        try:
+            self._refusals.put_nowait(remote_id)
+        except queue.Full:
+            raise PhoneMisbehaved(f"the phone opened streams faster than {MAX_REFUSALS_QUEUED} refusals could be "
+                                  "sent: closing the connection") from None
+        if self._refuser is None:
+            self._refuser = threading.Thread(target=self._refuse_loop, name="adb-refuser", daemon=True)
+            self._refuser.start()
+
+    def _refuse_loop(self) -> None:
+        while self._error is None:
+            try:
+                remote_id = self._refusals.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            with contextlib.suppress(ConnectionError):
+                self.send(AdbMessage(constants.CLSE, 0, remote_id), _AdbTransactionInfo(0, remote_id, self.timeout_s,
+                                                                                        self.timeout_s))
 
     def _receive(self) -> tuple[bytes, int, int, bytes] | None:
         """The next message, or None when none began within POLL_S."""
@@ -240,9 +326,9 @@ class SharedIO(_AdbIOManager):
         command = constants.WIRE_TO_ID.get(wire)
         if command is None or struct.unpack_from("<I", header, 20)[0] != wire ^ 0xFFFFFFFF:
             raise adb_errors.InvalidCommandError(f"garbled ADB header {header.hex()}")
-        if length > max(self.maxdata, constants.MAX_ADB_DATA):
-            raise adb_errors.InvalidResponseError(f"a {command.decode()} of {length} bytes, more than the "
-                                                  f"{self.maxdata} agreed")
+        if length > HOST_MAX_DATA:  # never buffered: the phone announced more, the host did not
+            raise PhoneMisbehaved(f"a {command.decode()} of {length} bytes, more than the {HOST_MAX_DATA} the host "
+                                  "announced: closing the connection")
         data = self._read_exact(length) if length else b""
         if checksum(data) != check:  # adb-shell agrees version 0x01000000: payloads carry checksums
             raise adb_errors.InvalidChecksumError(f"bad checksum on {command.decode()}")

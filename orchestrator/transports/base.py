@@ -18,19 +18,22 @@ from __future__ import annotations
 import abc
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from agent.bundle import FILES, MANIFEST, NAME_PATTERN, sha256_file
 from agent.protocol import (
     EXIT_BAD_INPUT,
     EXIT_BUSY,
     EXIT_FAILED,
     EXIT_NOT_FOUND,
+    FILES,
     LOG_TAIL_CHARS,
+    MANIFEST,
+    NAME_PATTERN,
     DeviceInfo,
     JobResult,
     JobSpec,
@@ -38,6 +41,7 @@ from agent.protocol import (
     ManifestFile,
     ProtocolError,
     from_json,
+    sha256_file,
     to_json,
 )
 
@@ -116,6 +120,7 @@ class SendReport:
     seconds: float
     build: str = ""
     installed: bool = False  # False when the build was already current and nothing was done
+    kept_current: str | None = None  # an older build installed beside this newer current one
 
 
 @dataclass
@@ -126,6 +131,26 @@ class AgentExit:
     code: int
     stdout: str = ""
     signal: int | None = None
+
+
+# The most a device may answer in one piece that is read whole: a JobResult (result.json or a
+# job's stdout) or a JSON reply. Artifacts stream to files instead. A real result is kilobytes
+# (a tune job's kernel timings: a few MiB); past this, a device is broken or hostile.
+MAX_REPLY_BYTES = 64 * 2**20
+
+
+def reply_too_large(name: str, what: str) -> InfraFailure:
+    return InfraFailure(name, f"{what} is over {MAX_REPLY_BYTES // 2**20} MiB, more than any result or answer "
+                        "can be; not read")
+
+
+_KEPT_CURRENT = re.compile(r"not made current: it is older than the current build ([A-Za-z0-9._+-]+) ")
+
+
+def kept_current(install_output: str) -> str | None:
+    """The build `farm-agent install` kept current instead of the (older) one it installed."""
+    found = _KEPT_CURRENT.search(install_output)
+    return found.group(1) if found else None
 
 
 class Transport(abc.ABC):
@@ -141,10 +166,13 @@ class Transport(abc.ABC):
 
     # ---- the templates -------------------------------------------------------------------------
 
-    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
-        """Send the files of a signed bundle that the device's store lacks, then install it as
-        the current build. Resumable: after an interruption the next call sends only what is
-        still missing, and no partial file ever lies at a path the agent reads."""
+    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None, *,
+                    allow_downgrade: bool = False) -> SendReport:
+        """Send the files of a signed bundle that the device's store lacks (by sha256: a blob
+        damaged on the device is sent again), then install it as the current build; one built
+        before the device's current build is installed beside it unless `allow_downgrade`.
+        Resumable: after an interruption the next call sends only what is still missing, and no
+        partial file ever lies at a path the agent reads."""
         started = time.monotonic()
         bundle_dir = Path(bundle_dir)
         manifest_bytes, manifest = self.read_manifest(bundle_dir)
@@ -163,10 +191,10 @@ class Transport(abc.ABC):
 
             self.push_file(manifest, f, bundle_dir / FILES / f.path, on_bytes)
         self.push_signed(manifest, bundle_dir)
-        self.install(manifest)
-        emit(progress, {"event": "bundle_installed", "build": manifest.build})
+        kept = self.install(manifest, allow_downgrade=allow_downgrade)
+        emit(progress, {"event": "bundle_installed", "build": manifest.build} | ({"kept_current": kept} if kept else {}))
         return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
-                          manifest.build, True)
+                          manifest.build, True, kept)
 
     def run(self, spec: JobSpec, out_dir: Path, progress: ProgressFn | None = None) -> JobResult:
         """Run one job; progress events stream to `progress`; the JobResult's artifacts are
@@ -189,14 +217,21 @@ class Transport(abc.ABC):
 
     # ---- what a transport supplies ---------------------------------------------------------------
 
+    def stop_job(self, job_id: str, reason: str) -> bool:
+        """Stop job `job_id` on the device if it runs there (`farm-agent stop`): it ends failed
+        with "stopped: <reason>". Called from another thread than the one running the job, on a
+        transport of its own. False when that job is not running there."""
+        raise TransportError(self.name, "this transport cannot stop a running job")
+
     @abc.abstractmethod
     def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
-        """Whether the device's current build is this one (build ids are immutable on the agent)."""
+        """Whether the device's current build is this one and every file of it still hashes to
+        the signed manifest (a damaged one is repaired by deploying again)."""
 
     @abc.abstractmethod
     def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
         """The files (one per blob) the device lacks, neither in its store nor staged by an
-        earlier attempt, with the staging room made for them."""
+        earlier attempt, compared by sha256, with the staging room made for them."""
 
     @abc.abstractmethod
     def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
@@ -208,9 +243,10 @@ class Transport(abc.ABC):
         """Stage the manifest and its signature."""
 
     @abc.abstractmethod
-    def install(self, manifest: Manifest) -> None:
+    def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:
         """Have the agent verify the staged build against its signature and make it current;
-        BundleRefused when it will not."""
+        BundleRefused when it will not. Returns the newer build the agent kept current (an
+        older build installed beside it without `allow_downgrade`), else None."""
 
     @abc.abstractmethod
     def exec_job(self, spec: JobSpec, limit_s: float, on_line: Callable[[str], None],

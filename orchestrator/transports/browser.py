@@ -2,7 +2,7 @@
 phone's Chrome, an iPhone's Safari), which has WebGPU but no Python. The job's logic runs in a
 `farm-agent` on this host, in an agent root of the device's own (<data_dir>/devices/<serial>),
 exactly as for a local device: the same lock, time limit, JobSpec and JobResult. Its engine is
-the browser runtime (FARM_ENGINE_RUNTIME=browser): every plan runs in the device's page, reached
+the browser runtime (the JobSpec's engine_runtime "browser"): every plan runs in the device's page, reached
 through the farm's hub (orchestrator/browser_hub.py).
 
 A deploy installs the signed build in the host-side root (the agent verifies it), then hands
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from agent.bundle import FARM_KEY, load_public_key
-from agent.protocol import DeviceInfo, JobResult, JobSpec, ThermalReading
+from agent.bundle import load_public_key
+from agent.protocol import FARM_KEY, DeviceInfo, JobResult, JobSpec, ThermalReading
 from orchestrator.browser_hub import BrowserHub
 from orchestrator.transports.base import (
     AgentExit,
@@ -47,7 +47,7 @@ PAGE_PORT = 8790  # the phone's localhost port the page is served on (its origin
 BROWSER_PACKAGE = "com.android.chrome"
 PAGE_PATH = "/web/index.html"
 # Errors of the page or the hub that are the infrastructure's, not the job's
-LOST_KINDS = ("page-lost", "timeout", "hub", "device-lost", "browser-exited")
+LOST_KINDS = ("page-lost", "page-hidden", "timeout", "hub", "device-lost", "browser-exited")
 # The files of a build the page keeps: what plans run (the rest is the host-side agent's)
 PAGE_FILES = ("shaders/",)
 PAGE_SUFFIXES = (".safetensors",)
@@ -239,9 +239,9 @@ def enrolment_url(origin: str, serial: str, token: str, farm_pub: Path, virtual:
 def web_enrolment_url(settings, serial: str) -> str:
     """A web device's enrolment URL on this farm's hub (its token made on first use)."""
     from orchestrator.browser_hub import read_or_make_token
-    from orchestrator.cli.builds import PUBLIC_KEY, farm_key
+    from orchestrator.keys import PUBLIC_KEY, ensure_farm_key
 
-    farm_key(settings.config_dir)
+    ensure_farm_key(settings.config_dir)
     token = read_or_make_token(settings.browser_tokens_dir / serial)
     return enrolment_url(public_url(settings), serial, token, settings.config_dir / PUBLIC_KEY)
 
@@ -313,7 +313,8 @@ class BrowserTransport(LocalTransport):
         info.adapter_id = host_adapter_id() if info.virtual else adapter_id(adapter, machine=f"browser:{self.name}")
         return info
 
-    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None) -> SendReport:
+    def send_bundle(self, bundle_dir: Path, progress: ProgressFn | None = None, *,
+                    allow_downgrade: bool = False) -> SendReport:
         """The host-side install (the agent verifies the build), then the page's: it verifies the
         signature itself and fetches only the files it does not hold. What was sent is what the
         page fetched."""
@@ -322,7 +323,7 @@ class BrowserTransport(LocalTransport):
             from agent.bundle import provision_public_key
 
             provision_public_key(self.root, self.farm_pub)
-        host = super().send_bundle(bundle_dir, progress)
+        host = super().send_bundle(bundle_dir, progress, allow_downgrade=allow_downgrade)
         manifest_bytes, manifest = self.read_manifest(Path(bundle_dir))
         wanted = [f.path for f in manifest.files if f.path.startswith(PAGE_FILES) or f.path.endswith(PAGE_SUFFIXES)]
         emit(progress, {"event": "page_deploy", "build": manifest.build, "files": len(wanted)})
@@ -334,11 +335,11 @@ class BrowserTransport(LocalTransport):
                         "build": manifest.build, "where": "page"})
         return SendReport(report["fetched_bytes"], report["fetched_files"], report["held_files"] +
                           len(manifest.files) - len(wanted), host.seconds, manifest.build,
-                          host.installed or report["fetched_files"] > 0)
+                          host.installed or report["fetched_files"] > 0, host.kept_current)
 
     def exec_job(self, spec: JobSpec, limit_s: float, on_line, progress: ProgressFn | None) -> AgentExit:
         hub = self.ensure_page()
-        self.job_env = {"FARM_ENGINE_RUNTIME": "browser", "FARM_BROWSER_PAGE": hub.control_url(self.name)}
+        self.job_env = {"FARM_BROWSER_PAGE": hub.control_url(self.name)}  # where the page is: this host's concern
         self._cooldown, self._notes = None, []
         if spec.cooldown is not None:  # on the device's own zones: the host's are not the device's
             from agent.jobs import cool_down
@@ -346,7 +347,8 @@ class BrowserTransport(LocalTransport):
             self._cooldown = cool_down(spec.cooldown, self._hottest, self._notes.append,
                                        lambda event: emit(progress, event))
         self._before = self.link.thermal("before")
-        return super().exec_job(dataclasses.replace(spec, cooldown=None), limit_s, on_line, progress)
+        return super().exec_job(dataclasses.replace(spec, cooldown=None, engine_runtime="browser"), limit_s,
+                                on_line, progress)
 
     def _hottest(self) -> float | None:
         readings = self.link.thermal("before")

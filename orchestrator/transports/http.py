@@ -22,10 +22,12 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE
 from agent.protocol import (
+    FILES,
+    MANIFEST,
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
+    SIGNATURE,
     DeviceInfo,
     JobSpec,
     Manifest,
@@ -36,6 +38,7 @@ from agent.protocol import (
     to_json,
 )
 from orchestrator.transports.base import (
+    MAX_REPLY_BYTES,
     AgentExit,
     BundleRefused,
     DeviceBusy,
@@ -48,6 +51,7 @@ from orchestrator.transports.base import (
     Transport,
     TransportError,
     emit,
+    reply_too_large,
 )
 
 CHUNK = 1 << 20
@@ -136,7 +140,10 @@ class HttpTransport(Transport):
                         while chunk := resp.read(CHUNK):
                             f.write(chunk)
                     return resp.status, b""
-                return resp.status, resp.read()
+                raw = resp.read(MAX_REPLY_BYTES + 1)
+                if len(raw) > MAX_REPLY_BYTES:
+                    raise reply_too_large(self.name, f"the answer to {method} {path}")
+                return resp.status, raw
         except urllib.error.HTTPError as exc:
             raise self._status_error(exc.code, exc.read(), method, path) from None
         except urllib.error.URLError as exc:
@@ -188,7 +195,10 @@ class HttpTransport(Transport):
 
     def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
         _, builds = self._json("GET", "/v1/builds")
-        return bool(builds) and builds.get("current") == manifest.build  # build ids are immutable on the agent
+        # Build ids are immutable on the agent; "current_damaged" lists its files no longer intact
+        # (an agent without it predates the check: deploy again, it costs only a hash pass there).
+        return (bool(builds) and builds.get("current") == manifest.build
+                and builds.get("current_damaged", ["unknown"]) == [])
 
     def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
         _, answer = self._json("POST", "/v1/store/missing", manifest_bytes)
@@ -205,13 +215,28 @@ class HttpTransport(Transport):
         for name in (MANIFEST, SIGNATURE):
             self._request("PUT", f"/v1/bundles/{quote(manifest.build)}/{name}", bundle_dir / name)
 
-    def install(self, manifest: Manifest) -> None:
+    def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:
+        query = "?allow_downgrade=1" if allow_downgrade else ""
         try:
-            self._request("POST", f"/v1/bundles/{quote(manifest.build)}/install", b"")
+            _, raw = self._request("POST", f"/v1/bundles/{quote(manifest.build)}/install{query}", b"")
         except TransportError as exc:
             if type(exc) is TransportError:  # a 4xx: the agent refused the bundle
                 raise BundleRefused(self.name, exc.detail) from None
             raise
+        try:
+            kept = json.loads(raw).get("kept_current")
+        except (ValueError, AttributeError):
+            kept = None
+        return kept if isinstance(kept, str) else None
+
+    def stop_job(self, job_id: str, reason: str) -> bool:
+        try:
+            self._request("POST", f"/v1/jobs/{quote(job_id)}/stop", json.dumps({"reason": reason}).encode())
+        except TransportError as exc:
+            if type(exc) is TransportError and ": HTTP 404:" in exc.detail:  # not running there
+                return False
+            raise
+        return True
 
     def exec_job(self, spec: JobSpec, limit_s: float, on_line, progress: ProgressFn | None) -> AgentExit:
         """Posted without waiting, then followed through the job's event feed (the agent sends

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files
+from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files, verify_build
 from agent.protocol import (
     DeviceInfo,
     JobSpec,
@@ -24,6 +24,7 @@ from agent.protocol import (
     to_json,
 )
 from orchestrator.transports.base import (
+    MAX_REPLY_BYTES,
     AgentExit,
     BundleRefused,
     InfraFailure,
@@ -31,6 +32,8 @@ from orchestrator.transports.base import (
     ProtocolMismatch,
     Transport,
     TransportError,
+    kept_current,
+    reply_too_large,
 )
 
 
@@ -67,7 +70,8 @@ class LocalTransport(Transport):
 
     def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
         current = current_build(self.root) if self.root.is_dir() else None
-        return current is not None and (current.path / MANIFEST).read_bytes() == manifest_bytes
+        return (current is not None and (current.path / MANIFEST).read_bytes() == manifest_bytes
+                and not verify_build(self.root, current))
 
     def _staging(self, manifest: Manifest) -> Path:
         return self.root / "incoming" / manifest.build
@@ -88,13 +92,19 @@ class LocalTransport(Transport):
         for name in (MANIFEST, SIGNATURE):
             shutil.copyfile(bundle_dir / name, self._staging(manifest) / name)
 
-    def install(self, manifest: Manifest) -> None:
+    def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:
         staging = self._staging(manifest)
-        done = self._agent("install", str(staging), "--root", str(self.root), timeout_s=max(self.timeout_s, 600))
+        done = self._agent("install", str(staging), "--root", str(self.root),
+                           *(["--allow-downgrade"] if allow_downgrade else []), timeout_s=max(self.timeout_s, 600))
         if done.returncode != 0:
             raise BundleRefused(self.name, f"build {manifest.build}: "
                                 f"{(done.stderr or done.stdout).strip().removeprefix('error: ')}")
         shutil.rmtree(staging, ignore_errors=True)
+        return kept_current(done.stdout)
+
+    def stop_job(self, job_id: str, reason: str) -> bool:
+        done = self._agent("stop", job_id, "--root", str(self.root), "--reason", reason, timeout_s=60)
+        return done.returncode == 0
 
     def _job_dir(self, spec: JobSpec) -> Path:
         return self.root / "jobs" / spec.job_id
@@ -135,7 +145,10 @@ class LocalTransport(Transport):
         return AgentExit(code, stdout, -code if code < 0 else None)
 
     def read_job_file(self, spec: JobSpec, path: str) -> bytes:
-        return self._job_file(spec, path).read_bytes()
+        file = self._job_file(spec, path)
+        if file.stat().st_size > MAX_REPLY_BYTES:
+            raise reply_too_large(self.name, f"job {spec.job_id}'s {path}")
+        return file.read_bytes()
 
     def fetch_job_file(self, spec: JobSpec, path: str, tmp: Path) -> None:
         shutil.copyfile(self._job_file(spec, path), tmp)

@@ -410,3 +410,83 @@ def test_stale_temporaries_are_swept(bundle, keys, tmp_path):
     (root / "builds/.tmp-b9-1").mkdir()
     B.install_bundle(bundle, root, keys[1])
     assert not (shard / ".tmp-deadbeef-1").exists() and not (root / "builds/.tmp-b9-1").exists()
+
+
+# ---- damage after install, downgrades ----------------------------------------------------------
+
+
+def _damage_in_place(path: Path) -> None:
+    """Flip one byte of a file, keeping its size: what a bad disk block or a stray write does."""
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_store_blob_damaged_in_place_is_missing_found_by_verify_and_repaired(bundle, keys, tmp_path):
+    root = tmp_path / "agent"
+    installed = B.install_bundle(bundle, root, keys[1])
+    assert B.missing_files(installed.manifest, root) == [] and B.verify_build(root, installed) == []
+    weights = next(f for f in installed.manifest.files if f.path.endswith("diffusion_pytorch_model.safetensors"))
+    _damage_in_place(B.blob_path(root, weights.sha256))
+    # compared by size, the damaged blob was held and never sent again
+    assert [f.sha256 for f in B.missing_files(installed.manifest, root)] == [weights.sha256]
+    # the tree shares the blob's inode: both paths of that blob are damaged, nothing else
+    assert sorted(B.verify_build(root, installed)) == ["models/tiny/unet/copy.safetensors",
+                                                       "models/tiny/unet/diffusion_pytorch_model.safetensors"]
+    # a re-deploy sends just that file, and the install repairs the blob and the tree
+    partial = partial_copy(bundle, tmp_path / "repair", {weights.path})
+    repaired = B.install_bundle(partial, root, keys[1])
+    assert B.verify_build(root, repaired) == [] and B.missing_files(installed.manifest, root) == []
+    assert hashlib.sha256((repaired.path / weights.path).read_bytes()).hexdigest() == weights.sha256
+
+
+def test_the_hash_cache_hashes_an_unchanged_file_once_and_a_rewritten_one_again(bundle, keys, tmp_path, monkeypatch):
+    root = tmp_path / "agent"
+    installed = B.install_bundle(bundle, root, keys[1])
+    B.verify_build(root, installed)  # fills the cache
+    hashed = []
+    real = B.sha256_file
+    monkeypatch.setattr(B, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    assert B.verify_build(root, installed) == [] and hashed == []
+    profile = next(f for f in installed.manifest.files if f.path == "profiles/adreno.json")
+    target = installed.path / profile.path
+    os.chmod(target, 0o644)
+    target.write_bytes(target.read_bytes())  # the same bytes, written again: hashed again, still intact
+    assert B.verify_build(root, installed) == [] and hashed == ["adreno.json"]
+    _damage_in_place(target)
+    assert B.verify_build(root, installed) == ["profiles/adreno.json"]
+    (root / B.HashCache.NAME).write_text("not json")  # a broken cache costs a re-hash, never a wrong answer
+    assert B.verify_build(root, installed) == ["profiles/adreno.json"]
+
+
+def test_a_run_of_a_damaged_build_fails_naming_the_file(bundle, keys, tmp_path):
+    from agent.jobs import run_job
+    from agent.protocol import JobSpec
+
+    root = tmp_path / "agent"
+    installed = B.install_bundle(bundle, root, keys[1])
+    _damage_in_place(installed.path / "shaders/conv2d/winograd.wgsl")
+    spec = JobSpec(job_id="damaged-1", kind="generate", model="models/tiny", time_limit_s=60.0)
+    result = run_job(spec, tmp_path / "out", root)
+    assert result.status == "failed"
+    assert "build b1 is damaged on this device: shaders/conv2d/winograd.wgsl" in result.error
+    assert "deploy the build again" in result.error
+
+
+def test_an_older_build_is_installed_beside_the_current_one_unless_downgrades_are_allowed(keys, src, tmp_path):
+    old = build(src, tmp_path / "old", keys[0], build_id="old")
+    (src / "engine/ops/conv2d.py").write_text("def conv2d():\n    return 3\n")
+    new = build(src, tmp_path / "new", keys[0], build_id="new")
+    assert old.created < new.created
+    root = tmp_path / "agent"
+    assert B.install_bundle(tmp_path / "new", root, keys[1]).kept_current is None
+    beside = B.install_bundle(tmp_path / "old", root, keys[1])
+    assert beside.kept_current == "new" and B.current_build(root).build_id == "new"
+    assert {b.build_id for b in B.list_builds(root)} == {"old", "new"}  # jobs naming "old" still run it
+    assert B.install_bundle(tmp_path / "old", root, keys[1], allow_downgrade=True).kept_current is None
+    assert B.current_build(root).build_id == "old"
+    assert B.install_bundle(tmp_path / "new", root, keys[1]).kept_current is None  # upgrades need nothing
+    assert B.current_build(root).build_id == "new"

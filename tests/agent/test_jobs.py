@@ -22,6 +22,7 @@ from agent.protocol import (
     DeviceInfo,
     JobResult,
     JobSpec,
+    Manifest,
     ProtocolError,
     ThermalZone,
     from_json,
@@ -182,7 +183,8 @@ def test_model_and_profile_resolve_against_the_installed_build(tmp_path, monkeyp
     (build / "models" / "tiny").mkdir(parents=True)
     (build / "profiles").mkdir()
     (build / "profiles" / "mine.json").write_text("{}")
-    installed = bundle.InstalledBuild("b7", build, manifest=None)
+    # files: none listed, so the check of a build's files before a run has nothing to hash
+    installed = bundle.InstalledBuild("b7", build, manifest=Manifest(build="b7", version="0", created=0.0, files=[]))
     monkeypatch.setattr(bundle, "current_build", lambda root: installed)
     monkeypatch.setattr(bundle, "list_builds", lambda root: [installed])
     plan = jobs.make_plan(spec(profile="profiles/mine.json"), tmp_path / "root", tmp_path / "out")

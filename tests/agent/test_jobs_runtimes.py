@@ -22,7 +22,7 @@ from ci_support import missing
 
 from agent import jobs
 from agent.jobs import run_job
-from agent.protocol import Cooldown, JobResult, JobSpec
+from agent.protocol import Cooldown, JobResult, JobSpec, ProtocolError
 
 
 def spec(**kw) -> JobSpec:
@@ -127,7 +127,7 @@ def test_plan_generate_job_makes_the_native_image(runs):
 
 
 def test_tune_runs_on_the_native_runtime_only(tiny_model_dir, tmp_path, monkeypatch):
-    from engine.pipeline import RUNTIMES
+    from engine.load import RUNTIMES
 
     assert jobs.RUNTIMES == RUNTIMES
     monkeypatch.setenv(jobs.ENGINE_RUNTIME_ENV, "plan")
@@ -139,11 +139,24 @@ def test_tune_runs_on_the_native_runtime_only(tiny_model_dir, tmp_path, monkeypa
     assert not (tmp_path / "root" / "locks" / jobs.LOCK_NAME).exists()
 
 
+def test_the_job_spec_names_its_engine_runtime_over_the_agents_default(tiny_model_dir, tmp_path, monkeypatch):
+    """The runtime is part of the contract (the farm's browser devices send "browser"); the
+    environment is only an agent's own default."""
+    monkeypatch.setenv(jobs.ENGINE_RUNTIME_ENV, "native")
+    assert jobs.job_runtime(spec(model="m", engine_runtime="plan")) == "plan"
+    assert jobs.job_runtime(spec(model="m")) == "native"
+    result = run_job(spec(kind="tune", model=str(tiny_model_dir), engine_runtime="browser"), tmp_path / "out",
+                     tmp_path / "root")
+    assert result.status == "failed" and "not on engine_runtime browser" in result.error
+    with pytest.raises(ProtocolError, match="engine_runtime 'webgl' is not one of native, plan, browser"):
+        spec(model="m", engine_runtime="webgl")
+
+
 @pytest.mark.parametrize("env,message", [
     ({jobs.ENGINE_RUNTIME_ENV: "webgl"}, "FARM_ENGINE_RUNTIME='webgl' is not an engine runtime; set one of "
                                          "native, plan, browser"),
-    ({jobs.BROWSER_PAGE_ENV: "http://127.0.0.1:9/ctl/p1?key=k"}, "FARM_BROWSER_PAGE is for "
-                                                                  "FARM_ENGINE_RUNTIME=browser"),
+    ({jobs.BROWSER_PAGE_ENV: "http://127.0.0.1:9/ctl/p1?key=k"}, "FARM_BROWSER_PAGE is for the browser "
+                                                                  "runtime (FARM_ENGINE_RUNTIME=browser)"),
 ])
 def test_a_runtime_setting_that_cannot_run_fails_the_job(tiny_model_dir, tmp_path, monkeypatch, env, message):
     monkeypatch.delenv(jobs.ENGINE_RUNTIME_ENV, raising=False)

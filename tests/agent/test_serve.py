@@ -324,7 +324,7 @@ def test_the_cli_serves_https_on_loopback_by_default(tmp_path):
             socket.create_connection(("127.0.0.2", port), timeout=5).close()
         req = urllib.request.Request(f"https://localhost:{port}/v1/builds", headers={"Authorization": f"Bearer {TOKEN}"})
         with urllib.request.urlopen(req, timeout=10, context=ssl.create_default_context(cafile=pki.ca)) as resp:
-            assert json.loads(resp.read()) == {"builds": [], "current": None}
+            assert json.loads(resp.read()) == {"builds": [], "current": None, "current_damaged": []}
     finally:
         proc.terminate()
         proc.wait(timeout=10)

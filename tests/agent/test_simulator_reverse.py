@@ -261,7 +261,7 @@ def test_phone_urls_map_to_stable_host_ports(phone):
 
 
 def _shell(device: AdbDevice, command: str) -> tuple[str, str, int]:
-    info = device._open(b"shell,v2,raw:" + command.encode(), None, 10.0, None)
+    info = device._open(b"shell,v2,raw:" + command.encode(), 120.0, 120.0, None)  # loaded machines
     buf = b"".join(device._read_until_close(info))
     out, err, code = b"", b"", None
     while buf:

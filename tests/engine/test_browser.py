@@ -1,4 +1,4 @@
-"""The engine in a browser: engine plans run by agent/web/plan.js in Debian's headless Chromium on
+"""The engine in a browser: engine plans run by engine/web/plan.js in Debian's headless Chromium on
 its SwiftShader WebGPU adapter (fp32: SwiftShader has no shader-f16).
 
 - every kernel variant the shipped profiles can select, run from a one-op plan, against float64
@@ -26,7 +26,7 @@ from engine.browser import BrowserError, BrowserExecutor, BrowserSession, caps_o
 from engine.errors import EngineError
 from engine.kernels import Rule, Selection, variants
 from engine.ops import Ops
-from engine.plan import make_plan, op_plan, plan_hash
+from engine.plan import op_plan, plan_hash, record_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -244,8 +244,8 @@ def test_a_second_load_fetches_no_weight_bytes(session, caps, tiny_model_dir):
     from engine.models.config import load_model_config
 
     config = load_model_config(tiny_model_dir)
-    plan = make_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=1, scheduler="ddim",
-                     guidance_scale=3.0)  # a plan no other test loads
+    plan = record_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=1, scheduler="ddim",
+                       guidance_scale=3.0)  # a plan no other test loads
     weight_bytes = sum(b["length"] for b in plan["buffers"] if b["kind"] == "weight")
     before = session.weight_bytes_served
     first = BrowserExecutor(plan, tiny_model_dir, session).load_report
@@ -262,8 +262,8 @@ def test_bad_input_gives_structured_errors(session, caps, tiny_model_dir, tmp_pa
     from engine.models.config import load_model_config
 
     config = load_model_config(tiny_model_dir)
-    plan = make_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=1, scheduler="euler",
-                     guidance_scale=2.0)
+    plan = record_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=1, scheduler="euler",
+                       guidance_scale=2.0)
 
     def load(p, model=tiny_model_dir):
         p["sha256"] = plan_hash(p)
@@ -329,3 +329,78 @@ def test_browser_option_needs_the_browser_runtime(tiny_model_dir, tmp_path, monk
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 1 and "--browser is for --runtime browser" in "".join(capsys.readouterr())
+
+
+def test_a_browser_never_closed_goes_when_its_process_exits(tmp_path):
+    """A script that starts the browser runtime and exits without close() (the README's example
+    did) left its headless Chromium running; it goes with the interpreter now."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    if not find_chromium():
+        missing("no chromium: bash scripts/ensure-chromium.sh installs it", "CI needs it")
+    script = ("from engine.browser import BrowserSession\n"
+              "s = BrowserSession(webgpu_adapter='swiftshader')\n"
+              "print(s.process.pid, s._profile_dir, flush=True)\n")  # and exit, never closing it
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    pid, profile = done.stdout.split()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, f"Chromium {pid} still runs after its process exited"
+        time.sleep(0.2)
+    assert not os.path.exists(profile)
+
+
+def _renderers(browser_pid: int) -> list[int]:
+    """The renderer processes of the Chromium whose browser process is `browser_pid` (its
+    descendants, through the zygote, that run with --type=renderer)."""
+    import os
+
+    parents, kinds = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                kinds[int(entry)] = b"--type=renderer" in f.read()  # Chromium joins its argv into one
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == browser_pid:
+                return True
+        return False
+
+    return [pid for pid, renderer in kinds.items() if renderer and descends(pid)]
+
+
+def test_a_standalone_page_that_dies_is_noticed_from_its_silence():
+    """The tab crashes, the browser lives on: the page's polls and beats stop. The engine's own
+    server ignored beats and waited out the call's timeout (600 s); now it counts the silence."""
+    import os
+    import signal
+    import time
+
+    if not find_chromium():
+        missing("no chromium: bash scripts/ensure-chromium.sh installs it", "CI needs it")
+    with BrowserSession(webgpu_adapter="swiftshader", page_lost_s=5.0) as s:
+        renderers = _renderers(s.process.pid)
+        assert renderers, "no renderer process found"
+        for pid in renderers:
+            os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(BrowserError, match="no word from the page") as err:
+            s.call("hello", timeout_s=600)
+        assert err.value.kind == "page-lost" and time.monotonic() - started < 60
+        assert s.process.poll() is None  # the browser itself still runs: only the page is gone

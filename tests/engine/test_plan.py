@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import engine
 from engine.errors import GPUError, InputError, ModelError
-from engine.plan import check_plan, make_plan, plan_hash
+from engine.plan import check_plan, plan_hash, record_plan
 from engine.plan_exec import PlanExecutor
 from engine.schedulers import SCHEDULERS, make_scheduler
 from engine.schedulers.program import NotLinear, evaluate, loop_program
@@ -183,8 +183,8 @@ def test_plan_stages_equal_the_eager_networks(native, planned, fresh_rng):
 def tiny_plan(tiny_model_dir, gpu):
     from engine.models.config import load_model_config
 
-    return make_plan(load_model_config(tiny_model_dir), gpu.caps, model_dir=tiny_model_dir, height=64, width=64,
-                     steps=2, scheduler="euler")
+    return record_plan(load_model_config(tiny_model_dir), gpu.caps, model_dir=tiny_model_dir, height=64, width=64,
+                       steps=2, scheduler="euler")
 
 
 @pytest.mark.gpu
@@ -269,7 +269,7 @@ def test_explain_and_the_plan_agree_on_every_selection(tiny_model_dir, gpu):
 
     config = load_model_config(tiny_model_dir)
     profile = resolve_profile("auto", gpu.caps)
-    plan = make_plan(config, gpu.caps, height=64, width=64, steps=1, scheduler="euler", profile=profile.to_json())
+    plan = record_plan(config, gpu.caps, height=64, width=64, steps=1, scheduler="euler", profile=profile.to_json())
     rows = explain(config, profile.selection(gpu.caps), gpu.caps, "f32", 64, 64)
     chosen = {(d["op"], json.dumps(d["shape"], sort_keys=True)): d["variant"] for d in plan["profile"]["decisions"]}
     assert rows
@@ -352,3 +352,27 @@ def test_a_plan_file_runs_in_a_fresh_process(tiny_plan, tiny_model_dir, tmp_path
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "(1, 3, 64, 64) True"
+
+
+def _bound_buffers(plan) -> set[int]:
+    ids = set()
+    for commands in (plan["generate"], *(s["commands"] for s in plan["stages"].values())):
+        for c in commands:
+            ids |= {b for _slot, b, _size in c.get("bindings", ())}
+    return ids
+
+
+@pytest.mark.parametrize("strength", [None, 0.6])
+def test_a_plan_holds_only_the_weights_its_dispatches_bind(strength):
+    """Text to image never runs the VAE encoder: its weights (130 MiB in SD 1.4) stay out of
+    the plan, so no executor allocates or fetches them; image to image keeps them."""
+    from engine.device import ADAPTERS_DIR, caps_from_dict
+    from engine.make_model import preset_model_config
+
+    caps = caps_from_dict(json.loads((ADAPTERS_DIR / "apple-iphone-safari.json").read_text()))
+    plan = record_plan(preset_model_config("tiny"), caps, height=64, width=64, steps=2, scheduler="euler",
+                       strength=strength)
+    weights = [b for b in plan["buffers"] if b["kind"] == "weight"]
+    assert {b["id"] for b in weights} <= _bound_buffers(plan)
+    encoder = [b for b in weights if b["component"] == "vae" and b["name"].startswith(("encoder.", "quant_conv."))]
+    assert bool(encoder) == (strength is not None)

@@ -61,6 +61,51 @@ def test_auto_picks_the_family_profile(adapter, expected):
     assert auto_profile(adapter).name == expected
 
 
+# What Chrome (Dawn's gpu_info names) and Safari report as GPUAdapterInfo: a vendor and an
+# architecture, never a PCI id, often no device name.
+@pytest.mark.parametrize(
+    "info,expected",
+    [
+        ({"vendor": "qualcomm", "architecture": "adreno-7xx"}, "adreno"),
+        ({"vendor": "qualcomm", "architecture": "adreno-8xx"}, "adreno"),
+        ({"vendor": "qualcomm", "architecture": "adreno-6xx"}, "adreno6xx"),
+        ({"vendor": "arm", "architecture": "valhall"}, "mali"),
+        ({"vendor": "arm", "architecture": "bifrost"}, "mali"),
+        ({"vendor": "apple", "architecture": "common-3"}, "apple"),
+        ({"vendor": "apple", "architecture": ""}, "apple"),
+        ({"vendor": "nvidia", "architecture": "ampere"}, "nvidia"),
+        ({"vendor": "intel", "architecture": "xe-lpg"}, "intel"),
+        ({"vendor": "amd", "architecture": "rdna-3"}, "amd"),
+        ({"vendor": "google", "architecture": "swiftshader"}, "software"),
+        ({"vendor": "img-tec", "architecture": "rogue"}, "reference"),  # no family profile yet
+    ],
+)
+def test_auto_picks_the_family_profile_from_what_a_browser_reports(info, expected):
+    from engine.browser import caps_of
+
+    adapter = caps_of({"device": "", "description": "", "features": ["shader-f16"], "limits": {}, **info})
+    assert adapter.vendor_id == 0  # browsers report no PCI ids
+    assert auto_profile(adapter).name == expected
+
+
+PHONE_FAMILIES = {"adreno-640-chrome.json": "adreno6xx", "adreno-7xx-128mib-chrome.json": "adreno",
+                  "mali-g78-chrome.json": "mali", "mali-g78-256mib-chrome.json": "mali",
+                  "apple-iphone-safari.json": "apple"}
+
+
+def test_the_phone_adapter_files_name_their_sources_and_get_their_familys_profile():
+    from engine.device import ADAPTERS_DIR, caps_from_dict
+
+    assert {p.name for p in ADAPTERS_DIR.glob("*.json")} == set(PHONE_FAMILIES)
+    for name, family in PHONE_FAMILIES.items():
+        doc = json.loads((ADAPTERS_DIR / name).read_text())
+        assert doc["source"] and all(isinstance(line, str) and line for line in doc["source"]), name
+        adapter = caps_from_dict(doc)
+        assert auto_profile(adapter).name == family, name
+        binding = adapter.limits["max-storage-buffer-binding-size"]
+        assert 128 * 2**20 <= binding <= adapter.limits["max-buffer-size"], name
+
+
 def test_paper_rules_flash_only_for_head_dim_40_on_adreno():
     sel = auto_profile(caps(vendor_id=20803, device="Adreno (TM) 740")).selection(
         caps(features=frozenset({"shader-f16", "subgroup"})))
@@ -85,7 +130,10 @@ def doc(**rules_or_top):
         (doc(rules=[{"op": "attention", "variant": "fast"}]), "choose one of flash, flash_gemm, flash_packed, gemm_softmax, partial_softmax, reference"),
         (doc(rules=[{"op": "attention", "variant": "reference", "when": {"tokens": 4}}]), "choose from tq, tk, dh"),
         (doc(rules=[{"op": "attention", "variant": "reference", "constants": {"BLOCK": 3}}]), "not a constant"),
-        (doc(match={"gpu": ["x"]}), "keys must be among"),
+        (doc(match={"gpu": ["x"]}), "keys are among"),
+        (doc(match=[{"vendor_id": [1]}, {"gpu": ["x"]}]), r"match\[1\]: an object .* keys are among"),
+        (doc(match=[{"vendor": "arm"}]), r"match\[0\]\.vendor: must be a list of strings"),
+        (doc(match=[]), "needs at least one"),
         (doc(extra=1), "unknown key"),
     ],
 )

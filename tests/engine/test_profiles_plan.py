@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 
-from engine.device import DeviceCaps
+from engine.device import JS_LIMIT_NAMES, DeviceCaps
 from engine.make_model import preset_model_config
-from engine.plan import make_plan
+from engine.plan import record_plan
 from engine.profiles import shipped_profiles
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -61,10 +61,7 @@ FAMILY_ADAPTERS = {
     "software": adapter("llvmpipe", "llvmpipe (LLVM 15.0.6, 256 bits)", 0x10005, "CPU", "Vulkan",
                         binding=128 * MiB, buffer=2 * GiB - 1, workgroup_storage=32768, invocations=1024),
 }
-LIMIT_NAMES = {"maxStorageBufferBindingSize": "max-storage-buffer-binding-size",
-               "maxBufferSize": "max-buffer-size",
-               "maxComputeWorkgroupsPerDimension": "max-compute-workgroups-per-dimension",
-               "maxStorageBuffersPerShaderStage": "max-storage-buffers-per-shader-stage"}
+LIMIT_NAMES = {js: ours for ours, js in JS_LIMIT_NAMES.items()}  # JavaScript's name -> the adapter's
 CASES = [("sd14", precision, guidance) for precision in ("fp16", "fp32") for guidance in (7.5, 1.0)] + \
         [("tiny", "fp32", 7.5), ("tiny", "fp16", 1.0)]
 # The planner does not yet split the VAE decoder's 256 MiB activations for an adapter that binds
@@ -92,8 +89,8 @@ def test_every_shipped_profile_plans_every_preset_within_its_familys_limits(requ
     height, width = (512, 512) if preset == "sd14" else config.native_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a variant's fallback to reference is allowed, not an error
-        doc = make_plan(config, caps, precision=precision, height=height, width=width, steps=20,
-                        guidance_scale=guidance, profile=profile.to_json(), model_name=preset, hashes=False)
+        doc = record_plan(config, caps, precision=precision, height=height, width=width, steps=20,
+                          guidance_scale=guidance, profile=profile.to_json(), model_name=preset, hashes=False)
     assert doc["dtype"] == ("f16" if precision == "fp16" else "f32")
     assert doc["profile"]["name"] == name
     missing = set(doc["requires"]["features"]) - caps.features

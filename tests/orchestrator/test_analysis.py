@@ -134,6 +134,46 @@ def test_drift_leaves_out_builds_whose_regression_is_open(Session):  # noqa: N80
             assert c["verdict"] in ("same", "inconclusive") and c["ci_high"] < 1.2, (build.name, c)
 
 
+def test_a_series_drift_setting_holds_until_its_history_estimates_one(Session):  # noqa: N803
+    """The demo's A/A on a shared CPU: one run of the same build 23% above the last, 10
+    repetitions each (2% noise). With the default 1% run-to-run drift that is a regression;
+    with the series' drift set to 10% (what the demo's devices show) one run against one
+    cannot tell it from drift (cause "drift"), while a 3x slowdown is still a regression. The
+    setting is no longer used once 6 earlier runs estimate the drift."""
+    rng = np.random.default_rng(20261127)
+    spec = analysis.SpecKey.of(SPEC)
+
+    def verdict(s, device, name: str, slow: float, hour: int) -> dict:
+        build = store.create_build(s, _manifest(name, 1_700_000_000.0 + 3600 * hour))
+        batch = store.create_batch(s, f"demo {name}", build_id=build.id)
+        _record(s, device.id, build.id, "latency", _latency(rng, slow), batch.id)
+        found = [c for c in analysis.analyze_batch(s, batch.id)["comparisons"] if c.get("metric") == "unet_step_ms"]
+        return found[0] if found else {}
+
+    with Session() as s, s.begin():
+        plain = store.upsert_device(s, "p-plain", "local", "/tmp/p-plain", host="h")
+        noisy = store.upsert_device(s, "p-noisy", "local", "/tmp/p-noisy", host="h")
+        with pytest.raises(store.StoreError, match="drift 1.5 must be in"):
+            analysis.set_drift(s, analysis.series_key(noisy, spec, "unet_step_ms"), 1.5)
+        analysis.set_drift(s, analysis.series_key(noisy, spec, "unet_step_ms"), 0.10)
+        for device in (plain, noisy):
+            verdict(s, device, f"{device.serial}-a1", 1.0, 0)
+        c = verdict(s, plain, "p-plain-a2", 1.23, 1)
+        assert (c["verdict"], c["drift"], c["drift_source"]) == ("regression", 0.01, "default"), c
+        c = verdict(s, noisy, "p-noisy-a2", 1.23, 1)
+        assert (c["verdict"], c["cause"], c["drift"], c["drift_source"]) == \
+            ("inconclusive", "drift", 0.10, "series setting"), c
+        assert "10.0% a run" in c["reason"] and 1.15 < c["ratio"] < 1.32
+        c = verdict(s, noisy, "p-noisy-b", 3.0, 2)
+        assert c["verdict"] == "regression" and c["ci_low"] > 1.5, c  # against A2 (2.4x), the CI widened by drift
+        # Six accepted runs of history (the B above has an open alert: no part of it) replace the setting.
+        for hour in range(3, 8):
+            c = verdict(s, noisy, f"p-noisy-h{hour}", 1.0, hour)
+        drift, used = analysis.series_drift(s, noisy, spec, "unet_step_ms", store.get_build(s, "p-noisy-h7"))
+        assert used == 6 and drift != 0.10
+        assert c["drift_source"] == "estimated from 6 earlier runs" and c["drift"] == pytest.approx(drift), c
+
+
 def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     Session = farm["Session"]  # noqa: N806
     with Session() as s, s.begin():

@@ -18,7 +18,7 @@ from agent.bundle import build_bundle
 from orchestrator.cli import app as farm_cli
 from orchestrator.db import store
 from orchestrator.db.models import Batch, Build, Job, JobKind, JobState
-from orchestrator.jobs import launch_suite
+from orchestrator.jobservice import launch_suite
 
 # `alone`: scripts/test.sh runs this file with no other test beside it: it times builds against each other on this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]

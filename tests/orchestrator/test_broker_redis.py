@@ -242,7 +242,7 @@ def test_sent_jobs_subscribe_to_no_result(farm):
     subscription 20 times a second apart (19 s measured) before it fails; one that does not
     fails in 0.6 s, and the reconciler, which sends every job it finds, goes on."""
     from agent.protocol import Manifest, ManifestFile
-    from orchestrator import jobs
+    from orchestrator import jobservice
     from orchestrator.db import store
     from orchestrator.db.models import Job, JobState
 
@@ -260,7 +260,7 @@ def test_sent_jobs_subscribe_to_no_result(farm):
             return client.info("commandstats").get("cmdstat_subscribe", {}).get("calls", 0)
 
         before = subscribes()
-        assert jobs.send_jobs(app, [job_id], strict=True) == [job_id]
+        assert jobservice.send_jobs(app, [job_id], strict=True) == [job_id]
         assert subscribes() == before, "sending the job subscribed to its result"
         # The worker took it (the device has no build, so the job ends there; what matters is
         # that it was delivered and ran without anyone listening for a result).
@@ -304,7 +304,7 @@ def test_worker_reconnects_after_redis_is_killed_and_queued_jobs_run(tmp_path):
         def send_during_outage():
             policy = {"max_retries": 200, "interval_start": 0.1, "interval_step": 0.1, "interval_max": 0.25}
             try:
-                # Sent as the farm sends jobs: no result subscription (orchestrator.jobs._publish).
+                # Sent as the farm sends jobs: no result subscription (orchestrator.dispatch.publish).
                 sent["result"] = app.signature(PING, args=(200,)).apply_async(queue=queue, retry=True,
                                                                               retry_policy=policy,
                                                                               ignore_result=True)

@@ -1,5 +1,5 @@
 """The farm's hub for browser devices (orchestrator/browser_hub.py) with the real page
-(agent/web) in Debian's headless Chromium on SwiftShader: enrolment by token and farm key, a
+(agent/web, on engine/web) in Debian's headless Chromium on SwiftShader: enrolment by token and farm key, a
 signed build deployed into the page's cache (verified with WebCrypto Ed25519; a second deploy
 fetches nothing; a build signed by another key or altered is refused), a generation run from the
 deployed build through the hub's farm side equal to the plan runtime's (PSNR >= 40 dB) with no
@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import serialization
 
 import engine
 from agent.bundle import build_bundle, generate_keypair, load_public_key, provision_public_key
+from agent.hubpage import HubPage
 from agent.protocol import Manifest, from_json
 from engine.browser import BrowserError, chromium_command, find_chromium
 from engine.kernels import SHADER_ROOT
@@ -94,7 +95,7 @@ def test_a_signed_build_is_cached_once_and_runs_from_the_cache(farm):
 
     model = farm["root"] / "builds" / "current" / "models" / "tiny"
     args = {"prompt": "a red bicycle", "steps": 2, "scheduler": "euler", "seed": 4, "height": 64, "width": 64}
-    with engine.load_pipeline(model, precision="fp32", runtime="browser", page=hub.control_url("d1")) as page:
+    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=HubPage(hub.control_url("d1"))) as page:
         image = page.generate(**args).image
     with engine.load_pipeline(model, precision="fp32", runtime="plan") as plan:
         reference = plan.generate(**args).image
@@ -142,7 +143,7 @@ def test_a_page_killed_mid_command_is_reported_lost(farm):
     """Last in the module: it kills the page."""
     hub = farm["hub"]
     model = farm["root"] / "builds" / "current" / "models" / "tiny"
-    with engine.load_pipeline(model, precision="fp32", runtime="browser", page=hub.control_url("d1")) as page:
+    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=HubPage(hub.control_url("d1"))) as page:
         ex = page.executor(64, 64, guidance_scale=7.5)
         killer = subprocess.Popen(["sh", "-c", f"sleep 2; kill -9 {farm['proc'].pid}"])
         t0 = time.monotonic()

@@ -38,13 +38,14 @@ from pathlib import Path
 import pytest
 from ci_support import missing
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from orchestrator import ca
 
 MARKER = "farm-page-3f9c1d"
+LAB_NAMES = ["farm.lan", "farm.test", "localhost", "127.0.0.1", "::1", "10.0.0.5", "10.9.9.9"]
 PAGE = f"<!doctype html><html><body><p id=marker>{MARKER}</p></body></html>".encode()
 
 
@@ -60,7 +61,7 @@ def folder(tmp_path) -> Path:
 @pytest.fixture
 def made(folder) -> Path:
     """`folder` holding a fresh CA."""
-    ca.init_ca(folder, "devicefarm test CA")
+    ca.init_ca(folder, "devicefarm test CA", names=LAB_NAMES)
     return folder
 
 
@@ -129,7 +130,7 @@ def test_init_makes_a_private_folder_with_a_ca_certificate(folder):
     assert usage.critical and usage.value.key_cert_sign and usage.value.crl_sign
     assert not usage.value.digital_signature
     lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
-    assert dt.timedelta(days=3649) < lifetime <= dt.timedelta(days=3650)
+    assert dt.timedelta(days=729) < lifetime <= dt.timedelta(days=730)  # two years, not ten
     assert cert.not_valid_before_utc < dt.datetime.now(dt.UTC)  # already valid on a phone a little behind
 
 
@@ -210,7 +211,7 @@ def test_a_server_certificate_near_its_end_is_renewed(made, monkeypatch):
 
 def test_a_new_ca_replaces_the_server_certificate_of_the_old_one(made):
     old = ca.issue_server_cert(made, ["localhost"])
-    ca.init_ca(made, "devicefarm test CA 2", force=True)
+    ca.init_ca(made, "devicefarm test CA 2", names=["farm.lan"], force=True)
     new = ca.issue_server_cert(made, ["farm.lan"])
     assert new.issued and new.names == ("farm.lan",)  # the old CA's names are not carried over
     x509.load_pem_x509_certificates(new.cert.read_bytes())[0].verify_directly_issued_by(ca.load_ca_cert(made))
@@ -332,7 +333,9 @@ def test_cli_init_show_issue_export(farm, tmp_path):
     out = farm("ca", "init").output
     assert "devicefarm CA testhost" in out and str(folder) in out
     assert "already holds a CA" in farm("ca", "init", code=1).output
-    assert "lab CA" in farm("ca", "init", "--name", "lab CA", "--force").output
+    out = farm("ca", "init", "--name", "lab CA", "--force", "--name-constraint", "farm.lan",
+               "--name-constraint", "127.0.0.1").output
+    assert "lab CA" in out and "may vouch for: farm.lan, 127.0.0.1" in out
     fp = ca.fingerprint(ca.load_ca_cert(folder))
     shown = farm("ca", "show").output
     assert fp in shown and "lab CA" in shown and str(folder / ca.CA_KEY) in shown and "no server certificate" in shown
@@ -406,3 +409,69 @@ def test_headless_chromium_loads_the_page_only_once_it_trusts_the_ca(made, tmp_p
         _certutil("-A", "-d", f"sql:{nssdb}", "-n", "devicefarm test CA", "-t", "C,,", "-i", str(exported))
         trusted = _dump_dom(chromium, url, home, profile)
         assert MARKER in trusted.stdout, trusted.stderr[-2000:]
+
+
+# ---- name constraints (issue 27, item 13) ------------------------------------------------------
+
+
+def test_the_ca_vouches_only_for_the_lab_names(made):
+    """`farm ca issue accounts.google.com '*.apple.com'` worked and verified: whoever took ca.key
+    could impersonate any site to every lab device. The CA is name-constrained now."""
+    for names in (["accounts.google.com"], ["*.apple.com"], ["farm.lan.evil.example"], ["10.0.0.6"],
+                  ["localhost", "8.8.8.8"]):
+        with pytest.raises(ca.CaError, match="may not vouch for"):
+            ca.issue_server_cert(made, names)
+    assert ca.issue_server_cert(made, ["pixel.farm.lan", "farm.lan", "10.0.0.5"]).issued  # subdomains too
+    assert ca.permitted_names(ca.load_ca_cert(made)) == ["farm.lan", "farm.test", "localhost", "10.0.0.5",
+                                                         "10.9.9.9", "127.0.0.1", "::1"]
+
+
+def _forge_leaf(folder: Path, name: str) -> tuple[bytes, bytes]:
+    """A leaf for `name` signed with the CA's own key, as a thief of ca.key would sign it."""
+    ca_cert, ca_key = ca.load_ca(folder)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    leaf = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    chain = leaf.public_bytes(serialization.Encoding.PEM) + ca_cert.public_bytes(serialization.Encoding.PEM)
+    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return chain, pem_key
+
+
+def test_a_leaf_forged_with_the_stolen_key_for_another_name_fails_verification(made, tmp_path):
+    """Even with ca.key, a certificate for a name outside the constraints is refused by a client
+    that trusts the farm's CA (OpenSSL enforces name constraints, as browsers do)."""
+    client = ssl.create_default_context(cafile=str(ca.export_ca(made, tmp_path / "farm-ca.pem")))
+    for name, good in (("accounts.google.com", False), ("farm.lan", True)):
+        chain, key = _forge_leaf(made, name)
+        (tmp_path / "leaf.pem").write_bytes(chain)
+        (tmp_path / "leaf.key").write_bytes(key)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tmp_path / "leaf.pem", tmp_path / "leaf.key")
+        with https_server(context) as port:
+            if good:
+                _handshake(port, client, name)
+            else:
+                with pytest.raises(ssl.SSLCertVerificationError, match="name constraint|permitted"):
+                    _handshake(port, client, name)
+
+
+def test_cli_rotate_makes_a_new_constrained_ca(farm, tmp_path):
+    folder = tmp_path / "config" / "ca"
+    farm("ca", "init")
+    old = ca.fingerprint(ca.load_ca_cert(folder))
+    assert "may vouch for: localhost, testhost, 127.0.0.1" in farm("ca", "show").output
+    out = farm("ca", "rotate", "--name-constraint", "farm.lan", "--name-constraint", "10.0.0.5").output
+    new = ca.load_ca_cert(folder)
+    assert ca.fingerprint(new) != old and ca.fingerprint(new) in out and "rotated" in out
+    assert ca.permitted_names(new) == ["farm.lan", "10.0.0.5"]
+    assert new.not_valid_after_utc - new.not_valid_before_utc <= dt.timedelta(days=730)
+    assert "may not vouch for accounts.google.com" in farm("ca", "issue", "accounts.google.com", code=1).output

@@ -135,9 +135,9 @@ def test_state_machine_refusals_are_one_line(cli_db):
 
 def test_a_browser_device_is_added_over_adb_and_reached_through_its_browser(cli_db):
     from orchestrator.db.models import Device
-    from orchestrator.jobs import make_transport
     from orchestrator.settings import load_settings
     from orchestrator.transports.browser import AdbPageLink, BrowserTransport
+    from orchestrator.worker import make_transport
 
     cli = cli_db
     added = cli("devices", "add", "pixel-8", "--transport", "adb", "--address", "127.0.0.1:5999",

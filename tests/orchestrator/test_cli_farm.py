@@ -120,7 +120,7 @@ def test_builds_create_list_show(farm_db, tiny_model_dir):
     assert "engine/__init__.py" in paths and "agent/jobs.py" in paths
     assert any(p.startswith("shaders/") and p.endswith(".wgsl") for p in paths)
     assert not any("__pycache__" in p for p in paths)
-    assert "agent/web/plan.js" in paths  # the browser executor travels with every build
+    assert "engine/web/plan.js" in paths  # the browser executor travels with every build
     assert not any(p.startswith("agent/simulator/") for p in paths)  # the virtual phone never does
     assert [p for p in (farm.tmp / "data" / "builds").iterdir()] == [bundle]  # no staging left
 

@@ -330,7 +330,7 @@ def test_metric_series_along_builds(seeded):
 def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
     cli = seeded
     sent: list[list[int]] = []
-    monkeypatch.setattr("orchestrator.jobs.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
+    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
 
     out = json.loads(cli("jobs", "submit", "latency", "--all", "--precision", "fp32", "--steps", "4",
                          "--resolution", "64x96", "--repetitions", "3", "--warmup", "0", "--cooldown", "38",
@@ -362,16 +362,60 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
     assert json.loads(cli("jobs", "show", str(job["id"]), "--json").output)["spec"]["model"] == "models/other"
 
 
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--time-limit", "nan"], "time_limit_s must be a finite number"),  # Popen.wait(timeout=nan) never expires
+    (["--time-limit", "inf"], "time_limit_s must be a finite number"),
+    (["--time-limit", "864000"], "time_limit_s must be in (0, 604800]"),
+    (["--guidance-scale", "nan"], "guidance_scale must be a finite number"),
+    (["--guidance-scale", "-1"], "guidance_scale must be in [0, 100]"),
+    (["--steps", "1000000000"], "steps must be in [1, 1000], got 1000000000"),
+    (["--resolution", "65536x65536"], "height must be in [8, 4096], got 65536"),
+    (["--repetitions", "100000000"], "repetitions must be in [0, 1000000], got 100000000"),
+    (["--seed", "-5"], "seed must be in [0, 18446744073709551615], got -5"),
+    (["--cooldown", "nan"], "max_celsius must be a finite number"),
+    (["--cooldown", "40", "--cooldown-wait", "inf"], "max_wait_s must be a finite number"),
+    (["--tune-budget", "nan"], "tune_time_budget_s must be a finite number"),
+])
+def test_submit_refuses_numbers_that_never_end_or_cannot_run(seeded, monkeypatch, args, fragment):
+    """`--time-limit nan` was stored (inf was refused) and no timer would ever end that job;
+    NaN guidance, a billion steps and 65536x65536 were accepted too. One line each, and nothing
+    is queued."""
+    cli = seeded
+    sent = []
+    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(job_ids))
+    before = json.loads(cli("jobs", "list", "--json").output)
+    _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", *args, ok=False), fragment)
+    assert json.loads(cli("jobs", "list", "--json").output) == before and sent == []
+
+
 def test_submit_that_cannot_reach_the_workers_cancels_its_jobs(seeded, monkeypatch):
     cli = seeded
 
     def broker_down(app, job_ids, strict):
         raise ConnectionError("broker down")
 
-    monkeypatch.setattr("orchestrator.jobs.send_jobs", broker_down)
+    monkeypatch.setattr("orchestrator.jobservice.send_jobs", broker_down)
     _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", ok=False), "broker down", "cancelled")
     (job,) = json.loads(cli("jobs", "list", "--json", "--limit", "1").output)
     assert job["state"] == "cancelled" and "not sent" in job["error"]
+
+
+def test_a_broker_failing_part_way_through_a_submit_leaves_the_job_a_worker_started(seeded, monkeypatch):
+    """The first job went out and a worker started it before the broker failed on the second:
+    cancelling it too would stop work that is under way (a running job is stopped on its
+    device when cancelled)."""
+    cli = seeded
+
+    def first_then_down(app, job_ids, strict):
+        with cli.Session() as session, session.begin():
+            store.transition_job(session, job_ids[0], JobState.running, worker="w1")  # a worker took it
+        raise ConnectionError("broker down after the first message")
+
+    monkeypatch.setattr("orchestrator.jobservice.send_jobs", first_then_down)
+    out = cli("jobs", "submit", "latency", "--device", "phone-1", "--device", "phone-2", ok=False).output
+    assert "1 unsent job(s) are cancelled" in " ".join(out.split()) and "reached a worker and go on" in out
+    first, second = sorted(json.loads(cli("jobs", "list", "--json", "--limit", "2").output), key=lambda j: j["id"])
+    assert first["state"] == "running" and second["state"] == "cancelled"
 
 
 def test_submit_img2img_carries_its_image_in_the_job(cli_db, monkeypatch):
@@ -381,7 +425,7 @@ def test_submit_img2img_carries_its_image_in_the_job(cli_db, monkeypatch):
     from PIL import Image
 
     cli = cli_db
-    monkeypatch.setattr("orchestrator.jobs.send_jobs", lambda app, job_ids, strict: None)
+    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: None)
     with cli.Session() as s, s.begin():
         store.set_device_state(s, store.upsert_device(s, "phone-1", "adb", "127.0.0.1:5555", host="testhost").id,
                                DeviceState.available)

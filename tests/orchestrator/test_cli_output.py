@@ -84,3 +84,52 @@ def test_version_and_shell_completion():
     # What bash asks the completion function for when a user types `farm eng<TAB>`.
     words = _farm(env=env | {"_FARM_COMPLETE": "complete_bash", "COMP_WORDS": "farm eng", "COMP_CWORD": "1"})
     assert words.returncode == 0 and words.stdout.split() == ["engine"], words.stdout + words.stderr
+
+
+MARKUP_MODEL = "[/]"  # a closing tag with nothing open: rich's MarkupError
+MARKUP_GPU = "[link=https://evil.example/]Adreno 740[/link]"  # a hyperlink in the operator's terminal
+
+
+def test_what_devices_report_is_printed_as_text_never_as_markup(tmp_path):
+    """A phone whose model reads "[/]" made `farm devices list` fail with rich's MarkupError,
+    and "[link=...]" in its GPU name made a link in the operator's terminal. Every command that
+    shows what devices report prints it as it is, on a terminal (FORCE_COLOR) and in a pipe."""
+    from agent.protocol import DeviceInfo
+    from orchestrator.db import make_engine, make_session_factory, store, upgrade
+    from orchestrator.db.models import JobState
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
+    env |= {"FARM_DATA_DIR": str(tmp_path / "data"), "FARM_CONFIG_DIR": str(tmp_path / "config")}
+    url = f"sqlite:///{tmp_path / 'data' / 'farm.db'}"
+    (tmp_path / "data").mkdir()
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        with make_session_factory(engine)() as session, session.begin():
+            info = DeviceInfo(serial="evil-1", model=MARKUP_MODEL, manufacturer="[bold]x", os="android",
+                              os_version="14", adapter={"device": MARKUP_GPU, "vendor": "[red]qualcomm"})
+            device = store.upsert_device(session, "evil-1", "adb", "127.0.0.1:5555", info=info)
+            job = store.create_job(session, "latency", {"model": "models/tiny"}, device.id, None)
+            store.transition_job(session, job.id, JobState.running, worker="w")
+            store.transition_job(session, job.id, JobState.failed, error="[/] device said [link=https://evil.example/]no")
+            job_id = job.id
+    finally:
+        engine.dispose()
+    for terminal in ({}, {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1"}):
+        for args in (["devices", "list"], ["devices", "show", "evil-1"], ["jobs", "list"], ["jobs", "show", str(job_id)]):
+            done = _farm(*args, env=env | terminal)
+            assert done.returncode == 0, (args, done.stdout + done.stderr)
+            assert "\x1b]8;" not in done.stdout, (args, done.stdout)  # no OSC 8 hyperlink
+            plain = _strip_ansi(done.stdout)
+            if terminal:  # a terminal's 80 columns fold the cells; the pipe's output is checked whole
+                continue
+            if args[0] == "devices":
+                assert MARKUP_MODEL in plain and MARKUP_GPU in plain, (args, plain)
+            if args == ["jobs", "show", str(job_id)]:
+                assert "[/] device said [link=https://evil.example/]no" in plain, plain
+
+
+def _strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -199,7 +199,9 @@ def test_dockerfile_installs_the_project_flower_and_a_software_vulkan():
     runs = "\n".join(re.findall(r"^RUN (.*)", text.replace("\\\n", " "), re.M))  # continuations joined
     assert "mesa-vulkan-drivers" in runs and "libvulkan1" in runs
     pip = [cmd for cmd in re.split(r"&&|\n", runs) if "pip install" in cmd]
-    assert any(re.search(r"pip install\b.*\s\.(\s|$)", cmd) for cmd in pip), f"the project is not pip-installed: {pip}"
+    # the control plane: the project with its farm extra (the package alone is the device side)
+    assert any(re.search(r"""pip install\b.*\s["']?\.\[farm\]["']?(\s|$)""", cmd) for cmd in pip), \
+        f"the project is not pip-installed with its farm extra: {pip}"
     assert any(re.search(r"\bflower\b", cmd) for cmd in pip), f"flower is not pip-installed: {pip}"
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import processes_with
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
@@ -22,20 +23,6 @@ from orchestrator.db.models import Alert, AlertKind, Batch, Deployment, Device, 
 # `alone`: scripts/test.sh runs this file with no other test beside it: it times build A against build B on devices that share this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _processes_with(marker: str) -> list[str]:
-    """Command lines of live processes whose environment contains `marker`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if marker.encode() in (proc / "environ").read_bytes():
-                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:
-            continue
-    return found
 
 
 def _path_without_chromium(folder: Path) -> str:
@@ -61,10 +48,10 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
     no_chromium = env | {"PATH": _path_without_chromium(tmp_path / "bin")}
     for run_env in (env, no_chromium):
         done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "--phones", "1", "--steps", "2"],
-                              env=run_env, cwd=REPO, capture_output=True, text=True, timeout=1000)
+                              env=run_env, cwd=REPO, capture_output=True, text=True, timeout=2600)
         outputs.append(done.stdout + done.stderr)
         assert done.returncode == 0, outputs[-1][-6000:]
-        assert _processes_with(f"DEMO_TEST_MARKER={tmp_path}") == []  # every process it started is gone
+        assert processes_with(f"DEMO_TEST_MARKER={tmp_path}") == []  # every process it started is gone
     left_out = [line for line in outputs[1].splitlines() if "no Chromium" in line]
     assert left_out == ["no Chromium on this machine: the demo runs without vphone-chrome-1, vtablet-1 (the "
                         "browser runtime); `bash scripts/ensure-chromium.sh` adds them"], outputs[1][:3000]

@@ -15,7 +15,14 @@ import pytest
 from sqlalchemy import select
 from worker_farm import Workers, kill_group, logs, wait
 
-from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
+from agent.bundle import (
+    build_bundle,
+    current_build,
+    generate_keypair,
+    install_bundle,
+    load_private_key,
+    provision_public_key,
+)
 from orchestrator.celery_app import DEFAULT_QUEUE, make_celery
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import (
@@ -28,7 +35,7 @@ from orchestrator.db.models import (
     JobState,
     Run,
 )
-from orchestrator.jobs import launch_suite, send_jobs
+from orchestrator.jobservice import launch_suite, send_jobs
 from orchestrator.settings import Settings
 from orchestrator.stack import settings_env
 
@@ -56,7 +63,7 @@ def farm(tmp_path_factory, tiny_model_dir):
     app = make_celery(settings)
     try:
         yield {"app": app, "Session": Session, "device_id": device_id, "build_id": build_id, "tmp": tmp,
-               "start_worker": workers.start, "settings": settings}
+               "start_worker": workers.start, "settings": settings, "tiny_model_dir": tiny_model_dir}
     finally:
         workers.stop()
         engine.dispose()
@@ -175,3 +182,17 @@ def test_farm_deploy_reports_each_device(farm, monkeypatch):
     assert bad.exit_code == 1 and "no build 'nope'" in bad.output
     neither = runner.invoke(app, ["deploy", "b1"])
     assert neither.exit_code == 1 and "--all" in neither.output
+    # A newer build, then b1 again: the older build goes in beside, the newer stays current
+    # until --allow-downgrade.
+    newer = build_bundle({"models/tiny": farm["tiny_model_dir"]}, farm["settings"].data_dir / "builds" / "b2",
+                         "b2", "0.2.0", load_private_key(farm["tmp"] / "farm.key"))
+    with farm["Session"]() as session, session.begin():
+        store.create_build(session, newer)
+    assert runner.invoke(app, ["deploy", "b2", "--device", "local-1"]).exit_code == 0
+    beside = runner.invoke(app, ["deploy", "b1", "--device", "local-1"])
+    assert beside.exit_code == 0, beside.output
+    assert "installed beside the device's current build b2" in " ".join(beside.output.split())
+    root = farm["tmp"] / "phone"
+    assert current_build(root).build_id == "b2"
+    assert runner.invoke(app, ["deploy", "b1", "--device", "local-1", "--allow-downgrade"]).exit_code == 0
+    assert current_build(root).build_id == "b1"

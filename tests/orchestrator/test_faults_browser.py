@@ -24,10 +24,10 @@ from engine.browser import find_chromium
 from engine.kernels import SHADER_ROOT
 from orchestrator.browser_hub import BrowserHub
 from orchestrator.celery_app import make_celery
-from orchestrator.cli.builds import farm_key
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import Job, JobState, Run
-from orchestrator.jobs import launch_suite
+from orchestrator.jobservice import launch_suite
+from orchestrator.keys import ensure_farm_key
 from orchestrator.settings import Settings
 from orchestrator.transports import TransportError
 from orchestrator.transports.adb import AdbTransport, load_or_create_adb_key
@@ -46,7 +46,7 @@ def farm(tmp_path_factory, tiny_model_dir):
     upgrade(settings.database_url)
     from agent.bundle import load_private_key
 
-    key = load_private_key(farm_key(settings.config_dir))
+    key = load_private_key(ensure_farm_key(settings.config_dir)[0])
     manifest = build_bundle({"models/tiny": tiny_model_dir, "shaders": SHADER_ROOT},
                             settings.data_dir / "builds" / "b1", "b1", "0.1.0", key)
     adb_key = load_or_create_adb_key(settings.adb_key)
@@ -68,7 +68,7 @@ def farm(tmp_path_factory, tiny_model_dir):
 def test_a_browser_killed_mid_job_is_retried_once_and_completes(farm):
     farm["start_worker"]("worker-a")
     spec = {"model": "models/tiny", "precision": "fp32", "height": 64, "width": 64, "steps": 2, "scheduler": "euler",
-            "warmup": 1, "repetitions": 1, "unet_repetitions": 20, "time_limit_s": 600.0}
+            "warmup": 1, "repetitions": 1, "unet_repetitions": 10, "time_limit_s": 900.0}
     batch_id = launch_suite(farm["app"], "browser fault", [{"kind": "latency", "spec": spec}], build="b1",
                             devices=["chrome-1"])
 
@@ -79,8 +79,10 @@ def test_a_browser_killed_mid_job_is_retried_once_and_completes(farm):
     job = wait(farm, timing, "the job's timed UNet steps in the page", timeout_s=300)
     time.sleep(1.0)
     farm["phone"].kill_browser()  # as Android ends a tab it wants the memory of
+    # Alone on this 2-core machine the retry takes about 100 s; beside three other test workers,
+    # on a machine whose software GPUs are 4.5x slower, it took over 400 s.
     done = wait(farm, lambda s: (j := s.get(Job, job.id)).state in store.SETTLED_STATES and j, "the retried job",
-                timeout_s=400)
+                timeout_s=900)
     assert done.state == JobState.succeeded, f"{done.error}\n{logs(farm)}"
     assert done.attempts == 2
     with farm["Session"]() as session:
@@ -92,7 +94,9 @@ def test_a_browser_killed_mid_job_is_retried_once_and_completes(farm):
 def test_the_reverse_connection_cut_mid_deploy_resumes_and_keeps_nothing_partial(farm, tmp_path):
     phone, settings = farm["phone"], farm["settings"]
     proxy = Proxy(phone.port)
-    hub = BrowserHub(page_lost_s=6.0, poll_s=4.0)
+    # A page silent for 20 s is lost: beside three other test workers on a machine with slow
+    # software GPUs, 6 s once passed between two polls of a page that was there.
+    hub = BrowserHub(page_lost_s=20.0, poll_s=4.0)
     adb = AdbTransport("127.0.0.1", proxy.port, key_path=settings.adb_key, name="chrome-cut")
     t = BrowserTransport(tmp_path / "host-root", AdbPageLink(adb, page_port=8791), "token-chrome-cut",
                          settings.config_dir / "farm.pub", name="chrome-cut", hub=hub)

@@ -18,7 +18,7 @@ from worker_farm import Workers, wait
 
 from agent.protocol import JobResult, Manifest, ManifestFile
 from agent.simulator import VirtualPhone
-from orchestrator import health, jobs
+from orchestrator import dispatch, health, worker
 from orchestrator.celery_app import DEFAULT_QUEUE, make_celery
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.device_states import DEVICE_TRANSITIONS, DeviceEvent, markdown_table
@@ -296,8 +296,8 @@ class ScriptedTransport:
 
 
 def _run_to_the_end(farm, job_id: int) -> str:
-    """run_job until the job settles (the attempts a worker would make after each requeue)."""
-    while (outcome := jobs.run_job(farm.app, job_id, worker="test")) == "requeued":
+    """run_attempt until the job settles (the attempts a worker would make after each requeue)."""
+    while (outcome := worker.run_attempt(farm.app, job_id, worker="test")) == "requeued":
         pass
     return outcome
 
@@ -308,9 +308,9 @@ def test_busy_while_a_job_runs_and_quarantine_after_three_infra_failures_in_a_ro
     with farm.Session() as s, s.begin():
         build_id = store.create_build(s, manifest).id
         device_id = _device(s, "fake-1", DeviceState.available, "").id
-    fail_job = ["offline"] * jobs.MAX_ATTEMPTS  # one job that fails every attempt
+    fail_job = ["offline"] * dispatch.MAX_ATTEMPTS  # one job that fails every attempt
     transport = ScriptedTransport(fail_job * 2 + ["ok"] + fail_job * 3, farm.Session, device_id)
-    monkeypatch.setattr(jobs, "make_transport", transport)
+    monkeypatch.setattr(worker, "make_transport", transport)
 
     def new_job() -> int:
         with farm.Session() as s, s.begin():
@@ -338,7 +338,7 @@ def test_busy_while_a_job_runs_and_quarantine_after_three_infra_failures_in_a_ro
                                         "last: fake-1: connection refused")
     # A quarantined device runs nothing and counts nothing; the operator's release starts afresh.
     job_id = new_job()
-    assert jobs.run_job(farm.app, job_id, worker="test") == "infra_failed"
+    assert worker.run_attempt(farm.app, job_id, worker="test") == "infra_failed"
     with farm.Session() as s:
         assert "is quarantined (3 jobs in a row" in s.get(Job, job_id).error
     assert len(transport.seen) == 16 and device().infra_failures_in_row == 3

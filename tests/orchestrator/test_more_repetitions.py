@@ -10,10 +10,11 @@ import base64
 import json
 
 from agent.protocol import Manifest, ManifestFile
+from orchestrator.batch_analysis import more_repetitions_jobs
 from orchestrator.celery_app import make_celery
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import Job
-from orchestrator.jobs import launch_suite, more_repetitions_jobs
+from orchestrator.jobservice import launch_suite
 from orchestrator.settings import Settings
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "job_id": 7}
@@ -99,9 +100,10 @@ def test_the_demo_follows_a_batch_until_every_round_it_asked_for_is_analysed(tmp
 
 def test_a_batch_rounds_only_on_its_round_metrics_unless_the_sample_count_decides(Session):  # noqa: N803
     """B is 30% slower in its UNet step (decided). Its end-to-end time, equal but noisy over 10
-    samples, is inconclusive for want of evidence: every-metric batches ask for a round, a batch
-    rounding on the UNet step does not. With 3 end-to-end samples the sample count alone keeps
-    it undecided, so every batch asks for a round, whatever metrics it rounds on."""
+    samples (3%), is inconclusive for want of evidence, which the batch's rounds could give:
+    every-metric batches ask for a round, a batch rounding on the UNet step does not. With 3
+    end-to-end samples the sample count alone keeps it undecided, so every batch asks for a
+    round, whatever metrics it rounds on."""
     import numpy as np
     from test_analysis import _latency, _manifest, _record
 
@@ -118,7 +120,7 @@ def test_a_batch_rounds_only_on_its_round_metrics_unless_the_sample_count_decide
             cand = store.create_build(s, _manifest(f"b-{label}", 1_700_086_400.0))
             for build, slow in ((base, 1.0), (cand, 1.3)):
                 result = _latency(rng, slow)
-                result.samples += [Sample("e2e_ms", 500.0 * float(np.exp(rng.normal(0, 0.3))), "ms", r)
+                result.samples += [Sample("e2e_ms", 500.0 * float(np.exp(rng.normal(0, 0.03))), "ms", r)
                                    for r in range(e2e_reps)]
                 batch = store.create_batch(s, f"nightly {build.name}", build_id=build.id, round_metrics=metrics)
                 _record(s, device.id, build.id, "latency", result, batch.id)
@@ -140,3 +142,29 @@ def test_a_unet_step_round_times_unet_steps_only():
     assert candidate["spec"]["kernel_timings"] is False
     both = more_repetitions_jobs([entry | {"metrics": ["unet_step_ms", "e2e_ms"]}])["p1"][0]["spec"]
     assert (both["unet_repetitions"], both["repetitions"]) == (20, 20)
+
+
+def test_no_round_is_asked_for_where_the_rounds_left_could_not_decide(Session):  # noqa: N803
+    """The same builds with end-to-end noise of 30% a sample: the batch's 3 rounds (10 more
+    samples and one more run of each build a round) could not tell an equal time from a 3%
+    change either way, so none is asked for, and the reason says why."""
+    import numpy as np
+    from test_analysis import _latency, _manifest, _record
+
+    from agent.protocol import Sample
+    from orchestrator import analysis
+
+    rng = np.random.default_rng(27)
+    with Session() as s, s.begin():
+        device = store.upsert_device(s, "p-noisy", "local", "/tmp/p-noisy", host="h")
+        for name, slow, day in (("a-noisy", 1.0, 0), ("b-noisy", 1.3, 1)):
+            build = store.create_build(s, _manifest(name, 1_700_000_000.0 + 86400 * day))
+            result = _latency(rng, slow)
+            result.samples += [Sample("e2e_ms", 500.0 * float(np.exp(rng.normal(0, 0.3))), "ms", r) for r in range(10)]
+            batch = store.create_batch(s, f"nightly {name}", build_id=build.id)
+            _record(s, device.id, build.id, "latency", result, batch.id)
+        report = analysis.analyze_batch(s, batch.id)
+    (e2e,) = [c for c in report["comparisons"] if c["metric"] == "e2e_ms"]
+    assert e2e["verdict"] == "inconclusive" and e2e["more_repetitions_suggested"] == 0, e2e
+    assert "3 more runs of each build could not decide it either" in e2e["reason"]
+    assert report["more_repetitions"] == []

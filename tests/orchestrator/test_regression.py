@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 from scipy import stats
 
+import orchestrator.regression as rg
 from orchestrator.regression import (
     SeriesKey,
     SeriesSample,
@@ -320,3 +321,26 @@ def test_thermal_flags():
     assert warm_start.flagged and "cool-down target" in warm_start.reasons[0]
     with pytest.raises(ValueError, match="phase"):
         thermal_flag(cooldown_timed_out=False, readings=[("during", "gpu", 50.0)])
+
+
+def test_rounds_are_asked_for_only_where_they_can_decide():
+    """With 10% run-to-run drift and a 15% minimum effect, one run of A against one of A'
+    (ratio about 1) is inconclusive, and two more runs of each could not make it "same" (the
+    interval stays wider than 15%) nor a change: no round is asked for, and the reason says
+    so. A 1.4x ratio with the same noise can become a regression: rounds are asked for."""
+    rng = np.random.default_rng(20261127)
+    base = 100 * rng.lognormal(0.0, 0.02, 10)
+    runs = [0] * 10
+    flat = rg.compare(base, 100 * rng.lognormal(0.0, 0.02, 10), baseline_runs=runs, candidate_runs=runs,
+                      drift=0.10, min_effect=0.15, runs_left=2)
+    assert flat.verdict == "inconclusive" and flat.more_repetitions_suggested == 0
+    assert "2 more runs of each build could not decide it either" in flat.reason
+    unlimited = rg.compare(base, 100 * rng.lognormal(0.0, 0.02, 10), baseline_runs=runs, candidate_runs=runs,
+                           drift=0.10, min_effect=0.15)
+    assert unlimited.verdict == "inconclusive" and unlimited.more_repetitions_suggested > 0  # no budget given
+    slower = rg.compare(base, 140 * rng.lognormal(0.0, 0.02, 10), baseline_runs=runs, candidate_runs=runs,
+                        drift=0.10, min_effect=0.15, runs_left=2)
+    assert slower.verdict == "inconclusive" and slower.cause == "drift" and slower.more_repetitions_suggested > 0
+    none_left = rg.compare(base, 140 * rng.lognormal(0.0, 0.02, 10), baseline_runs=runs, candidate_runs=runs,
+                           drift=0.10, min_effect=0.15, runs_left=0)
+    assert none_left.more_repetitions_suggested == 0

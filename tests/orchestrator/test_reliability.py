@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 from worker_farm import Workers, kill_group, logs, wait
 
 from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
+from agent.jobs import read_lock
 from orchestrator.celery_app import (
     DEFAULT_QUEUE,
     _embedded_broker,
@@ -30,7 +31,8 @@ from orchestrator.celery_app import (
 )
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
 from orchestrator.db.models import Deployment, DeploymentStatus, Device, Job, JobState, Run, utcnow
-from orchestrator.jobs import check_time_limit, reconcile, send_jobs
+from orchestrator.jobservice import cancel_job, check_time_limit, send_jobs
+from orchestrator.reconciler import reconcile
 from orchestrator.settings import Settings
 
 # `alone`: scripts/test.sh runs this file with no other test beside it: its leases and reconciler deadlines are seconds long.
@@ -151,7 +153,9 @@ def test_a_job_waiting_for_a_device_whose_holder_died_still_runs_once(farm):
     # in any broker or worker. Its worker is SIGKILLed, and the holder dies without handing the
     # device over (its lease just runs out). The reconciler sees the device free and sends it.
     with farm["Session"]() as session, session.begin():
-        assert store.acquire_device_lease(session, farm["device_id"], "holder-that-dies", 3)
+        # A lease long enough that a slow machine's worker still finds it held; it is made to
+        # run out below, once the first worker is dead.
+        assert store.acquire_device_lease(session, farm["device_id"], "holder-that-dies", 600)
         job_id = store.create_job(session, "generate", QUICK_SPEC, farm["device_id"], farm["build_id"]).id
     first = farm["start_worker"]("worker-wait")
     send_jobs(farm["app"], [job_id])
@@ -166,6 +170,9 @@ def test_a_job_waiting_for_a_device_whose_holder_died_still_runs_once(farm):
     kill_group(first, signal.SIGKILL)
     first.wait()
     assert job_id not in reconcile(farm["app"])["jobs_resent"]  # the lease has not run out: still held
+    with farm["Session"]() as session, session.begin():  # the holder's lease runs out
+        session.execute(update(Device).where(Device.id == farm["device_id"])
+                        .values(lease_until=utcnow() - dt.timedelta(seconds=1)))
     farm["start_worker"]("worker-wait-2")
     deadline = time.monotonic() + 30
     while job_id not in reconcile(farm["app"])["jobs_resent"]:
@@ -266,7 +273,7 @@ def test_a_lost_worker_has_its_own_budget_with_a_doubling_delay(tmp_path):
     after MAX_ATTEMPTS. Worker losses now have their own budget, each requeue waiting twice as
     long as the last; the device's own failures still end a job after MAX_ATTEMPTS."""
     from agent.protocol import Manifest, ManifestFile
-    from orchestrator import jobs
+    from orchestrator import dispatch, worker
 
     settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name=HOST,
                         stale_after_s=3.0, message_grace_s=3.0)
@@ -294,27 +301,89 @@ def test_a_lost_worker_has_its_own_budget_with_a_doubling_delay(tmp_path):
 
     try:
         delays = []
-        for n in range(1, jobs.MAX_WORKER_LOSSES + 1):
+        for n in range(1, dispatch.MAX_WORKER_LOSSES + 1):
             before = utcnow()
             report, job = lose_worker(lost_id, n)
             assert job.worker_losses == n and job.attempts == n
-            if n < jobs.MAX_WORKER_LOSSES:
+            if n < dispatch.MAX_WORKER_LOSSES:
                 assert report["jobs_requeued"] == [lost_id] and job.state == JobState.queued, job.error
                 delays.append(round((job.due_at - before).total_seconds() - settings.message_grace_s))
             else:
                 assert report["jobs_ended"] == [lost_id] and job.state == JobState.infra_failed
                 assert f"worker lost {n} of at most {n} times" in job.error
         assert delays == [2, 4, 8, 16, 32, 60, 60]
-        assert jobs.MAX_WORKER_LOSSES > jobs.MAX_ATTEMPTS  # more than the device's own budget
+        assert dispatch.MAX_WORKER_LOSSES > dispatch.MAX_ATTEMPTS  # more than the device's own budget
 
         # One lost worker, then the device fails on every run: the device's failures end the job
         # after MAX_ATTEMPTS of them, the lost worker not counted among them.
         report, job = lose_worker(mixed_id, 1)
         assert report["jobs_requeued"] == [mixed_id]
-        outcomes = [jobs.run_job(app, mixed_id, worker="test") for _ in range(jobs.MAX_ATTEMPTS)]
+        outcomes = [worker.run_attempt(app, mixed_id, worker="test") for _ in range(dispatch.MAX_ATTEMPTS)]
         with Session() as session:
             job = session.get(Job, mixed_id)
-        assert outcomes == ["requeued"] * (jobs.MAX_ATTEMPTS - 1) + ["infra_failed"], (outcomes, job.error)
-        assert (job.state, job.attempts, job.worker_losses) == (JobState.infra_failed, jobs.MAX_ATTEMPTS + 1, 1)
+        assert outcomes == ["requeued"] * (dispatch.MAX_ATTEMPTS - 1) + ["infra_failed"], (outcomes, job.error)
+        assert (job.state, job.attempts, job.worker_losses) == (JobState.infra_failed, dispatch.MAX_ATTEMPTS + 1, 1)
     finally:
         engine.dispose()
+
+
+# ---- stopping a job on its device ----------------------------------------------------------------
+
+LONG_SPEC = QUICK_SPEC | {"steps": 1000, "time_limit_s": 900.0}  # minutes of work: it must be stopped
+
+
+def _start_long_job(farm, worker: str) -> tuple[int, Path]:
+    """A long job running on local-1, its job process started; returns its id and the device root."""
+    farm["start_worker"](worker)
+    with farm["Session"]() as session, session.begin():
+        job_id = store.create_job(session, "generate", LONG_SPEC, farm["device_id"], farm["build_id"]).id
+    send_jobs(farm["app"], [job_id])
+    root = farm["tmp"] / "phone"
+    wait(farm, lambda s: s.get(Job, job_id).state == JobState.running
+         and (read_lock(root) or {}).get("child_pid"), "the long job's process to start", timeout_s=300)
+    return job_id, root
+
+
+def _device_freed_within(farm, root: Path, seconds: float) -> float:
+    started = time.monotonic()
+    while read_lock(root) is not None:
+        assert time.monotonic() - started < seconds, f"the job still runs on the device\n{logs(farm)}"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_a_cancelled_running_job_is_stopped_on_its_device(farm):
+    job_id, root = _start_long_job(farm, "worker-cancel")
+    with farm["Session"]() as session, session.begin():
+        cancel_job(session, job_id)
+    took = _device_freed_within(farm, root, 60)  # its time limit is 900 s: before, it ran on
+    print(f"stopped {took:.1f} s after the cancel")
+    agent_log = (root / "jobs" / f"job{job_id}-a1" / "job.log").read_text()
+    assert "the job was stopped: the job is no longer this worker's (cancelled" in agent_log
+    wait(farm, lambda s: s.scalar(select(Device.lease_holder).where(Device.id == farm["device_id"])) is None,
+         "the worker to give the device back")
+    with farm["Session"]() as session:
+        job = session.get(Job, job_id)
+        assert (job.state, job.error) == (JobState.cancelled, "cancelled by operator")
+    assert _runs(farm, job_id) == []
+
+
+def test_a_worker_that_loses_its_device_lease_stops_its_job_before_another_run_starts(farm):
+    # What a worker cut off from the store sees: its renewals stop landing, the lease runs out
+    # and the reconciler may give the device to another run. Here another holder takes the lease.
+    job_id, root = _start_long_job(farm, "worker-lease")
+    with farm["Session"]() as session, session.begin():
+        session.execute(update(Device).where(Device.id == farm["device_id"])
+                        .values(lease_holder="another-run", lease_until=utcnow() + dt.timedelta(minutes=10)))
+    took = _device_freed_within(farm, root, 60)
+    print(f"stopped {took:.1f} s after the lease was lost")
+    assert "the job was stopped: its worker lost the device's lease" in \
+        (root / "jobs" / f"job{job_id}-a1" / "job.log").read_text()
+    # Its outcome is a lost worker's: queued again, the attempt not charged, nothing recorded.
+    job = wait(farm, lambda s: (j := s.get(Job, job_id)).state == JobState.queued and j, "the job to be requeued")
+    assert "stopped on the device: its worker lost the device's lease" in job.error
+    assert _runs(farm, job_id) == []
+    with farm["Session"]() as session, session.begin():  # leave the device as the other tests expect it
+        cancel_job(session, job_id)
+        session.execute(update(Device).where(Device.id == farm["device_id"])
+                        .values(lease_holder=None, lease_until=None))

@@ -23,6 +23,8 @@ SUITE = {"build": None, "devices": "all", "jobs": [{"kind": "latency", "spec": {
     ("0 2 * * * *", "UTC", "invalid cron expression"),
     ("every night", "UTC", "invalid cron expression"),
     ("0 2 * * *", "Mars/Olympus", "unknown time zone"),
+    ("0 0 31 2 *", "UTC", "names no date within 10 years"),  # February has no 31st: it would never fire
+    ("0 0 30 2 *", "Europe/Paris", "names no date within 10 years"),
 ])
 def test_bad_cron_or_zone_is_refused(cron, zone, message):
     with pytest.raises(store.StoreError, match=message):
@@ -40,6 +42,60 @@ def test_fire_times_follow_the_zone_and_daylight_saving():
     assert fire == dt.datetime(2026, 3, 29, 0, 30, tzinfo=UTC)
     assert store.last_fire_time("*/15 * * * *", "UTC", dt.datetime(2026, 1, 1, 10, 14, tzinfo=UTC)) == \
         dt.datetime(2026, 1, 1, 10, 0, tzinfo=UTC)
+
+
+def _firings(cron: str, zone: str, start: dt.datetime, end: dt.datetime) -> list[dt.datetime]:
+    fires, at = [], start
+    while (at := store.next_fire_time(cron, zone, at)) < end:
+        fires.append(at)
+    return fires
+
+
+def test_a_repeated_hour_fires_once_and_a_skipped_one_once():
+    """Paris on 2026-10-25: 03:00 CEST goes back to 02:00 CET, so 02:30 happens twice (00:30 and
+    01:30 UTC); it fires once, at the first. On 2026-03-29 02:00 CET jumps to 03:00 CEST, so
+    02:30 never happens; it fires once, when the clocks jump (01:00 UTC). Half-hourly, the
+    skipped 02:00 and 02:30 and the 03:00 after them are one firing."""
+    autumn = _firings("30 2 * * *", "Europe/Paris", dt.datetime(2026, 10, 24, 12, tzinfo=UTC),
+                      dt.datetime(2026, 10, 26, 12, tzinfo=UTC))
+    assert autumn == [dt.datetime(2026, 10, 25, 0, 30, tzinfo=UTC), dt.datetime(2026, 10, 26, 1, 30, tzinfo=UTC)]
+    spring = _firings("30 2 * * *", "Europe/Paris", dt.datetime(2026, 3, 28, 12, tzinfo=UTC),
+                      dt.datetime(2026, 3, 30, 12, tzinfo=UTC))
+    assert spring == [dt.datetime(2026, 3, 29, 1, 0, tzinfo=UTC), dt.datetime(2026, 3, 30, 0, 30, tzinfo=UTC)]
+    half_hourly = _firings("*/30 * * * *", "Europe/Paris", dt.datetime(2026, 3, 29, 0, 0, tzinfo=UTC),
+                           dt.datetime(2026, 3, 29, 2, 1, tzinfo=UTC))
+    assert [f.strftime("%H:%M") for f in half_hourly] == ["00:30", "01:00", "01:30", "02:00"]
+    # The latest firing at or before a time in the repeated hour's second pass is its first pass.
+    assert store.last_fire_time("30 2 * * *", "Europe/Paris", dt.datetime(2026, 10, 25, 1, 45, tzinfo=UTC)) == \
+        dt.datetime(2026, 10, 25, 0, 30, tzinfo=UTC)
+    # Every firing of a year in a zone with both changes: one a day, in order, no two alike.
+    year = _firings("30 2 * * *", "Europe/Paris", dt.datetime(2026, 1, 1, tzinfo=UTC),
+                    dt.datetime(2027, 1, 1, tzinfo=UTC))
+    assert len(year) == 365 and len({f.date() for f in year}) == 365
+
+
+def test_a_schedule_that_cannot_fire_never_stops_the_others(Session):  # noqa: N803
+    """A stored schedule with a cron that names no date (stored before `add` checked it) made
+    every beat tick raise before firing anything: every nightly run stopped, silently. It is
+    left out with its error recorded; the others fire."""
+    from orchestrator.db.models import Schedule
+
+    now = store.utcnow()
+    with Session() as session, session.begin():
+        hourly = store.create_schedule(session, "hourly", "0 * * * *", "UTC", SUITE)
+        hourly.last_run_at = now - dt.timedelta(hours=2)
+        session.add(Schedule(name="leap", cron="0 0 31 2 *", timezone="UTC", suite=SUITE,
+                             last_run_at=now - dt.timedelta(days=1)))
+        session.add(Schedule(name="gone-zone", cron="0 * * * *", timezone="Atlantis/Capital", suite=SUITE,
+                             last_run_at=now - dt.timedelta(days=1)))
+        hourly_id = hourly.id
+    with Session() as session, session.begin():
+        due = store.due_schedules(session, now)
+    assert [s.id for s, _ in due] == [hourly_id]
+    with Session() as session:
+        errors = {s.name: s.last_error for s in session.query(Schedule)}
+    assert errors["hourly"] is None
+    assert "never fire" in errors["leap"] and "Atlantis/Capital" in errors["gone-zone"], errors
 
 
 def test_due_schedule_is_claimed_once(Session):  # noqa: N803
@@ -113,6 +169,9 @@ def test_schedules_cli_lifecycle(farm):
     (["schedules", "add", "x", "--cron", "0 2 * * *", "--job", "bake"], "unknown job kind 'bake'"),
     (["schedules", "add", "x", "--cron", "0 2 * * *", "--device", "ghost"], "no device 'ghost'"),
     (["schedules", "add", "x", "--cron", "0 2 * * *", "--build", "b404"], "no build 'b404'"),
+    (["schedules", "add", "x", "--cron", "0 2 * * *", "--steps", "1000000000"], "steps must be in [1, 1000]"),
+    (["schedules", "add", "x", "--cron", "0 2 * * *", "--resolution", "65536"], "height must be in [8, 4096]"),
+    (["schedules", "add", "x", "--cron", "0 2 * * *", "--cooldown", "nan"], "max_celsius must be a finite number"),
     (["schedules", "enable", "ghost"], "no schedule 'ghost'"),
     (["schedules", "remove", "ghost"], "no schedule 'ghost'"),
     (["schedules", "run-now", "ghost"], "no schedule 'ghost'"),
@@ -188,3 +247,27 @@ def test_a_tuning_loop_schedule_times_the_tuned_profile_after_the_tune(cli_db):
                           (["--tuning-loop", "--profile", "reference"], "without --profile")]:
         result = cli("schedules", "add", "x", "--cron", "0 2 * * *", *args, ok=False)
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_schedules_list_shows_a_broken_schedule_and_beat_fires_the_rest(farm, tmp_path):
+    """`schedules list` printed a traceback for a stored cron that names no date; now the row
+    says "never" and a line names the error."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session as OrmSession
+
+    from orchestrator.db.models import Schedule
+
+    farm("schedules", "add", "nightly", "--cron", "0 2 * * *")
+    engine = create_engine(f"sqlite:///{tmp_path / 'farm.db'}")
+    with OrmSession(engine) as session, session.begin():
+        session.add(Schedule(name="leap", cron="0 0 31 2 *", timezone="UTC", suite=SUITE))
+    engine.dispose()
+    out = farm("schedules", "list").output
+    assert "Traceback" not in out and "never" in out
+    assert any(line.startswith("schedule leap: cannot fire: cron expression '0 0 31 2 *' names no date")
+               for line in out.splitlines()), out
+    rows = {r["name"]: r for r in json.loads(farm("schedules", "list", "--json").output)}
+    assert rows["nightly"]["next_run_at"] and rows["nightly"]["error"] is None
+    assert rows["leap"]["next_run_at"] is None and "names no date" in rows["leap"]["error"]
+    result = farm("schedules", "add", "leap2", "--cron", "0 0 31 2 *", code=1)
+    assert "names no date" in result.output and "Traceback" not in result.output

@@ -11,7 +11,8 @@ from sqlalchemy import select
 from agent.protocol import Manifest, ManifestFile
 from orchestrator.db import store
 from orchestrator.db.models import Job
-from orchestrator.jobs import Sends, _create_suite
+from orchestrator.dispatch import Sends
+from orchestrator.jobservice import _create_suite
 from orchestrator.settings import Settings
 
 

@@ -78,7 +78,7 @@ class InMemory(Transport):
     def push_signed(self, manifest, bundle_dir):
         self.calls.append("signed")
 
-    def install(self, manifest):
+    def install(self, manifest, allow_downgrade=False):
         if self.refuse:
             raise BundleRefused(self.name, self.refuse)
         self.store |= self.staged

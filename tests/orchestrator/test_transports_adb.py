@@ -127,6 +127,29 @@ def test_send_bundle_then_nothing_to_send(adb, phone, farm):
     print(f"first send {first.seconds:.2f} s ({first.bytes_sent} bytes), second {second.seconds:.3f} s")
 
 
+def damage_in_place(path: Path) -> None:
+    """One byte flipped, the size kept: what a bad block or a stray write leaves."""
+    os.chmod(path, 0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(bytes(data))
+
+
+def test_a_blob_damaged_on_the_phone_is_sent_again_and_the_build_repaired(adb, phone, farm):
+    manifest = farm["manifest"]
+    adb.send_bundle(farm["bundle"])
+    biggest = max(manifest.files, key=lambda f: f.size)
+    damage_in_place(phone.device_root / "store" / biggest.sha256[:2] / biggest.sha256)
+    _, _, code = adb.shell(f"{adb.agent} verify --root {adb.root}")
+    assert code != 0  # the agent finds the installed build damaged
+    again = adb.send_bundle(farm["bundle"])  # by size, nothing was sent and the build stayed damaged
+    assert (again.installed, again.files_sent, again.bytes_sent) == (True, 1, biggest.size)
+    out, err, code = adb.shell(f"{adb.agent} verify --root {adb.root}")
+    assert code == 0, out + err
+    assert adb.send_bundle(farm["bundle"]).files_sent == 0
+
+
 def test_dropped_connection_resumes_and_never_leaves_a_partial_file(phone, farm, tmp_path):
     manifest = farm["manifest"]
     total = distinct_bytes(manifest)
@@ -284,8 +307,8 @@ def test_the_workers_adb_transport_signs_with_the_config_dirs_key(tmp_path, monk
     """A worker's adb devices are reached with <config_dir>/adbkey, the key `farm secrets
     public-keys` publishes and the stack's phones trust, whatever HOME is."""
     from orchestrator.db.models import Device
-    from orchestrator.jobs import make_transport
     from orchestrator.settings import Settings
+    from orchestrator.worker import make_transport
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config")
@@ -376,3 +399,9 @@ def test_a_message_larger_than_the_socket_buffer_is_sent_whole():
     reader.join(timeout=30)
     listener.close()
     assert bytes(received) == data
+
+
+def test_stop_job_kills_the_running_job_and_only_that_one(adb, phone):
+    from stop_support import check_stop_job
+
+    check_stop_job(adb, phone.device_root)

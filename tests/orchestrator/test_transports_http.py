@@ -20,7 +20,7 @@ from net_support import PartialWatcher, Proxy
 from tls_support import make_pki
 
 from agent.bundle import build_bundle, generate_keypair, provision_public_key
-from agent.protocol import DeviceInfo, JobSpec
+from agent.protocol import DeviceInfo, JobSpec, Manifest, from_json
 from agent.serve import make_server, tls_context
 from orchestrator.transports import (
     BundleRefused,
@@ -28,6 +28,7 @@ from orchestrator.transports import (
     DeviceOffline,
     DeviceTimeout,
     DeviceUnauthorized,
+    InfraFailure,
     ProtocolMismatch,
     TransportError,
 )
@@ -94,6 +95,22 @@ def test_send_bundle_refuses_another_key_then_sends_only_once(http, agent, farm)
     second = http.send_bundle(farm["bundle"])
     assert (second.bytes_sent, second.files_sent, second.installed) == (0, 0, False)
     assert (agent.root / "builds/current/manifest.json").read_bytes() == (farm["bundle"] / "manifest.json").read_bytes()
+
+
+def test_a_blob_damaged_on_the_agent_is_sent_again_and_the_build_repaired(http, agent, farm):
+    manifest = from_json(Manifest, (farm["bundle"] / "manifest.json").read_text())
+    http.send_bundle(farm["bundle"])
+    biggest = max(manifest.files, key=lambda f: f.size)
+    blob = agent.root / "store" / biggest.sha256[:2] / biggest.sha256
+    os.chmod(blob, 0o644)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(blob, "r+b") as f:  # in place, the size kept
+        f.write(bytes(data))
+    again = http.send_bundle(farm["bundle"])  # by size, nothing was sent and the build stayed damaged
+    assert (again.installed, again.files_sent, again.bytes_sent) == (True, 1, biggest.size)
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() == biggest.sha256
+    assert http.send_bundle(farm["bundle"]).files_sent == 0
 
 
 def test_dropped_connection_resumes_and_never_leaves_a_partial_file(agent, farm):
@@ -289,3 +306,44 @@ def test_a_redirect_within_the_agents_origin_is_followed():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_stop_job_kills_the_running_job_and_only_that_one(http, agent):
+    from stop_support import check_stop_job
+
+    check_stop_job(http, agent.root)
+
+
+def test_an_answer_larger_than_any_result_is_refused_not_read_whole(monkeypatch):
+    """A hostile or broken agent answering without end: the transport stops past the cap (lowered
+    here to 1 MiB, 64 MiB in the farm) instead of holding all of it."""
+    import orchestrator.transports.http as http_module
+    from orchestrator.transports import base
+
+    monkeypatch.setattr(http_module, "MAX_REPLY_BYTES", 2**20)
+    monkeypatch.setattr(base, "MAX_REPLY_BYTES", 2**20)
+    sent = []
+
+    class Flood(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            try:
+                for _ in range(64):  # 64 MiB if read to the end
+                    self.wfile.write(b" " * 2**20)
+                    sent.append(1)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = _serve(Flood, "127.0.0.1")
+    try:
+        with pytest.raises(InfraFailure, match=r"the answer to GET /v1/info is over 1 MiB"):
+            HttpTransport(f"http://127.0.0.1:{server.server_address[1]}", TOKEN).info()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(sent) < 64

@@ -69,3 +69,23 @@ def test_busy_device(local, tmp_path):
     with pytest.raises(DeviceBusy, match="busy with job 'other'") as err:
         local.run(job("b"), tmp_path / "o")
     assert err.value.state == "busy"
+
+
+def test_stop_job_kills_the_running_job_and_only_that_one(local):
+    from stop_support import check_stop_job
+
+    check_stop_job(local, local.root)
+
+
+def test_a_result_file_larger_than_any_result_is_not_read(local, monkeypatch):
+    from orchestrator.transports import InfraFailure
+    from orchestrator.transports import local as local_module
+
+    monkeypatch.setattr(local_module, "MAX_REPLY_BYTES", 2**20)
+    spec = job("huge-1")
+    result = local.root / "jobs" / spec.job_id / "result.json"
+    result.parent.mkdir(parents=True)
+    with open(result, "wb") as f:
+        f.truncate(2**20 + 1)  # sparse: a size, no memory
+    with pytest.raises(InfraFailure, match=r"job huge-1's result.json is over"):
+        local.read_job_file(spec, "result.json")

@@ -8,11 +8,14 @@ refused, and a tab closed: the device is offline until it opens the page again."
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import ssl
+import stat
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from ci_support import missing
@@ -101,6 +104,38 @@ def test_tls_and_tokens_keep_strangers_out(farm):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(req, timeout=10, context=trusting)
         assert refused.value.code == 401
+
+
+def test_the_token_is_on_no_command_line_and_in_no_log_others_can_read(farm):
+    """The tablet put its enrolment URL (the device's token, the farm key) on Chromium's command
+    line, where `ps` shows it to every user, and in a chromium.log of mode 0644 (issue 27, item
+    10). Chromium now starts on a private page that opens the URL."""
+    token = farm["token"]
+    seen = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and token.encode() in (proc / "cmdline").read_bytes():
+                seen.append((proc / "cmdline").read_bytes().replace(b"\0", b" ")[:200])
+    assert seen == []
+    log = farm["tmp"] / "tablet" / "chromium.log"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600 and token not in log.read_text(errors="replace")
+    launch = farm["tmp"] / "tablet" / "launch" / "open.html"
+    assert stat.S_IMODE(launch.stat().st_mode) == 0o600
+
+
+def test_the_demo_stack_passes_the_tablets_url_in_a_private_file(tmp_path, monkeypatch):
+    from orchestrator.settings import Settings
+    from orchestrator.stack import Stack
+
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, argv, *a, **k: spawned.append(argv))
+    url = "https://localhost:8743/web/index.html#device=vtablet-1&token=SECRET-TOKEN&key=K"
+    Stack(Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config")).start_tablet(
+        "vtablet-1", url, tmp_path / "ca.pem")
+    (argv,) = spawned
+    assert not any("SECRET-TOKEN" in arg for arg in argv), argv
+    url_file = Path(argv[argv.index("--url-file") + 1])
+    assert url_file.read_text().strip() == url and stat.S_IMODE(url_file.stat().st_mode) == 0o600
 
 
 def test_a_closed_tab_leaves_the_device_offline_until_it_opens_the_page_again(farm):

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from test_tasks import HOST, farm  # noqa: F401  (the module's own real worker and store)
 
 from orchestrator.db.models import Batch, Job, JobKind, JobState, Profile, Run, Sample
-from orchestrator.jobs import launch_suite
+from orchestrator.jobservice import launch_suite
 from orchestrator.profiles import profile_sha256
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,196 @@
+"""Whether an engine plan fits an adapter, read from the plan alone, before anything is
+allocated: the GPU bytes its executors allocate (every buffer and uniform of the plan; they
+keep them for the plan's life), the largest buffer and the largest range one dispatch binds,
+and, from each pipeline's WGSL with its override constants, the workgroup storage and the
+invocations per workgroup of its entry point. Each is checked against the adapter's limits
+and a memory budget; `reasons` says what does not fit and by how much.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import operator
+import re
+from dataclasses import asdict, dataclass, field
+from functools import cache
+
+from .errors import InputError
+from .kernels import SHADER_ROOT
+
+LIMITS = {  # what a plan needs -> the adapter's limit (engine.device names)
+    "max_binding_bytes": "max-storage-buffer-binding-size",
+    "max_buffer_bytes": "max-buffer-size",
+    "max_workgroup_storage_bytes": "max-compute-workgroup-storage-size",
+    "max_invocations_per_workgroup": "max-compute-invocations-per-workgroup",
+}
+
+
+@dataclass
+class Fit:
+    fits: bool
+    profile: str
+    precision: str  # the plan's element type: f16 or f32
+    peak_gpu_bytes: int
+    max_binding_bytes: int
+    max_buffer_bytes: int
+    max_workgroup_storage_bytes: int
+    max_invocations_per_workgroup: int
+    budget_bytes: int | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_plan(plan: dict, caps, budget_bytes: int | None = None) -> Fit:
+    """The Fit of `plan` on the adapter `caps` (engine.device.DeviceCaps) within `budget_bytes`
+    of GPU memory (None: no budget)."""
+    peak = sum(b["size"] for b in plan["buffers"]) + sum(len(base64.b64decode(u)) for u in plan["uniforms"])
+    bound = [size for commands in _command_lists(plan) for c in commands if c.get("op") == "dispatch"
+             for _slot, _buffer, size in c["bindings"]]
+    storage, invocations = 0, 0
+    for p in plan["pipelines"]:
+        need = pipeline_needs(plan["shaders"][p["shader"]]["path"], p["entry"], p["dtype"],
+                              tuple(sorted(p.get("constants", {}).items())))
+        storage, invocations = max(storage, need[0]), max(invocations, need[1])
+    fit = Fit(fits=True, profile=plan["profile"]["name"], precision=plan["dtype"], peak_gpu_bytes=peak,
+              max_binding_bytes=max(bound, default=0), max_buffer_bytes=max((b["size"] for b in plan["buffers"]), default=0),
+              max_workgroup_storage_bytes=storage, max_invocations_per_workgroup=invocations, budget_bytes=budget_bytes)
+    for need, limit in LIMITS.items():
+        have = caps.limits.get(limit)
+        if have is not None and getattr(fit, need) > have:
+            fit.reasons.append(f"{need.replace('_', ' ')} {getattr(fit, need):,} > the adapter's {limit} {have:,}")
+    if budget_bytes is not None and peak > budget_bytes:
+        fit.reasons.append(f"peak GPU memory {peak:,} bytes > the budget of {budget_bytes:,}")
+    fit.fits = not fit.reasons
+    return fit
+
+
+def _command_lists(plan: dict):
+    yield plan["generate"]
+    for stage in plan["stages"].values():
+        yield stage["commands"]
+
+
+# ---- WGSL: workgroup storage and size of an entry point ---------------------------------------
+
+_DECL = re.compile(r"^(override|const)\s+(\w+)\s*(?::\s*[\w<>]+)?\s*(?:=\s*([^;]+))?;", re.M)  # module scope
+_WORKGROUP_VAR = re.compile(r"var<workgroup>\s+(\w+)\s*:\s*([^;]+);")
+_ENTRY = re.compile(r"@workgroup_size\(([^)]*)\)\s*fn\s+(\w+)")
+_FN = re.compile(r"\bfn\s+(\w+)\s*\(")
+_SCALAR_BYTES = {"f32": 4, "u32": 4, "i32": 4, "f16": 2, "bool": 4}
+
+
+@cache
+def pipeline_needs(shader_path: str, entry: str, dtype: str, constants: tuple) -> tuple[int, int]:
+    """(workgroup storage bytes, invocations per workgroup) of `entry` in the shader at
+    `shader_path` (as a plan names it: "shaders/<op>/<variant>.wgsl"), its element type T being
+    `dtype` and its override constants `constants`. Only the workgroup variables the entry
+    point (or a function it calls) uses count, as compilers count them."""
+    source = _strip_comments((SHADER_ROOT.parent / shader_path).read_text())
+    env: dict[str, int] = {}
+    given = dict(constants)
+    for kind, name, expr in _DECL.findall(source):
+        if kind == "override" and name in given:
+            env[name] = int(given[name])
+        elif expr:
+            try:
+                env[name] = _eval(expr, env, shader_path)
+            except InputError:  # not an integer (an array, a float): no size depends on it
+                pass
+    bodies = _functions(source)
+    if entry not in bodies:
+        raise InputError(f"{shader_path}: no entry point {entry!r}")
+    used = _reachable(entry, bodies)
+    text = "\n".join(bodies[f] for f in used)
+    storage = sum(_type_bytes(t.strip(), dtype, env, shader_path) for name, t in _WORKGROUP_VAR.findall(source)
+                  if re.search(rf"\b{name}\b", text))
+    sizes = next((s for s, fn in _ENTRY.findall(source) if fn == entry), None)
+    if sizes is None:
+        raise InputError(f"{shader_path}: entry point {entry!r} has no @workgroup_size")
+    invocations = 1
+    for dim in sizes.split(","):
+        if dim.strip():
+            invocations *= _eval(dim, env, shader_path)
+    return storage, invocations
+
+
+def _strip_comments(source: str) -> str:
+    return re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", source), flags=re.S)
+
+
+def _functions(source: str) -> dict[str, str]:
+    """Each function's text, from its `fn` to the brace that closes its body."""
+    out = {}
+    for m in _FN.finditer(source):
+        start = source.index("{", m.end())
+        depth, i = 0, start
+        while i < len(source):
+            depth += {"{": 1, "}": -1}.get(source[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        out[m.group(1)] = source[m.start():i + 1]
+    return out
+
+
+def _reachable(entry: str, bodies: dict[str, str]) -> list[str]:
+    seen, todo = [], [entry]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.append(f)
+        todo += [g for g in bodies if g != f and re.search(rf"\b{g}\s*\(", bodies[f])]
+    return seen
+
+
+def _type_bytes(t: str, dtype: str, env: dict[str, int], where: str) -> int:
+    """Bytes of a workgroup variable's type: scalars, vecN<S>, atomic<S>, array<E, N>."""
+    t = t.replace(" ", "")
+    if t == "T":
+        t = dtype
+    if t in _SCALAR_BYTES:
+        return _SCALAR_BYTES[t]
+    if m := re.fullmatch(r"atomic<(\w+)>", t):
+        return _SCALAR_BYTES[m.group(1)]
+    if m := re.fullmatch(r"vec([234])<(\w+)>", t):
+        n, scalar = int(m.group(1)), _type_bytes(m.group(2), dtype, env, where)
+        return scalar * (4 if n == 3 else n)
+    if t.startswith("array<") and t.endswith(">"):
+        inner = t[len("array<"):-1]
+        depth = 0
+        for i, ch in enumerate(inner):  # the comma that ends the element type
+            depth += {"<": 1, ">": -1}.get(ch, 0)
+            if ch == "," and depth == 0:
+                return _type_bytes(inner[:i], dtype, env, where) * _eval(inner[i + 1:], env, where)
+    raise InputError(f"{where}: cannot size the workgroup type {t!r}")
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+        ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+
+
+def _eval(expr: str, env: dict[str, int], where: str) -> int:
+    """An integer WGSL constant expression (literals with or without `u`/`i`, + - * / % << >>,
+    min, max, parentheses, names of earlier constants)."""
+    text = re.sub(r"\b(\d+)[ui]\b", r"\1", expr.strip()).replace("/", "//")
+    try:
+        return _node(ast.parse(text, mode="eval").body, env)
+    except (SyntaxError, KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise InputError(f"{where}: cannot evaluate {expr.strip()!r} ({exc})") from None
+
+
+def _node(n, env: dict[str, int]) -> int:
+    if isinstance(n, ast.Constant) and isinstance(n.value, int):
+        return n.value
+    if isinstance(n, ast.Name):
+        return env[n.id]
+    if isinstance(n, ast.BinOp) and type(n.op) in _OPS:
+        return _OPS[type(n.op)](_node(n.left, env), _node(n.right, env))
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+        return -_node(n.operand, env)
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("min", "max") and not n.keywords:
+        return {"min": min, "max": max}[n.func.id](*(_node(a, env) for a in n.args))
+    raise ValueError(f"not a constant expression: {ast.dump(n)[:80]}")

@@ -1,0 +1,62 @@
+"""What the CLI's commands share: settings, the store, one way to fail, JSON output."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import typer
+from rich.markup import escape
+
+from .output import console
+
+JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON.")
+
+
+# ---- shared by the store-backed commands --------------------------------------------------
+
+
+def fail(message: str) -> NoReturn:
+    """One red line and exit code 1: how every error a user can cause ends."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@contextmanager
+def open_store(settings) -> Iterator[Any]:
+    """A session factory on the settings' database, after checking that its schema is the one
+    this code needs (the CLI never migrates on its own: `farm db upgrade` does)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from orchestrator.db import make_engine, make_session_factory, migrate
+
+    engine = make_engine(settings.database_url)
+    try:
+        try:
+            migrate.check(engine)
+        except migrate.SchemaMismatch as exc:
+            fail(str(exc))
+        except SQLAlchemyError as exc:
+            fail(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
+        yield make_session_factory(engine)
+    finally:
+        engine.dispose()
+
+
+def iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _settings(**overrides):
+    """The settings for this command: FARM_* environment and config file, then `overrides`
+    (command-line values; None = not given)."""
+    from orchestrator.settings import load_settings
+
+    return load_settings(**overrides)
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))

@@ -1,0 +1,112 @@
+"""engine.fit: what a plan needs of an adapter, read from the plan before anything is
+allocated. The WGSL sizes are checked against the shaders' own declarations worked by hand,
+the memory against what a loaded PlanExecutor allocates, and `farm engine fit` says what does
+not fit with exit code 1."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.device import ADAPTERS_DIR, caps_from_dict
+from engine.errors import InputError
+from engine.fit import fit_plan, pipeline_needs
+from engine.plan import record_plan
+from orchestrator.cli import app
+
+
+@pytest.mark.parametrize(
+    "shader,entry,dtype,constants,expected",
+    [
+        # As, Bs: TILE_K*TILE_M/4 and TILE_K*TILE_N/4 vec4<f32>; workgroup (TILE_N/4, TILE_M/4)
+        ("linear/tiled", "main_vec4", "f32", {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}, (2 * 256 * 16, 16 * 16)),
+        ("linear/tiled", "main_vec4", "f32", {"TILE_M": 32, "TILE_N": 64, "TILE_K": 8}, (64 * 16 + 128 * 16, 16 * 8)),
+        # one file, three entry points: each counts only the workgroup arrays it touches
+        ("attention/partial_softmax", "scores", "f32", {}, (2 * 256 * 4, 16 * 16)),  # tile_a, tile_b
+        ("attention/partial_softmax", "row_stats", "f32", {}, (2 * 256 * 4, 256)),  # part_m, part_s
+        ("add/reference", "main", "f16", {}, (0, 256)),
+    ],
+)
+def test_workgroup_storage_and_invocations_from_the_wgsl(shader, entry, dtype, constants, expected):
+    assert pipeline_needs(f"shaders/{shader}.wgsl", entry, dtype, tuple(sorted(constants.items()))) == expected
+
+
+def test_an_unknown_entry_point_is_named():
+    with pytest.raises(InputError, match="no entry point 'nope'"):
+        pipeline_needs("shaders/add/reference.wgsl", "nope", "f32", ())
+
+
+@pytest.fixture(scope="module")
+def sd14_plans():
+    from engine.make_model import preset_model_config
+
+    config = preset_model_config("sd14")
+    return {name: record_plan(config, caps_from_dict(json.loads((ADAPTERS_DIR / name).read_text())),
+                              precision="fp16", height=512, width=512, steps=20, scheduler="pndm")
+            for name in ("adreno-7xx-128mib-chrome.json", "apple-iphone-safari.json")}
+
+
+def test_sd14_at_512_is_sized_and_its_excess_named(sd14_plans):
+    adreno = caps_from_dict(json.loads((ADAPTERS_DIR / "adreno-7xx-128mib-chrome.json").read_text()))
+    fit = fit_plan(sd14_plans["adreno-7xx-128mib-chrome.json"], adreno, budget_bytes=2_093_000_000)
+    assert fit.profile == "adreno" and fit.precision == "f32"  # no shader-f16 on this Adreno
+    assert not fit.fits
+    assert any("max-storage-buffer-binding-size 134,217,728" in r for r in fit.reasons), fit.reasons
+    assert any("budget of 2,093,000,000" in r for r in fit.reasons), fit.reasons
+    # Every pipeline of the real model's plan was sized: phones give 32 KiB and 256 invocations at least
+    assert 0 < fit.max_workgroup_storage_bytes <= 32768 and 0 < fit.max_invocations_per_workgroup <= 1024
+    safari = fit_plan(sd14_plans["apple-iphone-safari.json"], caps_from_dict(
+        json.loads((ADAPTERS_DIR / "apple-iphone-safari.json").read_text())))
+    assert safari.precision == "f16" and safari.fits  # within every limit when no budget is set
+    assert safari.peak_gpu_bytes < fit.peak_gpu_bytes  # halves against f32
+
+
+@pytest.mark.gpu
+def test_fit_counts_what_the_executor_allocates(tiny_model_dir, gpu):
+    from engine.models.config import load_model_config
+    from engine.plan_exec import PlanExecutor
+
+    plan = record_plan(load_model_config(tiny_model_dir), gpu.caps, model_dir=tiny_model_dir, height=64, width=64,
+                       steps=2, scheduler="euler")
+    executor = PlanExecutor(plan, tiny_model_dir, gpu)
+    allocated = (executor.bytes + sum(b["size"] for b in plan["buffers"] if b["kind"] == "weight")
+                 + sum(len(base64.b64decode(u)) for u in plan["uniforms"]))
+    fit = fit_plan(plan, gpu.caps)
+    assert fit.peak_gpu_bytes == allocated
+    assert fit.max_buffer_bytes == max(b["size"] for b in plan["buffers"])
+    over = fit_plan(plan, gpu.caps, budget_bytes=allocated - 1)
+    assert not over.fits and over.reasons == [f"peak GPU memory {allocated:,} bytes > the budget of {allocated - 1:,}"]
+
+
+def test_farm_engine_fit_exits_1_with_the_reasons(tmp_path):
+    caps = json.loads((ADAPTERS_DIR / "mali-g78-chrome.json").read_text())
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({**caps, "limits": {**caps["limits"], "max-compute-workgroup-storage-size": 4096}}))
+    runner = CliRunner()
+    ok = runner.invoke(app, ["engine", "fit", "--preset", "tiny", "--adapter", str(ADAPTERS_DIR / "mali-g78-chrome.json"),
+                             "--height", "64", "--width", "64", "--steps", "2", "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["fits"] is True and json.loads(ok.output)["profile"] == "mali"
+    bad = runner.invoke(app, ["engine", "fit", "--preset", "tiny", "--adapter", str(small), "--height", "64",
+                              "--width", "64", "--steps", "2", "--budget-mb", "1"])
+    assert bad.exit_code == 1, bad.output
+    assert "no plan can be made: conv2d tiling" in bad.output and "above this adapter's 4096 B" in bad.output
+    over = runner.invoke(app, ["engine", "fit", "--preset", "tiny", "--adapter", str(ADAPTERS_DIR / "mali-g78-chrome.json"),
+                               "--height", "64", "--width", "64", "--steps", "2", "--budget-mb", "1", "--json"])
+    assert over.exit_code == 1, over.output
+    assert json.loads(over.output)["reasons"][0].endswith("> the budget of 1,000,000")
+
+
+def test_farm_engine_plan_warns_of_a_plan_the_adapter_cannot_hold(tmp_path):
+    caps = json.loads((ADAPTERS_DIR / "adreno-7xx-128mib-chrome.json").read_text())
+    narrow = tmp_path / "narrow.json"
+    narrow.write_text(json.dumps({**caps, "limits": {**caps["limits"], "max-storage-buffer-binding-size": 131072}}))
+    r = CliRunner().invoke(app, ["engine", "plan", "--preset", "tiny", "--adapter", str(narrow), "--height", "64",
+                                 "--width", "64", "--steps", "2", "--out", str(tmp_path / "plan.json")])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"does not fit this adapter: max binding bytes [\d,]+ > the adapter's "
+                     r"max-storage-buffer-binding-size 131,072", " ".join(r.output.split())), r.output
