@@ -767,13 +767,19 @@ class _Child:
         if self.runtime == "native":
             self.phase("load", model=self.plan["model"], profile=self.plan["profile"])
             t0 = time.perf_counter()
+            if self.spec.gpu_budget_bytes is not None:
+                from engine.errors import InputError
+
+                raise InputError("a GPU memory budget (--gpu-budget-mb) is kept by the plan and browser runtimes; "
+                                 "this job runs on the native one")
             self.pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.profile())
         else:
             self.phase("load", model=self.plan["model"], profile=self.plan["profile"], runtime=self.runtime)
             page = os.environ.get(BROWSER_PAGE_ENV)
             t0 = time.perf_counter()
             self.pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.plan["profile"],
-                                      runtime=self.runtime, **({"session": HubPage(page)} if page else {}))
+                                      runtime=self.runtime, budget_bytes=self.spec.gpu_budget_bytes,
+                                      **({"session": HubPage(page)} if page else {}))
             self.caps = self.pipe.caps
             if self.plan["profile"] == "auto" and self.plan.get("tuned_profiles"):
                 self.pipe.set_profile(self.profile())  # chosen for the page's adapter, known now

@@ -60,6 +60,7 @@ MAX_REPETITIONS = 1_000_000  # runs of one kind in one job (its time limit ends 
 MAX_GUIDANCE = 100.0  # classifier-free guidance scale (7.5 is usual; 1 turns it off)
 MAX_TIME_S = 7 * 86400.0  # a job's time limit, a tune's budget, a cool-down's longest wait
 MAX_SEED = 2**64 - 1
+MIN_GPU_BUDGET, MAX_GPU_BUDGET = 2**20, 2**40  # a job's GPU memory budget: 1 MiB to 1 TiB
 
 
 def _bounded(_obj, name: str, value, low, high, *, low_open: bool = False) -> None:
@@ -171,6 +172,10 @@ class JobSpec:
     # the farm sends to a phone's browser). None: the agent's own default, $FARM_ENGINE_RUNTIME
     # where it is set (an agent run by hand), else native.
     engine_runtime: str | None = None
+    # The most GPU memory the job's plans may hold, in bytes (plan and browser runtimes: their
+    # weights are staged when only that fits; a plan that cannot fit fails the job at once with
+    # the reasons). None: no budget.
+    gpu_budget_bytes: int | None = None
     protocol: int = PROTOCOL_VERSION
 
     def __post_init__(self):
@@ -195,6 +200,8 @@ class JobSpec:
         _bounded(self, "JobSpec.tune_time_budget_s", self.tune_time_budget_s, 0.0, MAX_TIME_S, low_open=True)
         if not 0.0 < self.strength <= 1.0:
             raise ProtocolError(f"JobSpec.strength must be in (0, 1], got {self.strength}")
+        if self.gpu_budget_bytes is not None:
+            _bounded(self, "JobSpec.gpu_budget_bytes", self.gpu_budget_bytes, MIN_GPU_BUDGET, MAX_GPU_BUDGET)
         if self.engine_runtime is not None and self.engine_runtime not in ENGINE_RUNTIMES:
             raise ProtocolError(f"JobSpec.engine_runtime {self.engine_runtime!r} is not one of "
                                 f"{', '.join(ENGINE_RUNTIMES)}")

@@ -330,10 +330,17 @@ class BrowserExecutor:
     """PlanExecutor's interface, run by the page."""
 
     def __init__(self, plan: dict[str, Any], model_dir: Path | None, session: BrowserSession,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, *, budget_bytes: int | None = None, residency: str = "auto"):
+        from .fit import plan_memory
+
         self.plan, self.session, self.timeout_s = plan, session, timeout_s
-        self.load_report = session.call("load", timeout_s=timeout_s, **session.load_fields(plan, model_dir))
+        self.memory = plan_memory(plan)
+        self.load_report = session.call("load", timeout_s=timeout_s, budget_bytes=budget_bytes, residency=residency,
+                                        **session.load_fields(plan, model_dir))
         self.bytes = self.load_report["buffer_bytes"]
+        self.residency = self.load_report.get("residency", "resident")
+        self.peak_bytes = int(self.load_report.get("peak_bytes", 0))
+        self.upload_ms = 0.0
         self.stage_ms: dict[str, float] = {}
         self.loop_steps = 0  # as PlanExecutor's: the page runs the denoising loop back to back
 
@@ -345,6 +352,7 @@ class BrowserExecutor:
                 for name, value in stage_inputs(self.plan, stage, inputs).items()}
         reply = self.session.call("run", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage, inputs=sent)
         self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items()}
+        self.peak_bytes = max(self.peak_bytes, int(reply.get("peak_bytes", 0)))
         return {k: _array_out(v) for k, v in reply["outputs"].items()}
 
     def generate(self, input_ids: np.ndarray, latents: np.ndarray | None, noise: list[np.ndarray],
@@ -356,27 +364,36 @@ class BrowserExecutor:
             inputs["latents"] = _array_in(latents, "f32")
         reply = self.session.call("generate", timeout_s=self.timeout_s, plan=self.plan["sha256"], inputs=inputs)
         self.loop_steps = int(reply["loop_steps"])
-        self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items() if k != "total_ms"}
+        self.upload_ms = float(reply["timings"].get("weight_upload_ms", 0.0))
+        self.stage_ms = {k.removesuffix("_ms"): v for k, v in reply["timings"].items()
+                         if k not in ("total_ms", "weight_upload_ms")}
+        self.peak_bytes = max(self.peak_bytes, int(reply.get("peak_bytes", 0)))
         return {k: _array_out(v) for k, v in reply["outputs"].items()}
 
     def time_stage(self, stage: str, repetitions: int, warmup: int = 1, seed: int = 0) -> list[float]:
         """As PlanExecutor.time_stage, timed by the page (performance.now, to GPU completion)."""
-        return self.session.call("time", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage,
-                                 repetitions=repetitions, warmup=warmup, seed=seed)["ms"]
+        reply = self.session.call("time", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage,
+                                  repetitions=repetitions, warmup=warmup, seed=seed)
+        self.peak_bytes = max(self.peak_bytes, int(reply.get("peak_bytes", 0)))
+        return reply["ms"]
 
     def kernel_times(self, stage: str, repetitions: int = 1) -> dict[str, dict[str, float]] | None:
-        return self.session.call("kernels", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage,
-                                 repetitions=repetitions)["kernels"]
+        reply = self.session.call("kernels", timeout_s=self.timeout_s, plan=self.plan["sha256"], stage=stage,
+                                  repetitions=repetitions)
+        self.peak_bytes = max(self.peak_bytes, int(reply.get("peak_bytes", 0)))
+        return reply["kernels"]
 
 
 def browser_pipeline(model_dir: Path, config, tokenizer, precision: str, profile=None, *, session=None,
                      chromium: str | None = None, cdp: str | None = None, manual: bool = False,
-                     webgpu_adapter: str | None = "auto", timeout_s: float = 600.0, announce=None):
+                     webgpu_adapter: str | None = "auto", timeout_s: float = 600.0, announce=None,
+                     budget_bytes: int | None = None, residency: str = "auto"):
     """The Pipeline API (engine.plan_exec.PlanPipeline) with every plan run by a browser page:
     one given `session` (anything with BrowserSession's `adapter`, `call` and `load_fields`:
     a page another program hosts), or a new session (a headless Chromium started here; `cdp`:
     a tab opened in the browser at that DevTools endpoint; `manual`: print the URL and wait
-    for a browser). `close()` ends a session the pipeline started."""
+    for a browser). The page keeps each plan within `budget_bytes` of GPU memory, its weights
+    held as `residency` says (engine.fit). `close()` ends a session the pipeline started."""
     from .plan_exec import PlanPipeline
 
     own = session is None
@@ -385,7 +402,9 @@ def browser_pipeline(model_dir: Path, config, tokenizer, precision: str, profile
                                  start_timeout_s=600.0 if manual else 60.0, announce=announce)
     try:
         pipe = PlanPipeline(model_dir, config, tokenizer, caps_of(session.adapter), precision, profile,
-                            make_executor=lambda plan: BrowserExecutor(plan, model_dir, session, timeout_s))
+                            budget_bytes=budget_bytes, residency=residency,
+                            make_executor=lambda plan: BrowserExecutor(plan, model_dir, session, timeout_s,
+                                                                       budget_bytes=budget_bytes, residency=residency))
     except BaseException:
         if own:
             session.close()

@@ -28,9 +28,19 @@ class GPUError(EngineError):
 
 class BrowserError(GPUError):
     """What a browser page reported (`kind`: no-webgpu, missing-feature, limit, schema,
-    plan-hash, shader-compile, pipeline, weight-fetch, hash-mismatch, out-of-memory, validation,
-    device-lost, input, internal), or that it stopped answering ("timeout", "page-lost")."""
+    plan-hash, shader-compile, pipeline, weight-fetch, hash-mismatch, out-of-memory,
+    over-budget, validation, device-lost, input, internal), or that it stopped answering
+    ("timeout", "page-lost")."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(f"browser: {kind}: {message}")
         self.kind = kind
+
+
+class FitError(EngineError):
+    """A plan does not fit the adapter or the GPU memory budget it was given; `reasons` says
+    what does not fit and by how much (engine.fit). Raised before anything is allocated."""
+
+    def __init__(self, reasons: list[str]):
+        super().__init__("the plan does not fit: " + "; ".join(reasons))
+        self.reasons = list(reasons)

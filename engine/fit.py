@@ -1,9 +1,15 @@
 """Whether an engine plan fits an adapter, read from the plan alone, before anything is
-allocated: the GPU bytes its executors allocate (every buffer and uniform of the plan; they
-keep them for the plan's life), the largest buffer and the largest range one dispatch binds,
-and, from each pipeline's WGSL with its override constants, the workgroup storage and the
-invocations per workgroup of its entry point. Each is checked against the adapter's limits
-and a memory budget; `reasons` says what does not fit and by how much.
+allocated: the GPU bytes its executors allocate, the largest buffer and the largest range one
+dispatch binds, and, from each pipeline's WGSL with its override constants, the workgroup
+storage and the invocations per workgroup of its entry point. Each is checked against the
+adapter's limits and a memory budget; `reasons` says what does not fit and by how much.
+
+The executors hold a plan's weights in one of two ways (its `residency`), and the peak is
+that of the way they will choose:
+- resident: every weight from load to the end, with the plan's other buffers (activations,
+  state, constants) and uniforms; chosen when that fits the budget or there is none;
+- staged: a stage's weights only while it runs (uploaded before it, released after), so the
+  peak is the other buffers plus the weights of the heaviest stage; chosen when only that fits.
 """
 
 from __future__ import annotations
@@ -26,27 +32,96 @@ LIMITS = {  # what a plan needs -> the adapter's limit (engine.device names)
 }
 
 
+RESIDENCIES = ("resident", "staged")
+
+
+@dataclass(frozen=True)
+class PlanMemory:
+    """What a plan's executor allocates, by kind: its buffers other than weights and its
+    uniforms, for the plan's whole life; the weights the generation's own commands bind
+    (pinned: resident throughout); and the other weights, by the stages whose dispatches bind
+    them."""
+
+    buffer_bytes: int
+    pinned_weight_bytes: int
+    weight_bytes: int  # every weight, the pinned ones included
+    pinned_weights: tuple[int, ...]
+    stage_weights: dict[str, tuple[int, ...]]  # stage -> ids of the unpinned weights it binds
+    stage_weight_bytes: dict[str, int]
+
+    @property
+    def working_bytes(self) -> int:
+        """What stays allocated whatever the residency."""
+        return self.buffer_bytes + self.pinned_weight_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.buffer_bytes + self.weight_bytes
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.working_bytes + max(self.stage_weight_bytes.values(), default=0)
+
+    def peak(self, residency: str) -> int:
+        return self.resident_bytes if residency == "resident" else self.staged_bytes
+
+
+def plan_memory(plan: dict) -> PlanMemory:
+    """The PlanMemory of `plan`."""
+    weights = {b["id"]: b["size"] for b in plan["buffers"] if b["kind"] == "weight"}
+
+    def bound(commands) -> set[int]:
+        return {b for c in commands if c.get("op") == "dispatch" for _slot, b, _size in c["bindings"] if b in weights}
+
+    pinned = bound(plan["generate"])
+    stage_weights = {name: tuple(sorted(bound(stage["commands"]) - pinned)) for name, stage in plan["stages"].items()}
+    return PlanMemory(
+        buffer_bytes=sum(b["size"] for b in plan["buffers"] if b["kind"] != "weight")
+        + sum(len(base64.b64decode(u)) for u in plan["uniforms"]),
+        pinned_weight_bytes=sum(weights[i] for i in pinned), weight_bytes=sum(weights.values()),
+        pinned_weights=tuple(sorted(pinned)), stage_weights=stage_weights,
+        stage_weight_bytes={n: sum(weights[i] for i in ids) for n, ids in stage_weights.items()})
+
+
+def choose_residency(memory: PlanMemory, budget_bytes: int | None, residency: str = "auto") -> str:
+    """`residency` ("auto", "resident" or "staged") resolved: auto keeps every weight resident
+    unless only staging fits the budget."""
+    if residency not in ("auto", *RESIDENCIES):
+        raise InputError(f"residency {residency!r}: expected auto, resident or staged")
+    if residency != "auto":
+        return residency
+    if budget_bytes is None or memory.resident_bytes <= budget_bytes:
+        return "resident"
+    return "staged"
+
+
 @dataclass
 class Fit:
     fits: bool
     profile: str
     precision: str  # the plan's element type: f16 or f32
-    peak_gpu_bytes: int
+    peak_gpu_bytes: int  # under `residency`
     max_binding_bytes: int
     max_buffer_bytes: int
     max_workgroup_storage_bytes: int
     max_invocations_per_workgroup: int
     budget_bytes: int | None = None
+    residency: str = "resident"
+    resident_gpu_bytes: int = 0  # the peak with every weight resident
+    staged_gpu_bytes: int = 0  # the peak with each stage's weights resident only while it runs
     reasons: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def fit_plan(plan: dict, caps, budget_bytes: int | None = None) -> Fit:
+def fit_plan(plan: dict, caps, budget_bytes: int | None = None, residency: str = "auto") -> Fit:
     """The Fit of `plan` on the adapter `caps` (engine.device.DeviceCaps) within `budget_bytes`
-    of GPU memory (None: no budget)."""
-    peak = sum(b["size"] for b in plan["buffers"]) + sum(len(base64.b64decode(u)) for u in plan["uniforms"])
+    of GPU memory (None: no budget), its weights held as `residency` says (auto: resident when
+    that fits the budget, else staged)."""
+    memory = plan_memory(plan)
+    residency = choose_residency(memory, budget_bytes, residency)
+    peak = memory.peak(residency)
     bound = [size for commands in _command_lists(plan) for c in commands if c.get("op") == "dispatch"
              for _slot, _buffer, size in c["bindings"]]
     storage, invocations = 0, 0
@@ -56,13 +131,14 @@ def fit_plan(plan: dict, caps, budget_bytes: int | None = None) -> Fit:
         storage, invocations = max(storage, need[0]), max(invocations, need[1])
     fit = Fit(fits=True, profile=plan["profile"]["name"], precision=plan["dtype"], peak_gpu_bytes=peak,
               max_binding_bytes=max(bound, default=0), max_buffer_bytes=max((b["size"] for b in plan["buffers"]), default=0),
-              max_workgroup_storage_bytes=storage, max_invocations_per_workgroup=invocations, budget_bytes=budget_bytes)
+              max_workgroup_storage_bytes=storage, max_invocations_per_workgroup=invocations, budget_bytes=budget_bytes,
+              residency=residency, resident_gpu_bytes=memory.resident_bytes, staged_gpu_bytes=memory.staged_bytes)
     for need, limit in LIMITS.items():
         have = caps.limits.get(limit)
         if have is not None and getattr(fit, need) > have:
             fit.reasons.append(f"{need.replace('_', ' ')} {getattr(fit, need):,} > the adapter's {limit} {have:,}")
     if budget_bytes is not None and peak > budget_bytes:
-        fit.reasons.append(f"peak GPU memory {peak:,} bytes > the budget of {budget_bytes:,}")
+        fit.reasons.append(f"peak GPU memory {peak:,} bytes ({residency} weights) > the budget of {budget_bytes:,}")
     fit.fits = not fit.reasons
     return fit
 

@@ -17,23 +17,32 @@ RUNTIMES = ("native", "plan", "browser")
 
 
 def load_pipeline(
-    model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None, residency: str = "resident",
-    runtime: str = "native", **browser_options,
+    model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None, residency: str | None = None,
+    runtime: str = "native", budget_bytes: int | None = None, **browser_options,
 ) -> BasePipeline:
     """Load a model (diffusers folder or SD 1.x single-file checkpoint) for the GPU: its
     weights onto it ("resident"), or into host memory, to go up one network at a time
-    ("staged"; native only). `runtime` picks who runs it (see the module docstring);
-    `browser_options` go to engine.browser.browser_pipeline (a `session` another program
-    hosts, a `chromium`, a `cdp` endpoint, `manual`)."""
+    ("staged"). `runtime` picks who runs it (see the module docstring). The plan and browser
+    runtimes hold a plan's GPU memory within `budget_bytes` (a plan that cannot fit is refused
+    with engine.errors.FitError before anything is allocated) and by default ("auto") stage
+    weights only when the budget needs it; natively the default is "resident" and there is no
+    budget. `browser_options` go to engine.browser.browser_pipeline (a `session` another
+    program hosts, a `chromium`, a `cdp` endpoint, `manual`)."""
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if runtime not in RUNTIMES:
         raise InputError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
-    check_residency(residency)
+    if budget_bytes is not None and (budget_bytes <= 0 or int(budget_bytes) != budget_bytes):
+        raise InputError(f"budget_bytes {budget_bytes!r}: expected a positive whole number of bytes")
     if runtime == "native":
+        if budget_bytes is not None:
+            raise InputError("a GPU memory budget is kept by the plan and browser runtimes; the native runtime has none")
+        residency = residency or "resident"
+        check_residency(residency)
         return load_native_pipeline(model_dir, precision, profile, tokenizer_dir, residency)
-    if residency != "resident":
-        raise InputError(f"residency {residency!r} is for the native runtime; plans keep their weights resident")
+    residency = residency or "auto"
+    if residency != "auto":
+        check_residency(residency)
     from .models.config import load_model_config
     from .tokenizer import CLIPTokenizer
 
@@ -47,7 +56,9 @@ def load_pipeline(
         from .plan_exec import PlanPipeline
 
         gpu = get_gpu()
-        return PlanPipeline(model_dir, config, tokenizer, gpu.caps, precision, profile, gpu=gpu)
+        return PlanPipeline(model_dir, config, tokenizer, gpu.caps, precision, profile, gpu=gpu,
+                            budget_bytes=budget_bytes, residency=residency)
     from .browser import browser_pipeline
 
-    return browser_pipeline(model_dir, config, tokenizer, precision, profile, **browser_options)
+    return browser_pipeline(model_dir, config, tokenizer, precision, profile, budget_bytes=budget_bytes,
+                            residency=residency, **browser_options)

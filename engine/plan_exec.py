@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .device import GPU, JS_LIMIT_NAMES, gpu_call
-from .errors import EngineError, GPUError, InputError, ModelError
+from .errors import EngineError, FitError, GPUError, InputError, ModelError
 from .pipeline import (
     BasePipeline,
     GenerationResult,
@@ -111,42 +111,62 @@ class _KernelClock:
 
 class PlanExecutor:
     """One plan loaded on one GPU: `run(stage, inputs)` for a stage alone, `generate(...)`
-    for the whole generation. `weights` may be shared between executors of one model
-    ((component, name, dtype) -> GPU buffer)."""
+    for the whole generation.
+
+    Its weights are held as `residency` says (engine.fit): "resident", all uploaded at load
+    (`weights` may then be shared between executors of one model: (component, name, dtype) ->
+    GPU buffer), or "staged", a stage's weights uploaded from the model folder before the stage
+    runs and released when another stage needs the room; "auto" stages them only when that
+    alone fits `budget_bytes`. A plan that does not fit the adapter or the budget raises
+    FitError before anything is allocated. `live_bytes` counts every GPU byte the executor
+    holds, `peak_bytes` the most it held."""
 
     def __init__(self, plan: dict[str, Any], model_dir: Path | None, gpu: GPU,
-                 weights: dict[tuple, Any] | None = None):
+                 weights: dict[tuple, Any] | None = None, *, budget_bytes: int | None = None,
+                 residency: str = "auto"):
         import wgpu
+
+        from .fit import fit_plan, plan_memory
 
         check_plan(plan)
         self.plan, self.gpu, self.device = plan, gpu, gpu.device
         self._check_adapter(gpu.caps)
-        self.weights = {} if weights is None else weights
-        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.fit = fit_plan(plan, gpu.caps, budget_bytes, residency)
+        if not self.fit.fits:
+            raise FitError(self.fit.reasons)
+        self.residency = self.fit.residency
+        self.memory = plan_memory(plan)
+        for b in plan["buffers"]:
+            if b["kind"] == "weight" and (model_dir is None or "file" not in b):
+                raise ModelError(f"plan weight {b['component']}/{b['name']} has no file to load it from")
+        self.model_dir = model_dir
+        self.weights = {} if weights is None or self.residency == "staged" else weights
+        self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.buffers: list[Any] = []
-        self.bytes = 0
+        self.bytes = 0  # the plan's buffers other than weights
+        self.live_bytes = self.peak_bytes = 0
+        self.upload_ms = 0.0  # spent uploading staged weights (outside every stage's time)
         for b in plan["buffers"]:
             if b["kind"] == "weight":
-                key = (b["component"], b["name"], b["dtype"])
-                if key not in self.weights:
-                    if model_dir is None or "file" not in b:
-                        raise ModelError(f"plan weight {b['component']}/{b['name']} has no file to load it from")
-                    buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
-                                   usage=usage)
-                    self._write(buf, read_weight(model_dir, b))
-                    self.weights[key] = buf
-                self.buffers.append(self.weights[key])
+                self.buffers.append(None)  # uploaded by _upload
                 continue
             buf = gpu_call(f"allocating plan buffer {b['id']} ({b['size']} bytes)", self.device.create_buffer,
-                           size=b["size"], usage=usage)
+                           size=b["size"], usage=self._usage)
             if b["kind"] == "constant":
                 self._write(buf, np.frombuffer(_unb64(b["data"]), np.uint8))
             self.buffers.append(buf)
             self.bytes += b["size"]
         self.uniforms = [self.device.create_buffer_with_data(data=_unb64(u), usage=wgpu.BufferUsage.UNIFORM)
                          for u in plan["uniforms"]]
+        self._hold(self.memory.buffer_bytes)
+        self._upload(self.memory.pinned_weights)
+        if self.residency == "resident":
+            self._upload([b["id"] for b in plan["buffers"] if b["kind"] == "weight"])
         self.pipelines = self._pipelines()
-        self.stages = {name: self._prepare(stage["commands"]) for name, stage in plan["stages"].items()}
+        self._prepared: dict[str, list[tuple]] = {}  # stage -> commands ready to run
+        if self.residency == "resident":
+            for name in plan["stages"]:
+                self._stage(name)
         self.program = self._prepare(plan["generate"])
         self._encoder = self._pass = None
         self._recorded = 0
@@ -159,6 +179,55 @@ class PlanExecutor:
         # the next stage, as stage_ms["unet_step"] over loop_steps steps
         self.loop_steps = 0
         self._loop_t0: float | None = None
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    def _hold(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _upload(self, ids) -> None:
+        for i in ids:
+            if self.buffers[i] is not None:
+                continue
+            b = self.plan["buffers"][i]
+            key = (b["component"], b["name"], b["dtype"])
+            if key not in self.weights:
+                buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
+                               usage=self._usage)
+                self._write(buf, read_weight(self.model_dir, b))
+                self.weights[key] = buf
+            self.buffers[i] = self.weights[key]
+            self._hold(b["size"])
+
+    def _stage(self, name: str) -> list[tuple]:
+        """A stage's commands, ready to run: under staged residency its weights are uploaded
+        first, after the weights no other stage's commands need now are released."""
+        prepared = self._prepared.get(name)
+        if prepared is not None:
+            return prepared
+        if name not in self.plan["stages"]:
+            raise InputError(f"the plan has no stage {name!r}; it has {', '.join(self.plan['stages'])}")
+        if self.residency == "staged":
+            self.sync()  # the GPU is done with what is released
+            t0 = time.perf_counter()
+            needed = set(self.memory.stage_weights[name])
+            for other, ids in self.memory.stage_weights.items():
+                if other != name and set(ids) - needed:
+                    self._prepared.pop(other, None)  # its bind groups name buffers released below
+            for ids in self.memory.stage_weights.values():
+                for i in set(ids) - needed:
+                    if self.buffers[i] is not None:
+                        b = self.plan["buffers"][i]
+                        released = self.weights.pop((b["component"], b["name"], b["dtype"]), None)
+                        if released is not None:
+                            released.destroy()
+                        self.buffers[i] = None
+                        self.live_bytes -= b["size"]
+            self._upload(self.memory.stage_weights[name])
+            self.upload_ms += (time.perf_counter() - t0) * 1e3
+        prepared = self._prepared[name] = self._prepare(self.plan["stages"][name]["commands"])
+        return prepared
 
     def _check_adapter(self, caps) -> None:
         missing = sorted(set(self.plan["requires"]["features"]) - set(caps.features))
@@ -262,14 +331,15 @@ class PlanExecutor:
             elif kind == "run":  # timed to GPU completion, as engine.runtime.StageTimer does
                 name = c[1]["stage"]
                 if self._loop_t0 is not None and name == "unet_step":  # inside the loop: no wait
-                    self._walk(self.stages[name], inputs)
+                    self._walk(self._stage(name), inputs)
                     continue
                 self.sync()
-                t0 = time.perf_counter()
                 if self._loop_t0 is not None:  # the loop is done: the stage after it starts
-                    self.stage_ms["unet_step"] = (t0 - self._loop_t0) * 1e3
+                    self.stage_ms["unet_step"] = (time.perf_counter() - self._loop_t0) * 1e3
                     self._loop_t0 = None
-                self._walk(self.stages[name], inputs)
+                stage = self._stage(name)  # staged weights go up outside the stage's time
+                t0 = time.perf_counter()
+                self._walk(stage, inputs)
                 self.sync()
                 self.stage_ms[name] = self.stage_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
             elif kind == "input":
@@ -281,6 +351,8 @@ class PlanExecutor:
                 self._write(self.buffers[spec["buffer"]], value)
             elif kind == "step":
                 if self._loop_t0 is None:
+                    if "unet_step" in self.plan["stages"]:
+                        self._stage("unet_step")  # the loop's weights go up before it is timed
                     self.sync()
                     self._loop_t0 = time.perf_counter()
                 self.loop_steps += 1
@@ -296,7 +368,7 @@ class PlanExecutor:
         self._flush()
         for name, io in spec["inputs"].items():
             self._write(self.buffers[io["buffer"]], values[name])
-        self._walk(self.stages[stage], {})
+        self._walk(self._stage(stage), {})
         return {name: self.read(io) for name, io in spec["outputs"].items()}
 
     def time_stage(self, stage: str, repetitions: int, warmup: int = 1, seed: int = 0) -> list[float]:
@@ -310,10 +382,11 @@ class PlanExecutor:
             value = rng.integers(0, 100, shape) if io["dtype"] == "u32" else rng.standard_normal(shape)
             self._write(self.buffers[io["buffer"]], np.asarray(value).astype(DTYPES[io["dtype"]]))
         times = []
+        commands = self._stage(stage)
         for r in range(warmup + repetitions):
             self.sync()
             t0 = time.perf_counter()
-            self._walk(self.stages[stage], {})
+            self._walk(commands, {})
             self.sync()
             if r >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
@@ -328,8 +401,9 @@ class PlanExecutor:
         self.sync()
         self._clock = _KernelClock(self.device, self.gpu.caps.timestamp_period_ns)
         try:
+            commands = self._stage(stage)
             for _ in range(repetitions):
-                self._walk(self.stages[stage], {})
+                self._walk(commands, {})
             self.sync()
             return self._clock.totals
         finally:
@@ -354,7 +428,7 @@ class PlanExecutor:
         if len(inputs["noise"]) != self.plan["inputs"]["noise"]["count"]:
             raise InputError(f"the plan draws {self.plan['inputs']['noise']['count']} noise tensors; "
                              f"{len(inputs['noise'])} given")
-        self.stage_ms, self.loop_steps, self._loop_t0 = {}, 0, None
+        self.stage_ms, self.loop_steps, self._loop_t0, self.upload_ms = {}, 0, None, 0.0
         try:
             self._walk(self.program, inputs)
             self.sync()
@@ -366,9 +440,18 @@ class PlanExecutor:
 
 
 def plan_gpu_bytes(executor) -> int:
-    """The GPU memory an executor's plan holds while it runs: its own buffers and its weights
-    (all allocated at load, none freed until it is dropped)."""
-    return executor.bytes + sum(b["size"] for b in executor.plan["buffers"] if b["kind"] == "weight")
+    """The most GPU memory an executor has held: its buffers, uniforms and weights (a
+    BrowserExecutor reports the page's count)."""
+    return executor.peak_bytes
+
+
+def stage_peak_bytes(executor, stage: str) -> int:
+    """The GPU memory an executor holds while `stage` runs: all it holds when its weights are
+    resident; its working buffers and the stage's weights when they are staged."""
+    if executor.residency != "staged":
+        return plan_gpu_bytes(executor)
+    memory = executor.memory
+    return memory.working_bytes + memory.stage_weight_bytes[stage]
 
 
 # A plan's stages under the names GenerationResult.stage_peak_gpu_bytes gives them.
@@ -388,22 +471,30 @@ class PlanPipeline(BasePipeline):
     first use and kept, and share one copy of the weights."""
 
     runtime = "plan"
-    residency = "resident"
 
     def __init__(self, model_dir: Path, config, tokenizer, caps, precision: str, profile=None, *,
-                 gpu: GPU | None = None, make_executor=None):
+                 gpu: GPU | None = None, make_executor=None, budget_bytes: int | None = None,
+                 residency: str = "auto"):
         super().__init__(config, tokenizer)
         self.model_dir, self.caps = Path(model_dir), caps
         self.precision, self.profile = precision, profile
+        self.budget_bytes, self._residency = budget_bytes, residency
         self._weights: dict[tuple, Any] = {}
         if make_executor is None:
             if gpu is None:
                 raise ValueError("PlanPipeline needs a GPU or a make_executor")
-            make_executor = lambda plan: PlanExecutor(plan, self.model_dir, gpu, self._weights)  # noqa: E731
+            make_executor = lambda plan: PlanExecutor(plan, self.model_dir, gpu, self._weights,  # noqa: E731
+                                                      budget_bytes=self.budget_bytes, residency=self._residency)
         self._make_executor = make_executor
+        self._last: Any = None  # the executor used last
         self._executors: dict[tuple, Any] = {}
         self.plans: dict[tuple, dict[str, Any]] = {}
         self._closers: list = []
+
+    @property
+    def residency(self) -> str:
+        """How the last plan run held its weights (resident or staged); before any, as asked."""
+        return getattr(self._last, "residency", None) or self._residency
 
     def on_close(self, fn) -> None:
         self._closers.append(fn)
@@ -438,7 +529,8 @@ class PlanPipeline(BasePipeline):
                                strength=strength)
             self.plans[key] = plan
             self._executors[key] = self._make_executor(plan)
-        return self._executors[key]
+        self._last = self._executors[key]
+        return self._last
 
     def _stage_executor(self, batch: int, latent_hw: tuple[int, int] | None = None) -> PlanExecutor:
         h, w = (latent_hw[0] * self.vae_scale_factor, latent_hw[1] * self.vae_scale_factor) if latent_hw \
@@ -502,9 +594,11 @@ class PlanPipeline(BasePipeline):
         # the mean step of the loop, which runs back to back (PlanExecutor.loop_steps)
         timings["unet_step_ms"] = ex.stage_ms.get("unet_step", 0.0) / ex.loop_steps if ex.loop_steps else 0.0
         timings["total_ms"] = (time.perf_counter() - t_start) * 1e3
-        # every buffer of a plan lives through the whole generation: each stage's peak is the plan's
+        if getattr(ex, "upload_ms", 0.0):
+            timings["weight_upload_ms"] = ex.upload_ms
+        # the working buffers live through the whole generation: each stage's peak is the plan's
         peak = plan_gpu_bytes(ex)
         return GenerationResult(image=image_from_decoded(out["image"]), latents=out["latents"], timings=timings,
                                 peak_gpu_bytes=peak, warnings=list(plan.get("warnings", [])),
-                                stage_peak_gpu_bytes={name: peak for s, name in PEAK_STAGES.items()
+                                stage_peak_gpu_bytes={name: stage_peak_bytes(ex, s) for s, name in PEAK_STAGES.items()
                                                       if s in plan["stages"]})

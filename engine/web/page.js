@@ -99,8 +99,8 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
       return r.text();
     };
     const fetchWeight = source ? source.fetchWeight : (cmd.model_base ? weightFetcher(cmd.model_base) : null);
-    const report = await runner.load({ fetchWeight, fetchShader,
-      onProgress: (done, total) => ui.state(`loading weights ${done}/${total}`) });
+    const report = await runner.load({ fetchWeight, fetchShader, budgetBytes: cmd.budget_bytes ?? null,
+      residency: cmd.residency || "auto", onProgress: (done, total) => ui.state(`loading weights ${done}/${total}`) });
     runners.get(plan.sha256)?.destroy();
     runners.delete(plan.sha256);
     runner.report = report;
@@ -131,18 +131,20 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
     }
     if (cmd.op === "run") {
       const out = await runner.run(cmd.stage, inputs);
-      return { outputs: Object.fromEntries(Object.entries(out.outputs).map(([k, a]) => [k, arrayOut(a)])), timings: out.timings };
+      return { outputs: Object.fromEntries(Object.entries(out.outputs).map(([k, a]) => [k, arrayOut(a)])), timings: out.timings,
+        peak_bytes: runner.peakBytes };
     }
     if (cmd.op === "generate") {
       const out = await runner.generate(inputs);
       return { outputs: Object.fromEntries(Object.entries(out.outputs).map(([k, a]) => [k, arrayOut(a)])),
-        timings: out.timings, loop_steps: out.loop_steps, buffer_bytes: runner.bytes, weight_bytes: runner.weightBytes };
+        timings: out.timings, loop_steps: out.loop_steps, buffer_bytes: runner.bytes, weight_bytes: runner.weightBytes,
+        residency: runner.residency, peak_bytes: runner.peakBytes };
     }
     if (cmd.op === "time") {
-      return { ms: await runner.timeStage(cmd.stage, cmd.repetitions, cmd.warmup || 0) };
+      return { ms: await runner.timeStage(cmd.stage, cmd.repetitions, cmd.warmup || 0), peak_bytes: runner.peakBytes };
     }
     if (cmd.op === "kernels") {
-      return { kernels: await runner.kernelTimes(cmd.stage, cmd.repetitions || 1) };
+      return { kernels: await runner.kernelTimes(cmd.stage, cmd.repetitions || 1), peak_bytes: runner.peakBytes };
     }
     if (cmd.op === "unload") {
       runner.destroy();

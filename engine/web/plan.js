@@ -3,7 +3,10 @@
 // bind groups, weights fetched by byte range and cached by sha256), then runs its stages or its
 // whole generation and returns host arrays, wall times per stage (the denoising loop, run back
 // to back, as one), GPU time per kernel where the adapter has timestamp queries, and the bytes
-// its buffers hold. Every failure is a PlanError with a kind the host can act on.
+// its buffers hold. It keeps a plan within a GPU memory budget: its weights are resident (all
+// uploaded at load) or staged (a stage's weights uploaded before it runs, those of other stages
+// released first), as engine/fit.py decides, and a plan that fits neither way is refused before
+// anything is allocated. Every failure is a PlanError with a kind the host can act on.
 
 export const SCHEMA = 1;
 export const FORMAT = "devicefarm-engine-plan";
@@ -12,7 +15,8 @@ const SUBMIT_EVERY = 64; // dispatches per queue submit, as the Python executors
 
 export class PlanError extends Error {
   // kind: no-webgpu, adapter, missing-feature, limit, schema, plan-hash, shader-compile,
-  // pipeline, weight-fetch, hash-mismatch, out-of-memory, validation, device-lost, input
+  // pipeline, weight-fetch, hash-mismatch, out-of-memory, over-budget, validation, device-lost,
+  // input
   constructor(kind, message) {
     super(message);
     this.kind = kind;
@@ -141,6 +145,42 @@ export async function openDevice(adapter) {
   return device;
 }
 
+// ---- memory ---------------------------------------------------------------------------------
+
+// What a plan's runner allocates (engine/fit.py's plan_memory, the same numbers): the buffers
+// other than weights and the uniforms; the weights the generation's own commands bind (pinned);
+// every weight; the other weights by the stages that bind them.
+export function planMemory(plan) {
+  const weights = new Map(plan.buffers.filter((b) => b.kind === "weight").map((b) => [b.id, b.size]));
+  const bound = (commands) => new Set(commands.filter((c) => c.op === "dispatch")
+    .flatMap((c) => c.bindings.map(([, id]) => id)).filter((id) => weights.has(id)));
+  const pinned = bound(plan.generate);
+  const sum = (ids) => [...ids].reduce((a, id) => a + weights.get(id), 0);
+  let bufferBytes = 0;
+  for (const b of plan.buffers) if (b.kind !== "weight") bufferBytes += b.size;
+  for (const u of plan.uniforms) bufferBytes += atob(u).length;
+  const stageWeights = {};
+  const stageWeightBytes = {};
+  for (const [name, stage] of Object.entries(plan.stages)) {
+    stageWeights[name] = [...bound(stage.commands)].filter((id) => !pinned.has(id)).sort((a, b) => a - b);
+    stageWeightBytes[name] = sum(stageWeights[name]);
+  }
+  const pinnedBytes = sum(pinned);
+  const working = bufferBytes + pinnedBytes;
+  return { bufferBytes, pinnedWeights: [...pinned], pinnedBytes, weightBytes: sum(weights.keys()), stageWeights,
+    stageWeightBytes, residentBytes: bufferBytes + sum(weights.keys()),
+    stagedBytes: working + Math.max(0, ...Object.values(stageWeightBytes)), workingBytes: working };
+}
+
+// "auto", "resident" or "staged" resolved against a budget (null: none), as engine/fit.py does.
+export function chooseResidency(memory, budgetBytes, residency = "auto") {
+  if (!["auto", "resident", "staged"].includes(residency)) {
+    throw new PlanError("input", `residency ${residency}: expected auto, resident or staged`);
+  }
+  if (residency !== "auto") return residency;
+  return budgetBytes == null || memory.residentBytes <= budgetBytes ? "resident" : "staged";
+}
+
 // ---- the executor --------------------------------------------------------------------------
 
 export class PlanRunner {
@@ -165,10 +205,19 @@ export class PlanRunner {
     }
   }
 
-  async load({ fetchWeight, fetchShader, onProgress }) {
+  // budgetBytes: the most GPU memory the plan may hold (null: no budget); residency: auto,
+  // resident or staged.
+  async load({ fetchWeight, fetchShader, onProgress, budgetBytes = null, residency = "auto" }) {
     const d = this.device;
     const plan = this.plan;
     PlanRunner.check(plan, d.features, d.limits);
+    this.memory = planMemory(plan);
+    this.residency = chooseResidency(this.memory, budgetBytes, residency);
+    const peak = this.residency === "resident" ? this.memory.residentBytes : this.memory.stagedBytes;
+    if (budgetBytes != null && peak > budgetBytes) {
+      throw new PlanError("over-budget", `peak GPU memory ${peak.toLocaleString("en-US")} bytes (${this.residency} ` +
+        `weights) > the budget of ${budgetBytes.toLocaleString("en-US")}`);
+    }
     const t0 = performance.now();
     const storage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
     // shaders and pipelines
@@ -199,30 +248,28 @@ export class PlanRunner {
         throw new PlanError("pipeline", `${p.shader}:${p.entry} ${JSON.stringify(p.constants)}: ${e.message}`);
       }
     }
-    // buffers: weights from the cache or by range, activations and state empty, constants written
+    // buffers: activations and state empty, constants written; weights from the cache or by
+    // range, now (resident, or bound by the generation's own commands) or before their stage
     d.pushErrorScope("out-of-memory");
     this.buffers = [];
     this.bytes = 0;
     this.weightBytes = 0;
-    const fetched = { bytes: 0, cached: 0, fetched: 0 };
-    const weights = plan.buffers.filter((b) => b.kind === "weight");
-    let done = 0;
+    this.liveBytes = 0;
+    this.peakBytes = 0;
+    this.uploadMs = 0;
+    this.fetchWeight = fetchWeight;
+    this.fetched = { bytes: 0, cached: 0, fetched: 0 };
+    this.storage = storage;
     for (const b of plan.buffers) {
-      const buf = d.createBuffer({ size: b.size, usage: storage, label: `${b.kind} ${b.name || b.id}` });
-      this.buffers.push(buf);
       if (b.kind === "weight") {
         if (!b.file) throw new PlanError("input", `plan weight ${b.component}/${b.name} names no file`);
-        const got = await fetchWeight(b);
-        fetched.bytes += got.fetchedBytes;
-        fetched[got.fetchedBytes ? "fetched" : "cached"]++;
-        d.queue.writeBuffer(buf, 0, pad4(convertWeight(got.bytes, b.stored, b.dtype)));
-        this.weightBytes += b.size;
-        done++;
-        if (onProgress && done % 16 === 0) onProgress(done, weights.length);
-      } else {
-        this.bytes += b.size;
-        if (b.kind === "constant") d.queue.writeBuffer(buf, 0, pad4(b64ToBytes(b.data)));
+        this.buffers.push(null);
+        continue;
       }
+      const buf = d.createBuffer({ size: b.size, usage: storage, label: `${b.kind} ${b.name || b.id}` });
+      this.buffers.push(buf);
+      this.bytes += b.size;
+      if (b.kind === "constant") d.queue.writeBuffer(buf, 0, pad4(b64ToBytes(b.data)));
     }
     this.uniforms = plan.uniforms.map((u) => {
       const data = b64ToBytes(u);
@@ -230,17 +277,85 @@ export class PlanRunner {
       d.queue.writeBuffer(buf, 0, data);
       return buf;
     });
+    this.hold(this.memory.bufferBytes);
     const oom = await d.popErrorScope();
     if (oom) throw new PlanError("out-of-memory", `allocating the plan's buffers: ${oom.message}`);
-    d.pushErrorScope("validation");
+    const now = this.residency === "resident" ? plan.buffers.filter((b) => b.kind === "weight").map((b) => b.id)
+      : this.memory.pinnedWeights;
+    await this.upload(now, onProgress);
     this.stages = {};
-    for (const [name, stage] of Object.entries(plan.stages)) this.stages[name] = this.prepare(stage.commands);
+    if (this.residency === "resident") {
+      for (const name of Object.keys(plan.stages)) await this.stage(name);
+    }
+    d.pushErrorScope("validation");
     this.program = this.prepare(plan.generate);
     const invalid = await d.popErrorScope();
     if (invalid) throw new PlanError("validation", `preparing the plan's bind groups: ${invalid.message}`);
     this.timestamps = d.features.has("timestamp-query");
-    return { load_ms: performance.now() - t0, weight_bytes_fetched: fetched.bytes, weights_fetched: fetched.fetched,
-      weights_cached: fetched.cached, buffer_bytes: this.bytes, weight_bytes: this.weightBytes };
+    return { load_ms: performance.now() - t0, weight_bytes_fetched: this.fetched.bytes, weights_fetched: this.fetched.fetched,
+      weights_cached: this.fetched.cached, buffer_bytes: this.bytes, weight_bytes: this.weightBytes,
+      residency: this.residency, peak_bytes: this.peakBytes, live_bytes: this.liveBytes };
+  }
+
+  hold(bytes) {
+    this.liveBytes += bytes;
+    this.peakBytes = Math.max(this.peakBytes, this.liveBytes);
+  }
+
+  // Upload the weights `ids` that are not on the GPU yet.
+  async upload(ids, onProgress) {
+    const d = this.device;
+    const todo = ids.filter((id) => !this.buffers[id]);
+    if (!todo.length) return;
+    if (!this.fetchWeight) throw new PlanError("input", "the plan's weights have no source to load them from");
+    d.pushErrorScope("out-of-memory");
+    let done = 0;
+    for (const id of todo) {
+      const b = this.plan.buffers[id];
+      const buf = d.createBuffer({ size: b.size, usage: this.storage, label: `weight ${b.name}` });
+      const got = await this.fetchWeight(b);
+      this.fetched.bytes += got.fetchedBytes;
+      this.fetched[got.fetchedBytes ? "fetched" : "cached"]++;
+      d.queue.writeBuffer(buf, 0, pad4(convertWeight(got.bytes, b.stored, b.dtype)));
+      this.buffers[id] = buf;
+      this.weightBytes += b.size;
+      this.hold(b.size);
+      done++;
+      if (onProgress && done % 16 === 0) onProgress(done, todo.length);
+    }
+    const oom = await d.popErrorScope();
+    if (oom) throw new PlanError("out-of-memory", `uploading the plan's weights: ${oom.message}`);
+  }
+
+  // A stage's commands, ready to run: under staged residency its weights go up first, after
+  // those of other stages it does not bind are released.
+  async stage(name) {
+    if (this.stages[name]) return this.stages[name];
+    const spec = this.plan.stages[name];
+    if (!spec) throw new PlanError("input", `the plan has no stage ${name}`);
+    if (this.residency === "staged") {
+      await this.sync(); // the GPU is done with what is released
+      const t0 = performance.now();
+      const needed = new Set(this.memory.stageWeights[name]);
+      for (const [other, ids] of Object.entries(this.memory.stageWeights)) {
+        if (other !== name && ids.some((id) => !needed.has(id))) delete this.stages[other];
+        for (const id of ids) {
+          if (needed.has(id) || !this.buffers[id]) continue;
+          this.buffers[id].destroy();
+          this.buffers[id] = null;
+          this.liveBytes -= this.plan.buffers[id].size;
+          this.weightBytes -= this.plan.buffers[id].size;
+        }
+      }
+      await this.upload(this.memory.stageWeights[name]);
+      this.uploadMs += performance.now() - t0;
+    }
+    this.device.pushErrorScope("validation");
+    const prepared = this.prepare(spec.commands);
+    const invalid = await this.device.popErrorScope();
+    if (invalid) throw new PlanError("validation", `preparing stage ${name}'s bind groups: ${invalid.message}`);
+    this.stages[name] = prepared;
+    return prepared;
   }
 
   prepare(commands) {
@@ -312,16 +427,17 @@ export class PlanRunner {
         enc.copyBufferToBuffer(c.src, 0, c.dst, 0, c.size);
       } else if (c.op === "run") {
         if (this.loopT0 !== null && c.stage === "unet_step") {  // inside the loop: no wait
-          await this.walk(this.stages[c.stage], inputs);
+          await this.walk(await this.stage(c.stage), inputs);
           continue;
         }
         await this.sync();
-        const t0 = performance.now();
         if (this.loopT0 !== null) {  // the loop is done: the stage after it starts
-          this.stageMs.unet_step = t0 - this.loopT0;
+          this.stageMs.unet_step = performance.now() - this.loopT0;
           this.loopT0 = null;
         }
-        await this.walk(this.stages[c.stage], inputs);
+        const prepared = await this.stage(c.stage); // staged weights go up outside the stage's time
+        const t0 = performance.now();
+        await this.walk(prepared, inputs);
         await this.sync();
         this.stageMs[c.stage] = (this.stageMs[c.stage] || 0) + performance.now() - t0;
       } else if (c.op === "input") {
@@ -332,6 +448,7 @@ export class PlanRunner {
         this.device.queue.writeBuffer(this.buffers[c.buffer], 0, pad4(value));
       } else if (c.op === "step") {  // the loop runs back to back and is timed whole
         if (this.loopT0 === null) {
+          if (this.plan.stages.unet_step) await this.stage("unet_step"); // its weights go up before the clock
           await this.sync();
           this.loopT0 = performance.now();
         }
@@ -358,6 +475,7 @@ export class PlanRunner {
     this.stageMs = {};
     this.loopSteps = 0;
     this.loopT0 = null;
+    this.uploadMs = 0;
     this.device.pushErrorScope("validation");
   }
 
@@ -376,8 +494,9 @@ export class PlanRunner {
       if (!inputs[name]) throw new PlanError("input", `stage ${stage} needs input ${name}`);
       this.device.queue.writeBuffer(this.buffers[io.buffer], 0, pad4(inputs[name]));
     }
+    const prepared = await this.stage(stage);
     const t0 = performance.now();
-    await this.walk(this.stages[stage], {});
+    await this.walk(prepared, {});
     await this.end();
     const outputs = {};
     for (const [name, io] of Object.entries(spec.outputs)) outputs[name] = await this.read(io);
@@ -400,6 +519,7 @@ export class PlanRunner {
     const timings = {};
     for (const [k, v] of Object.entries(this.stageMs)) timings[`${k}_ms`] = v;
     timings.total_ms = performance.now() - t0;
+    if (this.uploadMs) timings.weight_upload_ms = this.uploadMs;
     return { outputs, timings, loop_steps: this.loopSteps };
   }
 
@@ -420,11 +540,12 @@ export class PlanRunner {
       this.device.queue.writeBuffer(this.buffers[io.buffer], 0, bytes);
     }
     const times = [];
+    const prepared = await this.stage(stage);
     this.begin();
     for (let r = 0; r < warmup + repetitions; r++) {
       await this.sync();
       const t0 = performance.now();
-      await this.walk(this.stages[stage], {});
+      await this.walk(prepared, {});
       await this.sync();
       if (r >= warmup) times.push(performance.now() - t0);
     }
@@ -442,8 +563,9 @@ export class PlanRunner {
       pending: [], totals: {},
     };
     try {
+      const prepared = await this.stage(stage);
       this.begin();
-      for (let r = 0; r < repetitions; r++) await this.walk(this.stages[stage], {});
+      for (let r = 0; r < repetitions; r++) await this.walk(prepared, {});
       this.flush();
       await this.end();
       for (const p of this.profile.pending) {
@@ -478,7 +600,7 @@ export class PlanRunner {
   }
 
   destroy() {
-    for (const b of this.buffers || []) b.destroy();
+    for (const b of this.buffers || []) if (b) b.destroy();
     for (const u of this.uniforms || []) u.destroy();
     this.buffers = this.uniforms = null;
   }

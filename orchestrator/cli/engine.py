@@ -61,7 +61,8 @@ class Residency(StrEnum):
 
 
 RESIDENCY_HELP = ("resident: all weights stay on the GPU; staged: each network's weights go up for its "
-                  "stage only (lower peak GPU memory, one upload per network per generation).")
+                  "stage only (lower peak GPU memory, one upload per network per generation). Default: "
+                  "resident natively; on the plan and browser runtimes staged only when --budget-mb needs it.")
 
 
 @app.command()
@@ -118,9 +119,12 @@ def generate(
     strength: float = typer.Option(0.8, help="img2img: how much of the init image to repaint."),
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
     profile: str = typer.Option("auto", help="Kernel profile: auto, reference, a shipped name, or a JSON file."),
-    residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
+    residency: Residency = typer.Option(None, help=RESIDENCY_HELP),
     runtime: Runtime = typer.Option(Runtime.native, help=RUNTIME_HELP),
     browser: str = typer.Option("headless", help=BROWSER_HELP),
+    budget_mb: float = typer.Option(None, "--budget-mb", min=1, help="plan and browser runtimes: GPU memory "
+                                    "the generation may hold, in MB (10^6 bytes); a plan that cannot fit is "
+                                    "refused before anything is allocated."),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
 ):
     """Generate an image from a prompt (or from an image and a prompt)."""
@@ -135,7 +139,8 @@ def generate(
     with console.status(f"loading {model}" + (" (waiting for the browser page)" if runtime == Runtime.browser
                                              else "")):
         pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer, profile=profile,
-                             residency=residency.value, runtime=runtime.value, **options)
+                             residency=residency and residency.value, runtime=runtime.value,
+                             budget_bytes=None if budget_mb is None else int(budget_mb * 1e6), **options)
     try:
         _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height, width, scheduler, init_image,
                   strength, as_json)
@@ -315,8 +320,8 @@ def serve_plan(
     the image the page makes."""
     generate(model=model, prompt=prompt, out=out, negative_prompt="", steps=steps, guidance=7.5, seed=seed,
              height=None, width=None, scheduler=scheduler, precision=precision, init_image=None, strength=0.8,
-             tokenizer=None, profile="auto", residency=Residency.resident, runtime=Runtime.browser,
-             browser=browser, as_json=False)
+             tokenizer=None, profile="auto", residency=None, runtime=Runtime.browser,
+             browser=browser, budget_mb=None, as_json=False)
 
 
 @app.command()
@@ -401,7 +406,8 @@ def fit(
         table.add_row("fits", "yes" if result.fits else "no")
         table.add_row("profile", result.profile)
         table.add_row("precision", result.precision)
-        for name in ("peak_gpu_bytes", "max_binding_bytes", "max_buffer_bytes", "max_workgroup_storage_bytes",
+        table.add_row("residency", result.residency)
+        for name in ("peak_gpu_bytes", "resident_gpu_bytes", "staged_gpu_bytes", "max_binding_bytes", "max_buffer_bytes", "max_workgroup_storage_bytes",
                      "max_invocations_per_workgroup", "budget_bytes"):
             value = getattr(result, name)
             table.add_row(name, "-" if not value else f"{value:,}")

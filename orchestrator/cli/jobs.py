@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,12 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
     return data
 
 
+def _budget_bytes(mb: float) -> int:
+    if not math.isfinite(mb) or mb <= 0:
+        fail(f"--gpu-budget-mb {mb}: expected a positive number of MB")
+    return int(mb * 1e6)
+
+
 def _init_image_uri(path: Path) -> str:
     """An init image as the data: URI the job carries: a PNG or JPEG, read and checked here so
     a bad file fails before it is queued."""
@@ -179,6 +186,9 @@ def submit(
     tune_repeats: int = typer.Option(5, "--tune-repeats", help="tune: timed runs per variant."),
     tune_budget: float = typer.Option(600.0, "--tune-budget", help="tune: seconds at most."),
     time_limit: float = typer.Option(3600.0, "--time-limit", help="Seconds a job may run on the device."),
+    gpu_budget_mb: float = typer.Option(None, "--gpu-budget-mb", help="GPU memory the job's plans may hold, "
+                                        "in MB (10^6 bytes; plan and browser runtimes): weights are staged "
+                                        "when only that fits, and a plan that cannot fit fails at once."),
     cooldown: float = typer.Option(None, "--cooldown", help="Wait until the device is at most this "
                                    "many degrees C before running."),
     cooldown_wait: float = typer.Option(None, "--cooldown-wait", help="Longest cool-down wait, seconds."),
@@ -221,6 +231,7 @@ def submit(
                                repetitions=repetitions, unet_repetitions=unet_repetitions,
                                kernel_timings=kernel_timings, tune_repeats=tune_repeats,
                                tune_time_budget_s=tune_budget, time_limit_s=time_limit,
+                               gpu_budget_bytes=None if gpu_budget_mb is None else _budget_bytes(gpu_budget_mb),
                                cooldown_celsius=cooldown, cooldown_wait_s=cooldown_wait,
                                init_image=_init_image_uri(init_image) if init_image else None,
                                strength=0.8 if strength is None else strength)

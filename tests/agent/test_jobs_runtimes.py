@@ -126,6 +126,32 @@ def test_plan_generate_job_makes_the_native_image(runs):
     assert {t.zone for t in planned.thermal} == {t.zone for t in native.thermal}
 
 
+@pytest.mark.gpu
+def test_a_generate_job_under_a_gpu_budget_stages_its_weights_or_fails_at_once(runs, tiny_model_dir, tmp_path):
+    """gpu_budget_bytes below what the plan holds with every weight resident: the job's plan
+    stages its weights, holds no more than the budget, and makes the same image; a budget too
+    small for any residency fails the job with the reasons, and the native runtime, which keeps
+    no budget, refuses one."""
+    resident, resident_out = runs("plan", "generate")
+    peak = {s.metric: s.value for s in resident.samples}["peak_gpu_bytes"]
+    budget = int(peak) - 1
+    staged = run_on("plan", spec(model=str(tiny_model_dir), gpu_budget_bytes=budget), tmp_path / "staged")
+    got = {s.metric: s.value for s in staged.samples}
+    assert staged.engine["residency"] == "staged" and resident.engine["residency"] == "resident"
+    assert got["peak_gpu_bytes"] <= budget and got["weight_upload_ms"] > 0
+    np.testing.assert_array_equal(image(staged, tmp_path / "staged"), image(resident, resident_out))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(jobs.ENGINE_RUNTIME_ENV, "plan")
+        tight = run_job(spec(model=str(tiny_model_dir), gpu_budget_bytes=2**20), tmp_path / "tight", tmp_path / "root")
+        assert tight.status == "failed" and "the plan does not fit: peak GPU memory" in tight.error
+        assert "(staged weights) > the budget of 1,048,576" in tight.error
+        mp.setenv(jobs.ENGINE_RUNTIME_ENV, "native")
+        native = run_job(spec(model=str(tiny_model_dir), gpu_budget_bytes=budget), tmp_path / "n", tmp_path / "root")
+        assert native.status == "failed" and "kept by the plan and browser runtimes" in native.error
+    with pytest.raises(ProtocolError, match="gpu_budget_bytes"):
+        spec(model="m", gpu_budget_bytes=1000)
+
+
 def test_tune_runs_on_the_native_runtime_only(tiny_model_dir, tmp_path, monkeypatch):
     from engine.load import RUNTIMES
 

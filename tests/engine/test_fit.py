@@ -9,6 +9,7 @@ import base64
 import json
 import re
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -78,8 +79,70 @@ def test_fit_counts_what_the_executor_allocates(tiny_model_dir, gpu):
     fit = fit_plan(plan, gpu.caps)
     assert fit.peak_gpu_bytes == allocated
     assert fit.max_buffer_bytes == max(b["size"] for b in plan["buffers"])
-    over = fit_plan(plan, gpu.caps, budget_bytes=allocated - 1)
-    assert not over.fits and over.reasons == [f"peak GPU memory {allocated:,} bytes > the budget of {allocated - 1:,}"]
+    staged = fit.staged_gpu_bytes
+    assert staged < allocated
+    between = fit_plan(plan, gpu.caps, budget_bytes=allocated - 1)  # only staging fits
+    assert between.fits and between.residency == "staged" and between.peak_gpu_bytes == staged
+    over = fit_plan(plan, gpu.caps, budget_bytes=staged - 1)
+    assert not over.fits and over.reasons == [f"peak GPU memory {staged:,} bytes (staged weights) > the budget of {staged - 1:,}"]
+    resident = fit_plan(plan, gpu.caps, budget_bytes=allocated - 1, residency="resident")
+    assert not resident.fits and "(resident weights)" in resident.reasons[0]
+
+
+def test_plan_memory_splits_the_weights_by_the_stage_that_binds_them():
+    from engine.fit import plan_memory
+    from engine.make_model import preset_model_config
+
+    caps = caps_from_dict(json.loads((ADAPTERS_DIR / "mali-g78-chrome.json").read_text()))
+    plan = record_plan(preset_model_config("tiny"), caps, height=64, width=64, steps=2, scheduler="euler")
+    memory = plan_memory(plan)
+    weights = {b["id"]: b for b in plan["buffers"] if b["kind"] == "weight"}
+    assert memory.pinned_weights == ()  # the generation's own commands bind no weight
+    # each network's weights belong to the one stage that runs it, and every weight to some stage
+    by_stage = {name: {weights[i]["component"] for i in ids} for name, ids in memory.stage_weights.items()}
+    assert by_stage == {"text_encoder": {"text_encoder"}, "unet_step": {"unet"}, "vae_decode": {"vae"}}
+    assert sorted(i for ids in memory.stage_weights.values() for i in ids) == sorted(weights)
+    assert memory.resident_bytes == sum(b["size"] for b in plan["buffers"]) + \
+        sum(len(base64.b64decode(u)) for u in plan["uniforms"])
+    assert memory.staged_bytes == memory.resident_bytes - memory.weight_bytes + max(memory.stage_weight_bytes.values())
+
+
+@pytest.mark.gpu
+def test_staged_weights_give_the_same_image_within_the_budget_fit_names(tiny_model_dir, gpu):
+    """A generation whose plan only fits its budget with staged weights: the executor stages
+    them, holds at most what fit says (to the byte), and makes the same image, bit for bit, as
+    with every weight resident; a budget below that is refused before anything is allocated."""
+    from engine.errors import FitError
+    from engine.models.config import load_model_config
+    from engine.plan_exec import PlanExecutor
+
+    plan = record_plan(load_model_config(tiny_model_dir), gpu.caps, model_dir=tiny_model_dir, height=64, width=64,
+                       steps=2, scheduler="euler")
+    fit = fit_plan(plan, gpu.caps)
+    rng = np.random.default_rng(7)
+    ids = np.zeros((1, 77), np.uint32)
+    ids[0, :5] = rng.integers(0, 1000, 5)
+    latents = rng.standard_normal(tuple(plan["inputs"]["latents"]["shape"])).astype(np.float32)
+    noise = [rng.standard_normal(tuple(plan["inputs"]["noise"]["shape"])).astype(np.float32)
+             for _ in range(plan["inputs"]["noise"]["count"])]
+    resident = PlanExecutor(plan, tiny_model_dir, gpu)
+    assert resident.residency == "resident"
+    want = resident.generate(ids, latents, noise)
+    assert resident.peak_bytes == fit.resident_gpu_bytes
+    staged = PlanExecutor(plan, tiny_model_dir, gpu, budget_bytes=fit.staged_gpu_bytes)
+    assert staged.residency == "staged"
+    got = staged.generate(ids, latents, noise)
+    assert staged.peak_bytes == fit.staged_gpu_bytes < fit.resident_gpu_bytes
+    assert staged.upload_ms > 0
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    again = staged.generate(ids, latents, noise)  # the weights go up again, stage by stage
+    np.testing.assert_array_equal(again["image"], want["image"])
+    assert staged.peak_bytes == fit.staged_gpu_bytes
+    with pytest.raises(FitError, match="staged weights") as refused:
+        PlanExecutor(plan, tiny_model_dir, gpu, budget_bytes=fit.staged_gpu_bytes - 1)
+    assert refused.value.reasons == [f"peak GPU memory {fit.staged_gpu_bytes:,} bytes (staged weights) > the budget "
+                                     f"of {fit.staged_gpu_bytes - 1:,}"]
 
 
 def test_farm_engine_fit_exits_1_with_the_reasons(tmp_path):
@@ -110,3 +173,24 @@ def test_farm_engine_plan_warns_of_a_plan_the_adapter_cannot_hold(tmp_path):
     assert r.exit_code == 0, r.output
     assert re.search(r"does not fit this adapter: max binding bytes [\d,]+ > the adapter's "
                      r"max-storage-buffer-binding-size 131,072", " ".join(r.output.split())), r.output
+
+
+@pytest.mark.gpu
+def test_farm_engine_generate_keeps_a_budget_on_the_plan_runtime(tiny_model_dir, tmp_path):
+    base = ["engine", "generate", "--model", str(tiny_model_dir), "--prompt", "a boat", "--steps", "2",
+            "--scheduler", "euler", "--runtime", "plan", "--json"]
+    runner = CliRunner()
+    free = runner.invoke(app, [*base, "--out", str(tmp_path / "free.png")])
+    assert free.exit_code == 0, free.output
+    resident = json.loads(free.output[free.output.index("{"):])
+    assert resident["residency"] == "resident"
+    budget_mb = (resident["peak_gpu_bytes"] - 1) / 1e6
+    tight = runner.invoke(app, [*base, "--out", str(tmp_path / "tight.png"), "--budget-mb", f"{budget_mb:.6f}"])
+    assert tight.exit_code == 0, tight.output
+    staged = json.loads(tight.output[tight.output.index("{"):])
+    assert staged["residency"] == "staged" and staged["peak_gpu_bytes"] < resident["peak_gpu_bytes"]
+    assert (tmp_path / "tight.png").read_bytes() == (tmp_path / "free.png").read_bytes()
+    over = runner.invoke(app, [*base, "--out", str(tmp_path / "over.png"), "--budget-mb", "1"])
+    # an EngineError: `farm` (orchestrator.cli.main) prints its message and exits 1
+    assert over.exit_code != 0 and "the plan does not fit: peak GPU memory" in str(over.exception)
+    assert "> the budget of 1,000,000" in str(over.exception) and not (tmp_path / "over.png").exists()

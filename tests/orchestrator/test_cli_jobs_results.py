@@ -334,7 +334,7 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
 
     out = json.loads(cli("jobs", "submit", "latency", "--all", "--precision", "fp32", "--steps", "4",
                          "--resolution", "64x96", "--repetitions", "3", "--warmup", "0", "--cooldown", "38",
-                         "--no-kernel-timings", "--time-limit", "90", "--json").output)
+                         "--no-kernel-timings", "--time-limit", "90", "--gpu-budget-mb", "2093", "--json").output)
     assert out["build"] == "b2" and out["kind"] == "latency"  # the newest build by default
     assert [j["device"] for j in out["jobs"]] == ["phone-1", "phone-2"]  # not the quarantined phone-3
     job_ids = [j["id"] for j in out["jobs"]]
@@ -351,6 +351,7 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
             assert (spec["repetitions"], spec["warmup"], spec["kernel_timings"], spec["time_limit_s"]) == \
                 (3, 0, False, 90.0)
             assert spec["cooldown"]["max_celsius"] == 38.0
+            assert spec["gpu_budget_bytes"] == 2_093_000_000
             assert "job_id" not in spec and "kind" not in spec
 
     text = cli("jobs", "submit", "generate", "--build", "b1", "--device", "phone-2", "--device", "phone-2",
@@ -375,6 +376,8 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
     (["--cooldown", "nan"], "max_celsius must be a finite number"),
     (["--cooldown", "40", "--cooldown-wait", "inf"], "max_wait_s must be a finite number"),
     (["--tune-budget", "nan"], "tune_time_budget_s must be a finite number"),
+    (["--gpu-budget-mb", "nan"], "--gpu-budget-mb nan: expected a positive number of MB"),
+    (["--gpu-budget-mb", "0.5"], "gpu_budget_bytes must be in [1048576, 1099511627776], got 500000"),
 ])
 def test_submit_refuses_numbers_that_never_end_or_cannot_run(seeded, monkeypatch, args, fragment):
     """`--time-limit nan` was stored (inf was refused) and no timer would ever end that job;
