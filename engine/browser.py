@@ -18,9 +18,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
+import time
 import urllib.parse
 import urllib.request
 import weakref
@@ -156,8 +158,28 @@ class _Handler(PageHostHandler):
 # ---- a browser session ------------------------------------------------------------------------
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def _reap_browser(process: subprocess.Popen, log, profile_dir: str) -> None:
-    """Stop a Chromium this process started (its own processes go with it), then its profile."""
+    """Stop a Chromium this process started, then its helper processes (GPU, renderer, which
+    may outlive it by a moment and write into the profile), then its profile."""
+    helpers = _descendants(process.pid) if process.poll() is None else []
     if process.poll() is None:
         process.terminate()
         try:
@@ -165,8 +187,17 @@ def _reap_browser(process: subprocess.Popen, log, profile_dir: str) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    for pid in helpers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone with it
+            pass
     log.close()
-    shutil.rmtree(profile_dir, ignore_errors=True)
+    for _ in range(50):  # a helper killed a moment ago may still be closing files in it
+        shutil.rmtree(profile_dir, ignore_errors=True)
+        if not os.path.exists(profile_dir):
+            break
+        time.sleep(0.1)
 
 
 class BrowserSession:

@@ -8,8 +8,9 @@ The executors hold a plan's weights in one of two ways (its `residency`), and th
 that of the way they will choose:
 - resident: every weight from load to the end, with the plan's other buffers (activations,
   state, constants) and uniforms; chosen when that fits the budget or there is none;
-- staged: a stage's weights only while it runs (uploaded before it, released after), so the
-  peak is the other buffers plus the weights of the heaviest stage; chosen when only that fits.
+- staged: what a stage owns (the weights and scratch buffers no other stage uses) only while it
+  runs (allocated and uploaded before it, released when another stage runs), so the peak is
+  the plan's other buffers plus the heaviest stage's own; chosen when only that fits.
 """
 
 from __future__ import annotations
@@ -35,56 +36,83 @@ LIMITS = {  # what a plan needs -> the adapter's limit (engine.device names)
 RESIDENCIES = ("resident", "staged")
 
 
+SCOPED_KINDS = ("weight", "activation")  # what a stage may own (constants and state live throughout)
+
+
 @dataclass(frozen=True)
 class PlanMemory:
-    """What a plan's executor allocates, by kind: its buffers other than weights and its
-    uniforms, for the plan's whole life; the weights the generation's own commands bind
-    (pinned: resident throughout); and the other weights, by the stages whose dispatches bind
-    them."""
+    """What a plan's executor allocates. A weight or activation buffer that only one stage's
+    commands use (its dispatches, copies and writes, and the stage's own inputs and outputs) is
+    that stage's; every other buffer, and the uniforms, the plan's."""
 
-    buffer_bytes: int
-    pinned_weight_bytes: int
-    weight_bytes: int  # every weight, the pinned ones included
-    pinned_weights: tuple[int, ...]
-    stage_weights: dict[str, tuple[int, ...]]  # stage -> ids of the unpinned weights it binds
-    stage_weight_bytes: dict[str, int]
-
-    @property
-    def working_bytes(self) -> int:
-        """What stays allocated whatever the residency."""
-        return self.buffer_bytes + self.pinned_weight_bytes
+    buffer_bytes: int  # every buffer and uniform
+    persistent: tuple[int, ...]  # ids of the buffers no one stage owns
+    persistent_bytes: int  # theirs, and the uniforms
+    stage_buffers: dict[str, tuple[int, ...]]  # stage -> ids of the buffers it owns
+    stage_bytes: dict[str, int]
 
     @property
     def resident_bytes(self) -> int:
-        return self.buffer_bytes + self.weight_bytes
+        return self.buffer_bytes
 
     @property
     def staged_bytes(self) -> int:
-        return self.working_bytes + max(self.stage_weight_bytes.values(), default=0)
+        return self.persistent_bytes + max(self.stage_bytes.values(), default=0)
 
     def peak(self, residency: str) -> int:
         return self.resident_bytes if residency == "resident" else self.staged_bytes
 
 
+def buffer_users(plan: dict) -> dict[int, set[str]]:
+    """Each buffer's users: the stages and "generate" whose commands touch it (a stage's
+    inputs and outputs count as the stage's)."""
+    users: dict[int, set[str]] = {}
+
+    def scan(commands, who: str) -> None:
+        for c in commands:
+            op = c.get("op")
+            if op == "dispatch":
+                ids = [b for _slot, b, _size in c["bindings"]]
+            elif op in ("write", "input"):
+                ids = [c["buffer"]]
+            elif op == "copy":
+                ids = [c["src"], c["dst"]]
+            else:
+                ids = []
+            for i in ids:
+                users.setdefault(i, set()).add(who)
+
+    for name, stage in plan["stages"].items():
+        scan(stage["commands"], name)
+        for io in (*stage["inputs"].values(), *stage["outputs"].values()):
+            users.setdefault(io["buffer"], set()).add(name)
+    scan(plan["generate"], "generate")
+    for io in plan["outputs"].values():
+        users.setdefault(io["buffer"], set()).add("generate")
+    return users
+
+
 def plan_memory(plan: dict) -> PlanMemory:
     """The PlanMemory of `plan`."""
-    weights = {b["id"]: b["size"] for b in plan["buffers"] if b["kind"] == "weight"}
-
-    def bound(commands) -> set[int]:
-        return {b for c in commands if c.get("op") == "dispatch" for _slot, b, _size in c["bindings"] if b in weights}
-
-    pinned = bound(plan["generate"])
-    stage_weights = {name: tuple(sorted(bound(stage["commands"]) - pinned)) for name, stage in plan["stages"].items()}
-    return PlanMemory(
-        buffer_bytes=sum(b["size"] for b in plan["buffers"] if b["kind"] != "weight")
-        + sum(len(base64.b64decode(u)) for u in plan["uniforms"]),
-        pinned_weight_bytes=sum(weights[i] for i in pinned), weight_bytes=sum(weights.values()),
-        pinned_weights=tuple(sorted(pinned)), stage_weights=stage_weights,
-        stage_weight_bytes={n: sum(weights[i] for i in ids) for n, ids in stage_weights.items()})
+    users = buffer_users(plan)
+    owned: dict[str, list[int]] = {name: [] for name in plan["stages"]}
+    persistent = []
+    for b in plan["buffers"]:
+        who = users.get(b["id"], set())
+        if b["kind"] in SCOPED_KINDS and len(who) == 1 and next(iter(who)) in owned:
+            owned[next(iter(who))].append(b["id"])
+        else:
+            persistent.append(b["id"])
+    size = {b["id"]: b["size"] for b in plan["buffers"]}
+    uniforms = sum(len(base64.b64decode(u)) for u in plan["uniforms"])
+    return PlanMemory(buffer_bytes=sum(size.values()) + uniforms, persistent=tuple(persistent),
+                      persistent_bytes=sum(size[i] for i in persistent) + uniforms,
+                      stage_buffers={n: tuple(ids) for n, ids in owned.items()},
+                      stage_bytes={n: sum(size[i] for i in ids) for n, ids in owned.items()})
 
 
 def choose_residency(memory: PlanMemory, budget_bytes: int | None, residency: str = "auto") -> str:
-    """`residency` ("auto", "resident" or "staged") resolved: auto keeps every weight resident
+    """`residency` ("auto", "resident" or "staged") resolved: auto keeps every buffer resident
     unless only staging fits the budget."""
     if residency not in ("auto", *RESIDENCIES):
         raise InputError(f"residency {residency!r}: expected auto, resident or staged")
@@ -108,7 +136,7 @@ class Fit:
     budget_bytes: int | None = None
     residency: str = "resident"
     resident_gpu_bytes: int = 0  # the peak with every weight resident
-    staged_gpu_bytes: int = 0  # the peak with each stage's weights resident only while it runs
+    staged_gpu_bytes: int = 0  # the peak with each stage's own buffers allocated only while it runs
     reasons: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -138,7 +166,7 @@ def fit_plan(plan: dict, caps, budget_bytes: int | None = None, residency: str =
         if have is not None and getattr(fit, need) > have:
             fit.reasons.append(f"{need.replace('_', ' ')} {getattr(fit, need):,} > the adapter's {limit} {have:,}")
     if budget_bytes is not None and peak > budget_bytes:
-        fit.reasons.append(f"peak GPU memory {peak:,} bytes ({residency} weights) > the budget of {budget_bytes:,}")
+        fit.reasons.append(f"peak GPU memory {peak:,} bytes ({residency}) > the budget of {budget_bytes:,}")
     fit.fits = not fit.reasons
     return fit
 

@@ -113,13 +113,13 @@ class PlanExecutor:
     """One plan loaded on one GPU: `run(stage, inputs)` for a stage alone, `generate(...)`
     for the whole generation.
 
-    Its weights are held as `residency` says (engine.fit): "resident", all uploaded at load
-    (`weights` may then be shared between executors of one model: (component, name, dtype) ->
-    GPU buffer), or "staged", a stage's weights uploaded from the model folder before the stage
-    runs and released when another stage needs the room; "auto" stages them only when that
-    alone fits `budget_bytes`. A plan that does not fit the adapter or the budget raises
-    FitError before anything is allocated. `live_bytes` counts every GPU byte the executor
-    holds, `peak_bytes` the most it held."""
+    Its buffers are held as `residency` says (engine.fit): "resident", all allocated and every
+    weight uploaded at load (`weights` may then be shared between executors of one model:
+    (component, name, dtype) -> GPU buffer), or "staged", what a stage owns (its weights and
+    scratch) allocated and uploaded from the model folder before the stage runs and released
+    when another stage runs; "auto" stages only when that alone fits `budget_bytes`. A plan
+    that does not fit the adapter or the budget raises FitError before anything is allocated.
+    `live_bytes` counts every GPU byte the executor holds, `peak_bytes` the most it held."""
 
     def __init__(self, plan: dict[str, Any], model_dir: Path | None, gpu: GPU,
                  weights: dict[tuple, Any] | None = None, *, budget_bytes: int | None = None,
@@ -142,26 +142,17 @@ class PlanExecutor:
         self.model_dir = model_dir
         self.weights = {} if weights is None or self.residency == "staged" else weights
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-        self.buffers: list[Any] = []
-        self.bytes = 0  # the plan's buffers other than weights
+        self.buffers: list[Any] = [None] * len(plan["buffers"])
         self.live_bytes = self.peak_bytes = 0
-        self.upload_ms = 0.0  # spent uploading staged weights (outside every stage's time)
-        for b in plan["buffers"]:
-            if b["kind"] == "weight":
-                self.buffers.append(None)  # uploaded by _upload
-                continue
-            buf = gpu_call(f"allocating plan buffer {b['id']} ({b['size']} bytes)", self.device.create_buffer,
-                           size=b["size"], usage=self._usage)
-            if b["kind"] == "constant":
-                self._write(buf, np.frombuffer(_unb64(b["data"]), np.uint8))
-            self.buffers.append(buf)
-            self.bytes += b["size"]
+        self.upload_ms = 0.0  # spent on staged buffers (outside every stage's time)
         self.uniforms = [self.device.create_buffer_with_data(data=_unb64(u), usage=wgpu.BufferUsage.UNIFORM)
                          for u in plan["uniforms"]]
-        self._hold(self.memory.buffer_bytes)
-        self._upload(self.memory.pinned_weights)
+        self._hold(sum(len(_unb64(u)) for u in plan["uniforms"]))
+        self._allocate(self.memory.persistent)
         if self.residency == "resident":
-            self._upload([b["id"] for b in plan["buffers"] if b["kind"] == "weight"])
+            self._allocate(range(len(plan["buffers"])))
+        # the plan's buffers other than weights
+        self.bytes = sum(b["size"] for b in plan["buffers"] if b["kind"] != "weight")
         self.pipelines = self._pipelines()
         self._prepared: dict[str, list[tuple]] = {}  # stage -> commands ready to run
         if self.residency == "resident":
@@ -180,29 +171,50 @@ class PlanExecutor:
         self.loop_steps = 0
         self._loop_t0: float | None = None
 
-    # ---- weights --------------------------------------------------------------------------------
+    # ---- buffers: resident or staged ------------------------------------------------------------
 
     def _hold(self, nbytes: int) -> None:
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    def _upload(self, ids) -> None:
+    def _allocate(self, ids) -> None:
+        """Create the buffers `ids` that are not on the GPU: weights uploaded (or taken from the
+        shared `weights`), constants written, the rest empty."""
         for i in ids:
             if self.buffers[i] is not None:
                 continue
             b = self.plan["buffers"][i]
-            key = (b["component"], b["name"], b["dtype"])
-            if key not in self.weights:
-                buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
-                               usage=self._usage)
-                self._write(buf, read_weight(self.model_dir, b))
-                self.weights[key] = buf
-            self.buffers[i] = self.weights[key]
+            if b["kind"] == "weight":
+                key = (b["component"], b["name"], b["dtype"])
+                if key not in self.weights:
+                    buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
+                                   usage=self._usage)
+                    self._write(buf, read_weight(self.model_dir, b))
+                    self.weights[key] = buf
+                buf = self.weights[key]
+            else:
+                buf = gpu_call(f"allocating plan buffer {b['id']} ({b['size']} bytes)", self.device.create_buffer,
+                               size=b["size"], usage=self._usage)
+                if b["kind"] == "constant":
+                    self._write(buf, np.frombuffer(_unb64(b["data"]), np.uint8))
+            self.buffers[i] = buf
             self._hold(b["size"])
 
+    def _release(self, ids) -> None:
+        for i in ids:
+            buf = self.buffers[i]
+            if buf is None:
+                continue
+            b = self.plan["buffers"][i]
+            if b["kind"] == "weight":
+                self.weights.pop((b["component"], b["name"], b["dtype"]), None)
+            buf.destroy()
+            self.buffers[i] = None
+            self.live_bytes -= b["size"]
+
     def _stage(self, name: str) -> list[tuple]:
-        """A stage's commands, ready to run: under staged residency its weights are uploaded
-        first, after the weights no other stage's commands need now are released."""
+        """A stage's commands, ready to run: under staged residency what it owns is allocated
+        and uploaded first, after what the other stages own is released."""
         prepared = self._prepared.get(name)
         if prepared is not None:
             return prepared
@@ -211,20 +223,11 @@ class PlanExecutor:
         if self.residency == "staged":
             self.sync()  # the GPU is done with what is released
             t0 = time.perf_counter()
-            needed = set(self.memory.stage_weights[name])
-            for other, ids in self.memory.stage_weights.items():
-                if other != name and set(ids) - needed:
-                    self._prepared.pop(other, None)  # its bind groups name buffers released below
-            for ids in self.memory.stage_weights.values():
-                for i in set(ids) - needed:
-                    if self.buffers[i] is not None:
-                        b = self.plan["buffers"][i]
-                        released = self.weights.pop((b["component"], b["name"], b["dtype"]), None)
-                        if released is not None:
-                            released.destroy()
-                        self.buffers[i] = None
-                        self.live_bytes -= b["size"]
-            self._upload(self.memory.stage_weights[name])
+            for other, ids in self.memory.stage_buffers.items():
+                if other != name:
+                    self._prepared.pop(other, None)  # its bind groups name buffers released here
+                    self._release(ids)
+            self._allocate(self.memory.stage_buffers[name])
             self.upload_ms += (time.perf_counter() - t0) * 1e3
         prepared = self._prepared[name] = self._prepare(self.plan["stages"][name]["commands"])
         return prepared
@@ -365,10 +368,11 @@ class PlanExecutor:
         """Write a stage's inputs, run it, read its outputs (host arrays in, host arrays out)."""
         spec = self.plan["stages"].get(stage)
         values = stage_inputs(self.plan, stage, inputs)
+        commands = self._stage(stage)  # staged: its buffers exist from here
         self._flush()
         for name, io in spec["inputs"].items():
             self._write(self.buffers[io["buffer"]], values[name])
-        self._walk(self._stage(stage), {})
+        self._walk(commands, {})
         return {name: self.read(io) for name, io in spec["outputs"].items()}
 
     def time_stage(self, stage: str, repetitions: int, warmup: int = 1, seed: int = 0) -> list[float]:
@@ -376,13 +380,13 @@ class PlanExecutor:
         untimed ones, its inputs written once (random, as a latency job's)."""
         from .runtime import DTYPES
 
+        commands = self._stage(stage)  # staged: its buffers exist from here
         rng = np.random.default_rng(seed)
         for io in self.plan["stages"][stage]["inputs"].values():
             shape = tuple(io["shape"])
             value = rng.integers(0, 100, shape) if io["dtype"] == "u32" else rng.standard_normal(shape)
             self._write(self.buffers[io["buffer"]], np.asarray(value).astype(DTYPES[io["dtype"]]))
         times = []
-        commands = self._stage(stage)
         for r in range(warmup + repetitions):
             self.sync()
             t0 = time.perf_counter()
@@ -446,12 +450,12 @@ def plan_gpu_bytes(executor) -> int:
 
 
 def stage_peak_bytes(executor, stage: str) -> int:
-    """The GPU memory an executor holds while `stage` runs: all it holds when its weights are
-    resident; its working buffers and the stage's weights when they are staged."""
+    """The GPU memory an executor holds while `stage` runs: all it holds when its buffers are
+    resident; the plan's persistent buffers and what the stage owns when they are staged."""
     if executor.residency != "staged":
         return plan_gpu_bytes(executor)
     memory = executor.memory
-    return memory.working_bytes + memory.stage_weight_bytes[stage]
+    return memory.persistent_bytes + memory.stage_bytes[stage]
 
 
 # A plan's stages under the names GenerationResult.stage_peak_gpu_bytes gives them.

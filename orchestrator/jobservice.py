@@ -69,6 +69,50 @@ def check_time_limit(settings: Settings, spec: dict[str, Any]) -> None:
 # ---- submitting ---------------------------------------------------------------------------
 
 
+def fit_refusals(settings: Settings, build_name: str, kind: str, spec: dict[str, Any],
+                 devices: Sequence[Device]) -> dict[str, list[str]]:
+    """Why a generate or latency job of `spec` cannot run on each of `devices` whose engine is a
+    browser page: the job's engine plan, recorded here for the adapter that device's discovery
+    recorded (limits and features), does not fit it or the job's GPU budget (engine.fit).
+    {serial: reasons}, for the devices that cannot run it only; a device with no recorded
+    adapter limits, or a build whose model folder is not on this host, is not judged here (the
+    page judges it before it allocates anything)."""
+    from engine.device import caps_from_dict
+    from engine.errors import EngineError
+    from engine.fit import fit_plan
+    from engine.models.config import load_model_config
+    from engine.plan import record_plan
+    from engine.profiles import shipped_profiles
+
+    pages = [d for d in devices if d.runtime == "browser" and ((d.info or {}).get("adapter") or {}).get("limits")]
+    model_dir = settings.data_dir / "builds" / build_name / str(spec.get("model") or "")
+    if kind not in ("generate", "latency") or not pages or not (model_dir / "model_index.json").is_file():
+        return {}
+    config = load_model_config(model_dir)
+    profile = spec.get("profile", "auto")
+    if profile not in ("auto", "family", "reference", *(p.name for p in shipped_profiles())):
+        profile = "auto"  # a tuned or in-build profile: the family's stands in for it
+    refusals: dict[str, list[str]] = {}
+    judged: dict[str, list[str]] = {}  # the adapter's JSON -> its reasons
+    for device in pages:
+        adapter = device.info["adapter"]
+        key = repr(sorted(adapter.items()))
+        if key not in judged:
+            try:
+                caps = caps_from_dict(adapter)
+                height, width = spec.get("height"), spec.get("width")
+                plan = record_plan(config, caps, precision=spec.get("precision", "fp16"),
+                                   height=height or config.native_size[0], width=width or config.native_size[1],
+                                   steps=spec.get("steps", 20), scheduler=spec.get("scheduler", "pndm"),
+                                   guidance_scale=spec.get("guidance_scale", 7.5), profile=profile)
+                judged[key] = fit_plan(plan, caps, spec.get("gpu_budget_bytes")).reasons
+            except (EngineError, ValueError, TypeError) as exc:
+                judged[key] = [f"no plan can be made for its adapter: {exc}"]
+        if judged[key]:
+            refusals[device.serial] = judged[key]
+    return refusals
+
+
 def queue_jobs(session: Session, settings: Settings, name: str, build_id: int, kind: str, spec: dict[str, Any],
                device_ids: list[int]) -> tuple[Batch, list[int]]:
     """One job per device as one batch (the build already deployed), for `farm jobs submit`;

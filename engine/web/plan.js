@@ -147,29 +147,42 @@ export async function openDevice(adapter) {
 
 // ---- memory ---------------------------------------------------------------------------------
 
-// What a plan's runner allocates (engine/fit.py's plan_memory, the same numbers): the buffers
-// other than weights and the uniforms; the weights the generation's own commands bind (pinned);
-// every weight; the other weights by the stages that bind them.
+// What a plan's runner allocates (engine/fit.py's plan_memory, the same numbers): a weight or
+// activation buffer that only one stage's commands use (its dispatches, copies and writes, and
+// the stage's own inputs and outputs) is that stage's; every other buffer, and the uniforms,
+// the plan's.
 export function planMemory(plan) {
-  const weights = new Map(plan.buffers.filter((b) => b.kind === "weight").map((b) => [b.id, b.size]));
-  const bound = (commands) => new Set(commands.filter((c) => c.op === "dispatch")
-    .flatMap((c) => c.bindings.map(([, id]) => id)).filter((id) => weights.has(id)));
-  const pinned = bound(plan.generate);
-  const sum = (ids) => [...ids].reduce((a, id) => a + weights.get(id), 0);
-  let bufferBytes = 0;
-  for (const b of plan.buffers) if (b.kind !== "weight") bufferBytes += b.size;
-  for (const u of plan.uniforms) bufferBytes += atob(u).length;
-  const stageWeights = {};
-  const stageWeightBytes = {};
+  const users = new Map();
+  const note = (id, who) => { if (!users.has(id)) users.set(id, new Set()); users.get(id).add(who); };
+  const scan = (commands, who) => {
+    for (const c of commands) {
+      if (c.op === "dispatch") for (const [, id] of c.bindings) note(id, who);
+      else if (c.op === "write" || c.op === "input") note(c.buffer, who);
+      else if (c.op === "copy") { note(c.src, who); note(c.dst, who); }
+    }
+  };
   for (const [name, stage] of Object.entries(plan.stages)) {
-    stageWeights[name] = [...bound(stage.commands)].filter((id) => !pinned.has(id)).sort((a, b) => a - b);
-    stageWeightBytes[name] = sum(stageWeights[name]);
+    scan(stage.commands, name);
+    for (const io of [...Object.values(stage.inputs), ...Object.values(stage.outputs)]) note(io.buffer, name);
   }
-  const pinnedBytes = sum(pinned);
-  const working = bufferBytes + pinnedBytes;
-  return { bufferBytes, pinnedWeights: [...pinned], pinnedBytes, weightBytes: sum(weights.keys()), stageWeights,
-    stageWeightBytes, residentBytes: bufferBytes + sum(weights.keys()),
-    stagedBytes: working + Math.max(0, ...Object.values(stageWeightBytes)), workingBytes: working };
+  scan(plan.generate, "generate");
+  for (const io of Object.values(plan.outputs)) note(io.buffer, "generate");
+  const stageBuffers = Object.fromEntries(Object.keys(plan.stages).map((name) => [name, []]));
+  const persistent = [];
+  for (const b of plan.buffers) {
+    const who = users.get(b.id) || new Set();
+    const only = who.size === 1 ? [...who][0] : null;
+    if ((b.kind === "weight" || b.kind === "activation") && only in stageBuffers) stageBuffers[only].push(b.id);
+    else persistent.push(b.id);
+  }
+  const size = (ids) => ids.reduce((a, id) => a + plan.buffers[id].size, 0);
+  let uniformBytes = 0;
+  for (const u of plan.uniforms) uniformBytes += atob(u).length;
+  const stageBytes = Object.fromEntries(Object.entries(stageBuffers).map(([n, ids]) => [n, size(ids)]));
+  const persistentBytes = size(persistent) + uniformBytes;
+  return { persistent, persistentBytes, stageBuffers, stageBytes, uniformBytes,
+    residentBytes: size(plan.buffers.map((b) => b.id)) + uniformBytes,
+    stagedBytes: persistentBytes + Math.max(0, ...Object.values(stageBytes)) };
 }
 
 // "auto", "resident" or "staged" resolved against a budget (null: none), as engine/fit.py does.
@@ -215,8 +228,8 @@ export class PlanRunner {
     this.residency = chooseResidency(this.memory, budgetBytes, residency);
     const peak = this.residency === "resident" ? this.memory.residentBytes : this.memory.stagedBytes;
     if (budgetBytes != null && peak > budgetBytes) {
-      throw new PlanError("over-budget", `peak GPU memory ${peak.toLocaleString("en-US")} bytes (${this.residency} ` +
-        `weights) > the budget of ${budgetBytes.toLocaleString("en-US")}`);
+      throw new PlanError("over-budget", `peak GPU memory ${peak.toLocaleString("en-US")} bytes (${this.residency}) ` +
+        `> the budget of ${budgetBytes.toLocaleString("en-US")}`);
     }
     const t0 = performance.now();
     const storage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
@@ -248,11 +261,11 @@ export class PlanRunner {
         throw new PlanError("pipeline", `${p.shader}:${p.entry} ${JSON.stringify(p.constants)}: ${e.message}`);
       }
     }
-    // buffers: activations and state empty, constants written; weights from the cache or by
-    // range, now (resident, or bound by the generation's own commands) or before their stage
-    d.pushErrorScope("out-of-memory");
-    this.buffers = [];
+    // buffers: weights from the cache or by range, constants written, the rest empty; all of
+    // them now (resident), or the plan's now and each stage's before it runs (staged)
+    this.buffers = plan.buffers.map(() => null);
     this.bytes = 0;
+    for (const b of plan.buffers) if (b.kind !== "weight") this.bytes += b.size;
     this.weightBytes = 0;
     this.liveBytes = 0;
     this.peakBytes = 0;
@@ -261,28 +274,19 @@ export class PlanRunner {
     this.fetched = { bytes: 0, cached: 0, fetched: 0 };
     this.storage = storage;
     for (const b of plan.buffers) {
-      if (b.kind === "weight") {
-        if (!b.file) throw new PlanError("input", `plan weight ${b.component}/${b.name} names no file`);
-        this.buffers.push(null);
-        continue;
-      }
-      const buf = d.createBuffer({ size: b.size, usage: storage, label: `${b.kind} ${b.name || b.id}` });
-      this.buffers.push(buf);
-      this.bytes += b.size;
-      if (b.kind === "constant") d.queue.writeBuffer(buf, 0, pad4(b64ToBytes(b.data)));
+      if (b.kind === "weight" && !b.file) throw new PlanError("input", `plan weight ${b.component}/${b.name} names no file`);
     }
+    d.pushErrorScope("out-of-memory");
     this.uniforms = plan.uniforms.map((u) => {
       const data = b64ToBytes(u);
       const buf = d.createBuffer({ size: data.byteLength, usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST });
       d.queue.writeBuffer(buf, 0, data);
       return buf;
     });
-    this.hold(this.memory.bufferBytes);
     const oom = await d.popErrorScope();
-    if (oom) throw new PlanError("out-of-memory", `allocating the plan's buffers: ${oom.message}`);
-    const now = this.residency === "resident" ? plan.buffers.filter((b) => b.kind === "weight").map((b) => b.id)
-      : this.memory.pinnedWeights;
-    await this.upload(now, onProgress);
+    if (oom) throw new PlanError("out-of-memory", `allocating the plan's uniforms: ${oom.message}`);
+    this.hold(this.memory.uniformBytes);
+    await this.allocate(this.residency === "resident" ? plan.buffers.map((b) => b.id) : this.memory.persistent, onProgress);
     this.stages = {};
     if (this.residency === "resident") {
       for (const name of Object.keys(plan.stages)) await this.stage(name);
@@ -302,33 +306,50 @@ export class PlanRunner {
     this.peakBytes = Math.max(this.peakBytes, this.liveBytes);
   }
 
-  // Upload the weights `ids` that are not on the GPU yet.
-  async upload(ids, onProgress) {
+  // Create the buffers `ids` that are not on the GPU: weights fetched (from the cache or by
+  // range) and uploaded, constants written, the rest empty.
+  async allocate(ids, onProgress) {
     const d = this.device;
     const todo = ids.filter((id) => !this.buffers[id]);
-    if (!todo.length) return;
-    if (!this.fetchWeight) throw new PlanError("input", "the plan's weights have no source to load them from");
+    const weights = todo.filter((id) => this.plan.buffers[id].kind === "weight").length;
+    if (weights && !this.fetchWeight) throw new PlanError("input", "the plan's weights have no source to load them from");
     d.pushErrorScope("out-of-memory");
     let done = 0;
     for (const id of todo) {
       const b = this.plan.buffers[id];
-      const buf = d.createBuffer({ size: b.size, usage: this.storage, label: `weight ${b.name}` });
-      const got = await this.fetchWeight(b);
-      this.fetched.bytes += got.fetchedBytes;
-      this.fetched[got.fetchedBytes ? "fetched" : "cached"]++;
-      d.queue.writeBuffer(buf, 0, pad4(convertWeight(got.bytes, b.stored, b.dtype)));
+      const buf = d.createBuffer({ size: b.size, usage: this.storage, label: `${b.kind} ${b.name || b.id}` });
+      if (b.kind === "weight") {
+        const got = await this.fetchWeight(b);
+        this.fetched.bytes += got.fetchedBytes;
+        this.fetched[got.fetchedBytes ? "fetched" : "cached"]++;
+        d.queue.writeBuffer(buf, 0, pad4(convertWeight(got.bytes, b.stored, b.dtype)));
+        this.weightBytes += b.size;
+        done++;
+        if (onProgress && done % 16 === 0) onProgress(done, weights);
+      } else if (b.kind === "constant") {
+        d.queue.writeBuffer(buf, 0, pad4(b64ToBytes(b.data)));
+      }
       this.buffers[id] = buf;
-      this.weightBytes += b.size;
       this.hold(b.size);
-      done++;
-      if (onProgress && done % 16 === 0) onProgress(done, todo.length);
     }
     const oom = await d.popErrorScope();
-    if (oom) throw new PlanError("out-of-memory", `uploading the plan's weights: ${oom.message}`);
+    if (oom) throw new PlanError("out-of-memory", `allocating the plan's buffers: ${oom.message}`);
   }
 
-  // A stage's commands, ready to run: under staged residency its weights go up first, after
-  // those of other stages it does not bind are released.
+  release(ids) {
+    for (const id of ids) {
+      const buf = this.buffers[id];
+      if (!buf) continue;
+      const b = this.plan.buffers[id];
+      buf.destroy();
+      this.buffers[id] = null;
+      this.liveBytes -= b.size;
+      if (b.kind === "weight") this.weightBytes -= b.size;
+    }
+  }
+
+  // A stage's commands, ready to run: under staged residency what it owns (its weights and
+  // scratch) is allocated and uploaded first, after what the other stages own is released.
   async stage(name) {
     if (this.stages[name]) return this.stages[name];
     const spec = this.plan.stages[name];
@@ -336,18 +357,12 @@ export class PlanRunner {
     if (this.residency === "staged") {
       await this.sync(); // the GPU is done with what is released
       const t0 = performance.now();
-      const needed = new Set(this.memory.stageWeights[name]);
-      for (const [other, ids] of Object.entries(this.memory.stageWeights)) {
-        if (other !== name && ids.some((id) => !needed.has(id))) delete this.stages[other];
-        for (const id of ids) {
-          if (needed.has(id) || !this.buffers[id]) continue;
-          this.buffers[id].destroy();
-          this.buffers[id] = null;
-          this.liveBytes -= this.plan.buffers[id].size;
-          this.weightBytes -= this.plan.buffers[id].size;
-        }
+      for (const [other, ids] of Object.entries(this.memory.stageBuffers)) {
+        if (other === name) continue;
+        delete this.stages[other]; // its bind groups name buffers released here
+        this.release(ids);
       }
-      await this.upload(this.memory.stageWeights[name]);
+      await this.allocate(this.memory.stageBuffers[name]);
       this.uploadMs += performance.now() - t0;
     }
     this.device.pushErrorScope("validation");
@@ -489,12 +504,12 @@ export class PlanRunner {
   async run(stage, inputs) {
     const spec = this.plan.stages[stage];
     if (!spec) throw new PlanError("input", `the plan has no stage ${stage}`);
+    const prepared = await this.stage(stage); // staged: its buffers exist from here
     this.begin();
     for (const [name, io] of Object.entries(spec.inputs)) {
       if (!inputs[name]) throw new PlanError("input", `stage ${stage} needs input ${name}`);
       this.device.queue.writeBuffer(this.buffers[io.buffer], 0, pad4(inputs[name]));
     }
-    const prepared = await this.stage(stage);
     const t0 = performance.now();
     await this.walk(prepared, {});
     await this.end();
@@ -527,6 +542,8 @@ export class PlanRunner {
   // page fills them with small pseudo-random values first, as a latency job's would be).
   async timeStage(stage, repetitions, warmup) {
     const spec = this.plan.stages[stage];
+    if (!spec) throw new PlanError("input", `the plan has no stage ${stage}`);
+    const prepared = await this.stage(stage); // staged: its buffers exist from here
     let seed = 12345;
     for (const io of Object.values(spec.inputs)) {
       const n = io.shape.reduce((a, b) => a * b, 1);
@@ -540,7 +557,6 @@ export class PlanRunner {
       this.device.queue.writeBuffer(this.buffers[io.buffer], 0, bytes);
     }
     const times = [];
-    const prepared = await this.stage(stage);
     this.begin();
     for (let r = 0; r < warmup + repetitions; r++) {
       await this.sync();

@@ -235,6 +235,12 @@ def submit(
                                cooldown_celsius=cooldown, cooldown_wait_s=cooldown_wait,
                                init_image=_init_image_uri(init_image) if init_image else None,
                                strength=0.8 if strength is None else strength)
+            # A page that cannot hold the job's plan would only fail on the phone: said here instead.
+            refusals = jobservice.fit_refusals(settings, build.name, str(kind), spec, targets)
+            if refusals:
+                fail("nothing queued: the job does not fit " + "; ".join(
+                    f"{serial} ({', '.join(reasons)})" for serial, reasons in refusals.items())
+                    + ". Leave those devices out, or change the job (--gpu-budget-mb, --resolution, --precision)")
             stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             try:
                 batch, job_ids = jobservice.queue_jobs(session, settings, name or f"{kind} {build.name} {stamp}",

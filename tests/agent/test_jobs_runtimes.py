@@ -144,7 +144,7 @@ def test_a_generate_job_under_a_gpu_budget_stages_its_weights_or_fails_at_once(r
         mp.setenv(jobs.ENGINE_RUNTIME_ENV, "plan")
         tight = run_job(spec(model=str(tiny_model_dir), gpu_budget_bytes=2**20), tmp_path / "tight", tmp_path / "root")
         assert tight.status == "failed" and "the plan does not fit: peak GPU memory" in tight.error
-        assert "(staged weights) > the budget of 1,048,576" in tight.error
+        assert "(staged) > the budget of 1,048,576" in tight.error
         mp.setenv(jobs.ENGINE_RUNTIME_ENV, "native")
         native = run_job(spec(model=str(tiny_model_dir), gpu_budget_bytes=budget), tmp_path / "n", tmp_path / "root")
         assert native.status == "failed" and "kept by the plan and browser runtimes" in native.error

@@ -271,7 +271,7 @@ def test_the_page_stages_weights_to_keep_a_budget_and_refuses_one_it_cannot(sess
     with pytest.raises(BrowserError) as refused:
         BrowserExecutor(plan, tiny_model_dir, session, budget_bytes=fit.staged_gpu_bytes - 1)
     assert refused.value.kind == "over-budget"
-    assert f"peak GPU memory {fit.staged_gpu_bytes:,} bytes (staged weights) > the budget of " \
+    assert f"peak GPU memory {fit.staged_gpu_bytes:,} bytes (staged) > the budget of " \
            f"{fit.staged_gpu_bytes - 1:,}" in str(refused.value)
 
 

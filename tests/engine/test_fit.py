@@ -84,31 +84,42 @@ def test_fit_counts_what_the_executor_allocates(tiny_model_dir, gpu):
     between = fit_plan(plan, gpu.caps, budget_bytes=allocated - 1)  # only staging fits
     assert between.fits and between.residency == "staged" and between.peak_gpu_bytes == staged
     over = fit_plan(plan, gpu.caps, budget_bytes=staged - 1)
-    assert not over.fits and over.reasons == [f"peak GPU memory {staged:,} bytes (staged weights) > the budget of {staged - 1:,}"]
+    assert not over.fits and over.reasons == [f"peak GPU memory {staged:,} bytes (staged) > the budget of {staged - 1:,}"]
     resident = fit_plan(plan, gpu.caps, budget_bytes=allocated - 1, residency="resident")
-    assert not resident.fits and "(resident weights)" in resident.reasons[0]
+    assert not resident.fits and "(resident)" in resident.reasons[0]
 
 
-def test_plan_memory_splits_the_weights_by_the_stage_that_binds_them():
-    from engine.fit import plan_memory
+def test_plan_memory_gives_each_stage_the_weights_and_scratch_only_it_uses():
+    from engine.fit import buffer_users, plan_memory
     from engine.make_model import preset_model_config
 
     caps = caps_from_dict(json.loads((ADAPTERS_DIR / "mali-g78-chrome.json").read_text()))
     plan = record_plan(preset_model_config("tiny"), caps, height=64, width=64, steps=2, scheduler="euler")
     memory = plan_memory(plan)
-    weights = {b["id"]: b for b in plan["buffers"] if b["kind"] == "weight"}
-    assert memory.pinned_weights == ()  # the generation's own commands bind no weight
+    users = buffer_users(plan)
+    buffers = {b["id"]: b for b in plan["buffers"]}
     # each network's weights belong to the one stage that runs it, and every weight to some stage
-    by_stage = {name: {weights[i]["component"] for i in ids} for name, ids in memory.stage_weights.items()}
-    assert by_stage == {"text_encoder": {"text_encoder"}, "unet_step": {"unet"}, "vae_decode": {"vae"}}
-    assert sorted(i for ids in memory.stage_weights.values() for i in ids) == sorted(weights)
-    assert memory.resident_bytes == sum(b["size"] for b in plan["buffers"]) + \
-        sum(len(base64.b64decode(u)) for u in plan["uniforms"])
-    assert memory.staged_bytes == memory.resident_bytes - memory.weight_bytes + max(memory.stage_weight_bytes.values())
+    owned_weights = {name: {buffers[i]["component"] for i in ids if buffers[i]["kind"] == "weight"}
+                     for name, ids in memory.stage_buffers.items()}
+    assert owned_weights == {"text_encoder": {"text_encoder"}, "unet_step": {"unet"}, "vae_decode": {"vae"}}
+    assert all(i not in memory.persistent for i, b in buffers.items() if b["kind"] == "weight")
+    # a stage owns scratch too; what crosses stages (the context, the latents, the loop's state,
+    # what generate's own commands touch) and every constant stays the plan's
+    for name, ids in memory.stage_buffers.items():
+        assert any(buffers[i]["kind"] == "activation" for i in ids), name
+        assert all(users[i] == {name} for i in ids)
+    for stage in plan["stages"].values():
+        for io in (*stage["inputs"].values(), *stage["outputs"].values()):
+            assert (io["buffer"] in memory.persistent) == (len(users[io["buffer"]]) > 1)
+    assert all(i in memory.persistent for i, b in buffers.items() if b["kind"] in ("constant", "state"))
+    uniforms = sum(len(base64.b64decode(u)) for u in plan["uniforms"])
+    assert memory.resident_bytes == sum(b["size"] for b in plan["buffers"]) + uniforms
+    assert memory.staged_bytes == memory.persistent_bytes + max(memory.stage_bytes.values())
+    assert memory.staged_bytes < memory.resident_bytes
 
 
 @pytest.mark.gpu
-def test_staged_weights_give_the_same_image_within_the_budget_fit_names(tiny_model_dir, gpu):
+def test_staged_buffers_give_the_same_image_within_the_budget_fit_names(tiny_model_dir, gpu):
     """A generation whose plan only fits its budget with staged weights: the executor stages
     them, holds at most what fit says (to the byte), and makes the same image, bit for bit, as
     with every weight resident; a budget below that is refused before anything is allocated."""
@@ -139,9 +150,9 @@ def test_staged_weights_give_the_same_image_within_the_budget_fit_names(tiny_mod
     again = staged.generate(ids, latents, noise)  # the weights go up again, stage by stage
     np.testing.assert_array_equal(again["image"], want["image"])
     assert staged.peak_bytes == fit.staged_gpu_bytes
-    with pytest.raises(FitError, match="staged weights") as refused:
+    with pytest.raises(FitError, match=r"\(staged\) > the budget") as refused:
         PlanExecutor(plan, tiny_model_dir, gpu, budget_bytes=fit.staged_gpu_bytes - 1)
-    assert refused.value.reasons == [f"peak GPU memory {fit.staged_gpu_bytes:,} bytes (staged weights) > the budget "
+    assert refused.value.reasons == [f"peak GPU memory {fit.staged_gpu_bytes:,} bytes (staged) > the budget "
                                      f"of {fit.staged_gpu_bytes - 1:,}"]
 
 

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from agent.protocol import (
     Artifact,
+    DeviceInfo,
     JobResult,
     KernelTiming,
     Manifest,
@@ -389,6 +390,42 @@ def test_submit_refuses_numbers_that_never_end_or_cannot_run(seeded, monkeypatch
     before = json.loads(cli("jobs", "list", "--json").output)
     _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", *args, ok=False), fragment)
     assert json.loads(cli("jobs", "list", "--json").output) == before and sent == []
+
+
+def test_submit_refuses_a_job_a_browser_device_cannot_hold(cli, tiny_model_dir, monkeypatch):
+    """A phone's page that cannot hold the job's plan (the adapter its discovery recorded, the
+    job's GPU budget) would fail only on the phone: `farm jobs submit` records the plan for that
+    adapter, says what does not fit on which device, and queues nothing."""
+    import shutil
+
+    from engine.device import ADAPTERS_DIR
+
+    sent = []
+    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
+    adreno = json.loads((ADAPTERS_DIR / "adreno-640-chrome.json").read_text())
+    adreno.pop("source")
+    narrow = {**adreno, "limits": {**adreno["limits"], "max-storage-buffer-binding-size": 65536}}
+    with cli.Session() as s, s.begin():
+        build = store.create_build(s, _manifest("b9", 1_700_000_000.0))
+        for serial, adapter in (("page-1", adreno), ("page-2", narrow)):
+            info = DeviceInfo(serial=serial, model="Pixel 4", manufacturer="Google", os="android", os_version="13",
+                              adapter=adapter)
+            device = store.upsert_device(s, serial, "web", info=info, host="testhost", runtime="browser")
+            store.set_device_state(s, device.id, DeviceState.available)
+        build_name = build.name
+    shutil.copytree(tiny_model_dir, cli.tmp / "data" / "builds" / build_name / "models" / "tiny")
+    submit = ("jobs", "submit", "generate", "--build", "b9", "--precision", "fp32", "--steps", "2",
+              "--scheduler", "euler")
+
+    over = cli(*submit, "--device", "page-1", "--gpu-budget-mb", "2", ok=False)
+    assert over.exit_code == 1 and "nothing queued: the job does not fit page-1 (peak GPU memory" in over.output
+    assert "> the budget of 2,000,000" in over.output
+    narrow_out = cli(*submit, "--device", "page-1", "--device", "page-2", ok=False)
+    assert narrow_out.exit_code == 1 and "page-2 (max binding bytes" in narrow_out.output
+    assert "page-1" not in narrow_out.output.split("does not fit")[1]  # page-1 can hold it
+    assert sent == [] and json.loads(cli("jobs", "list", "--json").output) == []
+    queued = json.loads(cli(*submit, "--device", "page-1", "--gpu-budget-mb", "100", "--json").output)
+    assert [j["device"] for j in queued["jobs"]] == ["page-1"] and len(sent) == 1
 
 
 def test_submit_that_cannot_reach_the_workers_cancels_its_jobs(seeded, monkeypatch):
