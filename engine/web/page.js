@@ -7,7 +7,7 @@
 // generate (the whole generation), time, kernels (per-kernel GPU times of a stage), unload.
 // A host page adds its own commands, sources and rules through runPage's options (the engine's
 // standalone page: engine/web/main.js; the farm's: agent/web/main.js).
-import { PlanError, PlanRunner, b64ToBytes, bytesToB64, describeAdapter, openDevice, requestAdapter,
+import { PlanError, PlanRunner, WeightStore, b64ToBytes, bytesToB64, describeAdapter, openDevice, requestAdapter,
   sha256Hex, weightFetcher } from "./plan.js";
 
 const BEAT_MS = 3000;
@@ -64,12 +64,14 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   };
 
   let device = null;
+  let weights = null; // the page's one copy of each weight, shared by its runners
   const runners = new Map(); // plan sha256 -> PlanRunner
 
   async function gpu() {
     if (!device) {
       const adapter = await requestAdapter();
       device = await openDevice(adapter);
+      weights = new WeightStore(device);
       device.lost.then((info) => { ui.log(`device lost: ${info.reason} ${info.message}`); device = null; runners.clear(); });
     }
     return device;
@@ -92,22 +94,28 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
       runners.set(plan.sha256, kept); // most recently used last
       return { ...kept.report, reused: true };
     }
-    const runner = new PlanRunner(d, plan);
+    const runner = new PlanRunner(d, plan, weights);
     const fetchShader = source ? source.fetchShader : async (path) => {
       const r = await fetch(new URL(path, cmd.shader_base));
       if (!r.ok) throw new PlanError("input", `fetching ${path}: HTTP ${r.status}`);
       return r.text();
     };
     const fetchWeight = source ? source.fetchWeight : (cmd.model_base ? weightFetcher(cmd.model_base) : null);
-    const report = await runner.load({ fetchWeight, fetchShader, budgetBytes: cmd.budget_bytes ?? null,
-      residency: cmd.residency || "auto", onProgress: (done, total) => ui.state(`loading weights ${done}/${total}`) });
+    let report;
+    try {
+      report = await runner.load({ fetchWeight, fetchShader, budgetBytes: cmd.budget_bytes ?? null,
+        residency: cmd.residency || "auto", onProgress: (done, total) => ui.state(`loading weights ${done}/${total}`) });
+    } catch (e) {
+      runner.destroy(); // gives back the weights it took from the page's store
+      throw e;
+    }
     runners.get(plan.sha256)?.destroy();
     runners.delete(plan.sha256);
     runner.report = report;
     runner.kept = !!source;
     runners.set(plan.sha256, runner);
-    // Kept plans beyond keepLoaded are unloaded, the least recently used first (each holds its
-    // own copy of the weights); a host that loads plans itself unloads its own.
+    // Kept plans beyond keepLoaded are unloaded, the least recently used first (the weights
+    // they share stay while any plan holds them); a host that loads plans itself unloads its own.
     const kept = [...runners.entries()].filter(([, r]) => r.kept);
     for (const [sha, r] of kept.slice(0, Math.max(0, kept.length - keepLoaded))) {
       r.destroy();

@@ -194,14 +194,64 @@ export function chooseResidency(memory, budgetBytes, residency = "auto") {
   return budgetBytes == null || memory.residentBytes <= budgetBytes ? "resident" : "staged";
 }
 
+// ---- the page's weights -----------------------------------------------------------------------
+
+// One GPU copy of each weight for every plan a page has loaded: keyed by the stored bytes'
+// sha256 and the GPU element type, counted by the runners holding it, destroyed when the last
+// lets it go. Plans of one model (other sizes, step counts, guidance) share their weights.
+export class WeightStore {
+  constructor(device) {
+    this.device = device;
+    this.entries = new Map(); // key -> {buffer, size, holders}
+    this.bytes = 0; // GPU bytes of the weights held
+  }
+
+  static key(b) {
+    return `${b.sha256}/${b.dtype}/${b.size}`;
+  }
+
+  // The buffer of weight `b` and how it was got: "shared" (on the GPU already), or what
+  // fetchWeight did ("cached" or "fetched", with the bytes fetched).
+  async acquire(b, fetchWeight, usage) {
+    const key = WeightStore.key(b);
+    const held = this.entries.get(key);
+    if (held) {
+      held.holders++;
+      return { buffer: held.buffer, how: "shared", fetchedBytes: 0 };
+    }
+    const got = await fetchWeight(b);
+    const again = this.entries.get(key); // another runner put it there while this one fetched
+    if (again) {
+      again.holders++;
+      return { buffer: again.buffer, how: "shared", fetchedBytes: got.fetchedBytes };
+    }
+    const buffer = this.device.createBuffer({ size: b.size, usage, label: `weight ${b.name}` });
+    this.device.queue.writeBuffer(buffer, 0, pad4(convertWeight(got.bytes, b.stored, b.dtype)));
+    this.entries.set(key, { buffer, size: b.size, holders: 1 });
+    this.bytes += b.size;
+    return { buffer, how: got.fetchedBytes ? "fetched" : "cached", fetchedBytes: got.fetchedBytes };
+  }
+
+  release(b) {
+    const key = WeightStore.key(b);
+    const held = this.entries.get(key);
+    if (!held || --held.holders > 0) return;
+    held.buffer.destroy();
+    this.entries.delete(key);
+    this.bytes -= held.size;
+  }
+}
+
 // ---- the executor --------------------------------------------------------------------------
 
 export class PlanRunner {
   // plan: the parsed plan; fetchWeight(buffer) -> Promise<Uint8Array> of its stored bytes;
   // fetchShader(path, sha256) -> Promise<string>
-  constructor(device, plan) {
+  // weights: the page's WeightStore (one is made for this runner alone when none is given)
+  constructor(device, plan, weights = null) {
     this.device = device;
     this.plan = plan;
+    this.weights = weights || new WeightStore(device);
     this.lost = null;
     device.lost.then((info) => { this.lost = info; });
   }
@@ -271,7 +321,7 @@ export class PlanRunner {
     this.peakBytes = 0;
     this.uploadMs = 0;
     this.fetchWeight = fetchWeight;
-    this.fetched = { bytes: 0, cached: 0, fetched: 0 };
+    this.fetched = { bytes: 0, cached: 0, fetched: 0, shared: 0 };
     this.storage = storage;
     for (const b of plan.buffers) {
       if (b.kind === "weight" && !b.file) throw new PlanError("input", `plan weight ${b.component}/${b.name} names no file`);
@@ -297,8 +347,9 @@ export class PlanRunner {
     if (invalid) throw new PlanError("validation", `preparing the plan's bind groups: ${invalid.message}`);
     this.timestamps = d.features.has("timestamp-query");
     return { load_ms: performance.now() - t0, weight_bytes_fetched: this.fetched.bytes, weights_fetched: this.fetched.fetched,
-      weights_cached: this.fetched.cached, buffer_bytes: this.bytes, weight_bytes: this.weightBytes,
-      residency: this.residency, peak_bytes: this.peakBytes, live_bytes: this.liveBytes };
+      weights_cached: this.fetched.cached, weights_shared: this.fetched.shared, buffer_bytes: this.bytes,
+      weight_bytes: this.weightBytes, page_weight_bytes: this.weights.bytes, residency: this.residency,
+      peak_bytes: this.peakBytes, live_bytes: this.liveBytes };
   }
 
   hold(bytes) {
@@ -317,17 +368,18 @@ export class PlanRunner {
     let done = 0;
     for (const id of todo) {
       const b = this.plan.buffers[id];
-      const buf = d.createBuffer({ size: b.size, usage: this.storage, label: `${b.kind} ${b.name || b.id}` });
+      let buf;
       if (b.kind === "weight") {
-        const got = await this.fetchWeight(b);
+        const got = await this.weights.acquire(b, this.fetchWeight, this.storage);
+        buf = got.buffer;
         this.fetched.bytes += got.fetchedBytes;
-        this.fetched[got.fetchedBytes ? "fetched" : "cached"]++;
-        d.queue.writeBuffer(buf, 0, pad4(convertWeight(got.bytes, b.stored, b.dtype)));
+        this.fetched[got.how]++;
         this.weightBytes += b.size;
         done++;
         if (onProgress && done % 16 === 0) onProgress(done, weights);
-      } else if (b.kind === "constant") {
-        d.queue.writeBuffer(buf, 0, pad4(b64ToBytes(b.data)));
+      } else {
+        buf = d.createBuffer({ size: b.size, usage: this.storage, label: `${b.kind} ${b.name || b.id}` });
+        if (b.kind === "constant") d.queue.writeBuffer(buf, 0, pad4(b64ToBytes(b.data)));
       }
       this.buffers[id] = buf;
       this.hold(b.size);
@@ -341,10 +393,14 @@ export class PlanRunner {
       const buf = this.buffers[id];
       if (!buf) continue;
       const b = this.plan.buffers[id];
-      buf.destroy();
+      if (b.kind === "weight") {
+        this.weights.release(b);
+        this.weightBytes -= b.size;
+      } else {
+        buf.destroy();
+      }
       this.buffers[id] = null;
       this.liveBytes -= b.size;
-      if (b.kind === "weight") this.weightBytes -= b.size;
     }
   }
 
@@ -616,7 +672,7 @@ export class PlanRunner {
   }
 
   destroy() {
-    for (const b of this.buffers || []) if (b) b.destroy();
+    if (this.buffers) this.release(this.plan.buffers.map((b) => b.id));
     for (const u of this.uniforms || []) u.destroy();
     this.buffers = this.uniforms = null;
   }

@@ -278,22 +278,30 @@ def test_the_page_stages_weights_to_keep_a_budget_and_refuses_one_it_cannot(sess
 # ---- the weight cache and bad input ---------------------------------------------------------------
 
 
-def test_a_second_load_fetches_no_weight_bytes(session, caps, tiny_model_dir):
+def test_a_second_load_fetches_no_weight_bytes_and_plans_share_one_copy(caps, tiny_model_dir):
+    """Weights come from the page's Cache Storage once fetched (counted by the server, not the
+    page), and a page holds one GPU copy of each weight whatever number of plans use it. A new
+    page: the shared session's holds plans of this model already."""
     from engine.models.config import load_model_config
 
     config = load_model_config(tiny_model_dir)
     plan = record_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=1, scheduler="ddim",
-                       guidance_scale=3.0)  # a plan no other test loads
-    weight_bytes = sum(b["length"] for b in plan["buffers"] if b["kind"] == "weight")
-    before = session.weight_bytes_served
-    first = BrowserExecutor(plan, tiny_model_dir, session).load_report
-    assert first["weight_bytes_fetched"] == session.weight_bytes_served - before
-    second_served = session.weight_bytes_served
-    second = BrowserExecutor(plan, tiny_model_dir, session).load_report
-    assert session.weight_bytes_served == second_served  # counted by the server, not the page
-    assert second["weight_bytes_fetched"] == 0 and second["weights_cached"] == len(
-        [b for b in plan["buffers"] if b["kind"] == "weight"])
-    assert weight_bytes > 0
+                       guidance_scale=3.0)
+    other = record_plan(config, caps, model_dir=tiny_model_dir, height=64, width=64, steps=2, scheduler="ddim",
+                        guidance_scale=3.0)
+    weights = [b for b in plan["buffers"] if b["kind"] == "weight"]
+    with BrowserSession(webgpu_adapter="swiftshader") as page:
+        first = BrowserExecutor(plan, tiny_model_dir, page).load_report
+        assert first["weights_fetched"] == len(weights)
+        assert first["weight_bytes_fetched"] == page.weight_bytes_served == sum(b["length"] for b in weights)
+        page.call("unload", plan=plan["sha256"])
+        second = BrowserExecutor(plan, tiny_model_dir, page).load_report
+        assert page.weight_bytes_served == first["weight_bytes_fetched"]  # counted by the server, not the page
+        assert second["weight_bytes_fetched"] == 0 and second["weights_cached"] == len(weights)
+        # a second plan of the model, loaded beside the first: no weight fetched or uploaded again
+        shared = BrowserExecutor(other, tiny_model_dir, page).load_report
+        assert shared["weights_shared"] == len(weights) and shared["weights_cached"] == shared["weights_fetched"] == 0
+        assert shared["page_weight_bytes"] == second["page_weight_bytes"] == sum(b["size"] for b in weights)
 
 
 def test_bad_input_gives_structured_errors(session, caps, tiny_model_dir, tmp_path):
