@@ -735,9 +735,11 @@ class _Child:
         plans = list(pipe.plans.values())
         decisions = {(d["op"], json.dumps(d["shape"])): f"{d['op']}/{d['variant']}"
                      for plan in plans for d in plan["profile"]["decisions"]}
-        precision = "fp16" if pipe.dtype == "f16" else "fp32"
-        notes = [f"fp16 requested but adapter {self.caps.device!r} lacks shader-f16; running in fp32"] \
-            if precision != pipe.precision else []
+        from engine.kernels import precision_of
+
+        precision = precision_of(pipe.dtype)
+        notes = [f"adapter {self.caps.device!r} lacks shader-f16: fp16 runs as f16-storage (packed halves, "
+                 "f32 arithmetic)"] if precision != pipe.precision else []
         return {"profile": plans[0]["profile"]["name"], "precision": precision,
                 "residency": pipe.residency, "selection": dict(sorted(Counter(decisions.values()).items())),
                 "warnings": list(dict.fromkeys(notes + [w for plan in plans for w in plan["warnings"]])),
@@ -997,6 +999,7 @@ class _Child:
 
     def run_tune(self) -> None:
         from engine.device import get_gpu
+        from engine.kernels import precision_of, storage_dtype
         from engine.models.config import load_model_config
         from engine.tune import tune
 
@@ -1004,7 +1007,7 @@ class _Child:
         config = load_model_config(self.plan["model"])
         gpu = get_gpu()
         height, width = s.height or config.native_size[0], s.width or config.native_size[1]
-        dtype = "f16" if s.precision == "fp16" and gpu.caps.has_f16 else "f32"
+        dtype = storage_dtype(s.precision, gpu.caps.has_f16)
         path = self.out_dir / "profile.json"
         self.phase("tune", height=height, width=width, dtype=dtype)
         t0 = time.perf_counter()
@@ -1014,7 +1017,7 @@ class _Child:
                                                           "what": what}))
         self.sample("tune_ms", (time.perf_counter() - t0) * 1e3, "ms")
         self.result.artifacts.append(artifact(self.out_dir, path, "profile"))
-        precision = "fp16" if dtype == "f16" else "fp32"
+        precision = precision_of(dtype)
         clock = "off"
         if s.kernel_timings:  # the UNet's kernels under the profile just tuned
             from engine import load_pipeline

@@ -136,7 +136,7 @@ class JobSpec:
     kind: JobKind
     model: str
     build: str | None = None
-    precision: Literal["fp32", "fp16"] = "fp16"
+    precision: Literal["fp32", "fp16", "f16-storage"] = "fp16"
     height: int | None = None  # None: the model's native size
     width: int | None = None
     # "auto" (this GPU's tuned profile if the build has one, else its family's), "family",

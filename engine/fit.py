@@ -193,6 +193,7 @@ def pipeline_needs(shader_path: str, entry: str, dtype: str, constants: tuple) -
     `dtype` and its override constants `constants`. Only the workgroup variables the entry
     point (or a function it calls) uses count, as compilers count them."""
     source = _strip_comments((SHADER_ROOT.parent / shader_path).read_text())
+    dtype = "f32" if dtype == "f16s" else dtype  # packed halves compute in f32
     env: dict[str, int] = {}
     given = dict(constants)
     for kind, name, expr in _DECL.findall(source):

@@ -91,12 +91,42 @@ def _source(path: Path) -> str:
 
 # The line(s) put before a shader file to fix its element type T (engine plans carry these, so
 # every executor specialises the same way).
-SHADER_HEADERS = {"f32": "alias T = f32;\n", "f16": "enable f16;\nalias T = f16;\n"}
+SHADER_HEADERS = {"f32": "alias T = f32;\n", "f16": "enable f16;\nalias T = f16;\n", "f16s": "alias T = f32;\n"}
+
+# What a precision asks for, and the storage element type it runs in on an adapter: fp16 is f16
+# where the adapter has shader-f16 and f16-storage (packed halves, f32 arithmetic) where it has
+# not, never a silent fp32.
+PRECISIONS = ("fp32", "fp16", "f16-storage")
+
+
+def storage_dtype(precision: str, has_f16: bool) -> str:
+    """The element type of a model's tensors for `precision` on an adapter with (or without)
+    shader-f16."""
+    if precision == "fp32":
+        return "f32"
+    if precision == "fp16" and has_f16:
+        return "f16"
+    if precision in ("fp16", "f16-storage"):
+        return "f16s"
+    raise EngineError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+def precision_of(dtype: str) -> str:
+    """The precision a model running in element type `dtype` reports."""
+    return {"f32": "fp32", "f16": "fp16", "f16s": "f16-storage"}[dtype]
+
+
+def shader_name(variant: Variant, dtype: str) -> str:
+    """"<op>/<variant>", or "packed/<op>/<variant>" for f16-storage: the kernel's file under
+    shaders/, without .wgsl (scripts/make_packed_shaders.py writes the packed ones)."""
+    return f"{'packed/' if dtype == 'f16s' else ''}{variant.op}/{variant.name}"
 
 
 def specialise(variant: Variant, dtype: str) -> str:
     """The WGSL source of `variant` with its storage element type fixed."""
-    return SHADER_HEADERS[dtype] + _source(variant.path)
+    if dtype == "f16s" and "shader-f16" in variant.requires:
+        raise EngineError(f"{variant.op}/{variant.name} computes in f16 and has no f16-storage form")
+    return SHADER_HEADERS[dtype] + _source(SHADER_ROOT / f"{shader_name(variant, dtype)}.wgsl")
 
 
 class PipelineCache:

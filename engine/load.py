@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import InputError, ModelError
-from .pipeline import PRECISIONS, BasePipeline, check_residency, load_native_pipeline
+from .kernels import PRECISIONS
+from .pipeline import BasePipeline, check_residency, load_native_pipeline
 
 RUNTIMES = ("native", "plan", "browser")
 

@@ -20,7 +20,6 @@ are destroyed between stages, and each stage's peak is reported in
 from __future__ import annotations
 
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ import numpy as np
 from .denoise import DenoisingLoop
 from .device import GPU, get_gpu
 from .errors import InputError, ModelError
-from .kernels import Selection
+from .kernels import Selection, precision_of, storage_dtype
 from .models.clip import ACTIVATIONS, CLIPTextEncoder
 from .models.common import GPUWeights
 from .models.unet import UNet2DCondition, timestep_embedding
@@ -42,7 +41,6 @@ from .runtime import DTYPES, Runtime, StageTimer, TraceRuntime
 from .schedulers import SCHEDULERS
 from .schedulers.program import loop_program
 
-PRECISIONS = ("fp32", "fp16")
 RESIDENCIES = ("resident", "staged")
 ProgressFn = Callable[[int, int], None]  # (steps done, steps total)
 
@@ -116,7 +114,7 @@ def scratch_scale(network: str) -> int:
 def _vae_dtype(config, dtype: str) -> str:
     # Like diffusers, a VAE marked force_upcast runs in fp32 inside an fp16 pipeline: SD 1.x
     # decoders overflow fp16's range on real weights.
-    return "f32" if dtype == "f16" and config.vae.force_upcast else dtype
+    return "f32" if dtype in ("f16", "f16s") and config.vae.force_upcast else dtype
 
 
 def check_residency(residency: str) -> None:
@@ -137,12 +135,10 @@ def load_native_pipeline(model_dir, precision: str = "fp32", profile=None, token
         )
     gpu = get_gpu()
     notes = []
-    dtype = "f16" if precision == "fp16" else "f32"
-    if dtype == "f16" and not gpu.caps.has_f16:
-        msg = f"fp16 requested but adapter {gpu.caps.device!r} lacks shader-f16; running in fp32"
-        warnings.warn(msg, stacklevel=2)
-        notes.append(msg)
-        dtype = "f32"
+    dtype = storage_dtype(precision, gpu.caps.has_f16)
+    if precision == "fp16" and dtype == "f16s":
+        notes.append(f"adapter {gpu.caps.device!r} lacks shader-f16: fp16 runs as f16-storage "
+                     "(packed halves, f32 arithmetic)")
     if residency == "staged":  # convert once here, not on every upload
         dtypes = {"text_encoder": dtype, "unet": dtype, "vae": _vae_dtype(config, dtype)}
         states = {
@@ -289,7 +285,7 @@ class Pipeline(BasePipeline):
         super().__init__(config, tokenizer)
         self.gpu = gpu
         self.dtype = dtype
-        self.precision = "fp16" if dtype == "f16" else "fp32"
+        self.precision = precision_of(dtype)
         self.residency = residency
         self.rt = Runtime(gpu) if rt is None else rt
         self.selection = selection
@@ -330,7 +326,7 @@ class Pipeline(BasePipeline):
         Prompts become padding ids (every prompt has the same shapes)."""
         from .models import params
 
-        dtype = "f16" if precision == "fp16" and caps.has_f16 else "f32"
+        dtype = storage_dtype(precision, caps.has_f16)
         dtypes = {"text_encoder": dtype, "unet": dtype, "vae": _vae_dtype(config, dtype)}
         shapes = {
             "text_encoder": params.clip_param_shapes(config.text_encoder),

@@ -33,7 +33,7 @@ import numpy as np
 from .denoise import DenoisingLoop
 from .device import JS_LIMIT_NAMES
 from .errors import InputError
-from .kernels import SHADER_HEADERS, SHADER_ROOT, Variant
+from .kernels import SHADER_HEADERS, SHADER_ROOT, Variant, shader_name, storage_dtype
 from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of, pack_params
 
 SCHEMA = 1
@@ -162,7 +162,7 @@ class PlanRecorder(_Memory):
         pid = self._pipeline_ids.get(key)
         if pid is None:
             pid = self._pipeline_ids[key] = len(self.pipelines)
-            self.pipelines.append({"id": pid, "shader": f"{variant.op}/{variant.name}", "dtype": dtype,
+            self.pipelines.append({"id": pid, "shader": shader_name(variant, dtype), "dtype": dtype,
                                    "entry": entry, "constants": {k: v for k, v in sorted(constants.items())},
                                    "requires": sorted(variant.requires)})
         return PipelineRef(pid)
@@ -275,8 +275,8 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     tensors and shapes only, for inspection). With `strength`, image-to-image: the plan also
     encodes an input image (stage vae_encode) and denoises the last int(steps * strength)
     steps from it."""
+    from .kernels import PRECISIONS
     from .pipeline import (
-        PRECISIONS,
         STAGE_WEIGHTS,
         Pipeline,
         _PaddingTokenizer,
@@ -292,7 +292,9 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     height, width = height or config.native_size[0], width or config.native_size[1]
     check_generate_args(config.vae.vae_scale_factor, steps, height, width, scheduler, guidance_scale, strength)
     f = config.vae.vae_scale_factor
-    dtype = "f16" if precision == "fp16" and caps.has_f16 else "f32"
+    dtype = storage_dtype(precision, caps.has_f16)
+    notes = [f"adapter {caps.device!r} lacks shader-f16: fp16 runs as f16-storage (packed halves, f32 "
+             "arithmetic)"] if precision == "fp16" and dtype == "f16s" else []
     vae_dtype = _vae_dtype(config, dtype)
     selection = _selection(caps, profile)
     refs = weight_refs(config, model_dir, hashes=hashes)
@@ -357,7 +359,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
         "height": height, "width": width, "steps": steps, "scheduler": scheduler,
         "guidance_scale": float(guidance_scale), "batch": batch, "strength": strength,
         "profile": {"name": selection.profile_name, "decisions": _decisions(selection)},
-        "warnings": list(selection.warnings),
+        "warnings": notes + list(selection.warnings),
         "adapter": {"vendor": caps.vendor, "architecture": caps.architecture, "device": caps.device},
         "stages": stages,
         "loop": {**program.as_dict(), "slots": loop.slots},

@@ -19,6 +19,7 @@ import numpy as np
 
 from .device import GPU, JS_LIMIT_NAMES, gpu_call
 from .errors import EngineError, FitError, GPUError, InputError, ModelError
+from .kernels import storage_dtype
 from .pipeline import (
     BasePipeline,
     GenerationResult,
@@ -27,7 +28,7 @@ from .pipeline import (
     prepare_image,
 )
 from .plan import check_plan, stage_inputs
-from .runtime import Fence, read_array, write_array
+from .runtime import DTYPES, Fence, read_array, write_array
 
 SUBMIT_EVERY = 64  # dispatches per queue submit, as engine.runtime does
 
@@ -56,7 +57,7 @@ def read_weight(model_dir: Path, buffer: dict[str, Any]) -> np.ndarray:
         values = np.frombuffer(raw, _STORED[stored])
     else:
         raise ModelError(f"weight {buffer['name']}: stored as {stored}, which the engine does not read")
-    return values.astype({"f32": np.float32, "f16": np.float16}[buffer["dtype"]])
+    return values.astype(DTYPES[buffer["dtype"]])
 
 
 @dataclass
@@ -543,7 +544,7 @@ class PlanPipeline(BasePipeline):
 
     @property
     def dtype(self) -> str:
-        return "f16" if self.precision == "fp16" and self.caps.has_f16 else "f32"
+        return storage_dtype(self.precision, self.caps.has_f16)
 
     def encode_text(self, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids)

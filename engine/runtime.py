@@ -25,7 +25,10 @@ import numpy as np
 from .device import GPU, gpu_call
 from .errors import GPUError
 
-DTYPES = {"f32": np.float32, "f16": np.float16, "u32": np.uint32, "i32": np.int32}
+# Tensor element types. "f16s" (f16-storage) holds the same bytes as "f16", packed halves, but
+# its kernels need no shader-f16: they unpack to f32, compute in f32 and pack what they store
+# (shaders/packed/, engine.kernels.specialise).
+DTYPES = {"f32": np.float32, "f16": np.float16, "f16s": np.float16, "u32": np.uint32, "i32": np.int32}
 WG_1D = 256  # invocations per workgroup of the one-dimensional kernels
 CLASS_BITS = 2  # 2**CLASS_BITS buffer size classes per power of two (at most 25% slack)
 CLASSES_PER_DOUBLING = 2**CLASS_BITS

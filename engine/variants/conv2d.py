@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import EngineError
 from ..kernels import Variant, conv_out_size, register, variants
-from ..runtime import Tensor
+from ..runtime import DTYPES, Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
 from .gemm import SCRATCH_BYTES, gemm, scratch_bytes
@@ -217,7 +217,7 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     th, tw = math.ceil(oh / W2_TILE), math.ceil(ow / W2_TILE)
     n_tiles = bsz * th * tw
     scale = ops.scratch_scale
-    cc_max, tc_max = winograd_core_chunks(cin, cout, n_tiles, 2 if ops.dtype == "f16" else 4, scale)
+    cc_max, tc_max = winograd_core_chunks(cin, cout, n_tiles, DTYPES[ops.dtype]().itemsize, scale)
     y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
     filter_p, input_p, output_p = (ops.pipeline(v, e) for e in ("filter_main", "input_main", "output_main"))
     bias = b if b is not None else ops.dummy
@@ -299,7 +299,7 @@ def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     kk, npix = cin * kh * kw, oh * ow
     budget = scratch_bytes(ops)
-    nbytes = bsz * kk * npix * (2 if ops.dtype == "f16" else 4)
+    nbytes = bsz * kk * npix * DTYPES[ops.dtype]().itemsize
     if kk % 4 or npix % 4 or nbytes > budget:
         return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
     col = ops.rt.empty((bsz, kk, npix), ops.dtype, at_least=budget)

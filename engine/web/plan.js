@@ -91,10 +91,15 @@ function floatToHalf(v) {
   return half;
 }
 
+// Element types held as halves: f16 (shader-f16) and f16s (f16-storage: the same bytes, packed
+// two to a u32 by kernels that compute in f32; shaders/packed/).
+const HALVES = new Set(["f16", "f16s"]);
+const BYTES_PER = { f32: 4, f16: 2, f16s: 2, u32: 4, i32: 4 };
+
 // stored safetensors bytes -> the plan's GPU element type
 export function convertWeight(bytes, stored, dtype) {
   const aligned = new Uint8Array(bytes).buffer; // a copy: typed views need alignment
-  if ((stored === "F32" && dtype === "f32") || (stored === "F16" && dtype === "f16")) return new Uint8Array(aligned);
+  if ((stored === "F32" && dtype === "f32") || (stored === "F16" && HALVES.has(dtype))) return new Uint8Array(aligned);
   let values;
   if (stored === "F32") values = new Float32Array(aligned);
   else if (stored === "F16") values = Float32Array.from(new Uint16Array(aligned), halfToFloat);
@@ -529,7 +534,7 @@ export class PlanRunner {
   }
 
   async read(io) {
-    const bytesPer = { f32: 4, f16: 2, u32: 4, i32: 4 }[io.dtype];
+    const bytesPer = BYTES_PER[io.dtype];
     const n = io.shape.reduce((a, b) => a * b, 1);
     const size = Math.ceil((n * bytesPer) / 4) * 4;
     const staging = this.device.createBuffer({ size, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
@@ -603,12 +608,12 @@ export class PlanRunner {
     let seed = 12345;
     for (const io of Object.values(spec.inputs)) {
       const n = io.shape.reduce((a, b) => a * b, 1);
-      const bytes = new Uint8Array(Math.ceil((n * (io.dtype === "f16" ? 2 : 4)) / 4) * 4);
+      const bytes = new Uint8Array(Math.ceil((n * BYTES_PER[io.dtype]) / 4) * 4);
       const view = io.dtype === "f32" ? new Float32Array(bytes.buffer) : io.dtype === "u32" ? new Uint32Array(bytes.buffer) : new Uint16Array(bytes.buffer);
       for (let i = 0; i < n; i++) {
         seed = (seed * 1103515245 + 12345) >>> 0;
         const u = seed / 4294967296;
-        view[i] = io.dtype === "u32" ? Math.floor(u * 100) : io.dtype === "f16" ? floatToHalf(u - 0.5) : u - 0.5;
+        view[i] = io.dtype === "u32" ? Math.floor(u * 100) : HALVES.has(io.dtype) ? floatToHalf(u - 0.5) : u - 0.5;
       }
       this.device.queue.writeBuffer(this.buffers[io.buffer], 0, bytes);
     }

@@ -21,6 +21,8 @@ from typing import Any
 import typer
 from rich.live import Live
 
+from engine.kernels import PRECISIONS
+
 from .common import _settings, fail
 from .output import Table, console, escape, field
 
@@ -84,7 +86,7 @@ def demo(
                                        "engine (the browser runtime over adb: a reverse forward and am start)."),
     tablets: int = typer.Option(1, "--tablets", min=0, help="Virtual web devices that open the farm's hub over "
                                 "HTTPS themselves (headless Chromium trusting the farm's CA)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 (any adapter) or fp16 (needs shader-f16)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, fp16 or f16-storage (packed halves where an adapter lacks shader-f16)."),
     steps: int = typer.Option(4, "--steps", min=1, help="Denoising steps per generation."),
     timeout: float = typer.Option(TIMEOUT_S, "--timeout", help="Give up after this many seconds."),
 ):
@@ -96,8 +98,8 @@ def demo(
     from .builds import make_build
     from .stack import start_stack
 
-    if precision not in ("fp16", "fp32"):
-        fail(f"unknown precision {precision!r}; choose fp16 or fp32")
+    if precision not in PRECISIONS:
+        fail(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     started = time.monotonic()
     browser_phones, tablets = _browser_devices(browser_phones, tablets)
     settings = _settings()

@@ -24,6 +24,7 @@ class Preset(StrEnum):
 class Precision(StrEnum):
     fp32 = "fp32"
     fp16 = "fp16"
+    f16_storage = "f16-storage"
 
 
 class Runtime(StrEnum):
@@ -114,7 +115,7 @@ def generate(
     height: int = typer.Option(None, help="Image height (default: the model's native size)."),
     width: int = typer.Option(None, help="Image width (default: the model's native size)."),
     scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
-    precision: Precision = typer.Option(Precision.fp32, help="fp16 needs the shader-f16 feature."),
+    precision: Precision = typer.Option(Precision.fp32, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
     init_image: Path = typer.Option(None, help="Start from this image (img2img)."),
     strength: float = typer.Option(0.8, help="img2img: how much of the init image to repaint."),
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
@@ -312,7 +313,7 @@ def serve_plan(
     steps: int = typer.Option(20, help="Denoising steps."),
     scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
     seed: int = typer.Option(0, help="Seed of the numpy noise generator."),
-    precision: Precision = typer.Option(Precision.fp32, help="fp16 where the browser has shader-f16."),
+    precision: Precision = typer.Option(Precision.fp32, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
     browser: str = typer.Option("manual", help=BROWSER_HELP),
 ):
     """Run a generation's engine plan in a browser on this machine: prints the page's URL (open it
@@ -329,7 +330,7 @@ def plan(
     out: Path = typer.Option(..., help="Plan JSON to write.", callback=validate.output_file),
     model: Path = typer.Option(None, help="diffusers model folder (the plan then says where each weight is)."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture: tensors and shapes only, no weights read."),
-    precision: Precision = typer.Option(Precision.fp32, help="fp16 where the adapter has shader-f16."),
+    precision: Precision = typer.Option(Precision.fp32, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
     height: int = typer.Option(None), width: int = typer.Option(None),
     steps: int = typer.Option(20, help="Denoising steps."),
     scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
@@ -369,7 +370,7 @@ def fit(
                                            "browsers; `farm engine info --json` prints this machine's)."),
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture (sd14: the real model's sizes)."),
-    precision: Precision = typer.Option(Precision.fp16, help="fp16 where the adapter has shader-f16, else fp32."),
+    precision: Precision = typer.Option(Precision.fp16, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
     height: int = typer.Option(None), width: int = typer.Option(None),
     steps: int = typer.Option(20, help="Denoising steps."),
     scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),

@@ -173,7 +173,7 @@ def submit(
     steps: int = typer.Option(20, "--steps", help="Denoising steps."),
     scheduler: str = typer.Option("pndm", "--scheduler", help="pndm, ddim, euler, euler_ancestral, dpmpp_2m."),
     guidance_scale: float = typer.Option(7.5, "--guidance-scale"),
-    precision: str = typer.Option("fp16", "--precision", help="fp16 or fp32."),
+    precision: str = typer.Option("fp16", "--precision", help="fp16, f16-storage or fp32 (fp16 runs as f16-storage where an adapter lacks shader-f16)."),
     resolution: str = typer.Option(None, "--resolution", help="HEIGHTxWIDTH (default: the model's "
                                    "native size)."),
     profile: str = typer.Option("auto", "--profile", help="auto, reference, a shipped profile name or "

@@ -10,6 +10,8 @@ from typing import Any
 
 import typer
 
+from engine.kernels import PRECISIONS
+
 from . import validate
 from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
 from .output import Table, console
@@ -46,7 +48,7 @@ def add(
                                   "default: latency)."),
     model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only one).",
                               callback=validate.path_in_build),
-    precision: str = typer.Option(None, "--precision", help="fp16 or fp32 (default: the agent's)."),
+    precision: str = typer.Option(None, "--precision", help="fp16, f16-storage or fp32 (default: the agent's)."),
     steps: int = typer.Option(None, "--steps", min=1, help="Denoising steps."),
     resolution: int = typer.Option(None, "--resolution", min=8, help="Image height and width."),
     repetitions: int = typer.Option(None, "--repetitions", min=1, help="Timed generations per latency job."),
@@ -74,8 +76,8 @@ def add(
     bad = [k for k in kinds if k not in JOB_KINDS]
     if bad:
         fail(f"unknown job kind {bad[0]!r}; choose from {', '.join(JOB_KINDS)}")
-    if precision is not None and precision not in ("fp16", "fp32"):
-        fail(f"unknown precision {precision!r}; choose fp16 or fp32")
+    if precision is not None and precision not in PRECISIONS:
+        fail(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     spec = {key: value for key, value in {
         "model": model, "precision": precision, "steps": steps, "repetitions": repetitions,
         "profile": profile, "prompt": prompt, "seed": seed,

@@ -36,6 +36,14 @@ def test_workgroup_storage_and_invocations_from_the_wgsl(shader, entry, dtype, c
     assert pipeline_needs(f"shaders/{shader}.wgsl", entry, dtype, tuple(sorted(constants.items()))) == expected
 
 
+def test_f16_storage_kernels_need_what_f32_kernels_need():
+    """Packed halves compute in f32: a workgroup array of T takes f32's bytes, twice f16's."""
+    consts = tuple(sorted({"BQ": 64, "TX": 10, "CO": 1, "TY": 16, "BK": 40, "DV": 10, "DVP": 11, "TYP": 17}.items()))
+    packed = pipeline_needs("shaders/packed/attention/flash_packed.wgsl", "main", "f16s", consts)
+    assert packed == pipeline_needs("shaders/attention/flash_packed.wgsl", "main", "f32", consts)
+    assert packed[0] > pipeline_needs("shaders/attention/flash_packed.wgsl", "main", "f16", consts)[0]
+
+
 def test_an_unknown_entry_point_is_named():
     with pytest.raises(InputError, match="no entry point 'nope'"):
         pipeline_needs("shaders/add/reference.wgsl", "nope", "f32", ())
@@ -54,7 +62,7 @@ def sd14_plans():
 def test_sd14_at_512_is_sized_and_its_excess_named(sd14_plans):
     adreno = caps_from_dict(json.loads((ADAPTERS_DIR / "adreno-7xx-128mib-chrome.json").read_text()))
     fit = fit_plan(sd14_plans["adreno-7xx-128mib-chrome.json"], adreno, budget_bytes=2_093_000_000)
-    assert fit.profile == "adreno" and fit.precision == "f32"  # no shader-f16 on this Adreno
+    assert fit.profile == "adreno" and fit.precision == "f16s"  # no shader-f16 on this Adreno: packed halves
     assert not fit.fits
     assert any("max-storage-buffer-binding-size 134,217,728" in r for r in fit.reasons), fit.reasons
     assert any("budget of 2,093,000,000" in r for r in fit.reasons), fit.reasons
@@ -63,7 +71,8 @@ def test_sd14_at_512_is_sized_and_its_excess_named(sd14_plans):
     safari = fit_plan(sd14_plans["apple-iphone-safari.json"], caps_from_dict(
         json.loads((ADAPTERS_DIR / "apple-iphone-safari.json").read_text())))
     assert safari.precision == "f16" and safari.fits  # within every limit when no budget is set
-    assert safari.peak_gpu_bytes < fit.peak_gpu_bytes  # halves against f32
+    # packed halves hold what shader-f16's halves hold, to the byte
+    assert safari.resident_gpu_bytes == fit.resident_gpu_bytes and safari.staged_gpu_bytes == fit.staged_gpu_bytes
 
 
 @pytest.mark.gpu

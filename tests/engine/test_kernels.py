@@ -2,7 +2,8 @@
 
 Tolerances: fp32 results within 2e-5 relative (to the largest reference magnitude) of a
 float64 numpy reference; fp16 results within 1e-2 relative of the same reference computed
-from the fp16-rounded inputs (fp16 stores 11 significant bits; accumulation is f32)."""
+from the fp16-rounded inputs (fp16 stores 11 significant bits; accumulation is f32); f16s
+(f16-storage: packed halves, f32 arithmetic, no shader-f16) to the same tolerance."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from engine.runtime import Runtime
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"f32": 2e-5, "f16": 1e-2}
-NP = {"f32": np.float32, "f16": np.float16}
+TOL = {"f32": 2e-5, "f16": 1e-2, "f16s": 1e-2}
+NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def rt(gpu):
     return Runtime(gpu, poison=True)
 
 
-@pytest.fixture(params=["f32", "f16"])
+@pytest.fixture(params=["f32", "f16", "f16s"])
 def ops(request, rt, gpu):
     if request.param == "f16" and not gpu.caps.has_f16:
         missing("adapter lacks shader-f16", F16_HINT)

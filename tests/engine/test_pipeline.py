@@ -126,7 +126,7 @@ def test_bad_model_paths(tmp_path, gpu):
         engine.load_pipeline(tmp_path, precision="int8")
 
 
-def test_fp16_without_shader_f16_falls_back_to_fp32_with_a_warning(tiny_model_dir, gpu, monkeypatch):
+def test_fp16_without_shader_f16_runs_as_f16_storage_never_fp32(tiny_model_dir, gpu, golden, monkeypatch):
     import dataclasses
 
     import engine.pipeline as pipeline_mod
@@ -134,11 +134,32 @@ def test_fp16_without_shader_f16_falls_back_to_fp32_with_a_warning(tiny_model_di
 
     caps = dataclasses.replace(gpu.caps, features=gpu.caps.features - {"shader-f16"})
     monkeypatch.setattr(pipeline_mod, "get_gpu", lambda: GPU(gpu.adapter, gpu.device, caps))
-    with pytest.warns(UserWarning, match="lacks shader-f16; running in fp32"):
-        p = engine.load_pipeline(tiny_model_dir, precision="fp16")
-    assert p.precision == "fp32"
-    r = p.generate("a dog", steps=1, height=64, width=64)
-    assert any("lacks shader-f16" in w for w in r.warnings)
+    p = engine.load_pipeline(tiny_model_dir, precision="fp16")
+    assert (p.precision, p.dtype) == ("f16-storage", "f16s")
+    r = p.generate(str(golden["txt2img_prompt"]), steps=2, seed=0, height=64, width=64,
+                   latents=golden["txt2img_initial_noise"])
+    assert any("fp16 runs as f16-storage" in w for w in r.warnings)
+    assert psnr(r.image / 255.0, golden["txt2img_pndm_image"][0]) >= 30.0  # the fp16 bar
+
+
+def test_f16_storage_holds_half_the_bytes_of_fp32_and_matches_diffusers(tiny_model_dir, gpu, golden, tmp_path):
+    """Packed halves on any adapter: weights and activations in 2 bytes, arithmetic in f32, so
+    closer to diffusers than fp16; the VAE too when the model does not upcast it."""
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    cfg_path = model / "vae" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "force_upcast": False}))
+    packed = engine.load_pipeline(model, precision="f16-storage")
+    full = engine.load_pipeline(model, precision="fp32")
+    assert (packed.dtype, packed.vae_dtype) == ("f16s", "f16s")
+    r = packed.generate(str(golden["txt2img_prompt"]), steps=2, seed=0, height=64, width=64,
+                        latents=golden["txt2img_initial_noise"])
+    assert psnr(r.image / 255.0, golden["txt2img_pndm_image"][0]) >= 35.0
+    full.generate("a dog", steps=1, height=64, width=64)
+    assert packed.rt.static_bytes <= 0.55 * full.rt.static_bytes
 
 
 def test_activations_are_pooled_so_peak_memory_does_not_grow_with_steps(tiny_model_dir, gpu):

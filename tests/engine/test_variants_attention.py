@@ -17,8 +17,8 @@ from engine.variants import attention as attn
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"f32": 2e-5, "f16": 1e-2}
-NP = {"f32": np.float32, "f16": np.float16}
+TOL = {"f32": 2e-5, "f16": 1e-2, "f16s": 1e-2}
+NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 VARIANTS = ["partial_softmax", "flash", "flash_gemm", "flash_packed"]
 
 
@@ -60,7 +60,7 @@ def run(ops, arrays, heads, causal):
     return got
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     "b,tq,tk,heads,dh,causal",
@@ -101,7 +101,7 @@ def test_flash_packed_sums_in_f16_within_tolerance_for_large_logits(rt, gpu, fre
     assert err <= TOL["f16"], f"flash_packed at logits of std 4: max relative error {err:.3g} > {TOL['f16']}"
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 def test_flash_packed_head_dim_not_in_vec4s(rt, gpu, fresh_rng, dtype):
     """flash_packed reads Q, K and V as vec4s; a head dim that is no multiple of 4 (rows that
     start inside a vec4) runs flash_gemm's scalar loads instead, and stays right."""
@@ -137,7 +137,7 @@ def test_flash_packed_blocks_too_large_for_the_adapter(rt, gpu, fresh_rng, monke
     assert rel_err(got, ref) <= TOL["f32"]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])  # f16: partial_softmax's f32 scores
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])  # f16: partial_softmax's f32 scores
 @pytest.mark.parametrize(
     "b,tq,tk,dh,causal",
     [
@@ -210,7 +210,7 @@ FLASH_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize("shape,consts", FLASH_SETTINGS)
 def test_flash_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
     b, tq, tk, heads, dh, causal = shape
@@ -309,7 +309,7 @@ GEMM_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize("shape,consts", GEMM_SETTINGS)
 def test_flash_gemm_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
     b, tq, tk, heads, dh, causal = shape

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.gpu
 TOL = {("implicit_gemm", "f32"): 2e-5, ("winograd", "f32"): 1e-4, ("implicit_gemm", "f16"): 1e-2, ("winograd", "f16"): 1e-2,
        ("winograd_2x2", "f16"): 1e-2, ("winograd_2x2", "f32"): 1e-4,
        ("pointwise", "f16"): 1e-2, ("pointwise", "f32"): 2e-5, ("im2col", "f16"): 1e-2, ("im2col", "f32"): 2e-5}
-NP = {"f32": np.float32, "f16": np.float16}
+TOL.update({(v, "f16s"): 1e-2 for v, _ in list(TOL)})  # f16-storage: f16 rounding, f32 arithmetic
+NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ SD_LIKE = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize(
     "bsz,cin,cout,hw,k,stride,pads",
     [
@@ -119,7 +120,7 @@ def test_implicit_gemm(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, s
     run_and_compare(rt, pipelines, fresh_rng, "implicit_gemm", dtype, bsz, cin, cout, hw, k, stride, pads)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize(
     "bsz,cin,cout,hw,k,stride,pads",
     [
@@ -133,7 +134,7 @@ def test_winograd(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride
     run_and_compare(rt, pipelines, fresh_rng, "winograd", dtype, bsz, cin, cout, hw, k, stride, pads)
 
 
-@pytest.mark.parametrize("dtype", ["f16", "f32"])
+@pytest.mark.parametrize("dtype", ["f16", "f32", "f16s"])
 @pytest.mark.parametrize(
     "bsz,cin,cout,hw,constants",
     [
@@ -149,7 +150,7 @@ def test_winograd_2x2(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, const
                     constants=constants)
 
 
-@pytest.mark.parametrize("dtype", ["f16", "f32"])
+@pytest.mark.parametrize("dtype", ["f16", "f32", "f16s"])
 @pytest.mark.parametrize(
     "bsz,cin,cout,hw,pads,constants",
     [
@@ -164,7 +165,7 @@ def test_pointwise(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, pads, co
     run_and_compare(rt, pipelines, fresh_rng, "pointwise", dtype, bsz, cin, cout, hw, 1, 1, pads, constants=constants)
 
 
-@pytest.mark.parametrize("dtype", ["f16", "f32"])
+@pytest.mark.parametrize("dtype", ["f16", "f32", "f16s"])
 @pytest.mark.parametrize(
     "bsz,cin,cout,hw,k,stride,pads,constants",
     [

@@ -23,8 +23,8 @@ from engine.variants import gemm as core
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"f16": 1e-2, "f32": 2e-5}
-NP = {"f16": np.float16, "f32": np.float32}
+TOL = {"f16": 1e-2, "f32": 2e-5, "f16s": 1e-2}
+NP = {"f16": np.float16, "f32": np.float32, "f16s": np.float16}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def rt(gpu):
     return Runtime(gpu, poison=True)
 
 
-@pytest.fixture(params=["f16", "f32"])
+@pytest.fixture(params=["f16", "f32", "f16s"])
 def dtype(request, gpu):
     if request.param == "f16" and not gpu.caps.has_f16:
         pytest.fail("this adapter lacks shader-f16 (lavapipe and every GPU the farm targets have it)")

@@ -18,8 +18,8 @@ from engine.runtime import Runtime
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"f32": 2e-5, "f16": 1e-2}
-NP = {"f32": np.float32, "f16": np.float16}
+TOL = {"f32": 2e-5, "f16": 1e-2, "f16s": 1e-2}
+NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def need_f16(gpu, dtype):
         missing("adapter lacks shader-f16", F16_HINT)
 
 
-@pytest.fixture(params=["f32", "f16"])
+@pytest.fixture(params=["f32", "f16", "f16s"])
 def dtype(request, gpu):
     need_f16(gpu, request.param)
     return request.param
