@@ -52,6 +52,9 @@ class DeviceCaps:
     features: frozenset[str]
     limits: dict[str, int] = field(hash=False)
     timestamp_period_ns: float = 1.0
+    # GPU memory a page on this device can hold before the browser kills it, where a public
+    # source gives one (engine/adapters/); every plan's budget is at most this
+    memory_budget_bytes: int | None = None
 
     @property
     def has_f16(self) -> bool:
@@ -86,6 +89,7 @@ class DeviceCaps:
             "features": sorted(self.features),
             "limits": dict(sorted(self.limits.items())),
             "timestamp_period_ns": self.timestamp_period_ns,
+            **({"memory_budget_bytes": self.memory_budget_bytes} if self.memory_budget_bytes else {}),
         }
 
 

@@ -127,7 +127,7 @@ def choose_residency(memory: PlanMemory, budget_bytes: int | None, residency: st
 class Fit:
     fits: bool
     profile: str
-    precision: str  # the plan's element type: f16 or f32
+    precision: str  # the plan's element type: f16, f16s (f16-storage) or f32
     peak_gpu_bytes: int  # under `residency`
     max_binding_bytes: int
     max_buffer_bytes: int
@@ -137,16 +137,26 @@ class Fit:
     residency: str = "resident"
     resident_gpu_bytes: int = 0  # the peak with every weight resident
     staged_gpu_bytes: int = 0  # the peak with each stage's own buffers allocated only while it runs
+    scratch_divisor: int = 1  # the plan's scratch bounds were divided by this to fit a budget
     reasons: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def effective_budget(caps, budget_bytes: int | None) -> int | None:
+    """The budget a plan is held to on `caps`: `budget_bytes` or the adapter's own
+    memory_budget_bytes, whichever is smaller (None: neither is known)."""
+    own = getattr(caps, "memory_budget_bytes", None)
+    return own if own and (budget_bytes is None or own < budget_bytes) else budget_bytes
+
+
 def fit_plan(plan: dict, caps, budget_bytes: int | None = None, residency: str = "auto") -> Fit:
     """The Fit of `plan` on the adapter `caps` (engine.device.DeviceCaps) within `budget_bytes`
-    of GPU memory (None: no budget), its weights held as `residency` says (auto: resident when
-    that fits the budget, else staged)."""
+    of GPU memory (None: no budget) and the adapter's own memory_budget_bytes, its weights held
+    as `residency` says (auto: resident when that fits the budget, else staged)."""
+    whose = " (the adapter's own)" if effective_budget(caps, budget_bytes) != budget_bytes else ""
+    budget_bytes = effective_budget(caps, budget_bytes)
     memory = plan_memory(plan)
     residency = choose_residency(memory, budget_bytes, residency)
     peak = memory.peak(residency)
@@ -160,15 +170,30 @@ def fit_plan(plan: dict, caps, budget_bytes: int | None = None, residency: str =
     fit = Fit(fits=True, profile=plan["profile"]["name"], precision=plan["dtype"], peak_gpu_bytes=peak,
               max_binding_bytes=max(bound, default=0), max_buffer_bytes=max((b["size"] for b in plan["buffers"]), default=0),
               max_workgroup_storage_bytes=storage, max_invocations_per_workgroup=invocations, budget_bytes=budget_bytes,
-              residency=residency, resident_gpu_bytes=memory.resident_bytes, staged_gpu_bytes=memory.staged_bytes)
+              residency=residency, resident_gpu_bytes=memory.resident_bytes, staged_gpu_bytes=memory.staged_bytes,
+              scratch_divisor=int(plan.get("scratch_divisor", 1)))
     for need, limit in LIMITS.items():
         have = caps.limits.get(limit)
         if have is not None and getattr(fit, need) > have:
             fit.reasons.append(f"{need.replace('_', ' ')} {getattr(fit, need):,} > the adapter's {limit} {have:,}")
     if budget_bytes is not None and peak > budget_bytes:
-        fit.reasons.append(f"peak GPU memory {peak:,} bytes ({residency}) > the budget of {budget_bytes:,}")
+        fit.reasons.append(f"peak GPU memory {peak:,} bytes ({residency}) > the budget of {budget_bytes:,}{whose}: "
+                           f"{_peak_parts(plan, memory, residency)}")
     fit.fits = not fit.reasons
     return fit
+
+
+def _peak_parts(plan: dict, memory: PlanMemory, residency: str) -> str:
+    """What the peak is made of: the largest stage's weights and other buffers, and the rest."""
+    kind = {b["id"]: b["kind"] for b in plan["buffers"]}
+    size = {b["id"]: b["size"] for b in plan["buffers"]}
+    if residency == "resident" or not memory.stage_bytes:
+        weights = sum(s for i, s in size.items() if kind[i] == "weight")
+        return f"weights {weights:,}, other buffers and uniforms {memory.resident_bytes - weights:,}"
+    stage = max(memory.stage_bytes, key=memory.stage_bytes.get)
+    weights = sum(size[i] for i in memory.stage_buffers[stage] if kind[i] == "weight")
+    return (f"{stage}'s weights {weights:,} and its other buffers {memory.stage_bytes[stage] - weights:,}, "
+            f"plus {memory.persistent_bytes:,} that every stage shares")
 
 
 def _command_lists(plan: dict):

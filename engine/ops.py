@@ -26,18 +26,24 @@ register("embedding", "reference", doc="token + position embedding gather")(None
 register("step", "reference", entry="combine", doc="the denoising loop: combine, guide, prepare")(None)
 
 ACT = {"silu": 0, "gelu": 1, "quick_gelu": 2}
+# The score matrices of the attention variants that store them (reference, partial_softmax) are
+# computed in chunks of (batch, head) pairs of at most this many bytes: a phone's page cannot
+# hold SD's 1 GiB of 512x512 scores beside the UNet's weights.
+SCORE_SCRATCH_BYTES = 64 << 20
 
 
 class Ops:
     """Op functions bound to one runtime, pipeline cache, selection and element type."""
 
     def __init__(
-        self, rt: Runtime, pipelines: PipelineCache | None, selection: Selection, dtype: str, scratch_scale: int = 1
+        self, rt: Runtime, pipelines: PipelineCache | None, selection: Selection, dtype: str,
+        scratch_scale: float = 1
     ):
         self.rt = rt
         # Multiplier of the scratch bounds of chunked kernels (Winograd through the GEMM core):
         # 1 keeps the UNet stage within its memory budget; a network whose stage peaks lower (the
-        # VAE decoder, VAE_SCRATCH_SCALE) takes larger chunks: fewer, larger products.
+        # VAE decoder, VAE_SCRATCH_SCALE) takes larger chunks: fewer, larger products; a plan made
+        # for a tight memory budget smaller ones (a fraction).
         self.scratch_scale = scratch_scale
         self.calls: list | None = None  # (op, shape, args) of every variant-op call, when recording
         self.pipelines = pipelines
@@ -81,8 +87,11 @@ class Ops:
 
     def score_chunks(self, pairs: int, tq: int, tk: int):
         """(first, count) ranges of (batch, head) pairs whose f32 score matrices fit one storage
-        binding: all pairs may not (SD at 64x64 latents: 4096 x 4096 x 4 B per pair)."""
-        chunk = max(1, min(pairs, self.rt.caps.max_binding_bytes // (tq * tk * 4)))
+        binding and SCORE_SCRATCH_BYTES (times scratch_scale), at least one pair a chunk: SD at
+        64x64 latents has 4096 x 4096 x 4 B, 64 MiB, per pair, and 16 pairs."""
+        per_pair = tq * tk * 4
+        bound = min(self.rt.caps.max_binding_bytes, int(SCORE_SCRATCH_BYTES * self.scratch_scale))
+        chunk = max(1, min(pairs, bound // per_pair))
         for first in range(0, pairs, chunk):
             yield first, min(chunk, pairs - first)
 
@@ -411,6 +420,7 @@ def attention_reference(ops: Ops, v: Variant, consts: dict, q, k, vv, heads, cau
         ops.rt.dispatch(
             sum_p, "attention", params, [None, None, s, vv, o], (math.ceil(dh / 16), math.ceil(tq / 16), nbh)
         )
+        del s  # back to the pool before the next chunk takes one
     return o
 
 

@@ -105,10 +105,11 @@ def _selection(caps, profile) -> Selection:
 VAE_SCRATCH_SCALE = 4
 
 
-def scratch_scale(network: str) -> int:
+def scratch_scale(network: str, divisor: int = 1) -> float:
     """The Ops scratch_scale a pipeline runs `network` with (text_encoder, unet, vae_decoder,
-    vae_encoder)."""
-    return VAE_SCRATCH_SCALE if network.startswith("vae") else 1
+    vae_encoder); a plan made for a memory budget it would not otherwise fit divides it
+    (engine.plan.record_plan_within: smaller chunks, more dispatches)."""
+    return (VAE_SCRATCH_SCALE if network.startswith("vae") else 1) / divisor
 
 
 def _vae_dtype(config, dtype: str) -> str:
@@ -280,7 +281,8 @@ class Pipeline(BasePipeline):
     """The native runtime: the networks run eagerly, op by op, on this process's GPU."""
 
     def __init__(self, config, tokenizer, states: dict, gpu: GPU | None, dtype: str, selection: Selection,
-                 notes, residency: str = "resident", rt: Runtime | TraceRuntime | None = None):
+                 notes, residency: str = "resident", rt: Runtime | TraceRuntime | None = None,
+                 scratch_divisor: int = 1, vae_dtype: str | None = None):
         check_residency(residency)
         super().__init__(config, tokenizer)
         self.gpu = gpu
@@ -290,9 +292,9 @@ class Pipeline(BasePipeline):
         self.rt = Runtime(gpu) if rt is None else rt
         self.selection = selection
         pipelines = self.rt.pipeline_cache(gpu)
-        self.ops = Ops(self.rt, pipelines, selection, dtype, scratch_scale=scratch_scale("unet"))
+        self.ops = Ops(self.rt, pipelines, selection, dtype, scratch_scale=scratch_scale("unet", scratch_divisor))
         self.notes = list(notes)
-        self.vae_dtype = _vae_dtype(config, dtype)
+        self.vae_dtype = vae_dtype or _vae_dtype(config, dtype)
         on_gpu = None if residency == "staged" else states  # staged: nothing goes up yet
         self.weights = {
             c: GPUWeights(self.rt, on_gpu and on_gpu[c], d)
@@ -307,7 +309,8 @@ class Pipeline(BasePipeline):
         self.upload_ms = 0.0  # staged: time spent uploading weights, since the last generate
         self.text_encoder = CLIPTextEncoder(config.text_encoder, self.weights["text_encoder"], self.ops)
         self.unet_model = UNet2DCondition(config.unet, self.weights["unet"], self.ops)
-        vae_ops = Ops(self.rt, self.ops.pipelines, selection, self.vae_dtype, scratch_scale=scratch_scale("vae_decoder"))
+        vae_ops = Ops(self.rt, self.ops.pipelines, selection, self.vae_dtype,
+                      scratch_scale=scratch_scale("vae_decoder", scratch_divisor))
         self.vae = AutoencoderKL(config.vae, self.weights["vae"], vae_ops)
 
     @property

@@ -267,14 +267,21 @@ def _range_sha256(path: Path, begin: int, end: int) -> str:
 def record_plan(config, caps, *, model_dir: Path | None = None, precision: str = "fp32", height: int | None = None,
                 width: int | None = None, steps: int = 20, scheduler: str = "pndm", guidance_scale: float = 7.5,
                 profile=None, model_name: str = "", hashes: bool = True,
-                strength: float | None = None) -> dict[str, Any]:
+                strength: float | None = None, scratch_divisor: int = 1,
+                vae_dtype: str | None = None) -> dict[str, Any]:
     """The plan of one generation configuration on an adapter with `caps` (its features decide
     shader-f16 and which variants may run, its limits the chunking and grids), recorded from the
     denoising loop `Pipeline.generate` runs (engine/denoise.py). Needs the
     model's config alone; `model_dir` adds where each weight lives (without it the plan names
     tensors and shapes only, for inspection). With `strength`, image-to-image: the plan also
     encodes an input image (stage vae_encode) and denoises the last int(steps * strength)
-    steps from it."""
+    steps from it.
+
+    A VAE the model marks force_upcast runs in f32, as in diffusers, except where the model runs
+    in halves (fp16, f16-storage) and an f32 decoder would bind a tensor over the adapter's
+    max-storage-buffer-binding-size (SD 1.4 at 512x512: 256 MiB, where some Qualcomm drivers
+    give 128): then its tensors are stored as halves too (`vae_dtype` f16s, arithmetic still f32),
+    and the plan says so in its warnings."""
     from .kernels import PRECISIONS
     from .pipeline import (
         STAGE_WEIGHTS,
@@ -295,14 +302,18 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     dtype = storage_dtype(precision, caps.has_f16)
     notes = [f"adapter {caps.device!r} lacks shader-f16: fp16 runs as f16-storage (packed halves, f32 "
              "arithmetic)"] if precision == "fp16" and dtype == "f16s" else []
-    vae_dtype = _vae_dtype(config, dtype)
+    asked_vae_dtype, vae_dtype = vae_dtype, vae_dtype or _vae_dtype(config, dtype)
+    if asked_vae_dtype == "f16s" and _vae_dtype(config, dtype) == "f32":
+        notes.append("the VAE decoder's f32 tensors exceed the adapter's max-storage-buffer-binding-size: it "
+                     "stores them as halves (f16-storage, f32 arithmetic) although the model asks for f32")
     selection = _selection(caps, profile)
     refs = weight_refs(config, model_dir, hashes=hashes)
     if strength is None:  # text to image binds no VAE encoder weight: the plan holds none (130 MiB in SD 1.4)
         encoder = STAGE_WEIGHTS["vae_encoder"][1]
         refs = {**refs, "vae": {k: r for k, r in refs["vae"].items() if not k.startswith(encoder)}}
     rec = PlanRecorder(caps)
-    pipe = Pipeline(config, _PaddingTokenizer(), refs, None, dtype, selection, [], "resident", rt=rec)
+    pipe = Pipeline(config, _PaddingTokenizer(), refs, None, dtype, selection, [], "resident", rt=rec,
+                    scratch_divisor=scratch_divisor, vae_dtype=vae_dtype)
     cfg_on = guidance_scale > 1.0
     batch = 2 if cfg_on else 1
     latent = (1, config.unet.in_channels, height // f, width // f)
@@ -355,7 +366,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
 
     plan = _assemble(rec, dtype, vae_dtype, {
         "model": {"name": model_name, "config_sha256": _config_hash(config)},
-        "precision": precision, "dtype": dtype, "vae_dtype": vae_dtype,
+        "precision": precision, "dtype": dtype, "vae_dtype": vae_dtype, "scratch_divisor": scratch_divisor,
         "height": height, "width": width, "steps": steps, "scheduler": scheduler,
         "guidance_scale": float(guidance_scale), "batch": batch, "strength": strength,
         "profile": {"name": selection.profile_name, "decisions": _decisions(selection)},
@@ -370,6 +381,39 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
         "outputs": {"image": _io(image), "latents": _io(final)},
         "generate": generate,
     })
+    limit = caps.limits.get("max-storage-buffer-binding-size")
+    vae_stages = [s for s in ("vae_decode", "vae_encode") if s in stages]
+    if (asked_vae_dtype is None and dtype in ("f16", "f16s") and vae_dtype == "f32" and limit
+            and max(b[2] for s in vae_stages for c in stages[s]["commands"] if c["op"] == "dispatch"
+                    for b in c["bindings"]) > limit):
+        return record_plan(config, caps, model_dir=model_dir, precision=precision, height=height, width=width,
+                           steps=steps, scheduler=scheduler, guidance_scale=guidance_scale, profile=profile,
+                           model_name=model_name, hashes=hashes, strength=strength, scratch_divisor=scratch_divisor,
+                           vae_dtype="f16s")
+    return plan
+
+
+# Divisors of the chunked kernels' scratch bounds a plan for a memory budget tries, in order: each
+# halves the Winograd, im2col and split-K scratch (more, smaller dispatches) and so the stage
+# whose working set is the peak (SD 1.4's UNet at 512x512: 16 MiB bounds are ~20 MB of its 2.1 GB).
+SCRATCH_DIVISORS = (1, 2, 4)
+
+
+def record_plan_within(config, caps, budget_bytes: int | None, residency: str = "auto", **kwargs) -> dict[str, Any]:
+    """record_plan, with the scratch bounds divided (SCRATCH_DIVISORS) until the plan's peak
+    fits `budget_bytes` in `residency` (engine.fit): the first plan that fits, or the last
+    one tried (whose fit says what does not fit). No budget: record_plan's plan."""
+    from .fit import effective_budget, plan_memory
+
+    plan = record_plan(config, caps, **kwargs)
+    budget_bytes = effective_budget(caps, budget_bytes)
+    if budget_bytes is None:
+        return plan
+    for divisor in SCRATCH_DIVISORS:
+        if divisor > 1:
+            plan = record_plan(config, caps, scratch_divisor=divisor, **kwargs)
+        if plan_memory(plan).peak(residency) <= budget_bytes:
+            break
     return plan
 
 
@@ -547,5 +591,5 @@ def shader_source(plan_pipeline: dict[str, Any]) -> str:
     from . import ops  # noqa: F401  (importing it registers every kernel variant)
     from .kernels import specialise, variants
 
-    op, name = plan_pipeline["shader"].split("/")
+    op, name = plan_pipeline["shader"].split("/")[-2:]  # "packed/<op>/<variant>" for f16-storage
     return specialise(variants(op)[name], plan_pipeline["dtype"])

@@ -252,7 +252,7 @@ class PlanExecutor:
         cache = PipelineCache(self.gpu)
         out = []
         for p in self.plan["pipelines"]:
-            op, name = p["shader"].split("/")
+            op, name = p["shader"].split("/")[-2:]  # "packed/<op>/<variant>" for f16-storage
             table = variants(op)
             if name not in table:
                 raise EngineError(f"the plan names kernel {p['shader']}, which this engine does not have")
@@ -524,11 +524,12 @@ class PlanPipeline(BasePipeline):
 
     def executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
                  guidance_scale: float = 7.5, strength: float | None = None):
-        from .plan import record_plan
+        from .plan import record_plan_within
 
         key = (height, width, steps, scheduler, float(guidance_scale), strength)
         if key not in self._executors:
-            plan = record_plan(self.config, self.caps, model_dir=self.model_dir, precision=self.precision,
+            plan = record_plan_within(self.config, self.caps, self.budget_bytes, self._residency,
+                                      model_dir=self.model_dir, precision=self.precision,
                                height=height, width=width, steps=steps, scheduler=scheduler,
                                guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name,
                                strength=strength)

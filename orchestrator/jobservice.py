@@ -81,7 +81,7 @@ def fit_refusals(settings: Settings, build_name: str, kind: str, spec: dict[str,
     from engine.errors import EngineError
     from engine.fit import fit_plan
     from engine.models.config import load_model_config
-    from engine.plan import record_plan
+    from engine.plan import record_plan_within
     from engine.profiles import shipped_profiles
 
     pages = [d for d in devices if d.runtime == "browser" and ((d.info or {}).get("adapter") or {}).get("limits")]
@@ -101,10 +101,11 @@ def fit_refusals(settings: Settings, build_name: str, kind: str, spec: dict[str,
             try:
                 caps = caps_from_dict(adapter)
                 height, width = spec.get("height"), spec.get("width")
-                plan = record_plan(config, caps, precision=spec.get("precision", "fp16"),
-                                   height=height or config.native_size[0], width=width or config.native_size[1],
-                                   steps=spec.get("steps", 20), scheduler=spec.get("scheduler", "pndm"),
-                                   guidance_scale=spec.get("guidance_scale", 7.5), profile=profile)
+                plan = record_plan_within(
+                    config, caps, spec.get("gpu_budget_bytes"), precision=spec.get("precision", "fp16"),
+                    height=height or config.native_size[0], width=width or config.native_size[1],
+                    steps=spec.get("steps", 20), scheduler=spec.get("scheduler", "pndm"),
+                    guidance_scale=spec.get("guidance_scale", 7.5), profile=profile)
                 judged[key] = fit_plan(plan, caps, spec.get("gpu_budget_bytes")).reasons
             except (EngineError, ValueError, TypeError) as exc:
                 judged[key] = [f"no plan can be made for its adapter: {exc}"]

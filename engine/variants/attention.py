@@ -103,6 +103,7 @@ def attention_partial_softmax(
             sum_p, "attention/weighted_sum", params, [None, None, a, vv, o, stats],
             (math.ceil(dh / TILE), math.ceil(tq / TILE), nbh),
         )
+        del a, stats  # back to the pool before the next chunk takes them
     return o
 
 

@@ -146,7 +146,8 @@ def conv2d_winograd(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pa
     # V (36, Cin, tiles) and Mx (36, Cout, tiles) are f32 scratch: walk the tiles in chunks so
     # each stays under WINOGRAD_SCRATCH_BYTES whatever the resolution.
     per_tile = WINOGRAD_POSITIONS * max(cin, cout) * 4
-    chunk = max(tiling["TILE_M"], WINOGRAD_SCRATCH_BYTES // per_tile // tiling["TILE_M"] * tiling["TILE_M"])
+    bound = int(WINOGRAD_SCRATCH_BYTES * min(1, ops.scratch_scale))  # shrunk for a budget, never grown
+    chunk = max(tiling["TILE_M"], bound // per_tile // tiling["TILE_M"] * tiling["TILE_M"])
     chunk = min(chunk, n_tiles)
     y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
     input_p = ops.pipeline(v, "input_main")
@@ -184,14 +185,14 @@ WINOGRAD_CORE_TILE_BYTES = SCRATCH_BYTES
 WINOGRAD_CORE_INPUT_BYTES = 2 * SCRATCH_BYTES
 
 
-def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale: int = 1) -> tuple[int, int]:
+def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale: float = 1) -> tuple[int, int]:
     """(output channels, tiles) per chunk: as many as the scratch bounds (times `scale`, the
     Ops' scratch_scale) allow, channels in multiples of 64 (or all), tiles in multiples of 4 (or all)."""
-    cc = WINOGRAD_CORE_FILTER_BYTES * scale // (W2_POSITIONS * cin * item)
+    cc = int(WINOGRAD_CORE_FILTER_BYTES * scale) // (W2_POSITIONS * cin * item)
     cc = cout if cc >= cout else max(64, cc // 64 * 64)
     cc = min(cc, cout)
-    tc = min(WINOGRAD_CORE_INPUT_BYTES * scale // (W2_POSITIONS * cin * item),
-             WINOGRAD_CORE_TILE_BYTES * scale // (W2_POSITIONS * cc * item))
+    tc = min(int(WINOGRAD_CORE_INPUT_BYTES * scale) // (W2_POSITIONS * cin * item),
+             int(WINOGRAD_CORE_TILE_BYTES * scale) // (W2_POSITIONS * cc * item))
     tc = n_tiles if tc >= n_tiles else max(4, tc // 4 * 4)
     return cc, tc
 
@@ -224,7 +225,7 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     base = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
 
     def transformed_filters(co0: int, cc: int) -> Tensor:
-        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=WINOGRAD_CORE_FILTER_BYTES * scale)
+        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=int(WINOGRAD_CORE_FILTER_BYTES * scale))
         ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc),
                         [None, w, None, u], ops.grid_1d(cc * cin))
         return u
@@ -237,13 +238,13 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     for t0 in range(0, n_tiles, tc_max):
         pc = min(tc_max, n_tiles - t0)
         pcp = -(-pc // 4) * 4
-        vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=WINOGRAD_CORE_INPUT_BYTES * scale)
+        vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=int(WINOGRAD_CORE_INPUT_BYTES * scale))
         ops.rt.dispatch(input_p, "conv2d_winograd_input", (*base, t0, pc, pcp, 0, cout),
                         [x, None, None, None, vt], ops.grid_1d(cin * pcp))
         for co0, cc in channel_chunks:
             u = u_all if u_all is not None else transformed_filters(co0, cc)
             mx = gemm(ops, consts, u, vt, cc, pcp, cin, batch=W2_POSITIONS, b_kn=True,
-                      out=ops.rt.empty((W2_POSITIONS, cc, pcp), ops.dtype, at_least=WINOGRAD_CORE_TILE_BYTES * scale),
+                      out=ops.rt.empty((W2_POSITIONS, cc, pcp), ops.dtype, at_least=int(WINOGRAD_CORE_TILE_BYTES * scale)),
                       label="conv2d_winograd_gemm")
             ops.rt.dispatch(output_p, "conv2d_winograd_output", (*base, t0, pc, pcp, co0, cc),
                             [None, None, bias, None, None, mx, y], ops.grid_1d(cc * pc))

@@ -55,7 +55,7 @@ SCRATCH_BYTES = 16 << 20
 
 def scratch_bytes(ops) -> int:
     """The size class of every scratch buffer of `ops`: SCRATCH_BYTES times its scratch_scale."""
-    return SCRATCH_BYTES * ops.scratch_scale
+    return int(SCRATCH_BYTES * ops.scratch_scale)
 
 
 def workgroup_bytes(tiles: dict, dtype: str = "f16") -> int:

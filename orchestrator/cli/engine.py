@@ -391,7 +391,7 @@ def fit(
     caps, prof, height, width, record = _planning(model, preset, adapter, profile, height, width)
     budget = None if budget_mb is None else int(budget_mb * 1e6)
     try:
-        doc = record(precision=precision.value, steps=steps, scheduler=scheduler, guidance_scale=7.5)
+        doc = record(budget, precision=precision.value, steps=steps, scheduler=scheduler, guidance_scale=7.5)
     except (InputError, ModelError):
         raise
     except EngineError as exc:  # a kernel no setting of which this adapter can run
@@ -408,6 +408,7 @@ def fit(
         table.add_row("profile", result.profile)
         table.add_row("precision", result.precision)
         table.add_row("residency", result.residency)
+        table.add_row("scratch_divisor", str(result.scratch_divisor))
         for name in ("peak_gpu_bytes", "resident_gpu_bytes", "staged_gpu_bytes", "max_binding_bytes", "max_buffer_bytes", "max_workgroup_storage_bytes",
                      "max_invocations_per_workgroup", "budget_bytes"):
             value = getattr(result, name)
@@ -422,7 +423,7 @@ def fit(
 def _planning(model: Path | None, preset: Preset | None, adapter: Path | None, profile: str, height, width):
     """What `plan` and `fit` record a generation's plan for: the adapter's caps, the profile
     chosen for it, the image size, and `record(**generation)`, which records the plan."""
-    from engine.plan import record_plan
+    from engine.plan import record_plan_within
     from engine.profiles import resolve_profile
 
     config = _config_for(model, preset)
@@ -430,10 +431,11 @@ def _planning(model: Path | None, preset: Preset | None, adapter: Path | None, p
     height, width = _native(config, height, width)
     prof = resolve_profile(profile, caps)
 
-    def record(**generation):
+    def record(budget_bytes: int | None = None, **generation):
         with console.status("recording the plan"):
-            return record_plan(config, caps, model_dir=model, height=height, width=width, profile=prof.to_json(),
-                               model_name=(model.name if model else preset.value), **generation)
+            return record_plan_within(config, caps, budget_bytes, model_dir=model, height=height, width=width,
+                                      profile=prof.to_json(), model_name=(model.name if model else preset.value),
+                                      **generation)
 
     return caps, prof, height, width, record
 

@@ -216,6 +216,22 @@ def test_attention_splits_score_matrix_over_binding_limit(rt, gpu, fresh_rng, mo
     check(ops, y, ref)
 
 
+def test_attention_keeps_its_score_chunks_within_the_scratch_bound(rt, gpu, fresh_rng, monkeypatch):
+    """The score matrices stored at once stay under SCORE_SCRATCH_BYTES times the Ops'
+    scratch_scale (a plan for a tight budget halves it), one (batch, head) pair at least."""
+    import engine.ops as ops_mod
+
+    qx, kx, vx = (rand(fresh_rng, 2, 40, 3 * 8) for _ in range(3))
+    ref = np_attention(qx.astype(np.float64), kx.astype(np.float64), vx.astype(np.float64), 3)
+    monkeypatch.setattr(ops_mod, "SCORE_SCRATCH_BYTES", 4 * 40 * 40 * 4)  # 4 pairs
+    for scale, chunks in ((1, 2), (0.5, 3), (0.125, 6)):  # 6 pairs: 4 + 2, 2 + 2 + 2, one each
+        ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f32", scratch_scale=scale)
+        before = rt.dispatches
+        y = ops.attention(rt.upload(qx), rt.upload(kx), rt.upload(vx), 3)
+        assert rt.dispatches - before == 3 * chunks
+        check(ops, y, ref)
+
+
 def test_oversized_activation_is_refused_with_a_clear_message(rt):
     from engine.errors import GPUError
 

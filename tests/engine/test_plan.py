@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
+from ci_support import F16_HINT, missing
 from typer.testing import CliRunner
 
 import engine
@@ -157,6 +158,29 @@ def test_a_replayed_plan_equals_generate_bit_for_bit(native, planned, scheduler)
     assert 0 < t["unet_total_ms"] < t["total_ms"]
     assert t["unet_step_ms"] == pytest.approx(t["unet_total_ms"] / runs)
     assert t["text_encoder_ms"] + t["unet_total_ms"] + t["vae_decode_ms"] <= t["total_ms"]
+
+
+@pytest.mark.gpu
+def test_an_f16_storage_plan_equals_generate_and_holds_what_fit_says(tiny_model_dir, gpu):
+    """Packed halves on the plan runtime: the same image as the native f16-storage run, to the
+    bit, and the executor's high-water mark is fit's number, resident and within a budget that
+    only staging meets."""
+    from engine.fit import fit_plan
+
+    eager = engine.load_pipeline(tiny_model_dir, precision="f16-storage")
+    kwargs = {"steps": 2, "seed": 5, "height": 64, "width": 64, "scheduler": "euler"}
+    a = eager.generate("a red bicycle", **kwargs)
+    planned16 = engine.load_pipeline(tiny_model_dir, precision="f16-storage", runtime="plan")
+    b = planned16.generate("a red bicycle", **kwargs)
+    np.testing.assert_array_equal(b.image, a.image)
+    plan = planned16.plans[(64, 64, 2, "euler", 7.5, None)]
+    fit = fit_plan(plan, gpu.caps)
+    assert plan["dtype"] == "f16s" and b.peak_gpu_bytes == fit.peak_gpu_bytes == fit.resident_gpu_bytes
+    tight = engine.load_pipeline(tiny_model_dir, precision="f16-storage", runtime="plan",
+                                 budget_bytes=fit.resident_gpu_bytes - 1)
+    c = tight.generate("a red bicycle", **kwargs)
+    np.testing.assert_array_equal(c.image, a.image)
+    assert tight.residency == "staged" and c.peak_gpu_bytes == fit.staged_gpu_bytes < fit.resident_gpu_bytes
 
 
 @pytest.mark.gpu
@@ -376,3 +400,41 @@ def test_a_plan_holds_only_the_weights_its_dispatches_bind(strength):
     assert {b["id"] for b in weights} <= _bound_buffers(plan)
     encoder = [b for b in weights if b["component"] == "vae" and b["name"].startswith(("encoder.", "quant_conv."))]
     assert bool(encoder) == (strength is not None)
+
+
+def _max_binding(plan: dict, stages) -> int:
+    return max(b[2] for s in stages for c in plan["stages"][s]["commands"] if c["op"] == "dispatch" for b in c["bindings"])
+
+
+@pytest.mark.gpu
+def test_a_vae_whose_f32_tensors_exceed_the_binding_limit_stores_halves(tiny_model_dir, gpu, golden3):
+    """SD 1.4's f32 VAE decoder binds 256 MiB at 512x512, over the 128 MiB some phones give: an
+    fp16 plan then stores the decoder's tensors as halves (arithmetic in f32) and says so. Here
+    the tiny model's decoder, with the limit between its halves' and its f32 bindings (reference
+    kernels: the tiny decoder's Winograd scratch would be its largest binding)."""
+    import dataclasses
+
+    from engine.models.config import load_model_config
+
+    config = load_model_config(tiny_model_dir)
+    if not gpu.caps.has_f16:
+        missing("adapter lacks shader-f16", F16_HINT)
+    kwargs = {"precision": "fp16", "height": 64, "width": 64, "steps": 3, "scheduler": "pndm", "hashes": False,
+              "profile": "reference"}
+    f32_vae = record_plan(config, gpu.caps, **kwargs)
+    assert f32_vae["vae_dtype"] == "f32"
+    others = _max_binding(f32_vae, ("text_encoder", "unet_step"))
+    limit = max(others, _max_binding(f32_vae, ("vae_decode",)) // 2)
+    assert limit < _max_binding(f32_vae, ("vae_decode",))
+    small = dataclasses.replace(gpu.caps, limits={**gpu.caps.limits, "max-storage-buffer-binding-size": limit})
+    halves = record_plan(config, small, **kwargs)
+    assert (halves["dtype"], halves["vae_dtype"]) == ("f16", "f16s")
+    assert _max_binding(halves, ("vae_decode",)) <= limit
+    assert any("stores them as halves" in w for w in halves["warnings"])
+    pipe = engine.load_pipeline(tiny_model_dir, precision="fp16", runtime="plan", profile="reference")
+    pipe.caps = small
+    result = pipe.generate(str(golden3["txt2img3_prompt"]), steps=3, guidance_scale=7.5, height=64, width=64,
+                           scheduler="pndm", latents=golden3["txt2img3_latents_in"])
+    assert pipe.plans[(64, 64, 3, "pndm", 7.5, None)]["vae_dtype"] == "f16s"
+    mse = float(np.mean((result.image / 255.0 - golden3["txt2img3_pndm_image"][0]) ** 2))
+    assert 10 * np.log10(1.0 / mse) >= 30.0  # the fp16 bar

@@ -74,9 +74,11 @@ def rel_err(got, ref) -> float:
     return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
 
 
-def run_and_compare(rt, pipelines, rng, variant, dtype, bsz, cin, cout, hw, k, stride, pads, bias=True, constants=None):
+def run_and_compare(rt, pipelines, rng, variant, dtype, bsz, cin, cout, hw, k, stride, pads, bias=True, constants=None,
+                    scratch_scale=1):
     """Run `variant` and the reference on the same inputs; check both agreements."""
     ops = make_ops(rt, pipelines, dtype, variant, constants)
+    ops.scratch_scale = scratch_scale
     ref_ops = make_ops(rt, pipelines, dtype, "reference")
     x, w, b = conv_inputs(rng, bsz, cin, cout, hw, k, bias)
     xt, wt = rt.upload(x, dtype), rt.upload(w, dtype)
@@ -292,6 +294,18 @@ def test_winograd_error_is_bounded(rt, pipelines, fresh_rng, capsys):
         )
 
 
+def test_a_fractional_scratch_scale_shrinks_every_scratch_bound():
+    """A plan for a tight memory budget divides its scratch scale: the core's chunks shrink
+    with it (channels stay multiples of 64, tiles of 4)."""
+    import engine.variants.conv2d as conv_mod
+
+    whole = conv_mod.winograd_core_chunks(1280, 1280, 2048, 2, 1)
+    half = conv_mod.winograd_core_chunks(1280, 1280, 2048, 2, 0.5)
+    quarter = conv_mod.winograd_core_chunks(1280, 1280, 2048, 2, 0.25)
+    assert whole[1] > half[1] > quarter[1] and quarter[1] % 4 == 0
+    assert 16 * 1280 * 2 * half[1] <= conv_mod.WINOGRAD_CORE_INPUT_BYTES // 2
+
+
 def test_winograd_walks_tiles_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
     """With a small scratch bound the tiles are processed in several rounds (partial last
     round included) and the result is unchanged; no scratch buffer exceeds the bound."""
@@ -311,4 +325,10 @@ def test_winograd_walks_tiles_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
     monkeypatch.setattr(rt, "empty", spy)
     constants = {"TILE_M": 32, "TILE_N": 16, "TILE_K": 8}
     run_and_compare(rt, pipelines, fresh_rng, "winograd", "f32", bsz, cin, cout, hw, 3, 1, (1, 1, 1, 1), constants=constants)
+    assert [s[2] for s in sizes] == [32, 32, 28, 28], sizes
+    # a scratch scale below 1 (a plan for a tight budget) shrinks the bound; above 1 never grows it
+    sizes.clear()
+    monkeypatch.setattr(conv_mod, "WINOGRAD_SCRATCH_BYTES", 2 * bound)
+    run_and_compare(rt, pipelines, fresh_rng, "winograd", "f32", bsz, cin, cout, hw, 3, 1, (1, 1, 1, 1),
+                    constants=constants, scratch_scale=0.5)
     assert [s[2] for s in sizes] == [32, 32, 28, 28], sizes
