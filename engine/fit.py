@@ -299,11 +299,12 @@ def _type_bytes(t: str, dtype: str, env: dict[str, int], where: str) -> int:
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-        ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+        ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
+        ast.BitAnd: operator.and_, ast.BitXor: operator.xor}
 
 
 def _eval(expr: str, env: dict[str, int], where: str) -> int:
-    """An integer WGSL constant expression (literals with or without `u`/`i`, + - * / % << >>,
+    """An integer WGSL constant expression (literals with or without `u`/`i`, + - * / % << >> | & ^,
     min, max, parentheses, names of earlier constants)."""
     text = re.sub(r"\b(\d+)[ui]\b", r"\1", expr.strip()).replace("/", "//")
     try:
