@@ -56,6 +56,15 @@ from engine.pagehost import (
 
 AGENT_WEB_ROOT = Path(__file__).resolve().parent.parent / "agent" / "web"  # the farm's page
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+FRESH_S = 2.0  # a page heard this recently (or holding a poll) is there now, not merely not lost yet
+
+
+def fresh_status(status: dict[str, Any]) -> bool:
+    """Whether a device's status (BrowserHub.status, HubClient.status) says its page is there
+    now: a poll held open, or a word within FRESH_S. `online` says only that it is not lost yet
+    (a word within PAGE_LOST_S), which a page cut off from the hub still is for a while."""
+    seen = status.get("seen_s_ago")
+    return bool(status.get("polling")) or (seen is not None and seen < FRESH_S)
 
 
 def _host_name(host: str) -> str:
@@ -185,6 +194,7 @@ class BrowserHub:
             return {"serial": serial, "registered": False, "online": False}
         now = time.monotonic()
         return {"serial": serial, "registered": True, "online": device.channel.alive(now),
+                "polling": device.channel.polling,
                 "seen_s_ago": round(now - device.channel.seen, 3) if device.channel.seen else None,
                 "bytes_served": device.bytes_served, "console": device.channel.console[-20:]}
 
@@ -200,7 +210,7 @@ class BrowserHub:
         may name a reason to stop waiting early (the browser process exited)."""
         device = self.device(serial)
         channel = device.channel
-        _wait_for(lambda: channel.polling > 0 or time.monotonic() - channel.seen < 2.0, serial, timeout_s, gone, 0.2)
+        _wait_for(lambda: channel.polling > 0 or time.monotonic() - channel.seen < FRESH_S, serial, timeout_s, gone, 0.2)
 
     def put_plan(self, serial: str, name: str, body: bytes) -> str:
         self.device(serial).plans[name] = body
@@ -392,7 +402,9 @@ class HubClient:
         return bool(self.status(serial)["online"])
 
     def wait_online(self, serial: str, timeout_s: float, gone: Callable[[], str | None] | None = None) -> None:
-        _wait_for(lambda: self.online(serial), serial, timeout_s, gone, 0.5)
+        """Until the device's page is there now (as BrowserHub.wait_online: a poll held or a word
+        within FRESH_S; `online` would count a page last heard up to PAGE_LOST_S ago)."""
+        _wait_for(lambda: fresh_status(self.status(serial)), serial, timeout_s, gone, 0.5)
 
     def call(self, serial: str, op: str, *, timeout_s: float = 600.0, **fields) -> dict[str, Any]:
         return reply_result(self._post(serial, "call", {"op": op, "timeout_s": timeout_s, **fields}, timeout_s + 30.0))

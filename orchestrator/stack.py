@@ -48,12 +48,19 @@ class Child:
     name: str
     process: subprocess.Popen
     log: Path
+    start: int = 0  # where this child's part of the log begins (a log keeps earlier stacks' runs)
 
-    def tail(self, lines: int = 20) -> str:
+    def text(self) -> str:
+        """What this child wrote to its log."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log, "rb") as f:
+                f.seek(self.start)
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.text().splitlines()[-lines:])
 
 
 @dataclass
@@ -68,10 +75,15 @@ class Stack:
     def _spawn(self, name: str, argv: list[str]) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
-        with open(log, "w") as out:
+        # Appended, each start marked: a later stack (a rerun of `farm demo`) must not wipe the
+        # logs of the run that failed.
+        with open(log, "a") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {name} started\n")
+            out.flush()
+            start = out.tell()
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=settings_env(self.settings), start_new_session=True)
-        child = Child(name, process, log)
+        child = Child(name, process, log, start)
         self.children.append(child)
         return child
 
@@ -94,7 +106,7 @@ class Stack:
             "--model", model, "--root", str(root), "--trust", str(trust), "--adb-keys", str(adb_keys)])
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            match = LISTENING.search(child.log.read_text(errors="replace"))
+            match = LISTENING.search(child.text())
             if match:
                 return child, int(match.group(2))
             if child.process.poll() is not None:

@@ -31,7 +31,9 @@ from cryptography.hazmat.primitives import serialization
 
 from agent.bundle import load_public_key
 from agent.protocol import FARM_KEY, DeviceInfo, JobResult, JobSpec, ThermalReading
+from engine.errors import BrowserError
 from orchestrator.browser_hub import BrowserHub
+from orchestrator.browser_hub import fresh_status as _fresh
 from orchestrator.transports.base import (
     AgentExit,
     DeviceOffline,
@@ -51,6 +53,9 @@ LOST_KINDS = ("page-lost", "page-hidden", "timeout", "hub", "device-lost", "brow
 # The files of a build the page keeps: what plans run (the rest is the host-side agent's)
 PAGE_FILES = ("shaders/",)
 PAGE_SUFFIXES = (".safetensors",)
+# How long a page that was cut off from the hub (between two tasks, each with its forward) gets
+# to come back through a new forward before it is opened again: it retries every second.
+PAGE_RETURN_S = 5.0
 
 
 class PageLink(abc.ABC):
@@ -251,12 +256,13 @@ class BrowserTransport(LocalTransport):
     `token`. `farm_pub` is the farm's public key (PEM) the page is enrolled with."""
 
     def __init__(self, root: Path, link: PageLink, token: str, farm_pub: Path, *, name: str,
-                 hub: BrowserHub | None = None, open_timeout_s: float = 90.0, **kw):
+                 hub: BrowserHub | None = None, open_timeout_s: float = 90.0,
+                 return_timeout_s: float = PAGE_RETURN_S, **kw):
         super().__init__(root, name=name, **kw)
         self.link, self.token = link, token
         self.farm_pub = Path(farm_pub)
         self.hub = hub
-        self.open_timeout_s = open_timeout_s
+        self.open_timeout_s, self.return_timeout_s = open_timeout_s, return_timeout_s
         self._before: list[ThermalReading] = []
         self._cooldown: tuple[float, bool] | None = None
         self._notes: list[str] = []
@@ -273,12 +279,26 @@ class BrowserTransport(LocalTransport):
         (self.root / "store").mkdir(parents=True, exist_ok=True)
         hub.register(self.name, self.token, self.root / "store")
         self.link.prepare(hub)
-        if not hub.online(self.name):
-            self.link.open(self.enrolment_url())
+        # Each task's transport makes its own forward and ends it with the task: in between, the
+        # page is cut off and retries every second, and its last word may be nearly PAGE_LOST_S
+        # old, so hub.online() (a word within PAGE_LOST_S) is no proof it is there. A command
+        # sent before it is back through this forward ended as page-lost within a second or
+        # two (the demo's deploy of build B, after 1.4 s). Wait for a word through this forward;
+        # only a page that does not come back is opened again (a relaunch loses its loaded plans).
+        status = hub.status(self.name)
+        if _fresh(status):
+            return hub
+        if status.get("seen_s_ago") is not None:  # it was here: a live page comes back by itself
             try:
-                hub.wait_online(self.name, self.open_timeout_s, gone=self.link.gone)
-            except Exception as exc:  # noqa: BLE001  (BrowserError: the page never came)
-                raise DeviceOffline(self.name, f"the page did not come up in the browser: {exc}") from None
+                hub.wait_online(self.name, self.return_timeout_s, gone=self.link.gone)
+                return hub
+            except BrowserError:
+                pass  # not back: open it again
+        self.link.open(self.enrolment_url())
+        try:
+            hub.wait_online(self.name, self.open_timeout_s, gone=self.link.gone)
+        except Exception as exc:  # noqa: BLE001  (BrowserError: the page never came)
+            raise DeviceOffline(self.name, f"the page did not come up in the browser: {exc}") from None
         return hub
 
     def _call(self, op: str, timeout_s: float = 120.0, **fields) -> dict:
