@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -206,13 +207,20 @@ class BrowserSession:
 
     def __init__(self, *, chromium: str | None = None, cdp: str | None = None, manual: bool = False,
                  webgpu_adapter: str | None = "auto", start_timeout_s: float = 60.0, announce=None,
-                 page_lost_s: float = SESSION_PAGE_LOST_S):
+                 page_lost_s: float = SESSION_PAGE_LOST_S, emulate: dict[str, Any] | None = None):
+        """`emulate`: an adapter description (engine/adapters/*.json, DeviceCaps.as_dict()) the
+        page behaves as: it requests that adapter's limits (where its own adapter offers as
+        much) and none of the features it lacks, reports it, and holds plans to its
+        memory_budget_bytes: a phone's browser, tested on this machine's."""
         self.server = _Server(page_lost_s)
         self._thread = threading.Thread(target=self.server.serve_forever, name="browser-runtime", daemon=True)
         self._thread.start()
         self.process: subprocess.Popen | None = None
         self._profile_dir: str | None = None
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/web/index.html?session={self.server.session}"
+        if emulate is not None:
+            doc = {k: v for k, v in emulate.items() if k != "source"}
+            self.url += "&emulate=" + base64.urlsafe_b64encode(json.dumps(doc).encode()).decode().rstrip("=")
         try:
             if cdp:
                 _open_tab(cdp, self.url)
@@ -252,6 +260,25 @@ class BrowserSession:
     @property
     def adapter(self) -> dict[str, Any]:
         return self.hello["adapter"]
+
+    def process_memory(self) -> dict[str, int]:
+        """The peak resident memory (VmHWM, bytes) of each kind of process of the Chromium this
+        session started (browser, renderer, gpu-process, utility...), the largest of each kind;
+        empty where it started none or there is no /proc."""
+        if self.process is None or self.process.poll() is not None:
+            return {}
+        out: dict[str, int] = {}
+        for pid in [self.process.pid, *_descendants(self.process.pid)]:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace")
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            # Chromium rewrites its helpers' argv into one string: "... --type=renderer ..."
+            kind = m.group(1) if (m := re.search(r"--type=([\w-]+)", cmdline)) else "browser"
+            hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+            out[kind] = max(out.get(kind, 0), hwm)
+        return out
 
     @property
     def weight_bytes_served(self) -> int:
@@ -342,7 +369,8 @@ def caps_of(adapter: dict[str, Any]):
                       vendor_id=0, device_id=0,
                       features=frozenset(BROWSER_FEATURES.get(f, f) for f in adapter.get("features", [])),
                       limits={LIMIT_NAMES[k]: int(v) for k, v in adapter.get("limits", {}).items()
-                              if k in LIMIT_NAMES and v is not None})
+                              if k in LIMIT_NAMES and v is not None},
+                      memory_budget_bytes=adapter.get("memory_budget_bytes"))
 
 
 # ---- the executor and the pipeline ------------------------------------------------------------

@@ -2,4 +2,8 @@
 // its URL; the host serves it the plans, the shaders and the model files.
 import { runPage } from "./page.js";
 
-runPage({ query: { session: new URLSearchParams(location.search).get("session") || "" } });
+// ?emulate=<base64url of an adapter description>: the page behaves as that adapter (BrowserSession(emulate=))
+const params = new URLSearchParams(location.search);
+const emulate = params.get("emulate");
+runPage({ query: { session: params.get("session") || "" },
+  emulate: emulate ? JSON.parse(atob(emulate.replace(/-/g, "+").replace(/_/g, "/"))) : null });

@@ -7,8 +7,8 @@
 // generate (the whole generation), time, kernels (per-kernel GPU times of a stage), unload.
 // A host page adds its own commands, sources and rules through runPage's options (the engine's
 // standalone page: engine/web/main.js; the farm's: agent/web/main.js).
-import { PlanError, PlanRunner, WeightStore, b64ToBytes, bytesToB64, describeAdapter, openDevice, requestAdapter,
-  sha256Hex, weightFetcher } from "./plan.js";
+import { PlanError, PlanRunner, WeightStore, b64ToBytes, bytesToB64, describeAdapter, emulatedAdapter, openDevice,
+  requestAdapter, sha256Hex, weightFetcher } from "./plan.js";
 
 const BEAT_MS = 3000;
 
@@ -46,8 +46,11 @@ function errorOf(e) {
 //                 sources() still accepts it
 //   keepLoaded    how many such plans stay loaded, the least recently used unloaded beyond it
 //   refused(status)  what to show for a 401/403 from the host (the page retries)
+//   emulate      an adapter description (engine/adapters/*.json) the page behaves as: its
+//                limits and features requested, its memory budget kept (tests of phones' pages)
 export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops = {}, sources = null,
-  keepLoaded = 0, refused = (status) => `the host refused this page (HTTP ${status})` } = {}) {
+  keepLoaded = 0, refused = (status) => `the host refused this page (HTTP ${status})`, emulate = null } = {}) {
+  const emulating = emulatedAdapter(emulate);
   const pageId = crypto.randomUUID();
   const state = document.getElementById("state");
   const logEl = document.getElementById("log");
@@ -70,7 +73,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   async function gpu() {
     if (!device) {
       const adapter = await requestAdapter();
-      device = await openDevice(adapter);
+      device = await openDevice(adapter, emulating);
       weights = new WeightStore(device);
       device.lost.then((info) => { ui.log(`device lost: ${info.reason} ${info.message}`); device = null; runners.clear(); });
     }
@@ -103,7 +106,9 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
     const fetchWeight = source ? source.fetchWeight : (cmd.model_base ? weightFetcher(cmd.model_base) : null);
     let report;
     try {
-      report = await runner.load({ fetchWeight, fetchShader, budgetBytes: cmd.budget_bytes ?? null,
+      const own = emulating ? emulating.memoryBudgetBytes : null; // a budget is at most the device's own
+      const budgetBytes = [cmd.budget_bytes, own].filter((b) => b != null).reduce((a, b) => Math.min(a, b), Infinity);
+      report = await runner.load({ fetchWeight, fetchShader, budgetBytes: budgetBytes === Infinity ? null : budgetBytes,
         residency: cmd.residency || "auto", onProgress: (done, total) => ui.state(`loading weights ${done}/${total}`) });
     } catch (e) {
       runner.destroy(); // gives back the weights it took from the page's store
@@ -127,7 +132,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   async function handle(cmd) {
     if (cmd.op === "hello") {
       const ad = await requestAdapter();
-      return { adapter: describeAdapter(ad), secure: isSecureContext, page: pageId, ...hello() };
+      return { adapter: describeAdapter(ad, emulating), secure: isSecureContext, page: pageId, ...hello() };
     }
     if (ops[cmd.op]) return await ops[cmd.op](cmd, ui);
     if (cmd.op === "load") return await load(cmd);

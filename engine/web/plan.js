@@ -129,23 +129,56 @@ export async function requestAdapter() {
   return adapter;
 }
 
-export function describeAdapter(adapter) {
+// An adapter description as engine/device.py writes it (engine/adapters/*.json: kebab-case
+// limits, "subgroup") can be given to the page to behave as that adapter: it requests exactly
+// that adapter's limits (where this one offers as much), none of the features it lacks, and
+// keeps its memory budget. How a phone's browser is tested on a machine without that phone.
+const FEATURE_NAMES = { subgroup: "subgroups" };
+const camel = (name) => name.replace(/-([a-z])/g, (_, c) => c.toUpperCase());
+
+export function emulatedAdapter(caps) {
+  if (!caps) return null;
+  const limits = {};
+  for (const [name, value] of Object.entries(caps.limits || {})) limits[camel(name)] = Number(value);
+  return { vendor: caps.vendor || "", architecture: caps.architecture || "", device: caps.device || "",
+    description: caps.description || "", features: (caps.features || []).map((f) => FEATURE_NAMES[f] || f),
+    limits, memoryBudgetBytes: caps.memory_budget_bytes ?? null };
+}
+
+function deviceLimits(adapter, emulate) {
+  const limits = {};
+  for (const name of LIMITS) {
+    const want = emulate && emulate.limits[name] != null ? emulate.limits[name] : adapter.limits[name];
+    limits[name] = Math.min(want, adapter.limits[name]);
+  }
+  return limits;
+}
+
+function deviceFeatures(adapter, emulate) {
+  return WANTED_FEATURES.filter((f) => adapter.features.has(f) && (!emulate || emulate.features.includes(f)));
+}
+
+export function describeAdapter(adapter, emulate = null) {
   const info = adapter.info || {};
+  const own = { vendor: info.vendor || "", architecture: info.architecture || "", device: info.device || "",
+    description: info.description || "" };
+  if (emulate) {
+    return { vendor: emulate.vendor, architecture: emulate.architecture, device: emulate.device,
+      description: emulate.description, features: deviceFeatures(adapter, emulate).sort(),
+      limits: deviceLimits(adapter, emulate), user_agent: navigator.userAgent, emulated_on: own,
+      memory_budget_bytes: emulate.memoryBudgetBytes };
+  }
   const limits = {};
   for (const name of LIMITS) limits[name] = adapter.limits[name];
-  return {
-    vendor: info.vendor || "", architecture: info.architecture || "", device: info.device || "",
-    description: info.description || "", features: Array.from(adapter.features).sort(), limits,
-    user_agent: navigator.userAgent,
-  };
+  return { ...own, features: Array.from(adapter.features).sort(), limits, user_agent: navigator.userAgent };
 }
 
 // A device with every wanted feature the adapter has and the adapter's own maximum for the
-// limits plans need (the defaults are far below what Stable Diffusion needs).
-export async function openDevice(adapter) {
-  const requiredFeatures = WANTED_FEATURES.filter((f) => adapter.features.has(f));
-  const requiredLimits = {};
-  for (const name of LIMITS) requiredLimits[name] = adapter.limits[name];
+// limits plans need (the defaults are far below what Stable Diffusion needs); or, emulating
+// another adapter, its features and limits.
+export async function openDevice(adapter, emulate = null) {
+  const requiredFeatures = deviceFeatures(adapter, emulate);
+  const requiredLimits = deviceLimits(adapter, emulate);
   const device = await adapter.requestDevice({ requiredFeatures, requiredLimits });
   return device;
 }
