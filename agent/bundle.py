@@ -47,6 +47,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from agent.protocol import (
+    CHUNK_SIZE,
     FARM_KEY,
     FILES,
     MANIFEST,
@@ -55,6 +56,7 @@ from agent.protocol import (
     Manifest,
     ManifestFile,
     ProtocolError,
+    chunk_count,
     from_json,
     sha256_file,
     to_json,
@@ -163,10 +165,13 @@ def farm_public_key(root: Path) -> Ed25519PublicKey:
 
 def build_bundle(sources: dict[str, Path], out_dir: Path, build_id: str, version: str,
                  private_key: Ed25519PrivateKey | Path, source_revision: str = "",
-                 exclude: Iterable[str] = DEFAULT_EXCLUDE) -> Manifest:
+                 exclude: Iterable[str] = DEFAULT_EXCLUDE, chunk_size: int = CHUNK_SIZE) -> Manifest:
     """Pack `sources` (bundle path -> file or folder) into `out_dir` (absent or empty) and sign
-    the manifest. Folders are walked recursively, following symlinks (a Hugging Face snapshot
+    the manifest, which lists each file's sha256 and the sha256 of each of its `chunk_size`
+    chunks. Folders are walked recursively, following symlinks (a Hugging Face snapshot
     is a folder of symlinks into its blob cache), leaving out names matching `exclude`."""
+    if chunk_size <= 0 or chunk_size % _CHUNK and _CHUNK % chunk_size:
+        raise BundleError(f"chunk size {chunk_size}: a positive divisor or multiple of {_CHUNK} bytes")
     key = private_key if isinstance(private_key, Ed25519PrivateKey) else load_private_key(private_key)
     _check_build_id(build_id)
     out_dir = Path(out_dir)
@@ -188,12 +193,12 @@ def build_bundle(sources: dict[str, Path], out_dir: Path, build_id: str, version
     for path, source in sorted(entries.items()):
         target = out_dir / FILES / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        digest, size = _copy_hashing(source, target)
+        digest, size, chunks = _copy_hashing(source, target, chunk_size=chunk_size)
         mode = 0o755 if source.stat().st_mode & 0o111 else 0o644
         os.chmod(target, mode)
-        files.append(ManifestFile(path=path, sha256=digest, size=size, mode=mode))
+        files.append(ManifestFile(path=path, sha256=digest, size=size, mode=mode, chunks=chunks))
     manifest = Manifest(build=build_id, version=version, created=time.time(), files=files,
-                        source_revision=source_revision)
+                        source_revision=source_revision, chunk_size=chunk_size)
     _check_manifest(manifest)
     (out_dir / MANIFEST).write_text(to_json(manifest))
     (out_dir / SIGNATURE).write_bytes(key.sign(manifest.canonical_bytes()))
@@ -320,6 +325,11 @@ def _check_manifest(manifest: Manifest) -> None:
             raise BundleError(f"{FILES}/{f.path}: sha256 {f.sha256!r} is not 64 lowercase hex digits")
         if f.size < 0 or not 0 <= f.mode <= 0o777:
             raise BundleError(f"{FILES}/{f.path}: bad size {f.size} or mode {f.mode:o}")
+        if manifest.chunk_size < 0 or len(f.chunks) != chunk_count(f.size, manifest.chunk_size):
+            raise BundleError(f"{FILES}/{f.path}: {len(f.chunks)} chunk hashes listed; {f.size} bytes in chunks of "
+                              f"{manifest.chunk_size} make {chunk_count(f.size, max(manifest.chunk_size, 0))}")
+        if not all(_SHA256.fullmatch(c) for c in f.chunks):
+            raise BundleError(f"{FILES}/{f.path}: a chunk sha256 is not 64 lowercase hex digits")
     for path in seen:  # "a" and "a/b" cannot both be files
         parts = path.split("/")
         for i in range(1, len(parts)):
@@ -524,7 +534,7 @@ def _store_blob(source: Path, entry: ManifestFile, root: Path) -> None:
     tmp = blob.parent / f".tmp-{entry.sha256[:12]}-{uuid.uuid4().hex}"
     try:
         # Hash again while copying: the bundle file could change between check and copy.
-        digest, size = _copy_hashing(source, tmp, fsync=True)
+        digest, size, _ = _copy_hashing(source, tmp, fsync=True)
         if digest != entry.sha256 or size != entry.size:
             raise BundleError(f"{FILES}/{entry.path}: changed while being installed (sha256 mismatch)")
         os.chmod(tmp, 0o444)
@@ -649,17 +659,29 @@ def _read_build(path: Path) -> InstalledBuild | None:
 # ---- file helpers ---------------------------------------------------------------------------
 
 
-def _copy_hashing(source: Path, target: Path, fsync: bool = False) -> tuple[str, int]:
-    h, size = hashlib.sha256(), 0
+def _copy_hashing(source: Path, target: Path, fsync: bool = False,
+                  chunk_size: int = 0) -> tuple[str, int, list[str]]:
+    """Copy a file; its sha256, size and the sha256 of each `chunk_size` piece (none for 0)."""
+    h, size, chunks = hashlib.sha256(), 0, []
+    piece, piece_len = hashlib.sha256(), 0
+    step = min(_CHUNK, chunk_size) if chunk_size else _CHUNK
     with open(source, "rb") as src, open(target, "xb") as dst:
-        while chunk := src.read(_CHUNK):
+        while chunk := src.read(step):
             h.update(chunk)
             dst.write(chunk)
             size += len(chunk)
+            if chunk_size:
+                piece.update(chunk)
+                piece_len += len(chunk)
+                if piece_len == chunk_size:
+                    chunks.append(piece.hexdigest())
+                    piece, piece_len = hashlib.sha256(), 0
         if fsync:
             dst.flush()
             os.fsync(dst.fileno())
-    return h.hexdigest(), size
+    if piece_len:
+        chunks.append(piece.hexdigest())
+    return h.hexdigest(), size, chunks
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:

@@ -355,6 +355,22 @@ FILES = "files"
 FARM_KEY = "farm.pub"
 
 
+# A build's files travel and are checked in chunks of this size (the last one shorter): the
+# signed manifest lists each chunk's sha256, so a transport cut inside a 1.7 GB weight file
+# resumes from its last whole chunk and a page verifies and stores a file a chunk at a time.
+CHUNK_SIZE = 4 << 20
+
+
+def chunk_count(size: int, chunk_size: int) -> int:
+    """How many chunks a file of `size` bytes has (an empty file has none)."""
+    return -(-size // chunk_size) if chunk_size else 0
+
+
+def sha256_chunks(data: bytes, chunk_size: int) -> list[str]:
+    """The hex sha256 of each consecutive `chunk_size` piece of `data`."""
+    return [hashlib.sha256(data[i:i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
+
+
 def sha256_file(path, chunk: int = 1 << 20) -> str:
     """The hex sha256 of a file's bytes, read a chunk at a time."""
     h = hashlib.sha256()
@@ -370,6 +386,7 @@ class ManifestFile:
     sha256: str
     size: int
     mode: int = 0o644
+    chunks: list[str] = field(default_factory=list)  # sha256 of each Manifest.chunk_size piece
 
 
 @dataclass
@@ -382,6 +399,7 @@ class Manifest:
     files: list[ManifestFile]
     source_revision: str = ""
     protocol: int = PROTOCOL_VERSION
+    chunk_size: int = 0  # the size of every file's chunks but its last; 0: no chunks listed
 
     def canonical_bytes(self) -> bytes:
         return json.dumps(to_dict(self), sort_keys=True, separators=(",", ":")).encode()

@@ -183,6 +183,33 @@ def test_bad_sha_refused(bundle, keys):
         B.verify_bundle(bundle, keys[1])
 
 
+@pytest.mark.parametrize("chunk_size", [1 << 16, 1 << 20, B.CHUNK_SIZE])
+def test_the_manifest_lists_each_chunks_sha256(keys, src, tmp_path, chunk_size):
+    manifest = B.build_bundle({"models/tiny": src / "model", "agent/run.sh": src / "agent/run.sh"},
+                              tmp_path / "out", "b1", "0.1.0", keys[0], chunk_size=chunk_size)
+    assert manifest.chunk_size == chunk_size
+    for f in manifest.files:
+        data = (tmp_path / "out" / B.FILES / f.path).read_bytes()
+        want = [hashlib.sha256(data[i:i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
+        assert f.chunks == want and len(want) == -(-len(data) // chunk_size)
+    assert max(len(f.chunks) for f in manifest.files) == -(-200_000 // chunk_size)
+    B.verify_bundle(tmp_path / "out", keys[1])
+    with pytest.raises(B.BundleError, match="a positive divisor or multiple"):
+        B.build_bundle({"agent/run.sh": src / "agent/run.sh"}, tmp_path / "out2", "b2", "0.1.0", keys[0],
+                       chunk_size=3 << 19)
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda m: m.files[-1].chunks.pop(), "chunk hashes listed"),
+    (lambda m: setattr(m, "chunk_size", 1 << 10), "chunk hashes listed"),
+    (lambda m: m.files[-1].chunks.__setitem__(0, "../x"), "a chunk sha256 is not 64"),
+])
+def test_chunk_lists_that_do_not_match_the_sizes_are_refused_even_when_signed(bundle, keys, mutate, reason):
+    resign(bundle, keys[0], lambda m: mutate(m) if m.files[-1].chunks else pytest.fail("no chunks"))
+    with pytest.raises(B.BundleError, match=reason):
+        B.verify_bundle(bundle, keys[1])
+
+
 def test_symlink_escaping(bundle, keys, tmp_path):
     outside = tmp_path / "secret"
     outside.write_text("x")
