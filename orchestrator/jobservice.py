@@ -74,6 +74,8 @@ def fit_refusals(settings: Settings, build_name: str, kind: str, spec: dict[str,
     """Why a generate or latency job of `spec` cannot run on each of `devices` whose engine is a
     browser page: the job's engine plan, recorded here for the adapter that device's discovery
     recorded (limits and features), does not fit it or the job's GPU budget (engine.fit).
+    `farm jobs submit` queues nothing then; a suite (a schedule's firing) fails those jobs as
+    it makes them.
     {serial: reasons}, for the devices that cannot run it only; a device with no recorded
     adapter limits, or a build whose model folder is not on this host, is not judged here (the
     page judges it before it allocates anything)."""
@@ -177,21 +179,36 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
     entry_builds = [build_row if entry.get("build") is None else store.get_build(session, entry["build"])
                     for entry in jobs]
     models: dict[int, str] = {}
+    specs = []
+    for entry, job_build in zip(jobs, entry_builds, strict=True):
+        spec = dict(entry.get("spec") or {})
+        if not spec.get("model"):
+            if job_build.id not in models:
+                models[job_build.id] = store.default_model(job_build)
+            spec["model"] = models[job_build.id]
+        specs.append(spec)
+    # A job whose plan cannot fit a page's adapter would only fail on the phone: it fails here,
+    # as it is made, with the reasons, and the rest of the suite runs.
+    refusals = [fit_refusals(settings, job_build.name, entry["kind"], spec, targets)
+                for entry, job_build, spec in zip(jobs, entry_builds, specs, strict=True)]
     for device in targets:
         deployments: dict[int, Deployment] = {}
         tune_job: int | None = None  # a "tuned" latency job runs after the device's tune job
         for index, (entry, job_build) in enumerate(zip(jobs, entry_builds, strict=True)):
             if entry.get("runtime") not in (None, device.runtime):
                 continue  # an entry for the devices of another runtime
-            spec = dict(entry.get("spec") or {})
-            if not spec.get("model"):
-                if job_build.id not in models:
-                    models[job_build.id] = store.default_model(job_build)
-                spec["model"] = models[job_build.id]
+            spec = dict(specs[index])
+            key = f"{idempotency_key}:{device.serial}:{index}" if idempotency_key else None
+            if device.serial in refusals[index]:
+                job = store.create_job(session, entry["kind"], spec, device.id, job_build.id, key,
+                                       schedule_id=schedule_id, batch_id=batch.id)
+                store.transition_job(session, job.id, JobState.failed, error=(
+                    f"does not fit {device.serial}'s browser: {'; '.join(refusals[index][device.serial])}"))
+                sends.batches.add(batch.id)
+                continue
             if job_build.id not in deployments:
                 deployments[job_build.id] = store.create_deployment(session, job_build.id, device.id,
                                                                     batch_id=batch.id, due_at=grace(settings))
-            key = f"{idempotency_key}:{device.serial}:{index}" if idempotency_key else None
             after = tune_job if spec.get("profile") == profiles.TUNED else None
             job = store.create_job(session, entry["kind"], spec, device.id, job_build.id, key,
                                    schedule_id=schedule_id, batch_id=batch.id,

@@ -229,3 +229,7 @@ def run_now(name: str = typer.Argument(..., help="Schedule name.")):
         fail(str(exc))
     console.print(f"schedule {name} fired: batch {batch_id}; follow it with `farm jobs list --batch {batch_id}`",
                   highlight=False)
+    with open_store(settings) as sessions, sessions() as session:
+        for job in store.get_batch(session, batch_id).jobs:
+            if job.state == "failed" and job.attempts == 0:  # failed as it was made: it cannot fit its device
+                console.print(f"job {job.id} ({job.kind}) failed at once: {job.error}", highlight=False, markup=False)

@@ -554,7 +554,9 @@ def find_due_deployments(session: Session, now: dt.datetime, stale_before: dt.da
 # retries of infrastructure failures (a dead worker, a lost device); a result is final.
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     # queued -> infra_failed: the job could not start (its build's deployment failed).
-    JobState.queued: frozenset({JobState.running, JobState.cancelled, JobState.infra_failed}),
+    # queued -> failed: the job can never run as asked (its plan does not fit its device's
+    # browser: engine.fit), so it fails as it is made, never sent.
+    JobState.queued: frozenset({JobState.running, JobState.cancelled, JobState.infra_failed, JobState.failed}),
     JobState.running: frozenset(
         {JobState.succeeded, JobState.failed, JobState.infra_failed, JobState.cancelled, JobState.queued}
     ),

@@ -271,3 +271,55 @@ def test_schedules_list_shows_a_broken_schedule_and_beat_fires_the_rest(farm, tm
     assert rows["leap"]["next_run_at"] is None and "names no date" in rows["leap"]["error"]
     result = farm("schedules", "add", "leap2", "--cron", "0 0 31 2 *", code=1)
     assert "names no date" in result.output and "Traceback" not in result.output
+
+
+def test_a_firing_fails_at_once_the_jobs_a_page_cannot_hold_and_runs_the_rest(cli, tiny_model_dir):
+    """A schedule's job whose plan cannot fit a page's adapter (as its discovery recorded it)
+    would only fail on the phone, every night: the firing records it failed, with the reasons,
+    never sent or deployed for; the same job on the page that can hold it, and on a local
+    device, is queued behind its deployment as usual."""
+    import shutil
+
+    from sqlalchemy import select
+
+    from agent.protocol import DeviceInfo, Manifest, ManifestFile
+    from engine.device import ADAPTERS_DIR
+    from orchestrator.db import store
+    from orchestrator.db.models import Batch, DeviceState, Job
+
+    adreno = json.loads((ADAPTERS_DIR / "adreno-640-chrome.json").read_text())
+    adreno.pop("source")
+    narrow = {**adreno, "limits": {**adreno["limits"], "max-storage-buffer-binding-size": 65536}}
+    cli("devices", "add", "host-1", "--transport", "local")
+    with cli.Session() as s, s.begin():
+        build = store.create_build(s, Manifest(build="b1", version="0.1.0", created=1_700_000_000.0, files=[
+            ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]))
+        for serial, adapter in (("page-1", adreno), ("page-2", narrow)):
+            info = DeviceInfo(serial=serial, model="Pixel 4", manufacturer="Google", os="android", os_version="13",
+                              adapter=adapter)
+            device = store.upsert_device(s, serial, "web", info=info, host="testhost", runtime="browser")
+            store.set_device_state(s, device.id, DeviceState.available)
+        build_name = build.name
+    shutil.copytree(tiny_model_dir, cli.tmp / "data" / "builds" / build_name / "models" / "tiny")
+    cli("schedules", "add", "nightly", "--cron", "0 2 * * *", "--job", "generate", "--precision", "fp32",
+        "--steps", "2")
+    fired = cli("schedules", "run-now", "nightly").output
+    assert "(generate) failed at once: does not fit page-2's browser: max binding bytes" in fired
+    assert "page-1" not in fired and "host-1" not in fired
+    with cli.Session() as s:
+        jobs = {j.device.serial: j for j in s.scalars(select(Job))}
+        assert sorted(jobs) == ["host-1", "page-1", "page-2"]
+        refused = jobs["page-2"]
+        assert refused.state == "failed" and refused.deployment_id is None and refused.attempts == 0
+        assert refused.error.startswith("does not fit page-2's browser: max binding bytes ")
+        assert "> the adapter's max-storage-buffer-binding-size 65,536" in refused.error
+        for serial in ("host-1", "page-1"):
+            assert jobs[serial].state == "queued" and jobs[serial].deployment_id is not None and not jobs[serial].error
+        assert s.scalar(select(Batch)).finished_at is None  # two of its jobs are still to run
+    # a suite nothing of which fits ends at once: its batch is settled, not left open
+    cli("schedules", "add", "page-2-only", "--cron", "0 2 * * *", "--job", "generate", "--precision", "fp32",
+        "--device", "page-2")
+    cli("schedules", "run-now", "page-2-only")
+    with cli.Session() as s:
+        batch = s.scalars(select(Batch).order_by(Batch.id)).all()[-1]
+        assert [j.state for j in batch.jobs] == ["failed"] and batch.finished_at is not None
