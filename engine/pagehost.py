@@ -6,8 +6,10 @@ GuardedServer (engine/httpserver.py) with one PageChannel per page:
     GET  /, /index.html, /web/*   the page and its modules, from the host's web roots
     GET  /api/next?page=ID        long poll: the page's next command, or 204 after POLL_S
     POST /api/done                a command's answer {id, ok, result | error}
-    POST /api/beat                "still working on command id" (every few seconds), and at
-                                  once when the page is hidden or shown: {"hidden": bool}
+    POST /api/beat                "still working on command id" (every 3 s, from the page's
+                                  worker: a busy command or a throttled background page holds
+                                  no beat back), and at once when the page is hidden or shown:
+                                  {"hidden": bool}
     POST /api/log                 the page's uncaught errors
 
 A page is alive while it polls, answers, beats or logs; a command whose page goes quiet for

@@ -15,12 +15,14 @@ try {
   enrolError = e;
 }
 // Every request to the hub carries the device's token, when the page has one.
+const headers = farm.token ? { Authorization: `Bearer ${farm.token}` } : {};
 const hostFetch = (url, init = {}) => fetch(url, farm.token
-  ? { ...init, headers: { ...(init.headers || {}), Authorization: `Bearer ${farm.token}` } } : init);
+  ? { ...init, headers: { ...(init.headers || {}), ...headers } } : init);
 
 runPage({
   query: { device: farm.device },
   hostFetch,
+  headers,
   hello: () => {
     if (enrolError) throw enrolError;
     return enrolled();

@@ -1,7 +1,8 @@
 // The page's side of the page-host protocol (engine/pagehost.py): fetch the next command from
 // /api/next, run it, post the answer to /api/done, forever. While a command runs, the page
 // tells the host it is alive every few seconds, so a host can tell a long job from a page that
-// is gone. Arrays travel as {dtype, shape, b64}.
+// is gone: from a dedicated Worker (beat.js), whose timers neither a busy command nor a
+// browser's throttling of background pages holds back. Arrays travel as {dtype, shape, b64}.
 //
 // Commands: hello (the adapter), load (a plan, its shaders and weights), run (one stage),
 // generate (the whole generation), time, kernels (per-kernel GPU times of a stage), unload.
@@ -23,6 +24,45 @@ async function wakeLock() {
   } catch (e) {
     return null;
   }
+}
+
+// The beats of the running command, posted to `url` by a dedicated Worker (beat.js: its timers
+// are not throttled with the page's, and a busy command does not hold them); where no worker
+// can be started, by this thread's timer through post().
+function heartbeat(url, headers, post) {
+  let worker = null;
+  let timer = null;
+  let running = null;
+  const fallback = () => {
+    clearInterval(timer);
+    timer = setInterval(() => { post("beat", { id: running, hidden: document.hidden }).catch(() => {}); }, BEAT_MS);
+  };
+  try {
+    worker = new Worker(new URL("./beat.js", import.meta.url));
+    worker.onerror = () => { // its script did not load: this thread beats instead
+      worker = null;
+      if (running !== null) fallback();
+    };
+  } catch (e) {
+    worker = null;
+  }
+  return {
+    start(id) {
+      running = id;
+      if (!worker) return fallback();
+      worker.postMessage({ start: { url: url.href, headers: { ...headers, "Content-Type": "application/json" }, id,
+        hidden: document.hidden, ms: BEAT_MS } });
+    },
+    hidden(hidden) {
+      if (worker) worker.postMessage({ hidden });
+    },
+    stop() {
+      running = null;
+      clearInterval(timer);
+      timer = null;
+      if (worker) worker.postMessage({ stop: true });
+    },
+  };
 }
 
 function arrayOut(a) {
@@ -48,8 +88,11 @@ function errorOf(e) {
 //   refused(status)  what to show for a 401/403 from the host (the page retries)
 //   emulate      an adapter description (engine/adapters/*.json) the page behaves as: its
 //                limits and features requested, its memory budget kept (tests of phones' pages)
+//   headers      what hostFetch adds to a request (credentials): the heartbeat's worker sends
+//                them itself, as a function cannot be handed to a worker
 export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops = {}, sources = null,
-  keepLoaded = 0, refused = (status) => `the host refused this page (HTTP ${status})`, emulate = null } = {}) {
+  keepLoaded = 0, refused = (status) => `the host refused this page (HTTP ${status})`, emulate = null,
+  headers = {} } = {}) {
   const emulating = emulatedAdapter(emulate);
   const pageId = crypto.randomUUID();
   const state = document.getElementById("state");
@@ -169,6 +212,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
 
   const post = (path, body) => hostFetch(api(path), { method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify(body) });
+  const beats = heartbeat(api("beat"), headers, post);
 
   async function loop() {
     ui.state("waiting for the host");
@@ -193,7 +237,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
       ui.state(`running ${cmd.op}`);
       ui.log(`${cmd.id} ${cmd.op}${cmd.stage ? " " + cmd.stage : ""}`);
       running = cmd.id;
-      const beat = setInterval(() => { post("beat", { id: cmd.id, hidden: document.hidden }).catch(() => {}); }, BEAT_MS);
+      beats.start(cmd.id);
       const lock = await wakeLock();
       let reply;
       try {
@@ -203,7 +247,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
         reply = { id: cmd.id, ok: false, error: errorOf(e) };
         ui.log(`${cmd.id} failed: ${reply.error.kind}: ${reply.error.message}`);
       } finally {
-        clearInterval(beat);
+        beats.stop();
         running = null;
         if (lock) lock.release().catch(() => {});
       }
@@ -225,6 +269,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   // command it runs as an infrastructure failure (page-hidden) rather than waiting it out.
   let running = null;
   document.addEventListener("visibilitychange", () => {
+    beats.hidden(document.hidden);
     post("beat", { id: running, hidden: document.hidden }).catch(() => {});
   });
   window.addEventListener("error", (ev) => {
