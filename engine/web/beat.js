@@ -6,6 +6,7 @@
 //   {start: {url, headers, id, hidden, ms}}   beat now and every ms until told otherwise
 //   {hidden: bool}                            what the next beats say of the page
 //   {stop: true}                              the command ended
+// It says {ready: true} once it runs.
 let timer = null;
 let beat = null;
 
@@ -30,3 +31,4 @@ onmessage = (ev) => {
     beat = null;
   }
 };
+postMessage({ ready: true });

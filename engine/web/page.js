@@ -2,7 +2,9 @@
 // /api/next, run it, post the answer to /api/done, forever. While a command runs, the page
 // tells the host it is alive every few seconds, so a host can tell a long job from a page that
 // is gone: from a dedicated Worker (beat.js), whose timers neither a busy command nor a
-// browser's throttling of background pages holds back. Arrays travel as {dtype, shape, b64}.
+// browser's throttling of background pages holds back. A GPU device lost while a command runs
+// ends that command with the error kind "device-lost" (its reason and message); the next
+// command gets a new device. Arrays travel as {dtype, shape, b64}.
 //
 // Commands: hello (the adapter), load (a plan, its shaders and weights), run (one stage),
 // generate (the whole generation), time, kernels (per-kernel GPU times of a stage), unload.
@@ -28,25 +30,34 @@ async function wakeLock() {
 
 // The beats of the running command, posted to `url` by a dedicated Worker (beat.js: its timers
 // are not throttled with the page's, and a busy command does not hold them); where no worker
-// can be started, by this thread's timer through post().
+// can be started, by this thread's timer through post(). `ready` settles once the worker runs
+// (or is given up): a command that takes the main thread at once must not keep its script from
+// loading.
 function heartbeat(url, headers, post) {
   let worker = null;
   let timer = null;
   let running = null;
+  let isReady = () => {};
+  const ready = new Promise((res) => { isReady = res; });
   const fallback = () => {
     clearInterval(timer);
     timer = setInterval(() => { post("beat", { id: running, hidden: document.hidden }).catch(() => {}); }, BEAT_MS);
   };
   try {
     worker = new Worker(new URL("./beat.js", import.meta.url));
+    worker.onmessage = (ev) => { if (ev.data && ev.data.ready) isReady(); };
     worker.onerror = () => { // its script did not load: this thread beats instead
       worker = null;
+      isReady();
       if (running !== null) fallback();
     };
   } catch (e) {
     worker = null;
   }
+  if (!worker) isReady();
+  setTimeout(isReady, 5000); // a worker that never says so: commands run anyway
   return {
+    ready,
     start(id) {
       running = id;
       if (!worker) return fallback();
@@ -90,6 +101,8 @@ function errorOf(e) {
 //                limits and features requested, its memory budget kept (tests of phones' pages)
 //   headers      what hostFetch adds to a request (credentials): the heartbeat's worker sends
 //                them itself, as a function cannot be handed to a worker
+// An op is given ui: {state(text), log(text), gpu()}, gpu() the page's GPU device (made on first
+// use, made again after a loss).
 export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops = {}, sources = null,
   keepLoaded = 0, refused = (status) => `the host refused this page (HTTP ${status})`, emulate = null,
   headers = {} } = {}) {
@@ -112,16 +125,25 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   let device = null;
   let weights = null; // the page's one copy of each weight, shared by its runners
   const runners = new Map(); // plan sha256 -> PlanRunner
+  let onLost = null; // ends the running command when its device is lost
 
   async function gpu() {
     if (!device) {
       const adapter = await requestAdapter();
-      device = await openDevice(adapter, emulating);
-      weights = new WeightStore(device);
-      device.lost.then((info) => { ui.log(`device lost: ${info.reason} ${info.message}`); device = null; runners.clear(); });
+      const d = await openDevice(adapter, emulating);
+      device = d;
+      weights = new WeightStore(d);
+      d.lost.then((info) => {
+        ui.log(`device lost: ${info.reason} ${info.message}`);
+        if (device !== d) return; // an older device's loss: its runners are gone already
+        device = null; // the next command asks for a new one
+        runners.clear();
+        if (onLost) onLost(info);
+      });
     }
     return device;
   }
+  ui.gpu = gpu;
 
   async function load(cmd) {
     const d = await gpu();
@@ -215,6 +237,8 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   const beats = heartbeat(api("beat"), headers, post);
 
   async function loop() {
+    ui.state("starting the heartbeat");
+    await beats.ready;
     ui.state("waiting for the host");
     for (;;) {
       let cmd;
@@ -239,14 +263,22 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
       running = cmd.id;
       beats.start(cmd.id);
       const lock = await wakeLock();
+      // A device lost mid-command (the driver reset, the browser took the GPU back) ends the
+      // command at once: its promises may never settle.
+      const lost = new Promise((resolve, reject) => {
+        onLost = (info) => reject(new PlanError("device-lost", `the GPU device was lost while ${cmd.op} ran ` +
+          `(${info.reason || "unknown"}): ${info.message || "no message"}`));
+      });
+      lost.catch(() => {});
       let reply;
       try {
         if (document.hidden) throw new PlanError("page-hidden", "the page is hidden (screen off, or another tab or app in front)");
-        reply = { id: cmd.id, ok: true, result: await handle(cmd) };
+        reply = { id: cmd.id, ok: true, result: await Promise.race([handle(cmd), lost]) };
       } catch (e) {
         reply = { id: cmd.id, ok: false, error: errorOf(e) };
         ui.log(`${cmd.id} failed: ${reply.error.kind}: ${reply.error.message}`);
       } finally {
+        onLost = null;
         beats.stop();
         running = null;
         if (lock) lock.release().catch(() => {});

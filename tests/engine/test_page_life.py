@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from ci_support import missing
 
+from agent.protocol import JobResult, JobSpec
 from engine.browser import (
     _reap_browser,
     chromium_command,
@@ -23,9 +24,12 @@ from engine.browser import (
     find_chromium,
     private_log,
 )
+from engine.errors import BrowserError
 from engine.pagehost import PAGE_LOST_S, WEB_ROOT
 from orchestrator import browser_hub
 from orchestrator.browser_hub import BrowserHub
+from orchestrator.transports import InfraFailure
+from orchestrator.transports.browser import BrowserTransport, WebPageLink
 
 pytestmark = pytest.mark.gpu
 SERIAL, TOKEN = "life-1", "token-of-life-1"
@@ -121,3 +125,20 @@ def test_a_command_that_holds_the_main_thread_past_page_lost_s_still_beats(page)
     # Beats every 3 s, while no timer of the page's main thread could run for 20 s
     assert max(gaps) < LOST_S - 1, f"the hub went {max(gaps):.1f} s without a word"
     assert page.status(SERIAL)["online"]
+
+
+def test_a_device_lost_mid_command_is_a_structured_error_and_the_next_command_gets_a_new_device(page, tmp_path):
+    first = page.call(SERIAL, "compute", timeout_s=60)
+    assert first["values"] == [1, 2, 3, 4]
+    started = time.monotonic()
+    with pytest.raises(BrowserError, match="destroyed") as err:
+        page.call(SERIAL, "lose-device", after_ms=500, timeout_s=60)
+    assert err.value.kind == "device-lost" and time.monotonic() - started < 20
+    after = page.call(SERIAL, "compute", timeout_s=60)
+    assert after["values"] == [1, 2, 3, 4] and after["devices"] == first["devices"] + 1
+    # A job whose command ended so is the infrastructure's failure, retried: never the job's own
+    link = WebPageLink("https://localhost:1", SERIAL)
+    transport = BrowserTransport(tmp_path / "root", link, TOKEN, tmp_path / "farm.pub", name=SERIAL, hub=page)
+    failed = JobResult(job_id="j1", kind="generate", status="failed", error=str(err.value))
+    with pytest.raises(InfraFailure, match="device-lost"):
+        transport.finish_result(JobSpec(job_id="j1", kind="generate", model="models/tiny"), failed)
