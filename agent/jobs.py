@@ -735,11 +735,10 @@ class _Child:
         plans = list(pipe.plans.values())
         decisions = {(d["op"], json.dumps(d["shape"])): f"{d['op']}/{d['variant']}"
                      for plan in plans for d in plan["profile"]["decisions"]}
-        from engine.kernels import precision_of
+        from engine.kernels import precision_notes, precision_of
 
         precision = precision_of(pipe.dtype)
-        notes = [f"adapter {self.caps.device!r} lacks shader-f16: fp16 runs as f16-storage (packed halves, "
-                 "f32 arithmetic)"] if precision != pipe.precision else []
+        notes = precision_notes(self.caps.device, pipe.precision, pipe.dtype)
         return {"profile": plans[0]["profile"]["name"], "precision": precision,
                 "residency": pipe.residency, "selection": dict(sorted(Counter(decisions.values()).items())),
                 "warnings": list(dict.fromkeys(notes + [w for plan in plans for w in plan["warnings"]])),

@@ -111,6 +111,14 @@ def storage_dtype(precision: str, has_f16: bool) -> str:
     raise EngineError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
 
 
+def precision_notes(device: str, precision: str, dtype: str) -> list[str]:
+    """What a result says when `precision` runs as another element type on adapter `device`:
+    fp16 on an adapter without shader-f16 runs as f16-storage (never silently as fp32)."""
+    if precision == "fp16" and dtype == "f16s":
+        return [f"adapter {device!r} lacks shader-f16: fp16 runs as f16-storage (packed halves, f32 arithmetic)"]
+    return []
+
+
 def precision_of(dtype: str) -> str:
     """The precision a model running in element type `dtype` reports."""
     return {"f32": "fp32", "f16": "fp16", "f16s": "f16-storage"}[dtype]

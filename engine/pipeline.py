@@ -31,7 +31,7 @@ import numpy as np
 from .denoise import DenoisingLoop
 from .device import GPU, get_gpu
 from .errors import InputError, ModelError
-from .kernels import Selection, precision_of, storage_dtype
+from .kernels import Selection, precision_notes, precision_of, storage_dtype
 from .models.clip import ACTIVATIONS, CLIPTextEncoder
 from .models.common import GPUWeights
 from .models.unet import UNet2DCondition, timestep_embedding
@@ -135,11 +135,8 @@ def load_native_pipeline(model_dir, precision: str = "fp32", profile=None, token
             f"supported: {', '.join(ACTIVATIONS)}"
         )
     gpu = get_gpu()
-    notes = []
     dtype = storage_dtype(precision, gpu.caps.has_f16)
-    if precision == "fp16" and dtype == "f16s":
-        notes.append(f"adapter {gpu.caps.device!r} lacks shader-f16: fp16 runs as f16-storage "
-                     "(packed halves, f32 arithmetic)")
+    notes = precision_notes(gpu.caps.device, precision, dtype)
     if residency == "staged":  # convert once here, not on every upload
         dtypes = {"text_encoder": dtype, "unet": dtype, "vae": _vae_dtype(config, dtype)}
         states = {

@@ -33,7 +33,14 @@ import numpy as np
 from .denoise import DenoisingLoop
 from .device import JS_LIMIT_NAMES
 from .errors import InputError
-from .kernels import SHADER_HEADERS, SHADER_ROOT, Variant, shader_name, storage_dtype
+from .kernels import (
+    SHADER_HEADERS,
+    SHADER_ROOT,
+    Variant,
+    precision_notes,
+    shader_name,
+    storage_dtype,
+)
 from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of, pack_params
 
 SCHEMA = 1
@@ -300,8 +307,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     check_generate_args(config.vae.vae_scale_factor, steps, height, width, scheduler, guidance_scale, strength)
     f = config.vae.vae_scale_factor
     dtype = storage_dtype(precision, caps.has_f16)
-    notes = [f"adapter {caps.device!r} lacks shader-f16: fp16 runs as f16-storage (packed halves, f32 "
-             "arithmetic)"] if precision == "fp16" and dtype == "f16s" else []
+    notes = precision_notes(caps.device, precision, dtype)
     asked_vae_dtype, vae_dtype = vae_dtype, vae_dtype or _vae_dtype(config, dtype)
     if asked_vae_dtype == "f16s" and _vae_dtype(config, dtype) == "f32":
         notes.append("the VAE decoder's f32 tensors exceed the adapter's max-storage-buffer-binding-size: it "
