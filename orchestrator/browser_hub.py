@@ -109,6 +109,9 @@ class BrowserHub:
         self.tokens_dir, self.stores = tokens_dir, stores
         self.devices: dict[str, _Device] = {}
         self._by_token: dict[str, _Device] = {}
+        # page requests refused for a token no device has: a page whose browser deleted its
+        # enrolment says nothing else (it cannot say whose it was)
+        self.refused_tokens = 0
         self.lock = threading.Lock()
         self.servers = [self._serve(host, port, None)]
         self.port = self.servers[0].server_address[1]
@@ -275,6 +278,8 @@ class _Handler(PageHostHandler):
         token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         device = self.hub.by_token(token) if token else None
         if device is None:
+            with self.hub.lock:
+                self.hub.refused_tokens += 1
             self.refuse(401, "no device has this token: open the device's enrolment URL again")
             return None
         claimed = query.get("device", [""])[0]

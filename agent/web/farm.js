@@ -17,6 +17,12 @@ const VIRTUAL_ITEM = "devicefarm.virtual";
 
 // ---- enrolment -----------------------------------------------------------------------------
 
+// What this page was enrolled with, kept for its life: a browser may delete the site's storage
+// under a page that runs (Safari: after 7 days without a person's interaction), and enrolled()
+// puts it back. A page loaded after such a deletion has nothing: the farm opens its enrolment
+// URL again (over ADB), or says to (a web device).
+const held = {};
+
 // Takes device, token and key (base64url) from the URL's fragment (never sent to a server); a
 // key other than the one this page is enrolled with is refused: the lab must clear the site's
 // data to move a phone to another farm.
@@ -35,12 +41,24 @@ export function enrol() {
   // never times it beside the host's other work.
   if (frag.get("virtual")) localStorage.setItem(VIRTUAL_ITEM, frag.get("virtual") === "1" ? "1" : "");
   if (frag.size) history.replaceState(null, "", location.pathname + location.search); // out of sight
+  for (const item of [DEVICE_ITEM, TOKEN_ITEM, KEY_ITEM, VIRTUAL_ITEM]) {
+    if (localStorage.getItem(item) !== null) held[item] = localStorage.getItem(item);
+  }
   return { device: localStorage.getItem(DEVICE_ITEM) || "", token: localStorage.getItem(TOKEN_ITEM) || "" };
 }
 
+// The page's enrolment as the farm's hello reads it; `restored` names what the browser had
+// deleted while the page ran and was written back from what the page still held.
 export function enrolled() {
+  const restored = [];
+  for (const [item, value] of Object.entries(held)) {
+    if (localStorage.getItem(item) === null) {
+      localStorage.setItem(item, value);
+      restored.push(item.replace("devicefarm.", ""));
+    }
+  }
   return { device: localStorage.getItem(DEVICE_ITEM) || "", key: !!localStorage.getItem(KEY_ITEM),
-    current: localStorage.getItem(CURRENT_ITEM) || "", virtual: localStorage.getItem(VIRTUAL_ITEM) === "1" };
+    current: localStorage.getItem(CURRENT_ITEM) || "", virtual: localStorage.getItem(VIRTUAL_ITEM) === "1", restored };
 }
 
 // base64url (the URL's form of the key) -> bytes

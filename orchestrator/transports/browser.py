@@ -16,7 +16,11 @@ browser), with no dependence on the phone's Wi-Fi. The device's own readings (mo
 zones, battery) come from the link, not from the host that runs the agent.
 
 A page that stops answering mid-job (tab killed, screen off, device lost) ends the job as an
-infrastructure failure (InfraFailure: the task retries it), never as the job's own failure."""
+infrastructure failure (InfraFailure: the task retries it), never as the job's own failure. A
+page whose browser deleted the site's storage (Safari does after 7 days without a person's
+visit) has lost its enrolment: it puts back what it still holds in memory, and one loaded
+afterwards, refused by the hub, is enrolled again by opening its enrolment URL (over ADB) or
+named with the command that prints that URL (a web device)."""
 
 from __future__ import annotations
 
@@ -72,6 +76,11 @@ class PageLink(abc.ABC):
     @abc.abstractmethod
     def open(self, url: str) -> None:
         """Have the device's browser open `url`."""
+
+    def reenrol(self, url: str) -> None:
+        """Enrol the device's page again with its enrolment `url`: its browser deleted the
+        site's storage, token and farm key with it."""
+        self.open(url)
 
     def gone(self) -> str | None:
         """Why waiting for the page is pointless (the browser exited), when the link can tell."""
@@ -167,7 +176,14 @@ class WebPageLink(PageLink):
 
     def open(self, url: str) -> None:
         raise DeviceOffline(self.name, "the farm's page is not open on the device: open it there once "
-                            f"(`farm devices enrol {self.name}` prints its URL and QR code) and keep it in front")
+                            f"(`farm devices enrol {self.name}` prints its URL and QR code) and keep it in front; a page "
+                            "open there that says the farm does not know its token lost its enrolment (its browser "
+                            "deleted the site's storage): open that URL again")
+
+    def reenrol(self, url: str) -> None:
+        raise DeviceOffline(self.name, f"{self.name}'s page is no longer enrolled: its browser deleted the site's "
+                            "storage, token and farm key with it (Safari does after 7 days without a visit); open "
+                            f"the URL `farm devices enrol {self.name}` prints on the device again and keep it in front")
 
     def device_info(self, adapter: dict, user_agent: str = "") -> DeviceInfo:
         from agent.deviceinfo import parse_user_agent_os
@@ -301,13 +317,34 @@ class BrowserTransport(LocalTransport):
             raise DeviceOffline(self.name, f"the page did not come up in the browser: {exc}") from None
         return hub
 
-    def _call(self, op: str, timeout_s: float = 120.0, **fields) -> dict:
+    def hello(self) -> dict:
+        """The page's hello. A page that says it is not enrolled (its browser deleted the site's
+        storage while it ran, and it held no copy) is enrolled again first: over ADB by opening its
+        enrolment URL, a web device by the person the DeviceOffline names the command for."""
+        hello = self._call("hello", timeout_s=60.0)
+        if hello.get("key", True) and hello.get("device", self.name):
+            return hello
+        self.link.reenrol(self.enrolment_url())
+        hub = self.hub or local_hub()
+        try:
+            hub.wait_online(self.name, self.open_timeout_s, gone=self.link.gone)
+        except BrowserError as exc:
+            raise DeviceOffline(self.name, f"the page did not come back after its enrolment URL was opened: {exc}") from None
+        hello = self._call("hello", timeout_s=60.0)
+        if not (hello.get("key", True) and hello.get("device", self.name)):
+            raise DeviceOffline(self.name, "the page is still not enrolled after its enrolment URL was opened")
+        return hello
+
+    def _call(self, op: str, timeout_s: float = 120.0, *, again: bool = True, **fields) -> dict:
         from engine.browser import BrowserError
 
         hub = self.ensure_page()
         try:
             return hub.call(self.name, op, timeout_s=timeout_s, **fields)
         except BrowserError as exc:
+            if exc.kind == "not-enrolled" and op != "hello" and again:
+                self.hello()  # the page puts its enrolment back, or is enrolled again
+                return self._call(op, timeout_s, again=False, **fields)
             if exc.kind in LOST_KINDS:
                 raise DeviceOffline(self.name, f"{op}: {exc}") from None
             raise TransportError(self.name, f"{op}: {exc}") from None
@@ -318,7 +355,7 @@ class BrowserTransport(LocalTransport):
         from agent.deviceinfo import adapter_id, parse_user_agent
         from engine.browser import caps_of
 
-        hello = self._call("hello", timeout_s=60.0)
+        hello = self.hello()
         user_agent = hello["adapter"].get("user_agent", "")
         adapter = caps_of(hello["adapter"]).as_dict()
         info = self.link.device_info(adapter, user_agent)
