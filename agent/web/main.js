@@ -28,7 +28,9 @@ runPage({
     return enrolled();
   },
   ops: {
-    deploy: (cmd, ui) => deploy(cmd, (sha) => hostFetch(new URL(`/blobs/${sha}`, location.href)),
+    // range: bytes [start, end) of the blob, as an HTTP Range (whose end is inclusive)
+    deploy: (cmd, ui) => deploy(cmd, (sha, range) => hostFetch(new URL(`/blobs/${sha}`, location.href),
+      range ? { headers: { Range: `bytes=${range[0]}-${range[1] - 1}` } } : {}),
       (done, total, bytes) => ui.state(`deploying ${cmd.build}: ${done}/${total} files, ${bytes} bytes`)),
   },
   sources: (cmd) => (cmd.build ? buildFetchers(cmd.build, cmd.model_prefix || "") : null),

@@ -7,8 +7,9 @@ through the farm's hub (orchestrator/browser_hub.py).
 
 A deploy installs the signed build in the host-side root (the agent verifies it), then hands
 the page the signed manifest: the page verifies the signature with WebCrypto and keeps the
-shaders and weights it lacks in its cache, by sha256, so a re-deploy of an unchanged build sends
-nothing. A job's plans run from that verified copy.
+shaders and weights it lacks in its cache, a signed chunk at a time (a cut deploy resumes from
+its last whole chunk), so a re-deploy of an unchanged build sends nothing; the deploy's progress
+event says how many chunks came, what the page freed and whether its storage is persistent. A job's plans run from that verified copy.
 
 How the page is reached is a PageLink: over ADB (AdbPageLink: a reverse forward makes the hub
 the phone's http://localhost:PORT, a secure context, and an intent opens the page in the
@@ -388,8 +389,13 @@ class BrowserTransport(LocalTransport):
         report = self._call("deploy", timeout_s=max(600.0, self.timeout_s), build=manifest.build,
                             manifest_b64=base64.b64encode(manifest.canonical_bytes()).decode(),
                             signature_b64=base64.b64encode(signature).decode(), files=wanted)
+        # A page older than chunked deploys reports none of the chunk, freed and storage fields.
         emit(progress, {"event": "bundle_installed" if report["fetched_files"] else "bundle_current",
-                        "build": manifest.build, "where": "page"})
+                        "build": manifest.build, "where": "page", "bytes": report["fetched_bytes"],
+                        "chunks": report.get("fetched_chunks", 0), "chunk_size": report.get("chunk_size", 0),
+                        "freed_bytes": report.get("freed_bytes", 0), "kept_builds": report.get("kept_builds", []),
+                        "persisted": report.get("persisted"), "quota_bytes": report.get("quota_bytes"),
+                        "usage_bytes": report.get("usage_bytes")})
         return SendReport(report["fetched_bytes"], report["fetched_files"], report["held_files"] +
                           len(manifest.files) - len(wanted), host.seconds, manifest.build,
                           host.installed or report["fetched_files"] > 0, host.kept_current)
