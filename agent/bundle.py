@@ -38,7 +38,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,12 +69,19 @@ RESERVED_PATHS = frozenset({MANIFEST, SIGNATURE})
 DEFAULT_EXCLUDE = ("__pycache__", "*.pyc", "*.pyo", ".DS_Store", ".git")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+RESUME = "incoming/.resume"  # partial uploads, by sha256 (see partial_upload)
+PARTIAL_LOCK_WAIT_S = 30.0
 _CHUNK = 1 << 20
 
 
 class BundleError(ValueError):
     """A bundle, key or install that cannot be trusted or completed; the message names the
     offending file and the reason."""
+
+
+class OffsetRefused(BundleError):
+    """An upload of a file's rest from a byte the device does not hold it up to (or off a chunk
+    boundary): ask again what it holds."""
 
 
 @dataclass
@@ -398,6 +405,217 @@ def missing_files(manifest: Manifest, root: Path, staged: Path | None = None) ->
     return out
 
 
+def arrived_bytes(manifest: Manifest, root: Path, files: Iterable[ManifestFile]) -> dict[str, int]:
+    """Of `files` (what missing_files lists), sha256 -> the bytes an interrupted upload already
+    left here, verified chunk by chunk (resume_point), for those with any: a resumed upload
+    sends only the rest, and its progress counts only what it sends."""
+    held = {f.sha256: resume_point(root, f, manifest.chunk_size) for f in files}
+    return {sha: n for sha, n in held.items() if n}
+
+
+# ---- resuming an upload inside a file ---------------------------------------------------------
+#
+# A file of a build whose manifest lists chunk hashes arrives as <root>/incoming/.resume/<sha>:
+# only whole chunks, each checked against the signed manifest's list before it is appended, so
+# the partial is always a verified prefix of the file; a cut costs at most the chunk it went
+# through. Once whole, its sha256 is checked and it is moved to its staged path. A transport that
+# cannot append (adb sync) leaves each chunk beside it as <sha>.<index> for absorb_chunks.
+
+
+def partial_upload(root: Path, sha256: str) -> Path:
+    """Where the verified first chunks of blob `sha256` wait for the rest of it."""
+    return Path(root) / RESUME / sha256
+
+
+def resume_point(root: Path, entry: ManifestFile, chunk_size: int) -> int:
+    """The bytes of `entry` an interrupted upload left on this device: the whole chunks at the
+    start of its partial upload that hash as the manifest lists (read a chunk at a time). What
+    follows the first chunk that does not (torn by a crash, damaged) is cut off and dropped,
+    never trusted; 0 when nothing usable is there or the manifest lists no chunks."""
+    path = partial_upload(root, entry.sha256)
+    if not chunk_size or not entry.chunks or not path.is_file() or path.is_symlink():
+        return 0
+    good = 0
+    try:
+        with _locked_partial(path, entry, create=False) as f:
+            for k, digest in enumerate(entry.chunks):
+                want = min(chunk_size, entry.size - k * chunk_size)
+                piece = f.read(want)
+                if len(piece) != want or hashlib.sha256(piece).hexdigest() != digest:
+                    break
+                good += want
+            f.truncate(good)
+            if good == 0:
+                path.unlink()
+    except FileNotFoundError:  # made whole and moved into place meanwhile
+        return 0
+    return good
+
+
+def append_chunks(root: Path, entry: ManifestFile, chunk_size: int, offset: int, read: Callable[[int], bytes],
+                  target: Path) -> int:
+    """Append to `entry`'s partial upload the bytes `read(n)` gives from `offset` on (the
+    partial's verified length, or less: it is cut back there), one chunk at a time, each
+    checked against the manifest's chunk list before it is written and fsynced. A short read
+    (a cut) keeps the whole chunks before it. Once the file is whole, its sha256 is checked and
+    it is moved to `target`; a whole file that does not hash right is dropped. Returns the
+    bytes now held. BundleError for an offset past what is held, off a chunk boundary, or a
+    chunk that is not the manifest's (the partial keeps what it had)."""
+    if not chunk_size or len(entry.chunks) != chunk_count(entry.size, chunk_size):
+        raise BundleError(f"{FILES}/{entry.path}: the manifest lists no chunks for it; send it whole")
+    path = partial_upload(root, entry.sha256)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked_partial(path, entry) as f:
+        held = os.fstat(f.fileno()).st_size
+        if offset > held or (offset % chunk_size and offset != entry.size) or offset > entry.size:
+            raise OffsetRefused(f"{FILES}/{entry.path}: an upload from byte {offset}, but {held} bytes of it are held "
+                              f"here (resume from a {chunk_size}-byte chunk boundary at most that far)")
+        if held != offset:
+            f.truncate(offset)
+        f.seek(offset)
+        while offset < entry.size:
+            k = offset // chunk_size
+            want = min(chunk_size, entry.size - offset)
+            piece = _read_exactly(read, want)
+            if len(piece) < want:
+                break  # the sender stopped mid-chunk: what came of this one is not kept
+            if hashlib.sha256(piece).hexdigest() != entry.chunks[k]:
+                raise BundleError(f"{FILES}/{entry.path}: chunk {k} (bytes {offset}-{offset + want}) does not "
+                                  "hash as the signed manifest lists; not kept")
+            f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())
+            offset += want
+        if offset < entry.size:
+            return offset
+        digest = _hash_open(f)
+    if digest != entry.sha256:
+        path.unlink(missing_ok=True)
+        raise BundleError(f"{FILES}/{entry.path}: every chunk matched but the whole file does not hash as signed; "
+                          "dropped, send it again")
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, target)
+    return offset
+
+
+def staged_manifest(staging: Path, root: Path, public_key: Ed25519PublicKey | Path | None = None) -> Manifest:
+    """The manifest staged in `staging`, once its signature verifies with the farm's key (the
+    provisioned one by default): what chunks are checked against as they arrive."""
+    return _signed_manifest(Path(staging), farm_public_key(root) if public_key is None else _public_key(public_key))
+
+
+def receive_chunks(staging: Path, root: Path, path: str, offset: int, read: Callable[[int], bytes],
+                   public_key: Ed25519PublicKey | Path | None = None) -> tuple[ManifestFile, int]:
+    """append_chunks for the file at `path` of the build staged in `staging`, checked against
+    that build's signed manifest, which must be staged first; its entry and the bytes held."""
+    staging, root = Path(staging), Path(root)
+    manifest = staged_manifest(staging, root, public_key)
+    entry = next((f for f in manifest.files if f.path == path), None)
+    if entry is None:
+        raise BundleError(f"{FILES}/{path}: not in build {manifest.build}'s manifest")
+    return entry, append_chunks(root, entry, manifest.chunk_size, offset, read, staging / FILES / path)
+
+
+def absorb_chunks(staging: Path, root: Path, check: bool = False,
+                  public_key: Ed25519PublicKey | Path | None = None) -> dict[str, int]:
+    """For a transport that cannot append (adb sync pushes whole files): append the chunk files
+    <sha>.<index> waiting beside each partial upload of the build staged in `staging` (its
+    signed manifest must be there), in order, each checked against the signed chunk list; a
+    chunk that is missing, torn or wrong ends that file's run and is deleted with any after
+    it. With `check`, each partial is first verified again (resume_point). A file made whole
+    is moved to its path under `staging`/files. Returns sha256 -> bytes held, for every
+    chunked file of the build that has a partial upload or is staged whole."""
+    staging, root = Path(staging), Path(root)
+    manifest = staged_manifest(staging, root, public_key)
+    folder = root / RESUME
+    held: dict[str, int] = {}
+    for f in {f.sha256: f for f in reversed(manifest.files)}.values():
+        waiting = sorted(folder.glob(f"{f.sha256}.*")) if folder.is_dir() else []
+        partial = partial_upload(root, f.sha256)
+        if not f.chunks or not (waiting or partial.exists()):
+            continue
+        n = partial.stat().st_size if partial.is_file() else 0
+        if check or (n % manifest.chunk_size and n != f.size):
+            n = resume_point(root, f, manifest.chunk_size)
+        target = staging / FILES / f.path
+        while n < f.size:
+            piece = folder / f"{f.sha256}.{n // manifest.chunk_size}"
+            if not piece.is_file():
+                break
+            try:
+                with open(piece, "rb") as src:
+                    after = append_chunks(root, f, manifest.chunk_size, n, src.read, target)
+            except BundleError:
+                break  # a wrong chunk, or a whole file that does not hash: sent again
+            finally:
+                piece.unlink(missing_ok=True)
+            if after == n:
+                break  # a torn chunk
+            n = after
+        if n == f.size and partial.exists():  # whole, but its move was cut short
+            with contextlib.suppress(BundleError):
+                append_chunks(root, f, manifest.chunk_size, n, lambda _n: b"", target)
+        for stale in waiting:
+            stale.unlink(missing_ok=True)
+        held[f.sha256] = n if partial.exists() or target.is_file() else 0
+    return held
+
+
+@contextlib.contextmanager
+def _locked_partial(path: Path, entry: ManifestFile, create: bool = True):
+    """The partial upload open for reading and writing, held alone: an upload whose connection
+    was cut may still be appending its last chunks when the resumed one asks (or, cut without
+    a word, until its idle timeout); it is waited for, up to PARTIAL_LOCK_WAIT_S. One made whole
+    and moved away meanwhile is not it: FileNotFoundError (or, with `create`, a new one)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: one deploy at a time anyway
+        fcntl = None
+    deadline = time.monotonic() + PARTIAL_LOCK_WAIT_S
+    while True:
+        f = os.fdopen(os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644), "r+b")
+        try:
+            while fcntl is not None:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise BundleError(f"{FILES}/{entry.path}: another upload of it is still being received "
+                                          f"after {PARTIAL_LOCK_WAIT_S:g} s; try again") from None
+                    time.sleep(0.02)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+        except BaseException:
+            f.close()
+            raise
+        f.close()
+        if not create:
+            raise FileNotFoundError(path)
+    with f:
+        yield f
+
+
+def _read_exactly(read: Callable[[int], bytes], n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = read(min(n - got, _CHUNK))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _hash_open(f) -> str:
+    h = hashlib.sha256()
+    f.seek(0)
+    while block := f.read(_CHUNK):
+        h.update(block)
+    return h.hexdigest()
+
+
 def verify_build(root: Path, build: InstalledBuild) -> list[str]:
     """The paths of an installed build whose file is missing or does not hash to the signed
     manifest's sha256 (empty: the build is intact). Run before every job, so a file damaged
@@ -507,10 +725,12 @@ def install_bundle(bundle_dir: Path, root: Path, public_key: Ed25519PublicKey | 
                                       f"(sha256 {f.sha256[:12]}...); send the files missing_files() lists")
                 if not hashes.holds(blob, f):
                     _check_file(blob, f, f"{FILES}/{f.path} (store blob {f.sha256[:12]}...)")
-        # 3. store the files that came (skipping blobs already there and intact)
+        # 3. store the files that came (skipping blobs already there and intact); an upload
+        # of one of them cut off earlier is of no use now
         for f in manifest.files:
             if f.path in present:
                 _store_blob(present[f.path], f, root)
+            partial_upload(root, f.sha256).unlink(missing_ok=True)
         # 4. the build tree, then 5. the switch
         build = _materialize(bundle_dir, manifest, root)
         current = current_build(root) if activate else None

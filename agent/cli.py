@@ -1,8 +1,9 @@
 """`farm-agent`: the device-side command. `info` says what the device is, `install` checks and
-installs a signed bundle, `run` runs one job (generate, latency, tune) and leaves its
-JobResult in the output folder, `serve` is the network agent, `simulate` starts a virtual
-phone. The agent's root folder (builds, store, locks, logs, farm.pub) comes from --root, else
-$FARM_AGENT_ROOT, else ~/.local/share/devicefarm-agent.
+installs a signed bundle (`resume` appends the chunks of a file pushed in pieces), `run` runs
+one job (generate, latency, tune) and leaves its JobResult in the output folder, `serve` is
+the network agent, `simulate` starts a virtual phone. The agent's root folder (builds, store,
+locks, logs, farm.pub) comes from --root, else $FARM_AGENT_ROOT, else
+~/.local/share/devicefarm-agent.
 
 Exit codes of `run`: 0 the job succeeded, 1 it failed (the result says why), 2 bad input (a
 malformed or unknown job document), 75 the device is busy with another job (EX_TEMPFAIL).
@@ -108,6 +109,26 @@ def install(
                    f"build {build.kept_current} (--allow-downgrade makes it current)")
     else:
         typer.echo(f"installed build {build.build_id} ({where}; now current")
+
+
+@app.command()
+def resume(
+    staging: Path = typer.Argument(..., help="The staged bundle folder; its manifest.json and manifest.sig first."),
+    root: Path = ROOT_OPTION,
+    check: bool = typer.Option(False, "--check", help="Hash each partial upload again first (a deploy's start)."),
+):
+    """Append the chunk files pushed beside each partial upload of a staged build (<root>/
+    incoming/.resume/<sha>.<index>), each checked against the signed manifest; a file made
+    whole moves into the staged folder. Prints {"held": {sha256: bytes}} as JSON."""
+    from agent.bundle import BundleError, absorb_chunks
+
+    root = agent_root(root)
+    confined_paths({"staged folder": staging, "--root": root})
+    try:
+        held = absorb_chunks(staging, root, check=check)
+    except (BundleError, OSError) as exc:
+        fail(f"resume refused: {exc}")
+    typer.echo(json.dumps({"held": held}))
 
 
 @app.command()

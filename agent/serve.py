@@ -12,6 +12,7 @@ document of another protocol version gets 409 with the ProtocolError message.
     PUT  /v1/bundles/<build>/manifest.json       the signed manifest   } staged under
     PUT  /v1/bundles/<build>/manifest.sig        its signature         } <root>/incoming/<build>,
     PUT  /v1/bundles/<build>/files/<path>        one file of the build } one request per file
+         [?offset=N]                             the rest of it from byte N, kept chunk by chunk
     POST /v1/bundles/<build>/install             verify + install the staged bundle (bundle.py)
     POST /v1/jobs[?wait=1]                       body: JobSpec -> 202 (running) or, with wait,
                                                  the JobResult; 503 while another job runs
@@ -22,9 +23,13 @@ document of another protocol version gets 409 with the ProtocolError message.
 
 Uploads are resumable: the orchestrator asks /v1/store/missing which files the device lacks
 (neither in its store nor staged whole by an interrupted upload), PUTs only those (a file is
-received beside the staging folder and moved in only once whole), then installs. A job id names its output
-folder <root>/jobs/<id>; posting a job whose result is already there returns that result
-instead of running it again, so a retried request never runs a job twice.
+received beside the staging folder and moved in only once whole), then installs. Inside a
+file too, when the manifest lists chunk hashes: the answer's "arrived" says how many bytes of
+a cut upload are held (whole chunks, verified), and a PUT with ?offset= at that length sends
+the rest, each chunk checked against the staged signed manifest (its signature is checked as
+it is PUT) before it is kept. A job id names its output folder <root>/jobs/<id>; posting a
+job whose result is already there returns that result instead of running it again, so a
+retried request never runs a job twice.
 """
 
 from __future__ import annotations
@@ -50,16 +55,23 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from agent.bundle import (
     NAME_PATTERN,
     BundleError,
+    OffsetRefused,
+    arrived_bytes,
     current_build,
     install_bundle,
     list_builds,
     missing_files,
+    receive_chunks,
+    staged_manifest,
     verify_build,
 )
 from agent.jobs import AgentBusy, busy_message, lock_problem, read_lock, run_job, stop_job
 from agent.protocol import (
+    FILES,
+    MANIFEST,
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
+    SIGNATURE,
     DeviceInfo,
     JobResult,
     JobSpec,
@@ -382,8 +394,10 @@ class AgentHandler(GuardedHandler):
     def store_missing(self, p, q) -> None:
         manifest = self._document(Manifest, self._read_json())
         missing = missing_files(manifest, self.server.root, staged=self._staging(manifest.build))
+        arrived = arrived_bytes(manifest, self.server.root, missing)
         self._json(200, {"build": manifest.build, "missing": [to_dict(f) for f in missing],
-                         "missing_bytes": sum(f.size for f in missing)})
+                         "arrived": arrived,  # sha256 -> bytes held of a cut upload: PUT the rest ?offset=
+                         "missing_bytes": sum(f.size for f in missing) - sum(arrived.values())})
 
     def _staging(self, build: str) -> Path:
         return self.server.root / "incoming" / _check_name("build id", build)
@@ -396,6 +410,9 @@ class AgentHandler(GuardedHandler):
         # An authorized upload of a model's weights takes what it takes (each read still has
         # the idle timeout); the request deadline is for what comes before the token is known.
         self.request_read()
+        if "offset" in q:
+            self._put_chunks(staging, rel, q["offset"][0], length)
+            return
         target.parent.mkdir(parents=True, exist_ok=True)
         # Written beside the staging folder, never inside it: a bundle folder holds only its files.
         tmp = self.server.root / "incoming" / f".tmp-{uuid.uuid4().hex}"
@@ -412,7 +429,39 @@ class AgentHandler(GuardedHandler):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+        if rel == SIGNATURE and (staging / MANIFEST).is_file():
+            # Checked as it is staged: files are checked against it as they come, and a build
+            # signed with another key is refused before any of its files is sent.
+            try:
+                staged_manifest(staging, self.server.root)
+            except BundleError as exc:
+                target.unlink(missing_ok=True)
+                raise HTTPError(400, f"build {p[1]!r} refused: {exc}") from None
         self._json(201, {"stored": rel, "size": length})
+
+    def _put_chunks(self, staging: Path, rel: str, offset: str, length: int) -> None:
+        """The rest of a file from byte `offset` (what /v1/store/missing said is held), kept a
+        verified chunk at a time, so a cut costs at most the chunk it went through."""
+        if not rel.startswith(f"{FILES}/") or not offset.isdigit():
+            raise HTTPError(400, f"?offset= takes a byte count and a file under {FILES}/, not {offset!r} for {rel}")
+        left = length
+
+        def read(n: int) -> bytes:
+            nonlocal left
+            data = self.rfile.read(min(n, left)) if left else b""
+            left -= len(data)
+            return data
+
+        try:
+            entry, held = receive_chunks(staging, self.server.root, rel.removeprefix(f"{FILES}/"), int(offset), read)
+        except BundleError as exc:
+            raise HTTPError(416 if isinstance(exc, OffsetRefused) else 400, str(exc)) from None
+        if held < entry.size:
+            raise HTTPError(400, f"the body ended after {length - left} of {length} bytes; {held} bytes of "
+                                 f"{rel} are held, resume from there")
+        if left:
+            raise HTTPError(400, f"{left} bytes past the end of {rel}")
+        self._json(201, {"stored": rel, "size": entry.size, "from": int(offset)})
 
     def install(self, p, q) -> None:
         staging = self._staging(p[1])

@@ -13,9 +13,10 @@ Scenarios:
 - push-cut: a deploy of the tiny model's build whose connection is cut (a TCP proxy closes
   both sides) at 2 %, 50 % and 95 % of its bytes, over adb to a virtual phone and over http
   to a network agent; then the deploy is run again on a clean connection. No file may ever
-  lie half-written at a final path (a watcher hashes them every 5 ms), and the resumed deploy
-  must send exactly the files that had not arrived whole (resume works per file: the file
-  the cut went through is sent again from its start).
+  lie half-written at a final path (a watcher hashes them every 5 ms); the resumed deploy must
+  send exactly what the device had not kept (whole files and whole, verified chunks: the
+  build lists 64 KiB chunks, --chunk-size), and on the wire the cut and resumed deploys
+  together may send at most one chunk (and one more deploy's start) beyond an uncut deploy.
 
 For each: jobs lost (not succeeded when everything settled or the deadline passed), jobs
 recorded twice (more than one stored run), jobs that ran more than once on a device (allowed:
@@ -25,6 +26,7 @@ server coming back until the next job settled.
 
     python benchmarks/fault_suite.py --json docs/benchmarks/fault-suite.json
     python benchmarks/fault_suite.py --small              # what CI runs (tests/orchestrator/test_fault_suite.py)
+    python benchmarks/fault_suite.py --scenarios push-cut # the cuts alone (seconds)
 """
 
 from __future__ import annotations
@@ -378,10 +380,44 @@ def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, 
 # Where the cuts land in the tiny model's build (files in manifest order): inside the text
 # encoder's weights, inside the UNet's, inside the VAE's (the last large file).
 CUT_AT = (0.02, 0.5, 0.95)
+# The push-cut build's chunks: the tiny model's 5.7 MB scaled down as the model is (a real
+# build's 4 MiB chunks against its 1.7 GB UNet), so that its large files have tens of chunks.
+PUSH_CUT_CHUNK = 64 << 10
 
 
-def run_push_cuts(root: Path) -> dict:
-    """Cut a deploy at each fraction of CUT_AT over adb and over http, then resume it."""
+def kept_on_device(root: Path, manifest) -> int:
+    """Bytes of the build a deploy left on the device that a resumed one need not send: files
+    staged whole, and of each partial upload (with the chunk files beside it that wait to be
+    appended) its run of whole chunks that hash as the manifest lists. Read only."""
+    import fcntl
+    import hashlib
+
+    staging, resume = root / "incoming" / manifest.build / "files", root / "incoming" / ".resume"
+    kept = 0
+    for f in {f.sha256: f for f in manifest.files}.values():
+        whole = [staging / g.path for g in manifest.files if g.sha256 == f.sha256]
+        if any(p.is_file() and hashlib.sha256(p.read_bytes()).hexdigest() == f.sha256 for p in whole):
+            kept += f.size
+            continue
+        data = b""
+        if (resume / f.sha256).is_file():
+            with open(resume / f.sha256, "rb") as partial:
+                fcntl.flock(partial.fileno(), fcntl.LOCK_SH)  # an upload still appending is waited for
+                data = partial.read()
+        pieces = [data[i:i + manifest.chunk_size] for i in range(0, len(data), manifest.chunk_size)]
+        for k, digest in enumerate(f.chunks):
+            piece = pieces[k] if k < len(pieces) else (resume / f"{f.sha256}.{k}").read_bytes() \
+                if (resume / f"{f.sha256}.{k}").is_file() else b""
+            if hashlib.sha256(piece).hexdigest() != digest:
+                break
+            kept += len(piece)
+    return kept
+
+
+def run_push_cuts(root: Path, chunk_size: int = PUSH_CUT_CHUNK) -> dict:
+    """Cut a deploy at each fraction of CUT_AT over adb and over http, then resume it; beside
+    each transport's cuts, one uncut deploy of the same build measures what a deploy costs on
+    the wire, so what the cut made go twice is (cut + resumed) - uncut."""
     from net_support import PartialWatcher, Proxy
 
     from agent.serve import make_server
@@ -392,13 +428,16 @@ def run_push_cuts(root: Path) -> dict:
 
     key = generate_keypair(root / "farm.key", root / "farm.pub")
     manifest = build_bundle({"models/tiny": make_model("tiny", 0, root / "model")}, root / "bundle", "b1", "0.1.0",
-                            key)
+                            key, chunk_size=chunk_size)
     total = sum({f.sha256: f.size for f in manifest.files}.values())
+    # What one more deploy's start may add on the wire: the signed manifest again (http also
+    # posts it to /v1/store/missing) and the questions of what is there.
+    start = 2 * (root / "bundle" / "manifest.json").stat().st_size + (8 << 10)
     adb_key = load_or_create_adb_key(root / "keys" / "adbkey")
-    cuts = []
+    cuts, uncut = [], {}
     for transport_kind in ("adb", "http"):
-        for fraction in CUT_AT:
-            case = root / f"{transport_kind}-{int(fraction * 100)}"
+        for fraction in (None, *CUT_AT):
+            case = root / f"{transport_kind}-{'uncut' if fraction is None else int(fraction * 100)}"
             if transport_kind == "adb":
                 phone = VirtualPhone(serial=case.name, root=case / "phone", adb_keys=adb_key.with_name("adbkey.pub"))
                 phone.start()
@@ -420,35 +459,58 @@ def run_push_cuts(root: Path) -> dict:
                 def connect(p: int) -> HttpTransport:
                     return HttpTransport(f"http://127.0.0.1:{p}", "fault-suite-token")
             provision_public_key(device_root, root / "farm.pub")
-            proxy = Proxy(port, cut_after=int(total * fraction))
+            proxy = Proxy(port, cut_after=None if fraction is None else int(total * fraction))
+            clean_proxy = Proxy(port)
             error = None
             try:
                 with PartialWatcher(device_root, manifest) as seen:
+                    if fraction is None:
+                        with connect(proxy.port) as clean:
+                            clean.send_bundle(root / "bundle")
+                        uncut[transport_kind] = proxy.forwarded
+                        continue
                     with connect(proxy.port) as cut:
                         try:
                             cut.send_bundle(root / "bundle")
                         except DeviceOffline as exc:
                             error = exc.detail
-                    staged_dir = device_root / "incoming" / "b1" / "files"
-                    staged = {f.sha256: f.size for f in manifest.files if (staged_dir / f.path).is_file()}
+                    kept = _settled(lambda root=device_root: kept_on_device(root, manifest))
                     installed_early = (device_root / "builds").exists()
                     t0 = time.monotonic()
-                    with connect(port) as clean:
+                    with connect(clean_proxy.port) as clean:
                         report = clean.send_bundle(root / "bundle")
                     resumed_s = time.monotonic() - t0
+                    with connect(port) as check:
+                        intact = check.installed_manifest_is((root / "bundle" / "manifest.json").read_bytes(), manifest)
             finally:
                 proxy.close()
+                clean_proxy.close()
                 stop()
-            arrived = sum(staged.values())
-            cuts.append({"transport": transport_kind, "cut_after_bytes": int(total * fraction),
-                         "wire_bytes_before_cut": proxy.forwarded,
+            cuts.append({"transport": transport_kind, "chunk_size": chunk_size,
+                         "cut_after_bytes": int(total * fraction), "wire_bytes_before_cut": proxy.forwarded,
                          "bytes_total": total, "cut_error": error, "installed_before_resume": installed_early,
-                         "arrived_whole_bytes": arrived, "resume_bytes_sent": report.bytes_sent,
-                         "resent_bytes": arrived + report.bytes_sent - total, "resume_s": round(resumed_s, 2),
-                         "partial_files_seen": len(seen), "installed": report.installed})
-    return {"scenario": "push-cut", "bytes_total": total, "cuts": cuts,
+                         "kept_bytes": kept, "resume_bytes_sent": report.bytes_sent,
+                         "resume_wire_bytes": clean_proxy.forwarded, "uncut_wire_bytes": uncut[transport_kind],
+                         "resent_wire_bytes": proxy.forwarded + clean_proxy.forwarded - uncut[transport_kind],
+                         "resume_s": round(resumed_s, 2), "partial_files_seen": len(seen),
+                         "installed": report.installed and intact})
+    return {"scenario": "push-cut", "bytes_total": total, "chunk_size": chunk_size, "start_bytes": start,
+            "cuts": cuts,
             "ok": all(c["cut_error"] and not c["installed_before_resume"] and c["installed"] and
-                      c["resent_bytes"] == 0 and c["partial_files_seen"] == 0 for c in cuts)}
+                      c["kept_bytes"] + c["resume_bytes_sent"] == total and c["partial_files_seen"] == 0 and
+                      c["resent_wire_bytes"] <= chunk_size + start for c in cuts)}
+
+
+def _settled(measure, quiet_s: float = 0.3, timeout_s: float = 30.0):
+    """`measure()` once it has given the same answer for `quiet_s`: what a device still does
+    with the bytes that reached it before a cut (the socket kept them) is done by then."""
+    value, since, deadline = measure(), time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = measure()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 def _until(predicate, timeout_s: float) -> None:
@@ -473,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="CI's size: 9 jobs, 3 kills")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--keep", type=Path, help="keep each scenario's folder (logs, store) under this folder")
+    parser.add_argument("--chunk-size", type=int, default=PUSH_CUT_CHUNK,
+                        help="push-cut: the build's chunk size in bytes (a divisor or multiple of 1 MiB)")
     args = parser.parse_args(argv)
     if args.small:
         args.jobs, args.kills, args.timeout = 9, 3, 400.0
@@ -486,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"-- {name}: {args.jobs} jobs on {args.devices} devices ({root})", flush=True)
         try:
             if name == "push-cut":
-                result = run_push_cuts(root)
+                result = run_push_cuts(root, args.chunk_size)
             else:
                 result = run_scenario(name, root, jobs=args.jobs, devices=args.devices, kills=args.kills,
                                       seed=args.seed, timeout_s=args.timeout)
@@ -507,13 +571,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r["scenario"] == "push-cut":
             print()
-            print(f"{'push cut':<10}{'cut after':>11}{'on the wire':>13}{'whole before':>14}{'resume sent':>13}"
-                  f"{'resent':>8}{'partial seen':>14}{'installed':>11}")
+            print(f"push cut, chunks of {r['chunk_size']} bytes; a deploy's start is at most {r['start_bytes']}")
+            print(f"{'transport':<10}{'cut after':>11}{'kept':>10}{'resume sent':>13}{'wire: cut':>11}"
+                  f"{'resumed':>10}{'uncut':>10}{'twice':>8}{'partial seen':>14}{'installed':>11}")
             for c in r["cuts"]:
-                print(f"{c['transport']:<10}{c['cut_after_bytes']:>11}{c['wire_bytes_before_cut']:>13}"
-                      f"{c['arrived_whole_bytes']:>14}"
-                      f"{c['resume_bytes_sent']:>13}{c['resent_bytes']:>8}{c['partial_files_seen']:>14}"
-                      f"{str(c['installed']):>11}")
+                print(f"{c['transport']:<10}{c['cut_after_bytes']:>11}{c['kept_bytes']:>10}{c['resume_bytes_sent']:>13}"
+                      f"{c['wire_bytes_before_cut']:>11}{c['resume_wire_bytes']:>10}{c['uncut_wire_bytes']:>10}"
+                      f"{c['resent_wire_bytes']:>8}{c['partial_files_seen']:>14}{str(c['installed']):>11}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

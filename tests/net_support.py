@@ -2,7 +2,8 @@
 proxy between a transport and its device that, `cut_after` bytes sent towards the device,
 closes both sides (a cable pulled mid-push), or with `freeze()` stops forwarding while keeping
 the sockets open (a device that stops answering); and a watcher that looks, while a push runs,
-for any file at a final path (a staged bundle file or a store blob) that is not whole."""
+for any file at a final path (a staged bundle file or a store blob) that is not whole; and a
+bundle as it was signed before manifests listed chunk hashes (resumed a whole file at a time)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,21 @@ class PartialWatcher:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def without_chunks(bundle: Path, out: Path, private_key: Path) -> Path:
+    """A copy of `bundle` whose manifest lists no chunk hashes (chunk_size 0), signed again with
+    `private_key`: a build made before chunks were listed."""
+    import dataclasses
+    import shutil
+
+    from agent.bundle import load_private_key
+    from agent.protocol import Manifest, from_json, to_json
+
+    shutil.copytree(bundle, out)
+    manifest = from_json(Manifest, (bundle / "manifest.json").read_bytes())
+    manifest = dataclasses.replace(manifest, chunk_size=0,
+                                   files=[dataclasses.replace(f, chunks=[]) for f in manifest.files])
+    (out / "manifest.json").write_text(to_json(manifest))
+    (out / "manifest.sig").write_bytes(load_private_key(private_key).sign(manifest.canonical_bytes()))
+    return out

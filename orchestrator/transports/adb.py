@@ -6,15 +6,19 @@ device-side layout under a device root (default /data/local/tmp/devicefarm):
 
     <root>/store/<aa>/<sha>             the agent's blob store (read, via one `stat` per batch)
     <root>/incoming/.partial/<sha>      files being pushed; only complete files leave it, by `mv`
+    <root>/incoming/.resume/<sha>       a file of several chunks being pushed: its whole chunks so far,
+    <root>/incoming/.resume/<sha>.<k>   checked and appended by the agent, then moved into place
     <root>/incoming/<build>/            the staged bundle: manifest.json, manifest.sig, files/...
     <root>/incoming/jobs/<job>.json     job documents
     <root>/jobs/<job>/                  a job's output folder (result.json, job.log, artifacts)
 
-A deploy asks the device which blobs it lacks (its store and what an interrupted deploy
-already staged), pushes only those to temporary names and moves each into place once whole,
-then runs `farm-agent install` on the staged folder. A job runs `farm-agent run --json` over
-shell v2 (exit code and stderr apart), streams the agent's JSON progress lines from stderr,
-and pulls result.json's artifacts. Everything on the device goes through the agent command,
+A deploy stages the signed manifest, asks the device which blobs it lacks (its store and what an
+interrupted deploy already staged), pushes only those to temporary names and moves each into
+place once whole, then runs `farm-agent install` on the staged folder. A file of several
+chunks goes a chunk at a time (`farm-agent resume` checks each against the signed manifest
+and appends it), so a cut deploy resumes it from its last whole chunk. A job runs
+`farm-agent run --json` over shell v2 (exit code and stderr apart), streams the agent's JSON
+progress lines from stderr, and pulls result.json's artifacts. Everything on the device goes through the agent command,
 toybox commands and sync; nothing here imports the agent's job code.
 
 Every connection is a SharedAdbDevice (adb_shared.py): adb-shell's AdbDevice with one reader thread per
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import shlex
@@ -41,8 +46,10 @@ from adb_shell import adb_device as adb_shell_device
 from adb_shell import exceptions as adb_errors
 from adb_shell.transport.tcp_transport import TcpTransport
 
+from agent.bundle import RESUME
 from agent.deviceinfo import collect_android
 from agent.protocol import (
+    EXIT_FAILED,
     EXIT_NOT_FOUND,
     FILES,
     MANIFEST,
@@ -78,6 +85,9 @@ STDERR_TAIL_BYTES = 2**20  # of a command's stderr, what is kept for its error m
 DEFAULT_KEY = Path("~/.config/devicefarm/adbkey")
 DEFAULT_ROOT = "/data/local/tmp/devicefarm"
 _COMMAND_CHARS = 3000  # keep each shell line well under the 4 KiB an old adbd takes in an OPEN
+# Chunks pushed before the agent appends them to their file: the room they take on the phone
+# beside the partial, against one start of the agent per this many bytes.
+ABSORB_BYTES = 64 << 20
 
 
 class NoDelayTcpTransport(TcpTransport):
@@ -167,6 +177,8 @@ class AdbTransport(Transport):
         self._handle: NoDelayTcpTransport | None = None
         self._connecting = threading.RLock()  # one connect at a time; a listener may use the device
         self._listeners: list[Callable[[SharedAdbDevice], None]] = []
+        self._arrived: dict[str, int] = {}  # of the deploy under way: sha256 -> bytes a cut upload left
+        self._chunked = False  # the deploy under way sends files of several chunks a chunk at a time
 
     # ---- connection ------------------------------------------------------------------------
 
@@ -409,6 +421,23 @@ class AdbTransport(Transport):
     def _staging(self, manifest: Manifest) -> tuple[str, str]:
         return f"{self.root}/incoming/{manifest.build}", f"{self.root}/incoming/.partial"
 
+    def _absorb(self, manifest: Manifest, check: bool = False) -> dict[str, int]:
+        """`farm-agent resume`: the agent appends the chunk files pushed so far to their partial
+        uploads, each checked against the staged signed manifest; sha256 -> bytes it holds."""
+        staging, _ = self._staging(manifest)
+        out, err, code = self.shell(f"{self.agent} resume {shlex.quote(staging)} --root {shlex.quote(self.root)}"
+                                    + (" --check" if check else ""), timeout_s=max(self.timeout_s, 600.0))
+        if code == EXIT_NOT_FOUND:
+            raise self.agent_missing(err)
+        if code == EXIT_FAILED and "resume refused: " in err:
+            raise BundleRefused(self.name, f"build {manifest.build}: {err.strip().split('resume refused: ', 1)[1]}")
+        try:
+            held = json.loads(out)["held"]
+            return {str(sha): int(n) for sha, n in held.items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise TransportError(self.name, f"`farm-agent resume` failed (exit {code}): "
+                                 f"{(err or out).strip()[-500:]}") from None
+
     def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
         staging, partial = self._staging(manifest)
         self._run_checked(f"rm -rf {shlex.quote(partial)} && mkdir -p {shlex.quote(partial)} "
@@ -423,23 +452,68 @@ class AdbTransport(Transport):
         digests = self.digests(sized)
         lacking = [f for f in firsts
                    if digests.get(blob[f.sha256]) != f.sha256 and digests.get(staged[f.sha256]) != f.sha256]
+        self._arrived = {f.sha256: self._arrived[f.sha256] for f in lacking if self._arrived.get(f.sha256)}
         parents = sorted({str(PurePosixPath(staged[f.sha256]).parent) for f in lacking})
         for batch in _batches(parents):
             self._run_checked("mkdir -p " + " ".join(shlex.quote(p) for p in batch), "mkdir")
         return lacking
 
+    def arrived(self, f: ManifestFile) -> int:
+        return self._arrived.get(f.sha256, 0)
+
     def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
         staging, partial = self._staging(manifest)
+        if self._chunked and len(f.chunks) > 1:
+            self._push_chunks(manifest, f, source, on_bytes)
+            return
         tmp = f"{partial}/{f.sha256}"
         self.push(source, tmp, f.mode, on_bytes)
         self._run_checked(f"mv {shlex.quote(tmp)} {shlex.quote(staging + '/' + FILES + '/' + f.path)}",
                           f"moving {f.path} into place")
 
+    def _push_chunks(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
+        """The file from its last whole chunk on the device, each chunk as a file of its own (sync
+        cannot append; one cut off dies with its connection), which the agent checks and
+        appends every ABSORB_BYTES and at the end, when it moves the whole file into place."""
+        size = manifest.chunk_size
+        start, waiting = self.arrived(f), 0
+        with open(source, "rb") as src:
+            src.seek(start)
+            for k in range(start // size, len(f.chunks)):
+                piece = src.read(size)
+                self.push(piece, f"{self.root}/{RESUME}/{f.sha256}.{k}")
+                on_bytes(len(piece))
+                waiting += len(piece)
+                if waiting >= ABSORB_BYTES and k + 1 < len(f.chunks):
+                    self._absorb(manifest)
+                    waiting = 0
+        held = self._absorb(manifest).get(f.sha256, 0)
+        if held != f.size:
+            raise TransportError(self.name, f"{f.path}: the agent holds {held} of its {f.size} bytes after every "
+                                 "chunk was pushed (a chunk did not hash as signed); deploy again")
+
     def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
         staging, partial = self._staging(manifest)
+        self._run_checked(f"mkdir -p {shlex.quote(partial)} {shlex.quote(self.root + '/' + RESUME)} "
+                          f"{shlex.quote(staging + '/' + FILES)}", "mkdir")
         for name in (MANIFEST, SIGNATURE):
             self.push((bundle_dir / name).read_bytes(), f"{partial}/{name}")
             self._run_checked(f"mv {shlex.quote(partial + '/' + name)} {shlex.quote(staging + '/' + name)}", "staging")
+        # The agent checks the signature now (a build signed with another key is refused before
+        # any file is sent) and what a cut deploy left of files sent in chunks: each chunk
+        # against the signed manifest; a file it makes whole moves into place. An agent without
+        # the command takes whole files, as before.
+        self._arrived, self._chunked = {}, manifest.chunk_size > 0
+        if self._chunked:
+            try:
+                self._arrived = self._absorb(manifest, check=True)
+            except BundleRefused:
+                raise
+            except TransportError as exc:
+                if isinstance(exc, DeviceOffline | DeviceTimeout):
+                    raise
+                log.warning("%s: no resume inside files (%s)", self.name, exc.detail)
+                self._chunked = False
 
     def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:
         """The agent verifies every file against the signed manifest and installs."""

@@ -9,9 +9,9 @@ the agent's exit codes mean, reading the bundle manifest, parsing and checking t
 fetching and checking artifacts, and telling progress events from log lines. `send_bundle` and
 `run` are templates over a few primitives that a transport supplies: how it reaches the device
 (`info`), what the device already holds and how a file gets there (`installed_manifest_is`,
-`prepare_deploy`, `push_file`, `push_signed`, `install`), how the agent is run (`exec_job`)
-and how a file of a job folder comes back (`read_job_file`, `fetch_job_file`). The exit codes
-and sizes are the device contract's (agent/protocol.py)."""
+`push_signed`, `prepare_deploy`, `arrived`, `push_file`, `install`), how the agent is run
+(`exec_job`) and how a file of a job folder comes back (`read_job_file`, `fetch_job_file`).
+The exit codes and sizes are the device contract's (agent/protocol.py)."""
 
 from __future__ import annotations
 
@@ -171,17 +171,23 @@ class Transport(abc.ABC):
         """Send the files of a signed bundle that the device's store lacks (by sha256: a blob
         damaged on the device is sent again), then install it as the current build; one built
         before the device's current build is installed beside it unless `allow_downgrade`.
-        Resumable: after an interruption the next call sends only what is still missing, and no
-        partial file ever lies at a path the agent reads."""
+        Resumable: after an interruption the next call sends only what is still missing (of a
+        file whose chunks the manifest lists, from its last whole chunk that arrived), and no
+        partial file ever lies at a path the agent reads. `bytes_sent` counts only what was sent."""
         started = time.monotonic()
         bundle_dir = Path(bundle_dir)
         manifest_bytes, manifest = self.read_manifest(bundle_dir)
         if self.installed_manifest_is(manifest_bytes, manifest):
             emit(progress, {"event": "bundle_current", "build": manifest.build})
             return SendReport(0, 0, len(manifest.files), time.monotonic() - started, manifest.build, False)
+        # The signed manifest goes first: a device checks each chunk of a file against it as the
+        # chunk arrives, and keeps the whole ones of a file cut off for the next deploy.
+        self.push_signed(manifest, bundle_dir)
         lacking = self.prepare_deploy(manifest_bytes, manifest)
-        total = sum(f.size for f in lacking)
-        emit(progress, {"event": "bundle_plan", "build": manifest.build, "files": len(lacking), "bytes": total})
+        held = sum(self.arrived(f) for f in lacking)
+        total = sum(f.size for f in lacking) - held
+        emit(progress, {"event": "bundle_plan", "build": manifest.build, "files": len(lacking), "bytes": total}
+             | ({"resumed_bytes": held} if held else {}))
         sent = 0
         for f in lacking:
             def on_bytes(n: int, f: ManifestFile = f) -> None:
@@ -190,7 +196,6 @@ class Transport(abc.ABC):
                 emit(progress, {"event": "push", "path": f.path, "bytes_sent": sent, "bytes_total": total})
 
             self.push_file(manifest, f, bundle_dir / FILES / f.path, on_bytes)
-        self.push_signed(manifest, bundle_dir)
         kept = self.install(manifest, allow_downgrade=allow_downgrade)
         emit(progress, {"event": "bundle_installed", "build": manifest.build} | ({"kept_current": kept} if kept else {}))
         return SendReport(sent, len(lacking), len(manifest.files) - len(lacking), time.monotonic() - started,
@@ -233,14 +238,19 @@ class Transport(abc.ABC):
         """The files (one per blob) the device lacks, neither in its store nor staged by an
         earlier attempt, compared by sha256, with the staging room made for them."""
 
+    def arrived(self, f: ManifestFile) -> int:
+        """Of a file prepare_deploy listed, the bytes a cut upload already left on the device
+        (whole chunks, verified there against the signed manifest); push_file sends the rest."""
+        return 0
+
     @abc.abstractmethod
     def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
-        """Stage one file of the build: under a temporary name until it is whole. `on_bytes(n)`
-        is told of every n bytes sent."""
+        """Stage one file of the build: under a temporary name until it is whole, from byte
+        `arrived(f)` on. `on_bytes(n)` is told of every n bytes sent."""
 
     @abc.abstractmethod
     def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
-        """Stage the manifest and its signature."""
+        """Stage the manifest and its signature (before any file: chunks are checked against it)."""
 
     @abc.abstractmethod
     def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:

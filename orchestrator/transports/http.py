@@ -1,10 +1,12 @@
 """The http transport: a network agent (`farm-agent serve`) on a Mac, a Linux or Windows GPU
 host, or anything else reached over the network. Every request carries the bearer token and
 the protocol version header; the agent's answers map onto the transport errors (401
-unauthorized, 409 protocol mismatch, 503 busy). Deploys ask /v1/store/missing, PUT only those
-files (the agent writes each to a temporary name and renames it whole), then install. Jobs
-are posted without waiting and followed through their event feed, so progress streams and a
-dead agent is noticed within the request timeout, not at the end of the job's time limit.
+unauthorized, 409 protocol mismatch, 503 busy). Deploys stage the signed manifest, ask
+/v1/store/missing, PUT only those files (the agent writes each to a temporary name and renames
+it whole; a file of more than one chunk from the bytes of it a cut upload left, which the
+agent keeps a verified chunk at a time), then install. Jobs are posted without waiting and
+followed through their event feed, so progress streams and a dead agent is noticed within the
+request timeout, not at the end of the job's time limit.
 
 An https agent is verified against the CA given as `ca_file` (for a farm device: the PEM file
 <config_dir>/tokens/<serial>.ca.pem beside its token), else against the system's trusted CAs.
@@ -102,6 +104,7 @@ class HttpTransport(Transport):
         except (OSError, ssl.SSLError) as exc:
             raise TransportError(self.name, f"cannot load the CA file {self.ca_file}: {exc}; give the PEM "
                                  "certificate of the CA that issued the agent's certificate") from None
+        self._arrived: dict[str, int] | None = None  # of the deploy under way (prepare_deploy)
         self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context),
                                                    _SameOriginRedirects(self))
 
@@ -122,14 +125,17 @@ class HttpTransport(Transport):
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body=None, sink: Path | None = None) -> tuple[int, bytes]:
+    def _request(self, method: str, path: str, body=None, sink: Path | None = None,
+                 offset: int = 0) -> tuple[int, bytes]:
         """(status, body) for 2xx answers; other statuses raise the matching TransportError.
-        `body` may be bytes, a Path (streamed) or None. With `sink`, a 200 body goes to that file."""
+        `body` may be bytes, a Path (streamed, from byte `offset`) or None. With `sink`, a 200
+        body goes to that file."""
         headers = {"Authorization": f"Bearer {self.token}", PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
         data = body
         if isinstance(body, Path):
-            headers["Content-Length"] = str(body.stat().st_size)
+            headers["Content-Length"] = str(body.stat().st_size - offset)
             data = open(body, "rb")  # noqa: SIM115  (closed below; urllib streams it)
+            data.seek(offset)
         elif body is not None:
             headers["Content-Type"] = "application/json"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
@@ -203,17 +209,36 @@ class HttpTransport(Transport):
     def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
         _, answer = self._json("POST", "/v1/store/missing", manifest_bytes)
         try:
-            return [from_dict(ManifestFile, f) for f in answer["missing"]]
-        except (ProtocolError, KeyError, TypeError) as exc:
+            lacking = [from_dict(ManifestFile, f) for f in answer["missing"]]
+            # An agent that answers "arrived" takes a file's rest by ?offset= and keeps what
+            # arrives of it chunk by chunk; an older one takes whole files only.
+            arrived = answer.get("arrived")
+            self._arrived = None if arrived is None else {str(k): int(v) for k, v in arrived.items()}
+        except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolMismatch(self.name, f"POST /v1/store/missing: {exc}") from None
+        return lacking
+
+    def arrived(self, f: ManifestFile) -> int:
+        return (self._arrived or {}).get(f.sha256, 0)
 
     def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes) -> None:
-        self._request("PUT", f"/v1/bundles/{quote(manifest.build)}/{FILES}/{quote(f.path)}", source)
+        where = f"/v1/bundles/{quote(manifest.build)}/{FILES}/{quote(f.path)}"
+        if self._arrived is not None and len(f.chunks) > 1:
+            start = self.arrived(f)
+            self._request("PUT", f"{where}?offset={start}", source, offset=start)
+            on_bytes(f.size - start)
+            return
+        self._request("PUT", where, source)
         on_bytes(f.size)
 
     def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
         for name in (MANIFEST, SIGNATURE):
-            self._request("PUT", f"/v1/bundles/{quote(manifest.build)}/{name}", bundle_dir / name)
+            try:
+                self._request("PUT", f"/v1/bundles/{quote(manifest.build)}/{name}", bundle_dir / name)
+            except TransportError as exc:
+                if type(exc) is TransportError:  # a 4xx: the agent refused the signature
+                    raise BundleRefused(self.name, exc.detail) from None
+                raise
 
     def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:
         query = "?allow_downgrade=1" if allow_downgrade else ""

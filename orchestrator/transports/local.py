@@ -13,7 +13,18 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agent.bundle import FILES, MANIFEST, SIGNATURE, current_build, missing_files, verify_build
+from agent.bundle import (
+    FILES,
+    MANIFEST,
+    SIGNATURE,
+    BundleError,
+    arrived_bytes,
+    current_build,
+    missing_files,
+    receive_chunks,
+    staged_manifest,
+    verify_build,
+)
 from agent.protocol import (
     DeviceInfo,
     JobSpec,
@@ -48,6 +59,7 @@ class LocalTransport(Transport):
         self.name = name
         self.timeout_s, self.job_margin_s = timeout_s, job_margin_s
         self.job_env: dict[str, str] = {}  # added to the agent's environment for jobs
+        self._arrived: dict[str, int] = {}  # of the deploy under way: sha256 -> bytes a cut upload left
 
     def _agent(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
         try:
@@ -78,19 +90,45 @@ class LocalTransport(Transport):
 
     def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
         self._staging(manifest).mkdir(parents=True, exist_ok=True)
-        return missing_files(manifest, self.root, staged=self._staging(manifest))
+        lacking = missing_files(manifest, self.root, staged=self._staging(manifest))
+        self._arrived = arrived_bytes(manifest, self.root, lacking)
+        return lacking
+
+    def arrived(self, f: ManifestFile) -> int:
+        return self._arrived.get(f.sha256, 0)
 
     def push_file(self, manifest: Manifest, f: ManifestFile, source: Path, on_bytes: Callable[[int], None]) -> None:
         target = self._staging(manifest) / FILES / f.path  # by temp file + rename: never a partial file there
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".partial-{f.sha256}"
+        if len(f.chunks) > 1:  # kept a verified chunk at a time: a crash costs at most one
+            start = self.arrived(f)
+            with open(source, "rb") as src:
+                src.seek(start)
+
+                def read(n: int) -> bytes:
+                    data = src.read(n)
+                    on_bytes(len(data))
+                    return data
+
+                try:
+                    receive_chunks(self._staging(manifest), self.root, f.path, start, read)
+                except BundleError as exc:
+                    raise BundleRefused(self.name, f"build {manifest.build}: {exc}") from None
+            return
+        tmp = self.root / "incoming" / f".partial-{f.sha256}"  # beside the bundle folder: it holds only its files
         shutil.copyfile(source, tmp)
         os.replace(tmp, target)
         on_bytes(f.size)
 
     def push_signed(self, manifest: Manifest, bundle_dir: Path) -> None:
+        self._staging(manifest).mkdir(parents=True, exist_ok=True)
         for name in (MANIFEST, SIGNATURE):
             shutil.copyfile(bundle_dir / name, self._staging(manifest) / name)
+        if manifest.chunk_size:  # what chunks are checked against: refused before any file is sent
+            try:
+                staged_manifest(self._staging(manifest), self.root)
+            except BundleError as exc:
+                raise BundleRefused(self.name, f"build {manifest.build}: {exc}") from None
 
     def install(self, manifest: Manifest, allow_downgrade: bool = False) -> str | None:
         staging = self._staging(manifest)

@@ -4,6 +4,7 @@ file), content-addressed install, partial re-deploys and interrupted installs.""
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -352,6 +353,98 @@ def test_missing_files_counts_whole_staged_files_of_an_interrupted_upload(bundle
     assert whole.sha256 not in missing
     assert {damaged.sha256, absent.sha256} <= missing
     assert missing == {f.sha256 for f in manifest.files} - {whole.sha256}
+
+
+@pytest.fixture
+def chunked(keys, src, tmp_path):
+    """A bundle with 64 KiB chunks (its 200,000-byte weights have 4), staged with its signed
+    manifest on an agent root provisioned with the farm key."""
+    manifest = B.build_bundle({"models/tiny": src / "model"}, tmp_path / "chunked", "c1", "0.1.0", keys[0],
+                              chunk_size=64 << 10)
+    root, staging = tmp_path / "agent", tmp_path / "agent/incoming/c1"
+    B.provision_public_key(root, keys[1])
+    staging.mkdir(parents=True)
+    for name in (B.MANIFEST, B.SIGNATURE):
+        shutil.copy(tmp_path / "chunked" / name, staging / name)
+    weights = max(manifest.files, key=lambda f: f.size)
+    return manifest, root, staging, weights, (tmp_path / "chunked/files" / weights.path).read_bytes()
+
+
+def test_a_file_arrives_a_verified_chunk_at_a_time_and_a_cut_keeps_the_whole_chunks(chunked):
+    manifest, root, staging, weights, data = chunked
+    size, target = manifest.chunk_size, staging / "files" / weights.path
+    assert len(weights.chunks) == 4
+    # cut 10 bytes into the third chunk: the two whole ones are kept, nothing is at the target
+    _, held = B.receive_chunks(staging, root, weights.path, 0, io.BytesIO(data[:2 * size + 10]).read)
+    assert held == 2 * size and B.partial_upload(root, weights.sha256).stat().st_size == held
+    assert not target.exists()
+    assert B.arrived_bytes(manifest, root, [weights]) == {weights.sha256: held}
+    # from further than what is held, or off a chunk boundary: refused, the partial unchanged
+    for offset in (3 * size, size + 1):
+        with pytest.raises(B.BundleError, match="resume from"):
+            B.receive_chunks(staging, root, weights.path, offset, lambda n: b"")
+    # a chunk that is not the manifest's: refused before it is written
+    wrong = bytearray(data[held:])
+    wrong[5] ^= 0xFF
+    with pytest.raises(B.BundleError, match="chunk 2 .* does not hash as the signed manifest lists"):
+        B.receive_chunks(staging, root, weights.path, held, io.BytesIO(bytes(wrong)).read)
+    assert B.resume_point(root, weights, size) == held
+    # the rest from there: the whole file, checked, moves to its staged path
+    _, whole = B.receive_chunks(staging, root, weights.path, held, io.BytesIO(data[held:]).read)
+    assert whole == weights.size and target.read_bytes() == data
+    assert not B.partial_upload(root, weights.sha256).exists()
+
+
+def test_a_damaged_or_torn_partial_is_cut_back_to_its_last_good_chunk_or_dropped(chunked):
+    manifest, root, staging, weights, data = chunked
+    size, partial = manifest.chunk_size, B.partial_upload(root, weights.sha256)
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(data[:3 * size] + os.urandom(100))  # a torn write after three good chunks
+    assert B.resume_point(root, weights, size) == 3 * size and partial.stat().st_size == 3 * size
+    damaged = bytearray(data[:3 * size])
+    damaged[size + 7] ^= 0xFF  # the second chunk damaged in place
+    partial.write_bytes(bytes(damaged))
+    assert B.resume_point(root, weights, size) == size and partial.read_bytes() == data[:size]
+    partial.write_bytes(b"x" + data[1:size])
+    assert B.resume_point(root, weights, size) == 0 and not partial.exists()
+    assert B.arrived_bytes(manifest, root, [weights]) == {}
+
+
+def test_chunks_pushed_as_files_are_absorbed_in_order_and_a_torn_one_dropped(chunked):
+    manifest, root, staging, weights, data = chunked
+    size, folder = manifest.chunk_size, root / B.RESUME
+    folder.mkdir(parents=True)
+    for k in (0, 1):
+        (folder / f"{weights.sha256}.{k}").write_bytes(data[k * size:(k + 1) * size])
+    (folder / f"{weights.sha256}.2").write_bytes(data[2 * size:2 * size + 99])  # cut mid-push
+    (folder / f"{weights.sha256}.3").write_bytes(data[3 * size:])  # after a gap: not used
+    assert B.absorb_chunks(staging, root, check=True) == {weights.sha256: 2 * size}
+    assert sorted(p.name for p in folder.iterdir()) == [weights.sha256]
+    for k in (2, 3):
+        (folder / f"{weights.sha256}.{k}").write_bytes(data[k * size:(k + 1) * size])
+    assert B.absorb_chunks(staging, root) == {weights.sha256: weights.size}
+    assert (staging / "files" / weights.path).read_bytes() == data and not list(folder.iterdir())
+    # the rest staged whole, and an upload of one of them cut off earlier: installing drops it
+    bundle = staging.parent.parent.parent / "chunked"
+    for f in manifest.files:
+        if f.sha256 != weights.sha256:
+            (staging / "files" / f.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(bundle / "files" / f.path, staging / "files" / f.path)
+    other = min(manifest.files, key=lambda f: f.size)
+    B.partial_upload(root, other.sha256).write_bytes(b"cut")
+    assert B.install_bundle(staging, root).build_id == "c1"
+    assert not list(folder.iterdir())
+
+
+def test_chunks_are_checked_against_a_manifest_signed_with_the_farm_key(chunked, tmp_path):
+    manifest, root, staging, weights, data = chunked
+    rogue = B.generate_keypair(tmp_path / "rogue.key", tmp_path / "rogue.pub")
+    (staging / B.SIGNATURE).write_bytes(rogue.sign(manifest.canonical_bytes()))
+    with pytest.raises(B.BundleError, match="manifest signature does not verify"):
+        B.receive_chunks(staging, root, weights.path, 0, io.BytesIO(data).read)
+    with pytest.raises(B.BundleError, match="manifest signature does not verify"):
+        B.absorb_chunks(staging, root)
+    assert not B.partial_upload(root, weights.sha256).exists()
 
 
 def test_partial_bundle_without_the_store_refused(bundle, keys, tmp_path):

@@ -1,5 +1,6 @@
 """`farm-agent` through Typer's CliRunner: exit codes (0 succeeded, 1 failed, 2 bad input, 75
-busy), one-line errors without tracebacks, install with the farm's key, simulate's wiring."""
+busy), one-line errors without tracebacks, install with the farm's key, resume's chunks,
+simulate's wiring."""
 
 from __future__ import annotations
 
@@ -130,6 +131,34 @@ def test_install_uses_farm_pub_in_the_root_and_refuses_tampering(tmp_path):
     assert r.exit_code == 1 and "install refused" in r.output and "size mismatch" in r.output
     r = agent("install", tmp_path / "nope", "--root", root)
     assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_resume_appends_the_pushed_chunks_and_prints_what_it_holds(tmp_path):
+    from agent.bundle import RESUME, build_bundle, generate_keypair, provision_public_key
+
+    key = generate_keypair(tmp_path / "farm.key", tmp_path / "farm.pub")
+    (tmp_path / "src").mkdir()
+    data = os.urandom(150_000)  # 3 chunks of 64 KiB
+    (tmp_path / "src/w.bin").write_bytes(data)
+    manifest = build_bundle({"m": tmp_path / "src"}, tmp_path / "bundle", "b1", "0.1", key, chunk_size=64 << 10)
+    root, staging = tmp_path / "root", tmp_path / "root/incoming/b1"
+    provision_public_key(root, tmp_path / "farm.pub")
+    staging.mkdir(parents=True)
+    for name in ("manifest.json", "manifest.sig"):
+        (staging / name).write_bytes((tmp_path / "bundle" / name).read_bytes())
+    sha, folder = manifest.files[0].sha256, root / RESUME
+    folder.mkdir(parents=True)
+    (folder / f"{sha}.0").write_bytes(data[:1 << 16])
+    (folder / f"{sha}.1").write_bytes(data[1 << 16:(1 << 16) + 10])  # cut mid-push
+    r = agent("resume", staging, "--root", root, "--check")
+    assert r.exit_code == 0 and json.loads(r.output) == {"held": {sha: 1 << 16}}, r.output
+    for k in (1, 2):
+        (folder / f"{sha}.{k}").write_bytes(data[k << 16:(k + 1) << 16])
+    r = agent("resume", staging, "--root", root)
+    assert json.loads(r.output) == {"held": {sha: len(data)}} and (staging / "files/m/w.bin").read_bytes() == data
+    (staging / "manifest.sig").write_bytes(b"\0" * 64)
+    r = agent("resume", staging, "--root", root)
+    assert r.exit_code == 1 and "resume refused: manifest.json: manifest signature does not verify" in r.output
 
 
 def test_simulate_calls_run_simulator(monkeypatch, tmp_path):

@@ -161,6 +161,46 @@ def test_bundle_upload_is_resumable_and_installs(served, tmp_path):
     assert status in (400, 404) and not (server.root.parent / "evil").exists()
 
 
+def test_a_file_put_from_an_offset_is_kept_a_verified_chunk_at_a_time(served, tmp_path):
+    """/v1/store/missing says how much of a cut upload is held; a PUT ?offset= from there sends
+    the rest; an offset past what is held, a chunk not the manifest's, and a signature by
+    another key are refused."""
+    from agent.bundle import build_bundle, generate_keypair, provision_public_key
+
+    key = generate_keypair(tmp_path / "farm.key", tmp_path / "farm.pub")
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(200_000)  # 4 chunks of 64 KiB
+    (src / "w.bin").write_bytes(data)
+    bundle = tmp_path / "bundle"
+    manifest = build_bundle({"m": src}, bundle, "b1", "0.1", key, chunk_size=64 << 10)
+    call, server = served()
+    provision_public_key(server.root, tmp_path / "farm.pub")
+    rogue = generate_keypair(tmp_path / "rogue.key", tmp_path / "rogue.pub")
+    assert call("PUT", "/v1/bundles/b1/manifest.json", (bundle / "manifest.json").read_bytes())[0] == 201
+    status, raw = call("PUT", "/v1/bundles/b1/manifest.sig", rogue.sign(manifest.canonical_bytes()))
+    assert status == 400 and "manifest signature does not verify" in json.loads(raw)["error"]
+    assert call("PUT", "/v1/bundles/b1/manifest.sig", (bundle / "manifest.sig").read_bytes())[0] == 201
+    # what a cut left: two whole chunks and part of the third
+    partial = server.root / "incoming/.resume" / manifest.files[0].sha256
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(data[:(2 << 16) + 500])
+    status, raw = call("POST", "/v1/store/missing", json.loads((bundle / "manifest.json").read_text()))
+    answer = json.loads(raw)
+    assert answer["arrived"] == {manifest.files[0].sha256: 2 << 16}
+    assert answer["missing_bytes"] == len(data) - (2 << 16)
+    assert call("PUT", "/v1/bundles/b1/files/m/w.bin?offset=196608", data[3 << 16:])[0] == 416
+    wrong = bytearray(data[2 << 16:])
+    wrong[9] ^= 1
+    status, raw = call("PUT", "/v1/bundles/b1/files/m/w.bin?offset=131072", bytes(wrong))
+    assert status == 400 and "chunk 2" in json.loads(raw)["error"]
+    assert partial.stat().st_size == 2 << 16
+    assert call("PUT", "/v1/bundles/b1/files/m/w.bin?offset=131072", data[2 << 16:])[0] == 201
+    assert (server.root / "incoming/b1/files/m/w.bin").read_bytes() == data and not partial.exists()
+    status, raw = call("POST", "/v1/bundles/b1/install", b"")
+    assert status == 200, raw
+
+
 def test_async_job_and_idempotent_repost(served, tmp_path):
     started = threading.Event()
     release = threading.Event()

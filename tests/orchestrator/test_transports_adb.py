@@ -1,5 +1,6 @@
 """The adb transport against the virtual phone: device info, resumable deploys (nothing partial
-ever at a final path), a generate job end to end with byte-identical artifacts, an agent
+ever at a final path; a cut inside a file resumed from its last whole chunk, a build without
+chunk hashes a whole file at a time), a generate job end to end with byte-identical artifacts, an agent
 killed mid-job, busy devices, refused RSA keys, phones that stop answering, and bundles
 signed with another key. A small TCP proxy between transport and phone cuts or freezes the
 connection where a test needs it."""
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from net_support import PartialWatcher, Proxy
+from net_support import PartialWatcher, Proxy, without_chunks
 
 from agent.bundle import build_bundle, generate_keypair
 from agent.protocol import JobSpec, Manifest
@@ -35,6 +36,7 @@ from orchestrator.transports import (
 from orchestrator.transports.adb import DEFAULT_ROOT, AdbTransport, load_or_create_adb_key
 
 DEVICE_ROOT = DEFAULT_ROOT.lstrip("/")
+CHUNK = 64 << 10  # the chunked build's chunks: the tiny model's weights have 3, 69 and 16 of them
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,10 @@ def farm(tmp_path_factory, tiny_model_dir):
     manifest = build_bundle(sources, tmp / "bundle", "b1", "0.1.0", key)
     rogue = generate_keypair(tmp / "rogue.key", tmp / "rogue.pub")
     build_bundle(sources, tmp / "rogue-bundle", "b1", "0.1.0", rogue)
-    return {"bundle": tmp / "bundle", "rogue": tmp / "rogue-bundle", "pub": tmp / "farm.pub", "manifest": manifest}
+    chunked = build_bundle(sources, tmp / "chunked", "b2", "0.1.0", key, chunk_size=CHUNK)
+    return {"bundle": tmp / "bundle", "rogue": tmp / "rogue-bundle", "pub": tmp / "farm.pub", "manifest": manifest,
+            "chunked": tmp / "chunked", "chunked_manifest": chunked,
+            "unchunked": without_chunks(tmp / "bundle", tmp / "unchunked", tmp / "farm.key")}
 
 
 def provision(phone: VirtualPhone, farm: dict) -> Path:
@@ -150,7 +155,10 @@ def test_a_blob_damaged_on_the_phone_is_sent_again_and_the_build_repaired(adb, p
     assert adb.send_bundle(farm["bundle"]).files_sent == 0
 
 
-def test_dropped_connection_resumes_and_never_leaves_a_partial_file(phone, farm, tmp_path):
+def test_a_build_without_chunk_hashes_cut_resumes_a_whole_file_at_a_time(phone, farm, tmp_path):
+    """A connection cut halfway through a deploy of a build signed before manifests listed chunk
+    hashes: no half-sent file lies at a final path, and the next deploy sends exactly the files
+    that had not arrived whole."""
     manifest = farm["manifest"]
     total = distinct_bytes(manifest)
     proxy = Proxy(phone.port, cut_after=total // 2)
@@ -158,14 +166,14 @@ def test_dropped_connection_resumes_and_never_leaves_a_partial_file(phone, farm,
         with PartialWatcher(phone.device_root, manifest) as seen_partial:
             cut = transport(proxy.port, tmp_path)
             with pytest.raises(DeviceOffline, match="connection lost|closed"):
-                cut.send_bundle(farm["bundle"])
+                cut.send_bundle(farm["unchunked"])
             cut.close()
             staged = sum(p.stat().st_size for p in (phone.device_root / "incoming/b1/files").rglob("*")
                          if p.is_file())
             assert 0 < staged < total
             assert not (phone.device_root / "builds").exists()
             resumed = transport(phone.port, tmp_path)
-            report = resumed.send_bundle(farm["bundle"])
+            report = resumed.send_bundle(farm["unchunked"])
             resumed.close()
     finally:
         proxy.close()
@@ -173,6 +181,50 @@ def test_dropped_connection_resumes_and_never_leaves_a_partial_file(phone, farm,
     assert report.files_skipped > 0
     assert not seen_partial, seen_partial[:3]
     assert (phone.device_root / "builds/current/manifest.json").is_file()
+
+
+def wire_bytes(bundle: Path, port: int, tmp_path: Path, cut_after: int | None = None) -> tuple[int, object]:
+    """Bytes sent towards the phone for one deploy of `bundle` (through a proxy that cuts after
+    `cut_after` of them), and its SendReport or the error it ended with."""
+    proxy = Proxy(port, cut_after=cut_after)
+    try:
+        with transport(proxy.port, tmp_path) as t:
+            try:
+                outcome = t.send_bundle(bundle)
+            except DeviceOffline as exc:
+                outcome = exc
+    finally:
+        proxy.close()
+    return proxy.forwarded, outcome
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.5, 0.95])
+def test_a_deploy_cut_inside_a_file_resumes_from_its_last_whole_chunk(tmp_path, farm, fraction):
+    """A build whose manifest lists 64 KiB chunks, cut at 2 %, 50 % and 95 % of its bytes: on
+    the wire, the cut deploy and the resumed one together send at most one chunk more than one
+    uncut deploy does (plus one more deploy's start: its connection, the signed manifest again,
+    the questions of what is there); the resumed deploy's bytes_sent is what it sent; nothing
+    half-written is ever at a final path; the build installs and verifies."""
+    manifest, bundle = farm["chunked_manifest"], farm["chunked"]
+    total = distinct_bytes(manifest)
+    key = load_or_create_adb_key(tmp_path / "keys" / "adbkey")
+    start = len((bundle / "manifest.json").read_bytes()) + len((bundle / "manifest.sig").read_bytes()) + (8 << 10)
+    with VirtualPhone(serial="sim-clean", root=tmp_path / "clean", adb_keys=key.with_name("adbkey.pub")) as clean:
+        provision(clean, farm)
+        uncut, report = wire_bytes(bundle, clean.port, tmp_path)
+        assert report.installed and report.bytes_sent == total
+    with VirtualPhone(serial="sim-cut", root=tmp_path / "phone", adb_keys=key.with_name("adbkey.pub")) as phone:
+        root = provision(phone, farm)
+        with PartialWatcher(root, manifest) as seen_partial:
+            before, error = wire_bytes(bundle, phone.port, tmp_path, cut_after=int(total * fraction))
+            assert isinstance(error, DeviceOffline) and not (root / "builds").exists()
+            after, report = wire_bytes(bundle, phone.port, tmp_path)
+        with transport(phone.port, tmp_path) as check:
+            intact = check.installed_manifest_is((bundle / "manifest.json").read_bytes(), manifest)
+    assert report.installed and intact and not seen_partial, (report, seen_partial[:3])
+    assert before + after - uncut <= CHUNK + start, (before, after, uncut)
+    assert after - report.bytes_sent <= uncut - total + start, (after, report)  # bytes_sent is not understated
+    assert not list((root / "incoming/.resume").iterdir()), "a chunk or partial upload was left behind"
 
 
 def test_bundle_signed_with_another_key_is_refused_naming_the_file(adb, phone, farm):

@@ -1,6 +1,7 @@
 """The http transport against the real network agent (agent.serve on a free localhost port, in
 a thread): info, the token, deploys (a second one sends nothing; a bundle signed with another
-key is refused naming the file), a generate job with its artifact fetched byte-identical,
+key is refused naming the file before any file is sent; a cut inside a file resumed from its
+last whole chunk), a generate job with its artifact fetched byte-identical,
 busy devices, protocol mismatches, and agents that are gone or silent. HTTPS agents are
 verified against the given CA (or the one beside the token), and a redirect to another origin
 (a real server on 127.0.0.2 that records what it receives) never gets the token."""
@@ -16,7 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from net_support import PartialWatcher, Proxy
+from net_support import PartialWatcher, Proxy, without_chunks
 from tls_support import make_pki
 
 from agent.bundle import build_bundle, generate_keypair, provision_public_key
@@ -35,6 +36,7 @@ from orchestrator.transports import (
 from orchestrator.transports.http import HttpTransport
 
 TOKEN = "transport-test-token"
+CHUNK = 64 << 10  # the chunked build's chunks: the tiny model's weights have 3, 69 and 16 of them
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +44,13 @@ def farm(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("farm")
     (tmp / "VERSION").write_text("0.1.0\n")
     sources = {"models/tiny": tiny_model_dir, "VERSION": tmp / "VERSION"}
-    manifest = build_bundle(sources, tmp / "bundle", "b1", "0.1.0", generate_keypair(tmp / "k", tmp / "farm.pub"))
+    key = generate_keypair(tmp / "k", tmp / "farm.pub")
+    manifest = build_bundle(sources, tmp / "bundle", "b1", "0.1.0", key)
     build_bundle(sources, tmp / "rogue", "b1", "0.1.0", generate_keypair(tmp / "rk", tmp / "rogue.pub"))
-    return {"bundle": tmp / "bundle", "rogue": tmp / "rogue", "pub": tmp / "farm.pub", "manifest": manifest}
+    chunked = build_bundle(sources, tmp / "chunked", "b2", "0.1.0", key, chunk_size=CHUNK)
+    return {"bundle": tmp / "bundle", "rogue": tmp / "rogue", "pub": tmp / "farm.pub", "manifest": manifest,
+            "chunked": tmp / "chunked", "chunked_manifest": chunked,
+            "unchunked": without_chunks(tmp / "bundle", tmp / "unchunked", tmp / "k")}
 
 
 def fake_info() -> DeviceInfo:
@@ -85,13 +91,12 @@ def test_info_and_the_token(http, agent, tmp_path):
 def test_send_bundle_refuses_another_key_then_sends_only_once(http, agent, farm):
     with pytest.raises(BundleRefused, match=r"manifest\.json: manifest signature does not verify"):
         http.send_bundle(farm["rogue"])
+    # Refused as its signature was staged, before any file was sent (files are checked against it)
     refused = agent.root / "incoming/b1/files"
+    assert not [p for p in refused.rglob("*") if p.is_file()] and not (agent.root / "incoming/b1/manifest.sig").exists()
     distinct = sum({f.sha256: f.size for f in farm["manifest"].files}.values())
-    assert sum(p.stat().st_size for p in refused.rglob("*") if p.is_file()) == distinct
-    # The refused upload left every file staged whole: the right bundle sends none of them again
-    # (install verifies each against its own signed manifest).
     first = http.send_bundle(farm["bundle"])
-    assert first.installed and first.bytes_sent == 0 and first.files_skipped == len(farm["manifest"].files)
+    assert first.installed and first.bytes_sent == distinct and first.files_skipped == 0
     second = http.send_bundle(farm["bundle"])
     assert (second.bytes_sent, second.files_sent, second.installed) == (0, 0, False)
     assert (agent.root / "builds/current/manifest.json").read_bytes() == (farm["bundle"] / "manifest.json").read_bytes()
@@ -113,26 +118,79 @@ def test_a_blob_damaged_on_the_agent_is_sent_again_and_the_build_repaired(http, 
     assert http.send_bundle(farm["bundle"]).files_sent == 0
 
 
-def test_dropped_connection_resumes_and_never_leaves_a_partial_file(agent, farm):
-    """A connection cut halfway through a deploy: no half-sent file lies at a final path, and the
-    next deploy sends only the files that had not arrived whole."""
+def test_a_build_without_chunk_hashes_cut_resumes_a_whole_file_at_a_time(agent, farm):
+    """A connection cut halfway through a deploy of a build signed before manifests listed chunk
+    hashes: no half-sent file lies at a final path, and the next deploy sends exactly the files
+    that had not arrived whole."""
     manifest = farm["manifest"]
     total = sum({f.sha256: f.size for f in manifest.files}.values())
     proxy = Proxy(int(agent.url.rsplit(":", 1)[1]), cut_after=total // 2)
     try:
         with PartialWatcher(agent.root, manifest) as seen_partial:
             with pytest.raises(DeviceOffline):
-                HttpTransport(f"http://127.0.0.1:{proxy.port}", TOKEN).send_bundle(farm["bundle"])
+                HttpTransport(f"http://127.0.0.1:{proxy.port}", TOKEN).send_bundle(farm["unchunked"])
             staged = sum(p.stat().st_size for p in (agent.root / "incoming/b1/files").rglob("*") if p.is_file())
             assert 0 < staged < total, (staged, total)
             assert not (agent.root / "builds").exists()
-            report = HttpTransport(agent.url, TOKEN).send_bundle(farm["bundle"])
+            report = HttpTransport(agent.url, TOKEN).send_bundle(farm["unchunked"])
     finally:
         proxy.close()
     assert report.installed and report.bytes_sent == total - staged, (report, staged, total)
     assert not seen_partial, seen_partial[:3]
     assert not list((agent.root / "incoming").glob(".tmp-*")), "a half-received upload was left behind"
-    assert (agent.root / "builds/current/manifest.json").read_bytes() == (farm["bundle"] / "manifest.json").read_bytes()
+    assert (agent.root / "builds/current/manifest.json").read_bytes() == (farm["unchunked"] / "manifest.json").read_bytes()
+
+
+def wire_bytes(bundle, port: int, cut_after: int | None = None) -> tuple[int, object]:
+    """Bytes sent towards the agent for one deploy of `bundle` (through a proxy that cuts after
+    `cut_after` of them), and its SendReport or the error it ended with."""
+    proxy = Proxy(port, cut_after=cut_after)
+    try:
+        try:
+            outcome = HttpTransport(f"http://127.0.0.1:{proxy.port}", TOKEN).send_bundle(bundle)
+        except DeviceOffline as exc:
+            outcome = exc
+    finally:
+        proxy.close()
+    return proxy.forwarded, outcome
+
+
+def serving(root, pub):
+    provision_public_key(root, pub)
+    server = make_server(root, TOKEN, host="127.0.0.1", port=0, quiet=True, info=fake_info)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.5, 0.95])
+def test_a_deploy_cut_inside_a_file_resumes_from_its_last_whole_chunk(tmp_path, farm, fraction):
+    """A build whose manifest lists 64 KiB chunks, cut at 2 %, 50 % and 95 % of its bytes: on
+    the wire, the cut deploy and the resumed one together send at most one chunk more than one
+    uncut deploy does (plus one more deploy's start: the signed manifest again, the question
+    of what is there); the resumed deploy's bytes_sent is what it sent; nothing half-written is
+    ever at a final path; the build installs and verifies."""
+    manifest, bundle = farm["chunked_manifest"], farm["chunked"]
+    total = sum({f.sha256: f.size for f in manifest.files}.values())
+    start = 2 * len((bundle / "manifest.json").read_bytes()) + (4 << 10)  # PUT, then POSTed to /missing
+    servers = [serving(tmp_path / "clean", farm["pub"]), serving(tmp_path / "root", farm["pub"])]
+    try:
+        uncut, report = wire_bytes(bundle, servers[0].server_address[1])
+        assert report.installed and report.bytes_sent == total
+        root, port = servers[1].root, servers[1].server_address[1]
+        with PartialWatcher(root, manifest) as seen_partial:
+            before, error = wire_bytes(bundle, port, cut_after=int(total * fraction))
+            assert isinstance(error, DeviceOffline) and not (root / "builds").exists()
+            after, report = wire_bytes(bundle, port)
+        intact = HttpTransport(servers[1].url, TOKEN).installed_manifest_is(b"", manifest)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert report.installed and intact and not seen_partial, (report, seen_partial[:3])
+    assert before + after - uncut <= CHUNK + start, (before, after, uncut)
+    assert after - report.bytes_sent <= uncut - total + start, (after, report)  # bytes_sent is not understated
+    assert not list((root / "incoming/.resume").iterdir()), "a partial upload was left behind"
+    assert not list((root / "incoming").glob(".tmp-*")), "a half-received upload was left behind"
 
 
 @pytest.mark.gpu

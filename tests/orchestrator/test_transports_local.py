@@ -1,5 +1,6 @@
 """The local transport: `farm-agent` as a subprocess on this host with its own root: deploys
-(a second one sends nothing, a bundle signed with another key is refused naming the file), a
+(a second one sends nothing, a bundle signed with another key is refused naming the file, one
+stopped inside a file resumed from its last whole chunk), a
 generate job with artifacts copied out, and a busy device."""
 
 from __future__ import annotations
@@ -7,7 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,14 +21,19 @@ from agent.protocol import JobSpec
 from orchestrator.transports import BundleRefused, DeviceBusy
 from orchestrator.transports.local import LocalTransport
 
+CHUNK = 64 << 10  # the chunked build's chunks: the tiny model's weights have 3, 69 and 16 of them
+
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("farm")
     sources = {"models/tiny": tiny_model_dir}
-    manifest = build_bundle(sources, tmp / "bundle", "b1", "0.1.0", generate_keypair(tmp / "k", tmp / "farm.pub"))
+    key = generate_keypair(tmp / "k", tmp / "farm.pub")
+    manifest = build_bundle(sources, tmp / "bundle", "b1", "0.1.0", key)
     build_bundle(sources, tmp / "rogue", "b1", "0.1.0", generate_keypair(tmp / "rk", tmp / "rogue.pub"))
-    return {"bundle": tmp / "bundle", "rogue": tmp / "rogue", "pub": tmp / "farm.pub", "manifest": manifest}
+    chunked = build_bundle(sources, tmp / "chunked", "b2", "0.1.0", key, chunk_size=CHUNK)
+    return {"bundle": tmp / "bundle", "rogue": tmp / "rogue", "pub": tmp / "farm.pub", "manifest": manifest,
+            "chunked": tmp / "chunked", "chunked_manifest": chunked}
 
 
 @pytest.fixture
@@ -41,13 +50,40 @@ def job(job_id: str, **kw) -> JobSpec:
 def test_send_bundle_refuses_another_key_then_sends_only_once(local, farm):
     with pytest.raises(BundleRefused, match=r"manifest\.json: manifest signature does not verify"):
         local.send_bundle(farm["rogue"])
-    # The refused upload left every file staged whole: the right bundle sends none of them again
-    # (install verifies each against its own signed manifest), as the http agent does.
+    # Refused as its signature was staged, before any file was sent, as the http agent does
+    assert not [p for p in (local.root / "incoming/b1/files").rglob("*") if p.is_file()]
     first = local.send_bundle(farm["bundle"])
-    assert first.installed and first.bytes_sent == 0 and first.files_skipped == len(farm["manifest"].files)
+    distinct = sum({f.sha256: f.size for f in farm["manifest"].files}.values())
+    assert first.installed and first.bytes_sent == distinct and first.files_skipped == 0
     second = local.send_bundle(farm["bundle"])
     assert (second.bytes_sent, second.installed) == (0, False)
     assert not (local.root / "incoming/b1").exists()
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.5, 0.95])
+def test_a_deploy_killed_inside_a_file_resumes_from_its_last_whole_chunk(local, farm, fraction):
+    """A deploy of a build with 64 KiB chunks in a process stopped mid-write (RLIMIT_FSIZE: no
+    file it writes may pass `fraction` of the largest file's size, so it fails inside that
+    file with part of a chunk written): the next deploy sends at most one chunk more than had
+    arrived, drops what is torn, never puts a partial file at a final path, and installs intact."""
+    from net_support import PartialWatcher
+
+    manifest, bundle = farm["chunked_manifest"], farm["chunked"]
+    total = sum({f.sha256: f.size for f in manifest.files}.values())
+    limit = int(max(f.size for f in manifest.files) * fraction)
+    code = ("import sys; from pathlib import Path; from orchestrator.transports.local import LocalTransport; "
+            "LocalTransport(Path(sys.argv[1])).send_bundle(Path(sys.argv[2]))")
+    with PartialWatcher(local.root, manifest) as seen_partial:
+        killed = subprocess.run([sys.executable, "-c", code, str(local.root), str(bundle)], capture_output=True,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+        assert killed.returncode and b"File too large" in killed.stderr, killed.stderr.decode()[-2000:]
+        arrived = sum(p.stat().st_size for p in (local.root / "incoming").rglob("*")
+                      if p.is_file() and p.name not in ("manifest.json", "manifest.sig"))
+        report = local.send_bundle(bundle)
+    assert report.installed and not seen_partial, (report, seen_partial[:3])
+    assert 0 < arrived < total and arrived + report.bytes_sent - total <= CHUNK, (arrived, report)
+    assert local.installed_manifest_is((bundle / "manifest.json").read_bytes(), manifest)
+    assert not list((local.root / "incoming/.resume").iterdir())
 
 
 @pytest.mark.gpu
