@@ -166,6 +166,9 @@ class PageChannel:
             self.commands.queue.extend(kept)
 
 
+SEND_PIECE = 1 << 20
+
+
 def send_file(handler, root: Path, rel: str | None = None) -> int:
     """Answer `handler`'s GET with the file `rel` under `root` (or the file `root`), honouring a
     single byte range; 404 for anything outside `root` or missing. Returns the body bytes sent."""
@@ -193,11 +196,24 @@ def send_file(handler, root: Path, rel: str | None = None) -> int:
             answer(handler, 416, b"bad range", "text/plain", {"Content-Range": f"bytes */{size}"})
             return 0
         status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
+    # Streamed a piece at a time: a 1.7 GB weight file asked for whole is never held in memory.
+    length = end - start + 1
+    handler.send_response(status)
+    handler.send_header("Content-Type", CONTENT_TYPES.get(path.suffix, "application/octet-stream"))
+    handler.send_header("Content-Length", str(length))
+    handler.send_header("Cache-Control", "no-store")
+    for k, v in headers.items():
+        handler.send_header(k, v)
+    handler.end_headers()
+    if handler.command == "HEAD":
+        return 0
+    sent = 0
     with open(path, "rb") as f:
         f.seek(start)
-        body = f.read(end - start + 1)
-    answer(handler, status, body, CONTENT_TYPES.get(path.suffix, "application/octet-stream"), headers)
-    return len(body) if handler.command != "HEAD" else 0
+        while sent < length and (piece := f.read(min(SEND_PIECE, length - sent))):
+            handler.wfile.write(piece)
+            sent += len(piece)
+    return sent
 
 
 def answer(handler, status: int, body: bytes = b"", ctype: str = "application/json", headers=None) -> None:
