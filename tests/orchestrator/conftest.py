@@ -109,3 +109,4 @@ def _farm_cli(tmp_path, monkeypatch, url):
     invoke.tmp = tmp_path
     yield invoke
     engine.dispose()
+

@@ -12,13 +12,13 @@ import io
 import json
 
 import pytest
+from page_devices import add_page_devices
 from sqlalchemy import select
 from test_tasks import deployed, farm  # noqa: F401  (fixtures: a real worker and a deployed build)
 from typer.testing import CliRunner
 
 from agent.protocol import (
     Artifact,
-    DeviceInfo,
     JobResult,
     KernelTiming,
     Manifest,
@@ -396,24 +396,9 @@ def test_submit_refuses_a_job_a_browser_device_cannot_hold(cli, tiny_model_dir, 
     """A phone's page that cannot hold the job's plan (the adapter its discovery recorded, the
     job's GPU budget) would fail only on the phone: `farm jobs submit` records the plan for that
     adapter, says what does not fit on which device, and queues nothing."""
-    import shutil
-
-    from engine.device import ADAPTERS_DIR
-
     sent = []
     monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
-    adreno = json.loads((ADAPTERS_DIR / "adreno-640-chrome.json").read_text())
-    adreno.pop("source")
-    narrow = {**adreno, "limits": {**adreno["limits"], "max-storage-buffer-binding-size": 65536}}
-    with cli.Session() as s, s.begin():
-        build = store.create_build(s, _manifest("b9", 1_700_000_000.0))
-        for serial, adapter in (("page-1", adreno), ("page-2", narrow)):
-            info = DeviceInfo(serial=serial, model="Pixel 4", manufacturer="Google", os="android", os_version="13",
-                              adapter=adapter)
-            device = store.upsert_device(s, serial, "web", info=info, host="testhost", runtime="browser")
-            store.set_device_state(s, device.id, DeviceState.available)
-        build_name = build.name
-    shutil.copytree(tiny_model_dir, cli.tmp / "data" / "builds" / build_name / "models" / "tiny")
+    add_page_devices(cli, _manifest("b9", 1_700_000_000.0), tiny_model_dir)
     submit = ("jobs", "submit", "generate", "--build", "b9", "--precision", "fp32", "--steps", "2",
               "--scheduler", "euler")
 

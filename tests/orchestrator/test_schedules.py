@@ -8,6 +8,7 @@ import datetime as dt
 import json
 
 import pytest
+from page_devices import add_page_devices
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
@@ -278,29 +279,14 @@ def test_a_firing_fails_at_once_the_jobs_a_page_cannot_hold_and_runs_the_rest(cl
     would only fail on the phone, every night: the firing records it failed, with the reasons,
     never sent or deployed for; the same job on the page that can hold it, and on a local
     device, is queued behind its deployment as usual."""
-    import shutil
-
     from sqlalchemy import select
 
-    from agent.protocol import DeviceInfo, Manifest, ManifestFile
-    from engine.device import ADAPTERS_DIR
-    from orchestrator.db import store
-    from orchestrator.db.models import Batch, DeviceState, Job
+    from agent.protocol import Manifest, ManifestFile
+    from orchestrator.db.models import Batch, Job
 
-    adreno = json.loads((ADAPTERS_DIR / "adreno-640-chrome.json").read_text())
-    adreno.pop("source")
-    narrow = {**adreno, "limits": {**adreno["limits"], "max-storage-buffer-binding-size": 65536}}
     cli("devices", "add", "host-1", "--transport", "local")
-    with cli.Session() as s, s.begin():
-        build = store.create_build(s, Manifest(build="b1", version="0.1.0", created=1_700_000_000.0, files=[
-            ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]))
-        for serial, adapter in (("page-1", adreno), ("page-2", narrow)):
-            info = DeviceInfo(serial=serial, model="Pixel 4", manufacturer="Google", os="android", os_version="13",
-                              adapter=adapter)
-            device = store.upsert_device(s, serial, "web", info=info, host="testhost", runtime="browser")
-            store.set_device_state(s, device.id, DeviceState.available)
-        build_name = build.name
-    shutil.copytree(tiny_model_dir, cli.tmp / "data" / "builds" / build_name / "models" / "tiny")
+    add_page_devices(cli, Manifest(build="b1", version="0.1.0", created=1_700_000_000.0, files=[
+        ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]), tiny_model_dir)
     cli("schedules", "add", "nightly", "--cron", "0 2 * * *", "--job", "generate", "--precision", "fp32",
         "--steps", "2")
     fired = cli("schedules", "run-now", "nightly").output
