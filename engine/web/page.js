@@ -10,7 +10,7 @@
 // generate (the whole generation), time, kernels (per-kernel GPU times of a stage), unload.
 // A host page adds its own commands, sources and rules through runPage's options (the engine's
 // standalone page: engine/web/main.js; the farm's: agent/web/main.js).
-import { PlanError, PlanRunner, WeightStore, b64ToBytes, bytesToB64, describeAdapter, emulatedAdapter, openDevice,
+import { PlanError, PlanRunner, WeightStore, b64ToBytes, chooseResidency, bytesToB64, describeAdapter, emulatedAdapter, openDevice,
   requestAdapter, sha256Hex, weightFetcher } from "./plan.js";
 
 const BEAT_MS = 3000;
@@ -154,13 +154,23 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
     if (digest !== cmd.plan_file_sha256) throw new PlanError("plan-hash", `the plan file hashes to ${digest}, not ${cmd.plan_file_sha256}`);
     const plan = JSON.parse(new TextDecoder().decode(raw));
     const source = sources ? await sources(cmd) : null;
+    const own = emulating ? emulating.memoryBudgetBytes : null; // a budget is at most the device's own
+    const budget = [cmd.budget_bytes, own].filter((b) => b != null).reduce((a, b) => Math.min(a, b), Infinity);
+    const budgetBytes = budget === Infinity ? null : budget;
     if (source && runners.has(plan.sha256)) {
       // The same plans load again and again: the runner is kept (its pipelines compiled, its
-      // weights on the GPU) while its source still accepts it.
+      // weights on the GPU) while its source still accepts it and it holds what this load would:
+      // the same residency, within this load's budget. Otherwise it goes, and the plan loads
+      // afresh under this budget (or is refused with the reasons).
       const kept = runners.get(plan.sha256);
+      const peak = kept.residency === "resident" ? kept.memory.residentBytes : kept.memory.stagedBytes;
       runners.delete(plan.sha256);
-      runners.set(plan.sha256, kept); // most recently used last
-      return { ...kept.report, reused: true };
+      if (chooseResidency(kept.memory, budgetBytes, cmd.residency || "auto") === kept.residency &&
+          (budgetBytes == null || peak <= budgetBytes)) {
+        runners.set(plan.sha256, kept); // most recently used last
+        return { ...kept.report, reused: true };
+      }
+      kept.destroy();
     }
     const runner = new PlanRunner(d, plan, weights);
     const fetchShader = source ? source.fetchShader : async (path) => {
@@ -171,9 +181,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
     const fetchWeight = source ? source.fetchWeight : (cmd.model_base ? weightFetcher(cmd.model_base) : null);
     let report;
     try {
-      const own = emulating ? emulating.memoryBudgetBytes : null; // a budget is at most the device's own
-      const budgetBytes = [cmd.budget_bytes, own].filter((b) => b != null).reduce((a, b) => Math.min(a, b), Infinity);
-      report = await runner.load({ fetchWeight, fetchShader, budgetBytes: budgetBytes === Infinity ? null : budgetBytes,
+      report = await runner.load({ fetchWeight, fetchShader, budgetBytes,
         residency: cmd.residency || "auto", onProgress: (done, total) => ui.state(`loading weights ${done}/${total}`) });
     } catch (e) {
       runner.destroy(); // gives back the weights it took from the page's store

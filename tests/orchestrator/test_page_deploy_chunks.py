@@ -312,3 +312,30 @@ def test_the_browser_transport_reports_the_pages_chunks_freed_bytes_and_storage(
     finally:
         transport.close()
         hub.register("d1", TOKEN, farm["store"])
+
+
+def test_a_kept_plan_is_reused_only_within_the_budget_of_the_load_that_asks_for_it(farm, page):
+    """A plan loaded from a deployed build stays loaded between jobs; a later load of it under a
+    budget its held memory exceeds does not reuse it: below the staged peak the page refuses it
+    (over-budget, with the numbers) and above it loads the plan staged. Before, the kept runner
+    was reused whatever the budget."""
+    from engine.browser import BrowserExecutor
+    from engine.fit import plan_memory
+
+    deploy(farm, "b1")
+    model = farm["root"] / "builds" / "current" / "models" / "tiny"
+    session = HubPage(farm["hub"].control_url("d1"))
+    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=session) as p:
+        p.generate(prompt="x", steps=1, scheduler="euler", seed=1, height=64, width=64)
+        (plan,) = p.plans.values()
+    memory = plan_memory(plan)
+    assert memory.staged_bytes < memory.resident_bytes
+    again = BrowserExecutor(plan, model, session)
+    assert again.load_report.get("reused") and again.residency == "resident"
+    with pytest.raises(BrowserError) as refused:
+        BrowserExecutor(plan, model, session, budget_bytes=memory.staged_bytes - 1)
+    assert refused.value.kind == "over-budget"
+    assert f"peak GPU memory {memory.staged_bytes:,} bytes (staged) > the budget of " \
+           f"{memory.staged_bytes - 1:,}" in str(refused.value)
+    staged = BrowserExecutor(plan, model, session, budget_bytes=memory.resident_bytes - 1)
+    assert not staged.load_report.get("reused") and staged.residency == "staged"
