@@ -14,6 +14,7 @@ The server counts the weight bytes it serves, so a test can see the page's cache
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -201,6 +202,31 @@ def _reap_browser(process: subprocess.Popen, log, profile_dir: str) -> None:
         time.sleep(0.1)
 
 
+def chromium_memory(pid: int, field: str = "VmHWM") -> dict[str, int]:
+    """The largest `field` (VmHWM: peak resident memory; VmRSS: resident now), in bytes, of
+    each kind of process (browser, renderer, gpu-process, utility...) of the Chromium whose
+    browser process is `pid`; empty where there is no /proc."""
+    out: dict[str, int] = {}
+    for child in [pid, *_descendants(pid)]:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode("utf-8", "replace")
+            status = Path(f"/proc/{child}/status").read_text()
+        except OSError:
+            continue
+        # Chromium rewrites its helpers' argv into one string: "... --type=renderer ..."
+        kind = m.group(1) if (m := re.search(r"--type=([\w-]+)", cmdline)) else "browser"
+        value = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith(field + ":")), 0)
+        out[kind] = max(out.get(kind, 0), value)
+    return out
+
+
+def reset_memory_peaks(pid: int) -> None:
+    """Start the peak resident memory (VmHWM) of Chromium `pid` and its helpers afresh (Linux)."""
+    for child in [pid, *_descendants(pid)]:
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{child}/clear_refs").write_text("5")
+
+
 class BrowserSession:
     """The server, the page and (unless `browser_url`/`cdp` say otherwise) the Chromium it
     runs in. `call(op, ...)` sends the page one command and returns its answer."""
@@ -267,18 +293,7 @@ class BrowserSession:
         empty where it started none or there is no /proc."""
         if self.process is None or self.process.poll() is not None:
             return {}
-        out: dict[str, int] = {}
-        for pid in [self.process.pid, *_descendants(self.process.pid)]:
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace")
-                status = Path(f"/proc/{pid}/status").read_text()
-            except OSError:
-                continue
-            # Chromium rewrites its helpers' argv into one string: "... --type=renderer ..."
-            kind = m.group(1) if (m := re.search(r"--type=([\w-]+)", cmdline)) else "browser"
-            hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-            out[kind] = max(out.get(kind, 0), hwm)
-        return out
+        return chromium_memory(self.process.pid)
 
     @property
     def weight_bytes_served(self) -> int:

@@ -19,8 +19,13 @@ const headers = farm.token ? { Authorization: `Bearer ${farm.token}` } : {};
 const hostFetch = (url, init = {}) => fetch(url, farm.token
   ? { ...init, headers: { ...(init.headers || {}), ...headers } } : init);
 
+// ?emulate=<base64url of an adapter description>: a virtual phone's page behaves as that adapter
+// (its limits and features requested, its memory budget kept), as the engine's page does
+const emulate = new URLSearchParams(location.search).get("emulate");
+
 runPage({
   query: { device: farm.device },
+  emulate: emulate ? JSON.parse(atob(emulate.replace(/-/g, "+").replace(/_/g, "/"))) : null,
   hostFetch,
   headers,
   hello: () => {
