@@ -9,9 +9,9 @@ import json
 
 from celery import Celery
 
-from orchestrator import profiles
+from orchestrator import notify, profiles
 from orchestrator.celery_app import session_for, settings_of
-from orchestrator.db import store
+from orchestrator.db import notifications, store
 from orchestrator.db.session import read_snapshot
 from orchestrator.jobservice import launch_suite
 
@@ -48,6 +48,10 @@ def analyze(app: Celery, batch_id: int) -> dict:
         name, build_id, root, max_rounds = batch.name, batch.build_id, _root_batch(batch), batch.max_extra_rounds
         round_metrics = batch.round_metrics
         batch.summary = summary
+        # 3. Who hears of the alerts: deliveries recorded with them (never twice, however often
+        # this batch is analysed), sent once this commits; a receiver's trouble is the task's.
+        deliveries = notifications.record_alerts(session, report["alerts"] + report["stoppages"])
+    notify.publish_deliveries(app, deliveries)
     report_path = settings.data_dir / "reports" / f"batch-{batch_id}.json"
     report_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(report_path, json.dumps(summary, indent=2, default=str).encode())

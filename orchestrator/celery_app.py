@@ -37,6 +37,7 @@ DEFAULT_QUEUE = "farm"
 # longest retry countdown (an ETA message is held unacknowledged too).
 VISIBILITY_MARGIN_S = 900.0
 POLLING_INTERVAL_S = 0.1
+NOTIFY_SWEEP_S = 60.0  # beat resends due notification deliveries this often
 SCHEDULE_TICK_S = 15.0  # beat checks the database's schedules this often (a firing is late by at most this)
 
 
@@ -108,6 +109,9 @@ def make_celery(settings: Settings) -> Celery:
             # Offline devices are probed again with back-off until they answer (orchestrator/health.py).
             "health-check": {"task": "orchestrator.tasks.health_check",
                              "schedule": settings.health_check_every_s, "options": {"queue": DEFAULT_QUEUE}},
+            # Notification deliveries that are due and whose message was lost (orchestrator/notify.py).
+            "send-due-notifications": {"task": "orchestrator.tasks.send_due_notifications",
+                                       "schedule": NOTIFY_SWEEP_S, "options": {"queue": DEFAULT_QUEUE}},
         },
     )
     app.farm_settings = settings

@@ -46,6 +46,17 @@ The hub browser devices talk to (`farm hub`; README, Real phones):
 | hub_https_port  | 8743      | HTTPS for devices on the network, with a certificate of the farm's CA (0: any free port) |
 | hub_public_host | host_name | the name devices open (`https://hub_public_host:hub_https_port`) |
 | hub_names       | host name, localhost, 127.0.0.1 | the names and addresses the hub's certificate covers, comma-separated |
+
+Notifications (`farm notify`; orchestrator/notify.py):
+
+| field             | default   | meaning |
+|-------------------|-----------|---------|
+| smtp_host         | ""        | the SMTP server email subscriptions are sent through (none: email deliveries fail, saying so) |
+| smtp_port         | 587       | its port; STARTTLS is used whenever the server offers it |
+| smtp_user         | ""        | login, when the server asks for one (with smtp_password) |
+| smtp_password     | ""        | |
+| smtp_from         | farm@<host_name> | the sender address |
+| notify_timeout_s  | 10        | one attempt to reach a receiver gives up after this (then it is retried with back-off) |
 """
 
 from __future__ import annotations
@@ -107,6 +118,13 @@ class Settings(BaseSettings):
     hub_https_port: int = Field(8743, ge=0, le=65535)
     hub_public_host: str = ""
     hub_names: str = ""
+    # Notifications (orchestrator/notify.py): the SMTP server email subscriptions go through.
+    smtp_host: str = ""
+    smtp_port: int = Field(587, ge=1, le=65535)
+    smtp_user: str = ""
+    smtp_password: str = ""
+    smtp_from: str = ""
+    notify_timeout_s: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:

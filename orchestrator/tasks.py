@@ -13,7 +13,7 @@ import logging
 
 from celery import shared_task
 
-from orchestrator import batch_analysis, health, jobservice, reconciler, worker
+from orchestrator import batch_analysis, health, jobservice, notify, reconciler, worker
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,22 @@ def probe_device(self, device_id: int) -> str:
 def analyze_batch(self, batch_id: int) -> dict:
     """A finished batch's analysis, and its more-repetition rounds (orchestrator.batch_analysis.analyze)."""
     return batch_analysis.analyze(self.app, batch_id)
+
+
+@shared_task(bind=True, name="orchestrator.tasks.send_notification", max_retries=None)
+def send_notification(self, delivery_id: int) -> str:
+    """One attempt at a notification delivery (orchestrator.notify.deliver); a refused one is
+    retried with the back-off it chose, a settled or held one is left alone."""
+    outcome, countdown = notify.deliver(self.app, delivery_id)
+    if outcome == "retry":
+        raise self.retry(countdown=countdown)
+    return outcome
+
+
+@shared_task(bind=True, name="orchestrator.tasks.send_due_notifications")
+def send_due_notifications(self) -> list[int]:
+    """Beat's resend of due notification deliveries whose message was lost (orchestrator.notify.sweep)."""
+    return notify.sweep(self.app)
 
 
 @shared_task(name="orchestrator.tasks.ping")

@@ -19,6 +19,7 @@ from . import deploy as deploy_cmd
 from . import devices as devices_cmd
 from . import engine as engine_cmd
 from . import jobs as jobs_cmd
+from . import notify as notify_cmd
 from . import profiles as profiles_cmd
 from . import regressions as regressions_cmd
 from . import results as results_cmd
@@ -65,6 +66,7 @@ app.add_typer(results_cmd.app, name="results")
 app.add_typer(schedules_cmd.app, name="schedules")
 app.add_typer(profiles_cmd.app, name="profiles")
 app.add_typer(regressions_cmd.app, name="regressions")
+app.add_typer(notify_cmd.app, name="notify")
 results_cmd.app.command("compare")(regressions_cmd.compare)
 app.command("bisect")(regressions_cmd.bisect)
 app.add_typer(dashboard_cmd.app, name="dashboard")

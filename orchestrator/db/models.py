@@ -145,6 +145,18 @@ class AlertState(StrEnum):
     fixed = "fixed"
 
 
+class SubscriptionKind(StrEnum):
+    webhook = "webhook"  # a JSON POST signed with HMAC-SHA256 (orchestrator/notify.py)
+    slack = "slack"  # a Slack-compatible incoming webhook: {"text", "blocks"}
+    email = "email"  # SMTP, with STARTTLS when the server offers it
+
+
+class DeliveryState(StrEnum):
+    pending = "pending"  # not sent yet, or sent and refused: tried again after its back-off
+    delivered = "delivered"
+    failed = "failed"  # refused MAX_DELIVERY_ATTEMPTS times; kept with the last error
+
+
 class RunStatus(StrEnum):
     succeeded = "succeeded"
     failed = "failed"
@@ -602,3 +614,49 @@ class SeriesSetting(Base):
     min_effect: Mapped[float | None]
     drift: Mapped[float | None]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+# ---- notifications ------------------------------------------------------------------------
+
+
+class Subscription(Base):
+    """Who hears of which events (`farm notify add`): a webhook, Slack or email target and its
+    filters; an empty filter list matches everything (alert_kinds empty: every kind but
+    improvement). `secret` signs a webhook's bodies (shown once, when it is added)."""
+
+    __tablename__ = "notification_subscriptions"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[SubscriptionKind] = mapped_column(_enum(SubscriptionKind, "kind"))
+    target: Mapped[str] = mapped_column(Text)  # URL or email address
+    secret: Mapped[str] = mapped_column(String(128), default="")
+    devices: Mapped[list[str]] = mapped_column(JSON, default=list)
+    metrics: Mapped[list[str]] = mapped_column(JSON, default=list)
+    alert_kinds: Mapped[list[str]] = mapped_column(JSON, default=list)
+    min_severity: Mapped[str] = mapped_column(String(16), default="info")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Delivery(Base):
+    """One event sent to one subscription: at most one row per (event_key, subscription), so an
+    analysis run twice or two workers racing never send an event twice. `event` is what the
+    message says, fixed when the event happened."""
+
+    __tablename__ = "notification_deliveries"
+    __table_args__ = (UniqueConstraint("event_key", "subscription_id"),
+                      Index("ix_notification_deliveries_state_next", "state", "next_attempt_at"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    subscription_id: Mapped[int] = mapped_column(
+        ForeignKey("notification_subscriptions.id", ondelete="CASCADE"), index=True)
+    event_key: Mapped[str] = mapped_column(String(255))  # "alert:<id>", "quarantined:<device id>:<time>"
+    event: Mapped[dict[str, Any]]
+    state: Mapped[DeliveryState] = mapped_column(_enum(DeliveryState, "state"), default=DeliveryState.pending)
+    attempts: Mapped[int] = mapped_column(default=0)
+    last_error: Mapped[str] = mapped_column(Text, default="")
+    next_attempt_at: Mapped[dt.datetime | None]  # when the sweep sends a pending one again
+    claimed_until: Mapped[dt.datetime | None]  # a sender holds it until then
+    delivered_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    subscription: Mapped[Subscription] = relationship()

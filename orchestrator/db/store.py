@@ -22,6 +22,7 @@ from sqlalchemy.orm.util import identity_key
 from agent.protocol import BadValue, DeviceInfo, JobResult, JobSpec, Manifest, check_plain, to_dict
 from orchestrator import environment as run_env
 
+from . import notifications
 from .device_states import PROBED_STATES, DeviceEvent, accepting, moves, refusal, transition
 from .models import (
     Batch,
@@ -189,7 +190,10 @@ def apply_device_event(session: Session, device_id: int, event: DeviceEvent | st
         device.probe_failures, device.next_probe_at = 0, None
     if event == DeviceEvent.release:
         device.infra_failures_in_row = 0
+    entering_quarantine = step.to == DeviceState.quarantined and device.state != DeviceState.quarantined
     device.state, device.state_reason = step.to, reason
+    if entering_quarantine:  # in this transaction: heard of exactly when the quarantine commits
+        notifications.record_event(session, notifications.quarantine_event(device, reason))
     if event in (DeviceEvent.answered, DeviceEvent.refused):
         device.last_seen = utcnow()
     session.flush()

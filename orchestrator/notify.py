@@ -1,0 +1,207 @@
+"""Notifications: what a message about an event says, and sending it to a subscription's
+receiver (a signed JSON webhook, a Slack-compatible incoming webhook, or email over SMTP with
+STARTTLS when offered). The store side (subscriptions, one delivery row per event and
+subscription, claims) is orchestrator/db/notifications.py; the analysis and the device state
+machine record events in their own transactions, and the `send_notification` task (one
+delivery id) sends each at least once: a refused or timed-out attempt is recorded and tried
+again after a back-off that doubles (30 s, 1 min, ... up to an hour) until
+MAX_DELIVERY_ATTEMPTS, and beat's sweep resends any delivery whose message was lost. A slow or
+broken receiver costs its own task at most `notify_timeout_s` and never the analysis.
+
+Webhook signature (README, "Notifications"): the body is signed with the subscription's
+secret as HMAC-SHA256 over "<timestamp>.<body>", sent as `X-Farm-Signature: sha256=<hex>`
+beside `X-Farm-Timestamp: <unix seconds>` and `X-Farm-Delivery: <delivery id>` (the same id on
+a retry, so a receiver can drop a duplicate)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import smtplib
+import ssl
+import time
+import urllib.error
+import urllib.request
+from email.message import EmailMessage
+from typing import Any
+
+from celery import Celery
+
+from orchestrator.celery_app import DEFAULT_QUEUE, session_for, settings_of
+from orchestrator.db import notifications as store
+from orchestrator.db.models import Delivery, Subscription, SubscriptionKind, utcnow
+from orchestrator.dispatch import publish
+from orchestrator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SEND_NOTIFICATION = "orchestrator.tasks.send_notification"
+MAX_DELIVERY_ATTEMPTS = 8
+BACKOFF_BASE_S, BACKOFF_MAX_S = 30.0, 3600.0
+SIGNATURE_HEADER, TIMESTAMP_HEADER, DELIVERY_HEADER = "X-Farm-Signature", "X-Farm-Timestamp", "X-Farm-Delivery"
+
+
+class DeliveryError(Exception):
+    """The receiver refused or could not be reached; the message says how."""
+
+
+def backoff_s(attempts: int) -> float:
+    """The wait after the `attempts`-th refused attempt."""
+    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempts - 1))
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    return "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+
+
+# ---- what a message says ------------------------------------------------------------------
+
+
+def title(event: dict[str, Any]) -> str:
+    kind = event["kind"].replace("_", " ")
+    if event.get("type") == "device":
+        return f"[{event['severity']}] device {event['device']} quarantined"
+    what = event.get("metric") or "data"
+    change = "" if event.get("change_percent") is None else f" {event['change_percent']:+.1f}%"
+    builds = f" ({event['build']} vs {event['baseline_build']})" if event.get("baseline_build") else ""
+    return f"[{event['severity']}] {kind}: {what}{change} on {event.get('device') or 'the farm'}{builds}"
+
+
+def lines(event: dict[str, Any]) -> list[str]:
+    """The facts under the title: by how much (ratio, interval, medians), the build pair, why
+    (a quarantine's reason), the summary, and the command that shows it."""
+    out = []
+    if event.get("ratio") is not None:
+        interval = (f", interval {event['ci_low']:.3f}-{event['ci_high']:.3f}"
+                    if event.get("ci_low") is not None and event.get("ci_high") is not None else "")
+        out.append(f"ratio {event['ratio']:.3f}{interval}")
+    if event.get("baseline_median") is not None and event.get("candidate_median") is not None:
+        unit = f" {event['unit']}" if event.get("unit") else ""
+        out.append(f"median {event['baseline_median']:.4g}{unit} -> {event['candidate_median']:.4g}{unit}")
+    if event.get("build"):
+        out.append(f"build {event['build']}" + (f" against baseline {event['baseline_build']}"
+                                                if event.get("baseline_build") else ""))
+    if event.get("reason"):
+        out.append(f"reason: {event['reason']}")
+    if event.get("summary"):
+        out.append(event["summary"])
+    out.append(f"see it: {event['command']}")
+    return out
+
+
+def slack_payload(event: dict[str, Any]) -> dict[str, Any]:
+    head, facts = title(event), lines(event)
+    return {"text": head + "\n" + "\n".join(facts),
+            "blocks": [{"type": "header", "text": {"type": "plain_text", "text": head[:150]}},
+                       {"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(facts[:-1]) or head}},
+                       {"type": "context", "elements": [{"type": "mrkdwn", "text": f"`{event['command']}`"}]}]}
+
+
+def sample_event() -> dict[str, Any]:
+    """What `farm notify test` sends: an alert shaped like a real one, marked as a test."""
+    return {"key": f"test:{utcnow().isoformat()}", "type": "test", "kind": "regression", "severity": "critical",
+            "alert_id": 0, "device": "example-device", "metric": "unet_step_ms", "build": "candidate",
+            "baseline_build": "baseline", "ratio": 1.25, "ci_low": 1.2, "ci_high": 1.3, "p_value": 0.001,
+            "change_percent": 25.0, "baseline_median": 100.0, "candidate_median": 125.0, "unit": "ms",
+            "series": {}, "summary": "a test notification from `farm notify test`; nothing regressed",
+            "command": "farm regressions list", "created_at": utcnow().isoformat()}
+
+
+# ---- sending ------------------------------------------------------------------------------
+
+
+def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> None:
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            response.read(65536)
+    except urllib.error.HTTPError as exc:
+        raise DeliveryError(f"{url} answered HTTP {exc.code}: {exc.read(300).decode(errors='replace')}") from None
+    except (OSError, urllib.error.URLError) as exc:
+        raise DeliveryError(f"could not reach {url}: {exc}") from None
+
+
+def _email(settings: Settings, to: str, event: dict[str, Any]) -> None:
+    if not settings.smtp_host:
+        raise DeliveryError("no SMTP server: set FARM_SMTP_HOST (and FARM_SMTP_PORT, FARM_SMTP_USER, ...)")
+    message = EmailMessage()
+    message["Subject"] = title(event)
+    message["From"] = settings.smtp_from or f"farm@{settings.host_name}"
+    message["To"] = to
+    message.set_content("\n".join(lines(event)) + "\n")
+    try:
+        with smtplib.SMTP(settings.smtp_host, settings.smtp_port, timeout=settings.notify_timeout_s) as smtp:
+            smtp.ehlo()
+            if smtp.has_extn("starttls"):
+                smtp.starttls(context=ssl.create_default_context())
+                smtp.ehlo()
+            if settings.smtp_user:
+                smtp.login(settings.smtp_user, settings.smtp_password)
+            smtp.send_message(message)
+    except (OSError, smtplib.SMTPException) as exc:
+        raise DeliveryError(f"SMTP {settings.smtp_host}:{settings.smtp_port}: {exc}") from None
+
+
+def send(settings: Settings, subscription: Subscription, event: dict[str, Any], delivery_id: int = 0) -> None:
+    """One attempt to tell `subscription` of `event`; DeliveryError saying why it failed."""
+    timeout_s = settings.notify_timeout_s
+    if subscription.kind == SubscriptionKind.email:
+        _email(settings, subscription.target, event)
+    elif subscription.kind == SubscriptionKind.slack:
+        _post(subscription.target, json.dumps(slack_payload(event)).encode(), {}, timeout_s)
+    else:
+        body = json.dumps({"delivery": delivery_id, "subscription": subscription.id, "title": title(event),
+                           "event": event}, sort_keys=True).encode()
+        timestamp = str(int(time.time()))
+        _post(subscription.target, body, {TIMESTAMP_HEADER: timestamp, DELIVERY_HEADER: str(delivery_id),
+                                          SIGNATURE_HEADER: sign(subscription.secret, timestamp, body)}, timeout_s)
+
+
+def deliver(app: Celery, delivery_id: int) -> tuple[str, float | None]:
+    """One attempt at a delivery: ("delivered", None), ("retry", countdown), ("failed", None),
+    or ("skipped", None) when it is settled already or another sender holds it. The network
+    call happens outside any transaction."""
+    settings = settings_of(app)
+    with session_for(app) as session, session.begin():
+        delivery = store.claim(session, delivery_id, hold_s=3 * settings.notify_timeout_s + 30)
+        if delivery is None:
+            return "skipped", None
+        subscription, event, attempts = delivery.subscription, dict(delivery.event), delivery.attempts
+        session.expunge(subscription)
+    try:
+        send(settings, subscription, event, delivery_id)
+        error = None
+    except DeliveryError as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001  (a receiver's fault must not kill the task's bookkeeping)
+        error = f"{type(exc).__name__}: {exc}"
+    retry_in = None if attempts >= MAX_DELIVERY_ATTEMPTS else backoff_s(attempts)
+    with session_for(app) as session, session.begin():
+        delivery = session.get(Delivery, delivery_id)
+        store.settle(session, delivery, error, retry_in_s=retry_in)
+    if error is None:
+        return "delivered", None
+    log.warning("delivery %s (attempt %s) to %s failed: %s", delivery_id, attempts, subscription.target, error)
+    return ("failed", None) if retry_in is None else ("retry", retry_in)
+
+
+def publish_deliveries(app: Celery, delivery_ids: list[int]) -> None:
+    """Send each delivery's task (after the commit that recorded them; a lost send is the sweep's)."""
+    for delivery_id in delivery_ids:
+        publish(app, SEND_NOTIFICATION, (delivery_id,), DEFAULT_QUEUE)
+
+
+def sweep(app: Celery) -> list[int]:
+    """Beat's resend: every pending delivery that is due and unheld gets a message."""
+    with session_for(app) as session:
+        ids = store.due(session, utcnow())
+    publish_deliveries(app, ids)
+    return ids

@@ -1,0 +1,260 @@
+"""Notifications end to end on the store (SQLite and PostgreSQL) with real local receivers: a
+batch analysis that raises a regression records one delivery per matching subscription, and
+the send_notification task (run eagerly, as a worker would run it) delivers it to an HTTP
+receiver that checks the webhook's HMAC signature, to a Slack-format receiver and to a local
+SMTP server (aiosmtpd), each exactly once even when the analysis runs twice; a receiver that
+answers 500 first is retried and recorded with 2 attempts; filters keep non-matching alerts
+out; a quarantined device is heard of; `farm notify` adds, lists, tests and removes."""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import hashlib
+import hmac
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from aiosmtpd.controller import Controller
+
+from agent.protocol import JobResult, Manifest, ManifestFile, Sample
+from orchestrator import batch_analysis, notify
+from orchestrator.celery_app import make_celery
+from orchestrator.db import make_engine, make_session_factory, notifications, store, upgrade
+from orchestrator.db.models import Delivery, DeliveryState, DeviceState, JobState
+from orchestrator.settings import Settings
+
+SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
+
+
+class Receiver:
+    """An HTTP server in a thread that records each POST and answers with `statuses` in turn
+    (then 200)."""
+
+    def __init__(self, statuses=()):
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        self.statuses = list(statuses)
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.requests.append((dict(self.headers), body))
+                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Mailbox:
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802
+        self.messages.append(envelope)
+        return "250 OK"
+
+    def __init__(self):
+        self.messages = []
+
+
+@pytest.fixture
+def receivers():
+    made = []
+
+    def make(statuses=()):
+        made.append(Receiver(statuses))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def smtp():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mailbox = Mailbox()
+    controller = Controller(mailbox, hostname="127.0.0.1", port=port)
+    controller.start()
+    mailbox.port = port
+    yield mailbox
+    controller.stop()
+
+
+def _manifest(name: str, created: float) -> Manifest:
+    return Manifest(build=name, version="0.1.0", created=created,
+                    files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)])
+
+
+def _latency(rng, slow: float) -> JobResult:
+    steps = 100.0 * slow * rng.lognormal(0.0, 0.02, 10)
+    return JobResult(job_id="j", kind="latency", status="succeeded",
+                     samples=[Sample("unet_step_ms", float(v), "ms", r) for r, v in enumerate(steps)])
+
+
+@pytest.fixture
+def farm(db_url, tmp_path, smtp):
+    """Devices p1 and p2, builds b1, b2 at 100 ms and b3 30 % slower on both; a Celery app on
+    the embedded broker whose SMTP server is the local one."""
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="h",
+                        database_url=db_url, smtp_host="127.0.0.1", smtp_port=smtp.port, notify_timeout_s=3)
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    Session = make_session_factory(engine)  # noqa: N806
+    rng = np.random.default_rng(20261128)
+    with Session() as s, s.begin():
+        devices = [store.upsert_device(s, serial, "local", f"/tmp/{serial}", host="h") for serial in ("p1", "p2")]
+        batches = {}
+        for i, slow in ((1, 1.0), (2, 1.0), (3, 1.3)):
+            build = store.create_build(s, _manifest(f"b{i}", 1_700_000_000.0 + 86400 * i))
+            batch = store.create_batch(s, f"nightly b{i}", build_id=build.id)
+            for device in devices:
+                job = store.create_job(s, "latency", SPEC, device.id, build.id, batch_id=batch.id)
+                store.transition_job(s, job.id, JobState.running, worker="w")
+                store.record_result(s, job.id, _latency(rng, slow))
+                store.transition_job(s, job.id, JobState.succeeded)
+            batches[f"b{i}"] = batch.id
+    app = make_celery(settings)
+    import orchestrator.tasks  # noqa: F401  (registers the tasks on the app)
+
+    yield {"app": app, "Session": Session, "batches": batches, "settings": settings}
+    engine.dispose()
+
+
+def _subscribe(farm, kind, target, **filters) -> tuple[int, str]:
+    with farm["Session"]() as s, s.begin():
+        secret = notify.new_secret() if kind == "webhook" else ""
+        return notifications.add_subscription(s, kind, target, secret=secret, **filters).id, secret
+
+
+def _send_all(farm) -> list[str]:
+    """Run send_notification for every pending delivery, as a worker would (retries included)."""
+    task = farm["app"].tasks[notify.SEND_NOTIFICATION]
+    with farm["Session"]() as s:
+        ids = [d.id for d in s.query(Delivery).filter(Delivery.state == DeliveryState.pending).order_by(Delivery.id)]
+    return [task.apply(args=(i,)).get() for i in ids]
+
+
+def _deliveries(farm) -> list[Delivery]:
+    with farm["Session"]() as s:
+        rows = s.query(Delivery).order_by(Delivery.id).all()
+        s.expunge_all()
+        return rows
+
+
+def test_a_regression_reaches_webhook_slack_and_email_exactly_once(farm, receivers, smtp):
+    hook, slack = receivers(), receivers()
+    hook_id, secret = _subscribe(farm, "webhook", hook.url)
+    _subscribe(farm, "slack", slack.url, devices=["p1"])
+    _subscribe(farm, "email", "oncall@example.com", devices=["p1"], min_severity="critical")
+
+    for _ in range(2):  # the same batch analysed twice (a redelivered message) records nothing new
+        batch_analysis.analyze(farm["app"], farm["batches"]["b3"])
+    rows = _deliveries(farm)
+    assert len(rows) == 4  # webhook: p1's and p2's alerts; slack and email: p1's only
+    assert _send_all(farm) == ["delivered"] * 4
+    assert _send_all(farm) == []  # nothing pending: never sent twice
+    # ...and a task redelivered for a delivered row sends nothing.
+    assert farm["app"].tasks[notify.SEND_NOTIFICATION].apply(args=(rows[0].id,)).get() == "skipped"
+
+    assert len(hook.requests) == 2
+    for headers, body in hook.requests:
+        expected = hmac.new(secret.encode(), headers[notify.TIMESTAMP_HEADER].encode() + b"." + body,
+                            hashlib.sha256).hexdigest()
+        assert hmac.compare_digest(headers[notify.SIGNATURE_HEADER], "sha256=" + expected)
+        event = json.loads(body)["event"]
+        assert event["kind"] == "regression" and event["metric"] == "unet_step_ms"
+        assert (event["build"], event["baseline_build"]) == ("b3", "b2")
+        assert 1.25 < event["ratio"] < 1.35 and event["ci_low"] < event["ratio"] < event["ci_high"]
+        assert event["command"] == f"farm regressions show {event['alert_id']}"
+        assert json.loads(body)["subscription"] == hook_id
+    assert sorted(json.loads(b)["event"]["device"] for _, b in hook.requests) == ["p1", "p2"]
+
+    (_, body), = slack.requests
+    payload = json.loads(body)
+    assert set(payload) == {"text", "blocks"} and "unet_step_ms +" in payload["text"]
+    assert "b3 vs b2" in payload["text"] and "farm regressions show" in payload["text"]
+    assert payload["blocks"][0]["type"] == "header"
+
+    (mail,) = smtp.messages
+    assert mail.rcpt_tos == ["oncall@example.com"]
+    message = email.message_from_bytes(mail.content, policy=email.policy.default)
+    assert message["Subject"].startswith("[critical] regression: unet_step_ms +")
+    assert message["Subject"].endswith("on p1 (b3 vs b2)")
+    text = message.get_content()
+    assert "ratio 1.2" in text and "interval 1.2" in text and "median " in text and " ms -> " in text
+    assert "build b3 against baseline b2" in text and "see it: farm regressions show" in text
+    assert all(r.state == DeliveryState.delivered and r.attempts == 1 and r.delivered_at for r in _deliveries(farm))
+
+
+def test_a_failing_receiver_is_retried_and_a_broken_one_never_blocks_the_analysis(farm, receivers):
+    flaky = receivers(statuses=[500])
+    _subscribe(farm, "webhook", flaky.url, devices=["p1"])
+    _subscribe(farm, "webhook", "http://127.0.0.1:9/nothing-listens", devices=["p2"])
+    batch_analysis.analyze(farm["app"], farm["batches"]["b3"])  # sends nothing itself: returns at once
+    # p2's receiver is down: each retry (run at once here; a worker waits out the back-off) refused.
+    assert _send_all(farm) == ["delivered", "failed"]
+    first, second = _deliveries(farm)
+    assert (first.state, first.attempts, first.last_error) == (DeliveryState.delivered, 2, "")
+    assert len(flaky.requests) == 2
+    assert flaky.requests[0][0][notify.DELIVERY_HEADER] == flaky.requests[1][0][notify.DELIVERY_HEADER]
+    # The dead receiver: every attempt refused, recorded, until the attempts are spent.
+    assert (second.state, second.attempts) == (DeliveryState.failed, notify.MAX_DELIVERY_ATTEMPTS)
+    assert "could not reach" in second.last_error and second.delivered_at is None
+
+
+def test_filters_keep_out_what_does_not_match(farm, receivers):
+    hook = receivers()
+    _subscribe(farm, "webhook", hook.url, devices=["p3"])
+    _subscribe(farm, "webhook", hook.url, metrics=["e2e_ms"])
+    _subscribe(farm, "webhook", hook.url, alert_kinds=["fidelity", "improvement"])
+    batch_analysis.analyze(farm["app"], farm["batches"]["b3"])
+    assert _deliveries(farm) == [] and hook.requests == []
+
+
+def test_a_quarantined_device_is_heard_of_once_and_racing_records_insert_nothing(farm, receivers):
+    hook = receivers()
+    _subscribe(farm, "webhook", hook.url, alert_kinds=["quarantined"])
+    with farm["Session"]() as s, s.begin():
+        device = store.get_device(s, "p1")
+        store.set_device_state(s, device.id, DeviceState.quarantined, "overheating", force=True)
+        # A second reason for a device already quarantined is not a new event.
+        store.set_device_state(s, device.id, DeviceState.quarantined, "still hot", force=True)
+    (row,) = _deliveries(farm)
+    with farm["Session"]() as s, s.begin():  # the same event recorded again (another worker): no row
+        assert notifications.record_event(s, row.event) == []
+    assert notify.sweep(farm["app"]) == [row.id]  # beat's sweep sends what no message carried
+    assert _send_all(farm) == ["delivered"]
+    (headers, body), = hook.requests
+    event = json.loads(body)["event"]
+    assert (event["kind"], event["device"], event["reason"]) == ("quarantined", "p1", "overheating")
+
+
+def test_notify_cli_adds_lists_tests_and_removes(cli, receivers):
+    hook = receivers()
+    out = cli("notify", "add", "webhook", hook.url, "--device", "p1", "--alert-kind", "regression").output
+    assert "subscription 1" in out and "signing secret" in out
+    assert cli("notify", "add", "webhook", "ftp://x", ok=False).exit_code == 1
+    assert "unknown alert kind" in cli("notify", "add", "slack", hook.url, "--alert-kind", "x", ok=False).output
+    listed = json.loads(cli("notify", "list", "--json").output)
+    assert listed["subscriptions"][0]["devices"] == ["p1"] and listed["deliveries"] == []
+    assert "secret" not in listed["subscriptions"][0]
+    cli("notify", "test", "1")
+    (headers, body), = hook.requests
+    assert json.loads(body)["event"]["type"] == "test" and headers[notify.SIGNATURE_HEADER].startswith("sha256=")
+    cli("notify", "remove", "1")
+    assert "no subscription 1" in cli("notify", "test", "1", ok=False).output
