@@ -141,7 +141,7 @@ def _email(settings: Settings, to: str, event: dict[str, Any]) -> None:
         with smtplib.SMTP(settings.smtp_host, settings.smtp_port, timeout=settings.notify_timeout_s) as smtp:
             smtp.ehlo()
             if smtp.has_extn("starttls"):
-                smtp.starttls(context=ssl.create_default_context())
+                smtp.starttls(context=ssl.create_default_context(cafile=settings.smtp_ca_file or None))
                 smtp.ehlo()
             if settings.smtp_user:
                 smtp.login(settings.smtp_user, settings.smtp_password)

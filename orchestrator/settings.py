@@ -56,6 +56,7 @@ Notifications (`farm notify`; orchestrator/notify.py):
 | smtp_user         | ""        | login, when the server asks for one (with smtp_password) |
 | smtp_password     | ""        | |
 | smtp_from         | farm@<host_name> | the sender address |
+| smtp_ca_file      | ""        | a PEM of CAs trusted for the SMTP server's certificate beside the system's (a lab's own CA) |
 | notify_timeout_s  | 10        | one attempt to reach a receiver gives up after this (then it is retried with back-off) |
 """
 
@@ -124,6 +125,7 @@ class Settings(BaseSettings):
     smtp_user: str = ""
     smtp_password: str = ""
     smtp_from: str = ""
+    smtp_ca_file: str = ""  # PEM: CAs trusted for the SMTP server's STARTTLS certificate, beside the system's
     notify_timeout_s: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")

@@ -4,7 +4,8 @@ the send_notification task (run eagerly, as a worker would run it) delivers it t
 receiver that checks the webhook's HMAC signature, to a Slack-format receiver and to a local
 SMTP server (aiosmtpd), each exactly once even when the analysis runs twice; a receiver that
 answers 500 first is retried and recorded with 2 attempts; filters keep non-matching alerts
-out; a quarantined device is heard of; `farm notify` adds, lists, tests and removes."""
+out; a slow receiver times out and is tried again; email goes over STARTTLS with a login where
+the server offers it; a quarantined device is heard of; `farm notify` adds, lists, tests and removes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import hmac
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -38,12 +40,15 @@ class Receiver:
     def __init__(self, statuses=()):
         self.requests: list[tuple[dict[str, str], bytes]] = []
         self.statuses = list(statuses)
+        self.delays: list[float] = []
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.requests.append((dict(self.headers), body))
+                if receiver.delays:
+                    time.sleep(receiver.delays.pop(0))
                 self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -63,10 +68,17 @@ class Receiver:
 class Mailbox:
     async def handle_DATA(self, server, session, envelope):  # noqa: N802
         self.messages.append(envelope)
+        self.tls.append(session.ssl is not None)
         return "250 OK"
 
     def __init__(self):
-        self.messages = []
+        self.messages, self.tls = [], []
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -84,9 +96,7 @@ def receivers():
 
 @pytest.fixture
 def smtp():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     mailbox = Mailbox()
     controller = Controller(mailbox, hostname="127.0.0.1", port=port)
     controller.start()
@@ -258,3 +268,45 @@ def test_notify_cli_adds_lists_tests_and_removes(cli, receivers):
     assert json.loads(body)["event"]["type"] == "test" and headers[notify.SIGNATURE_HEADER].startswith("sha256=")
     cli("notify", "remove", "1")
     assert "no subscription 1" in cli("notify", "test", "1", ok=False).output
+
+
+def test_a_slow_receiver_times_out_and_is_tried_again(farm, receivers):
+    slow = receivers(statuses=[200])
+    slow.delays = [1.5]  # the first answer comes after the attempt gave up
+    farm["app"].farm_settings = farm["settings"].model_copy(update={"notify_timeout_s": 0.5})
+    _subscribe(farm, "webhook", slow.url, devices=["p1"])
+    batch_analysis.analyze(farm["app"], farm["batches"]["b3"])
+    assert _send_all(farm) == ["delivered"]
+    (row,) = _deliveries(farm)
+    assert (row.state, row.attempts) == (DeliveryState.delivered, 2)
+
+
+def test_email_goes_over_starttls_with_a_login(farm, tmp_path):
+    from aiosmtpd.smtp import AuthResult
+
+    from orchestrator import ca
+
+    ca.init_ca(tmp_path / "ca")
+    logins = []
+
+    def authenticate(server, session, envelope, mechanism, auth_data):
+        logins.append((auth_data.login, auth_data.password))
+        return AuthResult(success=(auth_data.login, auth_data.password) == (b"farm", b"s3cret"))
+
+    mailbox, port = Mailbox(), _free_port()
+    controller = Controller(mailbox, hostname="127.0.0.1", port=port,
+                            tls_context=ca.server_ssl_context(tmp_path / "ca", ["127.0.0.1"]),
+                            require_starttls=True, authenticator=authenticate, auth_required=True)
+    controller.start()
+    try:
+        farm["app"].farm_settings = farm["settings"].model_copy(update={
+            "smtp_port": port, "smtp_user": "farm", "smtp_password": "s3cret",
+            "smtp_ca_file": str(tmp_path / "ca" / ca.CA_CERT), "smtp_from": "lab@example.com"})
+        _subscribe(farm, "email", "oncall@example.com", devices=["p2"])
+        batch_analysis.analyze(farm["app"], farm["batches"]["b3"])
+        assert _send_all(farm) == ["delivered"]
+    finally:
+        controller.stop()
+    (mail,) = mailbox.messages
+    assert mailbox.tls == [True] and logins == [(b"farm", b"s3cret")]
+    assert mail.mail_from == "lab@example.com" and mail.rcpt_tos == ["oncall@example.com"]
