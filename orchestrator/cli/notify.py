@@ -5,6 +5,7 @@ orchestrator/notify.py's."""
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 import typer
@@ -19,8 +20,20 @@ app = typer.Typer(help="Notifications of new alerts and quarantined devices: web
                   no_args_is_help=True)
 
 
+def shown_target(kind: str, target: str) -> str:
+    """A subscription's target as listings show it: a webhook's or Slack's URL is its secret
+    (whoever has a Slack incoming-webhook URL can post to the channel), so only its scheme, host
+    and first path segment are shown; an email address as it is."""
+    if str(kind) == "email":
+        return target
+    parts = urllib.parse.urlsplit(target)
+    segments = [p for p in parts.path.split("/") if p]
+    hidden = len(segments) > 1 or parts.query
+    return f"{parts.scheme}://{parts.netloc}/{segments[0] if segments else ''}{'/…' if hidden else ''}"
+
+
 def subscription_dict(s) -> dict[str, Any]:
-    return {"id": s.id, "kind": str(s.kind), "target": s.target, "devices": s.devices, "metrics": s.metrics,
+    return {"id": s.id, "kind": str(s.kind), "target": shown_target(s.kind, s.target), "devices": s.devices, "metrics": s.metrics,
             "alert_kinds": s.alert_kinds, "severity": s.min_severity, "created_at": iso(s.created_at)}
 
 
@@ -132,5 +145,6 @@ def test(subscription_id: int = SUBSCRIPTION_ID):
         notify.send(settings, subscription, notify.sample_event())
     except notify.DeliveryError as exc:
         fail(f"subscription {subscription_id}: {exc}")
-    console.print(f"sent a test event to subscription {subscription_id} ({subscription.target})",
+    console.print(f"sent a test event to subscription {subscription_id} "
+                  f"({shown_target(subscription.kind, subscription.target)})",
                   highlight=False, markup=False)

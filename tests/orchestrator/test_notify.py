@@ -263,6 +263,10 @@ def test_notify_cli_adds_lists_tests_and_removes(cli, receivers):
     listed = json.loads(cli("notify", "list", "--json").output)
     assert listed["subscriptions"][0]["devices"] == ["p1"] and listed["deliveries"] == []
     assert "secret" not in listed["subscriptions"][0]
+    cli("notify", "add", "slack", "https://hooks.slack.com/services/T000/B000/XXXXsecretXXXX")
+    shown = cli("notify", "list").output + cli("notify", "list", "--json").output
+    assert "XXXXsecretXXXX" not in shown and "https://hooks.slack.com/services/…" in shown
+    cli("notify", "remove", "2")
     cli("notify", "test", "1")
     (headers, body), = hook.requests
     assert json.loads(body)["event"]["type"] == "test" and headers[notify.SIGNATURE_HEADER].startswith("sha256=")
