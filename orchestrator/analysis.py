@@ -190,6 +190,15 @@ def _kernels(session: Session, runs: list[Run]) -> dict[str, list[float]]:
     return out
 
 
+def kernel_moves(session: Session, baseline_runs: list[Run], candidate_runs: list[Run],
+                 top: int | None = 10) -> list[dict[str, Any]]:
+    """The kernels whose timings moved most between two builds' runs (rg.attribute), as dicts;
+    empty when the runs timed no kernels."""
+    moves = rg.attribute(_kernels(session, baseline_runs), _kernels(session, candidate_runs), top=top)
+    return [{"kernel": m.kernel, "baseline_ms": m.baseline_ms, "candidate_ms": m.candidate_ms,
+             "delta_ms": m.delta_ms, "share": m.share} for m in moves]
+
+
 def op_of(kernel: str) -> str:
     """The op a kernel belongs to: "attention/flash" -> attention, "conv2d" -> conv2d. The
     reference attention runs its softmax as a kernel of its own, so "softmax" is attention's."""
@@ -466,9 +475,7 @@ def _record_alert(session: Session, batch: Batch, build: Build, baseline: Build,
         "environment": result.get("environment", ""), "environment_change": changes,
     }
     if result["metric"] in LATENCY_METRICS:
-        moves = rg.attribute(_kernels(session, baseline_runs), _kernels(session, candidate_runs))
-        detail["attribution"] = [{"kernel": m.kernel, "baseline_ms": m.baseline_ms, "candidate_ms": m.candidate_ms,
-                                  "delta_ms": m.delta_ms, "share": m.share} for m in moves]
+        detail["attribution"] = kernel_moves(session, baseline_runs, candidate_runs)
         by_op = rg.attribute(_by_op(_kernels(session, baseline_runs)), _by_op(_kernels(session, candidate_runs)))
         detail["attribution_by_op"] = [{"op": m.kernel, "baseline_ms": m.baseline_ms, "candidate_ms": m.candidate_ms,
                                         "delta_ms": m.delta_ms, "share": m.share} for m in by_op]

@@ -12,6 +12,7 @@ from engine.errors import EngineError
 
 from . import builds as builds_cmd
 from . import ca as ca_cmd
+from . import check as check_cmd
 from . import dashboard as dashboard_cmd
 from . import db as db_cmd
 from . import demo as demo_cmd
@@ -69,6 +70,7 @@ app.add_typer(regressions_cmd.app, name="regressions")
 app.add_typer(notify_cmd.app, name="notify")
 results_cmd.app.command("compare")(regressions_cmd.compare)
 app.command("bisect")(regressions_cmd.bisect)
+app.command("check", cls=check_cmd.CheckCommand)(check_cmd.check)
 app.add_typer(dashboard_cmd.app, name="dashboard")
 app.add_typer(secrets_cmd.app, name="secrets")
 app.add_typer(ca_cmd.app, name="ca")

@@ -1,0 +1,126 @@
+"""`farm check`: the CI gate. Parses, runs the check (orchestrator/check.py), prints one table,
+writes --json and --markdown, and exits 0 (no regression), 1 (a regression), 2 (undecided
+after the budget), 3 (bad input: unknown build, device or metric, a bad option) or 4 (the
+check could not run: a job failed, time ran out). Usage errors exit 3 here, not Click's 2,
+which would read as "undecided"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from typer.core import TyperCommand
+
+from .common import _settings, open_store
+from .output import Table, console, err_console, escape
+
+
+class CheckCommand(TyperCommand):
+    """A usage error (missing option, bad value) exits BAD_INPUT: 2 means undecided here."""
+
+    def make_context(self, *args, **kwargs):
+        from orchestrator.check import BAD_INPUT
+
+        try:
+            return super().make_context(*args, **kwargs)
+        except typer.TyperException as exc:
+            if type(exc).__name__ != "NoArgsIsHelpError":
+                exc.exit_code = BAD_INPUT
+            raise
+
+
+def _bad(message: str, code: int) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def check(
+    build: str = typer.Option(..., "--build", help="The candidate build (name or id)."),
+    baseline: str = typer.Option(None, "--baseline", help="The build to compare with (default: each device's "
+                                 "series' last accepted build, else the build made before the candidate)."),
+    devices: list[str] = typer.Option(None, "--device", help="Device serial (repeat for several)."),
+    every: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
+    metrics: list[str] = typer.Option(None, "--metric", help="Metric to gate on (repeat; default: unet_step_ms, "
+                                      "e2e_ms, peak_gpu_bytes)."),
+    json_path: Path = typer.Option(None, "--json", help="Write the report as JSON to this file."),
+    markdown_path: Path = typer.Option(None, "--markdown", help="Write a Markdown summary (a PR comment)."),
+    max_rounds: int = typer.Option(2, "--max-rounds", min=0, help="More-repetitions rounds after the first."),
+    pairs: int = typer.Option(2, "--pairs", min=1, help="Baseline/candidate runs per device, interleaved."),
+    precision: str = typer.Option("fp16", "--precision", help="fp32, fp16 or f16-storage."),
+    steps: int = typer.Option(4, "--steps", min=1, help="Denoising steps per generation."),
+    size: int = typer.Option(None, "--size", min=8, help="Image height and width (default: the model's)."),
+    repetitions: int = typer.Option(5, "--repetitions", min=5, help="Timed generations per run."),
+    unet_repetitions: int = typer.Option(10, "--unet-repetitions", min=5, help="Timed UNet steps per run."),
+    images: bool = typer.Option(True, "--images/--no-images", help="One generation of each build per device, "
+                                "compared for image fidelity."),
+    timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Give up (exit 4) after this many seconds."),
+):
+    """Gate a change: run CANDIDATE against a baseline, interleaved, on each device; exit 0 no
+    regression, 1 regression, 2 undecided, 3 bad input, 4 could not run."""
+    from orchestrator import analysis
+    from orchestrator import check as gate
+
+    if bool(devices) == every:
+        raise _bad("name devices with --device, or give --all (not both)", gate.BAD_INPUT)
+    spec = {"precision": precision, "steps": steps, "seed": 0, "warmup": 1, "repetitions": repetitions,
+            "unet_repetitions": unet_repetitions, "prompt": "a red bicycle leaning on a wall",
+            "time_limit_s": min(timeout, 3600.0)}
+    if size:
+        spec |= {"height": size, "width": size}
+    request = gate.CheckRequest(candidate=build, baseline=baseline, devices="all" if every else list(devices),
+                                metrics=tuple(metrics or analysis.HEADLINE_METRICS), spec=spec, pairs=pairs,
+                                max_rounds=max_rounds, images=images, timeout_s=timeout)
+    settings = _settings()
+    try:
+        report = _run(gate, settings, request, build)
+    except typer.Exit as exc:
+        # open_store's one red line (a store it cannot open) exits 1, which reads as a regression.
+        raise typer.Exit(gate.FAILED if exc.exit_code == 1 else exc.exit_code) from None
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if markdown_path:
+        markdown_path.write_text(gate.markdown(report))
+    _print(report)
+    raise typer.Exit(report["exit_code"])
+
+
+def _run(gate, settings, request, build: str) -> dict:
+    from orchestrator.celery_app import make_celery
+
+    with open_store(settings) as sessions:
+        try:
+            with console.status(f"checking {build}") as status:
+                def progress(line: str) -> None:
+                    status.update(f"checking {build}: {line}")
+                    if line.startswith("round"):
+                        console.print(line, highlight=False)
+
+                report = gate.run_check(make_celery(settings), sessions, request, progress)
+        except gate.CheckInput as exc:
+            raise _bad(str(exc), gate.BAD_INPUT) from None
+        except gate.CheckFailed as exc:
+            raise _bad(str(exc), gate.FAILED) from None
+    return report
+
+
+def _print(report: dict) -> None:
+    table = Table("device", "metric", "baseline build", "baseline", "candidate", "ratio", "95% CI", "verdict",
+                  "rounds",
+                  title=f"{report['candidate']} against its baseline: {report['outcome']}")
+    for c in report["comparisons"]:
+        table.add_row(c["device"], c["metric"], c.get("baseline_build", "-"),
+                      "-" if c.get("baseline_median") is None else f"{c['baseline_median']:,.1f}",
+                      "-" if c.get("candidate_median") is None else f"{c['candidate_median']:,.1f}",
+                      "-" if c.get("ratio") is None else f"{c['ratio']:.3f}",
+                      "-" if c.get("ci_low") is None else f"{c['ci_low']:.3f}-{c['ci_high']:.3f}",
+                      c["verdict"], str(c.get("rounds", "-")))
+    console.print(table)
+    for f in report["fidelity"]:
+        if "psnr_db" in f:
+            console.print(f"{f['device']}: image PSNR {f['psnr_db']:.1f} dB against the baseline"
+                          + (" (changed)" if f["changed"] else ""), highlight=False)
+    for c in report["comparisons"]:
+        if c["verdict"] not in ("same", "improvement", "regression"):
+            console.print(f"undecided, {c['device']}, {c['metric']}: {c['reason']}", highlight=False, soft_wrap=True)
+    console.print(f"exit code {report['exit_code']} ({report['outcome']})", highlight=False)

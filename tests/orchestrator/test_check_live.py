@@ -1,0 +1,103 @@
+"""`farm check` end to end on the embedded stack (a real worker, the filesystem broker, SQLite,
+the local transport on lavapipe, the tiny model at its native 64x64): b1 runs the kernels
+chosen for this GPU, "slow" every reference kernel (as the demo's build B). The check deploys
+both, runs them interleaved, judges, writes JSON and Markdown, and exits 1 for slow against
+b1, 0 for b1 against itself, 3 for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import select
+from test_bisect_live import _build
+from test_tasks import HOST, farm  # noqa: F401  (the module's own real worker and store)
+from typer.testing import CliRunner
+
+from orchestrator import analysis
+from orchestrator.cli import app as farm_cli
+from orchestrator.db import store
+from orchestrator.db.models import Batch, Build, Job
+
+# `alone`: it times builds against each other on this machine's CPU.
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]
+# One denoising step, few repetitions: minutes, not the demo's quarter hour.
+ARGS = ["--device", "local-1", "--precision", "fp32", "--steps", "1", "--repetitions", "5",
+        "--unet-repetitions", "6", "--max-rounds", "2", "--timeout", "500"]
+
+
+@pytest.fixture(scope="module")
+def env(farm, tmp_path_factory, tiny_model_dir):  # noqa: F811
+    settings = farm["app"].farm_settings
+    with farm["Session"]() as session, session.begin():
+        b1 = session.scalar(select(Build).where(Build.name == "b1"))
+        created = b1.created.timestamp()
+        # Noisy-series settings as the demo's (cli/demo.py DEMO_DRIFT, DEMO_MIN_EFFECT), the
+        # minimum effect wider still: this lavapipe shares 2 cores with other work, and b1's
+        # interleaved runs came out up to 13% apart here. "slow" is 2-3x slower.
+        spec = analysis.SpecKey.of({"model": store.default_model(b1), "precision": "fp32", "steps": 1})
+        device = store.get_device(session, "local-1")
+        for metric in analysis.HEADLINE_METRICS:
+            key = analysis.series_key(device, spec, metric)
+            analysis.set_min_effect(session, key, 0.25)
+            analysis.set_drift(session, key, 0.10)
+    _build(farm, tmp_path_factory.mktemp("slow"), tiny_model_dir, "slow", created + 3600, reference=True)
+    return {"FARM_DATA_DIR": settings.data_dir, "FARM_CONFIG_DIR": settings.config_dir,
+            "FARM_DATABASE_URL": settings.database_url, "FARM_HOST_NAME": HOST}
+
+
+def _check(monkeypatch, env, args: list[str]):
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.delenv("FARM_BROKER_URL", raising=False)
+    return CliRunner().invoke(farm_cli, ["check", *args])
+
+
+def test_bad_input_is_one_line_and_exit_code_3(monkeypatch, env):
+    for args, says in [(["--build", "nope", "--device", "local-1"], "no build 'nope'"),
+                       (["--build", "b1", "--device", "nope"], "no device 'nope'"),
+                       (["--build", "b1", "--device", "local-1", "--metric", "fps"], "unknown metric 'fps'"),
+                       (["--build", "b1"], "--device"),
+                       (["--device", "local-1"], "Missing option '--build'")]:
+        result = _check(monkeypatch, env, args)
+        assert result.exit_code == 3, (args, result.output)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], (args, result.output)
+
+
+def test_slower_candidate_exits_1_with_a_regression(farm, monkeypatch, env, tmp_path):  # noqa: F811
+    out_json, out_md = tmp_path / "check.json", tmp_path / "check.md"
+    result = _check(monkeypatch, env, ["--build", "slow", "--baseline", "b1", "--pairs", "2", *ARGS,
+                                       "--json", str(out_json), "--markdown", str(out_md)])
+    assert result.exit_code == 1, result.output + farm["log"].read_text()[-3000:]
+    report = json.loads(out_json.read_text())
+    verdicts = {c["metric"]: c for c in report["comparisons"]}
+    assert report["outcome"] == "regression" and report["exit_code"] == 1
+    assert verdicts["unet_step_ms"]["verdict"] == "regression" and verdicts["unet_step_ms"]["ratio"] > 1.3, verdicts
+    assert report["baselines"] == {"local-1": "b1"}
+    markdown = out_md.read_text()
+    assert "❌ regression" in markdown and "| local-1 | unet_step_ms |" in markdown and "**regression**" in markdown
+    assert report["fidelity"] and "psnr_db" in report["fidelity"][0], report["fidelity"]
+    with farm["Session"]() as session:  # interleaved: baseline, candidate, candidate, baseline
+        batch = session.get(Batch, report["batches"][0])
+        jobs = session.scalars(select(Job).where(Job.batch_id == batch.id).order_by(Job.id)).all()
+        names = [session.get(Build, j.build_id).name for j in jobs if j.kind == "latency"]
+        assert names == ["b1", "slow", "slow", "b1"], names
+    print(json.dumps({"verdicts": {m: (c["verdict"], c.get("ratio"), c.get("rounds")) for m, c in verdicts.items()},
+                      "seconds": report["seconds"]}))
+
+
+def test_same_build_exits_0(farm, monkeypatch, env, tmp_path):  # noqa: F811
+    # Four interleaved pairs and up to 4 more rounds: with a 10% drift a run, two pairs of each
+    # cannot say "same" (their interval is about +/-0.2 before any sampling noise), and a burst
+    # of other work on this machine's 2 cores once put b1 against itself at 1.18 after 4 pairs,
+    # which 2 more rounds could not have decided (exit 2, not a false regression).
+    out_json = tmp_path / "check.json"
+    result = _check(monkeypatch, env, ["--build", "b1", "--baseline", "b1", "--pairs", "4", *ARGS, "--max-rounds", "4",
+                                       "--json", str(out_json)])
+    report = json.loads(out_json.read_text()) if out_json.exists() else {}
+    assert result.exit_code == 0, result.output + farm["log"].read_text()[-3000:]
+    assert report["outcome"] == "pass"
+    assert all(c["verdict"] in ("same", "improvement") for c in report["comparisons"]), report["comparisons"]
+    print(json.dumps({"verdicts": {c["metric"]: (c["verdict"], c.get("ratio"), c.get("rounds"))
+                                   for c in report["comparisons"]}, "seconds": report["seconds"]}))
