@@ -366,11 +366,6 @@ def chunk_count(size: int, chunk_size: int) -> int:
     return -(-size // chunk_size) if chunk_size else 0
 
 
-def sha256_chunks(data: bytes, chunk_size: int) -> list[str]:
-    """The hex sha256 of each consecutive `chunk_size` piece of `data`."""
-    return [hashlib.sha256(data[i:i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
-
-
 def sha256_file(path, chunk: int = 1 << 20) -> str:
     """The hex sha256 of a file's bytes, read a chunk at a time."""
     h = hashlib.sha256()

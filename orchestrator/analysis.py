@@ -218,13 +218,13 @@ def _by_op(kernels: dict[str, list[float]]) -> dict[str, list[float]]:
     return ops
 
 
-def _before(build: Build):
+def made_before(build: Build):
     """SQL condition: a Build made before `build` (creation time, then id)."""
     return (Build.created < build.created) | ((Build.created == build.created) & (Build.id < build.id))
 
 
 def _earlier_builds(session: Session, build: Build) -> list[Build]:
-    return list(session.scalars(select(Build).where(_before(build)).order_by(Build.created.desc(), Build.id.desc())))
+    return list(session.scalars(select(Build).where(made_before(build)).order_by(Build.created.desc(), Build.id.desc())))
 
 
 _NOT_SPEC = ("metric", "os_driver", "environment")
@@ -350,7 +350,7 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     history, (the series' drift setting, else rg.DEFAULT_DRIFT, 0)."""
     rows = session.execute(
         select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
-        .where(Run.device_id == device.id, _before(candidate), Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
+        .where(Run.device_id == device.id, made_before(candidate), Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
         .order_by(Run.id.desc()).limit(20 * DRIFT_HISTORY_RUNS)).all()  # other specs' runs are filtered below
     key = series_key(device, spec, metric)
     rejected = _builds_with_open_regressions(session, device.id, key)

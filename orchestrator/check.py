@@ -92,8 +92,7 @@ def plan(session: Session, request: CheckRequest) -> tuple[Build, dict[str, Buil
             key = analysis.series_key(device, spec, next(iter(analysis.HEADLINE_METRICS)))
             found = analysis.baseline_build(session, candidate, device, spec, key)
             baseline = found[0] if found else session.scalar(
-                select(Build).where((Build.created < candidate.created)
-                                    | ((Build.created == candidate.created) & (Build.id < candidate.id)))
+                select(Build).where(analysis.made_before(candidate))
                 .order_by(Build.created.desc(), Build.id.desc()).limit(1))
         if baseline is None:
             raise CheckInput(f"no build before {candidate.name} to compare it with on {device.serial}; "
