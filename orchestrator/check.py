@@ -63,6 +63,18 @@ class CheckRequest:
     timeout_s: float = 3600.0
 
 
+def latency_spec(*, precision: str = "fp16", steps: int = 4, size: int | None = None, repetitions: int = 5,
+                 unet_repetitions: int = 10, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """The spec of a check's latency jobs (and, less the timing fields, of its generations):
+    what `farm check` and the API's POST /v1/checks both send."""
+    spec: dict[str, Any] = {"precision": precision, "steps": steps, "seed": 0, "warmup": 1,
+                            "repetitions": repetitions, "unet_repetitions": unet_repetitions,
+                            "prompt": "a red bicycle leaning on a wall", "time_limit_s": min(timeout_s, 3600.0)}
+    if size:
+        spec |= {"height": size, "width": size}
+    return spec
+
+
 @dataclass
 class _Round:
     """What one round launched: batch ids, and each check job's role by (batch, entry index)."""

@@ -10,6 +10,7 @@ import typer
 
 from engine.errors import EngineError
 
+from . import api as api_cmd
 from . import builds as builds_cmd
 from . import ca as ca_cmd
 from . import check as check_cmd
@@ -68,6 +69,7 @@ app.add_typer(schedules_cmd.app, name="schedules")
 app.add_typer(profiles_cmd.app, name="profiles")
 app.add_typer(regressions_cmd.app, name="regressions")
 app.add_typer(notify_cmd.app, name="notify")
+app.add_typer(api_cmd.app, name="api")
 results_cmd.app.command("compare")(regressions_cmd.compare)
 app.command("bisect")(regressions_cmd.bisect)
 app.command("check", cls=check_cmd.CheckCommand)(check_cmd.check)

@@ -185,13 +185,10 @@ def default_profile_choices(profiles: Path | None) -> list[str]:
 @app.command("list")
 def list_builds(as_json: bool = JSON_OPTION):
     """List the builds, newest first."""
-    from sqlalchemy import select
-    from sqlalchemy.orm import selectinload
+    from orchestrator.db import queries
 
     with open_store(_settings()) as sessions, sessions() as session:
-        builds = session.scalars(select(Build).options(selectinload(Build.files))
-                                 .order_by(Build.created.desc(), Build.id.desc())).all()
-        rows = [build_dict(b) for b in builds]
+        rows = [build_dict(b) for b in queries.list_builds(session)]
     if as_json:
         _print_json(rows)
         return

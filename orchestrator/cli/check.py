@@ -63,11 +63,8 @@ def check(
 
     if bool(devices) == every:
         raise _bad("name devices with --device, or give --all (not both)", gate.BAD_INPUT)
-    spec = {"precision": precision, "steps": steps, "seed": 0, "warmup": 1, "repetitions": repetitions,
-            "unet_repetitions": unet_repetitions, "prompt": "a red bicycle leaning on a wall",
-            "time_limit_s": min(timeout, 3600.0)}
-    if size:
-        spec |= {"height": size, "width": size}
+    spec = gate.latency_spec(precision=precision, steps=steps, size=size, repetitions=repetitions,
+                             unet_repetitions=unet_repetitions, timeout_s=timeout)
     request = gate.CheckRequest(candidate=build, baseline=baseline, devices="all" if every else list(devices),
                                 metrics=tuple(metrics or analysis.HEADLINE_METRICS), spec=spec, pairs=pairs,
                                 max_rounds=max_rounds, images=images, timeout_s=timeout)

@@ -151,11 +151,10 @@ def enrol(serial: str = typer.Argument(..., help="A web device (`farm devices ad
 @app.command("list")
 def list_devices(as_json: bool = JSON_OPTION):
     """List the devices with their state and GPU."""
-    from sqlalchemy import select
-    from sqlalchemy.orm import selectinload
+    from orchestrator.db import queries
 
     with open_store(_settings()) as sessions, sessions() as session:
-        devices = session.scalars(select(Device).options(selectinload(Device.host)).order_by(Device.serial)).all()
+        devices = queries.list_devices(session)
         if as_json:
             _print_json([device_dict(d) for d in devices])
             return

@@ -42,10 +42,8 @@ def list_alerts(
     as_json: bool = JSON_OPTION,
 ):
     """List alerts, newest first."""
-    from sqlalchemy import select
-
-    from orchestrator.db import store
-    from orchestrator.db.models import Alert, AlertKind, AlertState
+    from orchestrator.db import queries, store
+    from orchestrator.db.models import AlertKind, AlertState
 
     try:
         states = (list(AlertState) if all_states else [AlertState(state)] if state
@@ -54,15 +52,13 @@ def list_alerts(
     except ValueError as exc:
         fail(f"{exc}; states: {', '.join(AlertState)}; kinds: {', '.join(AlertKind)}")
     with open_store(_settings()) as sessions, sessions() as session:
-        query = select(Alert).where(Alert.state.in_(states), Alert.kind.in_(kinds))
         try:
-            if device:
-                query = query.where(Alert.device_id == store.get_device(session, device).id)
-            if build:
-                query = query.where(Alert.build_id == store.get_build(session, build).id)
+            device_id = store.get_device(session, device).id if device else None
+            build_id = store.get_build(session, build).id if build else None
         except store.StoreError as exc:
             fail(str(exc))
-        rows = [alert_dict(a) for a in session.scalars(query.order_by(Alert.created_at.desc(), Alert.id.desc()))]
+        rows = [alert_dict(a) for a in queries.list_alerts(session, states=states, kinds=kinds, device_id=device_id,
+                                                           build_id=build_id)]
     if as_json:
         _print_json(rows)
         return
@@ -136,15 +132,13 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
 
 
 def _triage(alert_id: int, state, note: str | None) -> None:
-    from orchestrator.db.models import Alert, utcnow
+    from orchestrator.db import store
 
     with open_store(_settings()) as sessions, sessions() as session:
-        alert = session.get(Alert, alert_id)
-        if alert is None:
-            fail(f"no alert {alert_id}; `farm regressions list --all` shows them")
-        alert.state, alert.updated_at = state, utcnow()
-        if note:
-            alert.note = note
+        try:
+            store.triage_alert(session, alert_id, state, note)
+        except store.StoreError as exc:
+            fail(str(exc))
         session.commit()
     console.print(f"alert {alert_id} {state}", highlight=False)
 

@@ -660,3 +660,62 @@ class Delivery(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     subscription: Mapped[Subscription] = relationship()
+
+
+# ---- the farm API -------------------------------------------------------------------------
+
+
+class ApiScope(StrEnum):
+    """What a bearer token of the farm API may do (orchestrator/api/tokens.py). `triage` and
+    `run` each include `read`; `run` does not include `triage`: a CI runner's token that starts
+    checks should not be able to dismiss the alerts its own candidate raised."""
+
+    read = "read"
+    triage = "triage"
+    run = "run"
+
+
+class CheckState(StrEnum):
+    running = "running"
+    done = "done"  # judged: exit_code 0 (pass), 1 (regression) or 2 (undecided)
+    bad_input = "bad_input"  # exit code 3: an unknown build, device or metric
+    failed = "failed"  # exit code 4: a job failed, or time ran out
+    interrupted = "interrupted"  # the API process stopped while it ran (exit code 4)
+
+
+class ApiToken(Base):
+    """A bearer token of the farm API. Only the sha256 of the token is kept (it is 32 random
+    bytes, so a plain hash is enough to make the stored value useless to a reader of the
+    database), with its first characters to tell tokens apart in a listing."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), default="")
+    scope: Mapped[ApiScope] = mapped_column(_enum(ApiScope, "scope"))
+    prefix: Mapped[str] = mapped_column(String(16))
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[dt.datetime | None]
+    revoked_at: Mapped[dt.datetime | None]
+
+
+class CheckRun(Base):
+    """A `farm check` started through the API (POST /v1/checks), run in a thread of the API
+    process: the request, its state, the last progress line, and once it ends its exit code,
+    outcome and report (orchestrator/check.py), or the error that ended it."""
+
+    __tablename__ = "check_runs"
+    __table_args__ = (Index("ix_check_runs_state", "state"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    state: Mapped[CheckState] = mapped_column(_enum(CheckState, "state"), default=CheckState.running)
+    request: Mapped[dict[str, Any]]
+    progress: Mapped[str] = mapped_column(Text, default="")
+    exit_code: Mapped[int | None]
+    outcome: Mapped[str | None] = mapped_column(String(32))
+    report: Mapped[dict[str, Any] | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    token_id: Mapped[int | None] = mapped_column(ForeignKey("api_tokens.id", ondelete="SET NULL"))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None]

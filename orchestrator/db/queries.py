@@ -22,6 +22,9 @@ from sqlalchemy.orm import Session, selectinload
 
 from . import store
 from .models import (
+    Alert,
+    AlertKind,
+    AlertState,
     Build,
     Device,
     Image,
@@ -50,6 +53,44 @@ def get_run(session: Session, run_id: int) -> Run:
     if run is None:
         raise store.StoreError(f"no run {run_id}; `farm results list` shows the known ones")
     return run
+
+
+# ---- the fleet and its builds -----------------------------------------------------------
+
+
+def list_devices(session: Session) -> list[Device]:
+    """Every device by serial, with its host loaded."""
+    return list(session.scalars(select(Device).options(selectinload(Device.host)).order_by(Device.serial)))
+
+
+def list_builds(session: Session) -> list[Build]:
+    """Every build, newest first, with its files loaded."""
+    return list(session.scalars(select(Build).options(selectinload(Build.files))
+                                .order_by(Build.created.desc(), Build.id.desc())))
+
+
+# ---- alerts -------------------------------------------------------------------------------
+
+
+def list_alerts(
+    session: Session,
+    *,
+    states: Iterable[AlertState] = (AlertState.new, AlertState.acknowledged),
+    kinds: Iterable[AlertKind] = tuple(AlertKind),
+    device_id: int | None = None,
+    build_id: int | None = None,
+    limit: int | None = None,
+) -> list[Alert]:
+    """Alerts newest first: by default the open ones (new and acknowledged) of every kind."""
+    query = (select(Alert).options(selectinload(Alert.device), selectinload(Alert.build),
+                                   selectinload(Alert.baseline_build))
+             .where(Alert.state.in_(list(states)), Alert.kind.in_(list(kinds))))
+    if device_id is not None:
+        query = query.where(Alert.device_id == device_id)
+    if build_id is not None:
+        query = query.where(Alert.build_id == build_id)
+    query = query.order_by(Alert.created_at.desc(), Alert.id.desc())
+    return list(session.scalars(query if limit is None else query.limit(limit)))
 
 
 # ---- jobs ---------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from orchestrator import environment as run_env
 from . import notifications
 from .device_states import PROBED_STATES, DeviceEvent, accepting, moves, refusal, transition
 from .models import (
+    Alert,
+    AlertState,
     Batch,
     Build,
     BuildFile,
@@ -944,6 +946,27 @@ def extra_round(idempotency_key: str | None) -> int:
     if idempotency_key and idempotency_key.startswith("more:"):
         return int(idempotency_key.split(":")[2])
     return 0
+
+
+# ---- alerts -------------------------------------------------------------------------------
+
+
+def get_alert(session: Session, alert_id: int) -> Alert:
+    alert = session.get(Alert, alert_id)
+    if alert is None:
+        raise StoreError(f"no alert {alert_id}; `farm regressions list --all` shows them")
+    return alert
+
+
+def triage_alert(session: Session, alert_id: int, state: AlertState | str, note: str | None = None) -> Alert:
+    """A person's word on an alert (`farm regressions ack|invalidate|fixed`, the API's
+    acknowledge, invalidate and fixed): its new state, and the note when one is given."""
+    alert = get_alert(session, alert_id)
+    alert.state, alert.updated_at = AlertState(state), utcnow()
+    if note:
+        alert.note = text_for_store(note)
+    session.flush()
+    return alert
 
 
 # ---- schedules ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "scripts" / "docker" / "Dockerfile"
 PROVISIONING = REPO / "dashboards" / "provisioning"
-FARM_SERVICES = {"migrate", "worker", "beat", "flower"}
+FARM_SERVICES = {"migrate", "worker", "beat", "flower", "api"}
 
 
 # ---- running Compose without an engine ----------------------------------------------------
@@ -174,14 +174,14 @@ def test_compose_file_matches_the_compose_spec_schema():
 def test_the_stack_has_its_services_wired_in_order(stack):
     services = stack["services"]
     phones = [name for name in services if name.startswith("phone")]
-    assert {"redis", "postgres", "migrate", "worker", "beat", "flower", "grafana"} <= set(services)
+    assert {"redis", "postgres", "migrate", "worker", "beat", "flower", "grafana", "api"} <= set(services)
     assert 1 <= len(phones) <= 2, phones
     for server in ("redis", "postgres"):
         assert services[server].get("healthcheck", {}).get("test"), f"{server} has no healthcheck"
     assert services["migrate"]["command"] == ["farm", "db", "upgrade"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["migrate"].get("restart", "no") == "no", "a one-shot migration must not restart"
-    for name in ("worker", "beat", "flower"):
+    for name in ("worker", "beat", "flower", "api"):
         depends = services[name]["depends_on"]
         assert depends["migrate"]["condition"] == "service_completed_successfully", name
         assert depends["redis"]["condition"] == "service_healthy", name

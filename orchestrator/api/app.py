@@ -1,0 +1,64 @@
+"""The farm API's ASGI app: `create_app(settings)` opens the store (its schema must be at head:
+`farm db upgrade`), makes the Celery app checks launch their suites through, marks checks a
+previous process left running as interrupted, and mounts the routes under /v1. Errors are JSON
+`{"detail": ...}`: 401 and 403 from the token (deps.py), 404 for an unknown record, 400 for a
+filter or request naming something unknown, 422 for a malformed one, and a value the database
+refuses is a 400 rather than a server error."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, StatementError
+
+from orchestrator.db import make_engine, make_session_factory, migrate
+from orchestrator.settings import Settings
+
+from .check_runs import CheckRunner
+from .routes import ROUTERS
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "1"
+
+
+def create_app(settings: Settings) -> FastAPI:
+    from orchestrator.celery_app import make_celery
+
+    engine = make_engine(settings.database_url)
+    migrate.check(engine)  # SchemaMismatch names the fix: `farm db upgrade`
+    sessions = make_session_factory(engine)
+    checks = CheckRunner(sessions, make_celery(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        checks.interrupt_leftovers()
+        yield
+        engine.dispose()
+
+    app = FastAPI(
+        title="devicefarm",
+        version=API_VERSION,
+        summary="The farm's builds, devices, jobs, results, series and alerts; triage; CI checks.",
+        description="Every request carries `Authorization: Bearer <token>`; tokens come from "
+                    "`farm api token create --scope read|triage|run`. `read` reads everything, `triage` "
+                    "also acknowledges, invalidates and fixes alerts, `run` also starts checks (not triage).",
+        lifespan=lifespan,
+    )
+    app.state.sessions, app.state.checks, app.state.settings = sessions, checks, settings
+    for router in ROUTERS:
+        app.include_router(router, prefix="/v1")
+
+    @app.exception_handler(StatementError)
+    async def refused_value(request: Request, exc: StatementError) -> JSONResponse:
+        # A value the database cannot take (out of range, a character it refuses) is the
+        # request's fault; anything else the database raised is a server error after all.
+        if isinstance(exc, DataError) or isinstance(exc.orig, ValueError | OverflowError):
+            return JSONResponse({"detail": f"the database refused a value of the request: "
+                                           f"{str(exc.orig).splitlines()[0]}"}, status_code=400)
+        raise exc
+
+    return app

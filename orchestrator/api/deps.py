@@ -1,0 +1,81 @@
+"""What every route of the farm API depends on: a store session for the request, the caller
+its bearer token stands for with the scope the route needs (401 with a WWW-Authenticate header
+when the token is missing, unknown or revoked; 403 when its scope does not grant the route),
+and the error responses each route documents in the OpenAPI."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import Depends, HTTPException, Path, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from orchestrator.db import store
+from orchestrator.db.models import ApiScope
+
+from . import tokens
+from .schemas import Problem
+
+bearer = HTTPBearer(auto_error=False, scheme_name="token",
+                    description="A token from `farm api token create --scope read|triage|run`.")
+
+# Ids fit every backend's integer; names and serials fit their columns, with no NUL (PostgreSQL
+# refuses it in text).
+MAX_ID = 2**31 - 1
+RecordId = Annotated[int, Path(ge=1, le=MAX_ID)]
+Limit = Annotated[int, Query(ge=1, le=500, description="At most this many, newest first.")]
+
+
+def problem(status: int, description: str) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": Problem, "description": description}}
+
+
+AUTH_ERRORS = (problem(401, "No token, or an unknown or revoked one.")
+               | problem(403, "The token's scope does not grant this."))
+NOT_FOUND = problem(404, "No such record.")
+BAD_FILTER = problem(400, "A filter names something unknown.")
+
+
+def session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessions() as db:
+        yield db
+
+
+Db = Annotated[Session, Depends(session)]
+
+
+def requires(scope: ApiScope) -> Callable[..., tokens.Caller]:
+    """A dependency that lets through callers whose token grants `scope`."""
+
+    def caller(db: Db, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> tokens.Caller:
+        challenge = 'Bearer realm="farm"'
+        if credentials is None:
+            raise HTTPException(401, "a bearer token is required: `Authorization: Bearer <token>` "
+                                     "(`farm api token create` makes one)",
+                                headers={"WWW-Authenticate": challenge})
+        who = tokens.authenticate(db, credentials.credentials)
+        db.commit()
+        if who is None:
+            raise HTTPException(401, "unknown or revoked token",
+                                headers={"WWW-Authenticate": challenge + ', error="invalid_token"'})
+        if not who.may(scope):
+            raise HTTPException(403, f"this token's scope ({who.scope}) does not grant {scope}; "
+                                     f"make one with `farm api token create --scope {scope}`")
+        return who
+
+    return caller
+
+
+Reader = Annotated[tokens.Caller, Depends(requires(ApiScope.read))]
+Triager = Annotated[tokens.Caller, Depends(requires(ApiScope.triage))]
+Runner = Annotated[tokens.Caller, Depends(requires(ApiScope.run))]
+
+
+def found(lookup: Callable[..., Any], *args: Any, status: int = 404) -> Any:
+    """`lookup(*args)`, a StoreError becoming an HTTP error of `status` with its message."""
+    try:
+        return lookup(*args)
+    except store.StoreError as exc:
+        raise HTTPException(status, str(exc)) from None

@@ -1,0 +1,25 @@
+"""GET /v1/devices and /v1/devices/{serial}: what `farm devices list|show --json` give."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter
+from fastapi import Path as PathParam
+
+from orchestrator.db import queries, store
+
+from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, found
+from ..schemas import PLAIN, DeviceOut
+
+router = APIRouter(prefix="/devices", tags=["devices"], responses=AUTH_ERRORS)
+
+
+@router.get("", response_model=list[DeviceOut], summary="Every device, by serial, with its state and GPU")
+def list_devices(_: Reader, db: Db) -> list[DeviceOut]:
+    return [DeviceOut.of(d) for d in queries.list_devices(db)]
+
+
+@router.get("/{serial}", response_model=DeviceOut, responses=NOT_FOUND, summary="One device")
+def get_device(_: Reader, db: Db, serial: Annotated[str, PathParam(max_length=255, pattern=PLAIN)]) -> DeviceOut:
+    return DeviceOut.of(found(store.get_device, db, serial))

@@ -1,0 +1,41 @@
+"""GET /v1/series (the analysis' series, keyed as it keys them) and /v1/series/{id} (one
+series with a point per build): orchestrator/series.py."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi import Path as PathParam
+
+from orchestrator import series as farm_series
+from orchestrator.db import store
+
+from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Reader, found
+from ..schemas import PLAIN, Metric, SeriesDetail, SeriesKeyOut, SeriesOut, SeriesPoint
+
+router = APIRouter(prefix="/series", tags=["series"], responses=AUTH_ERRORS)
+
+
+def _out(s: farm_series.Series) -> SeriesOut:
+    return SeriesOut(id=s.id, key=SeriesKeyOut(**asdict(s.key)), canonical=s.key.canonical(), runs=s.runs)
+
+
+@router.get("", response_model=list[SeriesOut], responses=BAD_FILTER, summary="The analysis' series")
+def list_series(
+    _: Reader, db: Db,
+    device: Annotated[str | None, Query(max_length=255, pattern=PLAIN, description="Device serial.")] = None,
+    metric: Metric | None = None,
+) -> list[SeriesOut]:
+    dev = found(store.get_device, db, device, status=400) if device else None
+    return [_out(s) for s in farm_series.list_series(db, dev, metric)]
+
+
+@router.get("/{series_id}", response_model=SeriesDetail, responses=NOT_FOUND,
+            summary="One series and its points, one per build, oldest first")
+def get_series(_: Reader, db: Db,
+               series_id: Annotated[str, PathParam(max_length=64, pattern=PLAIN)]) -> SeriesDetail:
+    found_series = found(farm_series.get_series, db, series_id)
+    return SeriesDetail(**_out(found_series).model_dump(),
+                        points=[SeriesPoint(**p) for p in farm_series.points(db, found_series)])

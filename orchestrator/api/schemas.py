@@ -1,0 +1,348 @@
+"""What the farm API sends and accepts, as pydantic models: its OpenAPI document is made from
+these, so every field a client reads is named and typed there. Each model is built from the
+store's rows by its `of` class method; the fields are those of the CLI's --json output for the
+same thing (`farm devices list --json`, `farm jobs show --json`, ...)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from orchestrator import analysis
+from orchestrator.db.models import (
+    Alert,
+    AlertKind,
+    AlertState,
+    ApiScope,
+    Build,
+    CheckRun,
+    CheckState,
+    Device,
+    DeviceState,
+    Job,
+    JobKind,
+    JobState,
+    RunStatus,
+    TransportKind,
+)
+
+Metric = Literal[tuple(analysis.HEADLINE_METRICS)]  # type: ignore[valid-type]
+PLAIN = r"^[^\x00]*$"  # PostgreSQL refuses NUL in text
+Serial = Annotated[str, Field(min_length=1, max_length=255, pattern=PLAIN)]
+
+
+class Problem(BaseModel):
+    """Every error: what went wrong and, where there is one, what to do."""
+
+    detail: str
+
+
+class Me(BaseModel):
+    """The token a request was made with."""
+
+    id: int
+    name: str
+    scope: ApiScope
+    grants: list[ApiScope]
+
+
+# ---- builds and devices -------------------------------------------------------------------
+
+
+class BuildFileOut(BaseModel):
+    path: str
+    sha256: str
+    size: int
+    mode: int
+
+
+class BuildOut(BaseModel):
+    id: int
+    name: str
+    version: str
+    source_revision: str
+    manifest_sha256: str
+    created: dt.datetime
+    file_count: int
+    bytes: int
+
+    @classmethod
+    def of(cls, build: Build) -> BuildOut:
+        return cls(id=build.id, name=build.name, version=build.version, source_revision=build.source_revision,
+                   manifest_sha256=build.manifest_sha256, created=build.created, file_count=len(build.files),
+                   bytes=sum(f.size for f in build.files))
+
+
+class BuildDetail(BuildOut):
+    files: list[BuildFileOut]
+
+    @classmethod
+    def of(cls, build: Build) -> BuildDetail:
+        return cls(**BuildOut.of(build).model_dump(),
+                   files=[BuildFileOut(path=f.path, sha256=f.sha256, size=f.size, mode=f.mode) for f in build.files])
+
+
+class Gpu(BaseModel):
+    vendor: str
+    architecture: str
+    device: str
+    driver: str
+    backend: str
+
+
+class DeviceOut(BaseModel):
+    id: int
+    serial: str
+    transport: TransportKind
+    runtime: str
+    address: str
+    host: str | None
+    state: DeviceState
+    state_reason: str
+    last_seen: dt.datetime | None
+    model: str
+    manufacturer: str
+    os: str
+    os_version: str
+    virtual: bool
+    gpu: Gpu
+    lease_holder: str | None
+    lease_until: dt.datetime | None
+    created_at: dt.datetime
+
+    @classmethod
+    def of(cls, d: Device) -> DeviceOut:
+        return cls(id=d.id, serial=d.serial, transport=d.transport, runtime=d.runtime, address=d.address,
+                   host=d.host.name if d.host is not None else None, state=d.state, state_reason=d.state_reason,
+                   last_seen=d.last_seen, model=d.model, manufacturer=d.manufacturer, os=d.os,
+                   os_version=d.os_version, virtual=d.virtual,
+                   gpu=Gpu(vendor=d.gpu_vendor, architecture=d.gpu_architecture, device=d.gpu_device,
+                           driver=d.gpu_driver, backend=d.gpu_backend),
+                   lease_holder=d.lease_holder, lease_until=d.lease_until, created_at=d.created_at)
+
+
+# ---- jobs and results ---------------------------------------------------------------------
+
+
+class RunSummary(BaseModel):
+    """One run of a job as listings show it: the medians of its key metrics."""
+
+    run_id: int
+    job_id: int
+    attempt: int
+    device: str
+    build: str | None
+    kind: JobKind
+    status: RunStatus
+    error: str | None = None
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    medians: dict[str, float]
+
+
+class JobOut(BaseModel):
+    id: int
+    kind: JobKind
+    state: JobState
+    device: str
+    build: str | None
+    batch_id: int | None
+    schedule_id: int | None
+    attempts: int
+    worker_losses: int
+    worker: str | None
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    heartbeat_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    error: str | None
+    progress: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, job: Job) -> JobOut:
+        return cls(id=job.id, kind=job.kind, state=job.state, device=job.device.serial,
+                   build=job.build.name if job.build is not None else None, batch_id=job.batch_id,
+                   schedule_id=job.schedule_id, attempts=job.attempts, worker_losses=job.worker_losses,
+                   worker=job.worker, created_at=job.created_at, started_at=job.started_at,
+                   heartbeat_at=job.heartbeat_at, finished_at=job.finished_at, error=job.error,
+                   progress=job.progress)
+
+
+class JobDetail(JobOut):
+    spec: dict[str, Any]
+    runs: list[RunSummary]
+
+
+class MetricStats(BaseModel):
+    metric: str
+    unit: str
+    n: int
+    median: float
+    min: float
+    max: float
+
+
+class KernelTotal(BaseModel):
+    kernel: str
+    calls: int
+    total_ms: float
+    repetitions: int
+    ms_per_repetition: float | None
+
+
+class ThermalOut(BaseModel):
+    phase: str
+    zone: str
+    celsius: float
+
+
+class ImageOut(BaseModel):
+    path: str
+    sha256: str
+    size: int
+    prompt: str
+    seed: int | None
+
+
+class Cooldown(BaseModel):
+    wait_s: float | None
+    timed_out: bool
+
+
+class RunDetail(RunSummary):
+    """One run in full, as `farm results show --json` gives it."""
+
+    adapter: str
+    cooldown: Cooldown
+    engine: dict[str, Any]
+    environment: dict[str, Any]
+    env_key: str
+    metrics: list[MetricStats]
+    kernels: list[KernelTotal]
+    thermal: list[ThermalOut]
+    images: list[ImageOut]
+    artifacts: list[Any]
+
+
+# ---- series and alerts --------------------------------------------------------------------
+
+
+class SeriesKeyOut(BaseModel):
+    """A series as the analysis keys it (orchestrator/regression SeriesKey)."""
+
+    device: str
+    os_driver: str
+    model: str
+    resolution: str
+    steps: int
+    precision: str
+    profile: str
+    metric: str
+    environment: str
+
+
+class SeriesOut(BaseModel):
+    id: str = Field(description="A short hash of the key's canonical JSON.")
+    key: SeriesKeyOut
+    canonical: str = Field(description="The key as canonical JSON (what series settings are stored by).")
+    runs: int = Field(description="Succeeded latency runs in the series.")
+
+
+class SeriesPoint(BaseModel):
+    """One build of a series: its samples (all runs of it in the series), their count and median."""
+
+    build: str
+    build_id: int
+    n: int
+    median: float
+    min: float
+    max: float
+    values: list[float]
+
+
+class SeriesDetail(SeriesOut):
+    points: list[SeriesPoint]
+
+
+class AlertOut(BaseModel):
+    id: int
+    kind: AlertKind
+    state: AlertState
+    device: str | None
+    build: str | None
+    baseline_build: str | None
+    metric: str
+    ratio: float | None
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None
+    summary: str
+    note: str
+    series: dict[str, Any]
+    detail: dict[str, Any]
+    batch: int | None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    @classmethod
+    def of(cls, a: Alert) -> AlertOut:
+        return cls(id=a.id, kind=a.kind, state=a.state, device=a.device.serial if a.device else None,
+                   build=a.build.name if a.build else None,
+                   baseline_build=a.baseline_build.name if a.baseline_build else None, metric=a.metric,
+                   ratio=a.ratio, ci_low=a.ci_low, ci_high=a.ci_high, p_value=a.p_value, summary=a.summary,
+                   note=a.note, series=a.series or {}, detail=a.detail or {}, batch=a.batch_id,
+                   created_at=a.created_at, updated_at=a.updated_at)
+
+
+class Triage(BaseModel):
+    note: str | None = Field(None, max_length=10_000, description="Why (kept on the alert).")
+
+
+# ---- checks -------------------------------------------------------------------------------
+
+
+class CheckIn(BaseModel):
+    """What `farm check` takes, as a request body: the candidate, its baseline (default: each
+    device's series' last accepted build, else the build made before the candidate), the
+    devices (serials, or `all`), the metrics to gate on and the budget."""
+
+    model_config = {"extra": "forbid"}
+
+    build: str = Field(min_length=1, max_length=128, pattern=PLAIN, description="The candidate build (name).")
+    baseline: str | None = Field(None, min_length=1, max_length=128, pattern=PLAIN)
+    devices: list[Serial] | Literal["all"] = Field(min_length=1, description="Device serials, or \"all\".")
+    metrics: list[Metric] | None = Field(None, min_length=1, description="Default: every headline metric.")
+    max_rounds: int = Field(2, ge=0, le=10, description="More-repetitions rounds after the first.")
+    pairs: int = Field(2, ge=1, le=10, description="Baseline/candidate runs per device, interleaved.")
+    precision: Literal["fp32", "fp16", "f16-storage"] = "fp16"
+    steps: int = Field(4, ge=1, le=1000)
+    size: int | None = Field(None, ge=8, le=4096, description="Image height and width (default: the model's).")
+    repetitions: int = Field(5, ge=5, le=100)
+    unet_repetitions: int = Field(10, ge=5, le=200)
+    images: bool = Field(True, description="One generation of each build per device, for image fidelity.")
+    timeout_s: float = Field(3600.0, ge=1, le=86_400, description="Give up (exit code 4) after this long.")
+
+
+class CheckOut(BaseModel):
+    """A check and, once it ended, its verdict: exit_code 0 pass, 1 regression, 2 undecided,
+    3 bad input, 4 could not run (orchestrator/check.py)."""
+
+    id: int
+    state: CheckState
+    request: dict[str, Any]
+    progress: str
+    exit_code: int | None
+    outcome: str | None
+    error: str | None
+    report: dict[str, Any] | None
+    started_by: int | None = Field(description="The id of the API token that started it.")
+    created_at: dt.datetime
+    finished_at: dt.datetime | None
+
+    @classmethod
+    def of(cls, c: CheckRun) -> CheckOut:
+        return cls(id=c.id, state=c.state, request=c.request, progress=c.progress, exit_code=c.exit_code,
+                   outcome=c.outcome, error=c.error, report=c.report, started_by=c.token_id,
+                   created_at=c.created_at, finished_at=c.finished_at)

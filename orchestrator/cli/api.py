@@ -1,0 +1,104 @@
+"""`farm api ...`: the farm API (orchestrator/api). `serve` runs it under uvicorn; `token
+create|list|revoke` manage its bearer tokens, whose plain text is printed once, at creation,
+and stored nowhere (only its sha256 and first characters are kept)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from . import validate
+from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .output import Table, console, field
+
+app = typer.Typer(help="The farm API: serve it, and manage its bearer tokens.", no_args_is_help=True)
+token_app = typer.Typer(help="Bearer tokens of the farm API: read, triage or run.", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+
+def token_dict(row) -> dict[str, Any]:
+    return {"id": row.id, "name": row.name, "scope": str(row.scope), "prefix": row.prefix,
+            "created_at": iso(row.created_at), "last_used_at": iso(row.last_used_at),
+            "revoked_at": iso(row.revoked_at)}
+
+
+@token_app.command()
+def create(
+    scope: str = typer.Option(..., "--scope", help="read (everything), triage (read, and acknowledge, invalidate "
+                              "or fix alerts) or run (read, and start checks)."),
+    name: str = typer.Option("", "--name", help="Whose or what for (shown in `farm api token list`)."),
+):
+    """Make a token and print it, once: it is stored only as its hash."""
+    from orchestrator.api import tokens
+    from orchestrator.db import store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            row, token = tokens.create_token(session, scope, name)
+        except store.StoreError as exc:
+            fail(str(exc))
+        session.commit()
+    console.print(f"API token {row.id} ({row.scope}{', ' + name if name else ''}); it is shown only now:",
+                  highlight=False, markup=False)
+    typer.echo(token)
+
+
+@token_app.command("list")
+def list_tokens(as_json: bool = JSON_OPTION):
+    """Every token: id, name, scope, prefix, created, last used, revoked."""
+    from orchestrator.api import tokens
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        rows = [token_dict(t) for t in tokens.list_tokens(session)]
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        console.print("no API tokens; `farm api token create --scope read` makes one")
+        return
+    table = Table("id", "name", "scope", "prefix", "created", "last used", "revoked")
+    for r in rows:
+        table.add_row(str(r["id"]), r["name"] or "-", r["scope"], r["prefix"] + "…", _when(r["created_at"]),
+                      _when(r["last_used_at"]) if r["last_used_at"] else "never",
+                      _when(r["revoked_at"]) if r["revoked_at"] else "-")
+    console.print(table)
+
+
+def _when(value: str | None) -> str:
+    return (value or "-")[:19].replace("T", " ")
+
+
+@token_app.command()
+def revoke(token_id: int = typer.Argument(..., help="Token id (`farm api token list`).", parser=validate.record_id)):
+    """Revoke a token: the API refuses it from its next request on."""
+    from orchestrator.api import tokens
+    from orchestrator.db import store
+
+    with open_store(_settings()) as sessions, sessions() as session:
+        try:
+            row = tokens.revoke_token(session, token_id)
+        except store.StoreError as exc:
+            fail(str(exc))
+        session.commit()
+    console.print(f"API token {row.id} ({row.scope}, {row.prefix}…) revoked", highlight=False, markup=False)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8090, "--port", parser=validate.listen_port, help="Port (0: any free one)."),
+):
+    """Run the farm API (OpenAPI at /openapi.json, interactive docs at /docs) until stopped."""
+    import uvicorn
+
+    from orchestrator.api.app import create_app
+    from orchestrator.db import migrate
+
+    settings = _settings()
+    try:
+        api = create_app(settings)
+    except migrate.SchemaMismatch as exc:
+        fail(str(exc))
+    field(console, "farm API", f"http://{host}:{port}/v1  (OpenAPI: /openapi.json)")
+    uvicorn.run(api, host=host, port=port, log_level="info", proxy_headers=False)
