@@ -72,6 +72,8 @@ class PageChannel:
         self.polled = threading.Event()  # the page asked for a command at least once
         self.console: list[dict[str, Any]] = []  # the page's last log entries
         self.hidden = False  # the page said it is hidden (and has not said it is visible since)
+        self.beat_seen = 0.0  # monotonic time of the page's last heartbeat
+        self.beat_state = ""  # what the page's running command said it was doing, in that beat
         self._lock = threading.Lock()
 
     def heard(self) -> None:
@@ -86,10 +88,28 @@ class PageChannel:
         del self.console[:-CONSOLE_KEPT]
 
     def beat(self, doc: dict[str, Any] | None) -> None:
-        """A heartbeat; its {"hidden": bool} says whether the page is hidden now."""
+        """A heartbeat; its {"hidden": bool} says whether the page is hidden now, its {"state":
+        text} what the running command is doing."""
         self.heard()
+        self.beat_seen = self.seen
         if isinstance(doc, dict) and isinstance(doc.get("hidden"), bool):
             self.hidden = doc["hidden"]
+        if isinstance(doc, dict) and isinstance(doc.get("state"), str):
+            self.beat_state = doc["state"][:300]
+
+    def _where(self, taken_at: float | None, now: float) -> str:
+        """What a command that ran out of time was doing, for its timeout error."""
+        if taken_at is None:
+            return (f"the page never took it (its last poll or word {now - self.seen:.0f} s ago, "
+                    f"{self.polling} poll(s) open now)")
+        where = f"the page took it {now - taken_at:.0f} s ago"
+        if self.beat_seen >= taken_at:
+            where += f"; its last heartbeat came {now - self.beat_seen:.0f} s ago"
+            if self.beat_state:
+                where += f" and said: {self.beat_state}"
+        else:
+            where += " and has sent no heartbeat since"
+        return where
 
     def next_command(self, page: str = "") -> dict[str, Any] | None:
         """The page's long poll: the next command (marked as taken by `page`), or None after
@@ -130,6 +150,7 @@ class PageChannel:
         self.replies[command_id] = box
         self.commands.put({"id": command_id, "op": op, **fields})
         deadline = time.monotonic() + timeout_s
+        taken_at = None
         try:
             while True:
                 try:
@@ -142,6 +163,8 @@ class PageChannel:
                     raise BrowserError("browser-exited", f"{op}: {why}")
                 now = time.monotonic()
                 taker = self.taken.get(command_id)
+                if taker is not None and taken_at is None:
+                    taken_at = now
                 if taker is not None and self.page and self.page != taker:
                     raise BrowserError("page-lost", f"{op}: the page was replaced (reloaded) while it ran the command")
                 if taker is not None and self.hidden:
@@ -151,7 +174,8 @@ class PageChannel:
                     raise BrowserError("page-lost", f"{op}: no word from {self.name} for {now - self.seen:.0f} s "
                                        "(tab closed or crashed, screen off or device lost)")
                 if now > deadline:
-                    raise BrowserError("timeout", f"{op}: the page did not answer within {timeout_s:.0f} s")
+                    raise BrowserError("timeout", f"{op}: the page did not answer within {timeout_s:.0f} s: "
+                                       + self._where(taken_at, now))
         finally:
             self.replies.pop(command_id, None)
             self.taken.pop(command_id, None)

@@ -5,6 +5,7 @@
 // runs. A worker's timers are neither. The page says what to post, where, and when to stop:
 //   {start: {url, headers, id, hidden, ms}}   beat now and every ms until told otherwise
 //   {hidden: bool}                            what the next beats say of the page
+//   {state: text}                             what the command is doing, said by the next beats
 //   {stop: true}                              the command ended
 // It says {ready: true} once it runs.
 let timer = null;
@@ -12,7 +13,7 @@ let beat = null;
 
 function send() {
   if (!beat) return;
-  fetch(beat.url, { method: "POST", headers: beat.headers, body: JSON.stringify({ id: beat.id, hidden: beat.hidden }),
+  fetch(beat.url, { method: "POST", headers: beat.headers, body: JSON.stringify({ id: beat.id, hidden: beat.hidden, state: beat.state }),
     cache: "no-store" }).catch(() => {}); // a host briefly unreachable hears the next one
 }
 
@@ -25,6 +26,8 @@ onmessage = (ev) => {
     timer = setInterval(send, m.start.ms);
   } else if (typeof m.hidden === "boolean" && beat) {
     beat.hidden = m.hidden;
+  } else if (typeof m.state === "string" && beat) {
+    beat.state = m.state;
   } else if (m.stop) {
     clearInterval(timer);
     timer = null;

@@ -37,11 +37,14 @@ function heartbeat(url, headers, post) {
   let worker = null;
   let timer = null;
   let running = null;
+  let doing = "";
   let isReady = () => {};
   const ready = new Promise((res) => { isReady = res; });
   const fallback = () => {
     clearInterval(timer);
-    timer = setInterval(() => { post("beat", { id: running, hidden: document.hidden }).catch(() => {}); }, BEAT_MS);
+    timer = setInterval(() => {
+      post("beat", { id: running, hidden: document.hidden, state: doing }).catch(() => {});
+    }, BEAT_MS);
   };
   try {
     worker = new Worker(new URL("./beat.js", import.meta.url));
@@ -62,10 +65,16 @@ function heartbeat(url, headers, post) {
       running = id;
       if (!worker) return fallback();
       worker.postMessage({ start: { url: url.href, headers: { ...headers, "Content-Type": "application/json" }, id,
-        hidden: document.hidden, ms: BEAT_MS } });
+        hidden: document.hidden, state: doing, ms: BEAT_MS } });
     },
     hidden(hidden) {
       if (worker) worker.postMessage({ hidden });
+    },
+    // what the running command is doing: the beats carry it, so a host waiting on a long
+    // command can say where it is
+    state(text) {
+      doing = text;
+      if (worker && running !== null) worker.postMessage({ state: text });
     },
     stop() {
       running = null;
@@ -110,8 +119,12 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   const pageId = crypto.randomUUID();
   const state = document.getElementById("state");
   const logEl = document.getElementById("log");
+  let beatState = () => {}; // the heartbeat's, once it exists
   const ui = {
-    state: (text) => { state.textContent = text; },
+    state: (text) => {
+      state.textContent = text;
+      beatState(text);
+    },
     log: (text) => {
       logEl.textContent = `${new Date().toISOString().slice(11, 23)} ${text}\n` + logEl.textContent.slice(0, 20000);
     },
@@ -243,6 +256,7 @@ export function runPage({ query = {}, hostFetch = fetch, hello = () => ({}), ops
   const post = (path, body) => hostFetch(api(path), { method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify(body) });
   const beats = heartbeat(api("beat"), headers, post);
+  beatState = (text) => beats.state(text);
 
   async function loop() {
     ui.state("starting the heartbeat");

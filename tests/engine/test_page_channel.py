@@ -3,6 +3,7 @@ send a page its commands, hear its answers and beats, and give up on a page that
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -57,6 +58,28 @@ def test_beats_keep_a_page_that_runs_a_long_command():
 
     _page(channel, slow)
     assert channel.call("generate", timeout_s=30) == "done"
+
+
+def test_a_timeout_says_whether_the_page_took_the_command_and_what_its_beats_said():
+    """A command past its timeout says where it stood: never taken (and when the page last
+    polled), or taken and what the running command's last heartbeat said it was doing."""
+    channel = PageChannel("the page", poll_s=0.3, lost_s=60.0)
+    channel.heard()
+    with pytest.raises(BrowserError, match=r"the page never took it \(its last poll or word \d+ s ago") as err:
+        channel.call("hello", timeout_s=1)
+    assert err.value.kind == "timeout"
+
+    def busy(command):  # takes the command and beats, saying where it is, but never answers
+        for n in range(8):
+            channel.beat({"id": command["id"], "hidden": False, "state": f"deploying b1: {n}/40 files"})
+            time.sleep(0.25)
+
+    _page(channel, busy)
+    with pytest.raises(BrowserError) as err:
+        channel.call("deploy", timeout_s=1.5)
+    assert err.value.kind == "timeout"
+    assert re.search(r"deploy: the page did not answer within 2 s: the page took it [12] s ago; its last heartbeat "
+                     r"came 0 s ago and said: deploying b1: [4-7]/40 files", str(err.value)), err.value
 
 
 def test_a_page_replaced_while_it_runs_a_command_is_lost():

@@ -4,19 +4,26 @@ made with 64 KiB chunks (the tiny UNet file is 69 of them): a deploy cut at abou
 of the build's bytes (the hub closes the connection mid-chunk) is resumed by the next deploy
 fetching exactly the chunks not held, and the build then generates; no buffer the deploy fills
 is larger than a chunk; an unchanged re-deploy fetches nothing; a third build makes the page
-drop the first one's manifest and chunks, and say how many bytes it freed; the browser
-transport passes the page's chunk, freed and storage fields on in its deploy event."""
+drop the first one's manifest and chunks, and say how many bytes it freed; a chunk damaged in
+the page's cache (through Chromium's DevTools protocol) is found by the run that reads it, dropped
+and fetched again by the next deploy; the browser transport passes the page's chunk, freed and
+storage fields on in its deploy event."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
+import json
+import os
 import re
+import select
 import shutil
 import socket
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +107,58 @@ class Blobs:
         return sent
 
 
+class DevTools:
+    """Chromium's DevTools protocol over --remote-debugging-pipe: the browser reads commands on
+    its fd 3 and writes answers on its fd 4, each a JSON text ended by a NUL byte."""
+
+    def __init__(self):
+        self._to_browser, self._to_us = os.pipe(), os.pipe()
+        self._ids = itertools.count(1)
+        self._pending = b""
+
+    def child_fds(self) -> None:  # preexec_fn: the pipes become the browser's fds 3 and 4
+        os.dup2(self._to_browser[0], 3)
+        os.dup2(self._to_us[1], 4)
+
+    def started(self) -> None:
+        os.close(self._to_browser[0])
+        os.close(self._to_us[1])
+
+    def close(self) -> None:
+        os.close(self._to_browser[1])
+        os.close(self._to_us[0])
+
+    def send(self, method: str, session: str | None = None, timeout_s: float = 60.0, **params) -> dict:
+        command_id = next(self._ids)
+        message = {"id": command_id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self._to_browser[1], json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while b"\0" not in self._pending:
+                if not select.select([self._to_us[0]], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise TimeoutError(f"no answer to {method} within {timeout_s} s")
+                data = os.read(self._to_us[0], 1 << 16)
+                if not data:
+                    raise ConnectionError("the browser closed its DevTools pipe")
+                self._pending += data
+            raw, self._pending = self._pending.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == command_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+
+    def evaluate(self, expression: str):
+        """`expression`'s value (awaited) in the farm's page."""
+        pages = [t for t in self.send("Target.getTargets")["targetInfos"]
+                 if t["type"] == "page" and "/web/index.html" in t["url"]]
+        session = self.send("Target.attachToTarget", targetId=pages[0]["targetId"], flatten=True)["sessionId"]
+        result = self.send("Runtime.evaluate", session, expression=expression, awaitPromise=True, returnByValue=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"the page threw: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, tiny_model_dir):
     if not find_chromium():
@@ -140,8 +199,13 @@ def page(farm, monkeypatch):
     profile = tempfile.mkdtemp(prefix="chunks-chromium-")
     url = f"{farm['hub'].local_url}/web/index.html#device=d1&token={TOKEN}&key={key}"
     log = open(Path(profile) / "chromium.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(chromium_command(find_chromium(), profile, url, "swiftshader"), stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    devtools = DevTools()
+    command = chromium_command(find_chromium(), profile, url, "swiftshader")
+    proc = subprocess.Popen([*command[:-1], "--remote-debugging-pipe", command[-1]], stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=devtools.child_fds,
+                            pass_fds=(3, 4))
+    devtools.started()
+    blobs.devtools = devtools
     try:
         farm["hub"].wait_online("d1", 60.0)  # (the last test's page may still count as online)
         farm["hub"].call("d1", "hello", timeout_s=60.0)  # this page: the last one is gone
@@ -150,6 +214,7 @@ def page(farm, monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+        devtools.close()
         log.close()
         shutil.rmtree(profile, ignore_errors=True)
 
@@ -230,6 +295,51 @@ def test_a_deploy_holds_a_chunk_at_a_time_and_keeps_two_builds(farm, page):
     assert back["freed_bytes"] == own["b2"].size + len(base64.b64decode(deploy_fields(farm["tmp"] / "b2")
                                                                           ["manifest_b64"])) + \
         (farm["tmp"] / "b2" / "manifest.sig").stat().st_size
+
+
+def damage_chunk(page, entry, i: int) -> int:
+    """Flips a byte of chunk i of `entry` in the page's cache, keeping the entry's size and headers
+    (the digest it was stored with): a flash cell gone bad, not a chunk the deploy never finished."""
+    return page.devtools.evaluate(f"""(async () => {{
+        const cache = await caches.open("devicefarm-builds-v1");
+        const key = new URL("/chunk-cache/{entry.sha256}/{CHUNK}/{i}", location.href).href;
+        const hit = await cache.match(key);
+        const bytes = new Uint8Array(await hit.arrayBuffer());
+        bytes[100] ^= 0xff;
+        await cache.put(key, new Response(bytes, {{ headers: hit.headers }}));
+        return bytes.length;
+    }})()""")
+
+
+def test_a_damaged_chunk_is_dropped_by_the_run_that_reads_it_and_fetched_again_by_the_next_deploy(farm, page):
+    """An unchanged re-deploy reads no held chunk (each is trusted by its size and the digest it
+    was stored with): a chunk damaged since is found by the run that reads it, which fails naming
+    it and drops it, and the next deploy fetches that one chunk again. A deploy with verify hashes
+    every held chunk again and fetches a damaged one at once."""
+    manifest = from_json(Manifest, (farm["tmp"] / "b1" / "manifest.json").read_bytes())
+    unet = next(f for f in manifest.files if f.path == UNET)
+    deploy(farm, "b1")
+    assert damage_chunk(page, unet, 5) == CHUNK
+    page.whole.clear()
+    assert deploy(farm, "b1")["fetched_chunks"] == 0  # trusted: nothing read, nothing fetched
+    model = farm["root"] / "builds" / "current" / "models" / "tiny"
+    args = {"prompt": "a red bicycle", "steps": 1, "scheduler": "euler", "seed": 4, "height": 64, "width": 64}
+    session = HubPage(farm["hub"].control_url("d1"))
+    with pytest.raises(BrowserError) as damaged:
+        with engine.load_pipeline(model, precision="fp32", runtime="browser", session=session) as p:
+            p.generate(**args)
+    assert damaged.value.kind == "hash-mismatch"
+    assert f"of the cached {UNET} are damaged: 1 chunk(s) dropped, deploy build b1 again" in str(damaged.value)
+    again = deploy(farm, "b1")
+    assert (again["fetched_chunks"], again["fetched_bytes"]) == (1, CHUNK)
+    assert page.whole == [(unet.sha256, 5 * CHUNK, 6 * CHUNK)]
+    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=session) as p:
+        assert p.generate(**args).image.shape == (64, 64, 3)
+    damage_chunk(page, unet, 17)
+    page.whole.clear()
+    verified = farm["hub"].call("d1", "deploy", timeout_s=180, verify=True, **deploy_fields(farm["tmp"] / "b1"))
+    assert (verified["fetched_chunks"], verified["fetched_bytes"]) == (1, CHUNK)
+    assert page.whole == [(unet.sha256, 17 * CHUNK, 18 * CHUNK)]
 
 
 def test_a_manifest_without_chunks_is_deployed_whole_as_before(farm, page):
