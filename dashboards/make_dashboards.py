@@ -105,17 +105,42 @@ def device_variable(*, multi: bool) -> dict[str, Any]:
 
 # ---- (a) latency over builds ----------------------------------------------------------------
 
-# Per run: the median of its samples of $metric; per build: the median, lowest and highest of
-# those run medians, placed at the build's creation time (builds ordered as analysis orders them).
-LATENCY_BY_BUILD_SQL = """
+# A series as the regression analysis keys it (orchestrator/analysis.py SpecKey.of and
+# series_key): the job's kind, model, resolution ("WIDTHxHEIGHT", else "native"), steps,
+# precision and profile, from the job's spec with the analysis' defaults; only succeeded runs
+# count. The environment (OS, driver, adapter, engine runtime) is the rest of the key: its changes
+# are annotations, so a step at a driver update reads as one.
+SPEC_COLUMNS = {
+    "model": "coalesce(j.spec->>'model', '')",
+    "resolution": "CASE WHEN coalesce(j.spec->>'width', '') NOT IN ('', '0') AND coalesce(j.spec->>'height', '') "
+                  "NOT IN ('', '0') THEN (j.spec->>'width') || 'x' || (j.spec->>'height') ELSE 'native' END",
+    "steps": "coalesce(j.spec->>'steps', '20')",
+    "precision": "coalesce(j.spec->>'precision', 'fp16')",
+    "profile": "coalesce(j.spec->>'profile', 'auto')",
+}
+SERIES_FILTER = "j.kind = '$kind' AND r.status = 'succeeded'" + "".join(
+    f"\n    AND {column} IN (${name})" for name, column in SPEC_COLUMNS.items())
+
+
+def run_medians_sql(metric: str, per_build_only: bool = False) -> str:
+    """Per run of the selected series on $device: the median of its samples of `metric`."""
+    run_id = "" if per_build_only else " r.id AS run_id,"
+    return f"""
 WITH run_medians AS (
-  SELECT r.build_id, r.id AS run_id,
-         percentile_cont(0.5) WITHIN GROUP (ORDER BY s.value) AS run_median
+  SELECT r.build_id,{run_id} percentile_cont(0.5) WITHIN GROUP (ORDER BY s.value) AS run_median
   FROM samples s
   JOIN runs r ON r.id = s.run_id
-  WHERE r.device_id IN ($device) AND s.metric = '$metric' AND r.build_id IS NOT NULL
+  JOIN jobs j ON j.id = r.job_id
+  WHERE r.device_id IN ($device) AND s.metric = {metric} AND r.build_id IS NOT NULL
+    AND {SERIES_FILTER}
   GROUP BY r.build_id, r.id
-)
+)"""
+
+
+# Per run: the median of its samples of the metric; per build: the median, lowest and highest of
+# those run medians, placed at the build's creation time (builds ordered as analysis orders them).
+def latency_by_build_sql(metric: str) -> str:
+    return run_medians_sql(metric) + """
 SELECT b.created AS "time",
        percentile_cont(0.5) WITHIN GROUP (ORDER BY m.run_median) AS "median",
        min(m.run_median) AS "lowest run",
@@ -127,14 +152,11 @@ GROUP BY b.id, b.created
 ORDER BY b.created
 """
 
-LATENCY_BARS_SQL = """
-WITH run_medians AS (
-  SELECT r.build_id, percentile_cont(0.5) WITHIN GROUP (ORDER BY s.value) AS run_median
-  FROM samples s
-  JOIN runs r ON r.id = s.run_id
-  WHERE r.device_id IN ($device) AND s.metric = '$metric' AND r.build_id IS NOT NULL
-  GROUP BY r.build_id, r.id
-)
+
+LATENCY_BY_BUILD_SQL = latency_by_build_sql("'$metric'")
+MEMORY_BY_BUILD_SQL = latency_by_build_sql("'peak_gpu_bytes'")
+
+LATENCY_BARS_SQL = run_medians_sql("'$metric'", per_build_only=True) + """
 SELECT b.name AS "build",
        percentile_cont(0.5) WITHIN GROUP (ORDER BY m.run_median) AS "median",
        count(*) AS "runs"
@@ -157,45 +179,104 @@ WHERE a.device_id IN ($device) AND (a.metric = '$metric' OR a.metric = '')
 ORDER BY b.created
 """
 
-METRIC_VARIABLE_SQL = """
-SELECT DISTINCT s.metric FROM samples s JOIN runs r ON r.id = s.run_id
-WHERE r.device_id IN ($device) ORDER BY s.metric
+# The first run of each environment on a device (its OS, driver, adapter or engine runtime
+# changed): a new series begins there.
+ENVIRONMENT_CHANGES_SQL = """
+SELECT first_run AS "time",
+       d.serial || ': environment ' || e.env_key || ' (' || e.os_driver || ')' AS "text",
+       'environment' AS "tags"
+FROM (
+  SELECT r.device_id, r.env_key, min(r.finished_at) AS first_run,
+         max(trim(coalesce(r.environment->>'os', '') || ' ' || coalesce(r.environment->>'os_version', ''))
+             || ' / ' || coalesce(r.environment->>'driver', '')) AS os_driver
+  FROM runs r
+  WHERE r.device_id IN ($device) AND r.env_key <> '' AND r.finished_at IS NOT NULL
+  GROUP BY r.device_id, r.env_key
+) e
+JOIN devices d ON d.id = e.device_id
+WHERE $__timeFilter(e.first_run)
+ORDER BY first_run
+"""
+
+KIND_VARIABLE_SQL = """
+SELECT DISTINCT j.kind FROM jobs j JOIN runs r ON r.job_id = j.id
+WHERE r.device_id IN ($device) ORDER BY j.kind
 """
 
 
+def spec_variable_sql(name: str) -> str:
+    """The values of one part of the series key among $device's runs of $kind (and the parts before it)."""
+    before = list(SPEC_COLUMNS)[:list(SPEC_COLUMNS).index(name)]
+    narrowed = "".join(f"\n  AND {SPEC_COLUMNS[b]} IN (${b})" for b in before)
+    return f"""
+SELECT DISTINCT {SPEC_COLUMNS[name]} AS "__text", {SPEC_COLUMNS[name]} AS "__value"
+FROM jobs j JOIN runs r ON r.job_id = j.id
+WHERE r.device_id IN ($device) AND j.kind = '$kind'{narrowed}
+ORDER BY 1
+"""
+
+
+METRIC_VARIABLE_SQL = f"""
+SELECT DISTINCT s.metric FROM samples s JOIN runs r ON r.id = s.run_id JOIN jobs j ON j.id = r.job_id
+WHERE r.device_id IN ($device) AND s.unit = 'ms'
+  AND {SERIES_FILTER}
+ORDER BY s.metric
+"""
+
+
+def series_variables() -> list[dict[str, Any]]:
+    """Device, then the series key's parts, each narrowing the next, then the metric."""
+    kind = query_variable("kind", "Job kind", KIND_VARIABLE_SQL, multi=False, include_all=False)
+    kind["description"] = "The analysis compares latency jobs' samples; a generate job's single runs are their own series."
+    return [device_variable(multi=True), kind,
+            *[query_variable(name, name.capitalize(), spec_variable_sql(name), multi=True, include_all=False)
+              for name in SPEC_COLUMNS],
+            query_variable("metric", "Metric (ms)", METRIC_VARIABLE_SQL, multi=False, include_all=False)]
+
+
 def latency_dashboard() -> dict[str, Any]:
-    band = [
-        {"matcher": {"id": "byName", "options": "highest run"},
-         "properties": [{"id": "custom.fillBelowTo", "value": "lowest run"}, {"id": "custom.lineWidth", "value": 0},
-                        {"id": "custom.fillOpacity", "value": 20}, {"id": "color", "value": {"mode": "fixed",
-                                                                                             "fixedColor": "blue"}}]},
-        {"matcher": {"id": "byName", "options": "lowest run"},
-         "properties": [{"id": "custom.lineWidth", "value": 0}, {"id": "color", "value": {"mode": "fixed",
-                                                                                        "fixedColor": "blue"}}]},
-    ]
+    def band(color: str) -> list[dict[str, Any]]:
+        fixed = {"id": "color", "value": {"mode": "fixed", "fixedColor": color}}
+        return [
+            {"matcher": {"id": "byName", "options": "highest run"},
+             "properties": [{"id": "custom.fillBelowTo", "value": "lowest run"}, {"id": "custom.lineWidth", "value": 0},
+                            {"id": "custom.fillOpacity", "value": 20}, fixed]},
+            {"matcher": {"id": "byName", "options": "lowest run"},
+             "properties": [{"id": "custom.lineWidth", "value": 0}, fixed]},
+        ]
+    line = {"drawStyle": "line", "showPoints": "always", "pointSize": 6, "lineWidth": 2, "spanNulls": True,
+            "fillOpacity": 0}
+    legend = {"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
+              "tooltip": {"mode": "multi", "sort": "none"}}
     panels = [
         panel(1, "timeseries", "$metric on $device over builds", (0, 0, 16, 9),
-              [target(LATENCY_BY_BUILD_SQL)], repeat="device", unit="none",
-              description="One point per build at its creation time: the median of the per-run medians, "
-                          "in a band from the lowest to the highest run median. Alerts are annotations.",
-              custom={"drawStyle": "line", "showPoints": "always", "pointSize": 6, "lineWidth": 2,
-                      "spanNulls": True, "fillOpacity": 0},
-              overrides=band,
-              options={"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
-                       "tooltip": {"mode": "multi", "sort": "none"}}),
+              [target(LATENCY_BY_BUILD_SQL)], repeat="device", unit="ms",
+              description="One series as the analysis keys it (job kind, model, resolution, steps, precision, "
+                          "profile): one point per build at its creation time, the median of the per-run "
+                          "medians, in a band from the lowest to the highest run median. Alerts and "
+                          "environment changes are annotations.",
+              custom=line, overrides=band("blue"), options=legend),
         panel(2, "barchart", "$metric on $device by build", (16, 0, 8, 9), [target(LATENCY_BARS_SQL)],
-              repeat="device", description="The median per build, builds in creation order.",
+              repeat="device", unit="ms", description="The median per build, builds in creation order.",
               options={"xField": "build", "orientation": "vertical", "showValue": "auto", "stacking": "none",
                        "legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": False},
-                       "tooltip": {"mode": "single", "sort": "none"}, "xTickLabelRotation": -45}),
+                       "tooltip": {"mode": "single", "sort": "none"}, "xTickLabelRotation": -45,
+                       "xTickLabelMaxLength": 24}),
+        panel(3, "timeseries", "Peak GPU memory on $device over builds", (0, 9, 16, 8),
+              [target(MEMORY_BY_BUILD_SQL)], repeat="device", unit="bytes",
+              description="peak_gpu_bytes of the same series: the median per build of the runs' peaks.",
+              custom=line, overrides=band("purple"), options=legend),
     ]
-    annotation = {"name": "Alerts", "datasource": DATASOURCE, "enable": True, "hide": False, "iconColor": "red",
-                  "target": target(LATENCY_ALERTS_SQL, ref="Alerts")}
+    annotations = [
+        {"name": "Alerts", "datasource": DATASOURCE, "enable": True, "hide": False, "iconColor": "red",
+         "target": target(LATENCY_ALERTS_SQL, ref="Alerts")},
+        {"name": "Environment changes", "datasource": DATASOURCE, "enable": True, "hide": False,
+         "iconColor": "orange", "target": target(ENVIRONMENT_CHANGES_SQL, ref="Environments")},
+    ]
     return dashboard("devicefarm-latency", "devicefarm / latency over builds",
-                     "Per device and metric: how each build measured, with the alerts analysis raised.", panels,
-                     [device_variable(multi=True),
-                      query_variable("metric", "Metric", METRIC_VARIABLE_SQL, multi=False, include_all=False)],
-                     annotations=[annotation], time_from="now-180d")
+                     "Per device, one series as the analysis keys it: how each build measured, with the alerts "
+                     "analysis raised and the environment changes that start a new series.", panels,
+                     series_variables(), annotations=annotations, time_from="now-180d")
 
 
 # ---- (b) per-kernel breakdown ---------------------------------------------------------------

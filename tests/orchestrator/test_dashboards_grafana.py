@@ -646,16 +646,21 @@ def seed(Session) -> None:  # noqa: N803  (a session factory)
         s.flush()
         for device in devices:
             for i, build in enumerate(builds):
-                job = Job(kind=JobKind.latency, spec={}, device_id=device.id, build_id=build.id)
+                job = Job(kind=JobKind.latency, spec={"model": "tiny", "height": 64, "width": 64, "steps": 2,
+                                                      "precision": "fp32", "profile": "auto"},
+                          device_id=device.id, build_id=build.id)
                 s.add(job)
                 s.flush()
+                environment = {"os": "Android", "os_version": "14", "driver": f"512.{i}"}  # a driver update
                 run = Run(job_id=job.id, attempt=1, device_id=device.id, build_id=build.id, status=RunStatus.succeeded,
                           engine={}, artifacts=[], cooldown_wait_s=12.5, cooldown_timed_out=i == 1,
-                          started_at=build.created, finished_at=build.created + dt.timedelta(minutes=5))
+                          started_at=build.created, finished_at=build.created + dt.timedelta(minutes=5),
+                          environment=environment, env_key=f"env{i:013d}")
                 s.add(run)
                 s.flush()
                 s.add_all([Sample(run_id=run.id, metric="unet_step_ms", unit="ms", value=100.0 + 10 * i + r,
                                   repetition=r) for r in range(5)])
+                s.add(Sample(run_id=run.id, metric="peak_gpu_bytes", unit="bytes", value=2.0e9, repetition=0))
                 s.add_all([KernelTiming(run_id=run.id, kernel=k, calls=4, total_ms=ms * (1 + i), repetition=r)
                            for r in range(2) for k, ms in (("attention", 40.0), ("conv2d", 30.0))])
                 s.add_all([ThermalReading(run_id=run.id, phase=phase, zone="gpu", celsius=40.0 + 5 * (phase == "after"))
@@ -716,7 +721,9 @@ def test_a_column_typo_fails_the_query_check(db_engine, Session):  # noqa: N803
     board = GEN.latency_dashboard()
     sql = board["panels"][0]["targets"][0]["rawSql"].replace("s.metric", "s.metrics")
     with db_engine.connect() as conn, pytest.raises(ProgrammingError, match="metrics"):
-        conn.execute(text(interpolate(sql, {"device": ["1"], "metric": ["unet_step_ms"]}, board)))
+        conn.execute(text(interpolate(sql, {"device": ["1"], "metric": ["unet_step_ms"], "kind": ["latency"],
+                                            "model": ["tiny"], "resolution": ["64x64"], "steps": ["2"],
+                                            "precision": ["fp32"], "profile": ["auto"]}, board)))
 
 
 def test_latency_band_overrides_name_real_columns():
@@ -727,3 +734,30 @@ def test_latency_band_overrides_name_real_columns():
         for prop in override["properties"]:
             if prop["id"] == "custom.fillBelowTo":
                 assert f'AS "{prop["value"]}"' in sql
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_the_latency_dashboards_series_variables_key_runs_as_the_analysis_does(db_engine, Session):  # noqa: N803
+    """The SQL of each part of the series key (model, resolution, steps, precision, profile) gives,
+    for a job's spec, exactly what the analysis' SpecKey.of gives, defaults and all."""
+    from orchestrator.analysis import SpecKey
+    from orchestrator.db.models import Device, Job, JobKind
+
+    seed(Session)
+    specs = [{"model": "sd14", "height": 512, "width": 768, "steps": 20, "precision": "fp16", "profile": "adreno"},
+             {"model": "tiny"},  # every default
+             {"model": "tiny", "height": 64, "width": None, "steps": 4},  # no width: native
+             {"model": "tiny", "height": 0, "width": 64, "precision": "f16s", "profile": "auto"}]
+    with Session() as s, s.begin():
+        device = s.query(Device).first()
+        jobs = [Job(kind=JobKind.latency, spec=spec, device_id=device.id) for spec in specs]
+        s.add_all(jobs)
+        s.flush()
+        ids = [j.id for j in jobs]
+    columns = ", ".join(f'{sql} AS "{name}"' for name, sql in GEN.SPEC_COLUMNS.items())
+    with db_engine.connect() as conn:
+        for job_id, spec in zip(ids, specs, strict=True):
+            row = conn.execute(text(f"SELECT {columns} FROM jobs j WHERE j.id = :id"), {"id": job_id}).one()
+            key = SpecKey.of(spec)
+            assert dict(row._mapping) == {"model": key.model, "resolution": key.resolution, "steps": str(key.steps),
+                                          "precision": key.precision, "profile": key.profile}, spec
