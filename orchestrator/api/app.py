@@ -1,8 +1,8 @@
 """The farm API's ASGI app: `create_app(settings)` opens the store (its schema must be at head:
 `farm db upgrade`), makes the Celery app checks launch their suites through, marks checks a
 previous process left running as interrupted, and mounts the routes under /v1. Errors are JSON
-`{"detail": ...}`: 401 and 403 from the token (deps.py), 404 for an unknown record, 400 for a
-filter or request naming something unknown, 422 for a malformed one, and a value the database
+`{"detail": ...}`: 401 and 403 from the token (deps.py), 404 for an unknown record (or a
+filter naming one), 400 for a check naming something unknown, 422 for a malformed request, and a value the database
 refuses is a 400 rather than a server error."""
 
 from __future__ import annotations

@@ -35,7 +35,10 @@ def problem(status: int, description: str) -> dict[int | str, dict[str, Any]]:
 AUTH_ERRORS = (problem(401, "No token, or an unknown or revoked one.")
                | problem(403, "The token's scope does not grant this."))
 NOT_FOUND = problem(404, "No such record.")
-BAD_FILTER = problem(400, "A filter names something unknown.")
+BAD_BODY = problem(400, "The body is not JSON.")
+# A filter naming a device or build the farm does not know is answered as the record would be:
+# 404, with the same message (an empty list would hide a typo).
+BAD_FILTER = problem(404, "A filter names an unknown device or build.")
 
 
 def session(request: Request) -> Iterator[Session]:

@@ -11,7 +11,18 @@ from fastapi import APIRouter, Query
 from orchestrator.db import queries, store
 from orchestrator.db.models import AlertKind, AlertState
 
-from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Limit, Reader, RecordId, Triager, found
+from ..deps import (
+    AUTH_ERRORS,
+    BAD_BODY,
+    BAD_FILTER,
+    NOT_FOUND,
+    Db,
+    Limit,
+    Reader,
+    RecordId,
+    Triager,
+    found,
+)
 from ..schemas import PLAIN, AlertOut, Triage
 
 router = APIRouter(prefix="/alerts", tags=["alerts"], responses=AUTH_ERRORS)
@@ -28,8 +39,8 @@ def list_alerts(
     build: Annotated[str | None, Query(max_length=128, pattern=PLAIN, description="Build name.")] = None,
     limit: Limit = 50,
 ) -> list[AlertOut]:
-    device_id = found(store.get_device, db, device, status=400).id if device else None
-    build_id = found(store.get_build, db, build, status=400).id if build else None
+    device_id = found(store.get_device, db, device).id if device else None
+    build_id = found(store.get_build, db, build).id if build else None
     alerts = queries.list_alerts(db, states=state or (AlertState.new, AlertState.acknowledged),
                                  kinds=kind or tuple(AlertKind), device_id=device_id, build_id=build_id, limit=limit)
     return [AlertOut.of(a) for a in alerts]
@@ -46,18 +57,19 @@ def _triage(db, alert_id: int, state: AlertState, body: Triage | None) -> AlertO
     return AlertOut.of(alert)
 
 
-@router.post("/{alert_id}/acknowledge", response_model=AlertOut, responses=NOT_FOUND,
+@router.post("/{alert_id}/acknowledge", response_model=AlertOut, responses=NOT_FOUND | BAD_BODY,
              summary="Acknowledge an alert: someone is on it")
 def acknowledge(_: Triager, db: Db, alert_id: RecordId, body: Triage | None = None) -> AlertOut:
     return _triage(db, alert_id, AlertState.acknowledged, body)
 
 
-@router.post("/{alert_id}/invalidate", response_model=AlertOut, responses=NOT_FOUND,
+@router.post("/{alert_id}/invalidate", response_model=AlertOut, responses=NOT_FOUND | BAD_BODY,
              summary="Mark an alert invalid (noise, a broken device): its build becomes a baseline again")
 def invalidate(_: Triager, db: Db, alert_id: RecordId, body: Triage | None = None) -> AlertOut:
     return _triage(db, alert_id, AlertState.invalid, body)
 
 
-@router.post("/{alert_id}/fixed", response_model=AlertOut, responses=NOT_FOUND, summary="Mark an alert fixed")
+@router.post("/{alert_id}/fixed", response_model=AlertOut, responses=NOT_FOUND | BAD_BODY,
+             summary="Mark an alert fixed")
 def fixed(_: Triager, db: Db, alert_id: RecordId, body: Triage | None = None) -> AlertOut:
     return _triage(db, alert_id, AlertState.fixed, body)

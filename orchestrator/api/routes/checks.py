@@ -18,8 +18,8 @@ router = APIRouter(prefix="/checks", tags=["checks"], responses=AUTH_ERRORS)
 
 
 @router.post("", response_model=CheckOut, status_code=202,
-             responses=problem(400, "Bad input: an unknown build, device or metric, no device to run on, "
-                                    "no baseline."),
+             responses=problem(400, "Bad input: a body that is not JSON, an unknown build or device, no device "
+                                    "to run on, no baseline."),
              summary="Start a check of a candidate build against its baseline; poll GET /v1/checks/{id}")
 def start_check(caller: Runner, db: Db, body: CheckIn, request: Request) -> CheckOut:
     spec = gate.latency_spec(precision=body.precision, steps=body.steps, size=body.size,

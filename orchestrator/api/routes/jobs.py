@@ -25,8 +25,8 @@ def list_jobs(
     batch: Annotated[int | None, Query(ge=1, le=MAX_ID, description="Batch id.")] = None,
     limit: Limit = 50,
 ) -> list[JobOut]:
-    device_id = found(store.get_device, db, device, status=400).id if device else None
-    build_id = found(store.get_build, db, build, status=400).id if build else None
+    device_id = found(store.get_device, db, device).id if device else None
+    build_id = found(store.get_build, db, build).id if build else None
     return [JobOut.of(j) for j in queries.list_jobs(db, state=state, device_id=device_id, build_id=build_id,
                                                     batch_id=batch, limit=limit)]
 

@@ -35,8 +35,8 @@ def list_results(
     kind: JobKind | None = None,
     limit: Limit = 50,
 ) -> list[RunSummary]:
-    device_id = found(store.get_device, db, device, status=400).id if device else None
-    build_id = found(store.get_build, db, build, status=400).id if build else None
+    device_id = found(store.get_device, db, device).id if device else None
+    build_id = found(store.get_build, db, build).id if build else None
     return [RunSummary(run_id=r.id, job_id=r.job_id, attempt=r.attempt, device=r.device, build=r.build,
                        kind=r.kind, status=r.status, started_at=r.started_at, finished_at=r.finished_at,
                        medians=r.medians)

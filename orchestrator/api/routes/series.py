@@ -28,7 +28,7 @@ def list_series(
     device: Annotated[str | None, Query(max_length=255, pattern=PLAIN, description="Device serial.")] = None,
     metric: Metric | None = None,
 ) -> list[SeriesOut]:
-    dev = found(store.get_device, db, device, status=400) if device else None
+    dev = found(store.get_device, db, device) if device else None
     return [_out(s) for s in farm_series.list_series(db, dev, metric)]
 
 

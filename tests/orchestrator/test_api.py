@@ -1,0 +1,287 @@
+"""The farm API (orchestrator/api) on SQLite and PostgreSQL, over a store seeded the farm's own
+way: two local devices, builds b1 and b2 at 100 ms a UNet step and b3 30 % slower, each build's
+latency jobs recorded as results, and b3's batch analysed (regression alerts on both devices).
+
+- Schemathesis generates requests from the app's own /openapi.json (every operation but
+  starting a check) and checks each response: no server error, and status code, content type,
+  headers and body as the schema says.
+- A real uvicorn server on a free port, called with httpx for each scope: read lists and gets
+  but gets 403 on a triage and on starting a check; triage acknowledges (the store's alert
+  changes); run starts a check, which is refused at once (400) for an unknown device and,
+  when nothing runs its jobs, ends failed with exit code 4 saying so; revoked, unknown and
+  missing tokens get 401 with a WWW-Authenticate challenge; a check left running by an earlier
+  process is interrupted at start-up; no token is stored in plain text.
+- `farm api token create|list|revoke` through the CLI."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from sqlalchemy import select
+
+from agent.protocol import JobResult, Manifest, ManifestFile, Sample
+from orchestrator import batch_analysis
+from orchestrator.api import tokens
+from orchestrator.api.app import create_app
+from orchestrator.celery_app import make_celery
+from orchestrator.db import make_engine, make_session_factory, store, upgrade
+from orchestrator.db.models import Alert, AlertState, ApiToken, CheckRun, CheckState, JobState
+from orchestrator.settings import Settings
+
+SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
+
+
+def _manifest(name: str, created: float) -> Manifest:
+    return Manifest(build=name, version="0.1.0", created=created,
+                    files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)])
+
+
+def _latency(rng, slow: float) -> JobResult:
+    steps = 100.0 * slow * rng.lognormal(0.0, 0.02, 10)
+    return JobResult(job_id="j", kind="latency", status="succeeded",
+                     samples=[Sample("unet_step_ms", float(v), "ms", r) for r, v in enumerate(steps)])
+
+
+@pytest.fixture
+def farm(db_url, tmp_path):
+    """The seeded store, its settings, and a token of each scope plus a revoked one."""
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="h",
+                        database_url=db_url)
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    sessions = make_session_factory(engine)
+    rng = np.random.default_rng(20261128)
+    with sessions() as s, s.begin():
+        devices = [store.upsert_device(s, serial, "local", f"/tmp/{serial}", host="h") for serial in ("p1", "p2")]
+        for device in devices:
+            store.set_device_state(s, device.id, "available")
+        batches = {}
+        for i, slow in ((1, 1.0), (2, 1.0), (3, 1.3)):
+            build = store.create_build(s, _manifest(f"b{i}", 1_700_000_000.0 + 86400 * i))
+            batch = store.create_batch(s, f"nightly b{i}", build_id=build.id)
+            for device in devices:
+                job = store.create_job(s, "latency", SPEC, device.id, build.id, batch_id=batch.id)
+                store.transition_job(s, job.id, JobState.running, worker="w")
+                store.record_result(s, job.id, _latency(rng, slow))
+                store.transition_job(s, job.id, JobState.succeeded)
+            batches[f"b{i}"] = batch.id
+        made = {scope: tokens.create_token(s, scope, f"{scope} token")[1] for scope in ("read", "triage", "run")}
+        revoked_row, made["revoked"] = tokens.create_token(s, "triage", "revoked token")
+        tokens.revoke_token(s, revoked_row.id)
+    batch_analysis.analyze(make_celery(settings), batches["b3"])
+    with sessions() as s:
+        alerts = list(s.scalars(select(Alert.id).order_by(Alert.id)))
+    assert len(alerts) >= 2, "b3's analysis should have raised a regression alert per device"
+    yield {"settings": settings, "sessions": sessions, "tokens": made, "alerts": alerts, "url": db_url}
+    engine.dispose()
+
+
+# ---- the schema-driven fuzz test ----------------------------------------------------------
+
+
+MAX_EXAMPLES = 15  # per operation and generation mode (valid, invalid): 30 requests an operation
+
+
+def test_the_api_conforms_to_its_own_openapi(farm):
+    """Requests generated from the app's own OpenAPI for every operation but starting a check
+    (which launches suites on the devices: tested below), valid ones and invalid ones, with a
+    triage token (it may read and triage): no 5xx, and every response conforms to the schema
+    (status code, content type, headers, body)."""
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(farm["settings"]))
+    headers = {"Authorization": f"Bearer {farm['tokens']['triage']}"}
+    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [op for op in operations if (op.method.upper(), op.path) != ("POST", "/v1/checks")]
+    assert len(operations) >= 18, [f"{op.method} {op.path}" for op in operations]
+    calls: dict[str, int] = {}
+    for operation in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            _fuzz(operation, mode, headers, calls)
+    assert len(calls) == len(operations)  # every operation was called
+
+
+def _fuzz(operation, mode: GenerationMode, headers: dict[str, str], calls: dict[str, int]) -> None:
+    # An invalid request may still be answered 200 here, for one reason each: a query parameter
+    # the operation does not name is ignored (as HTTP APIs do), and the token header, which the
+    # generated case may leave out, is the test's own.
+    lenient = [schemathesis.checks.negative_data_rejection] if mode == GenerationMode.NEGATIVE else []
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.generate], database=None)
+    def call(case):
+        response = case.call_and_validate(headers=headers, excluded_checks=lenient)
+        label = f"{case.method} {operation.path}"
+        calls[label] = calls.get(label, 0) + 1
+        assert response.status_code < 500
+
+    call()
+
+
+# ---- a real server, a real client, each scope ---------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def server(farm):
+    """The API under uvicorn on a free port (in a thread), after an earlier process left a
+    check running; yields its base URL."""
+    import uvicorn
+
+    with farm["sessions"]() as s, s.begin():
+        left = CheckRun(state=CheckState.running, request={"candidate": "b3"}, progress="round 0")
+        s.add(left)
+        s.flush()
+        farm["left_check"] = left.id
+    port = _free_port()
+    config = uvicorn.Config(create_app(farm["settings"]), host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(10)
+
+
+def _client(base: str, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=base, headers=headers, timeout=10)
+
+
+def test_each_scope_does_what_it_grants_and_nothing_more(farm, server):
+    alert_id = farm["alerts"][0]
+    check_body = {"build": "b3", "baseline": "b2", "devices": ["p1"], "max_rounds": 0, "pairs": 1,
+                  "images": False, "timeout_s": 1}
+    with _client(server, farm["tokens"]["read"]) as read:
+        assert read.get("/v1/me").json()["grants"] == ["read"]
+        builds = read.get("/v1/builds").json()
+        assert [b["name"] for b in builds] == ["b3", "b2", "b1"]
+        assert read.get("/v1/builds/b1").json()["files"][0]["path"] == "models/tiny/model_index.json"
+        assert {d["serial"]: d["state"] for d in read.get("/v1/devices").json()} == {"p1": "available",
+                                                                                     "p2": "available"}
+        jobs = read.get("/v1/jobs", params={"device": "p1", "build": "b3", "state": "succeeded"}).json()
+        assert len(jobs) == 1 and jobs[0]["state"] == "succeeded"
+        assert len(read.get("/v1/jobs", params={"limit": 4}).json()) == 4
+        job = read.get(f"/v1/jobs/{jobs[0]['id']}").json()
+        assert job["spec"]["model"] == "models/tiny" and len(job["runs"]) == 1
+        assert 125 < job["runs"][0]["medians"]["unet_step_ms"] < 135  # 30 % slower than 100 ms
+        run = read.get(f"/v1/results/{job['runs'][0]['run_id']}").json()
+        assert {m["metric"]: m["n"] for m in run["metrics"]} == {"unet_step_ms": 10}
+        assert len(read.get("/v1/results", params={"metric": "unet_step_ms"}).json()) == 6
+        series = read.get("/v1/series", params={"device": "p1", "metric": "unet_step_ms"}).json()
+        assert len(series) == 1 and series[0]["key"]["model"] == "models/tiny" and series[0]["runs"] == 3
+        points = read.get(f"/v1/series/{series[0]['id']}").json()["points"]
+        assert [p["build"] for p in points] == ["b1", "b2", "b3"]
+        assert points[2]["median"] / points[1]["median"] == pytest.approx(1.3, rel=0.05)
+        alerts = read.get("/v1/alerts", params={"kind": "regression"}).json()
+        assert alert_id in [a["id"] for a in alerts] and all(a["state"] == "new" for a in alerts)
+        assert read.get(f"/v1/alerts/{alert_id}").json()["build"] == "b3"
+        # Bad input is the client's error, never the server's.
+        assert read.get("/v1/jobs", params={"device": "nope"}).json() == {
+            "detail": "no device 'nope'; `farm devices list` shows the known ones"}
+        assert read.get("/v1/jobs/999999").json() == {"detail": "no job 999999; `farm jobs list` shows the known ones"}
+        assert read.get("/v1/jobs/0").status_code == 422
+        assert read.get("/v1/builds/x%00y").status_code == 422  # NUL: PostgreSQL would refuse it
+        # What read may not do.
+        refused = read.post(f"/v1/alerts/{alert_id}/acknowledge", json={"note": "mine"})
+        assert refused.status_code == 403 and "scope (read) does not grant triage" in refused.json()["detail"]
+        refused = read.post("/v1/checks", json=check_body)
+        assert refused.status_code == 403 and "does not grant run" in refused.json()["detail"]
+    with farm["sessions"]() as s:
+        assert s.get(Alert, alert_id).state == AlertState.new  # the refusals changed nothing
+
+    with _client(server, farm["tokens"]["triage"]) as triage:
+        acked = triage.post(f"/v1/alerts/{alert_id}/acknowledge", json={"note": "on it"})
+        assert acked.status_code == 200 and acked.json()["state"] == "acknowledged"
+        assert triage.post(f"/v1/alerts/{farm['alerts'][1]}/invalidate").json()["state"] == "invalid"
+        assert triage.post("/v1/alerts/999999/fixed").status_code == 404
+        assert triage.post("/v1/checks", json=check_body).status_code == 403  # run is not triage's
+    with farm["sessions"]() as s:
+        alert = s.get(Alert, alert_id)
+        assert (alert.state, alert.note) == (AlertState.acknowledged, "on it")
+        assert s.get(Alert, farm["alerts"][1]).state == AlertState.invalid
+
+    with _client(server, farm["tokens"]["run"]) as run_client:
+        assert run_client.post(f"/v1/alerts/{alert_id}/fixed").status_code == 403  # triage is not run's
+        unknown = run_client.post("/v1/checks", json=check_body | {"devices": ["nope"]})
+        assert unknown.status_code == 400 and unknown.json()["detail"].startswith("no device 'nope'")
+        assert run_client.post("/v1/checks", json=check_body | {"metrics": ["fps"]}).status_code == 422
+        started = run_client.post("/v1/checks", json=check_body)
+        assert started.status_code == 202, started.text
+        check = started.json()
+        assert check["state"] == "running" and check["request"]["candidate"] == "b3"
+        # No worker runs this farm's jobs: the check runs out of its second and says so.
+        deadline = time.monotonic() + 30
+        while check["state"] == "running":
+            assert time.monotonic() < deadline, check
+            time.sleep(0.2)
+            check = run_client.get(f"/v1/checks/{check['id']}").json()
+        assert (check["state"], check["exit_code"], check["outcome"]) == ("failed", 4, "failed")
+        assert "ran out of time" in check["error"] and check["started_by"] is not None
+        left = run_client.get(f"/v1/checks/{farm['left_check']}").json()
+        assert (left["state"], left["exit_code"]) == ("interrupted", 4) and "stopped" in left["error"]
+
+    for token in (farm["tokens"]["revoked"], "farm_" + "x" * 43, None):
+        with _client(server, token) as nobody:
+            for response in (nobody.get("/v1/builds"), nobody.post(f"/v1/alerts/{alert_id}/fixed")):
+                assert response.status_code == 401, (token, response.text)
+                assert response.headers["www-authenticate"].startswith('Bearer realm="farm"')
+                assert response.json()["detail"]
+    assert httpx.get(f"{server}/openapi.json").json()["components"]["securitySchemes"]["token"]["scheme"] == "bearer"
+
+
+def test_tokens_are_stored_only_as_hashes(farm, server):
+    with _client(server, farm["tokens"]["read"]) as read:
+        assert read.get("/v1/builds").status_code == 200
+    with farm["sessions"]() as s:
+        rows = list(s.scalars(select(ApiToken)))
+        stored = " ".join(f"{r.name} {r.prefix} {r.sha256}" for r in rows)
+        assert len(rows) == 4 and next(r for r in rows if r.scope == "read").last_used_at is not None
+    for token in farm["tokens"].values():
+        assert token not in stored and token[len(tokens.TOKEN_PREFIX):] not in stored
+        assert tokens.digest(token) in stored
+    if farm["url"].startswith("sqlite"):  # nothing anywhere in the database file holds one
+        path = farm["settings"].data_dir.parent / "farm.db"
+        raw = b"".join(p.read_bytes() for p in path.parent.glob("farm.db*"))
+        assert raw and not any(t.encode() in raw for t in farm["tokens"].values())
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+
+def test_farm_api_token_create_list_revoke(cli):
+    out = cli("api", "token", "create", "--scope", "triage", "--name", "ci bot").output
+    token = out.strip().splitlines()[-1]
+    assert token.startswith("farm_") and len(token) > 40 and "shown only now" in out
+    listed = cli("api", "token", "list", "--json").output
+    (row,) = json.loads(listed)
+    assert (row["name"], row["scope"], row["prefix"], row["revoked_at"]) == ("ci bot", "triage", token[:12], None)
+    assert token not in listed
+    with cli.Session() as s:
+        assert tokens.authenticate(s, token).scope == "triage"
+    assert "revoked" in cli("api", "token", "revoke", str(row["id"])).output
+    with cli.Session() as s:
+        assert tokens.authenticate(s, token) is None
+    again = cli("api", "token", "revoke", str(row["id"]), ok=False)
+    assert again.exit_code == 1 and "revoked already" in again.output
+    bad = cli("api", "token", "create", "--scope", "admin", ok=False)
+    assert bad.exit_code == 1 and "unknown scope 'admin'" in bad.output
+    table = cli("api", "token", "list").output
+    assert "ci bot" in table and token[:12] in table and token not in table
