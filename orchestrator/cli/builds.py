@@ -1,13 +1,16 @@
 """`farm builds ...`: signed build bundles. `create` packs this checkout's engine, shaders and
-agent with a model folder (and optional extra profiles), signs the manifest with the farm key
+agent (or those of another checkout, `--source`, or of a commit, `--commit`: a pull request's
+build) with a model folder (and optional extra profiles), signs the manifest with the farm key
 (<config_dir>/farm.key, made on first use), writes the bundle to <data_dir>/builds/<name> (where
 the deploy task reads it) and records it in the store; `list` and `show` read the store."""
 
 from __future__ import annotations
 
 import datetime as dt
+import io
 import shutil
 import subprocess
+import tarfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -43,13 +46,53 @@ def farm_key(config_dir: Path, announce: bool = True) -> Path:
     return private
 
 
-def _source_revision() -> str:
+def _git(repo: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=timeout)
+
+
+def _source_revision(repo: Path = REPO) -> str:
+    """The commit `repo` is checked out at (12 hex digits), "+dirty" when its packed folders
+    have changes not committed; "" when it is no git checkout."""
     try:
-        done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
+        head = _git(repo, "rev-parse", "--short=12", "HEAD", timeout=10)
+        if head.returncode != 0:
+            return ""
+        status = _git(repo, "status", "--porcelain", "--", *PACKAGES, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
+    dirty = status.returncode == 0 and status.stdout.strip()
+    return head.stdout.decode().strip() + ("+dirty" if dirty else "")
+
+
+def _checkout_tree(source: Path) -> Path:
+    """`source` as the tree a build packs: a checkout of this project (its engine/, shaders/
+    and agent/ folders, as they are on disk, changes not committed included)."""
+    source = source.expanduser().resolve()
+    missing = [pkg for pkg in PACKAGES if not (source / pkg).is_dir()]
+    if not source.is_dir() or missing:
+        fail(f"{source}: not a checkout of this project (no {', '.join(f'{m}/' for m in missing) or 'folder'})")
+    return source
+
+
+def _export_commit(repo: Path, commit: str, into: Path) -> str:
+    """Writes the packed folders of `commit` of the git repository `repo` into `into` (git
+    archive: exactly what is committed) and returns the commit's 12-digit id."""
+    try:
+        rev = _git(repo, "rev-parse", "--verify", "--short=12", f"{commit}^{{commit}}", timeout=30)
+        if rev.returncode != 0:
+            fail(f"{commit!r} is not a commit of {repo}: {rev.stderr.decode().strip() or 'git rev-parse failed'}")
+        into.mkdir(parents=True)
+        archive = _git(repo, "archive", "--format=tar", rev.stdout.decode().strip(), "--", *PACKAGES, timeout=300)
+        if archive.returncode != 0:
+            fail(f"cannot export {commit} of {repo}: {archive.stderr.decode().strip()}")
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(into, filter="data")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        fail(f"cannot export {commit} of {repo}: {exc}")
+    missing = [pkg for pkg in PACKAGES if not (into / pkg).is_dir()]
+    if missing:
+        fail(f"commit {commit} of {repo} has no {', '.join(f'{m}/' for m in missing)}: not a commit of this project")
+    return rev.stdout.decode().strip()
 
 
 def _default_version() -> str:
@@ -93,9 +136,16 @@ def create(
     tuned: bool = typer.Option(True, "--tuned/--no-tuned", help="Ship the promoted tuned profiles (`farm "
                                "profiles promote`) as profiles/tuned/: auto picks the one made on a device's "
                                "exact GPU over its family's."),
+    source: Path = typer.Option(None, "--source", help="A checkout of this project whose engine/, shaders/ and "
+                                "agent/ the build ships as they are on disk (a pull request's working tree); "
+                                "with --commit, the git repository to take the commit from. Default: the "
+                                "farm's own checkout."),
+    commit: str = typer.Option(None, "--commit", help="Ship engine/, shaders/ and agent/ exactly as this commit "
+                               "(any git revision) of --source has them, not the files on disk."),
 ):
     """Pack, sign and register a build bundle."""
-    data = make_build(_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned)
+    data = make_build(_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned,
+                      source=source, commit=commit)
     console.print(f"created build [bold]{data['name']}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
                   f"manifest {data['manifest_sha256'][:12]}) in {data['bundle']}", highlight=False, soft_wrap=True)
     if data["tuned_profiles"]:
@@ -103,11 +153,13 @@ def create(
 
 
 def make_build(settings, model: Path, profiles: Path | None = None, version: str | None = None,
-               name: str | None = None, *, default_profile: str | None = None, tuned: bool = True) -> dict[str, Any]:
-    """Pack this checkout with `model` into a signed bundle under <data_dir>/builds/<name> and
-    record it; returns the build's listing (plus `bundle`, its folder, and `tuned_profiles`,
-    the promoted profiles it ships when `tuned`). Nothing is left behind when it fails (one
-    red line and exit 1)."""
+               name: str | None = None, *, default_profile: str | None = None, tuned: bool = True,
+               source: Path | None = None, commit: str | None = None) -> dict[str, Any]:
+    """Pack the engine, shaders and agent of `source` (a checkout of this project; default the
+    farm's own), or of its `commit`, with `model` into a signed bundle under
+    <data_dir>/builds/<name> and record it with the revision it came from; returns the build's
+    listing (plus `bundle`, its folder, and `tuned_profiles`, the promoted profiles it ships
+    when `tuned`). Nothing is left behind when it fails (one red line and exit 1)."""
     from agent.bundle import BundleError, build_bundle
     from agent.jobs import DEFAULT_PROFILE_FILE, TUNED_PROFILES_DIR
     from orchestrator import profiles as registry
@@ -135,12 +187,23 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
     with open_store(settings) as sessions:
         if final.exists():
             fail(f"{final}: a build named {name!r} already exists; give another --name or --version")
-        sources = {pkg: REPO / pkg for pkg in PACKAGES}
-        sources[f"models/{model.resolve().name}"] = model
         # Packed under a temporary name and renamed when complete, so a failure leaves nothing.
         staging = builds_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         profiles_dir = builds_dir / f".tmp-{name}-profiles-{uuid.uuid4().hex[:8]}"
+        exported = builds_dir / f".tmp-{name}-source-{uuid.uuid4().hex[:8]}"
         shipped_tuned: list[str] = []
+        try:
+            if commit is not None:
+                revision = _export_commit(_checkout_tree(source) if source is not None else REPO, commit, exported)
+                tree = exported
+            else:
+                tree = _checkout_tree(source) if source is not None else REPO
+                revision = _source_revision(tree)
+        except BaseException:
+            shutil.rmtree(exported, ignore_errors=True)
+            raise
+        sources = {pkg: tree / pkg for pkg in PACKAGES}
+        sources[f"models/{model.resolve().name}"] = model
         if tuned:
             with sessions() as session:
                 shipped_tuned = registry.write_promoted(
@@ -155,7 +218,7 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
         try:
             key = farm_key(settings.config_dir)
             with console.status(f"packing build {name}"):
-                manifest = build_bundle(sources, staging, name, version, key, source_revision=_source_revision(),
+                manifest = build_bundle(sources, staging, name, version, key, source_revision=revision,
                                         exclude=BUILD_EXCLUDE)
             with sessions() as session:
                 build = store.create_build(session, manifest)
@@ -171,6 +234,7 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
         finally:
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(profiles_dir, ignore_errors=True)
+            shutil.rmtree(exported, ignore_errors=True)
     return data | {"bundle": str(final), "tuned_profiles": shipped_tuned}
 
 

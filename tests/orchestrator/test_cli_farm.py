@@ -162,3 +162,49 @@ def test_discover_local_device(farm_db, tiny_model_dir):
     assert shown["state"] == "available", shown
     assert shown["gpu"]["backend"] and (shown["gpu"]["device"] or shown["gpu"]["vendor"])
     assert shown["last_seen"] is not None and shown["os"]
+
+
+def test_builds_create_from_another_checkout_or_a_commit(farm_db, tiny_model_dir, tmp_path):
+    """A pull request's build: --source ships another checkout's engine, shaders and agent as
+    they are on disk (its revision marked +dirty when they hold uncommitted changes), --commit
+    exactly as a commit has them; a bad revision or folder is one error and leaves nothing."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    from orchestrator.cli.builds import PACKAGES, REPO
+
+    farm = farm_db
+    checkout = tmp_path / "pr"
+    for pkg in PACKAGES:
+        shutil.copytree(REPO / pkg, checkout / pkg, ignore=shutil.ignore_patterns("__pycache__", "simulator"))
+    git = ["git", "-C", str(checkout), "-c", "user.name=ci", "-c", "user.email=ci@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "pr"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    shader = next(p for p in sorted((checkout / "shaders").rglob("*.wgsl")))
+    rel = shader.relative_to(checkout).as_posix()
+    committed = hashlib.sha256(shader.read_bytes()).hexdigest()
+    shader.write_text(shader.read_text() + "\n// a change not committed\n")
+    on_disk = hashlib.sha256(shader.read_bytes()).hexdigest()
+
+    config, builds = farm.tmp / "config", farm.tmp / "data" / "builds"
+    farm("builds", "create", "--model", str(tiny_model_dir), "--name", "tree", "--source", str(checkout))
+    farm("builds", "create", "--model", str(tiny_model_dir), "--name", "at-commit", "--source", str(checkout),
+         "--commit", "HEAD")
+    tree, at_commit = (verify_bundle(builds / name, config / "farm.pub") for name in ("tree", "at-commit"))
+    assert {f.path: f.sha256 for f in tree.files}[rel] == on_disk
+    assert {f.path: f.sha256 for f in at_commit.files}[rel] == committed
+    assert (tree.source_revision, at_commit.source_revision) == (f"{commit}+dirty", commit)
+    assert {f.path for f in tree.files} == {f.path for f in at_commit.files}
+
+    bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "bad", "--source", str(checkout),
+               "--commit", "no-such-rev", ok=False)
+    assert bad.exit_code == 1 and "'no-such-rev' is not a commit of" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1, bad.output
+    bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "bad", "--source", str(tmp_path),
+               ok=False)
+    assert bad.exit_code == 1 and "not a checkout of this project" in bad.output
+    assert sorted(p.name for p in builds.iterdir()) == ["at-commit", "tree"]  # nothing staged is left
