@@ -27,6 +27,7 @@ from orchestrator import environment as run_env
 from orchestrator import regression as rg
 from orchestrator.db import store
 from orchestrator.db.models import (
+    BATCH_CHECK,
     Alert,
     AlertKind,
     AlertState,
@@ -158,12 +159,21 @@ def set_drift(session: Session, key: rg.SeriesKey, value: float) -> None:
 # ---- fetching -----------------------------------------------------------------------------
 
 
-def runs_of(session: Session, device_id: int, build_id: int, kind: JobKind, spec: SpecKey | None = None) -> list[Run]:
-    """Succeeded runs of `kind` jobs of a build on a device (with that spec key, when given)."""
-    rows = session.execute(
-        select(Run, Job.spec).join(Job, Job.id == Run.job_id)
-        .where(Run.device_id == device_id, Run.build_id == build_id, Run.status == RunStatus.succeeded,
-               Job.kind == kind).order_by(Run.id)).all()
+def in_series():
+    """The condition on Job (joined) that a run is a series' measurement: not a run of a `farm
+    check` (Batch.purpose "check"), which the check alone judges."""
+    return Job.batch_id.is_(None) | Job.batch_id.not_in(select(Batch.id).where(Batch.purpose == BATCH_CHECK))
+
+
+
+def runs_of(session: Session, device_id: int, build_id: int, kind: JobKind, spec: SpecKey | None = None, *,
+            checks: bool = False) -> list[Run]:
+    """Succeeded runs of `kind` jobs of a build on a device (with that spec key, when given): the
+    series' runs, and with `checks` also those of `farm check`s."""
+    query = (select(Run, Job.spec).join(Job, Job.id == Run.job_id)
+             .where(Run.device_id == device_id, Run.build_id == build_id, Run.status == RunStatus.succeeded,
+                    Job.kind == kind).order_by(Run.id))
+    rows = session.execute(query if checks else query.where(in_series())).all()
     return [run for run, job_spec in rows if spec is None or SpecKey.of(job_spec or {}) == spec]
 
 
@@ -259,8 +269,8 @@ def baseline_build(session: Session, build: Build, device: Device, spec: SpecKey
     on it (the last accepted build), with those runs; with `environment` (an env_key), the
     newest such build that has runs in that environment where one exists, else the newest in
     any (compare_builds then reports the environment change)."""
-    same_env = set(session.scalars(select(Run.build_id).where(
-        Run.device_id == device.id, Run.env_key == environment).distinct())) if environment else set()
+    same_env = set(session.scalars(select(Run.build_id).join(Job, Job.id == Run.job_id).where(
+        Run.device_id == device.id, Run.env_key == environment, in_series()).distinct())) if environment else set()
     fallback = None
     for earlier in _earlier_builds(session, build):
         if fallback is not None and earlier.id not in same_env:
@@ -350,7 +360,8 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     history, (the series' drift setting, else rg.DEFAULT_DRIFT, 0)."""
     rows = session.execute(
         select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
-        .where(Run.device_id == device.id, made_before(candidate), Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
+        .where(Run.device_id == device.id, made_before(candidate), Run.status == RunStatus.succeeded,
+               Job.kind == JobKind.latency, in_series())
         .order_by(Run.id.desc()).limit(20 * DRIFT_HISTORY_RUNS)).all()  # other specs' runs are filtered below
     key = series_key(device, spec, metric)
     rejected = _builds_with_open_regressions(session, device.id, key)
@@ -384,6 +395,8 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
                               "stoppages": []}
     if batch.build_id is None:
         return report
+    if batch.purpose == BATCH_CHECK:  # the check judges its own runs: no alert, no round, no series
+        return report | {"skipped": "a farm check's batch: the check judges its runs"}
     build = session.get(Build, batch.build_id)
     jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id)))
     # Each more-repetitions round adds one run of each build: what is left of the batch's rounds.
@@ -520,7 +533,7 @@ def series_history(session: Session, device: Device, spec: SpecKey, metric: str,
         select(Build.name, Build.created, Build.id, Sample.value, Job.spec, Run.env_key)
         .join(Run, Run.build_id == Build.id).join(Job, Job.id == Run.job_id).join(Sample, Sample.run_id == Run.id)
         .where(Run.device_id == device.id, Run.status == RunStatus.succeeded, Job.kind == JobKind.latency,
-               Sample.metric == metric)
+               Sample.metric == metric, in_series())
         .order_by(Build.created, Build.id, Sample.id)).all()
     history: dict[int, dict[str, Any]] = {}
     for name, created, build_id, value, job_spec, env_key in rows:
@@ -569,7 +582,8 @@ def find_change_points(session: Session, device: Device | None = None,
         series: dict[tuple[SpecKey, str], dict[str, Any]] = {}
         rows = session.execute(
             select(Job.spec, Run.env_key, Run.environment).join(Job, Job.id == Run.job_id)
-            .where(Run.device_id == dev.id, Run.status == RunStatus.succeeded, Job.kind == JobKind.latency)
+            .where(Run.device_id == dev.id, Run.status == RunStatus.succeeded, Job.kind == JobKind.latency,
+                   in_series())
             .order_by(Run.id))
         for spec, env_key, environment in rows:
             env = environment if env_key else legacy
@@ -670,7 +684,7 @@ def _previous_image(session: Session, job: Job, build: Build, spec: dict[str, An
     for earlier in _earlier_builds(session, build):
         rows = session.execute(select(Image, Job.spec).join(Run, Run.id == Image.run_id).join(Job, Job.id == Run.job_id)
                                .where(Run.device_id == job.device_id, Run.build_id == earlier.id,
-                                      Job.kind == JobKind.generate, Run.status == RunStatus.succeeded)
+                                      Job.kind == JobKind.generate, Run.status == RunStatus.succeeded, in_series())
                                .order_by(Image.id.desc())).all()
         for image, other in rows:
             other = other or {}

@@ -12,6 +12,7 @@ from celery import Celery
 from orchestrator import notify, profiles
 from orchestrator.celery_app import session_for, settings_of
 from orchestrator.db import notifications, store
+from orchestrator.db.models import BATCH_CHECK
 from orchestrator.db.session import read_snapshot
 from orchestrator.jobservice import launch_suite
 
@@ -34,8 +35,9 @@ def analyze(app: Celery, batch_id: int) -> dict:
     with session_for(app) as session, session.begin():
         read_snapshot(session)
         batch = store.get_batch(session, batch_id)
-        found = [point for device in sorted({job.device for job in batch.jobs}, key=lambda d: d.serial)
-                 for point in analysis.find_change_points(session, device)]
+        devices = [] if batch.purpose == BATCH_CHECK else sorted({job.device for job in batch.jobs},
+                                                                  key=lambda d: d.serial)  # no series fed
+        found = [point for device in devices for point in analysis.find_change_points(session, device)]
     # 2. The comparisons and everything written, in one short transaction.
     with session_for(app) as session, session.begin():
         batch = store.get_batch(session, batch_id)

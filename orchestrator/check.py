@@ -25,6 +25,7 @@ from orchestrator import analysis
 from orchestrator.batch_analysis import more_repetitions_jobs
 from orchestrator.db import store
 from orchestrator.db.models import (
+    BATCH_CHECK,
     Batch,
     Build,
     Device,
@@ -153,7 +154,8 @@ def run_check(app: Celery, sessions, request: CheckRequest,
             key = f"check:{token}:{number}:{serial}"
             batch_id = launch_suite(app, f"check {names[0]} round {number} on {serial}",
                                     [{k: v for k, v in j.items() if k != "role"} for j in jobs],
-                                    build=names[0], devices=[serial], idempotency_key=key, max_extra_rounds=0)
+                                    build=names[0], devices=[serial], idempotency_key=key, max_extra_rounds=0,
+                                    purpose=BATCH_CHECK)
             launched.batches.append(batch_id)
             launched.roles |= {(batch_id, i): j["role"] for i, j in enumerate(jobs)}
         rounds.append(launched)

@@ -19,7 +19,15 @@ from agent.protocol import JobSpec
 from orchestrator import profiles
 from orchestrator.celery_app import session_for, settings_of
 from orchestrator.db import store
-from orchestrator.db.models import Batch, Deployment, Device, DeviceState, Job, JobState
+from orchestrator.db.models import (
+    BATCH_SERIES,
+    Batch,
+    Deployment,
+    Device,
+    DeviceState,
+    Job,
+    JobState,
+)
 from orchestrator.dispatch import Sends, grace
 from orchestrator.settings import Settings
 
@@ -161,7 +169,7 @@ def deploy_build(app: Celery, build_id: int, device_ids: list[int], batch_id: in
 def _create_suite(session: Session, settings: Settings, sends: Sends, name: str, jobs: list[dict], *,
                   build: int | str | None, devices: list[str] | str, schedule_id: int | None,
                   idempotency_key: str | None, max_extra_rounds: int | None,
-                  round_metrics: list[str] | None = None) -> int:
+                  round_metrics: list[str] | None = None, purpose: str = BATCH_SERIES) -> int:
     build_row = store.get_build(session, build)
     targets = target_devices(session, devices, refuse_quarantined=False)
     if not jobs:
@@ -173,7 +181,7 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
     batch = store.create_batch(session, name, build_id=build_row.id, schedule_id=schedule_id,
                                idempotency_key=idempotency_key,
                                max_extra_rounds=3 if max_extra_rounds is None else max_extra_rounds,
-                               round_metrics=round_metrics)
+                               round_metrics=round_metrics, purpose=purpose)
     if idempotency_key is not None and batch.jobs:
         return batch.id  # launched before: the reconciler sends whatever of it has not run
     entry_builds = [build_row if entry.get("build") is None else store.get_build(session, entry["build"])
@@ -231,8 +239,9 @@ def launch_suite(
     idempotency_key: str | None = None,
     max_extra_rounds: int | None = None,
     round_metrics: list[str] | None = None,
+    purpose: str = BATCH_SERIES,
 ) -> int:
-    """Start a batch: for each device (serials, or "all" devices not quarantined), deploy the
+    """Start a batch (`purpose`: Batch.purpose, a check's or the series'): for each device (serials, or "all" devices not quarantined), deploy the
     build (newest when None) and then run every job of `jobs` ({"kind": ..., "spec": {...}},
     the spec's model defaulting to the build's) on it; each device's chain runs on its host's
     queue, all devices in parallel; the last job to settle sends the batch's analysis. With an
@@ -247,7 +256,7 @@ def launch_suite(
     with session_for(app) as session, session.begin():
         batch_id = _create_suite(session, settings, sends, name, jobs, build=build, devices=devices,
                                  schedule_id=schedule_id, idempotency_key=idempotency_key,
-                                 max_extra_rounds=max_extra_rounds, round_metrics=round_metrics)
+                                 max_extra_rounds=max_extra_rounds, round_metrics=round_metrics, purpose=purpose)
     sends.send(app)
     return batch_id
 

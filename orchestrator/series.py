@@ -41,7 +41,7 @@ def list_series(session: Session, device: Device | None = None, metric: str | No
     """Every headline-metric series with at least one sample (of `device`, of `metric` when
     given), by device serial and then key."""
     runs = select(Run.id, Run.device_id, Run.env_key, Job.spec).join(Job, Job.id == Run.job_id).where(
-        Job.kind == JobKind.latency, Run.status == RunStatus.succeeded)
+        Job.kind == JobKind.latency, Run.status == RunStatus.succeeded, analysis.in_series())
     if device is not None:
         runs = runs.where(Run.device_id == device.id)
     metrics = [metric] if metric is not None else list(analysis.HEADLINE_METRICS)

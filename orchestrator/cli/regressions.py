@@ -243,8 +243,9 @@ def compare(
             specs = {analysis.SpecKey.of(spec or {}) for spec in session.scalars(select(Job.spec).where(
                 Job.device_id == dev.id, Job.build_id == cand.id, Job.kind == JobKind.latency))}
             for spec in sorted(specs, key=repr):
-                base_runs = analysis.runs_of(session, dev.id, base.id, JobKind.latency, spec)
-                cand_runs = analysis.runs_of(session, dev.id, cand.id, JobKind.latency, spec)
+                # two builds named by hand: a farm check's runs of them count too
+                base_runs = analysis.runs_of(session, dev.id, base.id, JobKind.latency, spec, checks=True)
+                cand_runs = analysis.runs_of(session, dev.id, cand.id, JobKind.latency, spec, checks=True)
                 if not base_runs or not cand_runs:
                     continue
                 for metric in analysis.HEADLINE_METRICS:

@@ -333,6 +333,9 @@ class Deployment(Base):
 # ---- jobs and what they measured ----------------------------------------------------------
 
 
+BATCH_SERIES, BATCH_CHECK = "series", "check"  # Batch.purpose
+
+
 class Batch(Base):
     """Jobs submitted together and analysed together: one firing of a schedule, one `farm jobs
     submit`, one `farm demo`. `finished_at` is stamped once, by whichever job ends last (a
@@ -353,6 +356,10 @@ class Batch(Base):
     # The metrics whose inconclusive comparison asks for a more-repetitions round (None: every
     # headline metric); the demo rounds only on the UNet step it reports.
     round_metrics: Mapped[list[Any] | None]
+    # "series": its runs are the series' measurements, analysed when it ends; "check": a `farm
+    # check`'s runs, judged by the check alone, never in a series (a pull request's build that
+    # never lands must not become the baseline of the next nightly) and never analysed.
+    purpose: Mapped[str] = mapped_column(String(16), default=BATCH_SERIES, server_default=BATCH_SERIES)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
     summary: Mapped[dict[str, Any] | None]

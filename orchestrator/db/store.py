@@ -25,6 +25,7 @@ from orchestrator import environment as run_env
 from . import notifications
 from .device_states import PROBED_STATES, DeviceEvent, accepting, moves, refusal, transition
 from .models import (
+    BATCH_SERIES,
     Alert,
     AlertState,
     Batch,
@@ -904,11 +905,12 @@ def create_batch(
     idempotency_key: str | None = None,
     max_extra_rounds: int = 3,
     round_metrics: list[str] | None = None,
+    purpose: str = BATCH_SERIES,
 ) -> Batch:
-    """A new batch of jobs; with an `idempotency_key` (a schedule's firing time), asking again
-    returns the batch made the first time."""
+    """A new batch of jobs (`purpose`: Batch.purpose); with an `idempotency_key` (a schedule's
+    firing time), asking again returns the batch made the first time."""
     batch = Batch(name=name, build_id=build_id, schedule_id=schedule_id, idempotency_key=idempotency_key,
-                  max_extra_rounds=max_extra_rounds, round_metrics=round_metrics)
+                  max_extra_rounds=max_extra_rounds, round_metrics=round_metrics, purpose=purpose)
     if idempotency_key is None:
         session.add(batch)
         session.flush()

@@ -212,6 +212,35 @@ def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     assert c5["verdict"] != "regression"
 
 
+def test_a_checks_runs_stay_out_of_the_series(farm):
+    """A `farm check`'s batch (purpose "check") of a build 2x slower made after b2 raises no alert
+    and asks for no round when it ends, its runs are in no series history, and the next nightly
+    build is compared with b2, not with the checked build that never landed; `farm regressions
+    compare` of two named builds still counts the check's runs."""
+    Session = farm["Session"]  # noqa: N806
+    rng = farm["rng"]
+    device_id = farm["device_id"]
+    with Session() as s, s.begin():
+        pr = store.create_build(s, _manifest("pr-7", 1_700_000_000.0 + 86400 * 2.5))  # between b2 and b3
+        check = store.create_batch(s, "check pr-7", build_id=pr.id, purpose="check", max_extra_rounds=0)
+        for _ in range(2):
+            _record(s, device_id, pr.id, "latency", _latency(rng, 2.0), check.id)
+            _record(s, device_id, farm["builds"]["b2"], "latency", _latency(rng, 1.0), check.id)
+        report = analysis.analyze_batch(s, check.id)
+        assert report["skipped"] and (report["comparisons"], report["alerts"], report["more_repetitions"]) == \
+            ([], [], [])
+        assert s.query(Alert).count() == 0
+        device = s.get(analysis.Device, device_id)
+        history = analysis.series_history(s, device, analysis.SpecKey.of(SPEC), "unet_step_ms")
+        assert [h["build"] for h in history] == ["b1", "b2", "b3", "b4", "b5"]
+        assert [len(h["values"]) for h in history][:2] == [10, 10]  # one run each: b2's check runs left out
+        assert analysis.runs_of(s, device_id, pr.id, analysis.JobKind.latency) == []
+        assert len(analysis.runs_of(s, device_id, pr.id, analysis.JobKind.latency, checks=True)) == 2
+        b3 = analysis.analyze_batch(s, farm["batches"]["b3"])
+    (c3,) = [c for c in b3["comparisons"] if c["metric"] == "unet_step_ms"]
+    assert c3["baseline_build"] == "b2" and c3["verdict"] == "regression"  # not "improvement" against pr-7
+
+
 def test_flagged_runs_left_out_and_mixed_units_refused(farm):
     Session = farm["Session"]  # noqa: N806
     rng = farm["rng"]
