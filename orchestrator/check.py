@@ -11,6 +11,7 @@ a check that could not run raises CheckFailed (4)."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -271,11 +272,20 @@ def _fidelity(session: Session, rounds: list[_Round]) -> list[dict[str, Any]]:
             continue
         try:
             found = compare_images(pair["baseline"], pair["candidate"])
-            out.append({"device": serial, "psnr_db": found.psnr_db, "changed": found.changed,
-                        "baseline_image": pair["baseline"], "candidate_image": pair["candidate"]})
+            identical = math.isinf(found.psnr_db)  # JSON has no infinity: identical images say so instead
+            out.append({"device": serial, "psnr_db": None if identical else found.psnr_db, "identical": identical,
+                        "changed": found.changed, "baseline_image": pair["baseline"],
+                        "candidate_image": pair["candidate"]})
         except (OSError, ValueError) as exc:
             out.append({"device": serial, "error": str(exc)})
     return out
+
+
+def fidelity_text(f: dict[str, Any]) -> str:
+    """One device's image fidelity in words: "identical images" or "PSNR 41.2 dB (changed)"."""
+    if f.get("identical"):
+        return "identical images"
+    return f"PSNR {f['psnr_db']:.1f} dB" + (" (changed)" if f["changed"] else "")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -301,7 +311,7 @@ def markdown(report: dict[str, Any]) -> str:
     if report["fidelity"]:
         lines += ["", "Image fidelity (candidate against baseline, same prompt and seed):", ""]
         lines += [f"- {f['device']}: " + (f"error: {f['error']}" if "error" in f else
-                                          f"PSNR {f['psnr_db']:.1f} dB" + (" (changed)" if f["changed"] else ""))
+                                                                  fidelity_text(f))
                   for f in report["fidelity"]]
     open_ = [c for c in report["comparisons"] if c["verdict"] not in ("same", "improvement", "regression")]
     if open_:

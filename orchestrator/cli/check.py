@@ -102,6 +102,8 @@ def _run(gate, settings, request, build: str) -> dict:
 
 
 def _print(report: dict) -> None:
+    from orchestrator.check import fidelity_text
+
     table = Table("device", "metric", "baseline build", "baseline", "candidate", "ratio", "95% CI", "verdict",
                   "rounds",
                   title=f"{report['candidate']} against its baseline: {report['outcome']}")
@@ -114,9 +116,8 @@ def _print(report: dict) -> None:
                       c["verdict"], str(c.get("rounds", "-")))
     console.print(table)
     for f in report["fidelity"]:
-        if "psnr_db" in f:
-            console.print(f"{f['device']}: image PSNR {f['psnr_db']:.1f} dB against the baseline"
-                          + (" (changed)" if f["changed"] else ""), highlight=False)
+        if "error" not in f:
+            console.print(f"{f['device']}: image against the baseline: {fidelity_text(f)}", highlight=False)
     for c in report["comparisons"]:
         if c["verdict"] not in ("same", "improvement", "regression"):
             console.print(f"undecided, {c['device']}, {c['metric']}: {c['reason']}", highlight=False, soft_wrap=True)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from orchestrator import analysis
 from orchestrator.cli import app as farm_cli
 from orchestrator.db import store
-from orchestrator.db.models import Batch, Build, Job
+from orchestrator.db.models import Alert, Batch, Build, Job
 
 # `alone`: it times builds against each other on this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]
@@ -46,6 +46,13 @@ def env(farm, tmp_path_factory, tiny_model_dir):  # noqa: F811
             "FARM_DATABASE_URL": settings.database_url, "FARM_HOST_NAME": HOST}
 
 
+def strict_json(text: str):
+    """JSON as any strict parser reads it: Infinity and NaN are no JSON."""
+    def refuse(name: str):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
 def _check(monkeypatch, env, args: list[str]):
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
@@ -70,7 +77,7 @@ def test_slower_candidate_exits_1_with_a_regression(farm, monkeypatch, env, tmp_
     result = _check(monkeypatch, env, ["--build", "slow", "--baseline", "b1", "--pairs", "2", *ARGS,
                                        "--json", str(out_json), "--markdown", str(out_md)])
     assert result.exit_code == 1, result.output + farm["log"].read_text()[-3000:]
-    report = json.loads(out_json.read_text())
+    report = strict_json(out_json.read_text())
     verdicts = {c["metric"]: c for c in report["comparisons"]}
     assert report["outcome"] == "regression" and report["exit_code"] == 1
     assert verdicts["unet_step_ms"]["verdict"] == "regression" and verdicts["unet_step_ms"]["ratio"] > 1.3, verdicts
@@ -83,6 +90,10 @@ def test_slower_candidate_exits_1_with_a_regression(farm, monkeypatch, env, tmp_
         jobs = session.scalars(select(Job).where(Job.batch_id == batch.id).order_by(Job.id)).all()
         names = [session.get(Build, j.build_id).name for j in jobs if j.kind == "latency"]
         assert names == ["b1", "slow", "slow", "b1"], names
+        # the check's runs are its own: no alert on the series, however slow the candidate
+        assert {session.get(Batch, b).purpose for b in report["batches"]} == {"check"}
+        slow = session.scalar(select(Build).where(Build.name == "slow"))
+        assert session.scalars(select(Alert).where(Alert.build_id == slow.id)).all() == []
     print(json.dumps({"verdicts": {m: (c["verdict"], c.get("ratio"), c.get("rounds")) for m, c in verdicts.items()},
                       "seconds": report["seconds"]}))
 
@@ -92,12 +103,18 @@ def test_same_build_exits_0(farm, monkeypatch, env, tmp_path):  # noqa: F811
     # cannot say "same" (their interval is about +/-0.2 before any sampling noise), and a burst
     # of other work on this machine's 2 cores once put b1 against itself at 1.18 after 4 pairs,
     # which 2 more rounds could not have decided (exit 2, not a false regression).
-    out_json = tmp_path / "check.json"
+    out_json, out_md = tmp_path / "check.json", tmp_path / "check.md"
     result = _check(monkeypatch, env, ["--build", "b1", "--baseline", "b1", "--pairs", "4", *ARGS, "--max-rounds", "4",
-                                       "--json", str(out_json)])
-    report = json.loads(out_json.read_text()) if out_json.exists() else {}
+                                       "--json", str(out_json), "--markdown", str(out_md)])
+    report = strict_json(out_json.read_text()) if out_json.exists() else {}
     assert result.exit_code == 0, result.output + farm["log"].read_text()[-3000:]
     assert report["outcome"] == "pass"
     assert all(c["verdict"] in ("same", "improvement") for c in report["comparisons"]), report["comparisons"]
+    (fidelity,) = report["fidelity"]  # the same build's image: identical, or a finite PSNR, never "inf dB"
+    if fidelity["identical"]:
+        assert fidelity["psnr_db"] is None and "identical images" in out_md.read_text()
+    else:
+        assert fidelity["psnr_db"] > 0 and f"PSNR {fidelity['psnr_db']:.1f} dB" in out_md.read_text()
+    assert "inf dB" not in out_md.read_text() + result.output
     print(json.dumps({"verdicts": {c["metric"]: (c["verdict"], c.get("ratio"), c.get("rounds"))
                                    for c in report["comparisons"]}, "seconds": report["seconds"]}))
