@@ -474,25 +474,44 @@ ORDER BY a.kind
 """
 
 
+# Where the farm API (`farm api serve`, docker-compose's api service) answers a browser: each
+# alert row links to its page there (trend, samples, kernels, images, triage buttons).
+FARM_URL = "http://localhost:8090"
+
+
+def textbox_variable(name: str, label: str, default: str, description: str) -> dict[str, Any]:
+    return {"type": "textbox", "name": name, "label": label, "description": description, "query": default,
+            "current": {"text": default, "value": default}, "options": [{"text": default, "value": default,
+                                                                          "selected": True}],
+            "hide": 0, "skipUrlSync": False}
+
+
 def alerts_dashboard() -> dict[str, Any]:
     ratio_override = [{"matcher": {"id": "byRegexp", "options": "^(ratio|ci low|ci high)$"},
                        "properties": [{"id": "decimals", "value": 3}]},
                       {"matcher": {"id": "byName", "options": "p"},
-                       "properties": [{"id": "decimals", "value": 4}]}]
+                       "properties": [{"id": "decimals", "value": 4}]},
+                      {"matcher": {"id": "byName", "options": "alert"},
+                       "properties": [{"id": "links", "value": [
+                           {"title": "Alert #${__value.raw} in the farm (trend, samples, kernels, images, triage)",
+                            "url": "${farm_url}/alerts/${__value.raw}", "targetBlank": True}]}]}]
     panels = [
         panel(1, "stat", "Alerts by kind", (0, 0, 24, 4), [target(ALERT_COUNTS_SQL)],
               options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": True},
                        "textMode": "value_and_name", "colorMode": "value", "graphMode": "none"}),
         panel(2, "table", "Alerts", (0, 4, 24, 16), [target(ALERTS_SQL)], overrides=ratio_override,
               description="ratio = new median / baseline median, with its bootstrap confidence interval. "
-                          "Triage with `farm regressions ack | invalidate | fixed`.",
+                          "An alert's number opens its page in the farm (set Farm API above), where it is "
+                          "triaged; or `farm regressions ack | invalidate | fixed`.",
               options={"showHeader": True, "cellHeight": "sm",
                        "sortBy": [{"displayName": "created", "desc": True}]}),
     ]
     return dashboard("devicefarm-alerts", "devicefarm / alerts",
                      "What the regression analysis found, and where triage stands.", panels,
                      [custom_variable("state", "State", ["new", "acknowledged", "invalid", "fixed"]),
-                      custom_variable("kind", "Kind", ["regression", "improvement", "fidelity", "data_stoppage"])],
+                      custom_variable("kind", "Kind", ["regression", "improvement", "fidelity", "data_stoppage"]),
+                      textbox_variable("farm_url", "Farm API", FARM_URL,
+                                       "Where `farm api serve` answers: each alert links to its page there.")],
                      time_from="now-90d")
 
 
