@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Make sure Debian's chromium and chromium-driver are installed for the browser tests of the HTML
-# dashboard (tests/orchestrator/test_dashboard_html.py drives them through selenium; no browser is
+# Make sure Debian's chromium and chromium-driver are installed for the browser tests of the
+# dashboard (tests/orchestrator/test_dashboard_live.py drives them through selenium; no browser is
 # ever downloaded by selenium itself), and libnss3-tools' certutil, with which
 # tests/orchestrator/test_ca.py adds the farm's CA to a test profile's NSS database (Chromium on
 # Linux trusts the CAs there). Installs them with apt-get, as root or through sudo -n, when any is

@@ -1,6 +1,8 @@
 """The farm API's ASGI app: `create_app(settings)` opens the store (its schema must be at head:
 `farm db upgrade`), makes the Celery app checks launch their suites through, marks checks a
-previous process left running as interrupted, and mounts the routes under /v1. Errors are JSON
+previous process left running as interrupted, and mounts the routes under /v1 and the dashboard's pages at /, /series/{id}, /alerts/{id} and
+/devices/{serial} (their assets under /static/; the pages hold no data, their script reads /v1
+with the token the user gives it). Errors are JSON
 `{"detail": ...}`: 401 and 403 from the token (deps.py), 404 for an unknown record (or a
 filter naming one), 400 for a check naming something unknown, 422 for a malformed request, and a value the database
 refuses is a 400 rather than a server error."""
@@ -11,9 +13,11 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DataError, StatementError
 
+from orchestrator.dashboard import pages
 from orchestrator.db import make_engine, make_session_factory, migrate
 from orchestrator.settings import Settings
 
@@ -51,6 +55,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.sessions, app.state.checks, app.state.settings = sessions, checks, settings
     for router in ROUTERS:
         app.include_router(router, prefix="/v1")
+    _mount_dashboard(app)
 
     @app.exception_handler(StatementError)
     async def refused_value(request: Request, exc: StatementError) -> JSONResponse:
@@ -62,3 +67,18 @@ def create_app(settings: Settings) -> FastAPI:
         raise exc
 
     return app
+
+
+DASHBOARD_ROUTES = {"/": "overview", "/series/{ident}": "series", "/alerts/{ident}": "alert",
+                    "/devices/{ident}": "device"}
+
+
+def _mount_dashboard(app: FastAPI) -> None:
+    app.mount("/static", StaticFiles(directory=pages.STATIC), name="static")
+    for route, page in DASHBOARD_ROUTES.items():
+        html = pages.render(page, live=True)
+
+        def show(html: str = html) -> HTMLResponse:  # the page reads its id from the URL itself
+            return HTMLResponse(html)
+
+        app.add_api_route(route, show, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)

@@ -346,3 +346,129 @@ class CheckOut(BaseModel):
         return cls(id=c.id, state=c.state, request=c.request, progress=c.progress, exit_code=c.exit_code,
                    outcome=c.outcome, error=c.error, report=c.report, started_by=c.token_id,
                    created_at=c.created_at, finished_at=c.finished_at)
+
+
+# ---- what the dashboard's pages read (orchestrator/dashboard/views.py) ---------------------
+
+
+class AlertRef(BaseModel):
+    """An alert as a chart marker or a verdict shows it."""
+
+    id: int
+    kind: AlertKind
+    state: AlertState
+    build: str | None
+    baseline_build: str | None
+    ratio: float | None
+    ci_low: float | None
+    ci_high: float | None
+    summary: str
+
+
+class OverviewDevice(BaseModel):
+    serial: str
+    model: str
+    state: DeviceState
+    state_reason: str
+    gpu: str
+
+
+class OverviewMetric(BaseModel):
+    metric: str
+    unit: str = Field(description="From the metric's name: ms, bytes, dB, s.")
+
+
+class LatestPoint(BaseModel):
+    build: str
+    median: float
+    n: int
+
+
+class OverviewCell(BaseModel):
+    """One series of a device and headline metric: its latest build's median and the verdict
+    on it (the alert on its latest build, else its newest open alert, else none)."""
+
+    series_id: str
+    device: str
+    metric: str
+    unit: str
+    spec: str = Field(description="model, resolution, steps, precision and profile, as words.")
+    environment: str = Field(description="OS and driver (the key's os_driver).")
+    builds: int
+    runs: int
+    latest: LatestPoint
+    verdict: AlertRef | None
+    verdict_on_latest: bool
+
+
+class Overview(BaseModel):
+    devices: list[OverviewDevice]
+    metrics: list[OverviewMetric]
+    cells: list[OverviewCell]
+
+
+class Annotation(BaseModel):
+    build: str
+    kind: Literal["deploy", "change_point", "environment"]
+    text: str
+    series_id: str | None = Field(None, description="environment: the series measured before the change.")
+
+
+class SeriesEvents(BaseModel):
+    alerts: list[AlertRef] = Field(description="Regression and improvement alerts on the series, oldest build first.")
+    annotations: list[Annotation]
+
+
+class AlertSide(BaseModel):
+    """One build's samples of the alert's series."""
+
+    build: str
+    n: int
+    median: float
+    values: list[float]
+
+
+class ImageRef(BaseModel):
+    id: int
+    url: str = Field(description="GET it with the token: the image's bytes.")
+    file: str = Field(description="Its file name in an offline dashboard's data/images/.")
+    build: str | None
+    prompt: str
+    seed: int | None
+    sha256: str
+
+
+class AlertImages(BaseModel):
+    before: ImageRef | None = None
+    after: ImageRef | None = None
+
+
+class AlertContext(BaseModel):
+    series_id: str | None = Field(description="The series the alert is about, when it has points.")
+    unit: str
+    before: AlertSide | None = Field(description="The baseline build's samples in the series.")
+    after: AlertSide | None = Field(description="The alert's build's samples in the series.")
+    images: AlertImages
+
+
+class RecentRun(BaseModel):
+    run_id: int
+    status: RunStatus
+    error: str | None
+    kind: JobKind
+    build: str | None
+    started_at: str | None
+    finished_at: str | None
+
+
+class DeviceHealth(BaseModel):
+    serial: str
+    runs: dict[str, int] = Field(description="Runs by status.")
+    total_runs: int
+    failure_rate: float | None
+    state: DeviceState
+    state_reason: str
+    infra_failures_in_row: int
+    probe_failures: int
+    recent: list[RecentRun]
+    stoppages: list[AlertRef] = Field(description="Data-stoppage alerts about the device.")

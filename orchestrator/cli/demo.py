@@ -137,7 +137,7 @@ def demo(
                 ok = _follow(sessions, batch_id, running, started + timeout) and ok
                 console.print()
         _report(sessions, batches)
-        _dashboard(settings, sessions)
+        _dashboard(settings)
     finally:
         engine.dispose()
     console.print(f"demo finished in {time.monotonic() - started:.0f} s; every process it started has stopped",
@@ -337,13 +337,13 @@ def _report(sessions, batch_ids: list[int]) -> None:
     console.print("alerts: `farm regressions list`; details: `farm regressions show ID`")
 
 
-def _dashboard(settings, sessions) -> None:
-    from orchestrator.dashboard import build_site
+def _dashboard(settings) -> None:
+    from orchestrator.api.offline import export_site
 
     out = settings.data_dir / "dashboard"
-    with console.status("building the HTML dashboard"):
-        build_site(sessions, out)
-    console.print(f"dashboard: {out / 'index.html'} (or `farm dashboard serve`)", highlight=False)
+    with console.status("writing the dashboard"):
+        index = export_site(settings, out)
+    console.print(f"dashboard: {index} (offline copy; live: `farm dashboard serve`)", highlight=False)
 
 
 def device_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,8 +1,7 @@
-"""The self-contained HTML dashboard: `build_site` reads the store once (data), draws the trend
-charts as inline SVG (charts) and writes a folder of static pages (site) that works offline,
-from file:// or any static server, with no external script, font or stylesheet. `farm
-dashboard build | serve` (orchestrator/cli/dashboard.py) is its command line."""
-
-from .site import build_site
-
-__all__ = ["build_site"]
+"""The farm's dashboard: static pages and a small script client (static/) that draw what the
+farm API serves: an overview of devices by headline metric, each series' trend keyed as the
+analysis keys it, each alert with its triage, and each device's health. `views` computes what
+the pages read beyond the API's records (served under /v1 by orchestrator/api/routes/
+dashboard.py); `pages` renders a page live (mounted by the API app at /, /series/{id},
+/alerts/{id}, /devices/{serial}) or offline (written with its JSON by `farm dashboard build`,
+orchestrator/api/offline.py)."""

@@ -125,4 +125,4 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
     index = data / "dashboard" / "index.html"
     assert index.is_file()
     for alert_id in alert_ids:
-        assert (data / "dashboard" / "alerts" / f"alert-{alert_id}.html").is_file()
+        assert (data / "dashboard" / "data" / "v1" / "alerts" / f"{alert_id}.js").is_file()

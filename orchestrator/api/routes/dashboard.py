@@ -1,0 +1,54 @@
+"""What the dashboard's pages read besides the plain records (orchestrator/dashboard/views.py):
+GET /v1/overview, /v1/series/{id}/events, /v1/alerts/{id}/context, /v1/devices/{serial}/health,
+and /v1/images/{id}, a generated image's bytes (read from the farm's data directory)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse
+
+from orchestrator import series as farm_series
+from orchestrator.dashboard import views
+from orchestrator.db import store
+
+from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, RecordId, found
+from ..schemas import PLAIN, AlertContext, DeviceHealth, Overview, SeriesEvents
+
+router = APIRouter(tags=["dashboard"], responses=AUTH_ERRORS)
+
+
+@router.get("/overview", response_model=Overview,
+            summary="Every device and headline metric: each series' latest median and verdict")
+def overview(_: Reader, db: Db) -> Overview:
+    return Overview(**views.overview(db))
+
+
+@router.get("/series/{series_id}/events", response_model=SeriesEvents, responses=NOT_FOUND,
+            summary="A series' alerts, deploys, change points and environment changes")
+def series_events(_: Reader, db: Db,
+                  series_id: Annotated[str, PathParam(max_length=64, pattern=PLAIN)]) -> SeriesEvents:
+    return SeriesEvents(**views.series_events(db, found(farm_series.get_series, db, series_id)))
+
+
+@router.get("/alerts/{alert_id}/context", response_model=AlertContext, responses=NOT_FOUND,
+            summary="An alert's series, its samples before and after, and the images of both builds")
+def alert_context(_: Reader, db: Db, alert_id: RecordId) -> AlertContext:
+    return AlertContext(**views.alert_context(db, found(store.get_alert, db, alert_id)))
+
+
+@router.get("/devices/{serial}/health", response_model=DeviceHealth, responses=NOT_FOUND,
+            summary="A device's runs by outcome, newest runs, state and data stoppages")
+def device_health(_: Reader, db: Db,
+                  serial: Annotated[str, PathParam(max_length=255, pattern=PLAIN)]) -> DeviceHealth:
+    return DeviceHealth(**views.device_health(db, found(store.get_device, db, serial)))
+
+
+@router.get("/images/{image_id}", response_class=FileResponse, responses=NOT_FOUND | {
+    200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The image."}},
+    summary="A generated image's bytes")
+def image(_: Reader, db: Db, request: Request, image_id: RecordId) -> FileResponse:
+    path = found(views.image_file, db, image_id, request.app.state.settings.data_dir)
+    return FileResponse(path)

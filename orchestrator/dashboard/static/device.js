@@ -1,0 +1,48 @@
+/* One device's health: its GPU and state, runs by outcome and the failure rate, its newest
+   runs with their errors, data stoppages, and its series. Reads /v1/devices/{serial}, its
+   /health and /v1/overview. */
+(function () {
+  "use strict";
+  const { api, el, num, badge, table, href, fmt, pageId } = window.farm;
+
+  window.farm.start(async () => {
+    const serial = pageId();
+    const path = `/v1/devices/${encodeURIComponent(serial)}`;
+    const [device, health, overview] = await Promise.all([api(path), api(`${path}/health`), api("/v1/overview")]);
+    document.title = `${device.serial} · devicefarm`;
+    const gpu = device.gpu;
+    const facts = [["state", el("span", {}, badge(device.state), " ", device.state_reason || "")],
+      ["model", [device.manufacturer, device.model].filter(Boolean).join(" ") || "—"],
+      ["OS", `${device.os} ${device.os_version}`.trim() || "—"],
+      ["GPU", [gpu.vendor, gpu.architecture, gpu.device].filter(Boolean).join(" · ") || "—"],
+      ["driver / backend", [gpu.driver, gpu.backend].filter(Boolean).join(" · ") || "—"],
+      ["transport", `${device.transport} ${device.address}`], ["runtime", device.runtime],
+      ["last seen", fmt.when(device.last_seen)],
+      ["runs", el("span", { id: "run-counts" }, Object.entries(health.runs).map(([s, n]) => `${n} ${s}`).join(", "))],
+      ["failure rate", el("span", { id: "failure-rate" }, health.failure_rate === null ? "—"
+        : num(health.failure_rate, "", (v) => fmt.decimals(100 * v, 1) + " %"))],
+      ["infrastructure failures in a row", String(health.infra_failures_in_row)],
+      ["failed probes", String(health.probe_failures)]];
+    const series = overview.cells.filter((c) => c.device === device.serial);
+    document.getElementById("content").replaceChildren(
+      el("h1", {}, `${device.serial}`),
+      table("device-facts", ["", ""], facts.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v)))),
+      device.state === "quarantined" ? el("p", { id: "quarantine" }, badge("quarantined"), ` ${device.state_reason}`) : null,
+      el("h2", {}, "Series"),
+      series.length ? table("device-series", ["metric", "workload", "latest", "build", "verdict"], series.map((c) =>
+        el("tr", {}, el("td", {}, el("a", { href: href("series", c.series_id) }, c.metric)), el("td", {}, c.spec),
+          el("td", { class: "num" }, num(c.latest.median, c.unit)), el("td", {}, c.latest.build),
+          el("td", {}, c.verdict ? el("a", { href: href("alert", c.verdict.id) }, badge(c.verdict.kind, c.verdict.kind),
+            " ", badge(c.verdict.state, c.verdict.state)) : badge("no alert", "ok")))))
+        : el("p", { class: "muted" }, "No series yet."),
+      el("h2", {}, `Newest runs (${health.recent.length} of ${health.total_runs})`),
+      table("recent-runs", ["run", "kind", "build", "status", "finished", "error"], health.recent.map((r) =>
+        el("tr", { dataset: { status: r.status } }, el("td", {}, `#${r.run_id}`), el("td", {}, r.kind), el("td", {}, r.build || "—"),
+          el("td", {}, badge(r.status, r.status === "succeeded" ? "ok" : "new")), el("td", {}, fmt.when(r.finished_at)),
+          el("td", { class: "values" }, r.error || "")))),
+      el("h2", {}, "Data stoppages"),
+      health.stoppages.length ? el("ul", {}, health.stoppages.map((a) => el("li", {},
+        el("a", { href: href("alert", a.id) }, `#${a.id}`), " ", badge(a.state, a.state), ` ${a.summary}`)))
+        : el("p", { class: "muted" }, "None."));
+  });
+})();

@@ -1,0 +1,267 @@
+"""What the dashboard's pages read beyond the API's plain records, as JSON-ready dicts: the
+overview (every series of a headline metric, keyed as the analysis keys it, with its latest
+build's median and the verdict the analysis left on it), a series' events (its alerts, the
+deploys of its builds, its change points, and where the environment changed between it and
+the series it continues), an alert's context (the series it is about, the samples before and
+after, the generated images of both builds) and a device's health (GPU, runs by outcome,
+recent failures, quarantine). The farm API serves them under /v1 (orchestrator/api/routes/
+dashboard.py); nothing here knows HTTP."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from orchestrator import analysis
+from orchestrator import environment as run_env
+from orchestrator import regression as rg
+from orchestrator import series as farm_series
+from orchestrator.db import queries, store
+from orchestrator.db.models import (
+    Alert,
+    AlertKind,
+    AlertState,
+    Build,
+    ChangePoint,
+    Deployment,
+    DeploymentStatus,
+    Device,
+    Image,
+    Job,
+    JobKind,
+    Run,
+    RunStatus,
+)
+
+SERIES_KINDS = (AlertKind.regression, AlertKind.improvement)  # the alerts that sit on a series
+RECENT_RUNS = 20
+
+
+def unit_of(metric: str) -> str:
+    """A metric's unit, from its name (metric names carry their unit: unet_step_ms)."""
+    for suffix, unit in (("_ms", "ms"), ("_bytes", "bytes"), ("_db", "dB"), ("_s", "s")):
+        if metric.endswith(suffix):
+            return unit
+    return ""
+
+
+def alert_series_id(alert: Alert) -> str | None:
+    """The id of the series an alert's `series` key names (None when it names none: a device's
+    data stoppage, or a key written before series carried every field)."""
+    names = {f.name for f in fields(rg.SeriesKey)}
+    try:
+        return farm_series.series_id(rg.SeriesKey(**{k: v for k, v in (alert.series or {}).items() if k in names}))
+    except (TypeError, ValueError):
+        return None
+
+
+def _alert_ref(alert: Alert) -> dict[str, Any]:
+    return {"id": alert.id, "kind": str(alert.kind), "state": str(alert.state),
+            "build": alert.build.name if alert.build else None,
+            "baseline_build": alert.baseline_build.name if alert.baseline_build else None,
+            "ratio": alert.ratio, "ci_low": alert.ci_low, "ci_high": alert.ci_high, "summary": alert.summary}
+
+
+def _series_alerts(session: Session) -> dict[str, list[Alert]]:
+    """Every regression and improvement alert by the id of its series, newest first."""
+    by_series: dict[str, list[Alert]] = {}
+    for alert in queries.list_alerts(session, states=tuple(AlertState), kinds=SERIES_KINDS):
+        ident = alert_series_id(alert)
+        if ident is not None:
+            by_series.setdefault(ident, []).append(alert)
+    return by_series
+
+
+def spec_label(spec: analysis.SpecKey) -> str:
+    return f"{spec.model} {spec.resolution} {spec.steps} steps {spec.precision} {spec.profile}"
+
+
+# ---- the overview ---------------------------------------------------------------------------
+
+
+def overview(session: Session) -> dict[str, Any]:
+    """Devices, headline metrics and one cell per series: its latest build's median and the
+    verdict on it (the alert on its latest build, else its newest open alert, else none)."""
+    alerts = _series_alerts(session)
+    cells = []
+    for series in farm_series.list_series(session):
+        points = farm_series.points(session, series)
+        if not points:
+            continue
+        latest = points[-1]
+        on_series = alerts.get(series.id, [])
+        verdict = (next((a for a in on_series if a.build_id == latest["build_id"]), None)
+                   or next((a for a in on_series if a.state in analysis.OPEN_STATES), None))
+        cells.append({"series_id": series.id, "device": series.key.device, "metric": series.key.metric,
+                      "unit": unit_of(series.key.metric), "spec": spec_label(series.spec),
+                      "environment": series.key.os_driver, "builds": len(points), "runs": series.runs,
+                      "latest": {"build": latest["build"], "median": latest["median"], "n": latest["n"]},
+                      "verdict": _alert_ref(verdict) if verdict is not None else None,
+                      "verdict_on_latest": verdict is not None and verdict.build_id == latest["build_id"]})
+    devices = [{"serial": d.serial, "model": d.model, "state": str(d.state), "state_reason": d.state_reason,
+                "gpu": " ".join(p for p in (d.gpu_vendor, d.gpu_device or d.gpu_architecture) if p)}
+               for d in queries.list_devices(session)]
+    metrics = [{"metric": m, "unit": unit_of(m)} for m in analysis.HEADLINE_METRICS]
+    return {"devices": devices, "metrics": metrics, "cells": cells}
+
+
+# ---- a series' events -----------------------------------------------------------------------
+
+
+def _environment(session: Session, series: farm_series.Series) -> dict[str, Any]:
+    """What the series' newest run recorded (as the series listing labels it)."""
+    device = session.get(Device, series.device_id)
+    run = session.scalar(select(Run).where(Run.device_id == device.id, Run.env_key == series.key.environment)
+                         .order_by(Run.id.desc()).limit(1))
+    return analysis.run_environment(run, device) if run is not None else store.result_environment(device)
+
+
+def _same_but_environment(a: rg.SeriesKey, b: rg.SeriesKey) -> bool:
+    return (a.environment != b.environment and
+            (a.device, a.model, a.resolution, a.steps, a.precision, a.profile, a.metric)
+            == (b.device, b.model, b.resolution, b.steps, b.precision, b.profile, b.metric))
+
+
+def series_events(session: Session, series: farm_series.Series) -> dict[str, Any]:
+    """The alerts on a series (every state, oldest build first) and its annotations: each
+    build's deploy to the device, the change points found in it, and the environment change
+    where it continues an earlier series (the same workload on the same device, measured in
+    another environment before)."""
+    points = farm_series.points(session, series)
+    build_ids = [p["build_id"] for p in points]
+    order = {b: i for i, b in enumerate(build_ids)}
+    alerts = sorted((a for a in _series_alerts(session).get(series.id, []) if a.build_id in order),
+                    key=lambda a: (order[a.build_id], a.id))
+    names = {p["build_id"]: p["build"] for p in points}
+    annotations: list[dict[str, Any]] = []
+    if build_ids:
+        for build_id, finished in session.execute(
+                select(Deployment.build_id, func.max(Deployment.finished_at))
+                .where(Deployment.device_id == series.device_id, Deployment.build_id.in_(build_ids),
+                       Deployment.status == DeploymentStatus.succeeded).group_by(Deployment.build_id)):
+            when = f" {finished:%Y-%m-%d %H:%M} UTC" if finished is not None else ""
+            annotations.append({"build": names[build_id], "kind": "deploy", "text": f"deployed{when}"})
+        for cp in session.scalars(select(ChangePoint).where(ChangePoint.series_key == series.key.canonical(),
+                                                            ChangePoint.build_id.in_(build_ids))):
+            annotations.append({"build": names[cp.build_id], "kind": "change_point",
+                                "text": f"change point: median {cp.median_before:.6g} -> {cp.median_after:.6g} "
+                                        f"(p={cp.p_value:.2g})"})
+        first = session.get(Build, build_ids[0])
+        for other in farm_series.list_series(session, session.get(Device, series.device_id), series.key.metric):
+            if not _same_but_environment(other.key, series.key):
+                continue
+            earlier = [p for p in farm_series.points(session, other)
+                       if (b := session.get(Build, p["build_id"])) is not None
+                       and (b.created, b.id) < (first.created, first.id)]
+            if earlier:
+                changes = run_env.changes(_environment(session, other), _environment(session, series))
+                annotations.append({"build": names[first.id], "kind": "environment", "series_id": other.id,
+                                    "text": "environment changed: " + ("; ".join(changes) or "(same fields)")})
+    position = {p["build"]: i for i, p in enumerate(points)}
+    annotations.sort(key=lambda a: (position[a["build"]], a["kind"]))
+    return {"alerts": [_alert_ref(a) for a in alerts], "annotations": annotations}
+
+
+# ---- an alert's context ---------------------------------------------------------------------
+
+
+def _image_ref(image: Image, build: str | None) -> dict[str, Any]:
+    suffix = Path(image.path).suffix.lower() or ".png"
+    return {"id": image.id, "url": f"/v1/images/{image.id}", "file": f"{image.id}{suffix}", "build": build,
+            "prompt": image.prompt, "seed": image.seed, "sha256": image.sha256}
+
+
+def _generated_image(session: Session, device_id: int, build: Build, spec: analysis.SpecKey) -> Image | None:
+    """The newest image a generate job of `spec` made with `build` on the device."""
+    rows = session.execute(select(Image, Job.spec).join(Run, Run.id == Image.run_id).join(Job, Job.id == Run.job_id)
+                           .where(Run.device_id == device_id, Run.build_id == build.id, Job.kind == JobKind.generate,
+                                  Run.status == RunStatus.succeeded, analysis.in_series())
+                           .order_by(Image.id.desc()))
+    return next((image for image, job_spec in rows if analysis.SpecKey.of(job_spec or {}) == spec), None)
+
+
+def _images(session: Session, alert: Alert) -> dict[str, dict[str, Any] | None]:
+    """A fidelity alert's two images as it names them; for a latency alert, the images its build
+    and its baseline generated for the same workload on the device, where they did."""
+    sides = {"before": alert.baseline_build, "after": alert.build}
+    named = (alert.detail or {}).get("images")
+    found: dict[str, Image | None] = {}
+    if isinstance(named, dict):
+        for side in sides:
+            path = named.get(side)
+            found[side] = (session.scalar(select(Image).where(Image.path == path).order_by(Image.id.desc()).limit(1))
+                           if isinstance(path, str) else None)
+    elif alert.device_id is not None:
+        series = alert.series or {}
+        spec = analysis.SpecKey.of({"model": series.get("model", ""), "steps": series.get("steps", 20),
+                                    "precision": series.get("precision", "fp16"),
+                                    "profile": series.get("profile", "auto")})
+        spec = analysis.SpecKey(spec.model, str(series.get("resolution", "native")), spec.steps, spec.precision,
+                                spec.profile)
+        for side, build in sides.items():
+            found[side] = _generated_image(session, alert.device_id, build, spec) if build is not None else None
+    return {side: (_image_ref(image, sides[side].name if sides[side] else None) if image is not None else None)
+            for side, image in found.items()} or {"before": None, "after": None}
+
+
+def _side(points: list[dict[str, Any]], build_id: int | None) -> dict[str, Any] | None:
+    point = next((p for p in points if p["build_id"] == build_id), None)
+    if point is None:
+        return None
+    return {"build": point["build"], "n": point["n"], "median": statistics.median(point["values"]),
+            "values": point["values"]}
+
+
+def alert_context(session: Session, alert: Alert) -> dict[str, Any]:
+    """The series an alert is about (its id, when the series still has points), the samples of
+    its baseline and its build in that series, and the images before and after."""
+    ident = alert_series_id(alert)
+    series = next((s for s in farm_series.list_series(session) if s.id == ident), None) if ident else None
+    points = farm_series.points(session, series) if series is not None else []
+    return {"series_id": series.id if series is not None else None, "unit": unit_of(alert.metric or ""),
+            "before": _side(points, alert.baseline_build_id), "after": _side(points, alert.build_id),
+            "images": _images(session, alert)}
+
+
+def image_file(session: Session, image_id: int, data_dir: Path) -> Path:
+    """Where a stored image's file is (a relative path is under the farm's data directory);
+    StoreError when the image or its file is gone."""
+    image = session.get(Image, image_id)
+    if image is None:
+        raise store.StoreError(f"no image {image_id}")
+    path = Path(image.path)
+    path = path if path.is_absolute() else data_dir / path
+    if not path.is_file():
+        raise store.StoreError(f"image {image_id}'s file is gone: {image.path}")
+    return path
+
+
+# ---- a device's health ----------------------------------------------------------------------
+
+
+def device_health(session: Session, device: Device) -> dict[str, Any]:
+    """Runs by outcome and the failure rate, the newest runs, and the device's quarantine:
+    its state and reason now, and the alerts raised about it that were not about a build."""
+    counts = dict(session.execute(select(Run.status, func.count(Run.id)).where(Run.device_id == device.id)
+                                  .group_by(Run.status)).all())
+    total = sum(counts.values())
+    recent = session.execute(
+        select(Run.id, Run.status, Run.error, Run.started_at, Run.finished_at, Job.kind, Build.name)
+        .join(Job, Job.id == Run.job_id).outerjoin(Build, Build.id == Run.build_id)
+        .where(Run.device_id == device.id).order_by(Run.id.desc()).limit(RECENT_RUNS)).all()
+    stoppages = queries.list_alerts(session, states=tuple(AlertState), kinds=(AlertKind.data_stoppage,),
+                                    device_id=device.id)
+    return {"serial": device.serial,
+            "runs": {str(s): counts.get(s, 0) for s in RunStatus}, "total_runs": total,
+            "failure_rate": counts.get(RunStatus.failed, 0) / total if total else None,
+            "state": str(device.state), "state_reason": device.state_reason,
+            "infra_failures_in_row": device.infra_failures_in_row, "probe_failures": device.probe_failures,
+            "recent": [{"run_id": r.id, "status": str(r.status), "error": r.error, "kind": str(r.kind),
+                        "build": r.name, "started_at": r.started_at.isoformat() if r.started_at else None,
+                        "finished_at": r.finished_at.isoformat() if r.finished_at else None} for r in recent],
+            "stoppages": [_alert_ref(a) for a in stoppages]}
