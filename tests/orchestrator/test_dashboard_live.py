@@ -12,7 +12,8 @@ regression alerts). Then, served by `farm api serve`'s app on uvicorn:
   latest median and verdict as the analysis has them (series_history's medians, the alert on
   b3), and the open alerts;
 - a series page charts that series only: per-build medians, lowest and highest equal the
-  analysis', the generate job's 15 s is nowhere, the alert marker leads to the alert page;
+  analysis', the generate job's 15 s is nowhere, b3's deploy is an annotation, the alert marker
+  leads to the alert page;
 - an alert page shows the alert's ratio, interval and the medians before and after as the
   analysis recorded them, the kernel attribution as bars, and both builds' images;
 - Acknowledge with a read token shows the 403 and changes nothing; with a triage token the
@@ -23,6 +24,7 @@ regression alerts). Then, served by `farm api serve`'s app on uvicorn:
 
 from __future__ import annotations
 
+import datetime as dt
 import fnmatch
 import os
 import shutil
@@ -48,7 +50,15 @@ from orchestrator.api.app import create_app
 from orchestrator.celery_app import make_celery
 from orchestrator.dashboard import pages
 from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import Alert, AlertKind, AlertState, JobState, Run
+from orchestrator.db.models import (
+    Alert,
+    AlertKind,
+    AlertState,
+    Deployment,
+    DeploymentStatus,
+    JobState,
+    Run,
+)
 from orchestrator.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,6 +128,8 @@ def farm(tmp_path_factory):
             store.transition_job(s, job.id, JobState.succeeded)
             if i == 3:
                 b3_batch = batch.id
+                s.add(Deployment(build_id=build.id, device_id=devices[0].id, status=DeploymentStatus.succeeded,
+                                 finished_at=dt.datetime(2026, 11, 28, 2, 5, tzinfo=dt.UTC)))
         made = {scope: tokens.create_token(s, scope, f"{scope} token")[1] for scope in ("read", "triage")}
     batch_analysis.analyze(make_celery(settings), b3_batch)
     with sessions() as s:
@@ -345,6 +357,8 @@ def test_a_series_page_charts_that_series_only(farm, server, browser):
     assert all(v < 5000 for h in _history(farm, "p1", "e2e_ms") for v in h["values"])
     maxima = [_value(c) for c in browser.find_elements(By.CSS_SELECTOR, "#points td.max")]
     assert max(maxima) < 5000 < GENERATE_E2E_MS
+    deploys = browser.find_elements(By.CSS_SELECTOR, ".annotations li[data-kind=deploy]")
+    assert [d.text for d in deploys] == ["b3: deployed 2026-11-28 02:05 UTC"]  # b3's deploy to p1, as recorded
     _artifact(browser, "dashboard-live-series.png")
     browser.find_element(By.CSS_SELECTOR, "#trend a.alert-marker").click()
     _ready(browser)
