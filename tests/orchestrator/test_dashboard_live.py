@@ -591,3 +591,22 @@ def test_the_console_check_sees_errors(browser, tmp_path):
     browser.get_log("browser")
     browser.get(page.as_uri())
     assert _severe(browser), "a script error did not show in the browser log"
+
+
+def test_grafanas_alert_link_opens_the_alerts_page_here(farm, server, browser):
+    """dashboards/alerts.json links an alert's number to ${farm_url}/alerts/<id>: with farm_url at
+    this API, that URL is the alert's page (its ratio as the analysis stored it)."""
+    import json
+
+
+    board = json.loads((Path(__file__).resolve().parents[2] / "dashboards" / "alerts.json").read_text())
+    (table,) = [p for p in board["panels"] if p["type"] == "table"]
+    (link,) = [link for o in table["fieldConfig"]["overrides"] if o["matcher"]["options"] == "alert"
+               for prop in o["properties"] if prop["id"] == "links" for link in prop["value"]]
+    alert_id = farm["alerts"][("p1", "unet_step_ms")]
+    url = link["url"].replace("${farm_url}", server).replace("${__value.raw}", str(alert_id))
+    _sign_in(browser, server, farm["tokens"]["read"])
+    browser.get(url)
+    _ready(browser)
+    _alert_checks(browser, farm, alert_id)
+    assert _severe(browser) == []
