@@ -1,4 +1,5 @@
-"""The dashboard's pages: static HTML (static/pages/) whose scripts read JSON, live from the
+"""The dashboard's pages: one static HTML page (static/pages/page.html) with a title and a script
+per page, whose scripts read JSON, live from the
 farm API or offline from files beside them (static/farm.js says how). `render(page, live=)`
 gives a page as served by `farm api serve` (assets from the site's root, JSON from /v1 with
 a token) or as written by `farm dashboard build` (relative assets, JSON from data/)."""
@@ -8,12 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 STATIC = Path(__file__).parent / "static"
+# page -> the file it is written as, its title and its script
 PAGES = {"overview": "index.html", "series": "series.html", "alert": "alert.html", "device": "device.html"}
-MODE_MARK = "<!--farm:mode-->"
+TITLES = {"overview": "devicefarm overview", "series": "series · devicefarm", "alert": "alert · devicefarm",
+          "device": "device · devicefarm"}
+SCRIPTS = {"overview": "overview.js", "series": "series.js", "alert": "alert.js", "device": "device.js"}
+MODE_MARK, TITLE_MARK, SCRIPT_MARK = "<!--farm:mode-->", "<!--farm:title-->", "<!--farm:script-->"
 
 
 def render(page: str, *, live: bool) -> str:
-    html = (STATIC / "pages" / PAGES[page]).read_text(encoding="utf-8")
+    html = (STATIC / "pages" / "page.html").read_text(encoding="utf-8")
     head = ('<base href="/"><meta name="farm-mode" content="live">' if live
             else '<meta name="farm-mode" content="offline">')
-    return html.replace(MODE_MARK, head, 1)
+    return (html.replace(MODE_MARK, head, 1).replace(TITLE_MARK, TITLES[page], 1)
+            .replace(SCRIPT_MARK, SCRIPTS[page], 1))
