@@ -1,6 +1,6 @@
-"""The dashboard's pages: one static HTML page (static/pages/page.html) with a title and a script
-per page, whose scripts read JSON, live from the
-farm API or offline from files beside them (static/farm.js says how). `render(page, live=)`
+"""The dashboard's pages: one static HTML page (static/pages/page.html) given each page's title
+and script, whose scripts read JSON, live from the farm API or offline from files beside them
+(static/farm.js says how). `render(page, live=)`
 gives a page as served by `farm api serve` (assets from the site's root, JSON from /v1 with
 a token) or as written by `farm dashboard build` (relative assets, JSON from data/)."""
 
