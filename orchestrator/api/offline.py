@@ -116,6 +116,7 @@ def _write(app: FastAPI, out: Path) -> None:
     for ident in series_ids:
         export.json(f"/v1/series/{ident}")
         export.json(f"/v1/series/{ident}/events")
+        export.json(f"/v1/series/{ident}/kernels")
     for alert_id in alert_ids:
         export.json(f"/v1/alerts/{alert_id}")
         context = export.json(f"/v1/alerts/{alert_id}/context")

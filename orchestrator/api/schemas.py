@@ -419,6 +419,20 @@ class SeriesEvents(BaseModel):
     annotations: list[Annotation]
 
 
+class KernelLine(BaseModel):
+    kernel: str
+    ms: list[float | None] = Field(description="Per build, in `builds`' order: its time per timed repetition "
+                                               "(None: the build did not run it).")
+
+
+class SeriesKernels(BaseModel):
+    """Where a series' time goes, build by build."""
+
+    unit: str
+    builds: list[str] = Field(description="The series' builds that recorded kernel timings, oldest first.")
+    kernels: list[KernelLine] = Field(description="The kernels slowest in the newest build, then the rest summed.")
+
+
 class AlertSide(BaseModel):
     """One build's samples of the alert's series."""
 

@@ -2,7 +2,8 @@
 overview (every series of a headline metric, keyed as the analysis keys it, with its latest
 build's median and the verdict the analysis left on it), a series' events (its alerts, the
 deploys of its builds, its change points, and where the environment changed between it and
-the series it continues), an alert's context (the series it is about, the samples before and
+the series it continues), a series' kernels (each kernel's time per timed repetition, build by
+build), an alert's context (the series it is about, the samples before and
 after, the generated images of both builds) and a device's health (GPU, runs by outcome,
 recent failures, quarantine). The farm API serves them under /v1 (orchestrator/api/routes/
 dashboard.py); nothing here knows HTTP."""
@@ -34,6 +35,7 @@ from orchestrator.db.models import (
     Image,
     Job,
     JobKind,
+    KernelTiming,
     Run,
     RunStatus,
 )
@@ -165,6 +167,47 @@ def series_events(session: Session, series: farm_series.Series) -> dict[str, Any
     position = {p["build"]: i for i, p in enumerate(points)}
     annotations.sort(key=lambda a: (position[a["build"]], a["kind"]))
     return {"alerts": [_alert_ref(a) for a in alerts], "annotations": annotations}
+
+
+KERNELS_SHOWN = 8  # the kernels a series' kernel trend draws; the rest are summed as "other"
+
+
+def series_kernels(session: Session, series: farm_series.Series) -> dict[str, Any]:
+    """Where a series' time goes, build by build: for each of its builds (oldest first) and each
+    kernel, the kernel's total time in one timed repetition (its calls summed), averaged over the
+    repetitions of the series' runs of that build (the runs its points are made of: this
+    device, workload and environment, no check's). The KERNELS_SHOWN kernels slowest in the
+    newest build are named, the rest summed as "other"; a kernel a build did not run is None."""
+    device = session.get(Device, series.device_id)
+    builds: list[str] = []
+    per_build: list[dict[str, float]] = []
+    for point in farm_series.points(session, series):
+        runs = [r for r in analysis.runs_of(session, device.id, point["build_id"], JobKind.latency, series.spec)
+                if analysis.env_key_of(r, device) == series.key.environment]
+        totals: dict[tuple[int, int, str], float] = {}
+        for run_id, repetition, kernel, ms in session.execute(
+                select(KernelTiming.run_id, KernelTiming.repetition, KernelTiming.kernel, KernelTiming.total_ms)
+                .where(KernelTiming.run_id.in_([r.id for r in runs]))):
+            totals[(run_id, repetition, kernel)] = totals.get((run_id, repetition, kernel), 0.0) + ms
+        repetitions = {(run_id, rep) for run_id, rep, _ in totals}
+        if not repetitions:
+            continue
+        means: dict[str, float] = {}
+        for (_, _, kernel), ms in totals.items():
+            means[kernel] = means.get(kernel, 0.0) + ms / len(repetitions)
+        builds.append(point["build"])
+        per_build.append(means)
+    if not per_build:
+        return {"unit": "ms", "builds": [], "kernels": []}
+    newest = per_build[-1]
+    every = {k for means in per_build for k in means}
+    ranked = sorted(every, key=lambda k: (-newest.get(k, 0.0), k))
+    shown, rest = ranked[:KERNELS_SHOWN], ranked[KERNELS_SHOWN:]
+    kernels = [{"kernel": k, "ms": [means.get(k) for means in per_build]} for k in shown]
+    if rest:
+        kernels.append({"kernel": f"other ({len(rest)} kernels)",
+                        "ms": [sum(means.get(k, 0.0) for k in rest) for means in per_build]})
+    return {"unit": "ms", "builds": builds, "kernels": kernels}
 
 
 # ---- an alert's context ---------------------------------------------------------------------

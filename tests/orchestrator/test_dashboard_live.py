@@ -54,11 +54,15 @@ from orchestrator.db.models import (
     Alert,
     AlertKind,
     AlertState,
+    Build,
     Deployment,
     DeploymentStatus,
+    Device,
+    Job,
     JobState,
     Run,
 )
+from orchestrator.db.models import KernelTiming as KernelTimingRow
 from orchestrator.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -609,4 +613,38 @@ def test_grafanas_alert_link_opens_the_alerts_page_here(farm, server, browser):
     browser.get(url)
     _ready(browser)
     _alert_checks(browser, farm, alert_id)
+    assert _severe(browser) == []
+
+
+def test_a_series_page_charts_its_kernels_over_builds(farm, server, browser):
+    """The kernel trend of p1's UNet-step series: per build, each kernel's time in one timed
+    repetition (calls summed) averaged over the repetitions of the series' runs, computed here
+    from the stored kernel timings; the chart plots the same numbers, slowest kernel first;
+    b3's attention kernel is the one that moved (30% slower in the seed)."""
+    from selenium.webdriver.common.by import By
+
+    with farm["sessions"]() as s:
+        rows = s.execute(select(Build.name, KernelTimingRow.run_id, KernelTimingRow.repetition, KernelTimingRow.kernel,
+                                KernelTimingRow.total_ms)
+                         .join(Run, Run.id == KernelTimingRow.run_id).join(Build, Build.id == Run.build_id)
+                         .join(Job, Job.id == Run.job_id).join(Device, Device.id == Run.device_id)
+                         .where(Device.serial == "p1", Job.kind == "latency")).all()
+    want: dict[str, dict[str, float]] = {}
+    for build in ("b1", "b2", "b3"):
+        mine = [r for r in rows if r.name == build]
+        repetitions = {(r.run_id, r.repetition) for r in mine}
+        for kernel in {r.kernel for r in mine}:
+            want.setdefault(kernel, {})[build] = sum(r.total_ms for r in mine if r.kernel == kernel) / len(repetitions)
+    _sign_in(browser, server, farm["tokens"]["read"])
+    browser.get(f"{server}/series/{_series_id(farm, 'p1', 'unet_step_ms')}")
+    _ready(browser)
+    plotted = browser.execute_script("const c = farm.charts['kernel-trend']; "
+                                     "return [c.series.slice(1).map((s) => s.label), c.data.slice(1)];")
+    assert plotted[0] == ["attention", "conv2d", "groupnorm"]  # slowest in b3 first
+    for kernel, values in zip(*plotted, strict=True):
+        assert values == pytest.approx([want[kernel][b] for b in ("b1", "b2", "b3")], rel=1e-12)
+    table = {r.get_attribute("data-kernel"): [_value(c) for c in r.find_elements(By.CSS_SELECTOR, "td.num")]
+             for r in browser.find_elements(By.CSS_SELECTOR, "#kernels tbody tr")}
+    assert table["attention"] == pytest.approx([want["attention"][b] for b in ("b1", "b2", "b3")], rel=1e-12)
+    assert want["attention"]["b3"] / want["attention"]["b2"] > 1.2 > want["conv2d"]["b3"] / want["conv2d"]["b2"]
     assert _severe(browser) == []

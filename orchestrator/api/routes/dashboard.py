@@ -1,5 +1,5 @@
 """What the dashboard's pages read besides the plain records (orchestrator/dashboard/views.py):
-GET /v1/overview, /v1/series/{id}/events, /v1/alerts/{id}/context, /v1/devices/{serial}/health,
+GET /v1/overview, /v1/series/{id}/events, /v1/series/{id}/kernels, /v1/alerts/{id}/context, /v1/devices/{serial}/health,
 and /v1/images/{id}, a generated image's bytes (read from the farm's data directory)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from orchestrator.dashboard import views
 from orchestrator.db import store
 
 from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, RecordId, found
-from ..schemas import PLAIN, AlertContext, DeviceHealth, Overview, SeriesEvents
+from ..schemas import PLAIN, AlertContext, DeviceHealth, Overview, SeriesEvents, SeriesKernels
 
 router = APIRouter(tags=["dashboard"], responses=AUTH_ERRORS)
 
@@ -31,6 +31,13 @@ def overview(_: Reader, db: Db) -> Overview:
 def series_events(_: Reader, db: Db,
                   series_id: Annotated[str, PathParam(max_length=64, pattern=PLAIN)]) -> SeriesEvents:
     return SeriesEvents(**views.series_events(db, found(farm_series.get_series, db, series_id)))
+
+
+@router.get("/series/{series_id}/kernels", response_model=SeriesKernels, responses=NOT_FOUND,
+            summary="A series' kernels: each one's time per timed repetition, build by build")
+def series_kernels(_: Reader, db: Db,
+                   series_id: Annotated[str, PathParam(max_length=64, pattern=PLAIN)]) -> SeriesKernels:
+    return SeriesKernels(**views.series_kernels(db, found(farm_series.get_series, db, series_id)))
 
 
 @router.get("/alerts/{alert_id}/context", response_model=AlertContext, responses=NOT_FOUND,

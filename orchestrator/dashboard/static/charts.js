@@ -1,5 +1,6 @@
-/* The dashboard's charts, drawn with uPlot (vendor/uplot): a series' trend over builds and a
-   bar chart of values by name (a kernel attribution). Builds are versions, not times, so x is
+/* The dashboard's charts, drawn with uPlot (vendor/uplot): a series' trend over builds, lines of
+   several values over builds (the kernel trend) and a bar chart of values by name (a kernel
+   attribution). Builds are versions, not times, so x is
    the build's index and its axis labels are the build names, slanted when they would collide.
    Bytes are charted in MiB or GiB; the axis says which. Each chart is kept in farm.charts by
    its container's id, so a test can read what it plots. */
@@ -142,5 +143,31 @@
     return chart;
   }
 
-  window.farm.chart = { trend, bars, display };
+  const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"];
+
+  // One line per entry of `lines` ({label, values}: one value per build, null where none) over
+  // the builds `names`.
+  function lines(container, { title, names, lines: entries, unit, height = 320 }) {
+    const xs = names.map((_, i) => i);
+    const opts = {
+      title, width: width(container), height,
+      scales: { x: { time: false, range: [-0.5, Math.max(0.5, names.length - 0.5)] } },
+      series: [
+        { label: "build", value: (u, i) => (i === null || i === undefined ? "—" : names[i] ?? "") },
+        ...entries.map((line, i) => ({
+          label: line.label, stroke: PALETTE[i % PALETTE.length], width: 2,
+          points: { show: true, size: 6, fill: PALETTE[i % PALETTE.length] },
+          value: (u, v) => (v === null || v === undefined ? "—" : fmt.value(v, unit)),
+        })),
+      ],
+      axes: [xAxis(names), { label: unit, values: (u, splits) => splits.map(tick), size: 60 }],
+    };
+    container.replaceChildren();
+    const chart = new uPlot(opts, [xs, ...entries.map((line) => line.values)], container);
+    window.farm.charts[container.id] = chart;
+    new ResizeObserver(() => chart.setSize({ width: width(container), height })).observe(container);
+    return chart;
+  }
+
+  window.farm.chart = { trend, lines, bars, display };
 })();

@@ -1,6 +1,7 @@
 /* One series' page: its key, its trend (per build the median and the lowest to highest
-   sample, alert markers, annotations), its events and a table of its points. Reads
-   /v1/series/{id} and /v1/series/{id}/events. */
+   sample, alert markers, annotations), its events, a table of its points and its kernel trend
+   (each kernel's time per timed repetition, build by build). Reads /v1/series/{id},
+   /v1/series/{id}/events and /v1/series/{id}/kernels. */
 (function () {
   "use strict";
   const { api, el, num, badge, table, href, fmt, pageId, unitOf, annotationList } = window.farm;
@@ -9,10 +10,22 @@
     ["resolution", (k) => k.resolution], ["steps", (k) => k.steps], ["precision", (k) => k.precision],
     ["profile", (k) => k.profile], ["OS / driver", (k) => k.os_driver], ["environment", (k) => k.environment || "—"]];
 
+  // The kernel trend's heading, chart container and table (each kernel's ms per build).
+  function kernelSection(kernels) {
+    if (!kernels.builds.length) return [el("h2", {}, "Kernels over builds"), el("p", { class: "muted" }, "No kernel timings in this series.")];
+    const rows = kernels.kernels.map((k) => el("tr", { dataset: { kernel: k.kernel } }, el("td", {}, k.kernel),
+      ...k.ms.map((v) => el("td", { class: "num" }, v === null ? "—" : num(v, kernels.unit)))));
+    return [el("h2", {}, "Kernels over builds"),
+      el("p", { class: "muted" }, "Each kernel's time in one timed repetition (its calls summed), averaged over the " +
+        "repetitions of this series' runs of each build; the kernels slowest in the newest build, the rest summed."),
+      el("div", { id: "kernel-trend", class: "chart" }),
+      table("kernels", ["kernel", ...kernels.builds], rows)];
+  }
+
   window.farm.start(async () => {
     const id = pageId();
-    const [series, events] = await Promise.all([api(`/v1/series/${encodeURIComponent(id)}`),
-      api(`/v1/series/${encodeURIComponent(id)}/events`)]);
+    const [series, events, kernels] = await Promise.all([api(`/v1/series/${encodeURIComponent(id)}`),
+      api(`/v1/series/${encodeURIComponent(id)}/events`), api(`/v1/series/${encodeURIComponent(id)}/kernels`)]);
     const key = series.key;
     const unit = unitOf(key.metric);
     const title = `${key.metric} on ${key.device}: ${key.model} ${key.resolution}, ${key.steps} steps, ${key.precision}`;
@@ -35,8 +48,14 @@
       chart,
       annotationList(events.annotations),
       el("h2", {}, "Builds"),
-      table("points", ["build", "samples", "median", "lowest", "highest", "alert"], rows));
+      table("points", ["build", "samples", "median", "lowest", "highest", "alert"], rows),
+      ...kernelSection(kernels));
     window.farm.chart.trend(chart, { title, metric: key.metric, unit, points: series.points, alerts: events.alerts,
       annotations: events.annotations });
+    if (kernels.builds.length) {
+      window.farm.chart.lines(document.getElementById("kernel-trend"), {
+        title: `Kernels over builds on ${key.device}`, names: kernels.builds, unit: kernels.unit,
+        lines: kernels.kernels.map((k) => ({ label: k.kernel, values: k.ms })) });
+    }
   });
 })();
