@@ -1,6 +1,6 @@
 """The farm API's ASGI app: `create_app(settings)` opens the store (its schema must be at head:
 `farm db upgrade`), makes the Celery app checks launch their suites through, marks checks a
-previous process left running as interrupted, and mounts the routes under /v1 and the dashboard's pages at /, /series/{id}, /alerts/{id} and
+previous process left running as interrupted, and mounts the routes under /v1 and the dashboard's pages at /, /series/{id}, /alerts/{id}, /builds/{name} and
 /devices/{serial} (their assets under /static/; the pages hold no data, their script reads /v1
 with the token the user gives it). Errors are JSON
 `{"detail": ...}`: 401 and 403 from the token (deps.py), 404 for an unknown record (or a
@@ -70,7 +70,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 DASHBOARD_ROUTES = {"/": "overview", "/series/{ident}": "series", "/alerts/{ident}": "alert",
-                    "/devices/{ident}": "device"}
+                    "/devices/{ident}": "device", "/builds/{ident}": "gallery"}
 
 
 def _mount_dashboard(app: FastAPI) -> None:

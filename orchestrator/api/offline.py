@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from orchestrator import series as farm_series
 from orchestrator.dashboard import pages
-from orchestrator.db.models import Alert, ApiScope, Device
+from orchestrator.db.models import Alert, ApiScope, Build, Device
 from orchestrator.settings import Settings
 
 from . import deps, tokens
@@ -99,6 +99,19 @@ def export_site(settings: Settings, out_dir: Path | str) -> Path:
     return Path(out_dir) / "index.html"
 
 
+def _image(export: _Exporter, out: Path, ref: dict | None) -> None:
+    """An image a page shows, into data/images/ (once; one the store lost is left out: the page
+    says it could not be read)."""
+    if ref is None or (out / "data" / "images" / ref["file"]).exists():
+        return
+    try:
+        body = export.get(ref["url"])
+    except ExportError:
+        return
+    (out / "data" / "images").mkdir(parents=True, exist_ok=True)
+    (out / "data" / "images" / ref["file"]).write_bytes(body)
+
+
 def _write(app: FastAPI, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for owned in OWNED:
@@ -113,6 +126,7 @@ def _write(app: FastAPI, out: Path) -> None:
         series_ids = [s.id for s in farm_series.list_series(session)]
         alert_ids = list(session.scalars(select(Alert.id).order_by(Alert.id)))
         serials = list(session.scalars(select(Device.serial).order_by(Device.serial)))
+        build_names = list(session.scalars(select(Build.name).order_by(Build.id)))
     for ident in series_ids:
         export.json(f"/v1/series/{ident}")
         export.json(f"/v1/series/{ident}/events")
@@ -121,14 +135,12 @@ def _write(app: FastAPI, out: Path) -> None:
         export.json(f"/v1/alerts/{alert_id}")
         context = export.json(f"/v1/alerts/{alert_id}/context")
         for ref in context["images"].values():
-            if ref is None or (out / "data" / "images" / ref["file"]).exists():
-                continue
-            try:
-                body = export.get(ref["url"])
-            except ExportError:
-                continue
-            (out / "data" / "images").mkdir(parents=True, exist_ok=True)
-            (out / "data" / "images" / ref["file"]).write_bytes(body)
+            _image(export, out, ref)
+    for name in build_names:
+        path = f"/v1/builds/{quote(name, safe='')}"
+        export.json(path)
+        for ref in export.json(f"{path}/gallery")["images"]:
+            _image(export, out, ref)
     for serial in serials:
         path = f"/v1/devices/{quote(serial, safe='')}"
         export.json(path)

@@ -452,6 +452,20 @@ class ImageRef(BaseModel):
     sha256: str
 
 
+class GalleryImage(ImageRef):
+    device: str
+    job: int
+    workload: str = Field(description="model, resolution, steps, precision and profile of the job that made it")
+
+
+class BuildGallery(BaseModel):
+    """The images a build's generate jobs made, newest first."""
+
+    build: str
+    created: dt.datetime
+    images: list[GalleryImage]
+
+
 class AlertImages(BaseModel):
     before: ImageRef | None = None
     after: ImageRef | None = None

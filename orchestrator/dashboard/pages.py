@@ -10,10 +10,12 @@ from pathlib import Path
 
 STATIC = Path(__file__).parent / "static"
 # page -> the file it is written as, its title and its script
-PAGES = {"overview": "index.html", "series": "series.html", "alert": "alert.html", "device": "device.html"}
+PAGES = {"overview": "index.html", "series": "series.html", "alert": "alert.html", "device": "device.html",
+         "gallery": "gallery.html"}
 TITLES = {"overview": "devicefarm overview", "series": "series · devicefarm", "alert": "alert · devicefarm",
-          "device": "device · devicefarm"}
-SCRIPTS = {"overview": "overview.js", "series": "series.js", "alert": "alert.js", "device": "device.js"}
+          "device": "device · devicefarm", "gallery": "gallery · devicefarm"}
+SCRIPTS = {"overview": "overview.js", "series": "series.js", "alert": "alert.js", "device": "device.js",
+           "gallery": "gallery.js"}
 MODE_MARK, TITLE_MARK, SCRIPT_MARK = "<!--farm:mode-->", "<!--farm:title-->", "<!--farm:script-->"
 
 

@@ -3,7 +3,7 @@ overview (every series of a headline metric, keyed as the analysis keys it, with
 build's median and the verdict the analysis left on it), a series' events (its alerts, the
 deploys of its builds, its change points, and where the environment changed between it and
 the series it continues), a series' kernels (each kernel's time per timed repetition, build by
-build), an alert's context (the series it is about, the samples before and
+build), a build's gallery (the images its generate jobs made), an alert's context (the series it is about, the samples before and
 after, the generated images of both builds) and a device's health (GPU, runs by outcome,
 recent failures, quarantine). The farm API serves them under /v1 (orchestrator/api/routes/
 dashboard.py); nothing here knows HTTP."""
@@ -250,6 +250,19 @@ def _images(session: Session, alert: Alert) -> dict[str, dict[str, Any] | None]:
             found[side] = _generated_image(session, alert.device_id, build, spec) if build is not None else None
     return {side: (_image_ref(image, sides[side].name if sides[side] else None) if image is not None else None)
             for side, image in found.items()} or {"before": None, "after": None}
+
+
+def build_gallery(session: Session, build: Build) -> dict[str, Any]:
+    """Every image a generate job made with `build` (a check's included), newest first, each
+    with the device, workload and job it came from."""
+    rows = session.execute(select(Image, Job.spec, Job.id, Device.serial).join(Run, Run.id == Image.run_id)
+                           .join(Job, Job.id == Run.job_id).join(Device, Device.id == Run.device_id)
+                           .where(Run.build_id == build.id, Run.status == RunStatus.succeeded)
+                           .order_by(Image.id.desc()))
+    return {"build": build.name, "created": build.created,
+            "images": [_image_ref(image, build.name) | {"device": serial, "job": job_id,
+                                                          "workload": spec_label(analysis.SpecKey.of(job_spec or {}))}
+                       for image, job_spec, job_id, serial in rows]}
 
 
 def _side(points: list[dict[str, Any]], build_id: int | None) -> dict[str, Any] | None:

@@ -539,6 +539,9 @@ def test_the_offline_build_shows_the_same_numbers_from_file(farm, cli_env, brows
     browser.get((out / "device.html").as_uri() + "?id=p2")
     _ready(browser)
     assert browser.find_element(By.ID, "run-counts").text == "3 succeeded, 0 failed"
+    browser.get((out / "gallery.html").as_uri() + "?id=b2")
+    _ready(browser)
+    _gallery_checks(browser, farm, "b2")
     assert _severe(browser) == []
     _artifact(browser, "dashboard-offline-device.png")
 
@@ -647,4 +650,42 @@ def test_a_series_page_charts_its_kernels_over_builds(farm, server, browser):
              for r in browser.find_elements(By.CSS_SELECTOR, "#kernels tbody tr")}
     assert table["attention"] == pytest.approx([want["attention"][b] for b in ("b1", "b2", "b3")], rel=1e-12)
     assert want["attention"]["b3"] / want["attention"]["b2"] > 1.2 > want["conv2d"]["b3"] / want["conv2d"]["b2"]
+    assert _severe(browser) == []
+
+
+def _gallery_checks(browser, farm, build: str) -> None:
+    """A build's gallery: every image its generate jobs made (here one, p1's), loaded, with its
+    device, job, workload and prompt."""
+    from selenium.webdriver.common.by import By
+
+    from orchestrator.db.models import Image
+
+    with farm["sessions"]() as s:
+        images = s.execute(select(Image.id, Image.prompt, Run.job_id).join(Run, Run.id == Image.run_id)
+                           .join(Build, Build.id == Run.build_id).where(Build.name == build)).all()
+    assert len(images) == 1
+    assert browser.find_element(By.ID, "gallery-title").text == f"Images of build {build}"
+    figures = browser.find_elements(By.CSS_SELECTOR, "#gallery figure")
+    assert [f.get_attribute("data-image-id") for f in figures] == [str(images[0].id)]
+    assert figures[0].get_attribute("data-device") == "p1"
+    caption = figures[0].find_element(By.TAG_NAME, "figcaption").text
+    assert f"p1, job {images[0].job_id}: models/tiny native 2 steps fp32 auto" in caption and images[0].prompt in caption
+    img = figures[0].find_element(By.TAG_NAME, "img")
+    assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) == 24
+
+
+def test_a_builds_gallery_shows_the_images_its_generate_jobs_made(farm, server, browser):
+    """From a series page's build link to that build's gallery."""
+    from selenium.webdriver.common.by import By
+
+    _sign_in(browser, server, farm["tokens"]["read"])
+    browser.get(f"{server}/series/{_series_id(farm, 'p1', 'unet_step_ms')}")
+    _ready(browser)
+    browser.find_element(By.CSS_SELECTOR, '#points tr[data-build="b3"] a.build-link').click()
+    _ready(browser)
+    assert browser.current_url == f"{server}/builds/b3"
+    _gallery_checks(browser, farm, "b3")
+    browser.get(f"{server}/builds/b1")
+    _ready(browser)
+    _gallery_checks(browser, farm, "b1")
     assert _severe(browser) == []

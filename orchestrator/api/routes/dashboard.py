@@ -1,5 +1,5 @@
 """What the dashboard's pages read besides the plain records (orchestrator/dashboard/views.py):
-GET /v1/overview, /v1/series/{id}/events, /v1/series/{id}/kernels, /v1/alerts/{id}/context, /v1/devices/{serial}/health,
+GET /v1/overview, /v1/series/{id}/events, /v1/series/{id}/kernels, /v1/alerts/{id}/context, /v1/builds/{name}/gallery, /v1/devices/{serial}/health,
 and /v1/images/{id}, a generated image's bytes (read from the farm's data directory)."""
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from orchestrator.dashboard import views
 from orchestrator.db import store
 
 from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, RecordId, found
-from ..schemas import PLAIN, AlertContext, DeviceHealth, Overview, SeriesEvents, SeriesKernels
+from ..schemas import (
+    PLAIN,
+    AlertContext,
+    BuildGallery,
+    DeviceHealth,
+    Overview,
+    SeriesEvents,
+    SeriesKernels,
+)
 
 router = APIRouter(tags=["dashboard"], responses=AUTH_ERRORS)
 
@@ -44,6 +52,12 @@ def series_kernels(_: Reader, db: Db,
             summary="An alert's series, its samples before and after, and the images of both builds")
 def alert_context(_: Reader, db: Db, alert_id: RecordId) -> AlertContext:
     return AlertContext(**views.alert_context(db, found(store.get_alert, db, alert_id)))
+
+
+@router.get("/builds/{name}/gallery", response_model=BuildGallery, responses=NOT_FOUND,
+            summary="The images a build's generate jobs made, newest first")
+def build_gallery(_: Reader, db: Db, name: Annotated[str, PathParam(max_length=128, pattern=PLAIN)]) -> BuildGallery:
+    return BuildGallery(**views.build_gallery(db, found(store.get_build, db, name)))
 
 
 @router.get("/devices/{serial}/health", response_model=DeviceHealth, responses=NOT_FOUND,

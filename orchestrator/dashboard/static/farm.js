@@ -94,8 +94,8 @@
 
   // ---- links between pages ------------------------------------------------------------------
 
-  const PAGE_FILES = { series: "series.html", alert: "alert.html", device: "device.html" };
-  const PAGE_ROUTES = { series: "/series/", alert: "/alerts/", device: "/devices/" };
+  const PAGE_FILES = { series: "series.html", alert: "alert.html", device: "device.html", gallery: "gallery.html" };
+  const PAGE_ROUTES = { series: "/series/", alert: "/alerts/", device: "/devices/", gallery: "/builds/" };
 
   function href(page, id) {
     if (page === "overview") return mode === "offline" ? "index.html" : "/";

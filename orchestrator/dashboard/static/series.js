@@ -33,7 +33,8 @@
     const chart = el("div", { id: "trend", class: "chart" });
     const byBuild = Object.fromEntries(events.alerts.map((a) => [a.build, a]));
     const rows = series.points.map((p) => el("tr", { dataset: { build: p.build } },
-      el("td", {}, p.build), el("td", { class: "num" }, String(p.n)),
+      el("td", {}, el("a", { class: "build-link", href: href("gallery", p.build), title: "this build's images" }, p.build)),
+      el("td", { class: "num" }, String(p.n)),
       el("td", { class: "num median" }, num(p.median, unit)), el("td", { class: "num min" }, num(p.min, unit)),
       el("td", { class: "num max" }, num(p.max, unit)),
       el("td", {}, byBuild[p.build] ? el("a", { href: href("alert", byBuild[p.build].id) },
