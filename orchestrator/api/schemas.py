@@ -489,6 +489,14 @@ class RecentRun(BaseModel):
     finished_at: str | None
 
 
+class StateChange(BaseModel):
+    at: dt.datetime
+    from_state: str
+    to_state: str
+    event: str
+    reason: str
+
+
 class DeviceHealth(BaseModel):
     serial: str
     runs: dict[str, int] = Field(description="Runs by status.")
@@ -500,3 +508,5 @@ class DeviceHealth(BaseModel):
     probe_failures: int
     recent: list[RecentRun]
     stoppages: list[AlertRef] = Field(description="Data-stoppage alerts about the device.")
+    history: list[StateChange] = Field(description="Its newest state changes, newest first (not its lease's busy "
+                                                   "and available).")

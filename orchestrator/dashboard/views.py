@@ -32,6 +32,7 @@ from orchestrator.db.models import (
     Deployment,
     DeploymentStatus,
     Device,
+    DeviceStateChange,
     Image,
     Job,
     JobKind,
@@ -42,6 +43,7 @@ from orchestrator.db.models import (
 
 SERIES_KINDS = (AlertKind.regression, AlertKind.improvement)  # the alerts that sit on a series
 RECENT_RUNS = 20
+STATE_HISTORY = 30
 
 
 def unit_of(metric: str) -> str:
@@ -301,8 +303,9 @@ def image_file(session: Session, image_id: int, data_dir: Path) -> Path:
 
 
 def device_health(session: Session, device: Device) -> dict[str, Any]:
-    """Runs by outcome and the failure rate, the newest runs, and the device's quarantine:
-    its state and reason now, and the alerts raised about it that were not about a build."""
+    """Runs by outcome and the failure rate, the newest runs, the device's quarantine (its state
+    and reason now, and the alerts raised about it that were not about a build) and its newest
+    STATE_HISTORY state changes."""
     counts = dict(session.execute(select(Run.status, func.count(Run.id)).where(Run.device_id == device.id)
                                   .group_by(Run.status)).all())
     total = sum(counts.values())
@@ -312,6 +315,8 @@ def device_health(session: Session, device: Device) -> dict[str, Any]:
         .where(Run.device_id == device.id).order_by(Run.id.desc()).limit(RECENT_RUNS)).all()
     stoppages = queries.list_alerts(session, states=tuple(AlertState), kinds=(AlertKind.data_stoppage,),
                                     device_id=device.id)
+    history = session.scalars(select(DeviceStateChange).where(DeviceStateChange.device_id == device.id)
+                              .order_by(DeviceStateChange.at.desc(), DeviceStateChange.id.desc()).limit(STATE_HISTORY))
     return {"serial": device.serial,
             "runs": {str(s): counts.get(s, 0) for s in RunStatus}, "total_runs": total,
             "failure_rate": counts.get(RunStatus.failed, 0) / total if total else None,
@@ -320,4 +325,6 @@ def device_health(session: Session, device: Device) -> dict[str, Any]:
             "recent": [{"run_id": r.id, "status": str(r.status), "error": r.error, "kind": str(r.kind),
                         "build": r.name, "started_at": r.started_at.isoformat() if r.started_at else None,
                         "finished_at": r.finished_at.isoformat() if r.finished_at else None} for r in recent],
-            "stoppages": [_alert_ref(a) for a in stoppages]}
+            "stoppages": [_alert_ref(a) for a in stoppages],
+            "history": [{"at": c.at.isoformat(), "from_state": c.from_state, "to_state": c.to_state, "event": c.event,
+                         "reason": c.reason} for c in history]}

@@ -228,6 +228,25 @@ class Device(Base):
 # ---- builds and profiles ------------------------------------------------------------------
 
 
+class DeviceStateChange(Base):
+    """A device's state changed (store.apply_device_event: a probe's answer or silence, a
+    refusal, three infrastructure failures, an operator's quarantine or release, an expired
+    lease): the state it left and entered, the event and the reason. Taking and giving back a
+    lease (available <-> busy, in the lease's own statement) is every job's cycle and is not
+    recorded here."""
+
+    __tablename__ = "device_state_changes"
+    __table_args__ = (Index("ix_device_state_changes_device_at", "device_id", "at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    from_state: Mapped[str] = mapped_column(String(24))
+    to_state: Mapped[str] = mapped_column(String(24))
+    event: Mapped[str] = mapped_column(String(24))
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
 class Build(Base):
     """A content-addressed bundle; `name` is the manifest's build id, `manifest_sha256` the
     hash of its canonical bytes (what was signed)."""

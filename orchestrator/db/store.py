@@ -35,6 +35,7 @@ from .models import (
     DeploymentStatus,
     Device,
     DeviceState,
+    DeviceStateChange,
     Host,
     Image,
     Job,
@@ -194,6 +195,9 @@ def apply_device_event(session: Session, device_id: int, event: DeviceEvent | st
     if event == DeviceEvent.release:
         device.infra_failures_in_row = 0
     entering_quarantine = step.to == DeviceState.quarantined and device.state != DeviceState.quarantined
+    if step.to != device.state:
+        session.add(DeviceStateChange(device_id=device.id, from_state=str(device.state), to_state=str(step.to),
+                                      event=str(event), reason=reason))
     device.state, device.state_reason = step.to, reason
     if entering_quarantine:  # in this transaction: heard of exactly when the quarantine commits
         notifications.record_event(session, notifications.quarantine_event(device, reason))

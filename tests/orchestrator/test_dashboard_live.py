@@ -116,6 +116,8 @@ def farm(tmp_path_factory):
         devices = [store.upsert_device(s, serial, "local", f"/tmp/{serial}", host="h") for serial in ("p1", "p2")]
         for device in devices:
             store.set_device_state(s, device.id, "available")
+        store.set_device_state(s, devices[0].id, "quarantined", "flaky USB hub", force=True)  # a state history
+        store.set_device_state(s, devices[0].id, "available", "hub replaced", force=True)
         for i, slow in ((1, 1.0), (2, 1.0), (3, 1.3)):
             build = store.create_build(s, Manifest(build=f"b{i}", version="0.1.0", created=1_700_000_000.0 + 86400 * i,
                                                    files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]))
@@ -497,6 +499,11 @@ def test_a_device_page_shows_its_health(farm, server, browser):
     series = browser.find_elements(By.CSS_SELECTOR, "#device-series tbody tr")
     assert sorted(r.find_element(By.TAG_NAME, "a").text for r in series) == sorted(METRICS)
     assert len(browser.find_elements(By.CSS_SELECTOR, "#recent-runs tbody tr")) == 6
+    history = [[c.text for c in r.find_elements(By.TAG_NAME, "td")][1:]
+               for r in browser.find_elements(By.CSS_SELECTOR, "#state-history tbody tr")]
+    assert history == [["quarantined", "available", "release", "hub replaced"],  # newest first
+                       ["available", "quarantined", "quarantine", "flaky USB hub"],
+                       ["offline", "available", "answered", ""]]
     assert _severe(browser) == []
 
 

@@ -1,5 +1,5 @@
-/* One device's health: its GPU and state, runs by outcome and the failure rate, its newest
-   runs with their errors, data stoppages, and its series. Reads /v1/devices/{serial}, its
+/* One device's health: its GPU and state, its state history, runs by outcome and the failure
+   rate, its newest runs with their errors, data stoppages, and its series. Reads /v1/devices/{serial}, its
    /health and /v1/overview. */
 (function () {
   "use strict";
@@ -35,6 +35,11 @@
           el("td", {}, c.verdict ? el("a", { href: href("alert", c.verdict.id) }, badge(c.verdict.kind, c.verdict.kind),
             " ", badge(c.verdict.state, c.verdict.state)) : badge("no alert", "ok")))))
         : el("p", { class: "muted" }, "No series yet."),
+      el("h2", {}, "State history"),
+      health.history.length ? table("state-history", ["when", "from", "to", "event", "reason"], health.history.map((c) =>
+        el("tr", { dataset: { to: c.to_state } }, el("td", {}, fmt.when(c.at)), el("td", {}, badge(c.from_state)),
+          el("td", {}, badge(c.to_state)), el("td", {}, c.event), el("td", { class: "values" }, c.reason || ""))))
+        : el("p", { class: "muted" }, "No state change recorded."),
       el("h2", {}, `Newest runs (${health.recent.length} of ${health.total_runs})`),
       table("recent-runs", ["run", "kind", "build", "status", "finished", "error"], health.recent.map((r) =>
         el("tr", { dataset: { status: r.status } }, el("td", {}, `#${r.run_id}`), el("td", {}, r.kind), el("td", {}, r.build || "—"),

@@ -1,0 +1,39 @@
+"""device state changes: each change of a device's state (not its lease's busy and available)
+with the event and the reason, for its health page's history
+
+Revision ID: 0021
+Revises: 0020
+Create Date: 2026-11-28 14:20:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = '0021'
+down_revision: str | Sequence[str] | None = '0020'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        'device_state_changes',
+        sa.Column('id', sa.Integer(), nullable=False),
+        sa.Column('device_id', sa.Integer(), nullable=False),
+        sa.Column('at', sa.DateTime(timezone=True), nullable=False),
+        sa.Column('from_state', sa.String(length=24), nullable=False),
+        sa.Column('to_state', sa.String(length=24), nullable=False),
+        sa.Column('event', sa.String(length=24), nullable=False),
+        sa.Column('reason', sa.Text(), nullable=False),
+        sa.ForeignKeyConstraint(['device_id'], ['devices.id'], name=op.f('fk_device_state_changes_device_id_devices'),
+                                ondelete='CASCADE'),
+        sa.PrimaryKeyConstraint('id', name=op.f('pk_device_state_changes')),
+    )
+    op.create_index('ix_device_state_changes_device_at', 'device_state_changes', ['device_id', 'at'])
+
+
+def downgrade() -> None:
+    op.drop_index('ix_device_state_changes_device_at', table_name='device_state_changes')
+    op.drop_table('device_state_changes')
