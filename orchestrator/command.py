@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 
 # The farm extra's packages, as imported (pyproject.toml [project.optional-dependencies] farm).
-CONTROL_PLANE = frozenset({"adb_shell", "alembic", "celery", "croniter", "kombu", "psycopg", "pydantic_settings",
-                           "redis", "scipy", "segno", "sqlalchemy"})
+CONTROL_PLANE = frozenset({"adb_shell", "alembic", "celery", "croniter", "fastapi", "kombu", "psycopg",
+                           "pydantic_settings", "redis", "scipy", "segno", "sqlalchemy", "uvicorn"})
 
 
 def __getattr__(name: str):

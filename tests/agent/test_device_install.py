@@ -1,6 +1,6 @@
 """The device side installs and runs without the control plane: `pip install devicefarm` is the
 engine and `farm-agent`; celery, SQLAlchemy, alembic, psycopg, redis, SciPy and the rest are the
-`farm` extra. Checked on pyproject.toml, and by running a real job with every control-plane
+`farm` extra (with the API's FastAPI and uvicorn). Checked on pyproject.toml, and by running a real job with every control-plane
 package made unimportable (what a device-only install lacks), its job process included."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The farm extra's distributions, by the name they are imported as.
 IMPORTED_AS = {"adb-shell": "adb_shell", "sqlalchemy": "sqlalchemy", "alembic": "alembic",
                "pydantic-settings": "pydantic_settings", "psycopg": "psycopg", "celery": "celery", "redis": "redis",
-               "croniter": "croniter", "scipy": "scipy", "segno": "segno"}
+               "croniter": "croniter", "scipy": "scipy", "segno": "segno", "fastapi": "fastapi", "uvicorn": "uvicorn"}
 
 
 def _name(requirement: str) -> str:
