@@ -16,7 +16,7 @@ from orchestrator.db import store
 from orchestrator.db.models import ApiScope
 
 from . import tokens
-from .schemas import Problem
+from .schemas import PLAIN, Problem
 
 bearer = HTTPBearer(auto_error=False, scheme_name="token",
                     description="A token from `farm api token create --scope read|triage|run`.")
@@ -26,6 +26,9 @@ bearer = HTTPBearer(auto_error=False, scheme_name="token",
 MAX_ID = 2**31 - 1
 RecordId = Annotated[int, Path(ge=1, le=MAX_ID)]
 Limit = Annotated[int, Query(ge=1, le=500, description="At most this many, newest first.")]
+BuildName = Annotated[str, Path(max_length=128, pattern=PLAIN)]
+Serial = Annotated[str, Path(max_length=255, pattern=PLAIN)]
+SeriesId = Annotated[str, Path(max_length=64, pattern=PLAIN)]
 
 
 def problem(status: int, description: str) -> dict[int | str, dict[str, Any]]:

@@ -16,14 +16,13 @@ latency jobs recorded as results, and b3's batch analysed (regression alerts on 
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
 import schemathesis
+from asgi_server import serving
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from sqlalchemy import select
@@ -129,35 +128,18 @@ def _fuzz(operation, mode: GenerationMode, headers: dict[str, str], calls: dict[
 # ---- a real server, a real client, each scope ---------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture
 def server(farm):
     """The API under uvicorn on a free port (in a thread), after an earlier process left a
     check running; yields its base URL."""
-    import uvicorn
-
     with farm["sessions"]() as s, s.begin():
         left = CheckRun(state=CheckState.running, request={"candidate": "b3"}, progress="round 0")
         s.add(left)
         s.flush()
         farm["left_check"] = left.id
-    port = _free_port()
-    config = uvicorn.Config(create_app(farm["settings"]), host="127.0.0.1", port=port, log_level="warning")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(10)
+    with serving(create_app(farm["settings"])) as base:
+        yield base
 
 
 def _client(base: str, token: str | None) -> httpx.Client:

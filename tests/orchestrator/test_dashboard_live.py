@@ -28,17 +28,15 @@ import datetime as dt
 import fnmatch
 import os
 import shutil
-import socket
 import statistics
 import struct
-import threading
-import time
 import tomllib
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from asgi_server import serving
 from ci_support import missing
 from sqlalchemy import select
 from typer.testing import CliRunner
@@ -146,29 +144,12 @@ def farm(tmp_path_factory):
     engine.dispose()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(farm):
     """`farm api serve`'s app on uvicorn, on a free port; yields its base URL."""
-    import uvicorn
-
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(create_app(farm["settings"]), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(10)
+    with serving(create_app(farm["settings"])) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from fastapi import APIRouter
-from fastapi import Path as PathParam
 
 from orchestrator.db import queries, store
 
-from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, found
-from ..schemas import PLAIN, BuildDetail, BuildOut
+from ..deps import AUTH_ERRORS, NOT_FOUND, BuildName, Db, Reader, found
+from ..schemas import BuildDetail, BuildOut
 
 router = APIRouter(prefix="/builds", tags=["builds"], responses=AUTH_ERRORS)
 
@@ -21,5 +18,5 @@ def list_builds(_: Reader, db: Db) -> list[BuildOut]:
 
 
 @router.get("/{name}", response_model=BuildDetail, responses=NOT_FOUND, summary="One build and its files")
-def get_build(_: Reader, db: Db, name: Annotated[str, PathParam(max_length=128, pattern=PLAIN)]) -> BuildDetail:
+def get_build(_: Reader, db: Db, name: BuildName) -> BuildDetail:
     return BuildDetail.of(found(store.get_build, db, name))

@@ -1,22 +1,19 @@
 """What the dashboard's pages read besides the plain records (orchestrator/dashboard/views.py):
-GET /v1/overview, /v1/series/{id}/events, /v1/series/{id}/kernels, /v1/alerts/{id}/context, /v1/builds/{name}/gallery, /v1/devices/{serial}/health,
-and /v1/images/{id}, a generated image's bytes (read from the farm's data directory)."""
+GET /v1/overview, /v1/series/{id}/events, /v1/series/{id}/kernels, /v1/alerts/{id}/context,
+/v1/builds/{name}/gallery, /v1/devices/{serial}/health, and /v1/images/{id}, a generated
+image's bytes (read from the farm's data directory)."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from fastapi import APIRouter, Request
-from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
 from orchestrator import series as farm_series
 from orchestrator.dashboard import views
 from orchestrator.db import store
 
-from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, RecordId, found
+from ..deps import AUTH_ERRORS, NOT_FOUND, BuildName, Db, Reader, RecordId, Serial, SeriesId, found
 from ..schemas import (
-    PLAIN,
     AlertContext,
     BuildGallery,
     DeviceHealth,
@@ -37,14 +34,14 @@ def overview(_: Reader, db: Db) -> Overview:
 @router.get("/series/{series_id}/events", response_model=SeriesEvents, responses=NOT_FOUND,
             summary="A series' alerts, deploys, change points and environment changes")
 def series_events(_: Reader, db: Db,
-                  series_id: Annotated[str, PathParam(max_length=64, pattern=PLAIN)]) -> SeriesEvents:
+                  series_id: SeriesId) -> SeriesEvents:
     return SeriesEvents(**views.series_events(db, found(farm_series.get_series, db, series_id)))
 
 
 @router.get("/series/{series_id}/kernels", response_model=SeriesKernels, responses=NOT_FOUND,
             summary="A series' kernels: each one's time per timed repetition, build by build")
 def series_kernels(_: Reader, db: Db,
-                   series_id: Annotated[str, PathParam(max_length=64, pattern=PLAIN)]) -> SeriesKernels:
+                   series_id: SeriesId) -> SeriesKernels:
     return SeriesKernels(**views.series_kernels(db, found(farm_series.get_series, db, series_id)))
 
 
@@ -56,14 +53,14 @@ def alert_context(_: Reader, db: Db, alert_id: RecordId) -> AlertContext:
 
 @router.get("/builds/{name}/gallery", response_model=BuildGallery, responses=NOT_FOUND,
             summary="The images a build's generate jobs made, newest first")
-def build_gallery(_: Reader, db: Db, name: Annotated[str, PathParam(max_length=128, pattern=PLAIN)]) -> BuildGallery:
+def build_gallery(_: Reader, db: Db, name: BuildName) -> BuildGallery:
     return BuildGallery(**views.build_gallery(db, found(store.get_build, db, name)))
 
 
 @router.get("/devices/{serial}/health", response_model=DeviceHealth, responses=NOT_FOUND,
             summary="A device's runs by outcome, newest runs, state and data stoppages")
 def device_health(_: Reader, db: Db,
-                  serial: Annotated[str, PathParam(max_length=255, pattern=PLAIN)]) -> DeviceHealth:
+                  serial: Serial) -> DeviceHealth:
     return DeviceHealth(**views.device_health(db, found(store.get_device, db, serial)))
 
 

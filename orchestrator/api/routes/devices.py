@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from fastapi import APIRouter
-from fastapi import Path as PathParam
 
 from orchestrator.db import queries, store
 
-from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, found
-from ..schemas import PLAIN, DeviceOut
+from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, Serial, found
+from ..schemas import DeviceOut
 
 router = APIRouter(prefix="/devices", tags=["devices"], responses=AUTH_ERRORS)
 
@@ -21,5 +18,5 @@ def list_devices(_: Reader, db: Db) -> list[DeviceOut]:
 
 
 @router.get("/{serial}", response_model=DeviceOut, responses=NOT_FOUND, summary="One device")
-def get_device(_: Reader, db: Db, serial: Annotated[str, PathParam(max_length=255, pattern=PLAIN)]) -> DeviceOut:
+def get_device(_: Reader, db: Db, serial: Serial) -> DeviceOut:
     return DeviceOut.of(found(store.get_device, db, serial))

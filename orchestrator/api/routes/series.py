@@ -7,12 +7,11 @@ from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from fastapi import Path as PathParam
 
 from orchestrator import series as farm_series
 from orchestrator.db import store
 
-from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Reader, found
+from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Reader, SeriesId, found
 from ..schemas import PLAIN, Metric, SeriesDetail, SeriesKeyOut, SeriesOut, SeriesPoint
 
 router = APIRouter(prefix="/series", tags=["series"], responses=AUTH_ERRORS)
@@ -35,7 +34,7 @@ def list_series(
 @router.get("/{series_id}", response_model=SeriesDetail, responses=NOT_FOUND,
             summary="One series and its points, one per build, oldest first")
 def get_series(_: Reader, db: Db,
-               series_id: Annotated[str, PathParam(max_length=64, pattern=PLAIN)]) -> SeriesDetail:
+               series_id: SeriesId) -> SeriesDetail:
     found_series = found(farm_series.get_series, db, series_id)
     return SeriesDetail(**_out(found_series).model_dump(),
                         points=[SeriesPoint(**p) for p in farm_series.points(db, found_series)])
