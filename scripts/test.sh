@@ -3,6 +3,7 @@
 # whatever adapter exists, lavapipe included; in CI they fail rather than skip without one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+suite_started=$SECONDS
 # Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" errors without one; give them a private one.
 [ -n "${XDG_RUNTIME_DIR:-}" ] || export XDG_RUNTIME_DIR="$(mktemp -d)"
 bash scripts/bootstrap.sh farm,test
@@ -22,6 +23,11 @@ bash scripts/ensure-chromium.sh  # the HTML dashboard is tested in headless Chro
 bash scripts/ensure-grafana-schema.sh >/dev/null  # the Grafana dashboards are type-checked against @grafana/schema
 .venv/bin/ruff check .
 .venv/bin/lint-imports --no-cache  # the layers: pyproject.toml [tool.importlinter]
+# The suite's time follows this machine's software GPU (4.5x apart between machines of one
+# kind): measure it first, so that every time below can be compared (docs/testing.md).
+reports="$(mktemp -d)"
+.venv/bin/python -m engine.speed --json "$reports/speed.json" || echo "speed index: could not be measured"
+export FARM_SPEED_INDEX_JSON="$reports/speed.json"  # pytest's header repeats it (tests/conftest.py)
 # Most of the suite's time is spent waiting on processes, browsers and timeouts rather than on
 # the CPU: it runs on several workers, a file at a time, longest files first (tests/conftest.py).
 # Tests marked `alone` time builds against each other or wait on second-long deadlines: they run
@@ -31,6 +37,9 @@ bash scripts/ensure-grafana-schema.sh >/dev/null  # the Grafana dashboards are t
 status=0
 part() { "$@" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }; }
 part .venv/bin/python -m pytest -n "${FARM_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder --durations=15 \
-  -m "not alone" "$@"
-part .venv/bin/python -m pytest -p no:xdist --durations=5 -m alone "$@"
+  --junitxml="$reports/part1.xml" -m "not alone" "$@"
+part .venv/bin/python -m pytest -p no:xdist --durations=5 --junitxml="$reports/part2.xml" -m alone "$@"
+# What it took, beside the speed index, and where the time went (docs/testing.md: the budget).
+.venv/bin/python scripts/test_durations.py --summary --wall "$((SECONDS - suite_started))" \
+  --speed "$reports/speed.json" "$reports"/part*.xml || true
 exit "$status"

@@ -24,6 +24,17 @@ REPO = Path(__file__).resolve().parent.parent
 NEW_FILE_SECONDS = 10.0  # a file not in durations.json yet: somewhere in the middle
 
 
+def pytest_report_header(config):
+    """The machine's speed index (engine/speed.py) that scripts/test.sh measured first: the
+    suite's times follow it."""
+    path = os.environ.get("FARM_SPEED_INDEX_JSON")
+    if path and Path(path).is_file():
+        from engine.speed import describe
+
+        return describe(json.loads(Path(path).read_text()))
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist, files longest first (stable within a file and among equals): every worker
     computes the same order, which the controller hands out a file at a time."""

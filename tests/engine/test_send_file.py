@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import threading
 import tracemalloc
 import urllib.request
@@ -23,11 +24,11 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("blobs")
     data = os.urandom(1 << 20) * (SIZE >> 20)
     (root / "big.bin").write_bytes(data)
-    served = []
+    served = queue.Queue()  # what each send_file call returned, in the server's thread
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            served.append(send_file(self, root, self.path.lstrip("/")))
+            served.put(send_file(self, root, self.path.lstrip("/")))
 
         def log_message(self, *args):
             pass
@@ -57,14 +58,15 @@ def test_a_whole_file_is_streamed_not_read_into_memory(server):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert (status, got, n, served[-1]) == (200, digest, SIZE, SIZE)
+    # send_file returns after its last byte is on the wire: the client can finish reading first
+    assert (status, got, n, served.get(timeout=30)) == (200, digest, SIZE, SIZE)
     assert peak < 8 << 20, f"serving a {SIZE:,}-byte file took {peak:,} bytes of memory at its peak"
 
 
 def test_a_range_is_exact(server):
     url, _, head, served = server
     status, got, n, first = _read(f"{url}/big.bin", {"Range": "bytes=100-2147"})
-    assert (status, n, served[-1]) == (206, 2048, 2048)
+    assert (status, n, served.get(timeout=30)) == (206, 2048, 2048)
     assert got == hashlib.sha256(head[100:2148]).hexdigest() and first == head[100:164]
     with pytest.raises(urllib.error.HTTPError) as bad:
         _read(f"{url}/big.bin", {"Range": f"bytes={SIZE}-"})

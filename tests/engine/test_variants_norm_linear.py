@@ -61,6 +61,20 @@ def np_group_norm(x, groups, eps):
     return ((xr - xr.mean(-1, keepdims=True)) / np.sqrt(xr.var(-1, keepdims=True) + eps)).reshape(x.shape)
 
 
+def apart(x: np.ndarray, groups: int, gap: float = 1.0) -> np.ndarray:
+    """Groups of two elements a, b kept at least `gap` apart. Each normalizes to +/-d/sqrt(d^2 +
+    eps), d = (a - b)/2, whose slope at d = 0 is 1/sqrt(eps) (1000 for eps 1e-6): on a pair a
+    few thousandths apart, f32's rounding of a and b alone (~5e-7) moves the output by more than
+    the 2e-5 tolerance (one seed of fresh inputs failed at 2.9e-5). That case tests the layout of
+    tiny groups, not cancellation, so its pairs avoid the ill-conditioned band on purpose: with
+    |a - b| >= 1 the slope is below 1e-5 and the bound holds for every seed."""
+    pairs = x.reshape(x.shape[0], groups, 2).copy()  # (B, groups, 2)
+    d = pairs[..., 1] - pairs[..., 0]
+    close = np.abs(d) < gap
+    pairs[..., 1] = np.where(close, pairs[..., 0] + np.where(d < 0, -gap, gap), pairs[..., 1])
+    return pairs.reshape(x.shape).astype(np.float32)
+
+
 def run_both(rt, gpu, dtype, op, variant, call):
     """(variant output, reference output) as float64, the variant's run checked to be the one
     that ran and to leave no poisoned element."""
@@ -87,6 +101,8 @@ def run_both(rt, gpu, dtype, op, variant, call):
 def test_group_norm_variant(rt, gpu, dtype, fresh_rng, variant, c, groups, hw, silu):
     eps = 1e-5 if c > 64 else 1e-6
     x = rand(fresh_rng, 2, c, *hw, scale=3.0) + 1.5
+    if c // groups * hw[0] * hw[1] == 2:
+        x = apart(x, groups)
     g, b = rand(fresh_rng, c) + 1, rand(fresh_rng, c)
 
     def call(ops):
