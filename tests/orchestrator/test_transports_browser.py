@@ -62,8 +62,10 @@ def page_bytes(manifest: Manifest) -> int:
 
 
 def job(job_id: str, **kw) -> JobSpec:
+    """A job the transport runs: the tiny model's smallest image (32x32) and one step, since
+    these tests are about the link to the page, not its numbers (tests/engine/test_browser.py)."""
     return JobSpec(**({"job_id": job_id, "kind": "generate", "model": "models/tiny", "precision": "fp32",
-                       "steps": 2, "scheduler": "euler", "time_limit_s": 300.0, "height": 64, "width": 64} | kw))
+                       "steps": 1, "scheduler": "euler", "time_limit_s": 300.0, "height": 32, "width": 32} | kw))
 
 
 def test_info_is_the_phone_with_its_browser_and_adapter(browser, phone):
