@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--speed", type=Path, help="the run's speed index (python -m engine.speed --json FILE)")
     ap.add_argument("--summary", action="store_true", help="print the wall time, speed index and slowest files")
     ap.add_argument("--wall", type=float, help="with --summary: the whole run's wall time in seconds")
+    ap.add_argument("--source", default="pytest --junitxml of a serial run of the whole suite on this project's "
+                    "2-core machine (scripts/test_durations.py)", help="what the reports are, as recorded")
     args = ap.parse_args()
     reports = [r for r in args.junit if r.is_file()]
     speed = json.loads(args.speed.read_text()) if args.speed and args.speed.is_file() else None
@@ -72,9 +74,7 @@ def main() -> None:
         for path, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:SLOWEST]:
             print(f"  {s:8.1f}  {path}")
         return
-    doc = {"source": "pytest --junitxml of a serial run of the whole suite on this project's 2-core machine "
-                     "(scripts/test_durations.py)",
-           "speed_index": speed,
+    doc = {"source": args.source, "speed_index": speed,
            "seconds_per_file": {path: round(s, 1) for path, s in sorted(seconds.items())}}
     OUT.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{OUT}: {len(seconds)} files, {sum(seconds.values()):.0f} s in all; {speed_line(speed)}")
