@@ -183,6 +183,16 @@ export async function openDevice(adapter, emulate = null) {
   return device;
 }
 
+// What a device has compiled, for every plan loaded on it: shader modules by their source,
+// then each module's pipelines by entry point and override constants. Pipelines (layout "auto")
+// are immutable and their bind groups are each runner's own, so plans can share them.
+const COMPILED = new WeakMap();
+
+function compiledOf(device) {
+  if (!COMPILED.has(device)) COMPILED.set(device, { modules: new Map(), pipelines: new Map() });
+  return COMPILED.get(device);
+}
+
 // ---- memory ---------------------------------------------------------------------------------
 
 // What a plan's runner allocates (engine/fit.py's plan_memory, the same numbers): a weight or
@@ -321,33 +331,46 @@ export class PlanRunner {
     }
     const t0 = performance.now();
     const storage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
-    // shaders and pipelines
+    // shaders and pipelines: compiled once a device (another plan of the model, another size
+    // or step count, reuses them: a software adapter spends seconds a plan compiling)
+    const compiled = compiledOf(d);
     const modules = new Map();
     const header = plan.shader_header;
     for (const p of plan.pipelines) {
       const key = `${p.shader}/${p.dtype}`;
       if (modules.has(key)) continue;
       const source = header[p.dtype] + (await fetchShader(plan.shaders[p.shader].path, plan.shaders[p.shader].sha256));
-      d.pushErrorScope("validation");
-      const module = d.createShaderModule({ code: source, label: key });
-      const info = await module.getCompilationInfo();
-      const errors = info.messages.filter((m) => m.type === "error");
-      await d.popErrorScope();
-      if (errors.length) {
-        throw new PlanError("shader-compile", `${plan.shaders[p.shader].path} (${p.dtype}): ` +
-          errors.map((m) => `${m.lineNum}:${m.linePos} ${m.message}`).join("; "));
+      let module = compiled.modules.get(source);
+      if (!module) {
+        d.pushErrorScope("validation");
+        module = d.createShaderModule({ code: source, label: key });
+        const info = await module.getCompilationInfo();
+        const errors = info.messages.filter((m) => m.type === "error");
+        await d.popErrorScope();
+        if (errors.length) {
+          throw new PlanError("shader-compile", `${plan.shaders[p.shader].path} (${p.dtype}): ` +
+            errors.map((m) => `${m.lineNum}:${m.linePos} ${m.message}`).join("; "));
+        }
+        compiled.modules.set(source, module);
       }
       modules.set(key, module);
     }
     this.pipelines = [];
     for (const p of plan.pipelines) {
-      const compute = { module: modules.get(`${p.shader}/${p.dtype}`), entryPoint: p.entry };
-      if (Object.keys(p.constants).length) compute.constants = p.constants;
-      try {
-        this.pipelines.push(await d.createComputePipelineAsync({ layout: "auto", compute, label: p.shader }));
-      } catch (e) {
-        throw new PlanError("pipeline", `${p.shader}:${p.entry} ${JSON.stringify(p.constants)}: ${e.message}`);
+      const module = modules.get(`${p.shader}/${p.dtype}`);
+      const constants = Object.keys(p.constants).sort().map((k) => [k, p.constants[k]]);
+      const key = JSON.stringify([p.entry, constants]);
+      const made = compiled.pipelines.get(module) || compiled.pipelines.set(module, new Map()).get(module);
+      if (!made.has(key)) {
+        const compute = { module, entryPoint: p.entry };
+        if (constants.length) compute.constants = p.constants;
+        try {
+          made.set(key, await d.createComputePipelineAsync({ layout: "auto", compute, label: p.shader }));
+        } catch (e) {
+          throw new PlanError("pipeline", `${p.shader}:${p.entry} ${JSON.stringify(p.constants)}: ${e.message}`);
+        }
       }
+      this.pipelines.push(made.get(key));
     }
     // buffers: weights from the cache or by range, constants written, the rest empty; all of
     // them now (resident), or the plan's now and each stage's before it runs (staged)
