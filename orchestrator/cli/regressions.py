@@ -361,10 +361,12 @@ def bisect(
 
         def is_bad(index: int) -> bool:
             """The bad end must be a regression against the good one. A build in between is bad
-            when it regresses against the good build and is not an improvement on the bad one,
-            good when it improves on the bad build and does not regress against the good one:
-            a single run of each cannot prove "same" once run-to-run drift is counted, but it
-            can say which end a build sits with."""
+            when it regresses against the good build (the first regression came at or before
+            it, whether or not a later build slowed things further: then it is an improvement
+            on the bad one too), good when it improves on the bad build and does not regress
+            against the good one: a single run of each cannot prove "same" once run-to-run
+            drift is counted, but it can say which end a build sits with. A build that does
+            neither cannot be placed."""
             name = candidates[index][1]
             vs_good = judged(0, index)
             vs_bad = judged(len(candidates) - 1, index) if index != len(candidates) - 1 else None
@@ -380,7 +382,7 @@ def bisect(
                 env = f" (environment changed: {'; '.join(changes)})" if changes else ""
                 console.print(f"{name}: {vs_good['verdict']}{env} against {good} "
                               f"(ratio {vs_good['ratio'] or float('nan'):.3f}){against_bad}", highlight=False)
-            if vs_bad is not None and worse == better:
+            if vs_bad is not None and not worse and not better:
                 fail(f"{name} cannot be placed: {vs_good['verdict']} against {good} ({vs_good['reason']}), "
                      f"{vs_bad['verdict']} against {bad}; bisect again with more --repetitions")
             return worse

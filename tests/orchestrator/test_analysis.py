@@ -371,3 +371,19 @@ def test_regressions_compare_and_bisect_cli(cli):
         result = cli(*args, code=1)
         assert message in result.output and "Traceback" not in result.output, result.output
 
+
+
+def test_bisect_names_the_first_of_two_stacked_regressions(cli):
+    """b3 made the step 1.3x slower and b5 2x: b3 regresses against b1 and improves on b6 at
+    once. It is the first bad build (a later change slowed things further), not a build that
+    cannot be placed; the same holds where one run of an unchanged build drifted from the next."""
+    rng = np.random.default_rng()
+    with cli.Session() as s, s.begin():
+        device = store.upsert_device(s, "p1", "local", "/tmp/p1", host="h")
+        for i, slow in enumerate((1.0, 1.0, 1.3, 1.3, 2.0, 2.0), start=1):
+            build = store.create_build(s, _manifest(f"b{i}", 1_700_000_000.0 + 86400 * i))
+            _record(s, device.id, build.id, "latency", _latency(rng, slow), store.create_batch(s, f"b{i}").id)
+    found = json.loads(cli("bisect", "--good", "b1", "--bad", "b6", "--device", "p1", "--json").output)
+    assert found["first_bad"] == "b3" and found["last_good"] == "b2", found["steps"]
+    (b3,) = [step for step in found["steps"] if step["build"] == "b3"]
+    assert b3["verdict"] == "regression" and b3["verdict_against_bad"] == "improvement"

@@ -106,7 +106,9 @@ def _new_job(farm) -> int:
         return store.create_job(session, "generate", SPEC, farm["device_id"], farm["build_id"]).id
 
 
-def _wait_final(farm, job_id: int, timeout_s: float = 60.0, seen: list | None = None) -> Job:
+def _wait_final(farm, job_id: int, timeout_s: float = 300.0, seen: list | None = None) -> Job:
+    # A deadline for a hang, not a pace: a tiny job took 20-30 s beside three other workers on a
+    # 2-core machine whose speed index was 651 ms, and one waiting behind a generation passed 60 s.
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with farm["Session"]() as session:
