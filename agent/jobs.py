@@ -864,8 +864,9 @@ class _Child:
 
     def run_latency(self) -> None:
         """Warm-ups, then spec.unet_repetitions timed UNet CFG steps (batch 2, reading the result
-        back, so each is timed to GPU completion), then as many profiled steps for per-kernel
-        GPU times (profiling splits passes, so they are kept apart from the timed ones), then
+        back, so each is timed to GPU completion), then spec.kernel_repetitions profiled steps
+        (as many by default) for per-kernel GPU times (profiling splits passes, so they are kept
+        apart from the timed ones), then
         spec.repetitions timed end-to-end generations."""
         if self.runtime != "native":
             return self.run_latency_on_plans()
@@ -890,21 +891,21 @@ class _Child:
                     self.emit({"event": "step", "phase": "unet_step", "done": r + 1, "total": s.unet_repetitions})
             self.sample("unet_step_peak_gpu_bytes", watch.peak_bytes, "bytes")
             if timed_kernels:
-                self.time_kernels(pipe, sample, t, ctx, s.unet_repetitions)
+                self.time_kernels(pipe, sample, t, ctx, self.kernel_repetitions)
             del ctx
         self.e2e_generations(pipe, height, width)
         clock = ("off" if not s.kernel_timings else "unavailable (no timestamp-query)" if not timed_kernels
                  else "gpu timestamp queries" + (" (CPU adapter: not wall-clock comparable)"
                                                  if self.caps.adapter_type.lower() == "cpu" else ""))
         self.engine_info(pipe, height=height, width=width, unet_batch=2, unet_timestep=t, kernel_timing=clock,
-                         kernel_timing_repetitions=s.unet_repetitions if timed_kernels else 0)
+                         kernel_timing_repetitions=self.kernel_repetitions if timed_kernels else 0)
 
     def run_latency_on_plans(self) -> None:
         """run_latency on the plan and browser runtimes: the executor of a batch-2 plan at the
         job's size (step_executor) times spec.unet_repetitions replays of its UNet step to GPU
         completion (after spec.warmup untimed ones, its inputs random and written once, so
-        unlike the native step no upload or readback is in the time); then as many profiled
-        replays for per-kernel GPU times, where the executor has them; then the end-to-end
+        unlike the native step no upload or readback is in the time); then kernel_repetitions
+        profiled replays for per-kernel GPU times, where the executor has them; then the end-to-end
         generations."""
         s = self.spec
         pipe = self.load()
@@ -917,11 +918,17 @@ class _Child:
         from engine.plan_exec import plan_gpu_bytes
 
         self.sample("unet_step_peak_gpu_bytes", plan_gpu_bytes(ex), "bytes")
-        clock = self.time_plan_kernels(ex, s.unet_repetitions)
+        clock = self.time_plan_kernels(ex, self.kernel_repetitions)
         self.e2e_generations(pipe, height, width)
         self.engine_info(pipe, height=height, width=width, unet_batch=ex.plan["batch"], unet_inputs="random",
                          kernel_timing=clock,
-                         kernel_timing_repetitions=s.unet_repetitions if clock.startswith("gpu") else 0)
+                         kernel_timing_repetitions=self.kernel_repetitions if clock.startswith("gpu") else 0)
+
+    @property
+    def kernel_repetitions(self) -> int:
+        """Profiled UNet steps for per-kernel times: the spec's own count, else as many as the
+        timed ones."""
+        return self.spec.kernel_repetitions or self.spec.unet_repetitions
 
     def e2e_generations(self, pipe, height: int, width: int) -> None:
         s = self.spec

@@ -156,6 +156,9 @@ class JobSpec:
     repetitions: int = 5
     unet_repetitions: int = 10
     kernel_timings: bool = True
+    # profiled UNet steps for per-kernel GPU times, apart from the timed ones (profiling splits
+    # passes); None: as many as unet_repetitions
+    kernel_repetitions: int | None = None
     # tune
     tune_repeats: int = 5
     tune_time_budget_s: float = 600.0
@@ -191,6 +194,8 @@ class JobSpec:
         _bounded(self, "JobSpec.steps", self.steps, 1, MAX_STEPS)
         for name in ("repetitions", "unet_repetitions", "tune_repeats", "warmup"):
             _bounded(self, f"JobSpec.{name}", getattr(self, name), 0, MAX_REPETITIONS)
+        if self.kernel_repetitions is not None:
+            _bounded(self, "JobSpec.kernel_repetitions", self.kernel_repetitions, 1, MAX_REPETITIONS)
         for name in ("height", "width"):
             if getattr(self, name) is not None:
                 _bounded(self, f"JobSpec.{name}", getattr(self, name), 8, MAX_SIDE)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ci_support import missing
 
 from agent import jobs
 from agent.jobs import AgentBusy, cooling_rate, run_job
@@ -118,6 +119,22 @@ def test_latency_job_has_one_sample_per_repetition(tiny_model_dir, tmp_path, gpu
         assert result.engine["kernel_timing_repetitions"] == 3
     assert result.engine["unet_batch"] == 2 and result.engine["height"] == 32
     check_artifacts(tmp_path / "out", result)
+
+
+@pytest.mark.gpu
+def test_a_latency_job_profiles_as_many_steps_as_it_is_told(tiny_model_dir, tmp_path, gpu):
+    """kernel_repetitions profiled steps, apart from the timed ones (3 timed, 1 profiled)."""
+    s = spec(kind="latency", model=str(tiny_model_dir), warmup=0, unet_repetitions=3, kernel_repetitions=1,
+             repetitions=1, steps=1, height=32, width=32)
+    result = run_job(s, tmp_path / "out", tmp_path / "root")
+    assert result.status == "succeeded", result.error + result.log_tail
+    assert sorted(smp.repetition for smp in result.samples if smp.metric == "unet_step_ms") == [0, 1, 2]
+    if not gpu.caps.has_timestamps:
+        missing("this adapter has no timestamp-query", "lavapipe has it")
+    assert {k.repetition for k in result.kernel_timings} == {0} and result.engine["kernel_timing_repetitions"] == 1
+    for bad in (0, -1):
+        with pytest.raises(ProtocolError, match="kernel_repetitions"):
+            spec(kind="latency", kernel_repetitions=bad)
 
 
 @pytest.mark.gpu
