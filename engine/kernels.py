@@ -134,16 +134,26 @@ def specialise(variant: Variant, dtype: str) -> str:
     """The WGSL source of `variant` with its storage element type fixed."""
     if dtype == "f16s" and "shader-f16" in variant.requires:
         raise EngineError(f"{variant.op}/{variant.name} computes in f16 and has no f16-storage form")
-    return SHADER_HEADERS[dtype] + _source(SHADER_ROOT / f"{shader_name(variant, dtype)}.wgsl")
+    return _specialised(shader_name(variant, dtype), dtype)
+
+
+@cache
+def _specialised(name: str, dtype: str) -> str:
+    # one string a (shader, dtype): PipelineCache keys on it, and a str keeps its hash
+    return SHADER_HEADERS[dtype] + _source(SHADER_ROOT / f"{name}.wgsl")
 
 
 class PipelineCache:
-    """Compiled compute pipelines by (variant, element type, override constants)."""
+    """Compiled compute pipelines by (variant, element type, override constants). Every cache
+    of one GPU shares what was compiled on it (modules by their WGSL source, pipelines by module,
+    entry point and constants): another executor, model size or test in the process compiles
+    nothing twice. Pipelines (layout "auto") are immutable; bind groups stay each caller's own."""
 
     def __init__(self, gpu: GPU):
         self.gpu = gpu
-        self._modules: dict[tuple, object] = {}
-        self._pipelines: dict[tuple, object] = {}
+        compiled = gpu.__dict__.setdefault("_compiled", ({}, {}))
+        self._modules: dict[tuple, object] = compiled[0]
+        self._pipelines: dict[tuple, object] = compiled[1]
 
     def get(
         self,
@@ -154,20 +164,20 @@ class PipelineCache:
     ):
         entry = entry or variant.entry
         consts = tuple(sorted((constants or {}).items()))
-        key = (variant.op, variant.name, dtype, consts, entry)
+        code = specialise(variant, dtype)
+        key = (code, consts, entry)
         pipeline = self._pipelines.get(key)
         if pipeline is not None:
             return pipeline
-        mkey = (variant.op, variant.name, dtype)
-        module = self._modules.get(mkey)
+        module = self._modules.get(code)
         if module is None:
             module = gpu_call(
                 f"compiling shaders/{variant.op}/{variant.name}.wgsl ({dtype})",
                 self.gpu.device.create_shader_module,
                 label=f"{variant.op}/{variant.name}/{dtype}",
-                code=specialise(variant, dtype),
+                code=code,
             )
-            self._modules[mkey] = module
+            self._modules[code] = module
         stage = {"module": module, "entry_point": entry}
         if consts:
             stage["constants"] = {k: float(v) for k, v in consts}
