@@ -152,7 +152,7 @@ class PipelineCache:
     def __init__(self, gpu: GPU):
         self.gpu = gpu
         compiled = gpu.__dict__.setdefault("_compiled", ({}, {}))
-        self._modules: dict[tuple, object] = compiled[0]
+        self._modules: dict[str, object] = compiled[0]  # by WGSL source
         self._pipelines: dict[tuple, object] = compiled[1]
 
     def get(
