@@ -115,6 +115,9 @@ class GPU:
         self.device = device
         self.queue = device.queue
         self.caps = caps
+        # what every PipelineCache of this device compiled: modules by WGSL source, pipelines by
+        # (source, constants, entry point)
+        self.compiled: tuple[dict[str, object], dict[tuple, object]] = ({}, {})
 
 
 def _timestamp_period(queue) -> float:

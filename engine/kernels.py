@@ -151,9 +151,7 @@ class PipelineCache:
 
     def __init__(self, gpu: GPU):
         self.gpu = gpu
-        compiled = gpu.__dict__.setdefault("_compiled", ({}, {}))
-        self._modules: dict[str, object] = compiled[0]  # by WGSL source
-        self._pipelines: dict[tuple, object] = compiled[1]
+        self._modules, self._pipelines = gpu.compiled
 
     def get(
         self,

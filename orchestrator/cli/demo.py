@@ -69,8 +69,8 @@ def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
     # are on the timed steps; the per-kernel times only say which kernels moved, and B's moved
     # 3-5x: one profiled step says it (five cost build B's browser devices 23 s of the demo's
     # 274 s at speed index 133 ms).
-    python = [{"kind": "latency", "spec": common | {"warmup": 1, "repetitions": MIN_SAMPLES,
-                                                    "unet_repetitions": MIN_SAMPLES, "kernel_repetitions": 1}},
+    timed = {"warmup": 1, "repetitions": MIN_SAMPLES, "unet_repetitions": MIN_SAMPLES, "kernel_repetitions": 1}
+    python = [{"kind": "latency", "spec": common | timed},
               {"kind": "generate", "spec": dict(common)}]
     # The browser devices' pages run on Chromium's software adapter (SwiftShader), 4-5x slower
     # than lavapipe per UNet step here: their generations have one step, and they time 5 UNet
@@ -79,8 +79,7 @@ def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
     # kernels were only 1.1-1.2x slower in the page (per-dispatch costs dominate), too close
     # to tell from the page's noise.
     light = common | {"steps": 1}
-    browser = [{"kind": "latency", "spec": light | {"warmup": 1, "repetitions": MIN_SAMPLES,
-                                                    "unet_repetitions": MIN_SAMPLES, "kernel_repetitions": 1}},
+    browser = [{"kind": "latency", "spec": light | timed},
                {"kind": "generate", "spec": dict(light)}]
     return [*({**j, "runtime": "python"} for j in python), *({**j, "runtime": "browser"} for j in browser)]
 
