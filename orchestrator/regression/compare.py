@@ -196,7 +196,10 @@ def _decidable(log_r: float, s_boot: float, drift: float, k_b: int, k_c: int, n:
     s = math.sqrt(s_reps**2 + drift**2 * (1.0 / (k_b + runs) + 1.0 / (k_c + runs)))
     z_alpha = float(stats.norm.isf(alpha / 2.0))
     change = abs(log_r) > z_alpha * s and abs(math.expm1(log_r)) > m
-    same = abs(log_r) + z * s < math.log1p(m) and -abs(log_r) - z * s > math.log1p(-m)
+    # the band is 1 +/- m in the ratio, so it is wider below 1 than above it in log terms: a
+    # faster candidate is held to its own side (the mirror image of r = 0.88 against 1.25,
+    # not 0.75, refused the rounds that would have made b1 against itself "same")
+    same = log_r + z * s < math.log1p(m) and log_r - z * s > math.log1p(-m)
     return change or same
 
 

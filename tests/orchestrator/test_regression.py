@@ -344,3 +344,30 @@ def test_rounds_are_asked_for_only_where_they_can_decide():
     none_left = rg.compare(base, 140 * rng.lognormal(0.0, 0.02, 10), baseline_runs=runs, candidate_runs=runs,
                            drift=0.10, min_effect=0.15, runs_left=0)
     assert none_left.more_repetitions_suggested == 0
+
+
+def test_a_faster_candidate_within_the_band_gets_the_rounds_that_can_make_it_same():
+    """b1 against itself in `farm check` (a clean clone's CI run): the baseline's four runs
+    came out 12% slower than the candidate's, the interval [0.744, 1.045] just left the 25%
+    band, and the check stopped with exit 2 because "4 more runs could not decide it": the
+    test for that held a ratio below 1 to the band above 1 (its mirror image, 1.136, against
+    1.25). Four more runs of each can place the interval inside [0.75, 1.25]."""
+    # unet_step_ms of the check's eight latency jobs (6 repetitions each), A B B A A B B A
+    jobs = [[171.7, 204.9, 194.4, 189.5, 217.3, 229.3], [159.7, 153.7, 138.9, 132.0, 142.4, 144.2],
+            [157.9, 174.7, 166.0, 173.3, 200.2, 194.8], [183.8, 185.3, 183.3, 175.4, 203.5, 171.6],
+            [174.9, 187.5, 231.8, 174.3, 197.3, 224.3], [223.9, 194.6, 175.3, 208.0, 183.7, 181.6],
+            [184.1, 153.0, 158.7, 144.5, 152.4, 166.2], [138.8, 198.7, 162.3, 180.9, 196.7, 209.0]]
+    roles = "ABBAABBA"
+    base = [v for j, r in zip(jobs, roles) if r == "A" for v in j]
+    cand = [v for j, r in zip(jobs, roles) if r == "B" for v in j]
+    base_runs = [i for i, r in enumerate(roles) if r == "A" for _ in range(6)]
+    cand_runs = [i for i, r in enumerate(roles) if r == "B" for _ in range(6)]
+    faster = rg.compare(base, cand, baseline_runs=base_runs, candidate_runs=cand_runs, drift=0.10,
+                        min_effect=0.25, runs_left=4)
+    assert faster.verdict == "inconclusive" and faster.ratio == pytest.approx(0.881, abs=0.005)
+    assert faster.more_repetitions_suggested > 0, faster.reason
+    # the same numbers the other way round (a 1.136x slower candidate) cannot become "same"
+    # within a 1.25 ceiling, nor a regression beyond it, in four more runs
+    slower = rg.compare(cand, base, baseline_runs=cand_runs, candidate_runs=base_runs, drift=0.10,
+                        min_effect=0.25, runs_left=4)
+    assert slower.verdict == "inconclusive" and slower.more_repetitions_suggested == 0, slower.reason
