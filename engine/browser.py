@@ -79,6 +79,15 @@ def private_log(path: str | os.PathLike):
     return os.fdopen(fd, "ab")
 
 
+# SwiftShader lacks VK_KHR_zero_initialize_workgroup_memory, so Dawn has Tint prepend a loop and
+# a barrier zeroing every workgroup variable to each kernel that has one, which a phone's driver
+# with the extension does itself. The engine's kernels write each workgroup tile before they
+# read it (tests/engine/test_browser.py runs every one of them, against numpy, with this
+# toggle): the loop is only cost, and in SwiftShader it was most of a tiled kernel's
+# compile (28 GEMM and im2col one-op plans: 89.6 s -> 32.2 s on the fast machine).
+SWIFTSHADER_DAWN_TOGGLES = ("disable_workgroup_init",)
+
+
 def chromium_command(chromium: str, profile_dir: str | os.PathLike, url: str, webgpu_adapter: str | None) -> list[str]:
     """The command line that opens `url` in a headless `chromium` with WebGPU on, its profile in
     `profile_dir` (one per run here; one per virtual phone in agent/simulator/apps.py) and, when
@@ -88,6 +97,8 @@ def chromium_command(chromium: str, profile_dir: str | os.PathLike, url: str, we
             "--enable-features=Vulkan"]
     if webgpu_adapter:
         args.append(f"--use-webgpu-adapter={webgpu_adapter}")
+    if webgpu_adapter == "swiftshader":
+        args.append(f"--enable-dawn-features={','.join(SWIFTSHADER_DAWN_TOGGLES)}")
     return [*args, url]
 
 
