@@ -358,8 +358,8 @@ def test_a_faster_candidate_within_the_band_gets_the_rounds_that_can_make_it_sam
             [174.9, 187.5, 231.8, 174.3, 197.3, 224.3], [223.9, 194.6, 175.3, 208.0, 183.7, 181.6],
             [184.1, 153.0, 158.7, 144.5, 152.4, 166.2], [138.8, 198.7, 162.3, 180.9, 196.7, 209.0]]
     roles = "ABBAABBA"
-    base = [v for j, r in zip(jobs, roles) if r == "A" for v in j]
-    cand = [v for j, r in zip(jobs, roles) if r == "B" for v in j]
+    base = [v for j, r in zip(jobs, roles, strict=True) if r == "A" for v in j]
+    cand = [v for j, r in zip(jobs, roles, strict=True) if r == "B" for v in j]
     base_runs = [i for i, r in enumerate(roles) if r == "A" for _ in range(6)]
     cand_runs = [i for i, r in enumerate(roles) if r == "B" for _ in range(6)]
     faster = rg.compare(base, cand, baseline_runs=base_runs, candidate_runs=cand_runs, drift=0.10,
