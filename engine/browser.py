@@ -83,8 +83,8 @@ def private_log(path: str | os.PathLike):
 # a barrier zeroing every workgroup variable to each kernel that has one, which a phone's driver
 # with the extension does itself. The engine's kernels write each workgroup tile before they
 # read it (tests/engine/test_browser.py runs every one of them, against numpy, with this
-# toggle): the loop is only cost, and in SwiftShader it was most of a tiled kernel's
-# compile (28 GEMM and im2col one-op plans: 89.6 s -> 32.2 s on the fast machine).
+# toggle): the loop is only cost, and in SwiftShader it was most of a tiled kernel's one-op
+# plan, compiled and run (28 GEMM and im2col ones: 89.6 s -> 32.2 s on the fast machine).
 SWIFTSHADER_DAWN_TOGGLES = ("disable_workgroup_init",)
 
 

@@ -102,8 +102,8 @@ def test_same_build_exits_0(farm, monkeypatch, env, tmp_path):  # noqa: F811
     # Six interleaved pairs and up to 6 more rounds: with a 10% drift a run, two pairs of each
     # cannot say "same" (their interval is about +/-0.2 before any sampling noise). Here the same
     # build's runs, one after another with nothing else running, had UNet-step medians 157-218 ms
-    # and end-to-end medians 282-502 ms (clean-clone runs of 2026-12-03), so four pairs left b1
-    # against itself at 0.88 and 1.17 (exit 2, undecided) in two runs of three.
+    # and end-to-end medians 282-502 ms (clean-clone runs of 2026-12-03), and four pairs left b1
+    # against itself undecided (exit 2: 0.88, and 1.17 after a round) in both runs that used them.
     out_json, out_md = tmp_path / "check.json", tmp_path / "check.md"
     result = _check(monkeypatch, env, ["--build", "b1", "--baseline", "b1", "--pairs", "6", *ARGS, "--max-rounds", "6",
                                        "--json", str(out_json), "--markdown", str(out_md)])
