@@ -20,7 +20,7 @@ from ..kernels import Variant, conv_out_size, register, variants
 from ..runtime import DTYPES, Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
-from .gemm import SCRATCH_BYTES, gemm, scratch_bytes
+from .gemm import SCRATCH_BYTES, fit_rows, gemm, scratch_bytes
 
 if TYPE_CHECKING:  # the launchers' first argument; engine.ops loads this module
     from ..ops import Ops
@@ -85,8 +85,8 @@ def conv2d_implicit_gemm(ops: Ops, v: Variant, consts: dict, x, w, b, stride: in
     bsz, cin, h, wd = x.shape
     cout, _, kh, kw = w.shape
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
-    tiling = _gemm_tiling(ops, consts)
     m, k = bsz * oh * ow, cin * kh * kw
+    tiling = fit_rows(_gemm_tiling(ops, consts), m, GEMM_CONSTANTS["TILE_M"])
     m_tiles = math.ceil(m / tiling["TILE_M"])
     gx = min(m_tiles, ops.rt.caps.max_workgroups)  # the pixel tiles fold over x and z
     y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)

@@ -53,6 +53,22 @@ PAD = 1  # vec4s of padding per staged row (the shader's PAD)
 SCRATCH_BYTES = 16 << 20
 
 
+# The heights fit_rows may cut a tile to: multiples of 4 (each invocation's 4 x 4 register
+# block), below every choice a profile or tuner has.
+FIT_HEIGHTS = (4, 8, 16)
+
+
+def fit_rows(tiles: dict, rows: int, allowed: tuple[int, ...]) -> dict:
+    """`tiles` with TILE_M cut to the smallest height (FIT_HEIGHTS or an allowed choice) that still
+    holds `rows` in one tile, where that is below the chosen one: on SD's smallest maps a product
+    has few rows (16, 4 and 1 on an 8x8 latent's 4x4, 2x2 and 1x1 levels), and a 64-row tile of
+    them is mostly padding that every invocation still multiplies through the whole of K (a
+    software adapter runs it as real work). Each output's sum over K is unchanged, so the result
+    is too; only padding goes."""
+    smaller = [t for t in (*FIT_HEIGHTS, *allowed) if rows <= t < tiles["TILE_M"]]
+    return {**tiles, "TILE_M": min(smaller)} if smaller else tiles
+
+
 def scratch_bytes(ops) -> int:
     """The size class of every scratch buffer of `ops`: SCRATCH_BYTES times its scratch_scale."""
     return int(SCRATCH_BYTES * ops.scratch_scale)

@@ -10,9 +10,10 @@ from ..kernels import Variant, register, variants
 from ..runtime import Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
-from .gemm import gated_unsupported, gemm, unsupported
+from .gemm import fit_rows, gated_unsupported, gemm, unsupported
 
 DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
+TILED_CONSTANTS = {"TILE_M": (32, 64), "TILE_N": (32, 64), "TILE_K": (8, 16, 32)}
 
 
 @register(
@@ -20,12 +21,12 @@ DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
     "tiled",
     entry="main_vec4",
     doc="TILE_M x TILE_N workgroup tiles, 4x4 register blocks, K staged in workgroup memory",
-    constants={"TILE_M": (32, 64), "TILE_N": (32, 64), "TILE_K": (8, 16, 32)},
+    constants=TILED_CONSTANTS,
 )
 def linear_tiled(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     n_out, k = w.shape[0], math.prod(w.shape[1:])
     m = x.numel // k
-    tiles = {**DEFAULTS, **consts}
+    tiles = fit_rows({**DEFAULTS, **consts}, m, TILED_CONSTANTS["TILE_M"])
     y = ops.rt.empty((*x.shape[:-1], n_out), ops.dtype)
     entry = "main_vec4" if k % 4 == 0 else "main"
     ops.rt.dispatch(
@@ -44,7 +45,7 @@ def linear_tiled(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor 
     requires=("shader-f16",),
     doc="the tiled blocking with vec4<f16> workgroup tiles and f16 FMAs, each tile's products added "
     "to an f32 accumulator; f16 models with K % 4 == 0 (otherwise the f32 tiled kernel)",
-    constants={"TILE_M": (32, 64), "TILE_N": (32, 64), "TILE_K": (8, 16, 32)},
+    constants=TILED_CONSTANTS,
 )
 def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     n_out, k = w.shape[0], math.prod(w.shape[1:])
@@ -52,7 +53,7 @@ def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Ten
         tiled = variants("linear")["tiled"]
         return linear_tiled(ops, tiled, consts, x, w, b)
     m = x.numel // k
-    tiles = {**DEFAULTS, **consts}
+    tiles = fit_rows({**DEFAULTS, **consts}, m, TILED_CONSTANTS["TILE_M"])
     y = ops.rt.empty((*x.shape[:-1], n_out), ops.dtype)
     ops.rt.dispatch(
         ops.pipeline(v, "main", **tiles),

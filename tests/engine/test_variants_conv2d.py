@@ -332,3 +332,24 @@ def test_winograd_walks_tiles_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
     run_and_compare(rt, pipelines, fresh_rng, "winograd", "f32", bsz, cin, cout, hw, 3, 1, (1, 1, 1, 1),
                     constants=constants, scratch_scale=0.5)
     assert [s[2] for s in sizes] == [32, 32, 28, 28], sizes
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16s"])
+def test_small_maps_run_tiles_no_taller_than_their_pixels(rt, pipelines, fresh_rng, monkeypatch, dtype):
+    """SD's smallest maps give a convolution few output pixels (16, 4 and 1 on an 8x8 latent's
+    4x4, 2x2 and 1x1 levels): the implicit GEMM runs them in tiles of the next multiple-of-4
+    height (4, 8, 16, 32) instead of the default 64 (padding that every invocation would multiply
+    through the whole of K), with the same result; a map of 64 pixels or more keeps the chosen
+    tiles."""
+    tiles = []
+    get = pipelines.get
+
+    def recording(variant, dtype, constants=None, entry=None):
+        if variant.name == "implicit_gemm":
+            tiles.append((constants or {}).get("TILE_M"))
+        return get(variant, dtype, constants, entry)
+
+    monkeypatch.setattr(pipelines, "get", recording)
+    for bsz, hw, want in ((1, (1, 1), 4), (1, (2, 2), 4), (2, (2, 3), 16), (2, (4, 4), 32), (1, (9, 7), 64)):
+        run_and_compare(rt, pipelines, fresh_rng, "implicit_gemm", dtype, bsz, 12, 20, hw, 3, 1, (1, 1, 1, 1))
+        assert tiles[-1] == want, (bsz, hw, tiles)

@@ -199,6 +199,22 @@ def test_linear_tiled(rt, gpu, fresh_rng, dtype, m, k, n, bias):
     assert rel_err(got, ref_gpu) <= TOL[dtype], "tiled vs reference variant"
 
 
+def test_linear_tiled_rows_below_a_tile_run_tiles_of_their_height(rt, gpu, fresh_rng, monkeypatch):
+    """A product of few rows (SD's attention on its 4x4, 2x2 and 1x1 maps: 16, 4 and 1 tokens)
+    runs in tiles of the next multiple-of-4 height rather than the default 64 (padding every
+    invocation would multiply through K), exactly; 65 rows keep the 64-row tiles."""
+    cache, seen = PipelineCache(gpu), []
+    get = cache.get
+    monkeypatch.setattr(cache, "get", lambda v, dtype, constants=None, entry=None:
+                        seen.append((constants or {}).get("TILE_M")) or get(v, dtype, constants, entry))
+    ops = Ops(rt, cache, Selection(frozenset(gpu.caps.features), [Rule("linear", "tiled")]), "f32")
+    for m, want in ((1, 4), (4, 4), (7, 8), (16, 16), (20, 32), (65, 64)):
+        x, w = rand(fresh_rng, m, 40), rand(fresh_rng, 36, 40, scale=40**-0.5)
+        y = rt.read(ops.linear(rt.upload(x, "f32"), rt.upload(w, "f32"))).astype(np.float64)
+        assert seen[-1] == want, (m, seen)
+        assert rel_err(y, q("f32", x) @ q("f32", w).T) <= TOL["f32"], m
+
+
 @pytest.mark.parametrize("tiles", [(32, 32, 8), (32, 64, 32), (64, 32, 16)])
 @pytest.mark.parametrize("k", [24, 19])
 def test_linear_tiled_constants(rt, gpu, fresh_rng, tiles, k):
