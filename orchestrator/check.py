@@ -12,6 +12,7 @@ a check that could not run raises CheckFailed (4)."""
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from orchestrator.db.models import (
     Run,
     RunStatus,
 )
+from orchestrator.escape import md_code
 from orchestrator.jobservice import launch_suite, target_devices
 from orchestrator.regression import compare_images
 
@@ -290,32 +292,40 @@ def fidelity_text(f: dict[str, Any]) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as a pull-request comment: outcome, a table of verdicts, the kernels that
-    moved, image fidelity, and why each open verdict is open."""
+    moved, image fidelity, and why each open verdict is open. Every name and text a device or
+    the pull request's code supplied (builds, serials, metrics, kernels, errors, reasons) is a
+    code span (orchestrator/escape.py): it shows as written and cannot add markup, links or
+    @mentions, or shift the table's columns."""
+    def cell(value: object) -> str:
+        return md_code(value, table=True)
+
     icon = {"pass": "✅ no regression", "regression": "❌ regression", "undecided": "⚠️ undecided"}
     lines = [f"## farm check: {icon[report['outcome']]}", "",
-             f"Candidate `{report['candidate']}` against "
-             + ", ".join(f"`{b}` on {d}" for d, b in sorted(report["baselines"].items()))
+             f"Candidate {md_code(report['candidate'])} against "
+             + ", ".join(f"{md_code(b)} on {md_code(d)}" for d, b in sorted(report["baselines"].items()))
              + f" (exit code {report['exit_code']}, {report['seconds']:.0f} s).", "",
              "| device | metric | baseline | candidate | ratio | 95% CI | verdict | rounds |",
              "|---|---|---|---|---|---|---|---|"]
     for c in report["comparisons"]:
-        lines.append(f"| {c['device']} | {c['metric']} | {_num(c.get('baseline_median'), c.get('unit'))} | "
+        lines.append(f"| {cell(c['device'])} | {cell(c['metric'])} | "
+                     f"{_num(c.get('baseline_median'), c.get('unit'))} | "
                      f"{_num(c.get('candidate_median'), c.get('unit'))} | {_fmt(c.get('ratio'))} | "
                      f"{_interval(c)} | **{c['verdict']}** | {c.get('rounds', '-')} |")
     moved = [c for c in report["comparisons"] if c.get("kernels")]
     for c in moved:
-        lines += ["", f"Kernels that moved ({c['device']}, {c['metric']}):", "",
+        lines += ["", f"Kernels that moved ({md_code(c['device'])}, {md_code(c['metric'])}):", "",
                   "| kernel | baseline ms | candidate ms | delta ms | share |", "|---|---|---|---|---|"]
-        lines += [f"| `{k['kernel']}` | {k['baseline_ms']:.3f} | {k['candidate_ms']:.3f} | {k['delta_ms']:+.3f} | "
+        lines += [f"| {cell(k['kernel'])} | {k['baseline_ms']:.3f} | {k['candidate_ms']:.3f} | {k['delta_ms']:+.3f} | "
                   f"{k['share']:.0%} |" for k in c["kernels"]]
     if report["fidelity"]:
         lines += ["", "Image fidelity (candidate against baseline, same prompt and seed):", ""]
-        lines += [f"- {f['device']}: " + (f"error: {f['error']}" if "error" in f else
-                                                                  fidelity_text(f))
+        lines += [f"- {md_code(f['device'])}: " + (f"error: {md_code(f['error'])}" if "error" in f else
+                                                   fidelity_text(f))
                   for f in report["fidelity"]]
     open_ = [c for c in report["comparisons"] if c["verdict"] not in ("same", "improvement", "regression")]
     if open_:
-        lines += ["", "Undecided:", ""] + [f"- {c['device']}, {c['metric']}: {c['reason']}" for c in open_]
+        lines += ["", "Undecided:", ""] + [f"- {md_code(c['device'])}, {md_code(c['metric'])}: {md_code(c['reason'])}"
+                                           for c in open_]
     return "\n".join(lines) + "\n"
 
 
@@ -324,7 +334,12 @@ def _fmt(v: float | None) -> str:
 
 
 def _num(v: float | None, unit: str | None) -> str:
-    return "-" if v is None else f"{v:,.1f} {unit or ''}".rstrip()
+    """A median and its unit for the comment: a unit a device reported that is not plain letters
+    (ms, MiB, %) is a code span."""
+    if v is None:
+        return "-"
+    shown = unit if unit is None or re.fullmatch(r"[A-Za-z0-9%/]*", unit) else md_code(unit, table=True)
+    return f"{v:,.1f} {shown or ''}".rstrip()
 
 
 def _interval(c: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 
 from celery import Celery
 
+from orchestrator import escape
 from orchestrator.celery_app import DEFAULT_QUEUE, session_for, settings_of
 from orchestrator.db import notifications as store
 from orchestrator.db.models import Delivery, Subscription, SubscriptionKind, utcnow
@@ -97,11 +98,15 @@ def lines(event: dict[str, Any]) -> list[str]:
 
 
 def slack_payload(event: dict[str, Any]) -> dict[str, Any]:
-    head, facts = title(event), lines(event)
-    return {"text": head + "\n" + "\n".join(facts),
+    """The message as Slack takes it. Its top-level text and its mrkdwn blocks are markup to
+    Slack, and the facts hold what devices said (a quarantine's reason is a device's error): each
+    goes through escape.slack, so a device cannot ping `<!channel>` or post a link."""
+    head, facts = title(event), [escape.slack(line) for line in lines(event)]
+    return {"text": escape.slack(head) + "\n" + "\n".join(facts),
             "blocks": [{"type": "header", "text": {"type": "plain_text", "text": head[:150]}},
-                       {"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(facts[:-1]) or head}},
-                       {"type": "context", "elements": [{"type": "mrkdwn", "text": f"`{event['command']}`"}]}]}
+                       {"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(facts[:-1]) or escape.slack(head)}},
+                       {"type": "context", "elements": [{"type": "mrkdwn",
+                                                         "text": f"`{escape.slack(event['command'])}`"}]}]}
 
 
 def sample_event() -> dict[str, Any]:
@@ -129,14 +134,19 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> N
         raise DeliveryError(f"could not reach {url}: {exc}") from None
 
 
-def _email(settings: Settings, to: str, event: dict[str, Any]) -> None:
-    if not settings.smtp_host:
-        raise DeliveryError("no SMTP server: set FARM_SMTP_HOST (and FARM_SMTP_PORT, FARM_SMTP_USER, ...)")
+def email_message(settings: Settings, to: str, event: dict[str, Any]) -> EmailMessage:
     message = EmailMessage()
-    message["Subject"] = title(event)
+    message["Subject"] = escape.header(title(event))  # a device's serial or reason cannot add a header line
     message["From"] = settings.smtp_from or f"farm@{settings.host_name}"
     message["To"] = to
     message.set_content("\n".join(lines(event)) + "\n")
+    return message
+
+
+def _email(settings: Settings, to: str, event: dict[str, Any]) -> None:
+    if not settings.smtp_host:
+        raise DeliveryError("no SMTP server: set FARM_SMTP_HOST (and FARM_SMTP_PORT, FARM_SMTP_USER, ...)")
+    message = email_message(settings, to, event)
     try:
         with smtplib.SMTP(settings.smtp_host, settings.smtp_port, timeout=settings.notify_timeout_s) as smtp:
             smtp.ehlo()

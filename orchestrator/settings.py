@@ -58,6 +58,14 @@ Notifications (`farm notify`; orchestrator/notify.py):
 | smtp_from         | farm@<host_name> | the sender address |
 | smtp_ca_file      | ""        | a PEM of CAs trusted for the SMTP server's certificate beside the system's (a lab's own CA) |
 | notify_timeout_s  | 10        | one attempt to reach a receiver gives up after this (then it is retried with back-off) |
+
+The farm API (`farm api serve`; orchestrator/api/guard.py):
+
+| field              | default | meaning |
+|--------------------|---------|---------|
+| api_max_body_bytes | 1048576 | the largest request body the API reads; a larger one is answered 413 without being read (and a body to /v1 only after its token is known) |
+| api_request_deadline_s | 10 | a connection must send a whole request head within this of opening or of its last answer, and a body within this of its head, or it is closed (408 for a body) |
+| api_max_connections | 100 | connections and requests served at once; above it, 503 |
 """
 
 from __future__ import annotations
@@ -127,6 +135,10 @@ class Settings(BaseSettings):
     smtp_from: str = ""
     smtp_ca_file: str = ""  # PEM: CAs trusted for the SMTP server's STARTTLS certificate, beside the system's
     notify_timeout_s: float = Field(10.0, gt=0)
+    # The farm API (`farm api serve`; orchestrator/api/guard.py): the largest request body it reads.
+    api_max_body_bytes: int = Field(1 << 20, ge=1024)
+    api_request_deadline_s: float = Field(10.0, gt=0)  # a connection's request head must arrive within this
+    api_max_connections: int = Field(100, ge=1)  # connections and requests served at once (503 above)
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:

@@ -22,6 +22,7 @@ from orchestrator.db import make_engine, make_session_factory, migrate
 from orchestrator.settings import Settings
 
 from .check_runs import CheckRunner
+from .guard import Guard
 from .routes import ROUTERS
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.sessions, app.state.checks, app.state.settings = sessions, checks, settings
+    # outermost: tokens checked before any body is read, bodies capped, security headers (guard.py)
+    app.add_middleware(Guard, sessions=sessions, max_body_bytes=settings.api_max_body_bytes,
+                       body_deadline_s=settings.api_request_deadline_s)
     for router in ROUTERS:
         app.include_router(router, prefix="/v1")
     _mount_dashboard(app)

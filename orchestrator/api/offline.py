@@ -27,6 +27,9 @@ from .app import create_app
 
 SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
 OWNED = ("static", "data")  # folders of the output that are the site's own, rewritten whole
+# The file that marks a folder as one this farm wrote a dashboard into: only such a folder (or an
+# empty or new one) is written, since writing it deletes its static/ and data/.
+MARKER = ".devicefarm-dashboard"
 
 
 class ExportError(RuntimeError):
@@ -112,8 +115,28 @@ def _image(export: _Exporter, out: Path, ref: dict | None) -> None:
     (out / "data" / "images" / ref["file"]).write_bytes(body)
 
 
+def _check_out(out: Path) -> None:
+    """Refuse a folder that holds anything but a dashboard of this farm's: its marker, or (one
+    written before the marker) nothing but the site's own names with its index page."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"{out} is not a folder")
+    names = {entry.name for entry in out.iterdir()}
+    if not names or MARKER in names:
+        return
+    ours = set(OWNED) | set(pages.PAGES.values())
+    index = out / "index.html"
+    if names <= ours and index.is_file() and '<meta name="farm-mode"' in index.read_text(errors="replace"):
+        return
+    raise ExportError(f"it holds files that are not a dashboard this farm wrote (no {MARKER}), and writing one "
+                      f"replaces its {' and '.join(f'{o}/' for o in OWNED)}; give a new or empty folder")
+
+
 def _write(app: FastAPI, out: Path) -> None:
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by `farm dashboard build`: it replaces static/, data/ and the pages here\n")
     for owned in OWNED:
         shutil.rmtree(out / owned, ignore_errors=True)
     shutil.copytree(pages.STATIC, out / "static", ignore=shutil.ignore_patterns("pages"))

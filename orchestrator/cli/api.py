@@ -90,8 +90,7 @@ def serve(
     port: int = typer.Option(8090, "--port", parser=validate.listen_port, help="Port (0: any free one)."),
 ):
     """Run the farm API (OpenAPI at /openapi.json, interactive docs at /docs) until stopped."""
-    import uvicorn
-
+    from orchestrator.api import serving
     from orchestrator.api.app import create_app
     from orchestrator.db import migrate
 
@@ -101,4 +100,4 @@ def serve(
     except migrate.SchemaMismatch as exc:
         fail(str(exc))
     field(console, "farm API", f"http://{host}:{port}/v1  (OpenAPI: /openapi.json)")
-    uvicorn.run(api, host=host, port=port, log_level="info", proxy_headers=False)
+    serving.serve(api, host, port, settings)

@@ -87,6 +87,10 @@ def _export_commit(repo: Path, commit: str, into: Path) -> str:
             fail(f"cannot export {commit} of {repo}: {archive.stderr.decode().strip()}")
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(into, filter="data")
+    except tarfile.FilterError as exc:  # a committed link that leaves the tree, or an absolute one
+        member = exc.tarinfo
+        fail(f"commit {commit} of {repo}: {member.name} is a link to {member.linkname}, outside the tree; "
+             "a build holds only the files inside it")
     except (OSError, subprocess.TimeoutExpired) as exc:
         fail(f"cannot export {commit} of {repo}: {exc}")
     missing = [pkg for pkg in PACKAGES if not (into / pkg).is_dir()]
@@ -204,6 +208,9 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
             raise
         sources = {pkg: tree / pkg for pkg in PACKAGES}
         sources[f"models/{model.resolve().name}"] = model
+        # Links are packed as what they point to only inside these folders (agent.bundle): the
+        # checkout's packages may link to each other, a model to its own files.
+        link_roots = {pkg: tree for pkg in PACKAGES} | {f"models/{model.resolve().name}": model_link_root(model)}
         if tuned:
             with sessions() as session:
                 shipped_tuned = registry.write_promoted(
@@ -211,7 +218,8 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
         if profiles is not None or default_profile is not None or shipped_tuned:
             profiles_dir.mkdir(parents=True, exist_ok=True)
             if profiles is not None:
-                shutil.copytree(profiles.expanduser(), profiles_dir, dirs_exist_ok=True)
+                # links stay links, so that build_bundle refuses those leaving the folder
+                shutil.copytree(profiles.expanduser(), profiles_dir, dirs_exist_ok=True, symlinks=True)
             if default_profile is not None:
                 (profiles_dir / DEFAULT_PROFILE_FILE.split("/")[-1]).write_text(default_profile + "\n")
             sources["profiles"] = profiles_dir
@@ -219,7 +227,7 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
             key = farm_key(settings.config_dir)
             with console.status(f"packing build {name}"):
                 manifest = build_bundle(sources, staging, name, version, key, source_revision=revision,
-                                        exclude=BUILD_EXCLUDE)
+                                        exclude=BUILD_EXCLUDE, link_roots=link_roots)
             with sessions() as session:
                 build = store.create_build(session, manifest)
                 staging.rename(final)
@@ -236,6 +244,16 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
             shutil.rmtree(profiles_dir, ignore_errors=True)
             shutil.rmtree(exported, ignore_errors=True)
     return data | {"bundle": str(final), "tuned_profiles": shipped_tuned}
+
+
+def model_link_root(model: Path) -> Path:
+    """The folder a model's links may point into: a Hugging Face snapshot
+    (<cache>/models--org--name/snapshots/<revision>) links each file into its repository's
+    blobs/, so its repository folder; any other model folder, itself."""
+    real = model.expanduser().resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
 
 
 def default_profile_choices(profiles: Path | None) -> list[str]:

@@ -58,8 +58,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on.", callback=validate.listen_host),
 ):
     """Serve the live dashboard (the farm API and its pages) until interrupted."""
-    import uvicorn
+    from orchestrator.api import serving
 
-    api = _app(_settings())
+    settings = _settings()
+    api = _app(settings)
     field(console, "dashboard", f"http://{host}:{port}/  (a token: farm api token create --scope read)")
-    uvicorn.run(api, host=host, port=port, log_level="info", proxy_headers=False)
+    serving.serve(api, host, port, settings)

@@ -94,15 +94,54 @@ def test_build_verify_round_trip(keys, src, tmp_path):
     assert B.verify_bundle(tmp_path / "bundle", tmp_path / "keys/farm.pub") == manifest
 
 
-def test_build_follows_source_symlinks(keys, tmp_path):
+def test_build_follows_source_symlinks_inside_their_link_root(keys, tmp_path):
     priv, pub, *_ = keys
-    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
-    blobs.mkdir(), snapshot.mkdir()
+    repo = tmp_path / "models--org--name"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "rev"
+    blobs.mkdir(parents=True), snapshot.mkdir(parents=True)
     (blobs / "abc").write_bytes(b"weights")
-    (snapshot / "unet.safetensors").symlink_to(blobs / "abc")  # how a Hugging Face snapshot looks
-    manifest = B.build_bundle({"model": snapshot}, tmp_path / "bundle", "b1", "1", priv)
+    (snapshot / "unet.safetensors").symlink_to("../../blobs/abc")  # how a Hugging Face snapshot looks
+    with pytest.raises(B.BundleError, match="model/unet.safetensors: a link to .*blobs/abc, outside .*snapshots/rev"):
+        B.build_bundle({"model": snapshot}, tmp_path / "refused", "b1", "1", priv)  # its root: itself
+    manifest = B.build_bundle({"model": snapshot}, tmp_path / "bundle", "b1", "1", priv, link_roots={"model": repo})
     assert [f.path for f in manifest.files] == ["model/unet.safetensors"]
     assert not (tmp_path / "bundle/files/model/unet.safetensors").is_symlink()
+    assert (tmp_path / "bundle/files/model/unet.safetensors").read_bytes() == b"weights"
+    B.verify_bundle(tmp_path / "bundle", pub)
+
+
+@pytest.mark.parametrize("link", ["key", "passwd", "folder", "loop", "dangling"])
+def test_build_refuses_links_out_of_its_sources(keys, src, tmp_path, link):
+    """A source tree (a pull request's) that links to the farm's key, /etc/passwd, a folder
+    outside, itself, or nothing: one error naming the link and its target, and no bundle."""
+    priv, *_ = keys
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not for devices")
+    made = {"key": ("engine/leak.txt", tmp_path / "keys/farm.key", "outside"),
+            "passwd": ("agent/leak2.txt", Path("/etc/passwd"), "outside"),
+            "folder": ("engine/more", outside, "outside"),
+            "loop": ("engine/ops/again", src / "engine", "a link loop"),
+            "dangling": ("engine/gone.py", tmp_path / "no-such-file", "leads nowhere")}
+    name, target, says = made[link]
+    (src / name).symlink_to(target, target_is_directory=target.is_dir())
+    sources = {"engine": src / "engine", "agent": src / "agent"}
+    with pytest.raises(B.BundleError) as refused:
+        B.build_bundle(sources, tmp_path / "bundle", "b1", "1", priv, link_roots={k: src for k in sources})
+    message = str(refused.value)
+    assert message.startswith(f"{name}: ") and says in message and "\n" not in message, message
+    assert str(target) in message or os.readlink(src / name) in message, message
+    assert not (tmp_path / "bundle").exists() or not any((tmp_path / "bundle").rglob("*"))
+
+
+def test_a_link_inside_the_tree_is_packed_as_its_file(keys, src, tmp_path):
+    priv, pub, *_ = keys
+    (src / "engine/alias.py").symlink_to("../agent/run.sh")
+    manifest = B.build_bundle({"engine": src / "engine", "agent": src / "agent"}, tmp_path / "bundle", "b1", "1",
+                              priv, link_roots={"engine": src, "agent": src})
+    by_path = {f.path: f for f in manifest.files}
+    assert by_path["engine/alias.py"].sha256 == by_path["agent/run.sh"].sha256
+    assert not (tmp_path / "bundle/files/engine/alias.py").is_symlink()
     B.verify_bundle(tmp_path / "bundle", pub)
 
 

@@ -83,7 +83,7 @@ def test_slower_candidate_exits_1_with_a_regression(farm, monkeypatch, env, tmp_
     assert verdicts["unet_step_ms"]["verdict"] == "regression" and verdicts["unet_step_ms"]["ratio"] > 1.3, verdicts
     assert report["baselines"] == {"local-1": "b1"}
     markdown = out_md.read_text()
-    assert "❌ regression" in markdown and "| local-1 | unet_step_ms |" in markdown and "**regression**" in markdown
+    assert "❌ regression" in markdown and "| `local-1` | `unet_step_ms` |" in markdown and "**regression**" in markdown
     assert report["fidelity"] and "psnr_db" in report["fidelity"][0], report["fidelity"]
     with farm["Session"]() as session:  # interleaved: baseline, candidate, candidate, baseline
         batch = session.get(Batch, report["batches"][0])

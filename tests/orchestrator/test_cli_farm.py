@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -208,3 +209,53 @@ def test_builds_create_from_another_checkout_or_a_commit(farm_db, tiny_model_dir
                ok=False)
     assert bad.exit_code == 1 and "not a checkout of this project" in bad.output
     assert sorted(p.name for p in builds.iterdir()) == ["at-commit", "tree"]  # nothing staged is left
+
+
+def test_a_pull_requests_links_never_bring_files_from_outside_its_tree(farm_db, tiny_model_dir, tmp_path):
+    """A checkout (a pull request's, which an attacker controls) linking to the farm's own
+    signing key, to /etc/passwd or to a folder outside: `--source` refuses each with one line
+    naming the link and leaves no build; a link between the checkout's own folders is packed as
+    its file; with `--commit`, a committed link out of the tree is one line too."""
+    import shutil
+    import subprocess
+
+    from orchestrator.cli.builds import PACKAGES, REPO
+
+    farm = farm_db
+    farm("builds", "create", "--model", str(tiny_model_dir), "--name", "first")  # makes the farm key
+    key, builds = farm.tmp / "config" / "farm.key", farm.tmp / "data" / "builds"
+    checkout = tmp_path / "pr"
+    for pkg in PACKAGES:
+        shutil.copytree(REPO / pkg, checkout / pkg, ignore=shutil.ignore_patterns("__pycache__", "simulator"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "notes.txt").write_text("private")
+    for link, target in (("engine/leak.txt", key), ("agent/leak2.txt", Path("/etc/passwd")),
+                         ("shaders/more", tmp_path / "elsewhere")):
+        (checkout / link).symlink_to(target, target_is_directory=target.is_dir())
+        bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "leaky", "--source", str(checkout),
+                   ok=False)
+        assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+        assert len(bad.output.strip().splitlines()) == 1, bad.output
+        assert f"{link}: a link to {target.resolve()}, outside {checkout.resolve()}" in bad.output, bad.output
+        (checkout / link).unlink()
+    assert sorted(p.name for p in builds.iterdir()) == ["first"]  # nothing staged is left
+
+    shader = next(p for p in sorted((checkout / "shaders").rglob("*.wgsl")))
+    (checkout / "engine" / "alias.wgsl").symlink_to(Path("..") / shader.relative_to(checkout))
+    farm("builds", "create", "--model", str(tiny_model_dir), "--name", "linked", "--source", str(checkout))
+    files = {f.path: f.sha256 for f in verify_bundle(builds / "linked", farm.tmp / "config" / "farm.pub").files}
+    assert files["engine/alias.wgsl"] == files[shader.relative_to(checkout).as_posix()]
+    assert not (builds / "linked" / "files" / "engine" / "alias.wgsl").is_symlink()
+    assert key.read_bytes() not in b"".join(p.read_bytes() for p in (builds / "linked").rglob("*") if p.is_file())
+
+    (checkout / "engine" / "leak.txt").symlink_to("../../../../config/farm.key")
+    git = ["git", "-C", str(checkout), "-c", "user.name=ci", "-c", "user.email=ci@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "pr"], check=True)
+    bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "leaky", "--source", str(checkout),
+               "--commit", "HEAD", ok=False)
+    assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+    assert len(bad.output.strip().splitlines()) == 1, bad.output
+    assert "engine/leak.txt is a link to ../../../../config/farm.key, outside the tree" in bad.output, bad.output
+    assert sorted(p.name for p in builds.iterdir()) == ["first", "linked"]

@@ -252,3 +252,27 @@ def test_device_entries_from_settings_are_checked():
     for entry in ("../x=adb:10.0.0.7:5555", "p=adb:host:abc", "p=http:10.0.0.7:8765", "p=local:rel/dir"):
         with pytest.raises(ValueError, match="bad device entry"):
             parse_device_entry(entry)
+
+
+def test_dashboard_build_writes_only_into_its_own_or_an_empty_folder(farm, tmp_path):
+    """`--out` at a project's folder used to lose its data/ and static/ (they are the site's and
+    rewritten whole): a folder holding anything but an earlier dashboard is refused in one line
+    and left as it was; a new folder, an empty one and the site's own are written."""
+    project = tmp_path / "project"
+    (project / "data" / "experiments").mkdir(parents=True)
+    (project / "static").mkdir()
+    (project / "data" / "experiments" / "results.csv").write_text("run,ms\n1,10\n")
+    (project / "static" / "site.css").write_text("body {}\n")
+    one_error(farm("dashboard", "build", "--out", str(project), ok=False), str(project),
+              "not a dashboard this farm wrote", code=1)
+    assert (project / "data" / "experiments" / "results.csv").read_text() == "run,ms\n1,10\n"
+    assert (project / "static" / "site.css").read_text() == "body {}\n"
+    assert sorted(p.name for p in project.iterdir()) == ["data", "static"]
+
+    site = tmp_path / "site"
+    for _ in range(2):  # new, then its own: written again
+        farm("dashboard", "build", "--out", str(site))
+        assert (site / "index.html").is_file() and (site / ".devicefarm-dashboard").is_file()
+    (tmp_path / "empty").mkdir()
+    farm("dashboard", "build", "--out", str(tmp_path / "empty"))
+    assert (tmp_path / "empty" / "index.html").is_file()

@@ -109,8 +109,8 @@
       const marker = el("a", {
         class: `alert-marker alert-${a.kind}`, href: window.farm.href("alert", a.id),
         title: `alert #${a.id} ${a.kind} (${a.state}): ${a.summary}`, dataset: { alertId: a.id, build: a.build },
-        style: `left:${u.valToPos(index[a.build], "x") - 7 + 15 * level}px;top:2px;` +
-          `border-top-color:${ALERT_COLORS[a.kind] || "#000"}`,
+        style: { left: `${u.valToPos(index[a.build], "x") - 7 + 15 * level}px`, top: "2px",
+                 borderTopColor: ALERT_COLORS[a.kind] || "#000" },
       });
       u.over.append(marker);
     }

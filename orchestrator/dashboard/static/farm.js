@@ -176,6 +176,7 @@
     for (const [k, v] of Object.entries(attrs || {})) {
       if (v === null || v === undefined || v === false) continue;
       if (k === "dataset") Object.assign(node.dataset, v);
+      else if (k === "style") Object.assign(node.style, v);  // CSSOM: the page's CSP allows no style attributes
       else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
       else node.setAttribute(k, v === true ? "" : String(v));
     }
