@@ -6,25 +6,32 @@ machine record events in their own transactions, and the `send_notification` tas
 delivery id) sends each at least once: a refused or timed-out attempt is recorded and tried
 again after a back-off that doubles (30 s, 1 min, ... up to an hour) until
 MAX_DELIVERY_ATTEMPTS, and beat's sweep resends any delivery whose message was lost. A slow or
-broken receiver costs its own task at most `notify_timeout_s` and never the analysis.
+broken receiver costs its own task at most `notify_timeout_s` in all, however slowly it
+answers, and never the analysis.
 
-Webhook signature (README, "Notifications"): the body is signed with the subscription's
-secret as HMAC-SHA256 over "<timestamp>.<body>", sent as `X-Farm-Signature: sha256=<hex>`
-beside `X-Farm-Timestamp: <unix seconds>` and `X-Farm-Delivery: <delivery id>` (the same id on
-a retry, so a receiver can drop a duplicate)."""
+Webhook signature (README, "Notifications"): the subscription's secret signs, as HMAC-SHA256
+over "<timestamp>.<delivery id>.<body>", `X-Farm-Signature: sha256=<hex>` beside
+`X-Farm-Timestamp: <unix seconds>` and `X-Farm-Delivery: <delivery id>` (the same id on a retry,
+so a receiver can drop a duplicate; signed, so no one else can make it drop one). An attempt
+(connecting, sending, the whole answer) takes at most `notify_timeout_s`, reads at most 64 KiB
+of the answer and follows no redirect."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import http.client
 import json
 import logging
 import secrets
 import smtplib
+import socket
 import ssl
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
+from collections.abc import Callable
 from email.message import EmailMessage
 from typing import Any
 
@@ -58,8 +65,11 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-def sign(secret: str, timestamp: str, body: bytes) -> str:
-    return "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+def sign(secret: str, timestamp: str, delivery: str, body: bytes) -> str:
+    """HMAC-SHA256 over "<timestamp>.<delivery>.<body>": the delivery id a receiver drops
+    duplicates by is signed as well as the body."""
+    message = f"{timestamp}.{delivery}.".encode() + body
+    return "sha256=" + hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 # ---- what a message says ------------------------------------------------------------------
@@ -122,16 +132,62 @@ def sample_event() -> dict[str, Any]:
 # ---- sending ------------------------------------------------------------------------------
 
 
+ANSWER_CAP = 64 << 10  # of a receiver's answer, at most this much is read
+
+
+class _Deadline:
+    """Closes `sock` when `seconds` have passed, so that no step of an attempt (connecting,
+    sending, an answer trickled a byte at a time) outlives it; `expired` says whether it fired."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.expired, self._close = seconds, False, None
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def watch(self, close: Callable[[], None]) -> None:
+        self._close = close
+
+    def _fire(self) -> None:
+        self.expired = True
+        if self._close is not None:
+            with contextlib.suppress(OSError):
+                self._close()
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
 def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> None:
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            response.read(65536)
-    except urllib.error.HTTPError as exc:
-        raise DeliveryError(f"{url} answered HTTP {exc.code}: {exc.read(300).decode(errors='replace')}") from None
-    except (OSError, urllib.error.URLError) as exc:
-        raise DeliveryError(f"could not reach {url}: {exc}") from None
+    """One POST that takes at most `timeout_s` in all (connect, send and the whole answer), reads
+    at most ANSWER_CAP of the answer, and follows no redirect (a receiver's 3xx is a refusal)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise DeliveryError(f"{url}: not an http or https URL")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout_s)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    with _Deadline(timeout_s) as deadline:
+        deadline.watch(lambda: connection.sock is not None and connection.sock.shutdown(socket.SHUT_RDWR))
+        try:
+            connection.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers})
+            answer = connection.getresponse()
+            text = answer.read(ANSWER_CAP)
+        except (OSError, http.client.HTTPException) as exc:
+            if deadline.expired:
+                raise DeliveryError(f"{url} gave no whole answer within {timeout_s:g} s "
+                                    "(notify_timeout_s)") from None
+            raise DeliveryError(f"could not reach {url}: {exc}") from None
+        finally:
+            connection.close()
+    if 300 <= answer.status < 400:
+        raise DeliveryError(f"{url} answered HTTP {answer.status} (a redirect to {answer.getheader('Location')!r}); "
+                            "deliveries follow no redirect: give the final URL")
+    if answer.status >= 400:
+        raise DeliveryError(f"{url} answered HTTP {answer.status}: {text[:300].decode(errors='replace')}")
 
 
 def email_message(settings: Settings, to: str, event: dict[str, Any]) -> EmailMessage:
@@ -148,7 +204,9 @@ def _email(settings: Settings, to: str, event: dict[str, Any]) -> None:
         raise DeliveryError("no SMTP server: set FARM_SMTP_HOST (and FARM_SMTP_PORT, FARM_SMTP_USER, ...)")
     message = email_message(settings, to, event)
     try:
-        with smtplib.SMTP(settings.smtp_host, settings.smtp_port, timeout=settings.notify_timeout_s) as smtp:
+        with _Deadline(settings.notify_timeout_s) as deadline, \
+                smtplib.SMTP(settings.smtp_host, settings.smtp_port, timeout=settings.notify_timeout_s) as smtp:
+            deadline.watch(lambda: smtp.sock is not None and smtp.sock.shutdown(socket.SHUT_RDWR))
             smtp.ehlo()
             if smtp.has_extn("starttls"):
                 smtp.starttls(context=ssl.create_default_context(cafile=settings.smtp_ca_file or None))
@@ -172,7 +230,8 @@ def send(settings: Settings, subscription: Subscription, event: dict[str, Any], 
                            "event": event}, sort_keys=True).encode()
         timestamp = str(int(time.time()))
         _post(subscription.target, body, {TIMESTAMP_HEADER: timestamp, DELIVERY_HEADER: str(delivery_id),
-                                          SIGNATURE_HEADER: sign(subscription.secret, timestamp, body)}, timeout_s)
+                                          SIGNATURE_HEADER: sign(subscription.secret, timestamp, str(delivery_id), body)},
+              timeout_s)
 
 
 def deliver(app: Celery, delivery_id: int) -> tuple[str, float | None]:

@@ -183,8 +183,8 @@ def test_a_regression_reaches_webhook_slack_and_email_exactly_once(farm, receive
 
     assert len(hook.requests) == 2
     for headers, body in hook.requests:
-        expected = hmac.new(secret.encode(), headers[notify.TIMESTAMP_HEADER].encode() + b"." + body,
-                            hashlib.sha256).hexdigest()
+        signed = f"{headers[notify.TIMESTAMP_HEADER]}.{headers[notify.DELIVERY_HEADER]}.".encode() + body
+        expected = hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
         assert hmac.compare_digest(headers[notify.SIGNATURE_HEADER], "sha256=" + expected)
         event = json.loads(body)["event"]
         assert event["kind"] == "regression" and event["metric"] == "unet_step_ms"
@@ -314,3 +314,86 @@ def test_email_goes_over_starttls_with_a_login(farm, tmp_path):
     (mail,) = mailbox.messages
     assert mailbox.tls == [True] and logins == [(b"farm", b"s3cret")]
     assert mail.mail_from == "lab@example.com" and mail.rcpt_tos == ["oncall@example.com"]
+
+
+class _RawReceiver:
+    """A socket server in a thread that answers each connection with `answer(conn)`."""
+
+    def __init__(self, answer):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hook"
+        self.hits = 0
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                self.hits += 1
+                threading.Thread(target=self._one, args=(conn, answer), daemon=True).start()
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    @staticmethod
+    def _one(conn, answer):
+        with conn:
+            conn.settimeout(30)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            try:
+                answer(conn)
+            except OSError:
+                pass
+
+    def close(self):
+        self.sock.close()
+
+
+def test_one_attempt_takes_at_most_notify_timeout_s_however_slowly_the_receiver_answers():
+    """A receiver answering a byte a second held one send for 30 s with a 2 s timeout (the
+    timeout was per read): an attempt now ends at its deadline, connect to last byte."""
+    def trickle(conn):
+        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100:
+            conn.send(bytes([byte]))
+            time.sleep(0.2)
+
+    slow = _RawReceiver(trickle)
+    try:
+        started = time.monotonic()
+        with pytest.raises(notify.DeliveryError, match=r"no whole answer within 1 s"):
+            notify._post(slow.url, b"{}", {}, 1.0)
+        assert time.monotonic() - started < 2.0
+    finally:
+        slow.close()
+
+
+def test_an_endless_answer_is_read_no_further_than_its_cap():
+    def endless(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+        while True:
+            conn.sendall(b"y" * 65536)
+
+    receiver = _RawReceiver(endless)
+    try:
+        started = time.monotonic()
+        notify._post(receiver.url, b"{}", {}, 5.0)  # 200: delivered, after at most 64 KiB of it
+        assert time.monotonic() - started < 4.0
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("status", [302, 307])
+def test_a_redirect_is_not_followed(status):
+    target = _RawReceiver(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"))
+    redirect = _RawReceiver(lambda conn: conn.sendall(
+        f"HTTP/1.1 {status} Moved\r\nLocation: {target.url}\r\nContent-Length: 0\r\n\r\n".encode()))
+    try:
+        with pytest.raises(notify.DeliveryError, match=rf"HTTP {status} \(a redirect to .*\); deliveries follow no redirect"):
+            notify._post(redirect.url, b"{}", {}, 5.0)
+        time.sleep(0.2)
+        assert target.hits == 0  # urllib followed a 302 to wherever it pointed
+    finally:
+        redirect.close()
+        target.close()
