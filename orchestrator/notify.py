@@ -14,7 +14,9 @@ over "<timestamp>.<delivery id>.<body>", `X-Farm-Signature: sha256=<hex>` beside
 `X-Farm-Timestamp: <unix seconds>` and `X-Farm-Delivery: <delivery id>` (the same id on a retry,
 so a receiver can drop a duplicate; signed, so no one else can make it drop one). An attempt
 (connecting, sending, the whole answer) takes at most `notify_timeout_s`, reads at most 64 KiB
-of the answer and follows no redirect."""
+of the answer and follows no redirect. Webhook and Slack receivers must be at public addresses
+(checked on the address connected to) unless `notify_private_targets` is set: a subscription
+cannot make the workers probe the lab's own network."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import contextlib
 import hashlib
 import hmac
 import http.client
+import ipaddress
 import json
 import logging
 import secrets
@@ -161,14 +164,42 @@ class _Deadline:
         self._timer.cancel()
 
 
-def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> None:
+PRIVATE_HINT = "set FARM_NOTIFY_PRIVATE_TARGETS=true (notify_private_targets) for a receiver inside the lab"
+
+
+def private_address(address: str) -> bool:
+    """Loopback, private, link-local, shared, reserved or unspecified: anything but a public address."""
+    return not ipaddress.ip_address(address.split("%", 1)[0]).is_global
+
+
+def _address(host: str, port: int, allow_private: bool) -> str:
+    """The address to connect to for `host`, resolved once (so a name cannot resolve to a public
+    address when checked and to an internal one when connected): refused when any address the
+    name has is not public, unless private targets are allowed."""
+    try:
+        addresses = [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    except OSError as exc:
+        raise DeliveryError(f"cannot resolve {host}: {exc}") from None
+    if not allow_private:
+        private = [a for a in addresses if private_address(a)]
+        if private:
+            raise DeliveryError(f"{host} is {private[0]}, not a public address: the farm's workers send to public "
+                                f"receivers only; {PRIVATE_HINT}")
+    return addresses[0]
+
+
+def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, allow_private: bool = False) -> None:
     """One POST that takes at most `timeout_s` in all (connect, send and the whole answer), reads
-    at most ANSWER_CAP of the answer, and follows no redirect (a receiver's 3xx is a refusal)."""
+    at most ANSWER_CAP of the answer, and follows no redirect (a receiver's 3xx is a refusal);
+    to a public address only unless `allow_private`."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise DeliveryError(f"{url}: not an http or https URL")
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = kind(parts.hostname, parts.port, timeout=timeout_s)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    pinned = _address(parts.hostname, port, allow_private)
+    connection = kind(parts.hostname, port, timeout=timeout_s)  # TLS checks the name; the socket goes to `pinned`
+    connection._create_connection = lambda address, *args: socket.create_connection((pinned, address[1]), *args)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     with _Deadline(timeout_s) as deadline:
         deadline.watch(lambda: connection.sock is not None and connection.sock.shutdown(socket.SHUT_RDWR))
@@ -224,14 +255,15 @@ def send(settings: Settings, subscription: Subscription, event: dict[str, Any], 
     if subscription.kind == SubscriptionKind.email:
         _email(settings, subscription.target, event)
     elif subscription.kind == SubscriptionKind.slack:
-        _post(subscription.target, json.dumps(slack_payload(event)).encode(), {}, timeout_s)
+        _post(subscription.target, json.dumps(slack_payload(event)).encode(), {}, timeout_s,
+              settings.notify_private_targets)
     else:
         body = json.dumps({"delivery": delivery_id, "subscription": subscription.id, "title": title(event),
                            "event": event}, sort_keys=True).encode()
         timestamp = str(int(time.time()))
         _post(subscription.target, body, {TIMESTAMP_HEADER: timestamp, DELIVERY_HEADER: str(delivery_id),
                                           SIGNATURE_HEADER: sign(subscription.secret, timestamp, str(delivery_id), body)},
-              timeout_s)
+              timeout_s, settings.notify_private_targets)
 
 
 def deliver(app: Celery, delivery_id: int) -> tuple[str, float | None]:

@@ -57,7 +57,8 @@ Notifications (`farm notify`; orchestrator/notify.py):
 | smtp_password     | ""        | |
 | smtp_from         | farm@<host_name> | the sender address |
 | smtp_ca_file      | ""        | a PEM of CAs trusted for the SMTP server's certificate beside the system's (a lab's own CA) |
-| notify_timeout_s  | 10        | one attempt to reach a receiver gives up after this (then it is retried with back-off) |
+| notify_timeout_s  | 10        | one attempt to reach a receiver (connect, send, the whole answer) gives up after this (then it is retried with back-off) |
+| notify_private_targets | false | allow webhook and Slack receivers on loopback, private or link-local addresses (a receiver inside the lab); off, a subscription cannot make the workers probe the lab's network |
 
 The farm API (`farm api serve`; orchestrator/api/guard.py):
 
@@ -135,6 +136,7 @@ class Settings(BaseSettings):
     smtp_from: str = ""
     smtp_ca_file: str = ""  # PEM: CAs trusted for the SMTP server's STARTTLS certificate, beside the system's
     notify_timeout_s: float = Field(10.0, gt=0)
+    notify_private_targets: bool = False  # webhook and Slack receivers on loopback or private addresses
     # The farm API (`farm api serve`; orchestrator/api/guard.py): the largest request body it reads.
     api_max_body_bytes: int = Field(1 << 20, ge=1024)
     api_request_deadline_s: float = Field(10.0, gt=0)  # a connection's request head must arrive within this

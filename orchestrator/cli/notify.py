@@ -5,6 +5,7 @@ orchestrator/notify.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import urllib.parse
 from typing import Any
 
@@ -59,8 +60,16 @@ def add(
     from orchestrator import notify
     from orchestrator.db import notifications
 
+    settings = _settings()
+    if kind in ("webhook", "slack") and not settings.notify_private_targets:
+        host = (urllib.parse.urlsplit(target).hostname or "").lower()
+        literal = host == "localhost" or host.endswith(".localhost")
+        with contextlib.suppress(ValueError):
+            literal = literal or notify.private_address(host)
+        if literal:  # a name is checked where it is sent to, on the address it resolves to then
+            fail(f"{target}: {host} is not a public address; {notify.PRIVATE_HINT}")
     secret = notify.new_secret() if kind == "webhook" else ""
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(settings) as sessions, sessions() as session:
         try:
             subscription = notifications.add_subscription(
                 session, kind, target, secret=secret, devices=device, metrics=metric, alert_kinds=alert_kind,

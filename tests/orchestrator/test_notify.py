@@ -121,7 +121,8 @@ def farm(db_url, tmp_path, smtp):
     """Devices p1 and p2, builds b1, b2 at 100 ms and b3 30 % slower on both; a Celery app on
     the embedded broker whose SMTP server is the local one."""
     settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="h",
-                        database_url=db_url, smtp_host="127.0.0.1", smtp_port=smtp.port, notify_timeout_s=3)
+                        database_url=db_url, smtp_host="127.0.0.1", smtp_port=smtp.port, notify_timeout_s=3,
+                        notify_private_targets=True)  # the receivers listen on 127.0.0.1
     upgrade(db_url)
     engine = make_engine(db_url)
     Session = make_session_factory(engine)  # noqa: N806
@@ -254,8 +255,13 @@ def test_a_quarantined_device_is_heard_of_once_and_racing_records_insert_nothing
     assert (event["kind"], event["device"], event["reason"]) == ("quarantined", "p1", "overheating")
 
 
-def test_notify_cli_adds_lists_tests_and_removes(cli, receivers):
+def test_notify_cli_adds_lists_tests_and_removes(cli, receivers, monkeypatch):
     hook = receivers()
+    for local in (hook.url, "http://localhost:9/x", "https://10.1.2.3/hook", "http://[::1]:8080/", "http://169.254.169.254/"):
+        refused = cli("notify", "add", "webhook", local, ok=False)  # off by default: the lab's own network
+        assert refused.exit_code == 1 and "FARM_NOTIFY_PRIVATE_TARGETS=true" in refused.output, refused.output
+        assert len(refused.output.strip().splitlines()) == 1, refused.output
+    monkeypatch.setenv("FARM_NOTIFY_PRIVATE_TARGETS", "true")
     out = cli("notify", "add", "webhook", hook.url, "--device", "p1", "--alert-kind", "regression").output
     assert "subscription 1" in out and "signing secret" in out
     assert cli("notify", "add", "webhook", "ftp://x", ok=False).exit_code == 1
@@ -363,7 +369,7 @@ def test_one_attempt_takes_at_most_notify_timeout_s_however_slowly_the_receiver_
     try:
         started = time.monotonic()
         with pytest.raises(notify.DeliveryError, match=r"no whole answer within 1 s"):
-            notify._post(slow.url, b"{}", {}, 1.0)
+            notify._post(slow.url, b"{}", {}, 1.0, allow_private=True)
         assert time.monotonic() - started < 2.0
     finally:
         slow.close()
@@ -378,7 +384,7 @@ def test_an_endless_answer_is_read_no_further_than_its_cap():
     receiver = _RawReceiver(endless)
     try:
         started = time.monotonic()
-        notify._post(receiver.url, b"{}", {}, 5.0)  # 200: delivered, after at most 64 KiB of it
+        notify._post(receiver.url, b"{}", {}, 5.0, allow_private=True)  # 200: delivered, after at most 64 KiB of it
         assert time.monotonic() - started < 4.0
     finally:
         receiver.close()
@@ -391,9 +397,23 @@ def test_a_redirect_is_not_followed(status):
         f"HTTP/1.1 {status} Moved\r\nLocation: {target.url}\r\nContent-Length: 0\r\n\r\n".encode()))
     try:
         with pytest.raises(notify.DeliveryError, match=rf"HTTP {status} \(a redirect to .*\); deliveries follow no redirect"):
-            notify._post(redirect.url, b"{}", {}, 5.0)
+            notify._post(redirect.url, b"{}", {}, 5.0, allow_private=True)
         time.sleep(0.2)
         assert target.hits == 0  # urllib followed a 302 to wherever it pointed
     finally:
         redirect.close()
         target.close()
+
+
+def test_a_receiver_at_a_private_address_is_refused_unless_allowed(receivers, monkeypatch):
+    """A subscription pointing into the lab (loopback here; a name resolving there is the same) is
+    refused where it is sent, on the address it resolved to, unless notify_private_targets is set."""
+    hook = receivers()
+    with pytest.raises(notify.DeliveryError, match=r"127\.0\.0\.1 is 127\.0\.0\.1, not a public address"):
+        notify._post(hook.url, b"{}", {}, 5.0)
+    named = hook.url.replace("127.0.0.1", "localhost")
+    with pytest.raises(notify.DeliveryError, match=r"localhost is (127\.0\.0\.1|::1), not a public address"):
+        notify._post(named, b"{}", {}, 5.0)
+    assert hook.requests == []
+    notify._post(hook.url, b"{}", {}, 5.0, allow_private=True)
+    assert len(hook.requests) == 1
