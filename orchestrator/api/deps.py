@@ -52,20 +52,24 @@ def session(request: Request) -> Iterator[Session]:
 Db = Annotated[Session, Depends(session)]
 
 
+# What a request without a good token is told (here and by guard.py, which answers a request
+# with a body before reading it).
+NO_TOKEN = "a bearer token is required: `Authorization: Bearer <token>` (`farm api token create` makes one)"
+BAD_TOKEN = "unknown or revoked token"
+CHALLENGE = 'Bearer realm="farm"'
+BAD_TOKEN_CHALLENGE = CHALLENGE + ', error="invalid_token"'
+
+
 def requires(scope: ApiScope) -> Callable[..., tokens.Caller]:
     """A dependency that lets through callers whose token grants `scope`."""
 
     def caller(db: Db, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> tokens.Caller:
-        challenge = 'Bearer realm="farm"'
         if credentials is None:
-            raise HTTPException(401, "a bearer token is required: `Authorization: Bearer <token>` "
-                                     "(`farm api token create` makes one)",
-                                headers={"WWW-Authenticate": challenge})
+            raise HTTPException(401, NO_TOKEN, headers={"WWW-Authenticate": CHALLENGE})
         who = tokens.authenticate(db, credentials.credentials)
         db.commit()
         if who is None:
-            raise HTTPException(401, "unknown or revoked token",
-                                headers={"WWW-Authenticate": challenge + ', error="invalid_token"'})
+            raise HTTPException(401, BAD_TOKEN, headers={"WWW-Authenticate": BAD_TOKEN_CHALLENGE})
         if not who.may(scope):
             raise HTTPException(403, f"this token's scope ({who.scope}) does not grant {scope}; "
                                      f"make one with `farm api token create --scope {scope}`")

@@ -22,6 +22,7 @@ from typing import Any
 from anyio import fail_after, to_thread
 
 from . import tokens
+from .deps import BAD_TOKEN, BAD_TOKEN_CHALLENGE, CHALLENGE, NO_TOKEN
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,7 +38,6 @@ DOCS_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.j
             "font-src https://fonts.gstatic.com; img-src 'self' data: https://fastapi.tiangolo.com "
             "https://cdn.redoc.ly; worker-src blob:; connect-src 'self'; object-src 'none'; frame-ancestors 'none'")
 DOCS_PATHS = ("/docs", "/redoc")
-CHALLENGE = b'Bearer realm="farm"'
 
 
 class Guard:
@@ -98,8 +98,7 @@ class Guard:
         """Why the request's token is refused (the message and the WWW-Authenticate value), or None."""
         scheme, _, token = authorization.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return ("a bearer token is required: `Authorization: Bearer <token>` (`farm api token create` makes one)",
-                    CHALLENGE)
+            return NO_TOKEN, CHALLENGE.encode()
 
         def lookup():
             with self.sessions() as db:
@@ -108,7 +107,7 @@ class Guard:
                 return who
 
         if await to_thread.run_sync(lookup) is None:
-            return "unknown or revoked token", CHALLENGE + b', error="invalid_token"'
+            return BAD_TOKEN, BAD_TOKEN_CHALLENGE.encode()
         return None
 
 
