@@ -139,11 +139,12 @@ ANSWER_CAP = 64 << 10  # of a receiver's answer, at most this much is read
 
 
 class _Deadline:
-    """Closes `sock` when `seconds` have passed, so that no step of an attempt (connecting,
-    sending, an answer trickled a byte at a time) outlives it; `expired` says whether it fired."""
+    """Calls the `watch`ed close (a socket's shutdown) when `seconds` have passed, so that no step
+    of an attempt (connecting, sending, an answer trickled a byte at a time) outlives it;
+    `expired` says whether it fired."""
 
     def __init__(self, seconds: float):
-        self.seconds, self.expired, self._close = seconds, False, None
+        self.expired, self._close = False, None
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.daemon = True
 
