@@ -7,7 +7,10 @@ shared/notes/infra-facts.md) and a SQLite result backend next to it, with real w
 processes, never eager mode. Delivery is at-least-once (acks late, reject on worker loss,
 prefetch 1), so every task re-reads the database and is idempotent (orchestrator/tasks.py).
 Phones are driven by the worker on the host they are plugged into: each host consumes its own
-queue, `host.<name>`, plus the shared `farm` queue for maintenance work.
+queue, `host.<name>`, plus the shared `farm` queue for maintenance work. Notifications go to
+their own queue, `notify`, consumed by a thread pool in a process of its own beside each worker
+(`farm worker` starts it: orchestrator/cli/stack.py), so a receiver that answers slowly never
+holds a slot a job or a deployment is waiting for.
 
 Redis redelivers a message that was taken and not acknowledged after its visibility timeout;
 here that is the longest job the farm accepts plus a margin (visibility_timeout_s), so a
@@ -32,6 +35,7 @@ from orchestrator.db import make_engine, make_session_factory
 from orchestrator.settings import Settings, load_settings
 
 DEFAULT_QUEUE = "farm"
+NOTIFY_QUEUE = "notify"  # notification deliveries only: their own consumer, never a job's slot
 # What a job may spend beyond its time limit before its message is acked: the agent's cool-down
 # wait (JobSpec.cooldown_wait_s is capped by it), deploy and fetch margins, a busy device's
 # longest retry countdown (an ETA message is held unacknowledged too).
@@ -54,6 +58,11 @@ def host_queue(host_name: str) -> str:
 def worker_queues(settings: Settings) -> list[str]:
     """What a worker on this host listens to: its own host queue and the shared queue."""
     return [host_queue(settings.host_name), DEFAULT_QUEUE]
+
+
+def notifier_queues() -> list[str]:
+    """What a notifier (`farm notifier`, started beside each worker) listens to."""
+    return [NOTIFY_QUEUE]
 
 
 def _embedded_broker(settings: Settings) -> tuple[str, dict, str]:
@@ -89,6 +98,8 @@ def make_celery(settings: Settings) -> Celery:
         result_backend_transport_options={"visibility_timeout": visibility_timeout_s(settings)},
         broker_connection_retry_on_startup=True,
         task_default_queue=DEFAULT_QUEUE,
+        # A retried delivery stays on its queue whoever sends it (a retry, beat's sweep, `farm notify`).
+        task_routes={"orchestrator.tasks.send_notification": {"queue": NOTIFY_QUEUE}},
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],

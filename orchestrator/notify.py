@@ -3,7 +3,7 @@ receiver (a signed JSON webhook, a Slack-compatible incoming webhook, or email o
 STARTTLS when offered). The store side (subscriptions, one delivery row per event and
 subscription, claims) is orchestrator/db/notifications.py; the analysis and the device state
 machine record events in their own transactions, and the `send_notification` task (one
-delivery id) sends each at least once: a refused or timed-out attempt is recorded and tried
+delivery id, on the `notify` queue that only notifiers consume) sends each at least once: a refused or timed-out attempt is recorded and tried
 again after a back-off that doubles (30 s, 1 min, ... up to an hour) until
 MAX_DELIVERY_ATTEMPTS, and beat's sweep resends any delivery whose message was lost. A slow or
 broken receiver costs its own task at most `notify_timeout_s` in all, however slowly it
@@ -41,7 +41,7 @@ from typing import Any
 from celery import Celery
 
 from orchestrator import escape
-from orchestrator.celery_app import DEFAULT_QUEUE, session_for, settings_of
+from orchestrator.celery_app import NOTIFY_QUEUE, session_for, settings_of
 from orchestrator.db import notifications as store
 from orchestrator.db.models import Delivery, Subscription, SubscriptionKind, utcnow
 from orchestrator.dispatch import publish
@@ -298,7 +298,7 @@ def deliver(app: Celery, delivery_id: int) -> tuple[str, float | None]:
 def publish_deliveries(app: Celery, delivery_ids: list[int]) -> None:
     """Send each delivery's task (after the commit that recorded them; a lost send is the sweep's)."""
     for delivery_id in delivery_ids:
-        publish(app, SEND_NOTIFICATION, (delivery_id,), DEFAULT_QUEUE)
+        publish(app, SEND_NOTIFICATION, (delivery_id,), NOTIFY_QUEUE)
 
 
 def sweep(app: Celery) -> list[int]:

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from orchestrator.settings import Settings
 STOP_GRACE_S = 20.0
 READY_TIMEOUT_S = 60.0
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+NOTIFIER_RESTART_MAX_S = 60.0
 
 
 class StackError(RuntimeError):
@@ -196,6 +200,61 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Notifier:
+    """`farm notifier` beside a worker (what `farm worker` starts): notification deliveries have a
+    process and a thread pool of their own, so a receiver that trickles its answer holds one of
+    their threads, never a job's slot. Its output goes where the worker's does. It dies with the
+    worker (it asks the kernel for SIGTERM when its parent goes, even by SIGKILL), is started
+    again with back-off when it exits by itself, and is stopped by `stop()` after the worker's
+    own warm shutdown: SIGTERM, a grace of one attempt and a margin, then SIGKILL."""
+
+    def __init__(self, settings: Settings, concurrency: int, loglevel: str = "info"):
+        self._argv = [sys.executable, "-m", "orchestrator.cli", "notifier", "--concurrency", str(concurrency),
+                      "--loglevel", loglevel, "--beside", str(os.getpid())]
+        self._env, self._grace_s = settings_env(settings), settings.notify_timeout_s + 10.0
+        self._stopping = threading.Event()
+        self.process = self._start()
+        threading.Thread(target=self._keep_running, name="notifier-watch", daemon=True).start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(self._argv, env=self._env, stdin=subprocess.DEVNULL)
+
+    def _keep_running(self) -> None:
+        pause = 1.0
+        while True:
+            code = self.process.wait()
+            if self._stopping.wait(pause):
+                return
+            print(f"the notifier exited with code {code}; starting it again", file=sys.stderr, flush=True)
+            pause = min(NOTIFIER_RESTART_MAX_S, pause * 2)
+            self.process = self._start()
+
+    def stop(self) -> int | None:
+        """Stop it and return its exit code (None if it had to be killed)."""
+        self._stopping.set()
+        process = self.process
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                return process.wait(timeout=self._grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                return None
+        return process.returncode
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Ask the kernel for SIGTERM when this process's parent exits (Linux), and say whether that
+    parent is still `parent_pid` (False: it is gone already, and no signal will come)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # noqa: N806  (prctl.h)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return os.getppid() == parent_pid
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -40,11 +40,16 @@ def worker(
     device: list[str] = typer.Option(None, "--device", help="SERIAL=TRANSPORT:ADDRESS of a device plugged into "
                                      "this host (repeatable; FARM_DEVICES adds more).",
                                      callback=validate.device_entries),
+    notify_concurrency: int = typer.Option(4, "--notify-concurrency", min=0, help="Notification deliveries sent "
+                                           "at once by the notifier started beside this worker (0: none here; "
+                                           "another host's worker sends them)."),
     loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
 ):
-    """Run a Celery worker for this host's devices (queues host.<name> and farm)."""
+    """Run a Celery worker for this host's devices (queues host.<name> and farm), and beside it a
+    notifier (queue notify) that sends notifications in threads of its own."""
     from orchestrator.celery_app import make_celery, worker_queues
     from orchestrator.settings import parse_device_entry
+    from orchestrator.stack import Notifier
 
     settings = _settings(host_name=host)
     try:
@@ -53,9 +58,33 @@ def worker(
         fail(str(exc))
     register_devices(settings, entries)
     app = make_celery(settings)
-    app.worker_main(["worker", "-Q", ",".join(worker_queues(settings)), "-c", str(concurrency),
-                     "-n", f"farm@{settings.host_name}", "--without-gossip", "--without-mingle",
-                     "-l", loglevel])
+    notifier = Notifier(settings, notify_concurrency, loglevel) if notify_concurrency else None
+    try:
+        app.worker_main(["worker", "-Q", ",".join(worker_queues(settings)), "-c", str(concurrency),
+                         "-n", f"farm@{settings.host_name}", "--without-gossip", "--without-mingle",
+                         "-l", loglevel])
+    finally:
+        if notifier is not None:
+            notifier.stop()
+
+
+def notifier(
+    concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, help="Deliveries sent at once (threads)."),
+    loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level."),
+    beside: int = typer.Option(None, "--beside", hidden=True, help="The pid of the worker that started this one: "
+                               "exit with it."),
+):
+    """Send notifications (queue notify) in a thread pool of their own. `farm worker` starts one
+    beside itself; run this alone only on a host whose worker has --notify-concurrency 0."""
+    from orchestrator.celery_app import make_celery, notifier_queues
+    from orchestrator.stack import die_with_parent
+
+    settings = _settings()
+    if beside is not None and not die_with_parent(beside):
+        fail(f"the worker that started this notifier (pid {beside}) is gone")
+    app = make_celery(settings)
+    app.worker_main(["worker", "-Q", ",".join(notifier_queues()), "-P", "threads", "-c", str(concurrency),
+                     "-n", f"notify@{settings.host_name}", "--without-gossip", "--without-mingle", "-l", loglevel])
 
 
 def hub(

@@ -8,6 +8,7 @@ it. Sending is orchestrator/notify.py's. Functions flush; the caller commits."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
 
 from sqlalchemy import or_, select, update
@@ -29,6 +30,8 @@ SEVERITIES = ("info", "warning", "critical")
 QUARANTINED = "quarantined"  # the event kind of a device taken out of service, beside AlertKind's
 EVENT_KINDS = (*[k.value for k in AlertKind], QUARANTINED)
 DEFAULT_KINDS = tuple(k for k in EVENT_KINDS if k != AlertKind.improvement)  # no one is paged for a gain
+_ATOM = r"[^@\s<>,;:\"()\[\]\\]+"  # no space, line break, list separator, quote or bracket
+PLAIN_ADDRESS = re.compile(f"{_ATOM}@{_ATOM}")  # what may go into an email's To header
 CRITICAL_CHANGE = 0.10  # a regression of 10 % or more is critical, a smaller one a warning
 
 
@@ -120,8 +123,9 @@ def add_subscription(session: Session, kind: str, target: str, *, secret: str = 
         kind = SubscriptionKind(kind)
     except ValueError:
         raise NotifyError(f"unknown kind {kind!r}: use one of {', '.join(SubscriptionKind)}") from None
-    if kind == SubscriptionKind.email and "@" not in target:
-        raise NotifyError(f"email target {target!r} is not an address (name@example.com)")
+    if kind == SubscriptionKind.email and not PLAIN_ADDRESS.fullmatch(target):
+        raise NotifyError(f"email target {target!r} is not one plain address (name@example.com): no spaces, "
+                          "line breaks, commas or angle brackets")
     if kind != SubscriptionKind.email and not target.startswith(("http://", "https://")):
         raise NotifyError(f"{kind} target {target!r} is not an http(s):// URL")
     bad = [k for k in alert_kinds if k not in EVENT_KINDS]

@@ -24,7 +24,9 @@ from orchestrator.stack import Stack
 IDLE_S = 5.0
 
 
-def test_stop_lets_an_idle_worker_shut_down_by_itself(tmp_path):
+def test_stop_lets_an_idle_worker_shut_down_by_itself(tmp_path, monkeypatch):
+    marker = f"STACK_STOP_MARKER={tmp_path}"
+    monkeypatch.setenv("STACK_STOP_MARKER", str(tmp_path))
     settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="stophost")
     upgrade(settings.database_url)
     stack = Stack(settings)
@@ -32,11 +34,13 @@ def test_stop_lets_an_idle_worker_shut_down_by_itself(tmp_path):
         stack.start_worker(2)
         stack.wait_worker_ready(make_celery(settings))
         worker = stack.children[-1].process
+        assert any(" notifier " in c for c in processes_with(marker)), processes_with(marker)
         time.sleep(IDLE_S)  # the pool's children wait on its queue, one of them holding its read lock
     finally:
         stack.stop()
     assert worker.returncode != -signal.SIGKILL, "the worker's warm shutdown hung until the SIGKILL after the grace"
     assert worker.returncode == 0, worker.returncode
+    assert processes_with(marker) == [], "the worker's notifier outlived it"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])

@@ -28,14 +28,15 @@ def kill_group(process: subprocess.Popen, sig: int) -> None:
 
 
 class Workers:
-    """`farm worker --concurrency 2` processes for `settings`, each logging to <tmp>/<name>.log."""
+    """`farm worker --concurrency 2` processes for `settings` (no notifier: these tests send no notification), each logging to <tmp>/<name>.log."""
 
     def __init__(self, tmp: Path, settings: Settings):
         self.tmp, self.settings, self.processes = tmp, settings, []
 
     def start(self, name: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115  (the child holds it)
-        worker = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", "2"],
+        worker = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", "2",
+                                   "--notify-concurrency", "0"],
                                   env=settings_env(self.settings), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                   start_new_session=True)
         log.close()
