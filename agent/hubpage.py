@@ -1,4 +1,4 @@
-"""A browser device's page, reached through the farm's hub (orchestrator/browser_hub.py): what
+"""A browser device's page, reached through the farm's hub (orchestrator/transports/hub.py): what
 `farm-agent run` hands the engine as the session its browser runtime runs plans on
 (engine.browser.browser_pipeline(session=...)). The hub holds the page; this process reaches
 it on the hub's farm side, which asks for the hub's key in HUB_KEY_HEADER.

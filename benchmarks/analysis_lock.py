@@ -1,12 +1,12 @@
 """How long a batch's analysis keeps other writers of a SQLite store waiting.
 
-On SQLite every transaction takes the write lock when it begins (orchestrator/db/session.py),
+On SQLite every transaction takes the write lock when it begins (orchestrator/store/session.py),
 so whatever the analysis does inside its transaction, every worker recording a result waits
 for, up to the 30 s busy timeout, after which its result is lost to "database is locked".
 This fills a fresh store with a nightly history (D devices, B builds, one latency run a build
 and device, 10 unet_step_ms and 5 e2e_ms samples a run, a level shift half-way so the
 change-point scan has something to find), then runs the analysis of the last build's batch
-(orchestrator.batch_analysis.analyze, as the worker does) while a writer thread commits a small write
+(orchestrator.jobs.batch_analysis.analyze, as the worker does) while a writer thread commits a small write
 every 50 ms, and reports the analysis' wall time and the writer's longest wait: with the
 history's change-point scan read in a snapshot (as the farm does) and, for comparison, in a
 transaction that takes the write lock, each on its own copy of the store.
@@ -33,10 +33,11 @@ import numpy as np  # noqa: E402
 from sqlalchemy import update  # noqa: E402
 
 from agent.protocol import JobResult, Manifest, ManifestFile, Sample  # noqa: E402
-from orchestrator.db import make_engine, make_session_factory, store, upgrade  # noqa: E402
-from orchestrator.db.models import Device, DeviceState, JobState  # noqa: E402
-from orchestrator.db.session import read_snapshot  # noqa: E402
-from orchestrator.settings import Settings  # noqa: E402
+from orchestrator import store  # noqa: E402
+from orchestrator.infra.settings import Settings  # noqa: E402
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import Device, DeviceState, JobState  # noqa: E402
+from orchestrator.store.session import read_snapshot  # noqa: E402
 
 SPEC = {"model": "models/tiny", "precision": "fp16", "steps": 20, "height": 512, "width": 512}
 
@@ -78,9 +79,9 @@ def measure(url: str, batch_id: int, snapshot: bool) -> dict:
     transaction takes the write lock like every other: what the analysis did before it read in
     a snapshot (then the scan and the comparisons were one transaction; the comparisons alone
     now take well under a second of it)."""
-    from orchestrator import batch_analysis
-    from orchestrator.batch_analysis import analyze
-    from orchestrator.celery_app import make_celery
+    from orchestrator.jobs import batch_analysis
+    from orchestrator.jobs.batch_analysis import analyze
+    from orchestrator.jobs.celery_app import make_celery
 
     batch_analysis.read_snapshot = read_snapshot if snapshot else (lambda session: None)
 

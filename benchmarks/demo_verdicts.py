@@ -47,7 +47,7 @@ def verdicts(home: Path) -> list[dict]:
     from sqlalchemy.orm import Session
 
     from orchestrator.cli.demo import batch_family, final_verdicts
-    from orchestrator.db.models import Batch
+    from orchestrator.store.models import Batch
 
     engine = create_engine(f"sqlite:///{home / 'data' / 'devicefarm' / 'farm.db'}")
     rows = []
@@ -78,8 +78,8 @@ def run_levels(home: Path) -> list[dict]:
     from sqlalchemy import create_engine, select
     from sqlalchemy.orm import Session
 
-    from orchestrator.db.models import Batch, Build, Device, Job, JobKind, Run, RunStatus, Sample
-    from orchestrator.db.store import extra_round
+    from orchestrator.store.batches import extra_round
+    from orchestrator.store.models import Batch, Build, Device, Job, JobKind, Run, RunStatus, Sample
 
     engine = create_engine(f"sqlite:///{home / 'data' / 'devicefarm' / 'farm.db'}")
     rows = []

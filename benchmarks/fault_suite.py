@@ -55,12 +55,13 @@ sys.path.insert(0, str(REPO / "tests"))  # net_support: the cutting proxy and th
 from sqlalchemy import func, select  # noqa: E402
 
 from agent.bundle import build_bundle, generate_keypair, provision_public_key  # noqa: E402
-from orchestrator.celery_app import DEFAULT_QUEUE, host_queue, make_celery  # noqa: E402
-from orchestrator.db import make_engine, make_session_factory, store, upgrade  # noqa: E402
-from orchestrator.db.models import Deployment, DeploymentStatus, Job, JobState, Run, utcnow  # noqa: E402
-from orchestrator.jobservice import launch_suite  # noqa: E402
-from orchestrator.settings import Settings  # noqa: E402
-from orchestrator.stack import settings_env  # noqa: E402
+from orchestrator import store  # noqa: E402
+from orchestrator.infra.settings import Settings  # noqa: E402
+from orchestrator.jobs.celery_app import DEFAULT_QUEUE, host_queue, make_celery  # noqa: E402
+from orchestrator.jobs.jobservice import launch_suite  # noqa: E402
+from orchestrator.services.stack import settings_env  # noqa: E402
+from orchestrator.store import make_engine, make_session_factory, upgrade  # noqa: E402
+from orchestrator.store.models import Deployment, DeploymentStatus, Job, JobState, Run, utcnow  # noqa: E402
 from orchestrator.transports import DeviceOffline  # noqa: E402
 
 HOST = "faulthost"
@@ -167,7 +168,7 @@ class Farm:
         if name == "beat":
             command = [sys.executable, "-m", "orchestrator.cli", "beat", "-l", "warning"]
         else:
-            command = [sys.executable, "-m", "celery", "-A", "orchestrator.celery_app", "worker", "-Q",
+            command = [sys.executable, "-m", "celery", "-A", "orchestrator.jobs.celery_app", "worker", "-Q",
                        f"{host_queue(HOST)},{DEFAULT_QUEUE}", "-c", "2", "-n", f"{name}@{HOST}", "--without-gossip",
                        "--without-mingle", "-l", "info"]
         log = open(self.root / f"{name}.log", "a")  # noqa: SIM115  (the child keeps it)

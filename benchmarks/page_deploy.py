@@ -29,7 +29,7 @@ from agent.bundle import build_bundle, generate_keypair, load_public_key, provis
 from agent.hubpage import HubPage  # noqa: E402
 from engine.browser import chromium_command, find_chromium  # noqa: E402
 from engine.kernels import SHADER_ROOT  # noqa: E402
-from orchestrator.browser_hub import BrowserHub  # noqa: E402
+from orchestrator.transports.hub import BrowserHub  # noqa: E402
 from orchestrator.transports.local import LocalTransport  # noqa: E402
 
 TOKEN = "t0k3n-of-the-deploy-benchmark"

@@ -1,5 +1,5 @@
 """How often the regression analysis cries wolf and how often it misses: simulated nightly
-series with realistic noise, run through orchestrator.regression.compare (A/A: no change; A/B:
+series with realistic noise, run through orchestrator.analysis.stats.compare (A/A: no change; A/B:
 the candidate slower by 2%, 5%, 10%) including the "inconclusive -> more repetitions" loop, and
 through detect_change_points on simulated build histories (a real step, single spikes, flat).
 
@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.regression import compare, detect_change_points  # noqa: E402
-from orchestrator.regression.compare import DEFAULT_DRIFT, MAX_REPETITIONS, estimate_drift  # noqa: E402
+from orchestrator.analysis.stats import compare, detect_change_points  # noqa: E402
+from orchestrator.analysis.stats.compare import DEFAULT_DRIFT, MAX_REPETITIONS, estimate_drift  # noqa: E402
 
 REPETITIONS = 10  # per build per night: the default sample count
 HISTORY_RUNS = 14  # nights of history before the comparison, from which the drift is estimated

@@ -1,7 +1,7 @@
 """The store at scale: fills a freshly migrated database with a farm's worth of history
 (200 devices, 1,000 builds, 1,000,000 raw samples, and the jobs, runs, kernel timings,
 thermal readings and images that go with them), then times the queries the CLI and the
-dashboards run (orchestrator/db/queries.py), each the median of several repetitions in a
+dashboards run (orchestrator/store/queries.py), each the median of several repetitions in a
 fresh session, as `farm` would run them. Target: every query under 200 ms.
 
     python benchmarks/store_scale.py --json out.json                 # SQLite and PostgreSQL
@@ -40,8 +40,8 @@ from sqlalchemy.engine import make_url  # noqa: E402
 from sqlalchemy.orm import selectinload  # noqa: E402
 
 from orchestrator.cli.results import run_dict  # noqa: E402
-from orchestrator.db import make_engine, make_session_factory, queries, upgrade  # noqa: E402
-from orchestrator.db.models import (  # noqa: E402
+from orchestrator.store import make_engine, make_session_factory, queries, upgrade  # noqa: E402
+from orchestrator.store.models import (  # noqa: E402
     Batch,
     Build,
     Device,

@@ -1,6 +1,6 @@
 """Task throughput and round-trip latency of the farm's Celery setup, per broker: the embedded
 filesystem broker (SQLite results) and Redis (Redis results), each with real worker processes
-started exactly as the farm starts them (`celery -A orchestrator.celery_app worker`, configured
+started exactly as the farm starts them (`celery -A orchestrator.jobs.celery_app worker`, configured
 by FARM_* variables, so make_celery's real settings: acks late, prefetch 1, 0.1 s polling for
 the filesystem broker).
 
@@ -33,8 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator.celery_app import host_queue, make_celery  # noqa: E402
-from orchestrator.settings import Settings  # noqa: E402
+from orchestrator.infra.settings import Settings  # noqa: E402
+from orchestrator.jobs.celery_app import host_queue, make_celery  # noqa: E402
 
 PING = "orchestrator.tasks.ping"
 RESULT_POLL_S = 0.01
@@ -77,7 +77,7 @@ def start_workers(settings: Settings, count: int, concurrency: int, log_dir: Pat
     for i in range(count):
         log = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115  (the child keeps it)
         workers.append(subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "orchestrator.celery_app", "worker", "-Q",
+            [sys.executable, "-m", "celery", "-A", "orchestrator.jobs.celery_app", "worker", "-Q",
              host_queue(settings.host_name), "-c", str(concurrency), "-n", f"bench{i}@{settings.host_name}",
              "--without-gossip", "--without-mingle", "-l", "warning"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))

@@ -6,7 +6,7 @@ output, that they conform to Grafana 11.6's dashboard schema (grafana-foundation
 runs against a migrated store.
 
 The dashboards target the Grafana pinned in docker-compose.yml (11.6, dashboard schemaVersion
-41) and read the store's tables directly (orchestrator/db/models.py). Medians come from
+41) and read the store's tables directly (orchestrator/store/models.py). Medians come from
 PostgreSQL's percentile_cont over the raw samples. Latency is plotted against the build's
 `created` time, which orders builds the way regression analysis does. Template variables are
 interpolated the Grafana way: a multi-value variable becomes a quoted, comma-separated list
@@ -105,7 +105,7 @@ def device_variable(*, multi: bool) -> dict[str, Any]:
 
 # ---- (a) latency over builds ----------------------------------------------------------------
 
-# A series as the regression analysis keys it (orchestrator/analysis.py SpecKey.of and
+# A series as the regression analysis keys it (orchestrator/analysis/regressions.py SpecKey.of and
 # series_key): the job's kind, model, resolution ("WIDTHxHEIGHT", else "native"), steps,
 # precision and profile, from the job's spec with the analysis' defaults; only succeeded runs
 # count. The environment (OS, driver, adapter, engine runtime) is the rest of the key: its changes

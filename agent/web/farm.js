@@ -1,4 +1,4 @@
-// The page's side of a farm device (orchestrator/browser_hub.py): its enrolment (device token and
+// The page's side of a farm device (orchestrator/transports/hub.py): its enrolment (device token and
 // the farm's Ed25519 public key, given once in the URL's fragment and kept in localStorage), and
 // the builds deployed to it. A deploy hands the page a build's signed manifest; the page verifies
 // the signature with WebCrypto against the key it is enrolled with before it takes anything, then

@@ -18,8 +18,8 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DataError, StatementError
 
 from orchestrator.dashboard import pages
-from orchestrator.db import make_engine, make_session_factory, migrate
-from orchestrator.settings import Settings
+from orchestrator.infra.settings import Settings
+from orchestrator.store import make_engine, make_session_factory, migrate
 
 from .check_runs import CheckRunner
 from .guard import Guard
@@ -31,7 +31,7 @@ API_VERSION = "1"
 
 
 def create_app(settings: Settings) -> FastAPI:
-    from orchestrator.celery_app import make_celery
+    from orchestrator.jobs.celery_app import make_celery
 
     engine = make_engine(settings.database_url)
     migrate.check(engine)  # SchemaMismatch names the fix: `farm db upgrade`

@@ -1,4 +1,4 @@
-"""Checks started through the API: each runs `orchestrator.check.run_check` (which blocks while
+"""Checks started through the API: each runs `orchestrator.services.check.run_check` (which blocks while
 its batches run) in a thread of the API process, with its state kept in the store (CheckRun):
 running, then done with the report's exit code and outcome, bad_input (3) or failed (4) with
 the error. The input is checked before the thread starts (check.plan), so a request naming an
@@ -17,9 +17,9 @@ from celery import Celery
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import check as gate
-from orchestrator.db import store
-from orchestrator.db.models import CheckRun, CheckState, utcnow
+from orchestrator import store
+from orchestrator.services import check as gate
+from orchestrator.store.models import CheckRun, CheckState, utcnow
 
 log = logging.getLogger(__name__)
 

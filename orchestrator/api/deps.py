@@ -12,8 +12,8 @@ from fastapi import Depends, HTTPException, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from orchestrator.db import store
-from orchestrator.db.models import ApiScope
+from orchestrator import store
+from orchestrator.store.models import ApiScope
 
 from . import tokens
 from .schemas import PLAIN, Problem

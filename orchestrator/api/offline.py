@@ -17,10 +17,10 @@ from urllib.parse import quote, unquote
 from fastapi import FastAPI
 from sqlalchemy import select
 
-from orchestrator import series as farm_series
+from orchestrator.analysis import series as farm_series
 from orchestrator.dashboard import pages
-from orchestrator.db.models import Alert, ApiScope, Build, Device
-from orchestrator.settings import Settings
+from orchestrator.infra.settings import Settings
+from orchestrator.store.models import Alert, ApiScope, Build, Device
 
 from . import deps, tokens
 from .app import create_app

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from orchestrator import analysis
-from orchestrator.db.models import (
+from orchestrator.analysis import regressions
+from orchestrator.store.models import (
     Alert,
     AlertKind,
     AlertState,
@@ -28,7 +28,7 @@ from orchestrator.db.models import (
     TransportKind,
 )
 
-Metric = Literal[tuple(analysis.HEADLINE_METRICS)]  # type: ignore[valid-type]
+Metric = Literal[tuple(regressions.HEADLINE_METRICS)]  # type: ignore[valid-type]
 PLAIN = r"^[^\x00]*$"  # PostgreSQL refuses NUL in text
 Serial = Annotated[str, Field(min_length=1, max_length=255, pattern=PLAIN)]
 
@@ -230,7 +230,7 @@ class RunDetail(RunSummary):
 
 
 class SeriesKeyOut(BaseModel):
-    """A series as the analysis keys it (orchestrator/regression SeriesKey)."""
+    """A series as the analysis keys it (orchestrator/analysis/stats SeriesKey)."""
 
     device: str
     os_driver: str
@@ -327,7 +327,7 @@ class CheckIn(BaseModel):
 
 class CheckOut(BaseModel):
     """A check and, once it ended, its verdict: exit_code 0 pass, 1 regression, 2 undecided,
-    3 bad input, 4 could not run (orchestrator/check.py)."""
+    3 bad input, 4 could not run (orchestrator/services/check.py)."""
 
     id: int
     state: CheckState

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from orchestrator.db import store
-from orchestrator.db.models import ApiScope, ApiToken, utcnow
+from orchestrator import store
+from orchestrator.store.models import ApiScope, ApiToken, utcnow
 
 TOKEN_PREFIX = "farm_"
 PREFIX_CHARS = 12  # "farm_" and 7 characters of the random part, shown in listings

@@ -30,8 +30,8 @@ def create(
     name: str = typer.Option("", "--name", help="Whose or what for (shown in `farm api token list`)."),
 ):
     """Make a token and print it, once: it is stored only as its hash."""
+    from orchestrator import store
     from orchestrator.api import tokens
-    from orchestrator.db import store
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -72,8 +72,8 @@ def _when(value: str | None) -> str:
 @token_app.command()
 def revoke(token_id: int = typer.Argument(..., help="Token id (`farm api token list`).", parser=validate.record_id)):
     """Revoke a token: the API refuses it from its next request on."""
+    from orchestrator import store
     from orchestrator.api import tokens
-    from orchestrator.db import store
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -92,7 +92,7 @@ def serve(
     """Run the farm API (OpenAPI at /openapi.json, interactive docs at /docs) until stopped."""
     from orchestrator.api import serving
     from orchestrator.api.app import create_app
-    from orchestrator.db import migrate
+    from orchestrator.store import migrate
 
     settings = _settings()
     try:

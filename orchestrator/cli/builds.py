@@ -18,8 +18,8 @@ from typing import Any
 import typer
 
 from agent.bundle import DEFAULT_EXCLUDE
-from orchestrator.db.models import Build
-from orchestrator.keys import PUBLIC_KEY, ensure_farm_key
+from orchestrator.infra.keys import PUBLIC_KEY, ensure_farm_key
+from orchestrator.store.models import Build
 
 from . import validate
 from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
@@ -166,9 +166,9 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
     when `tuned`). Nothing is left behind when it fails (one red line and exit 1)."""
     from agent.bundle import BundleError, build_bundle
     from agent.jobs import DEFAULT_PROFILE_FILE, TUNED_PROFILES_DIR
-    from orchestrator import profiles as registry
-    from orchestrator.db import store
-    from orchestrator.inputs import BadInput, check_build_name
+    from orchestrator import store
+    from orchestrator.analysis import profiles as registry
+    from orchestrator.infra.inputs import BadInput, check_build_name
 
     model = model.expanduser()
     if not (model / "model_index.json").is_file() and not (model / "unet").is_dir():
@@ -267,7 +267,7 @@ def default_profile_choices(profiles: Path | None) -> list[str]:
 @app.command("list")
 def list_builds(as_json: bool = JSON_OPTION):
     """List the builds, newest first."""
-    from orchestrator.db import queries
+    from orchestrator.store import queries
 
     with open_store(_settings()) as sessions, sessions() as session:
         rows = [build_dict(b) for b in queries.list_builds(session)]

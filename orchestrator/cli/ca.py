@@ -1,4 +1,4 @@
-"""`farm ca ...`: the farm's own certificate authority (orchestrator/ca.py), in <config_dir>/ca.
+"""`farm ca ...`: the farm's own certificate authority (orchestrator/infra/ca.py), in <config_dir>/ca.
 `init` makes it, `export` writes its certificate for devices to install (PEM, DER for Android,
 a configuration profile for iOS), `show` says what it is and where its files are, and `issue`
 writes or renews the server certificate the farm's HTTPS pages present."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from orchestrator import ca
+from orchestrator.infra import ca
 
 from . import validate
 from .common import JSON_OPTION, _print_json, _settings, fail

@@ -1,4 +1,4 @@
-"""`farm check`: the CI gate. Parses, runs the check (orchestrator/check.py), prints one table,
+"""`farm check`: the CI gate. Parses, runs the check (orchestrator/services/check.py), prints one table,
 writes --json and --markdown, and exits 0 (no regression), 1 (a regression), 2 (undecided
 after the budget), 3 (bad input: unknown build, device or metric, a bad option) or 4 (the
 check could not run: a job failed, time ran out). Usage errors exit 3 here, not Click's 2,
@@ -20,7 +20,7 @@ class CheckCommand(TyperCommand):
     """A usage error (missing option, bad value) exits BAD_INPUT: 2 means undecided here."""
 
     def make_context(self, *args, **kwargs):
-        from orchestrator.check import BAD_INPUT
+        from orchestrator.services.check import BAD_INPUT
 
         try:
             return super().make_context(*args, **kwargs)
@@ -58,15 +58,15 @@ def check(
 ):
     """Gate a change: run CANDIDATE against a baseline, interleaved, on each device; exit 0 no
     regression, 1 regression, 2 undecided, 3 bad input, 4 could not run."""
-    from orchestrator import analysis
-    from orchestrator import check as gate
+    from orchestrator.analysis import regressions
+    from orchestrator.services import check as gate
 
     if bool(devices) == every:
         raise _bad("name devices with --device, or give --all (not both)", gate.BAD_INPUT)
     spec = gate.latency_spec(precision=precision, steps=steps, size=size, repetitions=repetitions,
                              unet_repetitions=unet_repetitions, timeout_s=timeout)
     request = gate.CheckRequest(candidate=build, baseline=baseline, devices="all" if every else list(devices),
-                                metrics=tuple(metrics or analysis.HEADLINE_METRICS), spec=spec, pairs=pairs,
+                                metrics=tuple(metrics or regressions.HEADLINE_METRICS), spec=spec, pairs=pairs,
                                 max_rounds=max_rounds, images=images, timeout_s=timeout)
     settings = _settings()
     try:
@@ -83,7 +83,7 @@ def check(
 
 
 def _run(gate, settings, request, build: str) -> dict:
-    from orchestrator.celery_app import make_celery
+    from orchestrator.jobs.celery_app import make_celery
 
     with open_store(settings) as sessions:
         try:
@@ -102,7 +102,7 @@ def _run(gate, settings, request, build: str) -> dict:
 
 
 def _print(report: dict) -> None:
-    from orchestrator.check import fidelity_text
+    from orchestrator.services.check import fidelity_text
 
     table = Table("device", "metric", "baseline build", "baseline", "candidate", "ratio", "95% CI", "verdict",
                   "rounds",

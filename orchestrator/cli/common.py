@@ -31,7 +31,7 @@ def open_store(settings) -> Iterator[Any]:
     this code needs (the CLI never migrates on its own: `farm db upgrade` does)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from orchestrator.db import make_engine, make_session_factory, migrate
+    from orchestrator.store import make_engine, make_session_factory, migrate
 
     engine = make_engine(settings.database_url)
     try:
@@ -53,7 +53,7 @@ def iso(value: dt.datetime | None) -> str | None:
 def _settings(**overrides):
     """The settings for this command: FARM_* environment and config file, then `overrides`
     (command-line values; None = not given)."""
-    from orchestrator.settings import load_settings
+    from orchestrator.infra.settings import load_settings
 
     return load_settings(**overrides)
 

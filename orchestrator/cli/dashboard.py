@@ -22,7 +22,7 @@ OUT_OPTION = typer.Option(None, "--out", help="Folder to write the site into (de
 
 def _app(settings):
     from orchestrator.api.app import create_app
-    from orchestrator.db import migrate
+    from orchestrator.store import migrate
 
     try:
         return create_app(settings)
@@ -36,7 +36,7 @@ def build(out: Path = OUT_OPTION):
     from sqlalchemy.exc import SQLAlchemyError
 
     from orchestrator.api.offline import ExportError, export_site
-    from orchestrator.db import migrate
+    from orchestrator.store import migrate
 
     settings = _settings()
     target = out if out is not None else settings.data_dir / "dashboard"

@@ -17,8 +17,8 @@ def upgrade(
     revision: str = typer.Option("head", help="Target revision."),
 ):
     """Create or migrate the database schema to the newest revision."""
-    from orchestrator.db import migrate
-    from orchestrator.settings import load_settings
+    from orchestrator.infra.settings import load_settings
+    from orchestrator.store import migrate
 
     settings = load_settings(database_url=url)
     try:

@@ -60,7 +60,7 @@ def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
     """The demo's suite: a latency job (5 generations and 5 UNet steps timed: the fewest the
     analysis decides on, 5 against 5 reaching p = 0.008; one profiled step for where the time
     went), then a generation."""
-    from orchestrator.regression.compare import MIN_SAMPLES
+    from orchestrator.analysis.stats.compare import MIN_SAMPLES
 
     common = {"precision": precision, "steps": steps, "seed": 0, "cooldown": COOLDOWN, "time_limit_s": TIMEOUT_S,
               "prompt": "a red bicycle leaning on a wall"}
@@ -95,9 +95,9 @@ def demo(
     timeout: float = typer.Option(TIMEOUT_S, "--timeout", help="Give up after this many seconds."),
 ):
     """Run the farm end to end on this machine: build, deploy, measure, report."""
-    from orchestrator.celery_app import make_celery
-    from orchestrator.db import make_engine, make_session_factory, upgrade
-    from orchestrator.jobservice import launch_suite
+    from orchestrator.jobs.celery_app import make_celery
+    from orchestrator.jobs.jobservice import launch_suite
+    from orchestrator.store import make_engine, make_session_factory, upgrade
 
     from .builds import make_build
     from .stack import start_stack
@@ -182,8 +182,8 @@ def _browser_devices(browser_phones: int, tablets: int) -> tuple[int, int]:
 def _set_series(sessions, serials: list[str], build: str, jobs: list[dict[str, Any]]) -> None:
     """DEMO_MIN_EFFECT and DEMO_DRIFT on every series the demo's latency jobs feed, on every
     device."""
-    from orchestrator import analysis
-    from orchestrator.db import store
+    from orchestrator import store
+    from orchestrator.analysis import regressions
 
     with sessions() as session:
         model = store.default_model(store.get_build(session, build))
@@ -192,11 +192,11 @@ def _set_series(sessions, serials: list[str], build: str, jobs: list[dict[str, A
             for job in jobs:
                 if job["kind"] != "latency" or job.get("runtime") not in (None, device.runtime):
                     continue
-                spec = analysis.SpecKey.of({"model": model} | job["spec"])
-                for metric in analysis.HEADLINE_METRICS:
-                    key = analysis.series_key(device, spec, metric)
-                    analysis.set_min_effect(session, key, DEMO_MIN_EFFECT)
-                    analysis.set_drift(session, key, DEMO_DRIFT)
+                spec = regressions.SpecKey.of({"model": model} | job["spec"])
+                for metric in regressions.HEADLINE_METRICS:
+                    key = regressions.series_key(device, spec, metric)
+                    regressions.set_min_effect(session, key, DEMO_MIN_EFFECT)
+                    regressions.set_drift(session, key, DEMO_DRIFT)
         session.commit()
 
 
@@ -205,8 +205,8 @@ def batch_family(session, root_id: int) -> tuple[list, bool]:
     its analyses asked for has been launched and analysed."""
     from sqlalchemy import select
 
-    from orchestrator.db.models import Batch
-    from orchestrator.db.store import extra_round
+    from orchestrator.store.batches import extra_round
+    from orchestrator.store.models import Batch
 
     root = session.get(Batch, root_id)
     rounds = list(session.scalars(select(Batch).where(Batch.idempotency_key.like(f"more:{root_id}:%"))
@@ -230,8 +230,8 @@ def _follow(sessions, batch_id: int, running, deadline: float) -> bool:
     rounds are analysed; False when a job did not succeed or time ran out."""
     from sqlalchemy import select
 
-    from orchestrator.db.models import Deployment, Device, Job
-    from orchestrator.db.store import extra_round
+    from orchestrator.store.batches import extra_round
+    from orchestrator.store.models import Deployment, Device, Job
 
     with Live(console=console, auto_refresh=False) as live:
         while True:
@@ -271,7 +271,7 @@ def _follow(sessions, batch_id: int, running, deadline: float) -> bool:
 def final_verdicts(family) -> list[dict[str, Any]]:
     """Each (device, metric) comparison of a batch family as its last round left it, with
     `rounds`: how many rounds (the batch itself, then its more-repetitions rounds) it took."""
-    from orchestrator.db.store import extra_round
+    from orchestrator.store.batches import extra_round
 
     final: dict[tuple[str, str], dict[str, Any]] = {}
     for batch in family:
@@ -305,7 +305,7 @@ def _legend(names: list[str], current: list[str]) -> None:
 def _report(sessions, batch_ids: list[int]) -> None:
     """A table per build (a row per device) and the images' paths, then what each batch's
     analysis found, builds named by short labels with a legend of their full names."""
-    from orchestrator.db.models import Batch
+    from orchestrator.store.models import Batch
 
     failures, verdicts, current = [], [], []
     with sessions() as session:

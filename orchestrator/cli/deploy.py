@@ -29,10 +29,10 @@ def deploy(
 ):
     """Deploy a build to devices; exits non-zero when any deployment fails."""
 
-    from orchestrator.celery_app import make_celery
-    from orchestrator.db import store
-    from orchestrator.health import stored_input_error
-    from orchestrator.jobservice import deploy_build
+    from orchestrator import store
+    from orchestrator.jobs.celery_app import make_celery
+    from orchestrator.jobs.health import stored_input_error
+    from orchestrator.jobs.jobservice import deploy_build
 
     if bool(device) == all_devices:
         fail("name devices with --device SERIAL (repeatable) or pass --all")
@@ -83,7 +83,7 @@ def _follow(sessions, batch_id: int, devices: dict[int, str], timeout: float, *,
     """Watch the deployments of batch `batch_id` to `devices` until all end (or `timeout`)."""
     from sqlalchemy import select
 
-    from orchestrator.db.models import Deployment
+    from orchestrator.store.models import Deployment
 
     deadline = time.monotonic() + timeout
     rows: dict[int, dict[str, Any]] = {}

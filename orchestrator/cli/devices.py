@@ -2,7 +2,7 @@
 release devices; `discover`, which asks every known device what it is through its transport
 and records the answer (GPU identity, state, last seen); and `scan`, which lists what the ADB
 transport can see (USB, known and given TCP addresses) and offers to register it. Probing and
-scanning live in orchestrator/health.py. Also owns `open_store`, the one way a CLI command
+scanning live in orchestrator/jobs/health.py. Also owns `open_store`, the one way a CLI command
 reaches the database: settings read here, schema checked at head."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from orchestrator import inputs
-from orchestrator.db.models import Device, DeviceState, TransportKind
+from orchestrator.infra import inputs
+from orchestrator.store.models import Device, DeviceState, TransportKind
 
 from . import validate
 from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
@@ -93,7 +93,7 @@ def add(
     """Register a device; it stays offline until `farm devices discover` reaches it."""
     from sqlalchemy import select
 
-    from orchestrator.db import store
+    from orchestrator import store
 
     if transport is TransportKind.web:
         runtime = Runtime.browser  # a web device is its browser
@@ -114,8 +114,8 @@ def add(
 
 
 def _print_enrolment(settings, serial: str) -> None:
-    from orchestrator.ca import default_dir, fingerprint, load_ca_cert
-    from orchestrator.qr import qr_text
+    from orchestrator.infra.ca import default_dir, fingerprint, load_ca_cert
+    from orchestrator.infra.qr import qr_text
     from orchestrator.transports.browser import web_enrolment_url
 
     url = web_enrolment_url(settings, serial)
@@ -151,7 +151,7 @@ def enrol(serial: str = typer.Argument(..., help="A web device (`farm devices ad
 @app.command("list")
 def list_devices(as_json: bool = JSON_OPTION):
     """List the devices with their state and GPU."""
-    from orchestrator.db import queries
+    from orchestrator.store import queries
 
     with open_store(_settings()) as sessions, sessions() as session:
         devices = queries.list_devices(session)
@@ -172,7 +172,7 @@ def list_devices(as_json: bool = JSON_OPTION):
 @app.command()
 def show(serial: str = typer.Argument(..., help="Device serial."), as_json: bool = JSON_OPTION):
     """Show one device: identity, GPU, health and lease."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -203,8 +203,8 @@ def remove(
     """Forget a device. Refused while it has jobs or results, unless --force."""
     from sqlalchemy import func, select
 
-    from orchestrator.db import store
-    from orchestrator.db.models import Deployment, Job, Run
+    from orchestrator import store
+    from orchestrator.store.models import Deployment, Job, Run
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -224,7 +224,7 @@ def remove(
 
 def _revoke(serial: str) -> bool:
     """Revoke a device's page token (the hub refuses it from its next request on)."""
-    from orchestrator.browser_hub import revoke_token
+    from orchestrator.transports.hub import revoke_token
 
     return revoke_token(_settings().browser_tokens_dir / serial)
 
@@ -265,7 +265,7 @@ def set_address(
     address: str = typer.Argument(..., help=ADDRESS_HELP + " An empty string restores the default."),
 ):
     """Change how the farm reaches a device (its transport stays the same)."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -285,7 +285,7 @@ def set_address(
 
 
 def _set_state(serial: str, state: DeviceState, reason: str) -> None:
-    from orchestrator.db import store
+    from orchestrator import store
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:  # the state machine refuses a release of a device that is not quarantined
@@ -299,11 +299,11 @@ def _set_state(serial: str, state: DeviceState, reason: str) -> None:
 
 
 def probe(settings, sessions, device: Device) -> dict[str, Any]:
-    """Ask one device what it is and record the answer (orchestrator.health.probe); returns its
+    """Ask one device what it is and record the answer (orchestrator.jobs.health.probe); returns its
     listing with the error, if any, and `address_error` when its stored serial or address cannot
     be used (it is then not asked at all)."""
-    from orchestrator import health
-    from orchestrator.db import store
+    from orchestrator import store
+    from orchestrator.jobs import health
 
     outcome = health.probe(settings, sessions, device)
     with sessions() as session:
@@ -385,7 +385,7 @@ def scan(
     Offers to register the new ones (asked only on a terminal; --register for scripts). A phone
     that refuses this host's key is registered unauthorized, and the health check brings it in
     once the key is accepted on the phone."""
-    from orchestrator import health
+    from orchestrator.jobs import health
 
     settings = _settings()
     with open_store(settings) as sessions:

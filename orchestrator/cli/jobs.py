@@ -1,7 +1,7 @@
 """`farm jobs ...`: submit generate, latency and tune jobs to devices (one batch, one job per
 device, sent to the workers of the hosts the devices are plugged into), follow them until they
 end, and list, show, cancel and read the logs of jobs. Reads go through
-orchestrator/db/queries.py; the job rows and their transitions through the store."""
+orchestrator/store/queries.py; the job rows and their transitions through the store."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from rich.live import Live
 
-from orchestrator.db.models import Build, Job, JobKind, JobState
+from orchestrator.store.models import Build, Job, JobKind, JobState
 
 from . import validate
 from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
@@ -206,9 +206,9 @@ def submit(
 ):
     """Queue one job per device as one batch and send them to the workers."""
 
-    from orchestrator import jobservice
-    from orchestrator.celery_app import make_celery
-    from orchestrator.db import store
+    from orchestrator import store
+    from orchestrator.jobs import jobservice
+    from orchestrator.jobs.celery_app import make_celery
 
     if bool(devices) == all_devices:
         fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
@@ -302,7 +302,7 @@ def _follow(sessions, job_ids: list[int], timeout: float | None, quiet: bool):
     """Poll the jobs' states (a short transaction each time) and show them in a live table
     until every job has ended or `timeout` passes; returns the last states and whether it
     timed out."""
-    from orchestrator.db import queries
+    from orchestrator.store import queries
 
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
@@ -354,7 +354,8 @@ def list_jobs(
     as_json: bool = JSON_OPTION,
 ):
     """List jobs, newest first."""
-    from orchestrator.db import queries, store
+    from orchestrator import store
+    from orchestrator.store import queries
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -382,7 +383,8 @@ def list_jobs(
 @app.command()
 def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.record_id), as_json: bool = JSON_OPTION):
     """Show one job: spec, state, attempts, timestamps, and its runs with their key medians."""
-    from orchestrator.db import queries, store
+    from orchestrator import store
+    from orchestrator.store import queries
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -427,8 +429,8 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.rec
 
     A running job is stopped on its device within seconds (its worker's next heartbeat); what
     it had done is not recorded."""
-    from orchestrator.db import store
-    from orchestrator.jobservice import cancel_job
+    from orchestrator import store
+    from orchestrator.jobs.jobservice import cancel_job
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -439,8 +441,8 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.rec
         batch_id = job.batch_id
     console.print(f"job {job_id} cancelled", highlight=False)
     if batch_id is not None:  # it may have been its batch's last open job: the analysis follows
-        from orchestrator.celery_app import make_celery
-        from orchestrator.dispatch import settle_batch
+        from orchestrator.jobs.celery_app import make_celery
+        from orchestrator.jobs.dispatch import settle_batch
 
         settle_batch(make_celery(_settings()), batch_id)
 
@@ -451,7 +453,7 @@ def logs(
     lines: int = typer.Option(None, "--lines", "-n", min=1, help="Only the last N lines of each log."),
 ):
     """Print the log tail of a job and of each of its runs."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     def tail(text: str) -> str:
         out = text.rstrip("\n").splitlines()

@@ -1,7 +1,7 @@
 """`farm notify ...`: who hears of new alerts and quarantined devices: add, list (with the
 recent deliveries and their states), remove and test a subscription (a webhook signed with
 HMAC-SHA256, a Slack-compatible incoming webhook, or email over SMTP). Sending is
-orchestrator/notify.py's."""
+orchestrator/jobs/notify.py's."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def add(
                                          "data_stoppage or quarantined (repeatable; default: all but improvement)."),
 ):
     """Subscribe a receiver. A webhook's signing secret is printed once, here."""
-    from orchestrator import notify
-    from orchestrator.db import notifications
+    from orchestrator.jobs import notify
+    from orchestrator.store import notifications
 
     settings = _settings()
     if kind in ("webhook", "slack") and not settings.notify_private_targets:
@@ -92,8 +92,8 @@ def list_subscriptions(
     """Subscriptions, then the most recent deliveries and their states."""
     from sqlalchemy import select
 
-    from orchestrator.db import notifications
-    from orchestrator.db.models import Subscription
+    from orchestrator.store import notifications
+    from orchestrator.store.models import Subscription
 
     with open_store(_settings()) as sessions, sessions() as session:
         subs = [subscription_dict(s) for s in session.scalars(select(Subscription).order_by(Subscription.id))]
@@ -125,7 +125,7 @@ def list_subscriptions(
 @app.command()
 def remove(subscription_id: int = SUBSCRIPTION_ID):
     """Remove a subscription and its deliveries."""
-    from orchestrator.db import notifications
+    from orchestrator.store import notifications
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -140,8 +140,8 @@ def remove(subscription_id: int = SUBSCRIPTION_ID):
 def test(subscription_id: int = SUBSCRIPTION_ID):
     """Send a sample event to a subscription now (no delivery is recorded); fails saying why
     the receiver refused it."""
-    from orchestrator import notify
-    from orchestrator.db import notifications
+    from orchestrator.jobs import notify
+    from orchestrator.store import notifications
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:

@@ -1,4 +1,4 @@
-"""`farm profiles ...`: the kernel profiles tune jobs made, per GPU (orchestrator/profiles.py).
+"""`farm profiles ...`: the kernel profiles tune jobs made, per GPU (orchestrator/analysis/profiles.py).
 A profile's gain is "estimated" (from its tune's kernel times) until a latency run of it and
 of its GPU family's profile measured it; promoting one ships it in the builds made after."""
 
@@ -49,7 +49,7 @@ def gain_text(data: dict[str, Any]) -> str:
 
 
 def _get(session, ref: str):
-    from orchestrator import profiles
+    from orchestrator.analysis import profiles
 
     try:
         return profiles.get(session, ref)
@@ -65,9 +65,9 @@ def list_profiles(
     """List the tuned profiles, newest first."""
     from sqlalchemy import select
 
-    from orchestrator import profiles
-    from orchestrator.db import store
-    from orchestrator.db.models import Profile
+    from orchestrator import store
+    from orchestrator.analysis import profiles
+    from orchestrator.store.models import Profile
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
@@ -123,7 +123,7 @@ def promote(
                                "that measured slower than its family's."),
 ):
     """Ship a profile in the builds made from now on (replacing the one promoted for its GPU)."""
-    from orchestrator import profiles
+    from orchestrator.analysis import profiles
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:

@@ -42,8 +42,9 @@ def list_alerts(
     as_json: bool = JSON_OPTION,
 ):
     """List alerts, newest first."""
-    from orchestrator.db import queries, store
-    from orchestrator.db.models import AlertKind, AlertState
+    from orchestrator import store
+    from orchestrator.store import queries
+    from orchestrator.store.models import AlertKind, AlertState
 
     try:
         states = (list(AlertState) if all_states else [AlertState(state)] if state
@@ -88,7 +89,7 @@ def list_alerts(
 @app.command()
 def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
     """Show one alert: the comparison, the kernels that moved, the images, the change points."""
-    from orchestrator.db.models import Alert
+    from orchestrator.store.models import Alert
 
     with open_store(_settings()) as sessions, sessions() as session:
         alert = session.get(Alert, alert_id)
@@ -132,7 +133,7 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
 
 
 def _triage(alert_id: int, state, note: str | None) -> None:
-    from orchestrator.db import store
+    from orchestrator import store
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -149,7 +150,7 @@ NOTE_OPTION = typer.Option(None, "--note", help="Why (kept on the alert).")
 @app.command()
 def ack(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
     """Acknowledge an alert: someone is on it."""
-    from orchestrator.db.models import AlertState
+    from orchestrator.store.models import AlertState
 
     _triage(alert_id, AlertState.acknowledged, note)
 
@@ -157,7 +158,7 @@ def ack(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
 @app.command()
 def invalidate(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
     """Mark an alert invalid (noise, a broken device): its build becomes a baseline again."""
-    from orchestrator.db.models import AlertState
+    from orchestrator.store.models import AlertState
 
     _triage(alert_id, AlertState.invalid, note)
 
@@ -165,7 +166,7 @@ def invalidate(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
 @app.command()
 def fixed(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
     """Mark an alert fixed."""
-    from orchestrator.db.models import AlertState
+    from orchestrator.store.models import AlertState
 
     _triage(alert_id, AlertState.fixed, note)
 
@@ -181,11 +182,11 @@ def scan(
 ):
     """Change-point detection over each series' whole history; records what it finds (beat
     runs it after every batch, on the batch's devices)."""
-    from orchestrator import analysis
-    from orchestrator.db import store
+    from orchestrator import store
+    from orchestrator.analysis import regressions
 
-    if metric is not None and metric not in analysis.HEADLINE_METRICS:
-        fail(f"unknown metric {metric!r}; choose from {', '.join(analysis.HEADLINE_METRICS)}")
+    if metric is not None and metric not in regressions.HEADLINE_METRICS:
+        fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
@@ -193,14 +194,14 @@ def scan(
         except store.StoreError as exc:
             fail(str(exc))
         with console.status("scanning series histories"):
-            found = analysis.scan_change_points(session, dev, metric)
+            found = regressions.scan_change_points(session, dev, metric)
         session.commit()
     if as_json:
         _print_json(found)
         return
     if not found:
         console.print("no change points: every series is level (or has fewer than "
-                      f"{2 * analysis.MIN_SEGMENT} builds of history)")
+                      f"{2 * regressions.MIN_SEGMENT} builds of history)")
         return
     table = Table("device", "metric", "series", "first build after", "before", "after", "ratio", "p", "",
                   title=f"{len(found)} change points ({sum(f['new'] for f in found)} new)")
@@ -225,9 +226,9 @@ def compare(
     """Compare two builds metric by metric: medians, ratio, confidence interval, verdict."""
     from sqlalchemy import select
 
-    from orchestrator import analysis
-    from orchestrator.db import store
-    from orchestrator.db.models import Device, Job, JobKind
+    from orchestrator import store
+    from orchestrator.analysis import regressions
+    from orchestrator.store.models import Device, Job, JobKind
 
     if len(builds) != 2:
         fail("give --build twice: the baseline build, then the candidate build")
@@ -240,17 +241,17 @@ def compare(
         except store.StoreError as exc:
             fail(str(exc))
         for dev in devices:
-            specs = {analysis.SpecKey.of(spec or {}) for spec in session.scalars(select(Job.spec).where(
+            specs = {regressions.SpecKey.of(spec or {}) for spec in session.scalars(select(Job.spec).where(
                 Job.device_id == dev.id, Job.build_id == cand.id, Job.kind == JobKind.latency))}
             for spec in sorted(specs, key=repr):
                 # two builds named by hand: a farm check's runs of them count too
-                base_runs = analysis.runs_of(session, dev.id, base.id, JobKind.latency, spec, checks=True)
-                cand_runs = analysis.runs_of(session, dev.id, cand.id, JobKind.latency, spec, checks=True)
+                base_runs = regressions.runs_of(session, dev.id, base.id, JobKind.latency, spec, checks=True)
+                cand_runs = regressions.runs_of(session, dev.id, cand.id, JobKind.latency, spec, checks=True)
                 if not base_runs or not cand_runs:
                     continue
-                for metric in analysis.HEADLINE_METRICS:
+                for metric in regressions.HEADLINE_METRICS:
                     try:
-                        row = analysis.compare_builds(session, dev, spec, metric, base, base_runs, cand, cand_runs,
+                        row = regressions.compare_builds(session, dev, spec, metric, base, base_runs, cand, cand_runs,
                                                       include_flagged)
                         if row is not None:
                             rows.append(row)
@@ -296,14 +297,14 @@ def bisect(
     """Find the first bad build between --good and --bad (builds in the order they were made)."""
     from sqlalchemy import select
 
-    from orchestrator import analysis
-    from orchestrator.celery_app import make_celery
-    from orchestrator.db import store
-    from orchestrator.db.models import Batch, Build, JobKind
-    from orchestrator.jobservice import launch_suite
+    from orchestrator import store
+    from orchestrator.analysis import regressions
+    from orchestrator.jobs.celery_app import make_celery
+    from orchestrator.jobs.jobservice import launch_suite
+    from orchestrator.store.models import Batch, Build, JobKind
 
-    if metric not in analysis.HEADLINE_METRICS:
-        fail(f"unknown metric {metric!r}; choose from {', '.join(analysis.HEADLINE_METRICS)}")
+    if metric not in regressions.HEADLINE_METRICS:
+        fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
     settings = _settings()
     app = make_celery(settings)
     steps: list[dict[str, Any]] = []
@@ -320,11 +321,11 @@ def bisect(
             if lo >= hi:
                 fail(f"{good} must be older than {bad}")
             candidates = [(b.id, b.name) for b in order[lo:hi + 1]]
-            bad_runs = analysis.runs_of(session, dev.id, bad_b.id, JobKind.latency)
+            bad_runs = regressions.runs_of(session, dev.id, bad_b.id, JobKind.latency)
             if not bad_runs:
                 fail(f"{bad} has no latency runs on {device}: nothing says what to reproduce")
-            spec_dict = dict(analysis.job_spec(session, bad_runs[-1]))
-        spec = analysis.SpecKey.of(spec_dict)
+            spec_dict = dict(regressions.job_spec(session, bad_runs[-1]))
+        spec = regressions.SpecKey.of(spec_dict)
         job_spec = {k: v for k, v in spec_dict.items() if k not in ("job_id", "build", "kind")}
         job_spec |= {"repetitions": repetitions, "unet_repetitions": repetitions}
 
@@ -332,7 +333,7 @@ def bisect(
         def measured(index: int) -> list:
             build_id, name = candidates[index]
             with sessions() as session:
-                pending = not analysis.runs_of(session, dev.id, build_id, JobKind.latency, spec)
+                pending = not regressions.runs_of(session, dev.id, build_id, JobKind.latency, spec)
             if pending:
                 # No more-repetitions rounds: bisect judges each step itself (--repetitions).
                 batch_id = launch_suite(app, f"bisect {good}..{bad} {name}", [{"kind": "latency", "spec": job_spec}],
@@ -347,13 +348,13 @@ def bisect(
                             fail(f"{name} did not finish on {device} within {timeout:g} s")
                         time.sleep(1.0)
             with sessions() as session:
-                return analysis.runs_of(session, dev.id, build_id, JobKind.latency, spec)
+                return regressions.runs_of(session, dev.id, build_id, JobKind.latency, spec)
 
         def judged(base: int, index: int) -> dict[str, Any]:
             base_runs, runs = measured(base), measured(index)  # before the session: they may wait for runs
             with sessions() as session:
                 base_row, row = session.get(Build, candidates[base][0]), session.get(Build, candidates[index][0])
-                result = analysis.compare_builds(session, session.get(type(dev), dev.id), spec, metric, base_row,
+                result = regressions.compare_builds(session, session.get(type(dev), dev.id), spec, metric, base_row,
                                                  base_runs, row, runs)
             if result is None:
                 fail(f"neither {base_row.name} nor {row.name} measured {metric} on {device}")

@@ -2,7 +2,7 @@
 of its key metrics, `show` one run in full (the environment it ran in, every metric's n,
 median, min and max, kernel times summed per kernel, thermal readings, images, cool-down), `export --csv` every raw
 sample of the runs matching the filters, streamed to a file. Reads go through
-orchestrator/db/queries.py."""
+orchestrator/store/queries.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from orchestrator.db.models import JobKind
+from orchestrator.store.models import JobKind
 
 from . import validate
 from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
@@ -30,7 +30,7 @@ KIND_OPTION = typer.Option(None, "--kind", help="Only runs of jobs of this kind.
 
 def _resolve(session, device: str | None, build: str | None) -> tuple[int | None, int | None]:
     """Device and build names to ids; an unknown one is the user's error, not an empty list."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     try:
         device_id = store.get_device(session, device).id if device else None
@@ -50,7 +50,7 @@ def list_results(
     as_json: bool = JSON_OPTION,
 ):
     """One row per run: job, device, build, status and the medians of its key metrics."""
-    from orchestrator.db import queries
+    from orchestrator.store import queries
 
     with open_store(_settings()) as sessions, sessions() as session:
         device_id, build_id = _resolve(session, device, build)
@@ -77,7 +77,7 @@ def list_results(
 
 
 def run_dict(session, run_id: int) -> dict[str, Any]:
-    from orchestrator.db import queries
+    from orchestrator.store import queries
 
     run = queries.get_run(session, run_id)
     return {
@@ -110,7 +110,7 @@ def run_dict(session, run_id: int) -> dict[str, Any]:
 def show(run_id: int = typer.Argument(..., help="Run id (`farm results list`).", parser=validate.record_id),
          as_json: bool = JSON_OPTION):
     """One run in full: every metric, kernel times, thermal readings, images, cool-down."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
@@ -134,7 +134,7 @@ def show(run_id: int = typer.Argument(..., help="Run id (`farm results list`).",
                  f"waited {cooldown['wait_s']:.1f} s" + (" (timed out)" if cooldown["timed_out"] else ""))
     console.print(head)
     if data["environment"]:
-        from orchestrator.environment import describe
+        from orchestrator.store.environment import describe
 
         environment = Table(show_header=False, box=None, title=f"environment {data['env_key']}")
         for key, text in describe(data["environment"]).items():
@@ -171,7 +171,7 @@ def export(
     kind: JobKind = KIND_OPTION,
 ):
     """Write every raw sample of the matching runs as CSV, one row per sample."""
-    from orchestrator.db import queries
+    from orchestrator.store import queries
 
     to_stdout = str(csv_path) == "-"
     with open_store(_settings()) as sessions:

@@ -22,7 +22,7 @@ JOB_KINDS = ("generate", "latency", "tune")
 
 
 def schedule_dict(schedule, now: dt.datetime) -> dict[str, Any]:
-    from orchestrator.db import store
+    from orchestrator import store
 
     suite = schedule.suite or {}
     error = schedule.last_error
@@ -66,7 +66,7 @@ def add(
     disabled: bool = typer.Option(False, "--disabled", help="Add it disabled."),
 ):
     """Add a schedule."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     if tuning_loop and job:
         fail("--tuning-loop runs tune, then latency with the family's and the tuned profile: give it without --job")
@@ -127,8 +127,8 @@ def list_schedules(as_json: bool = JSON_OPTION):
     """List the schedules with their next firing."""
     from sqlalchemy import select
 
-    from orchestrator.db import store
-    from orchestrator.db.models import Schedule
+    from orchestrator import store
+    from orchestrator.store.models import Schedule
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
@@ -168,7 +168,7 @@ def _cooldown_text(jobs: list[dict[str, Any]] | None) -> str:
 
 
 def _set_enabled(name: str, enabled: bool) -> None:
-    from orchestrator.db import store
+    from orchestrator import store
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
@@ -198,7 +198,7 @@ def disable(name: str = typer.Argument(..., help="Schedule name.")):
 @app.command()
 def remove(name: str = typer.Argument(..., help="Schedule name.")):
     """Remove a schedule (its past jobs and results stay)."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
@@ -213,9 +213,9 @@ def remove(name: str = typer.Argument(..., help="Schedule name.")):
 @app.command("run-now")
 def run_now(name: str = typer.Argument(..., help="Schedule name.")):
     """Fire a schedule now (its regular firings are unchanged)."""
-    from orchestrator.celery_app import make_celery
-    from orchestrator.db import store
-    from orchestrator.jobservice import fire_schedule
+    from orchestrator import store
+    from orchestrator.jobs.celery_app import make_celery
+    from orchestrator.jobs.jobservice import fire_schedule
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:

@@ -82,7 +82,7 @@ def public_keys(
 
     Devices trust those two files: farm.pub to accept signed builds, adbkey.pub to let this host
     in over ADB. The private halves stay in the config dir."""
-    from orchestrator.keys import PUBLIC_KEY
+    from orchestrator.infra.keys import PUBLIC_KEY
     from orchestrator.transports.adb import load_or_create_adb_key
     from orchestrator.transports.base import TransportError
 

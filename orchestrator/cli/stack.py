@@ -23,7 +23,7 @@ HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM
 
 def register_devices(settings, entries: list[tuple[str, ...]]) -> None:
     """Record `entries` (serial, transport, address[, runtime]) as devices plugged into this host."""
-    from orchestrator.db import store
+    from orchestrator import store
 
     with open_store(settings) as sessions, sessions() as session:
         for serial, transport, address, *runtime in entries:
@@ -47,9 +47,9 @@ def worker(
 ):
     """Run a Celery worker for this host's devices (queues host.<name> and farm), and beside it a
     notifier (queue notify) that sends notifications in threads of its own."""
-    from orchestrator.celery_app import make_celery, worker_queues
-    from orchestrator.settings import parse_device_entry
-    from orchestrator.stack import Notifier
+    from orchestrator.infra.settings import parse_device_entry
+    from orchestrator.jobs.celery_app import make_celery, worker_queues
+    from orchestrator.services.stack import Notifier
 
     settings = _settings(host_name=host)
     try:
@@ -76,8 +76,8 @@ def notifier(
 ):
     """Send notifications (queue notify) in a thread pool of their own. `farm worker` starts one
     beside itself; run this alone only on a host whose worker has --notify-concurrency 0."""
-    from orchestrator.celery_app import make_celery, notifier_queues
-    from orchestrator.stack import die_with_parent
+    from orchestrator.jobs.celery_app import make_celery, notifier_queues
+    from orchestrator.services.stack import die_with_parent
 
     settings = _settings()
     if beside is not None and not die_with_parent(beside):
@@ -100,8 +100,8 @@ def hub(
     while it runs, <config_dir>/hub.json (0600) tells workers its key and ports."""
     import json
 
-    from orchestrator import ca
-    from orchestrator.browser_hub import BrowserHub
+    from orchestrator.infra import ca
+    from orchestrator.transports.hub import BrowserHub
 
     settings = _settings()
     port = settings.hub_port if port is None else port
@@ -149,7 +149,7 @@ def hub(
 def beat(loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery log level.")):
     """Run Celery beat: fires the database's schedules (`farm schedules`) and sweeps stale jobs.
     Run one per farm (a second one fires nothing twice, but wastes work)."""
-    from orchestrator.celery_app import make_celery
+    from orchestrator.jobs.celery_app import make_celery
 
     settings = _settings()
     with open_store(settings):
@@ -243,10 +243,10 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
     fails. `browser_phones`: virtual phones whose Chrome runs the engine (browser runtime over
     adb); `tablets`: virtual web devices that open the hub over HTTPS themselves."""
     from agent.bundle import provision_public_key
-    from orchestrator import ca
-    from orchestrator.celery_app import make_celery
-    from orchestrator.keys import PUBLIC_KEY
-    from orchestrator.stack import Stack, StackError
+    from orchestrator.infra import ca
+    from orchestrator.infra.keys import PUBLIC_KEY
+    from orchestrator.jobs.celery_app import make_celery
+    from orchestrator.services.stack import Stack, StackError
     from orchestrator.transports.adb import load_or_create_adb_key
     from orchestrator.transports.base import TransportError
     from orchestrator.transports.browser import enrolment_url
@@ -281,7 +281,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
                 _, port = stack.start_phone(serial, public, adb_public, model="Pixel 7")
                 entries.append((serial, "adb", f"127.0.0.1:{port}", "browser"))
         if tablets:
-            from orchestrator.browser_hub import read_or_make_token
+            from orchestrator.transports.hub import read_or_make_token
 
             ca_pem = ca.default_dir(settings.config_dir) / ca.CA_CERT
             with console.status(f"starting {tablets} virtual tablets"):
@@ -314,7 +314,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
 def _probe_all(settings, serials: list[str]) -> None:
     from sqlalchemy import select
 
-    from orchestrator.db.models import Device
+    from orchestrator.store.models import Device
 
     from .devices import probe
 

@@ -1,6 +1,6 @@
 """The `farm` CLI's checks on what a user types, as Typer callbacks and parsers: device
 addresses, serials, host and build names, ids, ports, database URLs and paths are each checked
-once, where the argument enters, by the parsers of orchestrator/inputs.py. A bad value is a
+once, where the argument enters, by the parsers of orchestrator/infra/inputs.py. A bad value is a
 usage error (exit 2) shown as the CLI's one red line, `error: Invalid value for '--x': ...`,
 naming the value and the fix; `FarmGroup` makes every usage error Click finds (a missing
 option, an unknown command) end the same way instead of in a framed usage box."""
@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from orchestrator import inputs
+from orchestrator.infra import inputs
 
 from .output import err_console
 
@@ -125,7 +125,7 @@ def local_root(value: str) -> str:
 
 
 def _device_entry(value: str) -> str:
-    from orchestrator.settings import parse_device_entry
+    from orchestrator.infra.settings import parse_device_entry
 
     try:
         parse_device_entry(value)

@@ -18,12 +18,13 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from orchestrator import analysis
-from orchestrator import environment as run_env
-from orchestrator import regression as rg
-from orchestrator import series as farm_series
-from orchestrator.db import queries, store
-from orchestrator.db.models import (
+from orchestrator import store
+from orchestrator.analysis import regressions
+from orchestrator.analysis import series as farm_series
+from orchestrator.analysis import stats as rg
+from orchestrator.store import environment as run_env
+from orchestrator.store import queries
+from orchestrator.store.models import (
     Alert,
     AlertKind,
     AlertState,
@@ -81,7 +82,7 @@ def _series_alerts(session: Session) -> dict[str, list[Alert]]:
     return by_series
 
 
-def spec_label(spec: analysis.SpecKey) -> str:
+def spec_label(spec: regressions.SpecKey) -> str:
     return f"{spec.model} {spec.resolution} {spec.steps} steps {spec.precision} {spec.profile}"
 
 
@@ -100,7 +101,7 @@ def overview(session: Session) -> dict[str, Any]:
         latest = points[-1]
         on_series = alerts.get(series.id, [])
         verdict = (next((a for a in on_series if a.build_id == latest["build_id"]), None)
-                   or next((a for a in on_series if a.state in analysis.OPEN_STATES), None))
+                   or next((a for a in on_series if a.state in regressions.OPEN_STATES), None))
         cells.append({"series_id": series.id, "device": series.key.device, "metric": series.key.metric,
                       "unit": unit_of(series.key.metric), "spec": spec_label(series.spec),
                       "environment": series.key.os_driver, "builds": len(points), "runs": series.runs,
@@ -110,7 +111,7 @@ def overview(session: Session) -> dict[str, Any]:
     devices = [{"serial": d.serial, "model": d.model, "state": str(d.state), "state_reason": d.state_reason,
                 "gpu": " ".join(p for p in (d.gpu_vendor, d.gpu_device or d.gpu_architecture) if p)}
                for d in queries.list_devices(session)]
-    metrics = [{"metric": m, "unit": unit_of(m)} for m in analysis.HEADLINE_METRICS]
+    metrics = [{"metric": m, "unit": unit_of(m)} for m in regressions.HEADLINE_METRICS]
     return {"devices": devices, "metrics": metrics, "cells": cells}
 
 
@@ -122,7 +123,7 @@ def _environment(session: Session, series: farm_series.Series) -> dict[str, Any]
     device = session.get(Device, series.device_id)
     run = session.scalar(select(Run).where(Run.device_id == device.id, Run.env_key == series.key.environment)
                          .order_by(Run.id.desc()).limit(1))
-    return analysis.run_environment(run, device) if run is not None else store.result_environment(device)
+    return regressions.run_environment(run, device) if run is not None else store.result_environment(device)
 
 
 def _same_but_environment(a: rg.SeriesKey, b: rg.SeriesKey) -> bool:
@@ -184,8 +185,8 @@ def series_kernels(session: Session, series: farm_series.Series) -> dict[str, An
     builds: list[str] = []
     per_build: list[dict[str, float]] = []
     for point in farm_series.points(session, series):
-        runs = [r for r in analysis.runs_of(session, device.id, point["build_id"], JobKind.latency, series.spec)
-                if analysis.env_key_of(r, device) == series.key.environment]
+        runs = [r for r in regressions.runs_of(session, device.id, point["build_id"], JobKind.latency, series.spec)
+                if regressions.env_key_of(r, device) == series.key.environment]
         totals: dict[tuple[int, int, str], float] = {}
         for run_id, repetition, kernel, ms in session.execute(
                 select(KernelTiming.run_id, KernelTiming.repetition, KernelTiming.kernel, KernelTiming.total_ms)
@@ -221,13 +222,13 @@ def _image_ref(image: Image, build: str | None) -> dict[str, Any]:
             "prompt": image.prompt, "seed": image.seed, "sha256": image.sha256}
 
 
-def _generated_image(session: Session, device_id: int, build: Build, spec: analysis.SpecKey) -> Image | None:
+def _generated_image(session: Session, device_id: int, build: Build, spec: regressions.SpecKey) -> Image | None:
     """The newest image a generate job of `spec` made with `build` on the device."""
     rows = session.execute(select(Image, Job.spec).join(Run, Run.id == Image.run_id).join(Job, Job.id == Run.job_id)
                            .where(Run.device_id == device_id, Run.build_id == build.id, Job.kind == JobKind.generate,
-                                  Run.status == RunStatus.succeeded, analysis.in_series())
+                                  Run.status == RunStatus.succeeded, regressions.in_series())
                            .order_by(Image.id.desc()))
-    return next((image for image, job_spec in rows if analysis.SpecKey.of(job_spec or {}) == spec), None)
+    return next((image for image, job_spec in rows if regressions.SpecKey.of(job_spec or {}) == spec), None)
 
 
 def _images(session: Session, alert: Alert) -> dict[str, dict[str, Any] | None]:
@@ -243,10 +244,10 @@ def _images(session: Session, alert: Alert) -> dict[str, dict[str, Any] | None]:
                            if isinstance(path, str) else None)
     elif alert.device_id is not None:
         series = alert.series or {}
-        spec = analysis.SpecKey.of({"model": series.get("model", ""), "steps": series.get("steps", 20),
+        spec = regressions.SpecKey.of({"model": series.get("model", ""), "steps": series.get("steps", 20),
                                     "precision": series.get("precision", "fp16"),
                                     "profile": series.get("profile", "auto")})
-        spec = analysis.SpecKey(spec.model, str(series.get("resolution", "native")), spec.steps, spec.precision,
+        spec = regressions.SpecKey(spec.model, str(series.get("resolution", "native")), spec.steps, spec.precision,
                                 spec.profile)
         for side, build in sides.items():
             found[side] = _generated_image(session, alert.device_id, build, spec) if build is not None else None
@@ -263,7 +264,7 @@ def build_gallery(session: Session, build: Build) -> dict[str, Any]:
                            .order_by(Image.id.desc()))
     return {"build": build.name, "created": build.created,
             "images": [_image_ref(image, build.name) | {"device": serial, "job": job_id,
-                                                          "workload": spec_label(analysis.SpecKey.of(job_spec or {}))}
+                                                          "workload": spec_label(regressions.SpecKey.of(job_spec or {}))}
                        for image, job_spec, job_id, serial in rows]}
 
 

@@ -3,7 +3,7 @@ phone's Chrome, an iPhone's Safari), which has WebGPU but no Python. The job's l
 `farm-agent` on this host, in an agent root of the device's own (<data_dir>/devices/<serial>),
 exactly as for a local device: the same lock, time limit, JobSpec and JobResult. Its engine is
 the browser runtime (the JobSpec's engine_runtime "browser"): every plan runs in the device's page, reached
-through the farm's hub (orchestrator/browser_hub.py).
+through the farm's hub (orchestrator/transports/hub.py).
 
 A deploy installs the signed build in the host-side root (the agent verifies it), then hands
 the page the signed manifest: the page verifies the signature with WebCrypto and keeps the
@@ -37,8 +37,6 @@ from cryptography.hazmat.primitives import serialization
 from agent.bundle import load_public_key
 from agent.protocol import FARM_KEY, DeviceInfo, JobResult, JobSpec, ThermalReading
 from engine.errors import BrowserError
-from orchestrator.browser_hub import BrowserHub
-from orchestrator.browser_hub import fresh_status as _fresh
 from orchestrator.transports.base import (
     AgentExit,
     DeviceOffline,
@@ -48,6 +46,8 @@ from orchestrator.transports.base import (
     TransportError,
     emit,
 )
+from orchestrator.transports.hub import BrowserHub
+from orchestrator.transports.hub import fresh_status as _fresh
 from orchestrator.transports.local import LocalTransport
 
 PAGE_PORT = 8790  # the phone's localhost port the page is served on (its origin: keep it fixed)
@@ -218,10 +218,10 @@ def hub_record(settings) -> dict | None:
 
 
 def running_hub(settings):
-    """The `farm hub` running on this host (orchestrator.browser_hub.HubClient), or None when
+    """The `farm hub` running on this host (orchestrator.transports.hub.HubClient), or None when
     none answers."""
     from engine.browser import BrowserError
-    from orchestrator.browser_hub import HubClient
+    from orchestrator.transports.hub import HubClient
 
     record = hub_record(settings)
     if not record:
@@ -260,8 +260,8 @@ def enrolment_url(origin: str, serial: str, token: str, farm_pub: Path, virtual:
 
 def web_enrolment_url(settings, serial: str) -> str:
     """A web device's enrolment URL on this farm's hub (its token made on first use)."""
-    from orchestrator.browser_hub import read_or_make_token
-    from orchestrator.keys import PUBLIC_KEY, ensure_farm_key
+    from orchestrator.infra.keys import PUBLIC_KEY, ensure_farm_key
+    from orchestrator.transports.hub import read_or_make_token
 
     ensure_farm_key(settings.config_dir)
     token = read_or_make_token(settings.browser_tokens_dir / serial)

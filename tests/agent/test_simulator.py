@@ -22,6 +22,7 @@ from adb_shell.adb_device import AdbDevice
 from adb_shell.auth.keygen import keygen
 from adb_shell.auth.sign_pythonrsa import PythonRSASigner
 from adb_shell.transport.tcp_transport import TcpTransport
+from support import free_port
 
 from agent.simulator import VirtualPhone, run_simulator, wire
 from agent.simulator.auth import encode_public_key, parse_public_key
@@ -436,19 +437,13 @@ def test_run_simulator_serves_until_stopped(tmp_path):
 # ---- Google's adb ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def google_adb(tmp_path_factory):
     exe = shutil.which("adb")
     if exe is None:
         pytest.fail("Google's adb is not installed (Debian/Ubuntu: apt-get install adb)")
     home = tmp_path_factory.mktemp("adb-home")
-    env = {**os.environ, "HOME": str(home), "ANDROID_ADB_SERVER_PORT": str(_free_port())}
+    env = {**os.environ, "HOME": str(home), "ANDROID_ADB_SERVER_PORT": str(free_port())}
     env.pop("ADB_VENDOR_KEYS", None)
 
     def adb(*args: str, timeout: float = 20, check: bool = True, input: str | None = None):

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from adb_shell.adb_device import AdbDevice
 from adb_shell.transport.tcp_transport import TcpTransport
+from support import free_port, wait_until
 
 from agent.simulator import VirtualPhone
 
@@ -66,18 +67,12 @@ def phone(tmp_path):
         yield p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def google_adb(tmp_path):
     exe = shutil.which("adb")
     if exe is None:
         pytest.fail("Google's adb is not installed (Debian/Ubuntu: apt-get install adb)")
-    env = {**os.environ, "HOME": str(tmp_path / "adb-home"), "ANDROID_ADB_SERVER_PORT": str(_free_port())}
+    env = {**os.environ, "HOME": str(tmp_path / "adb-home"), "ANDROID_ADB_SERVER_PORT": str(free_port())}
     env.pop("ADB_VENDOR_KEYS", None)
     (tmp_path / "adb-home").mkdir()
 
@@ -111,15 +106,6 @@ def _refused(port: int) -> bool:
     except ConnectionRefusedError:
         return True
     return False
-
-
-def _wait(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # ---- Google's adb --------------------------------------------------------------------------------
@@ -157,7 +143,7 @@ def test_google_adb_reverse_relays_bodies_and_lists_and_removes(google_adb, phon
     assert phone.host_port(chosen) == chosen and set(phone.forwards()) == {PHONE_PORT, chosen}
 
     google_adb("disconnect", serial)  # forwards end with the connection that made them
-    assert _wait(lambda: phone.forwards() == {}) and _refused(q)
+    assert wait_until(lambda: phone.forwards() == {}) and _refused(q)
 
 
 # ---- adbd's replies, on the wire --------------------------------------------------------------------
@@ -231,7 +217,7 @@ def test_a_lost_connection_resets_the_apps_connections(phone):
         while app.recv(1024):
             pass
     app.close()
-    assert _wait(lambda: phone.forwards() == {})
+    assert wait_until(lambda: phone.forwards() == {})
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -26,10 +26,10 @@ from engine.browser import (
 )
 from engine.errors import BrowserError
 from engine.pagehost import PAGE_LOST_S, WEB_ROOT
-from orchestrator import browser_hub
-from orchestrator.browser_hub import BrowserHub
 from orchestrator.transports import InfraFailure
+from orchestrator.transports import hub as browser_hub
 from orchestrator.transports.browser import BrowserTransport, WebPageLink
+from orchestrator.transports.hub import BrowserHub
 
 pytestmark = pytest.mark.gpu
 SERIAL, TOKEN = "life-1", "token-of-life-1"

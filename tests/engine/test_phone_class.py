@@ -40,7 +40,7 @@ from engine.device import ADAPTERS_DIR
 from engine.fit import fit_plan
 from engine.kernels import SHADER_ROOT
 from engine.plan_exec import plan_gpu_bytes, stage_peak_bytes
-from orchestrator.browser_hub import BrowserHub
+from orchestrator.transports.hub import BrowserHub
 from orchestrator.transports.local import LocalTransport
 
 # Not `alone`: it times nothing against anything (one UNet call, compared by value; memory

@@ -55,7 +55,7 @@ def db_url(request, tmp_path):
 @pytest.fixture
 def db_engine(db_url):
     """An engine on a database migrated to the newest revision."""
-    from orchestrator.db import make_engine, upgrade
+    from orchestrator.store import make_engine, upgrade
 
     upgrade(db_url)
     engine = make_engine(db_url)
@@ -65,7 +65,7 @@ def db_engine(db_url):
 
 @pytest.fixture
 def Session(db_engine):  # noqa: N802  (a session factory, named like the class it makes)
-    from orchestrator.db import make_session_factory
+    from orchestrator.store import make_session_factory
 
     return make_session_factory(db_engine)
 
@@ -87,7 +87,7 @@ def _farm_cli(tmp_path, monkeypatch, url):
     from typer.testing import CliRunner
 
     from orchestrator.cli import app
-    from orchestrator.db import make_engine, make_session_factory, upgrade
+    from orchestrator.store import make_engine, make_session_factory, upgrade
 
     monkeypatch.setenv("FARM_DATABASE_URL", url)
     monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))

@@ -12,8 +12,8 @@ def add_page_devices(cli, manifest, model_dir) -> None:
 
     from agent.protocol import DeviceInfo
     from engine.device import ADAPTERS_DIR
-    from orchestrator.db import store
-    from orchestrator.db.models import DeviceState
+    from orchestrator import store
+    from orchestrator.store.models import DeviceState
 
     adreno = json.loads((ADAPTERS_DIR / "adreno-640-chrome.json").read_text())
     adreno.pop("source")

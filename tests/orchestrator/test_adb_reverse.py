@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from ci_support import missing
 from net_support import Proxy
+from support import wait_until
 
 from agent.simulator import VirtualPhone
 from agent.simulator.apps import BrowserSettings
@@ -190,15 +191,6 @@ def page_report(farm, phone, timeout_s: float = 25.0) -> dict:
         pytest.fail(f"the page reported nothing within {timeout_s:g} s; chromium.log ends:\n{tail}")
 
 
-def _wait(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 # ---- the tunnel -----------------------------------------------------------------------------------
 
 
@@ -211,7 +203,7 @@ def test_large_bodies_cross_both_ways_byte_for_byte(tunnel, phone, farm):
     with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{q}/upload", data=upload), timeout=20) as r:
         assert r.read().decode() == f"{hashlib.sha256(upload).hexdigest()} {len(upload)}"
     print(f"{len(BODY) + len(upload)} bytes through the tunnel in {time.monotonic() - t0:.2f} s")
-    assert tunnel.connections_relayed == 2 and _wait(lambda: tunnel.open_streams == 0)
+    assert tunnel.connections_relayed == 2 and wait_until(lambda: tunnel.open_streams == 0)
 
 
 def test_six_connections_at_once(either, phone):
@@ -221,7 +213,7 @@ def test_six_connections_at_once(either, phone):
         together = list(pool.map(lambda _: get(q, "/together"), range(CONCURRENT)))  # all in flight at once
         bodies = list(pool.map(lambda i: get(q, f"/blob?{i}"), range(CONCURRENT)))
     assert together == [b"together"] * CONCURRENT and all(b == BODY for b in bodies)
-    assert tunnel.connections_relayed == 2 * CONCURRENT and _wait(lambda: tunnel.open_streams == 0)
+    assert tunnel.connections_relayed == 2 * CONCURRENT and wait_until(lambda: tunnel.open_streams == 0)
 
 
 def test_a_refused_target_closes_the_phones_connection(adb, phone):
@@ -341,7 +333,7 @@ def test_shared_bodies_cross_byte_for_byte_while_the_transport_runs_commands(sha
     assert job_result[::2] == ("slept\n", 0) and job_lines and "absent-progress" in job_lines[0]
     assert BODY[:len(BODY) // 2] + rest == BODY and all(whole) and answer == sha_line(upload)
     assert adb.connection() is device and shared.drops == 0  # one connection, never lost
-    assert shared.connections_relayed == len(whole) + 2 and _wait(lambda: shared.open_streams == 0)
+    assert shared.connections_relayed == len(whole) + 2 and wait_until(lambda: shared.open_streams == 0)
 
 
 def test_a_cut_shared_connection_is_an_error_then_the_next_connection_has_the_forward(phone, farm, key):

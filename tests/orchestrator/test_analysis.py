@@ -25,10 +25,11 @@ from agent.protocol import (
     Sample,
     ThermalReading,
 )
-from orchestrator import analysis
+from orchestrator import store
+from orchestrator.analysis import regressions
 from orchestrator.cli import app
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import Alert, AlertKind, AlertState, JobState
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import Alert, AlertKind, AlertState, JobState
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
 BASE_MS = 100.0
@@ -90,13 +91,13 @@ def test_drift_is_estimated_from_the_series_history(Session):  # noqa: N803
         for build, level in zip(builds, levels, strict=True):
             batch = store.create_batch(s, f"nightly {build.name}", build_id=build.id)
             _record(s, device.id, build.id, "latency", _latency(rng, float(level)), batch.id)
-        spec = analysis.SpecKey.of(SPEC)
-        drift, used = analysis.series_drift(s, device, spec, "unet_step_ms", builds[-1])
+        spec = regressions.SpecKey.of(SPEC)
+        drift, used = regressions.series_drift(s, device, spec, "unet_step_ms", builds[-1])
         earlier = [[x.value for x in r.samples if x.metric == "unet_step_ms"]
-                   for b in builds[:-1] for r in analysis.runs_of(s, device.id, b.id, "latency", spec)]
-        assert used == 11 and drift == pytest.approx(analysis.rg.estimate_drift(earlier))
+                   for b in builds[:-1] for r in regressions.runs_of(s, device.id, b.id, "latency", spec)]
+        assert used == 11 and drift == pytest.approx(regressions.rg.estimate_drift(earlier))
         assert 0.01 < drift < 0.06
-        report = analysis.analyze_batch(s, batch.id)
+        report = regressions.analyze_batch(s, batch.id)
     (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c["drift_source"] == "estimated from 11 earlier runs" and c["drift"] == pytest.approx(drift)
     assert c["verdict"] != "regression" or c["ratio"] > 1 + 2.58 * drift  # called only beyond the drift
@@ -110,7 +111,7 @@ def test_drift_leaves_out_builds_whose_regression_is_open(Session):  # noqa: N80
     rng = np.random.default_rng(7)
     with Session() as s, s.begin():
         device = store.upsert_device(s, "p-ab", "local", "/tmp/p-ab", host="h")
-        spec = analysis.SpecKey.of(SPEC)
+        spec = regressions.SpecKey.of(SPEC)
         reports = []
         for night in range(7):
             for letter, slow in (("a", 1.0), ("b", 2.0)):
@@ -118,12 +119,12 @@ def test_drift_leaves_out_builds_whose_regression_is_open(Session):  # noqa: N80
                                                         + (3600 if letter == "b" else 0)))
                 batch = store.create_batch(s, f"demo {build.name}", build_id=build.id)
                 _record(s, device.id, build.id, "latency", _latency(rng, slow), batch.id)
-                reports.append((letter, build, analysis.analyze_batch(s, batch.id)))
+                reports.append((letter, build, regressions.analyze_batch(s, batch.id)))
         a_runs = [[x.value for x in r.samples if x.metric == "unet_step_ms"]
                   for letter, b, _ in reports[:-2] if letter == "a"
-                  for r in analysis.runs_of(s, device.id, b.id, "latency", spec)]
-        drift, used = analysis.series_drift(s, device, spec, "unet_step_ms", reports[-2][1])
-        assert used == len(a_runs) == 6 and drift == pytest.approx(analysis.rg.estimate_drift(a_runs))
+                  for r in regressions.runs_of(s, device.id, b.id, "latency", spec)]
+        drift, used = regressions.series_drift(s, device, spec, "unet_step_ms", reports[-2][1])
+        assert used == len(a_runs) == 6 and drift == pytest.approx(regressions.rg.estimate_drift(a_runs))
         assert drift < 0.05
     for letter, build, report in reports[1:]:
         (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
@@ -141,21 +142,21 @@ def test_a_series_drift_setting_holds_until_its_history_estimates_one(Session): 
     cannot tell it from drift (cause "drift"), while a 3x slowdown is still a regression. The
     setting is no longer used once 6 earlier runs estimate the drift."""
     rng = np.random.default_rng(20261127)
-    spec = analysis.SpecKey.of(SPEC)
+    spec = regressions.SpecKey.of(SPEC)
 
     def verdict(s, device, name: str, slow: float, hour: int) -> dict:
         build = store.create_build(s, _manifest(name, 1_700_000_000.0 + 3600 * hour))
         batch = store.create_batch(s, f"demo {name}", build_id=build.id)
         _record(s, device.id, build.id, "latency", _latency(rng, slow), batch.id)
-        found = [c for c in analysis.analyze_batch(s, batch.id)["comparisons"] if c.get("metric") == "unet_step_ms"]
+        found = [c for c in regressions.analyze_batch(s, batch.id)["comparisons"] if c.get("metric") == "unet_step_ms"]
         return found[0] if found else {}
 
     with Session() as s, s.begin():
         plain = store.upsert_device(s, "p-plain", "local", "/tmp/p-plain", host="h")
         noisy = store.upsert_device(s, "p-noisy", "local", "/tmp/p-noisy", host="h")
         with pytest.raises(store.StoreError, match="drift 1.5 must be in"):
-            analysis.set_drift(s, analysis.series_key(noisy, spec, "unet_step_ms"), 1.5)
-        analysis.set_drift(s, analysis.series_key(noisy, spec, "unet_step_ms"), 0.10)
+            regressions.set_drift(s, regressions.series_key(noisy, spec, "unet_step_ms"), 1.5)
+        regressions.set_drift(s, regressions.series_key(noisy, spec, "unet_step_ms"), 0.10)
         for device in (plain, noisy):
             verdict(s, device, f"{device.serial}-a1", 1.0, 0)
         c = verdict(s, plain, "p-plain-a2", 1.23, 1)
@@ -169,7 +170,7 @@ def test_a_series_drift_setting_holds_until_its_history_estimates_one(Session): 
         # Six accepted runs of history (the B above has an open alert: no part of it) replace the setting.
         for hour in range(3, 8):
             c = verdict(s, noisy, f"p-noisy-h{hour}", 1.0, hour)
-        drift, used = analysis.series_drift(s, noisy, spec, "unet_step_ms", store.get_build(s, "p-noisy-h7"))
+        drift, used = regressions.series_drift(s, noisy, spec, "unet_step_ms", store.get_build(s, "p-noisy-h7"))
         assert used == 6 and drift != 0.10
         assert c["drift_source"] == "estimated from 6 earlier runs" and c["drift"] == pytest.approx(drift), c
 
@@ -177,9 +178,9 @@ def test_a_series_drift_setting_holds_until_its_history_estimates_one(Session): 
 def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     Session = farm["Session"]  # noqa: N806
     with Session() as s, s.begin():
-        same = analysis.analyze_batch(s, farm["batches"]["b2"])
-        regressed = analysis.analyze_batch(s, farm["batches"]["b3"])
-        later = analysis.analyze_batch(s, farm["batches"]["b4"])
+        same = regressions.analyze_batch(s, farm["batches"]["b2"])
+        regressed = regressions.analyze_batch(s, farm["batches"]["b3"])
+        later = regressions.analyze_batch(s, farm["batches"]["b4"])
     (c2,) = [c for c in same["comparisons"] if c["metric"] == "unet_step_ms"]
     # 10 samples of 2% noise each: no change is "same" or, when the interval is wider than the
     # 3% minimum effect, "inconclusive" with more repetitions asked for; never an alert.
@@ -206,7 +207,7 @@ def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     with Session() as s, s.begin():
         for alert_id in regressed["alerts"]:
             s.get(Alert, alert_id).state = AlertState.invalid
-        newest = analysis.analyze_batch(s, farm["batches"]["b5"])
+        newest = regressions.analyze_batch(s, farm["batches"]["b5"])
     (c5,) = [c for c in newest["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c5["baseline_build"] == "b4" or c5["baseline_build"] == "b3"
     assert c5["verdict"] != "regression"
@@ -226,17 +227,17 @@ def test_a_checks_runs_stay_out_of_the_series(farm):
         for _ in range(2):
             _record(s, device_id, pr.id, "latency", _latency(rng, 2.0), check.id)
             _record(s, device_id, farm["builds"]["b2"], "latency", _latency(rng, 1.0), check.id)
-        report = analysis.analyze_batch(s, check.id)
+        report = regressions.analyze_batch(s, check.id)
         assert report["skipped"] and (report["comparisons"], report["alerts"], report["more_repetitions"]) == \
             ([], [], [])
         assert s.query(Alert).count() == 0
-        device = s.get(analysis.Device, device_id)
-        history = analysis.series_history(s, device, analysis.SpecKey.of(SPEC), "unet_step_ms")
+        device = s.get(regressions.Device, device_id)
+        history = regressions.series_history(s, device, regressions.SpecKey.of(SPEC), "unet_step_ms")
         assert [h["build"] for h in history] == ["b1", "b2", "b3", "b4", "b5"]
         assert [len(h["values"]) for h in history][:2] == [10, 10]  # one run each: b2's check runs left out
-        assert analysis.runs_of(s, device_id, pr.id, analysis.JobKind.latency) == []
-        assert len(analysis.runs_of(s, device_id, pr.id, analysis.JobKind.latency, checks=True)) == 2
-        b3 = analysis.analyze_batch(s, farm["batches"]["b3"])
+        assert regressions.runs_of(s, device_id, pr.id, regressions.JobKind.latency) == []
+        assert len(regressions.runs_of(s, device_id, pr.id, regressions.JobKind.latency, checks=True)) == 2
+        b3 = regressions.analyze_batch(s, farm["batches"]["b3"])
     (c3,) = [c for c in b3["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c3["baseline_build"] == "b2" and c3["verdict"] == "regression"  # not "improvement" against pr-7
 
@@ -248,7 +249,7 @@ def test_flagged_runs_left_out_and_mixed_units_refused(farm):
         b6 = store.create_build(s, _manifest("b6", 1_700_000_000.0 + 86400 * 6))
         batch = store.create_batch(s, "hot", build_id=b6.id)
         _record(s, farm["device_id"], b6.id, "latency", _latency(rng, 1.3, timed_out=True), batch.id)
-        report = analysis.analyze_batch(s, batch.id)
+        report = regressions.analyze_batch(s, batch.id)
     (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c["verdict"] == "inconclusive" and c["n_candidate"] == 0 and len(c["excluded_runs"]) == 1
     assert report["alerts"] == []
@@ -256,7 +257,7 @@ def test_flagged_runs_left_out_and_mixed_units_refused(farm):
         b7 = store.create_build(s, _manifest("b7", 1_700_000_000.0 + 86400 * 7))
         batch = store.create_batch(s, "seconds", build_id=b7.id)
         _record(s, farm["device_id"], b7.id, "latency", _latency(rng, 1.0, unit="s"), batch.id)
-        report = analysis.analyze_batch(s, batch.id)
+        report = regressions.analyze_batch(s, batch.id)
     (c,) = [c for c in report["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c["verdict"] == "refused" and "ms" in c["reason"] and "s" in c["reason"]
 
@@ -277,8 +278,8 @@ def test_changed_image_and_silent_device_raise_alerts(farm, tmp_path):
                                artifacts=[Artifact(path.name, "0" * 64, path.stat().st_size, "image")])
             _record(s, farm["device_id"], ids[build], "generate", result, farm["batches"][build], tmp_path)
     with Session() as s, s.begin():
-        unchanged = analysis.analyze_batch(s, farm["batches"]["b2"], now=_now(s))
-        changed = analysis.analyze_batch(s, farm["batches"]["b3"], now=_now(s))
+        unchanged = regressions.analyze_batch(s, farm["batches"]["b2"], now=_now(s))
+        changed = regressions.analyze_batch(s, farm["batches"]["b3"], now=_now(s))
     assert [f["changed"] for f in unchanged["fidelity"]] == [False] and unchanged["fidelity"][0]["psnr_db"] == float("inf")
     assert [f["changed"] for f in changed["fidelity"]] == [True]
     with Session() as s:
@@ -288,8 +289,8 @@ def test_changed_image_and_silent_device_raise_alerts(farm, tmp_path):
     # Three days without a run: one data-stoppage alert, not one per analysis.
     with Session() as s, s.begin():
         later = _now(s) + dt.timedelta(days=3)
-        first = analysis.raise_stoppages(s, later)
-        again = analysis.raise_stoppages(s, later)
+        first = regressions.raise_stoppages(s, later)
+        again = regressions.raise_stoppages(s, later)
     assert len(first) == 1 and again == []
     with Session() as s:
         assert s.get(Alert, first[0]).kind == AlertKind.data_stoppage
@@ -332,7 +333,7 @@ def test_regressions_compare_and_bisect_cli(cli):
             _record(s, device.id, build.id, "latency", _latency(rng, slow), batch.id)
             if i == 4:
                 b4_batch = batch.id
-        report = analysis.analyze_batch(s, b4_batch)
+        report = regressions.analyze_batch(s, b4_batch)
     alert_id = report["alerts"][0]
 
     listed = json.loads(cli("regressions", "list", "--json").output)

@@ -28,13 +28,14 @@ from schemathesis import GenerationMode
 from sqlalchemy import select
 
 from agent.protocol import JobResult, Manifest, ManifestFile, Sample
-from orchestrator import batch_analysis
+from orchestrator import store
 from orchestrator.api import tokens
 from orchestrator.api.app import create_app
-from orchestrator.celery_app import make_celery
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import Alert, AlertState, ApiToken, CheckRun, CheckState, JobState
-from orchestrator.settings import Settings
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import batch_analysis
+from orchestrator.jobs.celery_app import make_celery
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import Alert, AlertState, ApiToken, CheckRun, CheckState, JobState
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
 

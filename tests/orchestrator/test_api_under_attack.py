@@ -23,8 +23,8 @@ from asgi_server import serving
 
 from orchestrator.api import tokens
 from orchestrator.api.app import create_app
-from orchestrator.db import make_engine, make_session_factory, upgrade
-from orchestrator.settings import Settings
+from orchestrator.infra.settings import Settings
+from orchestrator.store import make_engine, make_session_factory, upgrade
 
 MIB = 1 << 20
 
@@ -126,7 +126,7 @@ def test_silent_and_trickling_connections_are_closed_by_farm_api_serve(api, tmp_
     import sys
     import threading
 
-    from asgi_server import free_port
+    from support import free_port
 
     port = free_port()
     env = os.environ | {"FARM_DATA_DIR": str(api["settings"].data_dir), "FARM_CONFIG_DIR": str(api["settings"].config_dir),

@@ -14,11 +14,12 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from agent.protocol import BadValue, JobResult, Manifest, ManifestFile, Sample, from_json
-from orchestrator import reconciler, worker
-from orchestrator.celery_app import make_celery
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import DeviceState, Job, JobState, Run
-from orchestrator.settings import Settings
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import reconciler, worker
+from orchestrator.jobs.celery_app import make_celery
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import DeviceState, Job, JobState, Run
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 1, "scheduler": "euler", "time_limit_s": 120.0}
 

@@ -15,10 +15,10 @@ from test_tuning_loop import _wait_for_batch
 from typer.testing import CliRunner
 
 from agent.bundle import build_bundle
+from orchestrator import store
 from orchestrator.cli import app as farm_cli
-from orchestrator.db import store
-from orchestrator.db.models import Batch, Build, Job, JobKind, JobState
-from orchestrator.jobservice import launch_suite
+from orchestrator.jobs.jobservice import launch_suite
+from orchestrator.store.models import Batch, Build, Job, JobKind, JobState
 
 # `alone`: scripts/test.sh runs this file with no other test beside it: it times builds against each other on this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]

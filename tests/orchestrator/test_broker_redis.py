@@ -14,7 +14,6 @@ import gc
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,9 +25,10 @@ import pytest
 import redis
 from celery.exceptions import TimeoutError as ResultTimeout
 from ci_support import missing
+from support import free_port
 
-from orchestrator.celery_app import host_queue, make_celery
-from orchestrator.settings import Settings
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.celery_app import host_queue, make_celery
 
 REPO = Path(__file__).resolve().parents[2]
 PING = "orchestrator.tasks.ping"
@@ -36,12 +36,6 @@ PING = "orchestrator.tasks.ping"
 
 def _no_redis(message: str):
     missing(message, "CI needs one: scripts/ensure-redis.sh installs it")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -92,7 +86,7 @@ class RedisServer:
 
 
 class Worker:
-    """`celery -A orchestrator.celery_app worker` in its own process, configured (as `farm
+    """`celery -A orchestrator.jobs.celery_app worker` in its own process, configured (as `farm
     worker` is) by FARM_* variables only."""
 
     def __init__(self, tmp: Path, settings: Settings, queues: list[str], concurrency: int = 1):
@@ -103,7 +97,7 @@ class Worker:
                             "FARM_HOST_NAME": settings.host_name}
         log = open(self.log_path, "w")  # noqa: SIM115  (the child keeps it)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "orchestrator.celery_app", "worker", "-Q", ",".join(queues),
+            [sys.executable, "-m", "celery", "-A", "orchestrator.jobs.celery_app", "worker", "-Q", ",".join(queues),
              "-c", str(concurrency), "-n", self.name, "--without-gossip", "--without-mingle", "-l", "info"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         log.close()
@@ -167,7 +161,7 @@ def redis_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, redis_url):
-    from orchestrator.db import make_engine, make_session_factory, upgrade
+    from orchestrator.store import make_engine, make_session_factory, upgrade
 
     tmp = tmp_path_factory.mktemp("redis-farm")
     settings = farm_settings(tmp, redis_url)
@@ -202,8 +196,8 @@ def test_generate_job_runs_through_redis(farm, tiny_model_dir):
     from sqlalchemy import func, select
 
     from agent.bundle import build_bundle, generate_keypair, provision_public_key
-    from orchestrator.db import store
-    from orchestrator.db.models import Deployment, DeploymentStatus, Job, JobState, Run, Sample
+    from orchestrator import store
+    from orchestrator.store.models import Deployment, DeploymentStatus, Job, JobState, Run, Sample
 
     tmp, settings, app, Session = farm["tmp"], farm["settings"], farm["app"], farm["Session"]  # noqa: N806
     key = generate_keypair(tmp / "farm.key", tmp / "farm.pub")
@@ -242,9 +236,9 @@ def test_sent_jobs_subscribe_to_no_result(farm):
     subscription 20 times a second apart (19 s measured) before it fails; one that does not
     fails in 0.6 s, and the reconciler, which sends every job it finds, goes on."""
     from agent.protocol import Manifest, ManifestFile
-    from orchestrator import jobservice
-    from orchestrator.db import store
-    from orchestrator.db.models import Job, JobState
+    from orchestrator import store
+    from orchestrator.jobs import jobservice
+    from orchestrator.store.models import Job, JobState
 
     settings, app, Session = farm["settings"], farm["app"], farm["Session"]  # noqa: N806
     manifest = Manifest(build="no-results", version="0.1.0", created=1_700_000_000.0, source_revision="abc",
@@ -304,7 +298,7 @@ def test_worker_reconnects_after_redis_is_killed_and_queued_jobs_run(tmp_path):
         def send_during_outage():
             policy = {"max_retries": 200, "interval_start": 0.1, "interval_step": 0.1, "interval_max": 0.25}
             try:
-                # Sent as the farm sends jobs: no result subscription (orchestrator.dispatch.publish).
+                # Sent as the farm sends jobs: no result subscription (orchestrator.jobs.dispatch.publish).
                 sent["result"] = app.signature(PING, args=(200,)).apply_async(queue=queue, retry=True,
                                                                               retry_policy=policy,
                                                                               ignore_result=True)

@@ -1,4 +1,4 @@
-"""The farm's hub for browser devices (orchestrator/browser_hub.py) with the real page
+"""The farm's hub for browser devices (orchestrator/transports/hub.py) with the real page
 (agent/web, on engine/web) in Debian's headless Chromium on SwiftShader: enrolment by token and farm key, a
 signed build deployed into the page's cache (verified with WebCrypto Ed25519; a second deploy
 fetches nothing; a build signed by another key or altered is refused), a generation run from the
@@ -29,7 +29,7 @@ from agent.hubpage import HubPage
 from agent.protocol import Manifest, from_json
 from engine.browser import BrowserError, chromium_command, find_chromium
 from engine.kernels import SHADER_ROOT
-from orchestrator.browser_hub import BrowserHub
+from orchestrator.transports.hub import BrowserHub
 from orchestrator.transports.local import LocalTransport
 
 pytestmark = pytest.mark.gpu

@@ -17,8 +17,8 @@ import urllib.request
 import pytest
 
 from agent.bundle import generate_keypair
-from orchestrator.browser_hub import BrowserHub, HubClient
 from orchestrator.transports.browser import BrowserTransport, PageLink
+from orchestrator.transports.hub import BrowserHub, HubClient
 
 LOST_S = 6.0
 TOKEN = "token-of-d1"

@@ -23,11 +23,11 @@ from ci_support import missing
 from agent.bundle import generate_keypair
 from agent.simulator import VirtualPhone
 from engine.browser import find_chromium
-from orchestrator import browser_hub
-from orchestrator.browser_hub import AGENT_WEB_ROOT, BrowserHub
 from orchestrator.transports import DeviceOffline
+from orchestrator.transports import hub as browser_hub
 from orchestrator.transports.adb import AdbTransport, load_or_create_adb_key
 from orchestrator.transports.browser import AdbPageLink, BrowserTransport, PageLink, WebPageLink
+from orchestrator.transports.hub import AGENT_WEB_ROOT, BrowserHub
 
 SERIAL = "sim-reenrol"
 

@@ -1,4 +1,4 @@
-"""The farm's certificate authority (orchestrator/ca.py) and `farm ca ...`:
+"""The farm's certificate authority (orchestrator/infra/ca.py) and `farm ca ...`:
 
 - the CA folder: 0700, keys 0600, no stray temporary files; an existing CA kept unless forced;
   a CA key readable by group or others refused;
@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from orchestrator import ca
+from orchestrator.infra import ca
 
 MARKER = "farm-page-3f9c1d"
 LAB_NAMES = ["farm.lan", "farm.test", "localhost", "127.0.0.1", "::1", "10.0.0.5", "10.9.9.9"]

@@ -14,10 +14,10 @@ from test_bisect_live import _build
 from test_tasks import HOST, farm  # noqa: F401  (the module's own real worker and store)
 from typer.testing import CliRunner
 
-from orchestrator import analysis
+from orchestrator import store
+from orchestrator.analysis import regressions
 from orchestrator.cli import app as farm_cli
-from orchestrator.db import store
-from orchestrator.db.models import Alert, Batch, Build, Job
+from orchestrator.store.models import Alert, Batch, Build, Job
 
 # `alone`: it times builds against each other on this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]
@@ -35,12 +35,12 @@ def env(farm, tmp_path_factory, tiny_model_dir):  # noqa: F811
         # Noisy-series settings as the demo's (cli/demo.py DEMO_DRIFT, DEMO_MIN_EFFECT), the
         # minimum effect wider still: this lavapipe shares 2 cores with other work, and b1's
         # interleaved runs came out up to 13% apart here. "slow" is 2-3x slower.
-        spec = analysis.SpecKey.of({"model": store.default_model(b1), "precision": "fp32", "steps": 1})
+        spec = regressions.SpecKey.of({"model": store.default_model(b1), "precision": "fp32", "steps": 1})
         device = store.get_device(session, "local-1")
-        for metric in analysis.HEADLINE_METRICS:
-            key = analysis.series_key(device, spec, metric)
-            analysis.set_min_effect(session, key, 0.25)
-            analysis.set_drift(session, key, 0.10)
+        for metric in regressions.HEADLINE_METRICS:
+            key = regressions.series_key(device, spec, metric)
+            regressions.set_min_effect(session, key, 0.25)
+            regressions.set_drift(session, key, 0.10)
     _build(farm, tmp_path_factory.mktemp("slow"), tiny_model_dir, "slow", created + 3600, reference=True)
     return {"FARM_DATA_DIR": settings.data_dir, "FARM_CONFIG_DIR": settings.config_dir,
             "FARM_DATABASE_URL": settings.database_url, "FARM_HOST_NAME": HOST}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.db import check
+from orchestrator.store import check
 
 
 def test_db_upgrade_with_url(tmp_path):

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.simulator import VirtualPhone
-from orchestrator import health
 from orchestrator.cli import app
+from orchestrator.jobs import health
 from orchestrator.transports.adb import load_or_create_adb_key
 
 
@@ -134,10 +134,10 @@ def test_state_machine_refusals_are_one_line(cli_db):
 
 
 def test_a_browser_device_is_added_over_adb_and_reached_through_its_browser(cli_db):
-    from orchestrator.db.models import Device
-    from orchestrator.settings import load_settings
+    from orchestrator.infra.settings import load_settings
+    from orchestrator.store.models import Device
     from orchestrator.transports.browser import AdbPageLink, BrowserTransport
-    from orchestrator.worker import make_transport
+    from orchestrator.transports.factory import make_transport
 
     cli = cli_db
     added = cli("devices", "add", "pixel-8", "--transport", "adb", "--address", "127.0.0.1:5999",

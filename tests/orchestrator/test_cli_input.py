@@ -3,7 +3,7 @@ names an address, a port, an id, a name that becomes a path, or a path is refuse
 enters, as one red `error:` line naming the value, with a non-zero exit and nothing written;
 a device whose stored serial or address cannot be used (an older farm, a hand-edited database)
 is named by `farm devices discover` and `farm deploy`, which then exit non-zero. Also the
-parsers behind them (orchestrator/inputs.py), which FARM_DEVICES and `farm worker --device`
+parsers behind them (orchestrator/infra/inputs.py), which FARM_DEVICES and `farm worker --device`
 go through too."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import json
 import pytest
 
 from agent.protocol import Manifest, ManifestFile
-from orchestrator import inputs
-from orchestrator.db import store
-from orchestrator.settings import parse_device_entry
+from orchestrator import store
+from orchestrator.infra import inputs
+from orchestrator.infra.settings import parse_device_entry
 
 USAGE = 2
 

@@ -26,9 +26,10 @@ from agent.protocol import (
     Sample,
     ThermalReading,
 )
+from orchestrator import store
 from orchestrator.cli import app
-from orchestrator.db import queries, store
-from orchestrator.db.models import Batch, DeviceState, Job, JobState
+from orchestrator.store import queries
+from orchestrator.store.models import Batch, DeviceState, Job, JobState
 
 GIB = 2**30
 
@@ -331,7 +332,7 @@ def test_metric_series_along_builds(seeded):
 def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
     cli = seeded
     sent: list[list[int]] = []
-    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
+    monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
 
     out = json.loads(cli("jobs", "submit", "latency", "--all", "--precision", "fp32", "--steps", "4",
                          "--resolution", "64x96", "--repetitions", "3", "--warmup", "0", "--cooldown", "38",
@@ -386,7 +387,7 @@ def test_submit_refuses_numbers_that_never_end_or_cannot_run(seeded, monkeypatch
     is queued."""
     cli = seeded
     sent = []
-    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(job_ids))
+    monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(job_ids))
     before = json.loads(cli("jobs", "list", "--json").output)
     _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", *args, ok=False), fragment)
     assert json.loads(cli("jobs", "list", "--json").output) == before and sent == []
@@ -397,7 +398,7 @@ def test_submit_refuses_a_job_a_browser_device_cannot_hold(cli, tiny_model_dir, 
     job's GPU budget) would fail only on the phone: `farm jobs submit` records the plan for that
     adapter, says what does not fit on which device, and queues nothing."""
     sent = []
-    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
+    monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
     add_page_devices(cli, _manifest("b9", 1_700_000_000.0), tiny_model_dir)
     submit = ("jobs", "submit", "generate", "--build", "b9", "--precision", "fp32", "--steps", "2",
               "--scheduler", "euler")
@@ -419,7 +420,7 @@ def test_submit_that_cannot_reach_the_workers_cancels_its_jobs(seeded, monkeypat
     def broker_down(app, job_ids, strict):
         raise ConnectionError("broker down")
 
-    monkeypatch.setattr("orchestrator.jobservice.send_jobs", broker_down)
+    monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", broker_down)
     _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", ok=False), "broker down", "cancelled")
     (job,) = json.loads(cli("jobs", "list", "--json", "--limit", "1").output)
     assert job["state"] == "cancelled" and "not sent" in job["error"]
@@ -436,7 +437,7 @@ def test_a_broker_failing_part_way_through_a_submit_leaves_the_job_a_worker_star
             store.transition_job(session, job_ids[0], JobState.running, worker="w1")  # a worker took it
         raise ConnectionError("broker down after the first message")
 
-    monkeypatch.setattr("orchestrator.jobservice.send_jobs", first_then_down)
+    monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", first_then_down)
     out = cli("jobs", "submit", "latency", "--device", "phone-1", "--device", "phone-2", ok=False).output
     assert "1 unsent job(s) are cancelled" in " ".join(out.split()) and "reached a worker and go on" in out
     first, second = sorted(json.loads(cli("jobs", "list", "--json", "--limit", "2").output), key=lambda j: j["id"])
@@ -450,7 +451,7 @@ def test_submit_img2img_carries_its_image_in_the_job(cli_db, monkeypatch):
     from PIL import Image
 
     cli = cli_db
-    monkeypatch.setattr("orchestrator.jobservice.send_jobs", lambda app, job_ids, strict: None)
+    monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", lambda app, job_ids, strict: None)
     with cli.Session() as s, s.begin():
         store.set_device_state(s, store.upsert_device(s, "phone-1", "adb", "127.0.0.1:5555", host="testhost").id,
                                DeviceState.available)

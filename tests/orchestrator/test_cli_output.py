@@ -64,7 +64,7 @@ def test_ca_show_prints_the_fingerprint_whole_in_a_narrow_terminal_or_a_pipe(tmp
     assert _farm("ca", "init", "--name", "lab CA", env=env).returncode == 0
     shown = _farm("ca", "show", env=env)
     assert shown.returncode == 0, shown.stderr
-    from orchestrator import ca
+    from orchestrator.infra import ca
 
     folder = Path(env["FARM_CONFIG_DIR"]) / "ca"
     fingerprint = ca.fingerprint(ca.load_ca_cert(folder))
@@ -95,8 +95,9 @@ def test_what_devices_report_is_printed_as_text_never_as_markup(tmp_path):
     and "[link=...]" in its GPU name made a link in the operator's terminal. Every command that
     shows what devices report prints it as it is, on a terminal (FORCE_COLOR) and in a pipe."""
     from agent.protocol import DeviceInfo
-    from orchestrator.db import make_engine, make_session_factory, store, upgrade
-    from orchestrator.db.models import JobState
+    from orchestrator import store
+    from orchestrator.store import make_engine, make_session_factory, upgrade
+    from orchestrator.store.models import JobState
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
     env |= {"FARM_DATA_DIR": str(tmp_path / "data"), "FARM_CONFIG_DIR": str(tmp_path / "config")}

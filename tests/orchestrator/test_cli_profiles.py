@@ -1,6 +1,6 @@
 """`farm profiles list|show|promote|diff` on each store (SQLite, then PostgreSQL), and `farm
 builds create` shipping the promoted profile. The profiles are registered the way a tune
-job's result registers them (orchestrator.profiles.register), from a stored tune run."""
+job's result registers them (orchestrator.analysis.profiles.register), from a stored tune run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from agent.protocol import Artifact, JobResult, Manifest, ManifestFile
-from orchestrator import profiles
-from orchestrator.db import store
+from orchestrator import store
+from orchestrator.analysis import profiles
 
 RULES_A = [{"op": "linear", "variant": "tiled", "when": {"m": 154, "n": 768, "k": 768}},
            {"op": "attention", "variant": "flash", "when": {"dh": 40}}]

@@ -290,11 +290,11 @@ def celery_problem(argv: list[str], env: dict[str, str], monkeypatch) -> str | N
     service's environment, and the subcommand is one the image installs (flower)."""
     from celery.app.utils import find_app
 
-    import orchestrator.celery_app as celery_app_module
+    import orchestrator.jobs.celery_app as celery_app_module
 
     args = shlex.split(" ".join(argv[1:]).replace("--app=", "-A "))
     if "-A" not in args:
-        return "celery runs without -A orchestrator.celery_app"
+        return "celery runs without -A orchestrator.jobs.celery_app"
     module = args[args.index("-A") + 1]
     subcommand = next((a for a in args[args.index("-A") + 2:] if not a.startswith("-")), None)
     for key in [k for k in os.environ if k.startswith("FARM_")]:
@@ -352,7 +352,7 @@ def test_every_farm_service_runs_a_command_that_exists(stack, monkeypatch):
     (["farm-agent", "simulate", "--port", "5555", "--serial", "x", "--auth=yes"], "--auth is a flag"),
     (["farm-agent", "simulate", "--port", "5555", "--serial", "x", "--hots", "0.0.0.0"], "did you mean --host?"),
     (["celery", "-A", "orchestrator.celery_ap", "flower"], "celery -A orchestrator.celery_ap: "),
-    (["celery", "-A", "orchestrator.celery_app", "flowr"], "no subcommand 'flowr'"),
+    (["celery", "-A", "orchestrator.jobs.celery_app", "flowr"], "no subcommand 'flowr'"),
     (["farmer", "worker"], "'farmer' is not a program"),
     ([], "default command"),
 ])
@@ -375,7 +375,7 @@ def test_the_command_check_passes_a_good_command(argv, monkeypatch):
 
 
 def test_the_farm_variables_set_are_ones_the_farm_reads(stack):
-    from orchestrator.settings import Settings
+    from orchestrator.infra.settings import Settings
 
     prefix = Settings.model_config.get("env_prefix", "")
     read = {f"{prefix}{field}".upper() for field in Settings.model_fields}

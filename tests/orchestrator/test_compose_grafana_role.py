@@ -68,7 +68,7 @@ def sqlstate(engine, statement: str, writable: bool = False) -> str | None:
 
 
 def test_grafanas_role_reads_every_table_and_changes_nothing(fresh_store):
-    from orchestrator.db import upgrade
+    from orchestrator.store import upgrade
 
     owner_url, role, password, env = fresh_store
     run_init_script(env)

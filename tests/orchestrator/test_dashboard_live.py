@@ -42,13 +42,16 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from agent.protocol import Artifact, JobResult, KernelTiming, Manifest, ManifestFile, Sample
-from orchestrator import analysis, batch_analysis
+from orchestrator import store
+from orchestrator.analysis import regressions
 from orchestrator.api import tokens
 from orchestrator.api.app import create_app
-from orchestrator.celery_app import make_celery
 from orchestrator.dashboard import pages
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import (
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import batch_analysis
+from orchestrator.jobs.celery_app import make_celery
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import (
     Alert,
     AlertKind,
     AlertState,
@@ -60,12 +63,11 @@ from orchestrator.db.models import (
     JobState,
     Run,
 )
-from orchestrator.db.models import KernelTiming as KernelTimingRow
-from orchestrator.settings import Settings
+from orchestrator.store.models import KernelTiming as KernelTimingRow
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
-SPEC_KEY = analysis.SpecKey.of(SPEC)
+SPEC_KEY = regressions.SpecKey.of(SPEC)
 METRICS = ("unet_step_ms", "e2e_ms", "peak_gpu_bytes")
 GENERATE_E2E_MS = 15_000.0  # the generate job's one end-to-end run: never a latency sample
 PEAK = 1.4 * 2**30
@@ -183,8 +185,8 @@ def _history(farm, serial: str, metric: str) -> list[dict]:
     with farm["sessions"]() as s:
         device = store.get_device(s, serial)
         run = s.scalar(select(Run).where(Run.device_id == device.id).limit(1))
-        environment = analysis.env_key_of(run, device)
-        return analysis.series_history(s, device, SPEC_KEY, metric, environment=environment)
+        environment = regressions.env_key_of(run, device)
+        return regressions.series_history(s, device, SPEC_KEY, metric, environment=environment)
 
 
 def _medians(history: list[dict]) -> dict[str, float]:
@@ -246,7 +248,7 @@ def _overview_checks(browser, farm) -> None:
 
     with farm["sessions"]() as s:
         open_alerts = {a.id: str(a.state) for a in s.scalars(select(Alert).where(
-            Alert.state.in_(analysis.OPEN_STATES)))}
+            Alert.state.in_(regressions.OPEN_STATES)))}
     for serial in ("p1", "p2"):
         for metric in METRICS:
             cell = browser.find_element(By.CSS_SELECTOR, f'td.metric-cell[data-device="{serial}"][data-metric="{metric}"]')
@@ -287,7 +289,7 @@ def test_the_overview_asks_for_a_token_then_shows_the_analysis_numbers(farm, ser
 
 
 def _series_id(farm, serial: str, metric: str) -> str:
-    from orchestrator import series as farm_series
+    from orchestrator.analysis import series as farm_series
 
     with farm["sessions"]() as s:
         (found,) = farm_series.list_series(s, store.get_device(s, serial), metric)
@@ -646,7 +648,7 @@ def _gallery_checks(browser, farm, build: str) -> None:
     device, job, workload and prompt."""
     from selenium.webdriver.common.by import By
 
-    from orchestrator.db.models import Image
+    from orchestrator.store.models import Image
 
     with farm["sessions"]() as s:
         images = s.execute(select(Image.id, Image.prompt, Run.job_id).join(Run, Run.id == Image.run_id)

@@ -618,7 +618,7 @@ def interpolate(sql: str, variables: dict[str, list[str]], board: dict) -> str:
 
 
 def seed(Session) -> None:  # noqa: N803  (a session factory)
-    from orchestrator.db.models import (
+    from orchestrator.store.models import (
         Alert,
         AlertKind,
         Build,
@@ -743,8 +743,8 @@ def test_latency_band_overrides_name_real_columns():
 def test_the_latency_dashboards_series_variables_key_runs_as_the_analysis_does(db_engine, Session):  # noqa: N803
     """The SQL of each part of the series key (model, resolution, steps, precision, profile) gives,
     for a job's spec, exactly what the analysis' SpecKey.of gives, defaults and all."""
-    from orchestrator.analysis import SpecKey
-    from orchestrator.db.models import Device, Job, JobKind
+    from orchestrator.analysis.regressions import SpecKey
+    from orchestrator.store.models import Device, Job, JobKind
 
     seed(Session)
     specs = [{"model": "sd14", "height": 512, "width": 768, "steps": 20, "precision": "fp16", "profile": "adreno"},

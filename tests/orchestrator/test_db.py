@@ -27,16 +27,16 @@ from agent.protocol import (
     Sample,
     ThermalReading,
 )
-from orchestrator.db import (
+from orchestrator import store
+from orchestrator.store import (
     SchemaMismatch,
     check,
     make_engine,
     make_session_factory,
     migrate,
-    store,
     upgrade,
 )
-from orchestrator.db.models import (
+from orchestrator.store.models import (
     Base,
     DeploymentStatus,
     Device,
@@ -46,7 +46,7 @@ from orchestrator.db.models import (
     Run,
     utcnow,
 )
-from orchestrator.db.models import Sample as SampleRow
+from orchestrator.store.models import Sample as SampleRow
 
 ADAPTER = {"vendor": "qualcomm", "architecture": "adreno-7xx", "device": "Adreno (TM) 740",
            "description": "Qualcomm Technologies Inc. Adreno Vulkan Driver", "backend": "Vulkan"}
@@ -529,7 +529,7 @@ def _write_without_waiting(url: str) -> None:
 def test_a_read_snapshot_holds_no_write_lock_where_an_ordinary_transaction_does(tmp_path):
     from sqlalchemy.exc import OperationalError
 
-    from orchestrator.db.session import read_snapshot
+    from orchestrator.store.session import read_snapshot
 
     url = f"sqlite:///{tmp_path / 'farm.db'}"
     upgrade(url)
@@ -551,9 +551,10 @@ def test_an_analysis_scans_history_in_a_snapshot_other_writers_do_not_wait_for(t
     """A batch's analysis scans each of its devices' whole history for change points: 17.9 s of
     a 19.5 s analysis kept every writer waiting on SQLite (benchmarks/analysis_lock.py, 5
     devices, a year of nightly builds), past the busy timeout for a larger farm."""
-    from orchestrator import analysis, batch_analysis
-    from orchestrator.celery_app import make_celery
-    from orchestrator.settings import Settings
+    from orchestrator.analysis import regressions
+    from orchestrator.infra.settings import Settings
+    from orchestrator.jobs import batch_analysis
+    from orchestrator.jobs.celery_app import make_celery
 
     url = f"sqlite:///{tmp_path / 'farm.db'}"
     upgrade(url)
@@ -572,6 +573,6 @@ def test_an_analysis_scans_history_in_a_snapshot_other_writers_do_not_wait_for(t
         scanned.append(device.serial)
         return []
 
-    monkeypatch.setattr(analysis, "find_change_points", scan)
+    monkeypatch.setattr(regressions, "find_change_points", scan)
     batch_analysis.analyze(make_celery(Settings(database_url=url, data_dir=tmp_path / "data")), batch_id)
     assert scanned == ["R5CW1234"]

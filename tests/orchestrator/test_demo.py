@@ -18,7 +18,7 @@ from processes import processes_with
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
-from orchestrator.db.models import Alert, AlertKind, Batch, Deployment, Device, Job, JobState
+from orchestrator.store.models import Alert, AlertKind, Batch, Deployment, Device, Job, JobState
 
 # `alone`: scripts/test.sh runs this file with no other test beside it: it times build A against build B on devices that share this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]

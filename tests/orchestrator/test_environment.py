@@ -15,11 +15,12 @@ from alembic import command
 from sqlalchemy import func, select
 
 from agent.protocol import DeviceInfo, JobResult, RunEnvironment, Sample, to_dict
-from orchestrator import analysis
-from orchestrator import environment as run_env
-from orchestrator.db import make_engine, make_session_factory, migrate, store, upgrade
-from orchestrator.db.models import Alert, AlertKind, AlertState, JobState, Run
-from orchestrator.db.models import Sample as SampleRow
+from orchestrator import store
+from orchestrator.analysis import regressions
+from orchestrator.store import environment as run_env
+from orchestrator.store import make_engine, make_session_factory, migrate, upgrade
+from orchestrator.store.models import Alert, AlertKind, AlertState, JobState, Run
+from orchestrator.store.models import Sample as SampleRow
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
 ADAPTER = {"vendor": "qualcomm", "architecture": "adreno-7xx", "device": "Adreno (TM) 740", "backend": "Vulkan",
@@ -138,8 +139,8 @@ def test_migration_0009_gives_earlier_runs_an_empty_environment(db_url):
         with make_session_factory(engine)() as s:
             run = s.get(Run, run_id)
             # The analysis reads the device's record for such a run.
-            assert analysis.run_environment(run, run.job.device)["source"] == run_env.DEVICE_RECORD
-            assert analysis.env_key_of(run, run.job.device) == run_env.environment_key(
+            assert regressions.run_environment(run, run.job.device)["source"] == run_env.DEVICE_RECORD
+            assert regressions.env_key_of(run, run.job.device) == run_env.environment_key(
                 store.result_environment(run.job.device))
     finally:
         engine.dispose()
@@ -164,10 +165,10 @@ def test_a_driver_update_is_an_environment_change_not_a_build_regression(Session
             batches[build.name] = store.create_batch(s, f"nightly {build.name}", build_id=build.id).id
             _record(s, device.id, build.id, _latency(rng, slow, env), batches[build.name])
         # A setting made for the series in any environment holds in each one.
-        analysis.set_min_effect(s, analysis.series_key(device, analysis.SpecKey.of(SPEC), "unet_step_ms"), 0.1)
-        first = analysis.analyze_batch(s, batches["b2"])
-        across = analysis.analyze_batch(s, batches["b3"])
-        after = analysis.analyze_batch(s, batches["b4"])
+        regressions.set_min_effect(s, regressions.series_key(device, regressions.SpecKey.of(SPEC), "unet_step_ms"), 0.1)
+        first = regressions.analyze_batch(s, batches["b2"])
+        across = regressions.analyze_batch(s, batches["b3"])
+        after = regressions.analyze_batch(s, batches["b4"])
         ids = {"b2": b2.id, "b3": b3.id, "device": device.id}
     c2 = _unet(first)
     assert c2["verdict"] == "same" and c2["environment_change"] == [] and c2["min_effect"] == 0.1
@@ -202,7 +203,7 @@ def test_a_driver_update_is_an_environment_change_not_a_build_regression(Session
                                    idempotency_key=f"more:{batches['b3']}:1:p1")
         _record(s, ids["device"], ids["b3"], _latency(rng, 1.3, new), batch.id)
         _record(s, ids["device"], ids["b2"], _latency(rng, 1.3, new), batch.id)
-        again = analysis.analyze_batch(s, batch.id)
+        again = regressions.analyze_batch(s, batch.id)
     c3_again = _unet(again)
     assert (c3_again["baseline_build"], c3_again["verdict"], c3_again["environment_change"]) == ("b2", "same", [])
     assert c3_again["other_environment_runs"] != []  # b2's run on the old driver is left out
@@ -220,14 +221,14 @@ def test_history_and_drift_are_read_within_one_environment(Session):  # noqa: N8
         builds = [_build(s, f"h{i}", i) for i in range(8)]
         for i, build in enumerate(builds):
             _record(s, device.id, build.id, _latency(rng, 1.0 if i < 6 else 1.3, old if i < 6 else new))
-        spec = analysis.SpecKey.of(SPEC)
+        spec = regressions.SpecKey.of(SPEC)
         new_key = run_env.environment_key(to_dict(new))
-        history = analysis.series_history(s, device, spec, "unet_step_ms", environment=new_key)
+        history = regressions.series_history(s, device, spec, "unet_step_ms", environment=new_key)
         assert [h["build"] for h in history] == ["h6", "h7"]
-        assert len(analysis.series_history(s, device, spec, "unet_step_ms")) == 8
+        assert len(regressions.series_history(s, device, spec, "unet_step_ms")) == 8
         # Six runs on the old driver are enough history there; none on the new one.
-        assert analysis.series_drift(s, device, spec, "unet_step_ms", builds[7], environment=new_key)[1] == 0
-        assert analysis.series_drift(s, device, spec, "unet_step_ms", builds[7],
+        assert regressions.series_drift(s, device, spec, "unet_step_ms", builds[7], environment=new_key)[1] == 0
+        assert regressions.series_drift(s, device, spec, "unet_step_ms", builds[7],
                                      environment=run_env.environment_key(to_dict(old)))[1] == 6
 
 
@@ -244,7 +245,7 @@ def test_cli_shows_the_driver_change(cli_db):
         _record(s, device.id, b1.id, _latency(rng, 1.0, _env("512.3")))
         batch = store.create_batch(s, "nightly b2", build_id=b2.id)
         run_id = _record(s, device.id, b2.id, _latency(rng, 1.3, _env("530.1")), batch.id).id
-        report = analysis.analyze_batch(s, batch.id)
+        report = regressions.analyze_batch(s, batch.id)
     (alert_id,) = report["alerts"]
     listing = cli_db("regressions", "list").output
     assert "environment changed" in listing and "driver changed 512.3 -> 530.1" in listing
@@ -276,7 +277,7 @@ def test_same_environment_says_nothing_about_environments(Session):  # noqa: N80
         _record(s, device.id, b1.id, _latency(rng, 1.0, _env()))
         batch = store.create_batch(s, "nightly b2", build_id=b2.id)
         _record(s, device.id, b2.id, _latency(rng, 1.3, _env()), batch.id)
-        report = analysis.analyze_batch(s, batch.id)
+        report = regressions.analyze_batch(s, batch.id)
         (alert,) = [s.get(Alert, i) for i in report["alerts"]]
         assert not alert.summary.startswith("environment changed") and alert.detail["environment_change"] == []
     c = _unet(report)

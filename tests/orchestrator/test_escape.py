@@ -1,5 +1,5 @@
 """What leaves the farm for another renderer carries device- and pull-request-supplied strings
-as text (orchestrator/escape.py; issue 38, items 3 and 5): `farm check --markdown` rendered as
+as text (orchestrator/infra/escape.py; issue 38, items 3 and 5): `farm check --markdown` rendered as
 GitHub-flavoured Markdown (markdown-it-py, CommonMark with GFM tables), a Slack message's
 mrkdwn, an email's headers."""
 
@@ -9,8 +9,10 @@ import re
 
 from markdown_it import MarkdownIt
 
-from orchestrator import check, escape, notify
-from orchestrator.settings import Settings
+from orchestrator.infra import escape
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import notify
+from orchestrator.services import check
 
 HOSTILE = ["k`] [a](https://evil.example/a) ![x](https://evil.example/p.png) @octocat <img src=x>",
            "``double`` | [b](https://evil.example/b)", "`", " lead and trail ", "a\nb\r\n| c |", "\\|", ""]

@@ -23,9 +23,13 @@ from agent.bundle import (
     load_private_key,
     provision_public_key,
 )
-from orchestrator.celery_app import DEFAULT_QUEUE, make_celery
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import (
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.celery_app import DEFAULT_QUEUE, make_celery
+from orchestrator.jobs.jobservice import launch_suite, send_jobs
+from orchestrator.services.stack import settings_env
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import (
     Batch,
     Deployment,
     DeploymentStatus,
@@ -35,9 +39,6 @@ from orchestrator.db.models import (
     JobState,
     Run,
 )
-from orchestrator.jobservice import launch_suite, send_jobs
-from orchestrator.settings import Settings
-from orchestrator.stack import settings_env
 
 pytestmark = pytest.mark.gpu
 HOST = "faulthost"

@@ -22,16 +22,17 @@ from agent.protocol import JobSpec
 from agent.simulator import VirtualPhone
 from engine.browser import find_chromium
 from engine.kernels import SHADER_ROOT
-from orchestrator.browser_hub import BrowserHub
-from orchestrator.celery_app import make_celery
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import Job, JobState, Run
-from orchestrator.jobservice import launch_suite
-from orchestrator.keys import ensure_farm_key
-from orchestrator.settings import Settings
+from orchestrator import store
+from orchestrator.infra.keys import ensure_farm_key
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.celery_app import make_celery
+from orchestrator.jobs.jobservice import launch_suite
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import Job, JobState, Run
 from orchestrator.transports import TransportError
 from orchestrator.transports.adb import AdbTransport, load_or_create_adb_key
 from orchestrator.transports.browser import AdbPageLink, BrowserTransport
+from orchestrator.transports.hub import BrowserHub
 
 pytestmark = pytest.mark.gpu
 HOST = "browserhost"

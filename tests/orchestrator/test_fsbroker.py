@@ -1,4 +1,4 @@
-"""The embedded broker's transport (orchestrator/fsbroker.py) through kombu's public API: a
+"""The embedded broker's transport (orchestrator/infra/fsbroker.py) through kombu's public API: a
 message is delivered whole and once while producers in other processes write large messages
 and several consumers poll the same folder, and an undecodable file in the queue is set aside
 without stopping the consumer or losing the messages behind it."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
-from orchestrator import fsbroker  # noqa: F401  (registers farmfs://)
+from orchestrator.infra import fsbroker  # noqa: F401  (registers farmfs://)
 
 QUEUE = "fsbroker-test"
 

@@ -18,12 +18,13 @@ from worker_farm import Workers, wait
 
 from agent.protocol import JobResult, Manifest, ManifestFile
 from agent.simulator import VirtualPhone
-from orchestrator import dispatch, health, worker
-from orchestrator.celery_app import DEFAULT_QUEUE, make_celery
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.device_states import DEVICE_TRANSITIONS, DeviceEvent, markdown_table
-from orchestrator.db.models import Device, DeviceState, Job, JobState, utcnow
-from orchestrator.settings import Settings
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import dispatch, health, worker
+from orchestrator.jobs.celery_app import DEFAULT_QUEUE, make_celery
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.device_states import DEVICE_TRANSITIONS, DeviceEvent, markdown_table
+from orchestrator.store.models import Device, DeviceState, Job, JobState, utcnow
 from orchestrator.transports import DeviceOffline
 from orchestrator.transports.adb import load_or_create_adb_key
 

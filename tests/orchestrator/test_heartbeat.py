@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from orchestrator import worker
+from orchestrator.jobs import worker
 
 
 class _Store:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.db import store
-from orchestrator.db.models import DeviceState
-from orchestrator.jobservice import target_devices
+from orchestrator import store
+from orchestrator.jobs.jobservice import target_devices
+from orchestrator.store.models import DeviceState
 
 
 def test_targets_all_in_service_devices_or_the_named_ones_once(Session):  # noqa: N803

@@ -10,12 +10,13 @@ import base64
 import json
 
 from agent.protocol import Manifest, ManifestFile
-from orchestrator.batch_analysis import more_repetitions_jobs
-from orchestrator.celery_app import make_celery
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import Job
-from orchestrator.jobservice import launch_suite
-from orchestrator.settings import Settings
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.batch_analysis import more_repetitions_jobs
+from orchestrator.jobs.celery_app import make_celery
+from orchestrator.jobs.jobservice import launch_suite
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import Job
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "job_id": 7}
 
@@ -108,7 +109,7 @@ def test_a_batch_rounds_only_on_its_round_metrics_unless_the_sample_count_decide
     from test_analysis import _latency, _manifest, _record
 
     from agent.protocol import Sample
-    from orchestrator import analysis
+    from orchestrator.analysis import regressions
 
     rng = np.random.default_rng(26)
     asked, causes = {}, {}
@@ -124,7 +125,7 @@ def test_a_batch_rounds_only_on_its_round_metrics_unless_the_sample_count_decide
                                    for r in range(e2e_reps)]
                 batch = store.create_batch(s, f"nightly {build.name}", build_id=build.id, round_metrics=metrics)
                 _record(s, device.id, build.id, "latency", result, batch.id)
-            report = analysis.analyze_batch(s, batch.id)
+            report = regressions.analyze_batch(s, batch.id)
             verdicts = {c["metric"]: c["verdict"] for c in report["comparisons"]}
             assert verdicts["unet_step_ms"] == "regression" and verdicts["e2e_ms"] == "inconclusive", verdicts
             causes[label] = next(c["cause"] for c in report["comparisons"] if c["metric"] == "e2e_ms")
@@ -152,7 +153,7 @@ def test_no_round_is_asked_for_where_the_rounds_left_could_not_decide(Session): 
     from test_analysis import _latency, _manifest, _record
 
     from agent.protocol import Sample
-    from orchestrator import analysis
+    from orchestrator.analysis import regressions
 
     rng = np.random.default_rng(27)
     with Session() as s, s.begin():
@@ -163,7 +164,7 @@ def test_no_round_is_asked_for_where_the_rounds_left_could_not_decide(Session): 
             result.samples += [Sample("e2e_ms", 500.0 * float(np.exp(rng.normal(0, 0.3))), "ms", r) for r in range(10)]
             batch = store.create_batch(s, f"nightly {name}", build_id=build.id)
             _record(s, device.id, build.id, "latency", result, batch.id)
-        report = analysis.analyze_batch(s, batch.id)
+        report = regressions.analyze_batch(s, batch.id)
     (e2e,) = [c for c in report["comparisons"] if c["metric"] == "e2e_ms"]
     assert e2e["verdict"] == "inconclusive" and e2e["more_repetitions_suggested"] == 0, e2e
     assert "3 more runs of each build could not decide it either" in e2e["reason"]

@@ -13,13 +13,13 @@ import time
 
 from processes import processes_with
 
-from orchestrator import notify
-from orchestrator.celery_app import DEFAULT_QUEUE, host_queue, make_celery
-from orchestrator.db import make_engine, make_session_factory, upgrade
-from orchestrator.db import notifications as store
-from orchestrator.db.models import Delivery
-from orchestrator.settings import Settings
-from orchestrator.stack import Stack
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import notify
+from orchestrator.jobs.celery_app import DEFAULT_QUEUE, host_queue, make_celery
+from orchestrator.services.stack import Stack
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store import notifications as store
+from orchestrator.store.models import Delivery
 
 HOST = "notehost"
 TIMEOUT_S = 40.0  # an attempt may take this long: far past what the job's ping waits

@@ -22,13 +22,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 from aiosmtpd.controller import Controller
+from support import free_port
 
 from agent.protocol import JobResult, Manifest, ManifestFile, Sample
-from orchestrator import batch_analysis, notify
-from orchestrator.celery_app import make_celery
-from orchestrator.db import make_engine, make_session_factory, notifications, store, upgrade
-from orchestrator.db.models import Delivery, DeliveryState, DeviceState, JobState
-from orchestrator.settings import Settings
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import batch_analysis, notify
+from orchestrator.jobs.celery_app import make_celery
+from orchestrator.store import make_engine, make_session_factory, notifications, upgrade
+from orchestrator.store.models import Delivery, DeliveryState, DeviceState, JobState
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
 
@@ -75,12 +77,6 @@ class Mailbox:
         self.messages, self.tls = [], []
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def receivers():
     made = []
@@ -96,7 +92,7 @@ def receivers():
 
 @pytest.fixture
 def smtp():
-    port = _free_port()
+    port = free_port()
     mailbox = Mailbox()
     controller = Controller(mailbox, hostname="127.0.0.1", port=port)
     controller.start()
@@ -140,7 +136,7 @@ def farm(db_url, tmp_path, smtp):
                 store.transition_job(s, job.id, JobState.succeeded)
             batches[f"b{i}"] = batch.id
     app = make_celery(settings)
-    import orchestrator.tasks  # noqa: F401  (registers the tasks on the app)
+    import orchestrator.jobs.tasks  # noqa: F401  (registers the tasks on the app)
 
     yield {"app": app, "Session": Session, "batches": batches, "settings": settings}
     engine.dispose()
@@ -298,7 +294,7 @@ def test_a_slow_receiver_times_out_and_is_tried_again(farm, receivers):
 def test_email_goes_over_starttls_with_a_login(farm, tmp_path):
     from aiosmtpd.smtp import AuthResult
 
-    from orchestrator import ca
+    from orchestrator.infra import ca
 
     ca.init_ca(tmp_path / "ca")
     logins = []
@@ -307,7 +303,7 @@ def test_email_goes_over_starttls_with_a_login(farm, tmp_path):
         logins.append((auth_data.login, auth_data.password))
         return AuthResult(success=(auth_data.login, auth_data.password) == (b"farm", b"s3cret"))
 
-    mailbox, port = Mailbox(), _free_port()
+    mailbox, port = Mailbox(), free_port()
     controller = Controller(mailbox, hostname="127.0.0.1", port=port,
                             tls_context=ca.server_ssl_context(tmp_path / "ca", ["127.0.0.1"]),
                             require_starttls=True, authenticator=authenticate, auth_required=True)

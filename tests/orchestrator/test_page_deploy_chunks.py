@@ -1,5 +1,5 @@
 """The farm page's deploy a chunk at a time (agent/web/farm.js) in Debian's headless Chromium on
-SwiftShader, through the real hub (orchestrator/browser_hub.py) serving byte ranges of a build
+SwiftShader, through the real hub (orchestrator/transports/hub.py) serving byte ranges of a build
 made with 64 KiB chunks (the tiny UNet file is 69 of them): a deploy cut at about 2%, 50% and 95%
 of the build's bytes (the hub closes the connection mid-chunk) is resumed by the next deploy
 fetching exactly the chunks not held, and the build then generates; no buffer the deploy fills
@@ -32,7 +32,7 @@ from ci_support import missing
 from cryptography.hazmat.primitives import serialization
 
 import engine
-import orchestrator.browser_hub as browser_hub
+import orchestrator.transports.hub as browser_hub
 from agent.bundle import (
     build_bundle,
     generate_keypair,
@@ -45,8 +45,8 @@ from agent.protocol import FILES, Manifest, from_json
 from engine.browser import chromium_command, find_chromium
 from engine.errors import BrowserError
 from engine.kernels import SHADER_ROOT
-from orchestrator.browser_hub import BrowserHub
 from orchestrator.transports.browser import BrowserTransport, WebPageLink
+from orchestrator.transports.hub import BrowserHub
 from orchestrator.transports.local import LocalTransport
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""orchestrator/qr.py: the terminal QR code, read back module by module. Each text line holds
+"""orchestrator/infra/qr.py: the terminal QR code, read back module by module. Each text line holds
 two module rows as Unicode half blocks with light modules drawn; reading it back must give
 segno's matrix of the URL (error correction M or better) inside a four-module light quiet
 zone, in ceil((size + 8) / 2) lines of size + 8 characters."""
@@ -10,7 +10,7 @@ import math
 import pytest
 import segno
 
-from orchestrator.qr import QUIET_ZONE, qr_text
+from orchestrator.infra.qr import QUIET_ZONE, qr_text
 
 # character -> (top module dark, bottom module dark); light modules are the drawn ones
 HALF_BLOCKS = {"█": (0, 0), "▀": (0, 1), "▄": (1, 0), " ": (1, 1)}

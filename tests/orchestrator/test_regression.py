@@ -1,4 +1,4 @@
-"""orchestrator.regression: the statistics against scipy and numpy references on fresh random
+"""orchestrator.analysis.stats: the statistics against scipy and numpy references on fresh random
 inputs (fixed seeds), the verdicts on clear cases, change points, attribution, PSNR, thermal
 flags and the series key."""
 
@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 from scipy import stats
 
-import orchestrator.regression as rg
-from orchestrator.regression import (
+import orchestrator.analysis.stats as rg
+from orchestrator.analysis.stats import (
     SeriesKey,
     SeriesSample,
     ThermalReading,

@@ -23,17 +23,26 @@ from worker_farm import Workers, kill_group, logs, wait
 
 from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
 from agent.jobs import read_lock
-from orchestrator.celery_app import (
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.celery_app import (
     DEFAULT_QUEUE,
     _embedded_broker,
     make_celery,
     visibility_timeout_s,
 )
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import Deployment, DeploymentStatus, Device, Job, JobState, Run, utcnow
-from orchestrator.jobservice import cancel_job, check_time_limit, send_jobs
-from orchestrator.reconciler import reconcile
-from orchestrator.settings import Settings
+from orchestrator.jobs.jobservice import cancel_job, check_time_limit, send_jobs
+from orchestrator.jobs.reconciler import reconcile
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import (
+    Deployment,
+    DeploymentStatus,
+    Device,
+    Job,
+    JobState,
+    Run,
+    utcnow,
+)
 
 # `alone`: scripts/test.sh runs this file with no other test beside it: its leases and reconciler deadlines are seconds long.
 pytestmark = pytest.mark.alone
@@ -49,8 +58,8 @@ QUICK_SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 1, "schedule
 CONSUMER = textwrap.dedent("""
     import sys, time
     from kombu import Connection
-    from orchestrator.celery_app import _embedded_broker
-    from orchestrator.settings import Settings
+    from orchestrator.jobs.celery_app import _embedded_broker
+    from orchestrator.infra.settings import Settings
     url, options, _ = _embedded_broker(Settings(data_dir=sys.argv[1], config_dir=sys.argv[1]))
     with Connection(url, transport_options=options) as conn:
         queue = conn.SimpleQueue("work", no_ack=False)
@@ -273,7 +282,7 @@ def test_a_lost_worker_has_its_own_budget_with_a_doubling_delay(tmp_path):
     after MAX_ATTEMPTS. Worker losses now have their own budget, each requeue waiting twice as
     long as the last; the device's own failures still end a job after MAX_ATTEMPTS."""
     from agent.protocol import Manifest, ManifestFile
-    from orchestrator import dispatch, worker
+    from orchestrator.jobs import dispatch, worker
 
     settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name=HOST,
                         stale_after_s=3.0, message_grace_s=3.0)

@@ -11,8 +11,8 @@ import pytest
 from page_devices import add_page_devices
 from typer.testing import CliRunner
 
+from orchestrator import store
 from orchestrator.cli import app
-from orchestrator.db import store
 
 UTC = dt.UTC
 SUITE = {"build": None, "devices": "all", "jobs": [{"kind": "latency", "spec": {}}]}
@@ -79,7 +79,7 @@ def test_a_schedule_that_cannot_fire_never_stops_the_others(Session):  # noqa: N
     """A stored schedule with a cron that names no date (stored before `add` checked it) made
     every beat tick raise before firing anything: every nightly run stopped, silently. It is
     left out with its error recorded; the others fire."""
-    from orchestrator.db.models import Schedule
+    from orchestrator.store.models import Schedule
 
     now = store.utcnow()
     with Session() as session, session.begin():
@@ -194,8 +194,8 @@ def test_a_schedule_cools_its_devices_down_before_each_job(cli_db):
     from sqlalchemy import select
 
     from agent.protocol import Manifest, ManifestFile
-    from orchestrator.db import store
-    from orchestrator.db.models import Job
+    from orchestrator import store
+    from orchestrator.store.models import Job
 
     cli = cli_db
     cli("devices", "add", "p1", "--transport", "local")
@@ -222,8 +222,8 @@ def test_a_tuning_loop_schedule_times_the_tuned_profile_after_the_tune(cli_db):
     from sqlalchemy import select
 
     from agent.protocol import Manifest, ManifestFile
-    from orchestrator.db import store
-    from orchestrator.db.models import Job
+    from orchestrator import store
+    from orchestrator.store.models import Job
 
     cli = cli_db
     cli("devices", "add", "p1", "--transport", "local")
@@ -256,7 +256,7 @@ def test_schedules_list_shows_a_broken_schedule_and_beat_fires_the_rest(farm, tm
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session as OrmSession
 
-    from orchestrator.db.models import Schedule
+    from orchestrator.store.models import Schedule
 
     farm("schedules", "add", "nightly", "--cron", "0 2 * * *")
     engine = create_engine(f"sqlite:///{tmp_path / 'farm.db'}")
@@ -282,7 +282,7 @@ def test_a_firing_fails_at_once_the_jobs_a_page_cannot_hold_and_runs_the_rest(cl
     from sqlalchemy import select
 
     from agent.protocol import Manifest, ManifestFile
-    from orchestrator.db.models import Batch, Job
+    from orchestrator.store.models import Batch, Job
 
     cli("devices", "add", "host-1", "--transport", "local")
     add_page_devices(cli, Manifest(build="b1", version="0.1.0", created=1_700_000_000.0, files=[

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from agent.serve import AgentServer
-from orchestrator import ca
-from orchestrator.browser_hub import BrowserHub
+from orchestrator.infra import ca
+from orchestrator.transports.hub import BrowserHub
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.settings import load_settings
+from orchestrator.infra.settings import load_settings
 
 
 @pytest.fixture(autouse=True)

@@ -16,10 +16,10 @@ import time
 import pytest
 from processes import processes_with
 
-from orchestrator.celery_app import make_celery
-from orchestrator.db import upgrade
-from orchestrator.settings import Settings
-from orchestrator.stack import Stack
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.celery_app import make_celery
+from orchestrator.services.stack import Stack
+from orchestrator.store import upgrade
 
 IDLE_S = 5.0
 

@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy import select
 
 from agent.protocol import Manifest, ManifestFile
-from orchestrator.db import store
-from orchestrator.db.models import Job
-from orchestrator.dispatch import Sends
-from orchestrator.jobservice import _create_suite
-from orchestrator.settings import Settings
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.dispatch import Sends
+from orchestrator.jobs.jobservice import _create_suite
+from orchestrator.store.models import Job
 
 
 def test_entries_for_one_runtime_run_on_its_devices_only(Session, tmp_path):  # noqa: N803

@@ -16,9 +16,11 @@ import pytest
 from sqlalchemy import func, select, update
 
 from agent.bundle import build_bundle, generate_keypair, provision_public_key
-from orchestrator.celery_app import DEFAULT_QUEUE, host_queue, make_celery
-from orchestrator.db import make_engine, make_session_factory, store, upgrade
-from orchestrator.db.models import (
+from orchestrator import store
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs.celery_app import DEFAULT_QUEUE, host_queue, make_celery
+from orchestrator.store import make_engine, make_session_factory, upgrade
+from orchestrator.store.models import (
     Deployment,
     DeploymentStatus,
     Device,
@@ -28,7 +30,6 @@ from orchestrator.db.models import (
     Sample,
     utcnow,
 )
-from orchestrator.settings import Settings
 
 pytestmark = pytest.mark.gpu
 HOST = "testhost"
@@ -55,7 +56,7 @@ def farm(tmp_path_factory, tiny_model_dir):
     env.pop("FARM_BROKER_URL", None)
     log = open(tmp / "worker.log", "w")  # noqa: SIM115  (closed at teardown)
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "orchestrator.celery_app", "worker", "-Q",
+        [sys.executable, "-m", "celery", "-A", "orchestrator.jobs.celery_app", "worker", "-Q",
          f"{host_queue(HOST)},{DEFAULT_QUEUE}", "-c", "2", "-n", f"w1@{HOST}", "--without-gossip",
          "--without-mingle", "-l", "info"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from orchestrator.browser_hub import BrowserHub, read_or_make_token, revoke_token
+from orchestrator.transports.hub import BrowserHub, read_or_make_token, revoke_token
 
 
 def _get(hub: BrowserHub, path: str, token: str) -> int:

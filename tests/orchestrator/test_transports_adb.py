@@ -358,9 +358,9 @@ def test_a_phone_given_adb_keys_lets_in_only_those_hosts(tmp_path):
 def test_the_workers_adb_transport_signs_with_the_config_dirs_key(tmp_path, monkeypatch):
     """A worker's adb devices are reached with <config_dir>/adbkey, the key `farm secrets
     public-keys` publishes and the stack's phones trust, whatever HOME is."""
-    from orchestrator.db.models import Device
-    from orchestrator.settings import Settings
-    from orchestrator.worker import make_transport
+    from orchestrator.infra.settings import Settings
+    from orchestrator.store.models import Device
+    from orchestrator.transports.factory import make_transport
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config")

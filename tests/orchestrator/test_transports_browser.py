@@ -18,10 +18,10 @@ from agent.protocol import Cooldown, JobSpec, Manifest
 from agent.simulator import VirtualPhone
 from engine.browser import find_chromium
 from engine.kernels import SHADER_ROOT
-from orchestrator.browser_hub import BrowserHub
 from orchestrator.transports import InfraFailure
 from orchestrator.transports.adb import AdbTransport, load_or_create_adb_key
 from orchestrator.transports.browser import AdbPageLink, BrowserTransport
+from orchestrator.transports.hub import BrowserHub
 
 pytestmark = pytest.mark.gpu
 

@@ -25,10 +25,10 @@ from agent.protocol import JobSpec
 from agent.simulator.tablet import VirtualTablet
 from engine.browser import find_chromium
 from engine.kernels import SHADER_ROOT
-from orchestrator import ca
-from orchestrator.browser_hub import BrowserHub, HubClient, read_or_make_token
+from orchestrator.infra import ca
 from orchestrator.transports import DeviceOffline
 from orchestrator.transports.browser import BrowserTransport, WebPageLink, enrolment_url
+from orchestrator.transports.hub import BrowserHub, HubClient, read_or_make_token
 
 pytestmark = pytest.mark.gpu
 SERIAL = "tablet-1"
@@ -124,8 +124,8 @@ def test_the_token_is_on_no_command_line_and_in_no_log_others_can_read(farm):
 
 
 def test_the_demo_stack_passes_the_tablets_url_in_a_private_file(tmp_path, monkeypatch):
-    from orchestrator.settings import Settings
-    from orchestrator.stack import Stack
+    from orchestrator.infra.settings import Settings
+    from orchestrator.services.stack import Stack
 
     spawned = []
     monkeypatch.setattr(Stack, "_spawn", lambda self, name, argv, *a, **k: spawned.append(argv))

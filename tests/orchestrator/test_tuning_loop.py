@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import select
 from test_tasks import HOST, farm  # noqa: F401  (the module's own real worker and store)
 
-from orchestrator.db.models import Batch, Job, JobKind, JobState, Profile, Run, Sample
-from orchestrator.jobservice import launch_suite
-from orchestrator.profiles import profile_sha256
+from orchestrator.analysis.profiles import profile_sha256
+from orchestrator.jobs.jobservice import launch_suite
+from orchestrator.store.models import Batch, Job, JobKind, JobState, Profile, Run, Sample
 
 pytestmark = pytest.mark.gpu
 COMMON = {"precision": "fp32", "steps": 1, "height": 32, "width": 32, "time_limit_s": 300.0}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.settings import Settings
-from orchestrator.stack import settings_env
+from orchestrator.infra.settings import Settings
+from orchestrator.services.stack import settings_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ class Workers:
         return worker
 
     def stop(self) -> None:
-        """SIGTERM each worker itself, as orchestrator.stack stops one (not its group: prefork
+        """SIGTERM each worker itself, as orchestrator.services.stack stops one (not its group: prefork
         children killed at once can leave the pool's queue lock held and the warm shutdown
         waiting on it), then SIGKILL each group."""
         for worker in self.processes:

@@ -8,8 +8,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from orchestrator.db import queries, store
-from orchestrator.db.models import AlertKind, AlertState
+from orchestrator import store
+from orchestrator.store import queries
+from orchestrator.store.models import AlertKind, AlertState
 
 from ..deps import (
     AUTH_ERRORS,

@@ -1,4 +1,4 @@
-"""POST /v1/checks starts a check (`farm check`, orchestrator/check.py) in the API process,
+"""POST /v1/checks starts a check (`farm check`, orchestrator/services/check.py) in the API process,
 with a run-scoped token; GET /v1/checks and /v1/checks/{id} poll its state, progress, exit
 code, outcome and report."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request
 from sqlalchemy import select
 
-from orchestrator import analysis
-from orchestrator import check as gate
-from orchestrator.db.models import CheckRun
+from orchestrator.analysis import regressions
+from orchestrator.services import check as gate
+from orchestrator.store.models import CheckRun
 
 from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Limit, Reader, RecordId, Runner, problem
 from ..schemas import CheckIn, CheckOut
@@ -26,7 +26,7 @@ def start_check(caller: Runner, db: Db, body: CheckIn, request: Request) -> Chec
                              repetitions=body.repetitions, unet_repetitions=body.unet_repetitions,
                              timeout_s=body.timeout_s)
     wanted = gate.CheckRequest(candidate=body.build, baseline=body.baseline, devices=body.devices,
-                               metrics=tuple(body.metrics or analysis.HEADLINE_METRICS), spec=spec, pairs=body.pairs,
+                               metrics=tuple(body.metrics or regressions.HEADLINE_METRICS), spec=spec, pairs=body.pairs,
                                max_rounds=body.max_rounds, images=body.images, timeout_s=body.timeout_s)
     try:
         row = request.app.state.checks.start(db, wanted, caller.token_id)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
-from orchestrator import series as farm_series
+from orchestrator import store
+from orchestrator.analysis import series as farm_series
 from orchestrator.dashboard import views
-from orchestrator.db import store
 
 from ..deps import AUTH_ERRORS, NOT_FOUND, BuildName, Db, Reader, RecordId, Serial, SeriesId, found
 from ..schemas import (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from orchestrator.db import queries, store
+from orchestrator import store
+from orchestrator.store import queries
 
 from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Reader, Serial, found
 from ..schemas import DeviceOut

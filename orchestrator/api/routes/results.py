@@ -7,8 +7,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from orchestrator.db import queries, store
-from orchestrator.db.models import JobKind
+from orchestrator import store
+from orchestrator.store import queries
+from orchestrator.store.models import JobKind
 
 from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Limit, Reader, RecordId, found
 from ..schemas import (

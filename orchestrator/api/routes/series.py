@@ -1,5 +1,5 @@
 """GET /v1/series (the analysis' series, keyed as it keys them) and /v1/series/{id} (one
-series with a point per build): orchestrator/series.py."""
+series with a point per build): orchestrator/analysis/series.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from orchestrator import series as farm_series
-from orchestrator.db import store
+from orchestrator import store
+from orchestrator.analysis import series as farm_series
 
 from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Reader, SeriesId, found
 from ..schemas import PLAIN, Metric, SeriesDetail, SeriesKeyOut, SeriesOut, SeriesPoint

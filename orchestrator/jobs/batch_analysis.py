@@ -1,0 +1,93 @@
+"""A finished batch's hand-off to the analysis (the analyze_batch task): its per-device summary
+and the regression analysis (orchestrator/regressions.py), stored on the batch and written as a
+report, and the more-repetitions rounds an inconclusive comparison asks for, launched as suites
+through the job service (orchestrator/jobs/jobservice.py)."""
+
+from __future__ import annotations
+
+import json
+
+from celery import Celery
+
+from orchestrator import store
+from orchestrator.analysis import profiles
+from orchestrator.jobs import notify
+from orchestrator.jobs.celery_app import session_for, settings_of
+from orchestrator.jobs.jobservice import launch_suite
+from orchestrator.store import notifications
+from orchestrator.store.models import BATCH_CHECK
+from orchestrator.store.session import read_snapshot
+
+
+def analyze(app: Celery, batch_id: int) -> dict:
+    """A finished batch's analysis: its per-device summary and the regression analysis
+    (orchestrator/regressions.py: comparisons against each series' baseline, alerts, fidelity,
+    data stoppages), stored on the batch and written to <data_dir>/reports/batch-<id>.json for
+    whatever sends notifications. Inconclusive comparisons launch a follow-up batch with more
+    repetitions on those devices (at most the batch's max_extra_rounds rounds; idempotent)."""
+    from agent.bundle import atomic_write
+    from orchestrator.analysis import regressions
+    from orchestrator.analysis.summary import batch_summary
+
+    settings = settings_of(app)
+    # 1. Each series the batch fed, scanned over its whole history (not only inside an alert):
+    # the long part, read in a snapshot that holds no write lock (on SQLite every other
+    # transaction takes it first, and a worker recording a result would wait for all of it:
+    # 17.9 s of a 19.5 s analysis of 5 devices' year of nightly runs; benchmarks/analysis_lock.py).
+    with session_for(app) as session, session.begin():
+        read_snapshot(session)
+        batch = store.get_batch(session, batch_id)
+        devices = [] if batch.purpose == BATCH_CHECK else sorted({job.device for job in batch.jobs},
+                                                                  key=lambda d: d.serial)  # no series fed
+        found = [point for device in devices for point in regressions.find_change_points(session, device)]
+    # 2. The comparisons and everything written, in one short transaction.
+    with session_for(app) as session, session.begin():
+        batch = store.get_batch(session, batch_id)
+        report = regressions.analyze_batch(session, batch_id)
+        report["profile_gains"] = profiles.measure_gains(session, batch_id)
+        report["change_points"] = regressions.record_change_points(session, found)
+        summary = batch_summary(session, batch_id) | {"analysis": report}
+        rounds = store.extra_round(batch.idempotency_key)  # 0: the original batch
+        follow_up = report["more_repetitions"] if rounds < batch.max_extra_rounds else []
+        name, build_id, root, max_rounds = batch.name, batch.build_id, _root_batch(batch), batch.max_extra_rounds
+        round_metrics = batch.round_metrics
+        batch.summary = summary
+        # 3. Who hears of the alerts: deliveries recorded with them (never twice, however often
+        # this batch is analysed), sent once this commits; a receiver's trouble is the task's.
+        deliveries = notifications.record_alerts(session, report["alerts"] + report["stoppages"])
+    notify.publish_deliveries(app, deliveries)
+    report_path = settings.data_dir / "reports" / f"batch-{batch_id}.json"
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(report_path, json.dumps(summary, indent=2, default=str).encode())
+    for device, jobs in more_repetitions_jobs(follow_up).items():
+        launch_suite(app, f"{name} (more repetitions, round {rounds + 1})", jobs, build=build_id,
+                     devices=[device], idempotency_key=f"more:{root}:{rounds + 1}:{device}",
+                     max_extra_rounds=max_rounds, round_metrics=round_metrics)
+    return summary
+
+
+def more_repetitions_jobs(entries: list[dict]) -> dict[str, list[dict]]:
+    """Device serial -> the jobs of its more-repetitions round, from the analysis'
+    "more_repetitions" entries: a new latency run of the candidate (the batch's build) and one
+    of its baseline (the entry's "baseline_build"), each with the repetitions asked for.
+    Run-to-run drift averages only over runs, and the baseline's single earlier run would
+    otherwise bound what any number of candidate runs can show. Only the samples of the
+    undecided metrics ("metrics": UNet steps for unet_step_ms, end-to-end generations for the
+    others) are asked for; kernel timings, which the first runs already gave, are not taken
+    again."""
+    jobs_by_device: dict[str, list[dict]] = {}
+    for entry in entries:
+        metrics = entry.get("metrics") or ["unet_step_ms", "e2e_ms"]
+        spec = dict(entry["spec"]) | {"unet_repetitions": entry["repetitions"], "warmup": 1, "kernel_timings": False}
+        # End-to-end generations: as many as asked when an end-to-end metric is undecided, else
+        # one (a UNet-step round's generations would only add time).
+        spec["repetitions"] = entry["repetitions"] if set(metrics) - {"unet_step_ms"} else 1
+        spec.pop("job_id", None)
+        jobs_by_device.setdefault(entry["device"], []).extend(
+            [{"kind": "latency", "spec": spec}, {"kind": "latency", "spec": spec, "build": entry["baseline_build"]}])
+    return jobs_by_device
+
+
+def _root_batch(batch) -> int:
+    key = batch.idempotency_key
+    return int(key.split(":")[1]) if key and key.startswith("more:") else batch.id

@@ -1,0 +1,346 @@
+"""A CI gate (`farm check`): a candidate build against a baseline on each device, measured
+side by side as Pinpoint does. Each device runs the two builds' latency jobs interleaved
+(baseline, candidate, baseline, candidate, ...) in one suite (orchestrator/jobs/jobservice.py), and
+one generation of each for image fidelity; each metric's verdict comes from the analysis'
+comparison (orchestrator/regressions.py compare_builds) of this check's runs only, so a build
+can be checked against itself. A device with an undecided metric gets more-repetitions rounds
+(orchestrator/jobs/batch_analysis.more_repetitions_jobs, a candidate and a baseline run each) until
+every verdict is decided or `max_rounds` are spent. The outcome is an exit code: 0 no
+regression, 1 a regression, 2 undecided after the budget; bad input raises CheckInput (3),
+a check that could not run raises CheckFailed (4)."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from orchestrator import store
+from orchestrator.analysis import regressions
+from orchestrator.analysis.stats import compare_images
+from orchestrator.infra.escape import md_code
+from orchestrator.jobs.batch_analysis import more_repetitions_jobs
+from orchestrator.jobs.jobservice import launch_suite, target_devices
+from orchestrator.store.models import (
+    BATCH_CHECK,
+    Batch,
+    Build,
+    Device,
+    Image,
+    Job,
+    JobKind,
+    JobState,
+    Run,
+    RunStatus,
+)
+
+PASS, REGRESSION, UNDECIDED, BAD_INPUT, FAILED = 0, 1, 2, 3, 4
+POLL_S = 1.0
+
+
+class CheckInput(Exception):
+    """Bad input: an unknown build, device or metric, or no baseline to compare with."""
+
+
+class CheckFailed(Exception):
+    """The check could not measure: a job failed, or time ran out."""
+
+
+@dataclass(frozen=True)
+class CheckRequest:
+    candidate: str
+    devices: list[str] | str  # serials, or "all"
+    baseline: str | None = None  # None: each device's series' last accepted build, else the build before
+    metrics: tuple[str, ...] = tuple(regressions.HEADLINE_METRICS)
+    spec: dict[str, Any] = field(default_factory=dict)  # the latency jobs' spec
+    pairs: int = 2  # baseline/candidate runs per device in the first round
+    max_rounds: int = 2  # more-repetitions rounds after the first
+    images: bool = True  # one generation of each build per device, for image fidelity
+    timeout_s: float = 3600.0
+
+
+def latency_spec(*, precision: str = "fp16", steps: int = 4, size: int | None = None, repetitions: int = 5,
+                 unet_repetitions: int = 10, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """The spec of a check's latency jobs (and, less the timing fields, of its generations):
+    what `farm check` and the API's POST /v1/checks both send."""
+    spec: dict[str, Any] = {"precision": precision, "steps": steps, "seed": 0, "warmup": 1,
+                            "repetitions": repetitions, "unet_repetitions": unet_repetitions,
+                            "prompt": "a red bicycle leaning on a wall", "time_limit_s": min(timeout_s, 3600.0)}
+    if size:
+        spec |= {"height": size, "width": size}
+    return spec
+
+
+@dataclass
+class _Round:
+    """What one round launched: batch ids, and each check job's role by (batch, entry index)."""
+
+    batches: list[int] = field(default_factory=list)
+    roles: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+def plan(session: Session, request: CheckRequest) -> tuple[Build, dict[str, Build]]:
+    """The candidate and each device's baseline (serial -> build). CheckInput names what is
+    unknown or missing."""
+    unknown = [m for m in request.metrics if m not in regressions.HEADLINE_METRICS]
+    if unknown:
+        raise CheckInput(f"unknown metric {unknown[0]!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
+    try:
+        candidate = store.get_build(session, request.candidate)
+        named = store.get_build(session, request.baseline) if request.baseline else None
+        devices = target_devices(session, request.devices, refuse_quarantined=True)
+        model = store.default_model(candidate)
+    except store.StoreError as exc:
+        raise CheckInput(str(exc)) from None
+    spec = regressions.SpecKey.of({"model": model} | request.spec)
+    baselines = {}
+    for device in devices:
+        baseline = named
+        if baseline is None:
+            key = regressions.series_key(device, spec, next(iter(regressions.HEADLINE_METRICS)))
+            found = regressions.baseline_build(session, candidate, device, spec, key)
+            baseline = found[0] if found else session.scalar(
+                select(Build).where(regressions.made_before(candidate))
+                .order_by(Build.created.desc(), Build.id.desc()).limit(1))
+        if baseline is None:
+            raise CheckInput(f"no build before {candidate.name} to compare it with on {device.serial}; "
+                             "name one with --baseline")
+        baselines[device.serial] = baseline
+    return candidate, baselines
+
+
+def interleaved_jobs(spec: dict[str, Any], baseline: str, pairs: int, images: bool) -> list[dict[str, Any]]:
+    """A B B A A B ...: the baseline's and the candidate's latency runs alternating on one
+    device, each pair in the other order than the last, so a slow drift of the device falls
+    on both, and so does anything that alternates run by run (in A B A B, b1 against itself
+    came out 1.10 and 1.13 on UNet steps, the second of each pair the slower; the worker's two
+    processes took the jobs in turn, the likely cause); then one generation of each, for
+    fidelity."""
+    a = {"kind": "latency", "spec": spec, "build": baseline, "role": "baseline"}
+    b = {"kind": "latency", "spec": spec, "role": "candidate"}
+    latency = [job for i in range(pairs) for job in ((a, b) if i % 2 == 0 else (b, a))]
+    generate = {k: v for k, v in spec.items() if k not in ("repetitions", "unet_repetitions", "warmup",
+                                                              "kernel_timings")}
+    pictures = [{"kind": "generate", "spec": generate, "build": baseline, "role": "baseline"},
+                {"kind": "generate", "spec": generate, "role": "candidate"}] if images else []
+    return latency + pictures
+
+
+def run_check(app: Celery, sessions, request: CheckRequest,
+              progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Measure and judge (steps below); returns the report (see report_exit_code)."""
+    started, deadline = time.monotonic(), time.monotonic() + request.timeout_s
+    token = uuid.uuid4().hex[:12]
+    with sessions() as session:
+        candidate, baselines = plan(session, request)
+        names = (candidate.name, {serial: b.name for serial, b in baselines.items()})
+    spec = dict(request.spec)
+    rounds: list[_Round] = []
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    # 1. The first round: every device, its builds interleaved.
+    todo = {serial: interleaved_jobs(spec, base, request.pairs, request.images)
+            for serial, base in names[1].items()}
+    while todo:
+        number = len(rounds)
+        progress(f"round {number}: {len(todo)} device{'s' * (len(todo) != 1)}")
+        # 2. Launch the round (one suite per device: each has its own baseline) and wait for it.
+        launched = _Round()
+        for serial, jobs in todo.items():
+            key = f"check:{token}:{number}:{serial}"
+            batch_id = launch_suite(app, f"check {names[0]} round {number} on {serial}",
+                                    [{k: v for k, v in j.items() if k != "role"} for j in jobs],
+                                    build=names[0], devices=[serial], idempotency_key=key, max_extra_rounds=0,
+                                    purpose=BATCH_CHECK)
+            launched.batches.append(batch_id)
+            launched.roles |= {(batch_id, i): j["role"] for i, j in enumerate(jobs)}
+        rounds.append(launched)
+        _wait(sessions, launched.batches, deadline, progress)
+        # 3. Judge every device this round ran on, on all of the check's runs so far.
+        with sessions() as session:
+            for serial in todo:
+                results |= _judge(session, rounds, serial, candidate.id, baselines[serial].id, request, number)
+        # 4. More repetitions where a verdict is open and rounds are left.
+        entries = []
+        for serial in todo:
+            open_ = [r for (s, _), r in results.items() if s == serial and r["verdict"] == "inconclusive"
+                     and r.get("more_repetitions_suggested")]
+            if open_ and number < request.max_rounds:
+                entries.append({"device": serial, "spec": spec, "baseline_build": names[1][serial],
+                                "repetitions": max(r["more_repetitions_suggested"] for r in open_),
+                                "metrics": [r["metric"] for r in open_]})
+        todo = {serial: [j | {"role": "baseline" if "build" in j else "candidate"} for j in jobs]
+                for serial, jobs in more_repetitions_jobs(entries).items()}
+    with sessions() as session:
+        fidelity = _fidelity(session, rounds) if request.images else []
+    report = {"candidate": names[0], "baselines": names[1], "metrics": list(request.metrics), "spec": spec,
+              "comparisons": [results[k] for k in sorted(results)], "fidelity": fidelity,
+              "batches": [b for r in rounds for b in r.batches], "seconds": round(time.monotonic() - started, 1)}
+    report["exit_code"], report["outcome"] = report_exit_code(report)
+    return report
+
+
+def report_exit_code(report: dict[str, Any]) -> tuple[int, str]:
+    """0 pass, 1 a regression (on any device and metric), 2 a verdict left open."""
+    verdicts = [c["verdict"] for c in report["comparisons"]]
+    if "regression" in verdicts:
+        return REGRESSION, "regression"
+    if not verdicts or any(v not in ("same", "improvement") for v in verdicts):
+        return UNDECIDED, "undecided"
+    return PASS, "pass"
+
+
+def _wait(sessions, batch_ids: list[int], deadline: float, progress: Callable[[str], None]) -> None:
+    """Until every batch has finished; CheckFailed for a job that did not succeed or time out."""
+    last = None
+    while True:
+        with sessions() as session:
+            jobs = list(session.scalars(select(Job).where(Job.batch_id.in_(batch_ids))))
+            finished = all(session.get(Batch, b).finished_at is not None for b in batch_ids)
+            bad = [j for j in jobs if j.state in (JobState.failed, JobState.infra_failed, JobState.cancelled)]
+            if bad:
+                job = bad[0]
+                raise CheckFailed(f"{job.kind} job {job.id} on {session.get(Device, job.device_id).serial} "
+                                  f"{job.state}: {job.error or 'no error recorded'}")
+            line = f"{sum(j.state == JobState.succeeded for j in jobs)}/{len(jobs)} jobs done"
+        if finished:
+            return
+        if line != last:
+            progress(line)
+            last = line
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"the check ran out of time ({line}); raise --timeout or look at `farm jobs list`")
+        time.sleep(POLL_S)
+
+
+def _check_runs(session: Session, rounds: list[_Round], serial: str) -> dict[str, list[Run]]:
+    """role -> the check's succeeded latency runs of that role on the device (by job)."""
+    roles: dict[str, list[Run]] = {"baseline": [], "candidate": []}
+    batches = [b for r in rounds for b in r.batches]
+    by_batch = {b: r for r in rounds for b in r.batches}
+    rows = session.execute(select(Run, Job).join(Job, Job.id == Run.job_id).join(Device, Device.id == Job.device_id)
+                           .where(Job.batch_id.in_(batches), Device.serial == serial, Job.kind == JobKind.latency,
+                                  Run.status == RunStatus.succeeded).order_by(Run.id)).all()
+    for run, job in rows:
+        index = int(job.idempotency_key.rsplit(":", 1)[1])
+        roles[by_batch[job.batch_id].roles[(job.batch_id, index)]].append(run)
+    return roles
+
+
+def _judge(session: Session, rounds: list[_Round], serial: str, candidate_id: int, baseline_id: int,
+           request: CheckRequest, number: int) -> dict[tuple[str, str], dict[str, Any]]:
+    device = store.get_device(session, serial)
+    candidate, baseline = session.get(Build, candidate_id), session.get(Build, baseline_id)
+    runs = _check_runs(session, rounds, serial)
+    spec = regressions.SpecKey.of({"model": store.default_model(candidate)} | request.spec)
+    out = {}
+    for metric in request.metrics:
+        try:
+            result = regressions.compare_builds(session, device, spec, metric, baseline, runs["baseline"], candidate,
+                                             runs["candidate"], runs_left=request.max_rounds - number)
+        except ValueError as exc:
+            result = {"device": serial, "metric": metric, "verdict": "refused", "reason": str(exc)}
+        if result is None:
+            result = {"device": serial, "metric": metric, "verdict": "refused",
+                      "reason": f"neither build measured {metric}"}
+        result |= {"rounds": number + 1, "baseline_build": baseline.name, "candidate_build": candidate.name}
+        if result["verdict"] in ("regression", "improvement") and metric in regressions.LATENCY_METRICS:
+            result["kernels"] = regressions.kernel_moves(session, runs["baseline"], runs["candidate"], top=5)
+        out[(serial, metric)] = result
+    return out
+
+
+def _fidelity(session: Session, rounds: list[_Round]) -> list[dict[str, Any]]:
+    """Per device, the candidate's generated image against the baseline's (same spec and seed)."""
+    first = rounds[0]
+    images: dict[str, dict[str, str]] = {}
+    rows = session.execute(select(Image.path, Job, Device.serial).join(Run, Run.id == Image.run_id)
+                           .join(Job, Job.id == Run.job_id).join(Device, Device.id == Job.device_id)
+                           .where(Job.batch_id.in_(first.batches), Job.kind == JobKind.generate,
+                                  Run.status == RunStatus.succeeded)).all()
+    for path, job, serial in rows:
+        role = first.roles[(job.batch_id, int(job.idempotency_key.rsplit(":", 1)[1]))]
+        images.setdefault(serial, {})[role] = path
+    out = []
+    for serial, pair in sorted(images.items()):
+        if set(pair) != {"baseline", "candidate"}:
+            continue
+        try:
+            found = compare_images(pair["baseline"], pair["candidate"])
+            identical = math.isinf(found.psnr_db)  # JSON has no infinity: identical images say so instead
+            out.append({"device": serial, "psnr_db": None if identical else found.psnr_db, "identical": identical,
+                        "changed": found.changed, "baseline_image": pair["baseline"],
+                        "candidate_image": pair["candidate"]})
+        except (OSError, ValueError) as exc:
+            out.append({"device": serial, "error": str(exc)})
+    return out
+
+
+def fidelity_text(f: dict[str, Any]) -> str:
+    """One device's image fidelity in words: "identical images" or "PSNR 41.2 dB (changed)"."""
+    if f.get("identical"):
+        return "identical images"
+    return f"PSNR {f['psnr_db']:.1f} dB" + (" (changed)" if f["changed"] else "")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a pull-request comment: outcome, a table of verdicts, the kernels that
+    moved, image fidelity, and why each open verdict is open. Every name and text a device or
+    the pull request's code supplied (builds, serials, metrics, kernels, errors, reasons) is a
+    code span (orchestrator/infra/escape.py): it shows as written and cannot add markup, links or
+    @mentions, or shift the table's columns."""
+    def cell(value: object) -> str:
+        return md_code(value, table=True)
+
+    icon = {"pass": "✅ no regression", "regression": "❌ regression", "undecided": "⚠️ undecided"}
+    lines = [f"## farm check: {icon[report['outcome']]}", "",
+             f"Candidate {md_code(report['candidate'])} against "
+             + ", ".join(f"{md_code(b)} on {md_code(d)}" for d, b in sorted(report["baselines"].items()))
+             + f" (exit code {report['exit_code']}, {report['seconds']:.0f} s).", "",
+             "| device | metric | baseline | candidate | ratio | 95% CI | verdict | rounds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in report["comparisons"]:
+        lines.append(f"| {cell(c['device'])} | {cell(c['metric'])} | "
+                     f"{_num(c.get('baseline_median'), c.get('unit'))} | "
+                     f"{_num(c.get('candidate_median'), c.get('unit'))} | {_fmt(c.get('ratio'))} | "
+                     f"{_interval(c)} | **{c['verdict']}** | {c.get('rounds', '-')} |")
+    moved = [c for c in report["comparisons"] if c.get("kernels")]
+    for c in moved:
+        lines += ["", f"Kernels that moved ({md_code(c['device'])}, {md_code(c['metric'])}):", "",
+                  "| kernel | baseline ms | candidate ms | delta ms | share |", "|---|---|---|---|---|"]
+        lines += [f"| {cell(k['kernel'])} | {k['baseline_ms']:.3f} | {k['candidate_ms']:.3f} | {k['delta_ms']:+.3f} | "
+                  f"{k['share']:.0%} |" for k in c["kernels"]]
+    if report["fidelity"]:
+        lines += ["", "Image fidelity (candidate against baseline, same prompt and seed):", ""]
+        lines += [f"- {md_code(f['device'])}: " + (f"error: {md_code(f['error'])}" if "error" in f else
+                                                   fidelity_text(f))
+                  for f in report["fidelity"]]
+    open_ = [c for c in report["comparisons"] if c["verdict"] not in ("same", "improvement", "regression")]
+    if open_:
+        lines += ["", "Undecided:", ""] + [f"- {md_code(c['device'])}, {md_code(c['metric'])}: {md_code(c['reason'])}"
+                                           for c in open_]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _num(v: float | None, unit: str | None) -> str:
+    """A median and its unit for the comment: a unit a device reported that is not plain letters
+    (ms, MiB, %) is a code span."""
+    if v is None:
+        return "-"
+    shown = unit if unit is None or re.fullmatch(r"[A-Za-z0-9%/]*", unit) else md_code(unit, table=True)
+    return f"{v:,.1f} {shown or ''}".rstrip()
+
+
+def _interval(c: dict[str, Any]) -> str:
+    return "-" if c.get("ci_low") is None else f"{c['ci_low']:.3f}-{c['ci_high']:.3f}"

@@ -1,0 +1,24 @@
+"""The SQL store, the only package that speaks SQL: typed models (models), engines and sessions
+(session), the data-access functions every other layer calls, one module per idea (devices, builds, jobs,
+results, batches, schedules; rows: what they share), re-exported here: `from orchestrator import
+store; store.create_job(session, ...)`, the queries the faces read
+(queries), notifications' rows (notifications), the device state machine (device_states), what a
+run's environment is (environment) and Alembic migrations (migrate, migrations/). PostgreSQL in
+production, a SQLite file as the embedded default; the schema comes only from migrations, never
+from create_all."""
+
+from . import batches, builds, devices, jobs, results, schedules
+from .batches import *  # noqa: F403  (each module's __all__: the store's functions)
+from .builds import *  # noqa: F403
+from .devices import *  # noqa: F403
+from .jobs import *  # noqa: F403
+from .migrate import SchemaMismatch, check, upgrade
+from .models import utcnow  # the store's clock
+from .results import *  # noqa: F403
+from .rows import InvalidTransition, StoreError, text_for_store
+from .schedules import *  # noqa: F403
+from .session import make_engine, make_session_factory
+
+__all__ = ["InvalidTransition", "SchemaMismatch", "StoreError", "check", "make_engine", "make_session_factory",
+           "text_for_store", "upgrade", "utcnow",
+           *batches.__all__, *builds.__all__, *devices.__all__, *jobs.__all__, *results.__all__, *schedules.__all__]

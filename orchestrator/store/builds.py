@@ -1,0 +1,217 @@
+"""Builds (a signed manifest's files, content-addressed) and deployments: created, started,
+progress, finished or requeued, each a conditional update on the attempt that owns it.
+Every function takes a session and flushes; the caller commits."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from typing import Any
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.orm import Session
+
+from agent.protocol import Manifest
+
+from .models import (
+    Build,
+    BuildFile,
+    Deployment,
+    DeploymentStatus,
+    utcnow,
+)
+from .rows import StoreError, insert_or_get, redispatch_row, update_row
+
+__all__ = [
+    "build_models", "create_build", "create_deployment", "default_model", "find_due_deployments",
+    "finish_deployment", "get_build", "get_deployment", "heartbeat_deployment", "manifest_sha256",
+    "pending_deployments", "record_deployment", "record_deployment_progress", "redispatch_deployment",
+    "requeue_deployment", "start_deployment",
+]
+
+
+def manifest_sha256(manifest: Manifest) -> str:
+    return hashlib.sha256(manifest.canonical_bytes()).hexdigest()
+
+
+def create_build(session: Session, manifest: Manifest) -> Build:
+    """Record a build and its files; the same manifest again returns the existing build."""
+    digest = manifest_sha256(manifest)
+    query = select(Build).where(Build.manifest_sha256 == digest)
+    build = session.scalar(query)
+    if build is not None:
+        return build
+    clash = session.scalar(select(Build).where(Build.name == manifest.build))
+    if clash is not None:
+        raise StoreError(f"build {manifest.build!r} already exists with another manifest "
+                         f"({clash.manifest_sha256[:12]} != {digest[:12]}): give the new build another id")
+    build = Build(
+        name=manifest.build,
+        version=manifest.version,
+        source_revision=manifest.source_revision,
+        manifest_sha256=digest,
+        created=dt.datetime.fromtimestamp(manifest.created, dt.UTC),
+        files=[BuildFile(path=f.path, sha256=f.sha256, size=f.size, mode=f.mode) for f in manifest.files],
+    )
+    return insert_or_get(session, build, query)
+
+
+def get_build(session: Session, ref: int | str | None = None) -> Build:
+    """A build by id or name; the newest one when `ref` is None. StoreError when unknown."""
+    if ref is None:
+        build = session.scalar(select(Build).order_by(Build.created.desc(), Build.id.desc()).limit(1))
+        if build is None:
+            raise StoreError("no builds yet; `farm builds create --model DIR` makes one")
+        return build
+    build = session.scalar(select(Build).where(Build.id == ref if isinstance(ref, int) else Build.name == ref))
+    if build is None:
+        raise StoreError(f"no build {ref!r}; `farm builds list` shows the known ones")
+    return build
+
+
+def build_models(build: Build) -> list[str]:
+    """The model folders a build ships (`models/<name>`, as job specs name them)."""
+    return sorted({"/".join(f.path.split("/")[:2]) for f in build.files
+                   if f.path.startswith("models/") and f.path.count("/") >= 2})
+
+
+def default_model(build: Build) -> str:
+    """The build's model folder when it ships exactly one; StoreError naming them otherwise."""
+    models = build_models(build)
+    if len(models) != 1:
+        raise StoreError(f"build {build.name} ships {len(models)} models ({', '.join(models) or 'none'}): "
+                         "name one with --model")
+    return models[0]
+
+
+def record_deployment(
+    session: Session,
+    build_id: int,
+    device_id: int,
+    status: DeploymentStatus | str,
+    *,
+    bytes_sent: int = 0,
+    files_sent: int = 0,
+    files_skipped: int = 0,
+    duration_s: float | None = None,
+    error: str | None = None,
+    deployment_id: int | None = None,
+    batch_id: int | None = None,
+) -> Deployment:
+    """Start a deployment (no `deployment_id`) or update one; a final status stamps finished_at."""
+    status = DeploymentStatus(status)
+    if deployment_id is None:
+        deployment = Deployment(build_id=build_id, device_id=device_id, batch_id=batch_id)
+        session.add(deployment)
+    else:
+        deployment = session.get(Deployment, deployment_id)
+        if deployment is None:
+            raise StoreError(f"no deployment {deployment_id}")
+    deployment.status = status
+    deployment.bytes_sent, deployment.files_sent, deployment.files_skipped = bytes_sent, files_sent, files_skipped
+    deployment.duration_s, deployment.error = duration_s, error
+    if status == DeploymentStatus.succeeded and deployment.bytes_total is None:
+        deployment.bytes_total = bytes_sent
+    if status in (DeploymentStatus.succeeded, DeploymentStatus.failed):
+        deployment.finished_at = utcnow()
+    session.flush()
+    return deployment
+
+
+def record_deployment_progress(session: Session, deployment_id: int, bytes_sent: int,
+                               bytes_total: int | None) -> None:
+    """A running deployment's bytes so far (one UPDATE; a finished one is left alone)."""
+    session.execute(
+        update(Deployment)
+        .where(Deployment.id == deployment_id, Deployment.status == DeploymentStatus.running)
+        .values(bytes_sent=bytes_sent, bytes_total=bytes_total)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+
+
+def create_deployment(session: Session, build_id: int, device_id: int, *, batch_id: int | None = None,
+                      due_at: dt.datetime | None = None, allow_downgrade: bool = False) -> Deployment:
+    """A pending deployment whose message must start it by `due_at` (now when None: the caller
+    sends it right after its commit, or the reconciler will)."""
+    deployment = Deployment(build_id=build_id, device_id=device_id, batch_id=batch_id,
+                            status=DeploymentStatus.pending, due_at=due_at or utcnow(),
+                            allow_downgrade=allow_downgrade)
+    session.add(deployment)
+    session.flush()
+    return deployment
+
+
+def get_deployment(session: Session, deployment_id: int) -> Deployment:
+    deployment = session.get(Deployment, deployment_id)
+    if deployment is None:
+        raise StoreError(f"no deployment {deployment_id}")
+    return deployment
+
+
+def _update_deployment(session: Session, deployment_id: int, conditions: list, values: dict[str, Any]) -> bool:
+    return update_row(session, Deployment, deployment_id, conditions, values)
+
+
+def start_deployment(session: Session, deployment_id: int, seq: int | None) -> int | None:
+    """pending -> running for the message carrying dispatch sequence `seq` (any when None);
+    returns the attempt number, or None when another execution or a newer message has it."""
+    conditions = [Deployment.status == DeploymentStatus.pending]
+    if seq is not None:
+        conditions.append(Deployment.dispatch_seq == seq)
+    now = utcnow()
+    if not _update_deployment(session, deployment_id, conditions,
+                              {"status": DeploymentStatus.running, "attempts": Deployment.attempts + 1,
+                               "heartbeat_at": now, "started_at": now, "due_at": None, "error": None}):
+        return None
+    return session.scalar(select(Deployment.attempts).where(Deployment.id == deployment_id))
+
+
+def heartbeat_deployment(session: Session, deployment_id: int) -> None:
+    _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.running],
+                       {"heartbeat_at": utcnow()})
+
+
+def finish_deployment(session: Session, deployment_id: int, attempt: int, status: DeploymentStatus, *,
+                      error: str | None = None, bytes_sent: int = 0, files_sent: int = 0,
+                      files_skipped: int = 0, duration_s: float | None = None, note: str | None = None) -> bool:
+    """running -> succeeded/failed, only for the execution of attempt `attempt` (one the
+    reconciler gave up on cannot settle a newer one). False when it no longer owns it."""
+    values: dict[str, Any] = {"status": status, "error": error, "bytes_sent": bytes_sent, "files_sent": files_sent,
+                              "files_skipped": files_skipped, "duration_s": duration_s, "finished_at": utcnow(),
+                              "note": note}
+    if status == DeploymentStatus.succeeded:
+        values["bytes_total"] = func.coalesce(Deployment.bytes_total, bytes_sent)
+    return _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.running,
+                                                       Deployment.attempts == attempt], values)
+
+
+def requeue_deployment(session: Session, deployment_id: int, attempt: int, due_at: dt.datetime, error: str) -> bool:
+    """A running deployment whose worker is gone goes back to pending (due by `due_at`)."""
+    return _update_deployment(session, deployment_id, [Deployment.status == DeploymentStatus.running,
+                                                       Deployment.attempts == attempt],
+                              {"status": DeploymentStatus.pending, "due_at": due_at, "error": error,
+                               "heartbeat_at": None})
+
+
+def redispatch_deployment(session: Session, deployment_id: int, due_at: dt.datetime, *,
+                          new_message: bool) -> int | None:
+    """Like redispatch_job, for a pending deployment."""
+    return redispatch_row(session, Deployment, deployment_id, [Deployment.status == DeploymentStatus.pending], due_at,
+                       new_message)
+
+
+def pending_deployments(session: Session, device_ids: list[int]) -> list[Deployment]:
+    """The deployments to these devices that wait to start (for a busy device or GPU), oldest first."""
+    return list(session.scalars(select(Deployment).where(
+        Deployment.device_id.in_(device_ids), Deployment.status == DeploymentStatus.pending).order_by(Deployment.id)))
+
+
+def find_due_deployments(session: Session, now: dt.datetime, stale_before: dt.datetime) -> list[Deployment]:
+    """Pending deployments past their deadline and running ones whose worker went silent."""
+    last_heard = func.coalesce(Deployment.heartbeat_at, Deployment.started_at)
+    return list(session.scalars(
+        select(Deployment).where(or_(
+            (Deployment.status == DeploymentStatus.pending) & or_(Deployment.due_at.is_(None), Deployment.due_at < now),
+            (Deployment.status == DeploymentStatus.running) & (last_heard < stale_before),
+        )).order_by(Deployment.id)))

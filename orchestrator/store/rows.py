@@ -1,0 +1,80 @@
+"""What the store's modules share: its errors, and the single conditional statements its writes are
+made of (an update that names the row's expected state, an idempotent insert, a redispatch).
+Every function takes a session and flushes; the caller commits."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.util import identity_key
+
+__all__ = [
+    "InvalidTransition", "StoreError", "bulk_insert", "insert_or_get", "redispatch_row",
+    "text_for_store", "update_row",
+]
+
+
+class StoreError(Exception):
+    """A request the store refuses (unknown id, forbidden transition); the message says why."""
+
+
+class InvalidTransition(StoreError):
+    pass
+
+
+def update_row(session: Session, model, row_id: int, conditions: list, values: dict[str, Any]) -> bool:
+    """One conditional UPDATE of row `row_id`; True when it matched. A loaded copy of the row is
+    expired, since the UPDATE bypassed the ORM."""
+    result = session.execute(
+        update(model).where(model.id == row_id, *conditions).values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+    loaded = session.identity_map.get(identity_key(model, row_id))
+    if loaded is not None:
+        session.expire(loaded)
+    return result.rowcount == 1
+
+
+def redispatch_row(session: Session, model, row_id: int, waiting: list, due_at: dt.datetime,
+                new_message: bool) -> int | None:
+    """Move a waiting row's deadline to `due_at`; with `new_message` its message is replaced:
+    the dispatch sequence goes up and older messages are dropped when they arrive. Returns the
+    sequence number the message must carry, or None when the row no longer waits."""
+    values: dict[str, Any] = {"due_at": due_at}
+    if new_message:
+        values["dispatch_seq"] = model.dispatch_seq + 1
+    if not update_row(session, model, row_id, waiting, values):
+        return None
+    return session.scalar(select(model.dispatch_seq).where(model.id == row_id))
+
+
+def text_for_store(text: str) -> str:
+    """Free text from a device (an error, a log) as every backend keeps it: PostgreSQL refuses
+    NUL characters in text, so each is stored as U+FFFD."""
+    return text.replace("\x00", "\ufffd")
+
+
+def bulk_insert(session: Session, model, rows: Iterable[dict]) -> None:
+    rows = list(rows)
+    if rows:
+        session.execute(model.__table__.insert(), rows)
+
+
+def insert_or_get(session: Session, obj, query):
+    """Insert `obj`; when a unique constraint says another transaction got there first, return
+    that row instead (the losing insert is rolled back to a savepoint, the session survives)."""
+    try:
+        with session.begin_nested():
+            session.add(obj)
+    except IntegrityError:
+        existing = session.scalar(query)
+        if existing is None:
+            raise
+        return existing
+    return obj
