@@ -18,7 +18,7 @@ import struct
 
 from agent.simulator import wire
 from agent.simulator.auth import KeyFormatError
-from agent.simulator.shell import IO, StreamStdin
+from agent.simulator.shellio import IO, StreamStdin
 from agent.simulator.sync import SyncEnd, SyncService
 
 log = logging.getLogger("agent.simulator")

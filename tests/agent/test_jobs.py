@@ -16,6 +16,7 @@ import pytest
 from ci_support import missing
 
 from agent import jobs
+from agent.child import ChildJob
 from agent.jobs import AgentBusy, cooling_rate, run_job
 from agent.protocol import (
     Battery,
@@ -281,7 +282,7 @@ def test_child_records_thermal_readings_before_and_after(monkeypatch, tmp_path):
                       thermal=[ThermalZone("gpu", 41.5), ThermalZone("cpu", 39.0)],
                       battery=Battery(celsius=31.0))
     monkeypatch.setattr(deviceinfo, "collect_local", lambda adapter=None: info)
-    child = jobs._Child({"spec": {"job_id": "t", "kind": "generate", "model": "/m"}, "out_dir": str(tmp_path),
+    child = ChildJob({"spec": {"job_id": "t", "kind": "generate", "model": "/m"}, "out_dir": str(tmp_path),
                          "model": "/m", "profile": "auto", "build": None}, emit=lambda e: None)
     child.thermal("before")
     child.thermal("after")
