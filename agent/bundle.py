@@ -1,5 +1,7 @@
-"""Signed, content-addressed build bundles: how the orchestrator packs a build (engine, shaders,
-agent, model weights, profiles) and how the agent checks and installs it. A bundle is trusted
+"""Signed, content-addressed build bundles: the farm's keys, and how the agent checks and
+installs a build (engine, shaders, agent, model weights, profiles). Packing one is
+agent/packing.py's; uploads that resume inside a file, agent/uploads.py's; crash-safe writes,
+agent/files.py's. A bundle is trusted
 only through the farm's Ed25519 signature over the manifest and each file's sha256 in it; the
 agent refuses anything else before a single byte reaches its store.
 
@@ -38,7 +40,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +48,14 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from agent.files import (
+    atomic_write,
+    copy_hashing,
+    fsync_dir,
+    install_lock,
+    sweep_temporaries,
+)
 from agent.protocol import (
-    CHUNK_SIZE,
     FARM_KEY,
     FILES,
     MANIFEST,
@@ -59,19 +67,17 @@ from agent.protocol import (
     chunk_count,
     from_json,
     sha256_file,
-    to_json,
 )
 
 CURRENT = "current"
 # Names a build tree keeps for itself, so no manifest path may take them.
 RESERVED_PATHS = frozenset({MANIFEST, SIGNATURE})
-# Left out of folders given to build_bundle: interpreter caches and desktop litter.
+# Left out of folders given to agent.packing.build_bundle: interpreter caches and desktop litter.
 DEFAULT_EXCLUDE = ("__pycache__", "*.pyc", "*.pyo", ".DS_Store", ".git")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 RESUME = "incoming/.resume"  # partial uploads, by sha256 (see partial_upload)
 PARTIAL_LOCK_WAIT_S = 30.0
-_CHUNK = 1 << 20
 
 
 class BundleError(ValueError):
@@ -167,110 +173,6 @@ def farm_public_key(root: Path) -> Ed25519PublicKey:
     return load_public_key(path)
 
 
-# ---- building -------------------------------------------------------------------------------
-
-
-def build_bundle(sources: dict[str, Path], out_dir: Path, build_id: str, version: str,
-                 private_key: Ed25519PrivateKey | Path, source_revision: str = "",
-                 exclude: Iterable[str] = DEFAULT_EXCLUDE, chunk_size: int = CHUNK_SIZE,
-                 link_roots: dict[str, Path] | None = None) -> Manifest:
-    """Pack `sources` (bundle path -> file or folder) into `out_dir` (absent or empty) and sign
-    the manifest, which lists each file's sha256 and the sha256 of each of its `chunk_size`
-    chunks. Folders are walked recursively, leaving out names matching `exclude`. A build holds
-    only regular files from inside its sources: a symbolic link is packed as what it points to
-    where that lies inside the folder's link root (the folder itself, or the wider folder
-    `link_roots` gives for its bundle path: a Hugging Face snapshot's links point into its
-    repository's blob cache, a checkout's folders may link to each other), and any other link
-    (out of the root, dangling, or a loop) is refused with one line naming it and its target,
-    so a source tree that links to the farm's key or /etc/passwd cannot ship them."""
-    if chunk_size <= 0 or chunk_size % _CHUNK and _CHUNK % chunk_size:
-        raise BundleError(f"chunk size {chunk_size}: a positive divisor or multiple of {_CHUNK} bytes")
-    key = private_key if isinstance(private_key, Ed25519PrivateKey) else load_private_key(private_key)
-    _check_build_id(build_id)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise BundleError(f"{out_dir}: output folder is not empty")
-    exclude = tuple(exclude)
-    entries: dict[str, Path] = {}
-    for bundle_path, source in sorted(sources.items()):
-        source = Path(source)
-        _check_path(bundle_path)
-        if source.is_file():
-            _add_entry(entries, bundle_path, source)
-        elif source.is_dir():
-            root = Path((link_roots or {}).get(bundle_path, source))
-            for rel, file in _walk_source(source, exclude, root, bundle_path):
-                _add_entry(entries, f"{bundle_path}/{rel}", file)
-        else:
-            raise BundleError(f"{bundle_path}: source {source} is neither a file nor a folder")
-    files = []
-    for path, source in sorted(entries.items()):
-        target = out_dir / FILES / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        digest, size, chunks = _copy_hashing(source, target, chunk_size=chunk_size)
-        mode = 0o755 if source.stat().st_mode & 0o111 else 0o644
-        os.chmod(target, mode)
-        files.append(ManifestFile(path=path, sha256=digest, size=size, mode=mode, chunks=chunks))
-    manifest = Manifest(build=build_id, version=version, created=time.time(), files=files,
-                        source_revision=source_revision, chunk_size=chunk_size)
-    _check_manifest(manifest)
-    (out_dir / MANIFEST).write_text(to_json(manifest))
-    (out_dir / SIGNATURE).write_bytes(key.sign(manifest.canonical_bytes()))
-    return manifest
-
-
-def _walk_source(folder: Path, exclude: tuple[str, ...], root: Path, label: str) -> Iterator[tuple[str, Path]]:
-    """(path in the folder, file) for every regular file under `folder`, through links only
-    where they stay inside `root` (see build_bundle)."""
-    real_root = root.resolve()
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        here = Path(os.path.realpath(dirpath))
-        dirnames[:] = sorted(d for d in dirnames if not _excluded(d, exclude))
-        for name in dirnames:
-            link = Path(dirpath) / name
-            _check_link(folder, link, real_root, label)
-            if link.is_symlink() and here.is_relative_to(link.resolve()):  # back to where the walk is
-                raise BundleError(f"{label}/{link.relative_to(folder).as_posix()}: a link loop (to "
-                                  f"{os.readlink(link)}, a folder it lies in); a build holds only files")
-        for name in sorted(filenames):
-            if _excluded(name, exclude):
-                continue
-            file = Path(dirpath) / name
-            _check_link(folder, file, real_root, label)
-            if not file.is_file():
-                raise BundleError(f"{label}/{file.relative_to(folder).as_posix()}: not a regular file "
-                                  "(a device, socket or pipe); a build holds only files")
-            yield file.relative_to(folder).as_posix(), file
-
-
-def _check_link(folder: Path, path: Path, real_root: Path, label: str) -> None:
-    """Refuse `path` where it is a link whose target is missing or lies outside `real_root`."""
-    if not path.is_symlink():
-        return
-    name = f"{label}/{path.relative_to(folder).as_posix()}"
-    target = os.readlink(path)
-    try:
-        resolved = path.resolve(strict=True)
-    except (OSError, RuntimeError):  # dangling, or a loop of links
-        raise BundleError(f"{name}: a link to {target} that leads nowhere; a build holds only files") from None
-    if not resolved.is_relative_to(real_root):
-        raise BundleError(f"{name}: a link to {resolved}, outside {real_root}; a build holds only the files "
-                          "inside its sources (replace the link with the file, or leave it out)")
-
-
-def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
-    from fnmatch import fnmatch
-
-    return any(fnmatch(name, p) for p in patterns)
-
-
-def _add_entry(entries: dict[str, Path], path: str, source: Path) -> None:
-    _check_path(path)
-    if path in entries:
-        raise BundleError(f"{path}: given twice ({entries[path]} and {source})")
-    entries[path] = source
-
-
 # ---- verifying ------------------------------------------------------------------------------
 
 
@@ -279,7 +181,7 @@ def verify_bundle(bundle_dir: Path, public_key: Ed25519PublicKey | Path, partial
     document is read as trusted), then the manifest's paths and hashes, then every file under
     files/: no symlinks, nothing outside the manifest, each size and sha256 as signed. With
     `partial`, files may be absent (a re-deploy that sends only what the store lacks)."""
-    manifest = _signed_manifest(Path(bundle_dir), public_key)
+    manifest = signed_manifest(Path(bundle_dir), public_key)
     present = _check_present_files(Path(bundle_dir), manifest)
     if not partial:
         absent = [f.path for f in manifest.files if f.path not in present]
@@ -289,8 +191,8 @@ def verify_bundle(bundle_dir: Path, public_key: Ed25519PublicKey | Path, partial
     return manifest
 
 
-def _signed_manifest(bundle_dir: Path, public_key) -> Manifest:
-    key = _public_key(public_key)
+def signed_manifest(bundle_dir: Path, public_key) -> Manifest:
+    key = public_key_of(public_key)
     manifest_path, sig_path = bundle_dir / MANIFEST, bundle_dir / SIGNATURE
     for path in (manifest_path, sig_path):
         if path.is_symlink() or not path.is_file():
@@ -305,7 +207,7 @@ def _signed_manifest(bundle_dir: Path, public_key) -> Manifest:
         key.verify(sig_path.read_bytes(), manifest.canonical_bytes())
     except InvalidSignature:
         raise BundleError(f"{MANIFEST}: manifest signature does not verify with the provisioned key") from None
-    _check_manifest(manifest)
+    check_manifest(manifest)
     return manifest
 
 
@@ -349,11 +251,11 @@ def _check_file(path: Path, entry: ManifestFile, label: str) -> None:
         raise BundleError(f"{label}: sha256 mismatch")
 
 
-def _check_manifest(manifest: Manifest) -> None:
-    _check_build_id(manifest.build)
+def check_manifest(manifest: Manifest) -> None:
+    check_build_id(manifest.build)
     seen: set[str] = set()
     for f in manifest.files:
-        _check_path(f.path)
+        check_path(f.path)
         if f.path in seen:
             raise BundleError(f"{FILES}/{f.path}: listed twice in the manifest")
         seen.add(f.path)
@@ -373,7 +275,7 @@ def _check_manifest(manifest: Manifest) -> None:
                 raise BundleError(f"{FILES}/{path}: its parent {'/'.join(parts[:i])} is listed as a file")
 
 
-def _check_path(path: str) -> None:
+def check_path(path: str) -> None:
     """A manifest path: relative, forward slashes, no '..', '.' or empty parts, no drive."""
     label = f"{FILES}/{path}"
     if not path or "\x00" in path:
@@ -391,13 +293,13 @@ def _check_path(path: str) -> None:
         raise BundleError(f"{label}: reserved name (the build tree keeps its manifest there)")
 
 
-def _check_build_id(build_id: str) -> None:
+def check_build_id(build_id: str) -> None:
     if not NAME_PATTERN.fullmatch(build_id or "") or build_id == CURRENT:
         raise BundleError(f"build id {build_id!r}: use letters, digits and ._+- (not starting with "
                           f"'.' or '-', at most 128, not {CURRENT!r})")
 
 
-def _public_key(key) -> Ed25519PublicKey:
+def public_key_of(key) -> Ed25519PublicKey:
     if isinstance(key, Ed25519PublicKey):
         return key
     if isinstance(key, str | os.PathLike):
@@ -466,7 +368,7 @@ def resume_point(root: Path, entry: ManifestFile, chunk_size: int) -> int:
         return 0
     good = 0
     try:
-        with _locked_partial(path, entry, create=False) as f:
+        with locked_partial(path, entry, create=False) as f:
             for k, digest in enumerate(entry.chunks):
                 want = min(chunk_size, entry.size - k * chunk_size)
                 piece = f.read(want)
@@ -481,117 +383,8 @@ def resume_point(root: Path, entry: ManifestFile, chunk_size: int) -> int:
     return good
 
 
-def append_chunks(root: Path, entry: ManifestFile, chunk_size: int, offset: int, read: Callable[[int], bytes],
-                  target: Path) -> int:
-    """Append to `entry`'s partial upload the bytes `read(n)` gives from `offset` on (the
-    partial's verified length, or less: it is cut back there), one chunk at a time, each
-    checked against the manifest's chunk list before it is written and fsynced. A short read
-    (a cut) keeps the whole chunks before it. Once the file is whole, its sha256 is checked and
-    it is moved to `target`; a whole file that does not hash right is dropped. Returns the
-    bytes now held. BundleError for an offset past what is held, off a chunk boundary, or a
-    chunk that is not the manifest's (the partial keeps what it had)."""
-    if not chunk_size or len(entry.chunks) != chunk_count(entry.size, chunk_size):
-        raise BundleError(f"{FILES}/{entry.path}: the manifest lists no chunks for it; send it whole")
-    path = partial_upload(root, entry.sha256)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked_partial(path, entry) as f:
-        held = os.fstat(f.fileno()).st_size
-        if offset > held or (offset % chunk_size and offset != entry.size) or offset > entry.size:
-            raise OffsetRefused(f"{FILES}/{entry.path}: an upload from byte {offset}, but {held} bytes of it are held "
-                              f"here (resume from a {chunk_size}-byte chunk boundary at most that far)")
-        if held != offset:
-            f.truncate(offset)
-        f.seek(offset)
-        while offset < entry.size:
-            k = offset // chunk_size
-            want = min(chunk_size, entry.size - offset)
-            piece = _read_exactly(read, want)
-            if len(piece) < want:
-                break  # the sender stopped mid-chunk: what came of this one is not kept
-            if hashlib.sha256(piece).hexdigest() != entry.chunks[k]:
-                raise BundleError(f"{FILES}/{entry.path}: chunk {k} (bytes {offset}-{offset + want}) does not "
-                                  "hash as the signed manifest lists; not kept")
-            f.write(piece)
-            f.flush()
-            os.fsync(f.fileno())
-            offset += want
-        if offset < entry.size:
-            return offset
-        digest = _hash_open(f)
-    if digest != entry.sha256:
-        path.unlink(missing_ok=True)
-        raise BundleError(f"{FILES}/{entry.path}: every chunk matched but the whole file does not hash as signed; "
-                          "dropped, send it again")
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    os.replace(path, target)
-    return offset
-
-
-def staged_manifest(staging: Path, root: Path, public_key: Ed25519PublicKey | Path | None = None) -> Manifest:
-    """The manifest staged in `staging`, once its signature verifies with the farm's key (the
-    provisioned one by default): what chunks are checked against as they arrive."""
-    return _signed_manifest(Path(staging), farm_public_key(root) if public_key is None else _public_key(public_key))
-
-
-def receive_chunks(staging: Path, root: Path, path: str, offset: int, read: Callable[[int], bytes],
-                   public_key: Ed25519PublicKey | Path | None = None) -> tuple[ManifestFile, int]:
-    """append_chunks for the file at `path` of the build staged in `staging`, checked against
-    that build's signed manifest, which must be staged first; its entry and the bytes held."""
-    staging, root = Path(staging), Path(root)
-    manifest = staged_manifest(staging, root, public_key)
-    entry = next((f for f in manifest.files if f.path == path), None)
-    if entry is None:
-        raise BundleError(f"{FILES}/{path}: not in build {manifest.build}'s manifest")
-    return entry, append_chunks(root, entry, manifest.chunk_size, offset, read, staging / FILES / path)
-
-
-def absorb_chunks(staging: Path, root: Path, check: bool = False,
-                  public_key: Ed25519PublicKey | Path | None = None) -> dict[str, int]:
-    """For a transport that cannot append (adb sync pushes whole files): append the chunk files
-    <sha>.<index> waiting beside each partial upload of the build staged in `staging` (its
-    signed manifest must be there), in order, each checked against the signed chunk list; a
-    chunk that is missing, torn or wrong ends that file's run and is deleted with any after
-    it. With `check`, each partial is first verified again (resume_point). A file made whole
-    is moved to its path under `staging`/files. Returns sha256 -> bytes held, for every
-    chunked file of the build that has a partial upload or is staged whole."""
-    staging, root = Path(staging), Path(root)
-    manifest = staged_manifest(staging, root, public_key)
-    folder = root / RESUME
-    held: dict[str, int] = {}
-    for f in {f.sha256: f for f in reversed(manifest.files)}.values():
-        waiting = sorted(folder.glob(f"{f.sha256}.*")) if folder.is_dir() else []
-        partial = partial_upload(root, f.sha256)
-        if not f.chunks or not (waiting or partial.exists()):
-            continue
-        n = partial.stat().st_size if partial.is_file() else 0
-        if check or (n % manifest.chunk_size and n != f.size):
-            n = resume_point(root, f, manifest.chunk_size)
-        target = staging / FILES / f.path
-        while n < f.size:
-            piece = folder / f"{f.sha256}.{n // manifest.chunk_size}"
-            if not piece.is_file():
-                break
-            try:
-                with open(piece, "rb") as src:
-                    after = append_chunks(root, f, manifest.chunk_size, n, src.read, target)
-            except BundleError:
-                break  # a wrong chunk, or a whole file that does not hash: sent again
-            finally:
-                piece.unlink(missing_ok=True)
-            if after == n:
-                break  # a torn chunk
-            n = after
-        if n == f.size and partial.exists():  # whole, but its move was cut short
-            with contextlib.suppress(BundleError):
-                append_chunks(root, f, manifest.chunk_size, n, lambda _n: b"", target)
-        for stale in waiting:
-            stale.unlink(missing_ok=True)
-        held[f.sha256] = n if partial.exists() or target.is_file() else 0
-    return held
-
-
 @contextlib.contextmanager
-def _locked_partial(path: Path, entry: ManifestFile, create: bool = True):
+def locked_partial(path: Path, entry: ManifestFile, create: bool = True):
     """The partial upload open for reading and writing, held alone: an upload whose connection
     was cut may still be appending its last chunks when the resumed one asks (or, cut without
     a word, until its idle timeout); it is waited for, up to PARTIAL_LOCK_WAIT_S. One made whole
@@ -624,25 +417,6 @@ def _locked_partial(path: Path, entry: ManifestFile, create: bool = True):
             raise FileNotFoundError(path)
     with f:
         yield f
-
-
-def _read_exactly(read: Callable[[int], bytes], n: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        part = read(min(n - got, _CHUNK))
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
-
-
-def _hash_open(f) -> str:
-    h = hashlib.sha256()
-    f.seek(0)
-    while block := f.read(_CHUNK):
-        h.update(block)
-    return h.hexdigest()
 
 
 def verify_build(root: Path, build: InstalledBuild) -> list[str]:
@@ -736,11 +510,11 @@ def install_bundle(bundle_dir: Path, root: Path, public_key: Ed25519PublicKey | 
     what the device runs by default on its own. The returned build's `kept_current` then
     names the build left current."""
     bundle_dir, root = Path(bundle_dir), Path(root)
-    key = farm_public_key(root) if public_key is None else _public_key(public_key)
-    with _install_lock(root):
-        _sweep_temporaries(root)
+    key = farm_public_key(root) if public_key is None else public_key_of(public_key)
+    with install_lock(root):
+        sweep_temporaries(root)
         # 1. trust: signature, manifest, the files that came
-        manifest = _signed_manifest(bundle_dir, key)
+        manifest = signed_manifest(bundle_dir, key)
         present = _check_present_files(bundle_dir, manifest)
         # 2. the files that did not come must already be in the store, intact
         coming = {f.sha256 for f in manifest.files if f.path in present}
@@ -783,7 +557,7 @@ def _store_blob(source: Path, entry: ManifestFile, root: Path) -> None:
     tmp = blob.parent / f".tmp-{entry.sha256[:12]}-{uuid.uuid4().hex}"
     try:
         # Hash again while copying: the bundle file could change between check and copy.
-        digest, size, _ = _copy_hashing(source, tmp, fsync=True)
+        digest, size, _ = copy_hashing(source, tmp, fsync=True)
         if digest != entry.sha256 or size != entry.size:
             raise BundleError(f"{FILES}/{entry.path}: changed while being installed (sha256 mismatch)")
         os.chmod(tmp, 0o444)
@@ -791,7 +565,7 @@ def _store_blob(source: Path, entry: ManifestFile, root: Path) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    _fsync_dir(blob.parent)
+    fsync_dir(blob.parent)
 
 
 def _materialize(bundle_dir: Path, manifest: Manifest, root: Path) -> InstalledBuild:
@@ -820,7 +594,7 @@ def _materialize(bundle_dir: Path, manifest: Manifest, root: Path) -> InstalledB
         shutil.copyfile(bundle_dir / MANIFEST, tmp / MANIFEST)
         shutil.copyfile(bundle_dir / SIGNATURE, tmp / SIGNATURE)
         for dirpath, _, _ in os.walk(tmp):
-            _fsync_dir(Path(dirpath))
+            fsync_dir(Path(dirpath))
         if final.exists():  # same manifest, damaged tree: swap it for the fresh one
             old = builds / f".old-{manifest.build}-{uuid.uuid4().hex}"
             os.rename(final, old)
@@ -828,7 +602,7 @@ def _materialize(bundle_dir: Path, manifest: Manifest, root: Path) -> InstalledB
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(builds)
+        fsync_dir(builds)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -851,7 +625,7 @@ def _try_link(blob: Path, target: Path) -> bool:
 def activate_build(root: Path, build_id: str) -> InstalledBuild:
     """Point <root>/builds/current at an installed build (also how to roll back)."""
     builds = Path(root) / "builds"
-    _check_build_id(build_id)
+    check_build_id(build_id)
     build = _read_build(builds / build_id)
     if build is None:
         raise BundleError(f"build {build_id!r} is not installed under {builds}")
@@ -865,7 +639,7 @@ def activate_build(root: Path, build_id: str) -> InstalledBuild:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    _fsync_dir(builds)
+    fsync_dir(builds)
     return build
 
 
@@ -903,86 +677,3 @@ def _read_build(path: Path) -> InstalledBuild | None:
     except (OSError, ProtocolError):
         return None
     return InstalledBuild(manifest.build, path, manifest)
-
-
-# ---- file helpers ---------------------------------------------------------------------------
-
-
-def _copy_hashing(source: Path, target: Path, fsync: bool = False,
-                  chunk_size: int = 0) -> tuple[str, int, list[str]]:
-    """Copy a file; its sha256, size and the sha256 of each `chunk_size` piece (none for 0)."""
-    h, size, chunks = hashlib.sha256(), 0, []
-    piece, piece_len = hashlib.sha256(), 0
-    step = min(_CHUNK, chunk_size) if chunk_size else _CHUNK
-    with open(source, "rb") as src, open(target, "xb") as dst:
-        while chunk := src.read(step):
-            h.update(chunk)
-            dst.write(chunk)
-            size += len(chunk)
-            if chunk_size:
-                piece.update(chunk)
-                piece_len += len(chunk)
-                if piece_len == chunk_size:
-                    chunks.append(piece.hexdigest())
-                    piece, piece_len = hashlib.sha256(), 0
-        if fsync:
-            dst.flush()
-            os.fsync(dst.fileno())
-    if piece_len:
-        chunks.append(piece.hexdigest())
-    return h.hexdigest(), size, chunks
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write via a temporary file, fsync and rename: a reader never sees half a file."""
-    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sweep_temporaries(root: Path) -> None:
-    """Remove what an install killed part-way left behind (we hold the install lock)."""
-    for folder in [root / "builds", *sorted((root / "store").glob("??"))]:
-        if not folder.is_dir():
-            continue
-        for entry in folder.iterdir():
-            if entry.name.startswith((".tmp-", ".old-")):
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        entry.unlink()
-
-
-@contextlib.contextmanager
-def _install_lock(root: Path):
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # Windows: the agent runs one job at a time anyway
-        yield
-        return
-    with open(root / ".install.lock", "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -120,7 +120,8 @@ def resume(
     """Append the chunk files pushed beside each partial upload of a staged build (<root>/
     incoming/.resume/<sha>.<index>), each checked against the signed manifest; a file made
     whole moves into the staged folder. Prints {"held": {sha256: bytes}} as JSON."""
-    from agent.bundle import BundleError, absorb_chunks
+    from agent.bundle import BundleError
+    from agent.uploads import absorb_chunks
 
     root = agent_root(root)
     confined_paths({"staged folder": staging, "--root": root})

@@ -40,7 +40,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.bundle import atomic_write, sha256_file
+from agent.bundle import sha256_file
+from agent.files import atomic_write
 from agent.fsroot import FsRoot, PathRefused
 from agent.protocol import (
     ENGINE_RUNTIMES,

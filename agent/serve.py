@@ -61,8 +61,6 @@ from agent.bundle import (
     install_bundle,
     list_builds,
     missing_files,
-    receive_chunks,
-    staged_manifest,
     verify_build,
 )
 from agent.jobs import AgentBusy, busy_message, lock_problem, read_lock, run_job, stop_job
@@ -81,6 +79,7 @@ from agent.protocol import (
     to_dict,
     to_json,
 )
+from agent.uploads import receive_chunks, staged_manifest
 from engine.httpserver import (
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,

@@ -54,7 +54,8 @@ sys.path.insert(0, str(REPO / "tests"))  # net_support: the cutting proxy and th
 
 from sqlalchemy import func, select  # noqa: E402
 
-from agent.bundle import build_bundle, generate_keypair, provision_public_key  # noqa: E402
+from agent.bundle import generate_keypair, provision_public_key  # noqa: E402
+from agent.packing import build_bundle  # noqa: E402
 from orchestrator import store  # noqa: E402
 from orchestrator.infra.settings import Settings  # noqa: E402
 from orchestrator.jobs.celery_app import DEFAULT_QUEUE, host_queue, make_celery  # noqa: E402

@@ -25,8 +25,9 @@ from cryptography.hazmat.primitives import serialization
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.bundle import build_bundle, generate_keypair, load_public_key, provision_public_key  # noqa: E402
+from agent.bundle import generate_keypair, load_public_key, provision_public_key  # noqa: E402
 from agent.hubpage import HubPage  # noqa: E402
+from agent.packing import build_bundle
 from engine.browser import chromium_command, find_chromium  # noqa: E402
 from engine.kernels import SHADER_ROOT  # noqa: E402
 from orchestrator.transports.hub import BrowserHub  # noqa: E402

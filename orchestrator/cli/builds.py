@@ -164,8 +164,9 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
     <data_dir>/builds/<name> and record it with the revision it came from; returns the build's
     listing (plus `bundle`, its folder, and `tuned_profiles`, the promoted profiles it ships
     when `tuned`). Nothing is left behind when it fails (one red line and exit 1)."""
-    from agent.bundle import BundleError, build_bundle
+    from agent.bundle import BundleError
     from agent.jobs import DEFAULT_PROFILE_FILE, TUNED_PROFILES_DIR
+    from agent.packing import build_bundle
     from orchestrator import store
     from orchestrator.analysis import profiles as registry
     from orchestrator.infra.inputs import BadInput, check_build_name

@@ -25,7 +25,7 @@ def analyze(app: Celery, batch_id: int) -> dict:
     data stoppages), stored on the batch and written to <data_dir>/reports/batch-<id>.json for
     whatever sends notifications. Inconclusive comparisons launch a follow-up batch with more
     repetitions on those devices (at most the batch's max_extra_rounds rounds; idempotent)."""
-    from agent.bundle import atomic_write
+    from agent.files import atomic_write
     from orchestrator.analysis import regressions
     from orchestrator.analysis.summary import batch_summary
 

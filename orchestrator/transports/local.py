@@ -21,8 +21,6 @@ from agent.bundle import (
     arrived_bytes,
     current_build,
     missing_files,
-    receive_chunks,
-    staged_manifest,
     verify_build,
 )
 from agent.protocol import (
@@ -34,6 +32,7 @@ from agent.protocol import (
     from_json,
     to_json,
 )
+from agent.uploads import receive_chunks, staged_manifest
 from orchestrator.transports.base import (
     MAX_REPLY_BYTES,
     AgentExit,

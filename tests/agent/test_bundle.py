@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent import bundle as B
+from agent import files, packing, uploads
 from agent.protocol import Manifest, from_json, to_json
 
 
@@ -49,7 +50,7 @@ def build(src: Path, out: Path, private_key, build_id="b1", **overrides) -> Mani
     sources = {"engine": src / "engine", "shaders": src / "shaders", "models/tiny": src / "model",
                "profiles/adreno.json": src / "profiles/adreno.json", "agent/run.sh": src / "agent/run.sh"}
     sources.update(overrides)
-    return B.build_bundle(sources, out, build_id, "0.1.0", private_key, source_revision="abc123")
+    return packing.build_bundle(sources, out, build_id, "0.1.0", private_key, source_revision="abc123")
 
 
 def resign(bundle: Path, private_key, mutate) -> None:
@@ -102,8 +103,8 @@ def test_build_follows_source_symlinks_inside_their_link_root(keys, tmp_path):
     (blobs / "abc").write_bytes(b"weights")
     (snapshot / "unet.safetensors").symlink_to("../../blobs/abc")  # how a Hugging Face snapshot looks
     with pytest.raises(B.BundleError, match="model/unet.safetensors: a link to .*blobs/abc, outside .*snapshots/rev"):
-        B.build_bundle({"model": snapshot}, tmp_path / "refused", "b1", "1", priv)  # its root: itself
-    manifest = B.build_bundle({"model": snapshot}, tmp_path / "bundle", "b1", "1", priv, link_roots={"model": repo})
+        packing.build_bundle({"model": snapshot}, tmp_path / "refused", "b1", "1", priv)  # its root: itself
+    manifest = packing.build_bundle({"model": snapshot}, tmp_path / "bundle", "b1", "1", priv, link_roots={"model": repo})
     assert [f.path for f in manifest.files] == ["model/unet.safetensors"]
     assert not (tmp_path / "bundle/files/model/unet.safetensors").is_symlink()
     assert (tmp_path / "bundle/files/model/unet.safetensors").read_bytes() == b"weights"
@@ -127,7 +128,7 @@ def test_build_refuses_links_out_of_its_sources(keys, src, tmp_path, link):
     (src / name).symlink_to(target, target_is_directory=target.is_dir())
     sources = {"engine": src / "engine", "agent": src / "agent"}
     with pytest.raises(B.BundleError) as refused:
-        B.build_bundle(sources, tmp_path / "bundle", "b1", "1", priv, link_roots={k: src for k in sources})
+        packing.build_bundle(sources, tmp_path / "bundle", "b1", "1", priv, link_roots={k: src for k in sources})
     message = str(refused.value)
     assert message.startswith(f"{name}: ") and says in message and "\n" not in message, message
     assert str(target) in message or os.readlink(src / name) in message, message
@@ -137,7 +138,7 @@ def test_build_refuses_links_out_of_its_sources(keys, src, tmp_path, link):
 def test_a_link_inside_the_tree_is_packed_as_its_file(keys, src, tmp_path):
     priv, pub, *_ = keys
     (src / "engine/alias.py").symlink_to("../agent/run.sh")
-    manifest = B.build_bundle({"engine": src / "engine", "agent": src / "agent"}, tmp_path / "bundle", "b1", "1",
+    manifest = packing.build_bundle({"engine": src / "engine", "agent": src / "agent"}, tmp_path / "bundle", "b1", "1",
                               priv, link_roots={"engine": src, "agent": src})
     by_path = {f.path: f for f in manifest.files}
     assert by_path["engine/alias.py"].sha256 == by_path["agent/run.sh"].sha256
@@ -148,12 +149,12 @@ def test_a_link_inside_the_tree_is_packed_as_its_file(keys, src, tmp_path):
 def test_build_refuses_bad_input(keys, src, tmp_path):
     priv, *_ = keys
     with pytest.raises(B.BundleError, match="files/../x: path traversal"):
-        B.build_bundle({"../x": src / "agent/run.sh"}, tmp_path / "o1", "b1", "1", priv)
+        packing.build_bundle({"../x": src / "agent/run.sh"}, tmp_path / "o1", "b1", "1", priv)
     with pytest.raises(B.BundleError, match="build id"):
-        B.build_bundle({"x": src / "agent/run.sh"}, tmp_path / "o2", "../b", "1", priv)
+        packing.build_bundle({"x": src / "agent/run.sh"}, tmp_path / "o2", "../b", "1", priv)
     (tmp_path / "o3").mkdir(), (tmp_path / "o3" / "f").write_text("x")
     with pytest.raises(B.BundleError, match="not empty"):
-        B.build_bundle({"x": src / "agent/run.sh"}, tmp_path / "o3", "b1", "1", priv)
+        packing.build_bundle({"x": src / "agent/run.sh"}, tmp_path / "o3", "b1", "1", priv)
 
 
 # ---- refusals -------------------------------------------------------------------------------
@@ -223,9 +224,9 @@ def test_bad_sha_refused(bundle, keys):
         B.verify_bundle(bundle, keys[1])
 
 
-@pytest.mark.parametrize("chunk_size", [1 << 16, 1 << 20, B.CHUNK_SIZE])
+@pytest.mark.parametrize("chunk_size", [1 << 16, 1 << 20, packing.CHUNK_SIZE])
 def test_the_manifest_lists_each_chunks_sha256(keys, src, tmp_path, chunk_size):
-    manifest = B.build_bundle({"models/tiny": src / "model", "agent/run.sh": src / "agent/run.sh"},
+    manifest = packing.build_bundle({"models/tiny": src / "model", "agent/run.sh": src / "agent/run.sh"},
                               tmp_path / "out", "b1", "0.1.0", keys[0], chunk_size=chunk_size)
     assert manifest.chunk_size == chunk_size
     for f in manifest.files:
@@ -235,7 +236,7 @@ def test_the_manifest_lists_each_chunks_sha256(keys, src, tmp_path, chunk_size):
     assert max(len(f.chunks) for f in manifest.files) == -(-200_000 // chunk_size)
     B.verify_bundle(tmp_path / "out", keys[1])
     with pytest.raises(B.BundleError, match="a positive divisor or multiple"):
-        B.build_bundle({"agent/run.sh": src / "agent/run.sh"}, tmp_path / "out2", "b2", "0.1.0", keys[0],
+        packing.build_bundle({"agent/run.sh": src / "agent/run.sh"}, tmp_path / "out2", "b2", "0.1.0", keys[0],
                        chunk_size=3 << 19)
 
 
@@ -398,7 +399,7 @@ def test_missing_files_counts_whole_staged_files_of_an_interrupted_upload(bundle
 def chunked(keys, src, tmp_path):
     """A bundle with 64 KiB chunks (its 200,000-byte weights have 4), staged with its signed
     manifest on an agent root provisioned with the farm key."""
-    manifest = B.build_bundle({"models/tiny": src / "model"}, tmp_path / "chunked", "c1", "0.1.0", keys[0],
+    manifest = packing.build_bundle({"models/tiny": src / "model"}, tmp_path / "chunked", "c1", "0.1.0", keys[0],
                               chunk_size=64 << 10)
     root, staging = tmp_path / "agent", tmp_path / "agent/incoming/c1"
     B.provision_public_key(root, keys[1])
@@ -414,22 +415,22 @@ def test_a_file_arrives_a_verified_chunk_at_a_time_and_a_cut_keeps_the_whole_chu
     size, target = manifest.chunk_size, staging / "files" / weights.path
     assert len(weights.chunks) == 4
     # cut 10 bytes into the third chunk: the two whole ones are kept, nothing is at the target
-    _, held = B.receive_chunks(staging, root, weights.path, 0, io.BytesIO(data[:2 * size + 10]).read)
+    _, held = uploads.receive_chunks(staging, root, weights.path, 0, io.BytesIO(data[:2 * size + 10]).read)
     assert held == 2 * size and B.partial_upload(root, weights.sha256).stat().st_size == held
     assert not target.exists()
     assert B.arrived_bytes(manifest, root, [weights]) == {weights.sha256: held}
     # from further than what is held, or off a chunk boundary: refused, the partial unchanged
     for offset in (3 * size, size + 1):
         with pytest.raises(B.BundleError, match="resume from"):
-            B.receive_chunks(staging, root, weights.path, offset, lambda n: b"")
+            uploads.receive_chunks(staging, root, weights.path, offset, lambda n: b"")
     # a chunk that is not the manifest's: refused before it is written
     wrong = bytearray(data[held:])
     wrong[5] ^= 0xFF
     with pytest.raises(B.BundleError, match="chunk 2 .* does not hash as the signed manifest lists"):
-        B.receive_chunks(staging, root, weights.path, held, io.BytesIO(bytes(wrong)).read)
+        uploads.receive_chunks(staging, root, weights.path, held, io.BytesIO(bytes(wrong)).read)
     assert B.resume_point(root, weights, size) == held
     # the rest from there: the whole file, checked, moves to its staged path
-    _, whole = B.receive_chunks(staging, root, weights.path, held, io.BytesIO(data[held:]).read)
+    _, whole = uploads.receive_chunks(staging, root, weights.path, held, io.BytesIO(data[held:]).read)
     assert whole == weights.size and target.read_bytes() == data
     assert not B.partial_upload(root, weights.sha256).exists()
 
@@ -457,11 +458,11 @@ def test_chunks_pushed_as_files_are_absorbed_in_order_and_a_torn_one_dropped(chu
         (folder / f"{weights.sha256}.{k}").write_bytes(data[k * size:(k + 1) * size])
     (folder / f"{weights.sha256}.2").write_bytes(data[2 * size:2 * size + 99])  # cut mid-push
     (folder / f"{weights.sha256}.3").write_bytes(data[3 * size:])  # after a gap: not used
-    assert B.absorb_chunks(staging, root, check=True) == {weights.sha256: 2 * size}
+    assert uploads.absorb_chunks(staging, root, check=True) == {weights.sha256: 2 * size}
     assert sorted(p.name for p in folder.iterdir()) == [weights.sha256]
     for k in (2, 3):
         (folder / f"{weights.sha256}.{k}").write_bytes(data[k * size:(k + 1) * size])
-    assert B.absorb_chunks(staging, root) == {weights.sha256: weights.size}
+    assert uploads.absorb_chunks(staging, root) == {weights.sha256: weights.size}
     assert (staging / "files" / weights.path).read_bytes() == data and not list(folder.iterdir())
     # the rest staged whole, and an upload of one of them cut off earlier: installing drops it
     bundle = staging.parent.parent.parent / "chunked"
@@ -480,9 +481,9 @@ def test_chunks_are_checked_against_a_manifest_signed_with_the_farm_key(chunked,
     rogue = B.generate_keypair(tmp_path / "rogue.key", tmp_path / "rogue.pub")
     (staging / B.SIGNATURE).write_bytes(rogue.sign(manifest.canonical_bytes()))
     with pytest.raises(B.BundleError, match="manifest signature does not verify"):
-        B.receive_chunks(staging, root, weights.path, 0, io.BytesIO(data).read)
+        uploads.receive_chunks(staging, root, weights.path, 0, io.BytesIO(data).read)
     with pytest.raises(B.BundleError, match="manifest signature does not verify"):
-        B.absorb_chunks(staging, root)
+        uploads.absorb_chunks(staging, root)
     assert not B.partial_upload(root, weights.sha256).exists()
 
 
@@ -517,7 +518,7 @@ def test_interrupted_copy_leaves_no_partial_blob(bundle, keys, src, tmp_path, mo
     (src / "model/unet/new.safetensors").write_bytes(os.urandom(100_000))
     build(src, tmp_path / "b2", keys[0], build_id="b2")
     calls = []
-    real_copy = B._copy_hashing
+    real_copy = files.copy_hashing
 
     def dying_copy(source, target, fsync=False):
         calls.append(target)
@@ -527,7 +528,7 @@ def test_interrupted_copy_leaves_no_partial_blob(bundle, keys, src, tmp_path, mo
             raise OSError(28, "No space left on device")
         return real_copy(source, target, fsync)
 
-    monkeypatch.setattr(B, "_copy_hashing", dying_copy)
+    monkeypatch.setattr(B, "copy_hashing", dying_copy)
     with pytest.raises(OSError, match="No space left"):
         B.install_bundle(tmp_path / "b2", root, keys[1])
     monkeypatch.undo()

@@ -33,7 +33,8 @@ def agent(*args, **kw):
 
 def signed_bundle(tmp_path: Path, build_id: str = "b1") -> tuple[Path, Path]:
     """(bundle folder, farm public key file) of a small signed build."""
-    from agent.bundle import build_bundle, generate_keypair
+    from agent.bundle import generate_keypair
+    from agent.packing import build_bundle
 
     key = generate_keypair(tmp_path / "keys" / "farm.key", tmp_path / "keys" / "farm.pub")
     src = tmp_path / "src"
@@ -134,7 +135,8 @@ def test_install_uses_farm_pub_in_the_root_and_refuses_tampering(tmp_path):
 
 
 def test_resume_appends_the_pushed_chunks_and_prints_what_it_holds(tmp_path):
-    from agent.bundle import RESUME, build_bundle, generate_keypair, provision_public_key
+    from agent.bundle import RESUME, generate_keypair, provision_public_key
+    from agent.packing import build_bundle
 
     key = generate_keypair(tmp_path / "farm.key", tmp_path / "farm.pub")
     (tmp_path / "src").mkdir()

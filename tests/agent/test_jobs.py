@@ -386,11 +386,12 @@ def test_an_init_image_is_checked_before_it_travels():
 def _install(tmp_path: Path, model: Path, tuned: dict) -> Path:
     """A build of `model` carrying `tuned` under profiles/tuned/, installed in an agent root."""
     from agent import bundle as B
+    from agent.packing import build_bundle
 
     (tmp_path / "tuned").mkdir()
     (tmp_path / "tuned" / f"{tuned['name']}.json").write_text(json.dumps(tuned))
     B.generate_keypair(tmp_path / "farm.key", tmp_path / "farm.pub")
-    B.build_bundle({"models/tiny": model, "profiles/tuned": tmp_path / "tuned"}, tmp_path / "bundle", "b1",
+    build_bundle({"models/tiny": model, "profiles/tuned": tmp_path / "tuned"}, tmp_path / "bundle", "b1",
                    "0.1.0", tmp_path / "farm.key")
     root = tmp_path / "root"
     B.install_bundle(tmp_path / "bundle", root, B.load_public_key(tmp_path / "farm.pub"))

@@ -128,7 +128,8 @@ def test_protocol_mismatch_is_409(served):
 
 
 def test_bundle_upload_is_resumable_and_installs(served, tmp_path):
-    from agent.bundle import build_bundle, generate_keypair, provision_public_key
+    from agent.bundle import generate_keypair, provision_public_key
+    from agent.packing import build_bundle
 
     key = generate_keypair(tmp_path / "farm.key", tmp_path / "farm.pub")
     src = tmp_path / "src"
@@ -165,7 +166,8 @@ def test_a_file_put_from_an_offset_is_kept_a_verified_chunk_at_a_time(served, tm
     """/v1/store/missing says how much of a cut upload is held; a PUT ?offset= from there sends
     the rest; an offset past what is held, a chunk not the manifest's, and a signature by
     another key are refused."""
-    from agent.bundle import build_bundle, generate_keypair, provision_public_key
+    from agent.bundle import generate_keypair, provision_public_key
+    from agent.packing import build_bundle
 
     key = generate_keypair(tmp_path / "farm.key", tmp_path / "farm.pub")
     src = tmp_path / "src"

@@ -24,8 +24,9 @@ from ci_support import missing
 from cryptography.hazmat.primitives import serialization
 
 import engine
-from agent.bundle import build_bundle, generate_keypair, load_public_key, provision_public_key
+from agent.bundle import generate_keypair, load_public_key, provision_public_key
 from agent.hubpage import HubPage
+from agent.packing import build_bundle
 from agent.protocol import CHUNK_SIZE, Manifest
 from engine.browser import (
     BrowserError,

@@ -14,7 +14,7 @@ from test_tasks import HOST, farm  # noqa: F401  (the module's own real worker a
 from test_tuning_loop import _wait_for_batch
 from typer.testing import CliRunner
 
-from agent.bundle import build_bundle
+from agent.packing import build_bundle
 from orchestrator import store
 from orchestrator.cli import app as farm_cli
 from orchestrator.jobs.jobservice import launch_suite

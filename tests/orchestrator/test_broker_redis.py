@@ -195,7 +195,8 @@ def test_pings_run_through_redis(farm):
 def test_generate_job_runs_through_redis(farm, tiny_model_dir):
     from sqlalchemy import func, select
 
-    from agent.bundle import build_bundle, generate_keypair, provision_public_key
+    from agent.bundle import generate_keypair, provision_public_key
+    from agent.packing import build_bundle
     from orchestrator import store
     from orchestrator.store.models import Deployment, DeploymentStatus, Job, JobState, Run, Sample
 

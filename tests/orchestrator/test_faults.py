@@ -16,13 +16,13 @@ from sqlalchemy import select
 from worker_farm import Workers, kill_group, logs, wait
 
 from agent.bundle import (
-    build_bundle,
     current_build,
     generate_keypair,
     install_bundle,
     load_private_key,
     provision_public_key,
 )
+from agent.packing import build_bundle
 from orchestrator import store
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.celery_app import DEFAULT_QUEUE, make_celery

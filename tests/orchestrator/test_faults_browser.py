@@ -17,7 +17,7 @@ from net_support import Proxy
 from sqlalchemy import select
 from worker_farm import Workers, logs, wait
 
-from agent.bundle import build_bundle
+from agent.packing import build_bundle
 from agent.protocol import JobSpec
 from agent.simulator import VirtualPhone
 from engine.browser import find_chromium

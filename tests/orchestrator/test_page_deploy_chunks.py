@@ -33,14 +33,9 @@ from cryptography.hazmat.primitives import serialization
 
 import engine
 import orchestrator.transports.hub as browser_hub
-from agent.bundle import (
-    build_bundle,
-    generate_keypair,
-    load_private_key,
-    load_public_key,
-    provision_public_key,
-)
+from agent.bundle import generate_keypair, load_private_key, load_public_key, provision_public_key
 from agent.hubpage import HubPage
+from agent.packing import build_bundle
 from agent.protocol import FILES, Manifest, from_json
 from engine.browser import chromium_command, find_chromium
 from engine.errors import BrowserError

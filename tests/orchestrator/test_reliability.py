@@ -21,8 +21,9 @@ from kombu import Connection
 from sqlalchemy import select, update
 from worker_farm import Workers, kill_group, logs, wait
 
-from agent.bundle import build_bundle, generate_keypair, install_bundle, provision_public_key
+from agent.bundle import generate_keypair, install_bundle, provision_public_key
 from agent.jobs import read_lock
+from agent.packing import build_bundle
 from orchestrator import store
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.celery_app import (

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, update
 
-from agent.bundle import build_bundle, generate_keypair, provision_public_key
+from agent.bundle import generate_keypair, provision_public_key
+from agent.packing import build_bundle
 from orchestrator import store
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.celery_app import DEFAULT_QUEUE, host_queue, make_celery

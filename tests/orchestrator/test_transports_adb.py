@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from net_support import PartialWatcher, Proxy, without_chunks
 
-from agent.bundle import build_bundle, generate_keypair
+from agent.bundle import generate_keypair
+from agent.packing import build_bundle
 from agent.protocol import JobSpec, Manifest
 from agent.simulator import VirtualPhone
 from orchestrator.transports import (

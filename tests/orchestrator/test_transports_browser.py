@@ -13,7 +13,8 @@ import time
 import pytest
 from ci_support import missing
 
-from agent.bundle import build_bundle, generate_keypair
+from agent.bundle import generate_keypair
+from agent.packing import build_bundle
 from agent.protocol import Cooldown, JobSpec, Manifest
 from agent.simulator import VirtualPhone
 from engine.browser import find_chromium

@@ -20,7 +20,8 @@ import pytest
 from net_support import PartialWatcher, Proxy, without_chunks
 from tls_support import make_pki
 
-from agent.bundle import build_bundle, generate_keypair, provision_public_key
+from agent.bundle import generate_keypair, provision_public_key
+from agent.packing import build_bundle
 from agent.protocol import DeviceInfo, JobSpec, Manifest, from_json
 from agent.serve import make_server, tls_context
 from orchestrator.transports import (

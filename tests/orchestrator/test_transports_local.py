@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from agent.bundle import build_bundle, generate_keypair, provision_public_key
+from agent.bundle import generate_keypair, provision_public_key
+from agent.packing import build_bundle
 from agent.protocol import JobSpec
 from orchestrator.transports import BundleRefused, DeviceBusy
 from orchestrator.transports.local import LocalTransport

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from ci_support import missing
 
-from agent.bundle import build_bundle, generate_keypair
+from agent.bundle import generate_keypair
+from agent.packing import build_bundle
 from agent.protocol import JobSpec
 from agent.simulator.tablet import VirtualTablet
 from engine.browser import find_chromium
