@@ -36,16 +36,13 @@ import numpy as np
 
 from engine.errors import InputError
 from engine.models.config import (
-    SD14_SCHEDULER,
-    SD14_TEXT_ENCODER,
-    SD14_UNET,
-    SD14_VAE,
     CLIPTextConfig,
     ModelConfig,
     UNetConfig,
     VAEConfig,
 )
 from engine.models.params import clip_param_shapes, unet_param_shapes, vae_param_shapes
+from engine.models.sd14 import SD14_SCHEDULER, SD14_TEXT_ENCODER, SD14_UNET, SD14_VAE
 from engine.tokenizer import END_OF_WORD, build_clip_bpe
 from engine.weights.loader import write_safetensors
 

@@ -27,10 +27,6 @@ import numpy as np
 
 from engine.errors import ModelError, UnsupportedModelError
 from engine.models.config import (
-    SD14_SCHEDULER,
-    SD14_TEXT_ENCODER,
-    SD14_UNET,
-    SD14_VAE,
     SUPPORTED,
     CLIPTextConfig,
     ModelConfig,
@@ -41,6 +37,7 @@ from engine.models.config import (
     read_json,
 )
 from engine.models.params import clip_param_shapes, unet_param_shapes, vae_param_shapes
+from engine.models.sd14 import SD14_SCHEDULER, SD14_TEXT_ENCODER, SD14_UNET, SD14_VAE
 from engine.weights.loader import (
     PICKLE_SUFFIXES,
     TensorFile,

@@ -12,14 +12,13 @@ import pytest
 from engine.errors import ModelError, UnsupportedModelError
 from engine.make_model import preset_configs
 from engine.models.config import (
-    SD14_UNET,
-    SD14_VAE,
     CLIPTextConfig,
     UNetConfig,
     VAEConfig,
     check_scheduler_config,
     load_model_config,
 )
+from engine.models.sd14 import SD14_UNET, SD14_VAE
 
 SRC = Path("unet/config.json")
 

@@ -13,8 +13,9 @@ from safetensors.numpy import save_file
 
 from engine.errors import ModelError, UnsupportedModelError
 from engine.make_model import preset_configs, write_model
-from engine.models.config import SD14_TEXT_ENCODER, SD14_UNET, SD14_VAE, load_model_config
+from engine.models.config import load_model_config
 from engine.models.params import param_shapes
+from engine.models.sd14 import SD14_TEXT_ENCODER, SD14_UNET, SD14_VAE
 from engine.weights.loader import load_component, read_header
 from engine.weights.single_file import load_single_file, to_single_file
 
