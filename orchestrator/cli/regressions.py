@@ -183,7 +183,7 @@ def scan(
     """Change-point detection over each series' whole history; records what it finds (beat
     runs it after every batch, on the batch's devices)."""
     from orchestrator import store
-    from orchestrator.analysis import regressions
+    from orchestrator.analysis import changepoints, regressions
 
     if metric is not None and metric not in regressions.HEADLINE_METRICS:
         fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
@@ -194,14 +194,14 @@ def scan(
         except store.StoreError as exc:
             fail(str(exc))
         with console.status("scanning series histories"):
-            found = regressions.scan_change_points(session, dev, metric)
+            found = changepoints.scan_change_points(session, dev, metric)
         session.commit()
     if as_json:
         _print_json(found)
         return
     if not found:
         console.print("no change points: every series is level (or has fewer than "
-                      f"{2 * regressions.MIN_SEGMENT} builds of history)")
+                      f"{2 * changepoints.MIN_SEGMENT} builds of history)")
         return
     table = Table("device", "metric", "series", "first build after", "before", "after", "ratio", "p", "",
                   title=f"{len(found)} change points ({sum(f['new'] for f in found)} new)")

@@ -26,7 +26,7 @@ def analyze(app: Celery, batch_id: int) -> dict:
     whatever sends notifications. Inconclusive comparisons launch a follow-up batch with more
     repetitions on those devices (at most the batch's max_extra_rounds rounds; idempotent)."""
     from agent.files import atomic_write
-    from orchestrator.analysis import regressions
+    from orchestrator.analysis import changepoints, regressions
     from orchestrator.analysis.summary import batch_summary
 
     settings = settings_of(app)
@@ -39,13 +39,13 @@ def analyze(app: Celery, batch_id: int) -> dict:
         batch = store.get_batch(session, batch_id)
         devices = [] if batch.purpose == BATCH_CHECK else sorted({job.device for job in batch.jobs},
                                                                   key=lambda d: d.serial)  # no series fed
-        found = [point for device in devices for point in regressions.find_change_points(session, device)]
+        found = [point for device in devices for point in changepoints.find_change_points(session, device)]
     # 2. The comparisons and everything written, in one short transaction.
     with session_for(app) as session, session.begin():
         batch = store.get_batch(session, batch_id)
         report = regressions.analyze_batch(session, batch_id)
         report["profile_gains"] = profiles.measure_gains(session, batch_id)
-        report["change_points"] = regressions.record_change_points(session, found)
+        report["change_points"] = changepoints.record_change_points(session, found)
         summary = batch_summary(session, batch_id) | {"analysis": report}
         rounds = store.extra_round(batch.idempotency_key)  # 0: the original batch
         follow_up = report["more_repetitions"] if rounds < batch.max_extra_rounds else []

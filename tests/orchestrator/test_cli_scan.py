@@ -11,7 +11,7 @@ from sqlalchemy import select
 from test_analysis import _latency, _manifest, _record
 
 from orchestrator import store
-from orchestrator.analysis import regressions
+from orchestrator.analysis import changepoints, regressions
 from orchestrator.store.models import ChangePoint
 
 
@@ -63,7 +63,7 @@ def test_a_short_history_has_no_change_point(Session):  # noqa: N803
     cli = SimpleNamespace(Session=Session)
     _history(cli, {"p1": [1.0, 1.0, 1.0, 2.0, 2.0]})
     with Session() as s:
-        assert regressions.scan_change_points(s) == []
+        assert changepoints.scan_change_points(s) == []
 
 
 def test_a_level_move_under_the_minimum_effect_is_not_a_change_point(Session):  # noqa: N803
@@ -73,9 +73,9 @@ def test_a_level_move_under_the_minimum_effect_is_not_a_change_point(Session):  
     # noisy build in a few hundred histories moved the split a build early), and small
     _history(SimpleNamespace(Session=Session), {"p1": [1.0] * 8 + [1.02] * 8}, reps=100)
     with Session() as s:
-        assert regressions.scan_change_points(s) == []
+        assert changepoints.scan_change_points(s) == []
         key = regressions.series_key(store.get_device(s, "p1"), regressions.SpecKey.of(
             {"model": "models/tiny", "precision": "fp32", "steps": 2}), "unet_step_ms")
         regressions.set_min_effect(s, key, 0.01)  # a series where 1% matters
-        (point,) = regressions.scan_change_points(s)
+        (point,) = changepoints.scan_change_points(s)
         assert point["build"] == "b9" and 1.01 < point["ratio"] < 1.03
