@@ -9,7 +9,8 @@
 // build lists. A plan later runs only shaders and weights of a verified build:
 // each shader by the manifest's path and sha256, each weight as a byte range of a manifest file,
 // checked against the tensor's sha256 in the plan. Nothing is taken from the network at run time.
-import { PlanError, b64ToBytes, sha256Hex } from "./plan.js";
+import { b64ToBytes, sha256Hex } from "./bytes.js";
+import { PlanError } from "./errors.js";
 
 const BUILD_CACHE = "devicefarm-builds-v1";
 const TOKEN_ITEM = "devicefarm.token";

@@ -10,8 +10,9 @@
 // generate (the whole generation), time, kernels (per-kernel GPU times of a stage), unload.
 // A host page adds its own commands, sources and rules through runPage's options (the engine's
 // standalone page: engine/web/main.js; the farm's: agent/web/main.js).
-import { PlanError, PlanRunner, WeightStore, b64ToBytes, chooseResidency, bytesToB64, describeAdapter, emulatedAdapter, openDevice,
-  requestAdapter, sha256Hex, weightFetcher } from "./plan.js";
+import { b64ToBytes, bytesToB64, sha256Hex } from "./bytes.js";
+import { PlanError } from "./errors.js";
+import { PlanRunner, WeightStore, chooseResidency, describeAdapter, emulatedAdapter, openDevice, requestAdapter, weightFetcher } from "./plan.js";
 
 const BEAT_MS = 3000;
 
