@@ -110,6 +110,14 @@ def same_gpu(device: Device):
             & (Profile.gpu_backend == device.gpu_backend))
 
 
+def listed(session: Session, device: Device | None = None) -> list[Profile]:
+    """The tuned profiles, newest first; those made on `device`'s exact GPU when given."""
+    query = select(Profile).order_by(Profile.id.desc())
+    if device is not None:
+        query = query.where(same_gpu(device))
+    return list(session.scalars(query))
+
+
 def newest_for(session: Session, device: Device) -> Profile | None:
     """The newest profile tuned on `device`'s GPU (any device of the same GPU)."""
     return session.scalar(select(Profile).where(same_gpu(device)).order_by(Profile.id.desc()).limit(1))

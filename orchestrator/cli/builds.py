@@ -288,10 +288,10 @@ def list_builds(as_json: bool = JSON_OPTION):
 @app.command()
 def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = JSON_OPTION):
     """Show one build and its files."""
-    from sqlalchemy import select
+    from orchestrator import store
 
     with open_store(_settings()) as sessions, sessions() as session:
-        build = session.scalar(select(Build).where(Build.name == name))
+        build = store.find_build(session, name)
         if build is None:
             fail(f"no build {name!r}; `farm builds list` shows the known ones")
         data = build_dict(build, files=True)

@@ -29,9 +29,8 @@ def fail(message: str) -> NoReturn:
 def open_store(settings) -> Iterator[Any]:
     """A session factory on the settings' database, after checking that its schema is the one
     this code needs (the CLI never migrates on its own: `farm db upgrade` does)."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     from orchestrator.store import make_engine, make_session_factory, migrate
+    from orchestrator.store.session import DatabaseError
 
     engine = make_engine(settings.database_url)
     try:
@@ -39,7 +38,7 @@ def open_store(settings) -> Iterator[Any]:
             migrate.check(engine)
         except migrate.SchemaMismatch as exc:
             fail(str(exc))
-        except SQLAlchemyError as exc:
+        except DatabaseError as exc:
             fail(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
         yield make_session_factory(engine)
     finally:

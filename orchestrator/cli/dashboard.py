@@ -33,10 +33,9 @@ def _app(settings):
 @app.command()
 def build(out: Path = OUT_OPTION):
     """Write the dashboard's pages and the JSON they read into a folder (offline: no token)."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     from orchestrator.api.offline import ExportError, export_site
     from orchestrator.store import migrate
+    from orchestrator.store.session import DatabaseError
 
     settings = _settings()
     target = out if out is not None else settings.data_dir / "dashboard"
@@ -44,7 +43,7 @@ def build(out: Path = OUT_OPTION):
         index = export_site(settings, target)
     except migrate.SchemaMismatch as exc:
         fail(str(exc))
-    except SQLAlchemyError as exc:
+    except DatabaseError as exc:
         fail(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
     except (OSError, ExportError) as exc:
         fail(f"cannot write the dashboard into {target}: {exc}")

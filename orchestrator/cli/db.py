@@ -33,9 +33,6 @@ def upgrade(
 
 def _safe(url: str) -> str:
     """The URL with any password hidden."""
-    from sqlalchemy.engine import make_url
+    from orchestrator.store.session import safe_url
 
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001
-        return url
+    return safe_url(url)

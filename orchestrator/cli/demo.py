@@ -203,14 +203,11 @@ def _set_series(sessions, serials: list[str], build: str, jobs: list[dict[str, A
 def batch_family(session, root_id: int) -> tuple[list, bool]:
     """A batch and its more-repetitions rounds (ordered by round), and whether every round
     its analyses asked for has been launched and analysed."""
-    from sqlalchemy import select
-
+    from orchestrator import store
     from orchestrator.store.batches import extra_round
-    from orchestrator.store.models import Batch
 
-    root = session.get(Batch, root_id)
-    rounds = list(session.scalars(select(Batch).where(Batch.idempotency_key.like(f"more:{root_id}:%"))
-                                  .order_by(Batch.id)))
+    root = store.get_batch(session, root_id)
+    rounds = store.extra_rounds_of(session, root_id)
     family = [root, *sorted(rounds, key=lambda b: (extra_round(b.idempotency_key), b.id))]
     keys = {b.idempotency_key for b in rounds}
     done = all(b.summary is not None for b in family)
@@ -228,22 +225,17 @@ def batch_family(session, root_id: int) -> tuple[list, bool]:
 def _follow(sessions, batch_id: int, running, deadline: float) -> bool:
     """Live table of deployments and job states until the batch and its more-repetitions
     rounds are analysed; False when a job did not succeed or time ran out."""
-    from sqlalchemy import select
-
+    from orchestrator import store
     from orchestrator.store.batches import extra_round
-    from orchestrator.store.models import Deployment, Device, Job
 
     with Live(console=console, auto_refresh=False) as live:
         while True:
             running.stack.check_alive()
             with sessions() as session:
                 family, done = batch_family(session, batch_id)
-                devices = {d.id: d.serial for d in session.scalars(select(Device).where(
-                    Device.serial.in_(running.devices)))}
-                deployments = {d.device_id: d for d in session.scalars(
-                    select(Deployment).where(Deployment.batch_id == batch_id))}
-                ids = [b.id for b in family]
-                jobs = list(session.scalars(select(Job).where(Job.batch_id.in_(ids)).order_by(Job.id)))
+                devices = {d.id: d.serial for d in store.devices_named(session, running.devices)}
+                deployments = {d.device_id: d for d in store.deployments_of_batch(session, batch_id)}
+                jobs = store.jobs_of_batches(session, [b.id for b in family])
                 table = Table("device", "deploy", "sent", "files sent / already there", "latency", "generate",
                               "more repetitions", title=f"batch {batch_id}")
                 for device_id, serial in sorted(devices.items(), key=lambda kv: kv[1]):

@@ -81,9 +81,7 @@ def deploy(
 def _follow(sessions, batch_id: int, devices: dict[int, str], timeout: float, *, quiet: bool,
             title: str) -> list[dict[str, Any]]:
     """Watch the deployments of batch `batch_id` to `devices` until all end (or `timeout`)."""
-    from sqlalchemy import select
-
-    from orchestrator.store.models import Deployment
+    from orchestrator import store
 
     deadline = time.monotonic() + timeout
     rows: dict[int, dict[str, Any]] = {}
@@ -92,8 +90,7 @@ def _follow(sessions, batch_id: int, devices: dict[int, str], timeout: float, *,
             live.stop()
         while True:
             with sessions() as session:
-                for dep in session.scalars(select(Deployment).where(
-                        Deployment.batch_id == batch_id).order_by(Deployment.id)):
+                for dep in store.deployments_of_batch(session, batch_id):
                     rows[dep.device_id] = _row(dep, devices[dep.device_id])
             for device_id, serial in devices.items():
                 rows.setdefault(device_id, {"device": serial, "status": "queued", "bytes_sent": 0,

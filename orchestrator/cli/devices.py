@@ -91,8 +91,6 @@ def add(
                                     "web browser does (an Android phone's Chrome over adb: README, Real phones)."),
 ):
     """Register a device; it stays offline until `farm devices discover` reaches it."""
-    from sqlalchemy import select
-
     from orchestrator import store
 
     if transport is TransportKind.web:
@@ -102,7 +100,7 @@ def add(
              f"browser that opens the farm's hub over HTTPS), not {transport}")
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
-        if session.scalar(select(Device).where(Device.serial == serial)) is not None:
+        if store.find_device(session, serial) is not None:
             fail(f"device {serial!r} already exists; `farm devices remove {serial}` first to re-add it")
         device = store.upsert_device(session, serial, transport, address, host=settings.host_name,
                                      runtime=runtime.value)
@@ -136,11 +134,11 @@ def _print_enrolment(settings, serial: str) -> None:
 @app.command()
 def enrol(serial: str = typer.Argument(..., help="A web device (`farm devices add SERIAL --transport web`).")):
     """Print the URL (and QR code) a web device opens once to join the farm."""
-    from sqlalchemy import select
+    from orchestrator import store
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
-        device = session.scalar(select(Device).where(Device.serial == serial))
+        device = store.find_device(session, serial)
     if device is None:
         fail(f"no device {serial!r}")
     if device.transport is not TransportKind.web:
@@ -201,22 +199,18 @@ def remove(
     force: bool = typer.Option(False, "--force", help="Also delete its jobs, deployments and results."),
 ):
     """Forget a device. Refused while it has jobs or results, unless --force."""
-    from sqlalchemy import func, select
-
     from orchestrator import store
-    from orchestrator.store.models import Deployment, Job, Run
 
     with open_store(_settings()) as sessions, sessions() as session:
         try:
             device = store.get_device(session, serial)
         except store.StoreError as exc:
             fail(str(exc))
-        history = sum(session.scalar(select(func.count()).select_from(m).where(m.device_id == device.id)) or 0
-                      for m in (Job, Run, Deployment))
+        history = store.device_history(session, device.id)
         if history and not force:
             fail(f"device {serial!r} has {history} jobs, runs or deployments; "
                  "`farm devices quarantine` it, or pass --force to delete them too")
-        session.delete(device)
+        store.remove_device(session, device)
         session.commit()
     revoked = _revoke(serial)
     console.print(f"removed device {serial}" + (" and revoked its page token" if revoked else ""), highlight=False)
@@ -318,13 +312,13 @@ def discover(as_json: bool = JSON_OPTION):
 
     A device that does not answer is recorded offline. A device whose stored serial or address
     cannot be used is named with its fix, and the command exits 1."""
-    from sqlalchemy import select
+    from orchestrator import store
 
     settings = _settings()
     outcomes: list[dict[str, Any]] = []
     with open_store(settings) as sessions:
         with sessions() as session:
-            devices = session.scalars(select(Device).order_by(Device.serial)).all()
+            devices = store.all_devices(session)
         if not devices and not as_json:
             console.print("no devices to probe; add one with `farm devices add`")
             return

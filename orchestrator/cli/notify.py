@@ -90,13 +90,10 @@ def list_subscriptions(
     as_json: bool = JSON_OPTION,
 ):
     """Subscriptions, then the most recent deliveries and their states."""
-    from sqlalchemy import select
-
     from orchestrator.store import notifications
-    from orchestrator.store.models import Subscription
 
     with open_store(_settings()) as sessions, sessions() as session:
-        subs = [subscription_dict(s) for s in session.scalars(select(Subscription).order_by(Subscription.id))]
+        subs = [subscription_dict(s) for s in notifications.subscriptions(session)]
         recent = [delivery_dict(d) for d in notifications.recent_deliveries(session, deliveries)]
     if as_json:
         _print_json({"subscriptions": subs, "deliveries": recent})

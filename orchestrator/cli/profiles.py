@@ -63,21 +63,16 @@ def list_profiles(
     as_json: bool = JSON_OPTION,
 ):
     """List the tuned profiles, newest first."""
-    from sqlalchemy import select
-
     from orchestrator import store
     from orchestrator.analysis import profiles
-    from orchestrator.store.models import Profile
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
-        query = select(Profile).order_by(Profile.id.desc())
-        if device is not None:
-            try:
-                query = query.where(profiles.same_gpu(store.get_device(session, device)))
-            except store.StoreError as exc:
-                fail(str(exc))
-        rows = [profile_dict(p) for p in session.scalars(query)]
+        try:
+            on = store.get_device(session, device) if device is not None else None
+        except store.StoreError as exc:
+            fail(str(exc))
+        rows = [profile_dict(p) for p in profiles.listed(session, on)]
     if as_json:
         _print_json(rows)
         return

@@ -224,11 +224,9 @@ def compare(
     as_json: bool = JSON_OPTION,
 ):
     """Compare two builds metric by metric: medians, ratio, confidence interval, verdict."""
-    from sqlalchemy import select
-
     from orchestrator import store
     from orchestrator.analysis import regressions
-    from orchestrator.store.models import Device, Job, JobKind
+    from orchestrator.store.models import JobKind
 
     if len(builds) != 2:
         fail("give --build twice: the baseline build, then the candidate build")
@@ -236,13 +234,11 @@ def compare(
     with open_store(_settings()) as sessions, sessions() as session:
         try:
             base, cand = (store.get_build(session, b) for b in builds)
-            devices = [store.get_device(session, device)] if device else list(
-                session.scalars(select(Device).order_by(Device.serial)))
+            devices = [store.get_device(session, device)] if device else store.all_devices(session)
         except store.StoreError as exc:
             fail(str(exc))
         for dev in devices:
-            specs = {regressions.SpecKey.of(spec or {}) for spec in session.scalars(select(Job.spec).where(
-                Job.device_id == dev.id, Job.build_id == cand.id, Job.kind == JobKind.latency))}
+            specs = {regressions.SpecKey.of(spec) for spec in store.latency_specs(session, dev.id, cand.id)}
             for spec in sorted(specs, key=repr):
                 # two builds named by hand: a farm check's runs of them count too
                 base_runs = regressions.runs_of(session, dev.id, base.id, JobKind.latency, spec, checks=True)
@@ -295,8 +291,6 @@ def bisect(
     as_json: bool = JSON_OPTION,
 ):
     """Find the first bad build between --good and --bad (builds in the order they were made)."""
-    from sqlalchemy import select
-
     from orchestrator import store
     from orchestrator.analysis import regressions
     from orchestrator.jobs.celery_app import make_celery
@@ -315,7 +309,7 @@ def bisect(
                 dev = store.get_device(session, device)
             except store.StoreError as exc:
                 fail(str(exc))
-            order = list(session.scalars(select(Build).order_by(Build.created, Build.id)))
+            order = store.builds_in_order(session)
             ids = [b.id for b in order]
             lo, hi = ids.index(good_b.id), ids.index(bad_b.id)
             if lo >= hi:

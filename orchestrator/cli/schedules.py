@@ -125,15 +125,12 @@ def _check_specs(entries: list[dict[str, Any]]) -> None:
 @app.command("list")
 def list_schedules(as_json: bool = JSON_OPTION):
     """List the schedules with their next firing."""
-    from sqlalchemy import select
-
     from orchestrator import store
-    from orchestrator.store.models import Schedule
 
     settings = _settings()
     with open_store(settings) as sessions, sessions() as session:
         now = store.utcnow()
-        rows = [schedule_dict(s, now) for s in session.scalars(select(Schedule).order_by(Schedule.name))]
+        rows = [schedule_dict(s, now) for s in store.all_schedules(session)]
     if as_json:
         _print_json(rows)
         return

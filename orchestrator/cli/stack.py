@@ -312,15 +312,13 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
 
 
 def _probe_all(settings, serials: list[str]) -> None:
-    from sqlalchemy import select
-
-    from orchestrator.store.models import Device
+    from orchestrator import store
 
     from .devices import probe
 
     with open_store(settings) as sessions:
         with sessions() as session:
-            devices = list(session.scalars(select(Device).where(Device.serial.in_(serials))))
+            devices = store.devices_named(session, serials)
         with console.status("probing devices"):
             for device in devices:
                 outcome = probe(settings, sessions, device)

@@ -139,14 +139,13 @@ device_entries = _each(_device_entry)
 
 def database_url(value: str) -> str:
     """--url of `farm db upgrade`: a URL SQLAlchemy can read."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
+    from orchestrator.store.session import check_url
 
     if value is None:
         return None
     try:
-        make_url(value)
-    except ArgumentError:
+        check_url(value)
+    except ValueError:
         raise typer.BadParameter(f"{value!r} is not a database URL; give e.g. sqlite:////var/lib/farm/farm.db "
                                  "or postgresql+psycopg://farm@db-host/farm") from None
     return value

@@ -18,7 +18,8 @@ from .models import (
 from .rows import StoreError, insert_or_get, text_for_store
 
 __all__ = [
-    "create_batch", "extra_round", "finish_batch_if_done", "get_alert", "get_batch", "triage_alert",
+    "create_batch", "extra_round", "extra_rounds_of", "finish_batch_if_done", "get_alert", "get_batch",
+    "triage_alert",
 ]
 
 
@@ -66,6 +67,12 @@ def finish_batch_if_done(session: Session, batch_id: int) -> bool:
     )
     session.flush()
     return result.rowcount == 1
+
+
+def extra_rounds_of(session: Session, root_id: int) -> list[Batch]:
+    """The more-repetitions rounds a batch's analyses launched (idempotency key more:<root>:...)."""
+    return list(session.scalars(select(Batch).where(Batch.idempotency_key.like(f"more:{root_id}:%"))
+                                .order_by(Batch.id)))
 
 
 def extra_round(idempotency_key: str | None) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import case, literal, or_, select, update
+from sqlalchemy import case, func, literal, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
@@ -16,12 +16,15 @@ from agent.protocol import DeviceInfo, to_dict
 from . import notifications
 from .device_states import PROBED_STATES, DeviceEvent, accepting, moves, refusal, transition
 from .models import (
+    Deployment,
     Device,
     DeviceState,
     DeviceStateChange,
     Host,
+    Job,
     JobKind,
     JobState,
+    Run,
     TransportKind,
     utcnow,
 )
@@ -29,9 +32,9 @@ from .rows import InvalidTransition, StoreError, insert_or_get
 
 __all__ = [
     "QUARANTINE_AFTER_INFRA_FAILURES", "TIMED_KINDS", "TRANSPORT_STATES", "acquire_device_lease",
-    "adapter_group_of", "apply_device_event", "count_job_outcome", "expire_device_leases",
-    "get_device", "get_or_create_host", "in_service_devices", "release_device_lease",
-    "set_device_state", "upsert_device",
+    "adapter_group_of", "all_devices", "apply_device_event", "count_job_outcome", "device_history",
+    "devices_named", "expire_device_leases", "find_device", "get_device", "get_or_create_host",
+    "in_service_devices", "release_device_lease", "remove_device", "set_device_state", "upsert_device",
 ]
 
 
@@ -111,6 +114,33 @@ def get_device(session: Session, ref: int | str) -> Device:
     if device is None:
         raise StoreError(f"no device {ref!r}; `farm devices list` shows the known ones")
     return device
+
+
+def find_device(session: Session, serial: str) -> Device | None:
+    """The device called `serial`, or None."""
+    return session.scalar(select(Device).where(Device.serial == serial))
+
+
+def all_devices(session: Session) -> list[Device]:
+    """Every device, quarantined ones too, by serial."""
+    return list(session.scalars(select(Device).order_by(Device.serial)))
+
+
+def device_history(session: Session, device_id: int) -> int:
+    """How many jobs, runs and deployments name the device (what removing it would delete)."""
+    return sum(session.scalar(select(func.count()).select_from(model).where(model.device_id == device_id)) or 0
+               for model in (Job, Run, Deployment))
+
+
+def devices_named(session: Session, serials) -> list[Device]:
+    """The devices of `serials` that exist, by serial."""
+    return list(session.scalars(select(Device).where(Device.serial.in_(list(serials))).order_by(Device.serial)))
+
+
+def remove_device(session: Session, device: Device) -> None:
+    """Delete the device row and, through the schema's cascades, what names it."""
+    session.delete(device)
+    session.flush()
 
 
 def in_service_devices(session: Session) -> list[Device]:

@@ -27,8 +27,8 @@ from .rows import InvalidTransition, StoreError, insert_or_get, redispatch_row, 
 __all__ = [
     "ALLOWED_TRANSITIONS", "FINAL_STATES", "SETTLED_STATES", "create_job", "find_due_queued_jobs",
     "find_jobs_after_failed_jobs", "find_jobs_of_failed_deployments", "find_jobs_waiting_too_long",
-    "find_stale_running_jobs", "get_job", "heartbeat_job", "record_job_progress", "redispatch_job",
-    "transition_job",
+    "find_stale_running_jobs", "get_job", "heartbeat_job", "jobs_of_batches", "latency_specs",
+    "record_job_progress", "redispatch_job", "transition_job",
 ]
 
 
@@ -93,6 +93,17 @@ def create_job(
     query = select(Job).where(Job.idempotency_key == idempotency_key)
     existing = session.scalar(query)
     return existing if existing is not None else insert_or_get(session, job, query)
+
+
+def jobs_of_batches(session: Session, batch_ids) -> list[Job]:
+    """The jobs of the batches `batch_ids`, in the order they were made."""
+    return list(session.scalars(select(Job).where(Job.batch_id.in_(list(batch_ids))).order_by(Job.id)))
+
+
+def latency_specs(session: Session, device_id: int, build_id: int) -> list[dict]:
+    """The specs of the latency jobs a build ran on a device (each as submitted)."""
+    return [spec or {} for spec in session.scalars(select(Job.spec).where(
+        Job.device_id == device_id, Job.build_id == build_id, Job.kind == JobKind.latency))]
 
 
 def get_job(session: Session, job_id: int) -> Job:

@@ -140,6 +140,11 @@ def add_subscription(session: Session, kind: str, target: str, *, secret: str = 
     return subscription
 
 
+def subscriptions(session: Session) -> list[Subscription]:
+    """Every subscription, in the order they were added."""
+    return list(session.scalars(select(Subscription).order_by(Subscription.id)))
+
+
 def get_subscription(session: Session, subscription_id: int) -> Subscription:
     subscription = session.get(Subscription, subscription_id)
     if subscription is None:

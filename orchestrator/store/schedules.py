@@ -18,8 +18,8 @@ from .models import (
 from .rows import StoreError
 
 __all__ = [
-    "claim_schedule_firing", "create_schedule", "due_schedules", "get_schedule", "last_fire_time",
-    "next_fire_time", "validate_cron",
+    "all_schedules", "claim_schedule_firing", "create_schedule", "due_schedules", "get_schedule",
+    "last_fire_time", "next_fire_time", "validate_cron",
 ]
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,11 @@ def last_fire_time(cron: str, timezone: str, at: dt.datetime) -> dt.datetime:
         if fire <= at:
             return fire
     raise AssertionError("unreachable")
+
+
+def all_schedules(session: Session) -> list[Schedule]:
+    """Every schedule, by name."""
+    return list(session.scalars(select(Schedule).order_by(Schedule.name)))
 
 
 def get_schedule(session: Session, ref: int | str) -> Schedule:

@@ -15,9 +15,28 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# What a database that cannot be reached or read raises, named for the layers above the store.
+DatabaseError = SQLAlchemyError
+
+
+def check_url(url: str) -> None:
+    """ValueError unless `url` is a database URL the store can read."""
+    try:
+        make_url(url)
+    except ArgumentError:
+        raise ValueError(f"{url!r} is not a database URL") from None
+
+
+def safe_url(url: str) -> str:
+    """`url` with any password hidden (as given when it cannot be read as a URL)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001
+        return url
 
 
 def make_engine(url: str, **kwargs) -> Engine:

@@ -551,7 +551,7 @@ def test_an_analysis_scans_history_in_a_snapshot_other_writers_do_not_wait_for(t
     """A batch's analysis scans each of its devices' whole history for change points: 17.9 s of
     a 19.5 s analysis kept every writer waiting on SQLite (benchmarks/analysis_lock.py, 5
     devices, a year of nightly builds), past the busy timeout for a larger farm."""
-    from orchestrator.analysis import regressions
+    from orchestrator.analysis import changepoints
     from orchestrator.infra.settings import Settings
     from orchestrator.jobs import batch_analysis
     from orchestrator.jobs.celery_app import make_celery
@@ -573,6 +573,6 @@ def test_an_analysis_scans_history_in_a_snapshot_other_writers_do_not_wait_for(t
         scanned.append(device.serial)
         return []
 
-    monkeypatch.setattr(regressions, "find_change_points", scan)
+    monkeypatch.setattr(changepoints, "find_change_points", scan)
     batch_analysis.analyze(make_celery(Settings(database_url=url, data_dir=tmp_path / "data")), batch_id)
     assert scanned == ["R5CW1234"]
