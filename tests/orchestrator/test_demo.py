@@ -102,10 +102,13 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                     top = [m["op"] for m in alert.detail["attribution_by_op"][:2]]
                     if alert.device.serial in browser_devices:  # SwiftShader: the reference layer norm
                         assert "layer_norm" in top, alert.detail["attribution_by_op"]
-                    else:  # attention moves ~100 ms; the next movers (conv2d, linear, geglu) lie within
-                        # about a millisecond of each other on lavapipe, so their order is noise (the
-                        # earlier {attention, conv2d} check failed on clean clones of 93b3a05 and later)
-                        assert top[0] == "attention", alert.detail["attribution_by_op"]
+                    else:  # lavapipe: attention moves most, but how far ahead depends on the CPU. On
+                        # the machine of 93b3a05's clean clones it moved ~100 ms and the next movers
+                        # (conv2d, linear, geglu) lay within a millisecond of each other, so an
+                        # {attention, conv2d} check failed; on an AVX-512 Xeon (2026-12-06) attention and
+                        # conv2d each moved 77-85 ms, in either order (host-gpu: conv2d 85.0, attention
+                        # 80.6), layer_norm 30 ms behind, and `top[0] == "attention"` failed 2 runs of 3.
+                        assert "attention" in top, alert.detail["attribution_by_op"]
                     assert alert.device.runtime == ("browser" if alert.device.serial in browser_devices else "python")
             # The second A is compared with the first A (B is not accepted while its alerts are open).
             second_a = [c for c in batches[2].summary["analysis"]["comparisons"]
