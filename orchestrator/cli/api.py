@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, console, field
 
 app = typer.Typer(help="The farm API: serve it, and manage its bearer tokens.", no_args_is_help=True)
@@ -33,7 +33,7 @@ def create(
     from orchestrator import store
     from orchestrator.api import tokens
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             row, token = tokens.create_token(session, scope, name)
         except store.StoreError as exc:
@@ -49,10 +49,10 @@ def list_tokens(as_json: bool = JSON_OPTION):
     """Every token: id, name, scope, prefix, created, last used, revoked."""
     from orchestrator.api import tokens
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         rows = [token_dict(t) for t in tokens.list_tokens(session)]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     if not rows:
         console.print("no API tokens; `farm api token create --scope read` makes one")
@@ -75,7 +75,7 @@ def revoke(token_id: int = typer.Argument(..., help="Token id (`farm api token l
     from orchestrator import store
     from orchestrator.api import tokens
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             row = tokens.revoke_token(session, token_id)
         except store.StoreError as exc:
@@ -94,7 +94,7 @@ def serve(
     from orchestrator.api.app import create_app
     from orchestrator.store import migrate
 
-    settings = _settings()
+    settings = cli_settings()
     try:
         api = create_app(settings)
     except migrate.SchemaMismatch as exc:

@@ -22,7 +22,7 @@ from orchestrator.infra.keys import PUBLIC_KEY, ensure_farm_key
 from orchestrator.store.models import Build
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, console
 
 app = typer.Typer(help="Create and inspect signed build bundles.", no_args_is_help=True)
@@ -148,7 +148,7 @@ def create(
                                "(any git revision) of --source has them, not the files on disk."),
 ):
     """Pack, sign and register a build bundle."""
-    data = make_build(_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned,
+    data = make_build(cli_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned,
                       source=source, commit=commit)
     console.print(f"created build [bold]{data['name']}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
                   f"manifest {data['manifest_sha256'][:12]}) in {data['bundle']}", highlight=False, soft_wrap=True)
@@ -270,10 +270,10 @@ def list_builds(as_json: bool = JSON_OPTION):
     """List the builds, newest first."""
     from orchestrator.store import queries
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         rows = [build_dict(b) for b in queries.list_builds(session)]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     if not rows:
         console.print("no builds; create one with `farm builds create --model DIR`")
@@ -290,17 +290,17 @@ def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = JS
     """Show one build and its files."""
     from orchestrator import store
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         build = store.find_build(session, name)
         if build is None:
             fail(f"no build {name!r}; `farm builds list` shows the known ones")
         data = build_dict(build, files=True)
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
     for key in ("name", "version", "source_revision", "manifest_sha256", "created"):
         console.print(f"{key}: {data[key] or '-'}", highlight=False)
-    console.print(f"bundle: {_settings().data_dir / 'builds' / name}", highlight=False, soft_wrap=True)
+    console.print(f"bundle: {cli_settings().data_dir / 'builds' / name}", highlight=False, soft_wrap=True)
     table = Table("path", "bytes", "sha256")
     for f in data["files"]:
         table.add_row(f["path"], f"{f['size']:,}", f["sha256"][:12])

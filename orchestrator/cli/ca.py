@@ -14,7 +14,7 @@ import typer
 from orchestrator.infra import ca
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail
+from .common import JSON_OPTION, cli_settings, fail, print_json
 from .output import console, escape, field
 
 app = typer.Typer(help="The farm's certificate authority: the CA devices trust for the farm's HTTPS pages.",
@@ -37,7 +37,7 @@ class Format(StrEnum):
 
 
 def _folder() -> Path:
-    return ca.default_dir(_settings().config_dir)
+    return ca.default_dir(cli_settings().config_dir)
 
 
 def _server_dict(server: ca.ServerCert) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def rotate(
 
 
 def _make(name: str | None, names: list[str] | None, *, force: bool, made: str) -> None:
-    settings = _settings()
+    settings = cli_settings()
     folder = ca.default_dir(settings.config_dir)
     name = name if name is not None else f"{ca.DEFAULT_CA_NAME} {settings.host_name}"[:64]
     try:
@@ -138,7 +138,7 @@ def show(as_json: bool = JSON_OPTION):
         "server": _server_dict(server) if server is not None else None,
     }
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
     # One line a value: the fingerprint is what a person compares on the phone, so it is never
     # cut or folded inside a table cell, whatever the terminal's width.
@@ -173,7 +173,7 @@ def issue(
     except OSError as exc:
         fail(f"cannot write the server certificate into {folder}: {exc}")
     if as_json:
-        _print_json({**_server_dict(server), "issued": server.issued})
+        print_json({**_server_dict(server), "issued": server.issued})
         return
     what = "issued" if server.issued else "kept (it covers these names already)"
     console.print(f"server certificate {what}: {server.cert}", highlight=False, soft_wrap=True)

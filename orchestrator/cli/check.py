@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 from typer.core import TyperCommand
 
-from .common import _settings, open_store
+from .common import cli_settings, open_store
 from .output import Table, console, err_console, escape
 
 
@@ -68,7 +68,7 @@ def check(
     request = gate.CheckRequest(candidate=build, baseline=baseline, devices="all" if every else list(devices),
                                 metrics=tuple(metrics or regressions.HEADLINE_METRICS), spec=spec, pairs=pairs,
                                 max_rounds=max_rounds, images=images, timeout_s=timeout)
-    settings = _settings()
+    settings = cli_settings()
     try:
         report = _run(gate, settings, request, build)
     except typer.Exit as exc:

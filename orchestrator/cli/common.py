@@ -49,7 +49,7 @@ def iso(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def _settings(**overrides):
+def cli_settings(**overrides):
     """The settings for this command: FARM_* environment and config file, then `overrides`
     (command-line values; None = not given)."""
     from orchestrator.infra.settings import load_settings
@@ -57,5 +57,5 @@ def _settings(**overrides):
     return load_settings(**overrides)
 
 
-def _print_json(data: Any) -> None:
+def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2))

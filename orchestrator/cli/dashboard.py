@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from . import validate
-from .common import _settings, fail
+from .common import cli_settings, fail
 from .output import console, field
 
 app = typer.Typer(help="The live dashboard (served by the farm API) and its offline copy.", no_args_is_help=True)
@@ -37,7 +37,7 @@ def build(out: Path = OUT_OPTION):
     from orchestrator.store import migrate
     from orchestrator.store.session import DatabaseError
 
-    settings = _settings()
+    settings = cli_settings()
     target = out if out is not None else settings.data_dir / "dashboard"
     try:
         index = export_site(settings, target)
@@ -59,7 +59,7 @@ def serve(
     """Serve the live dashboard (the farm API and its pages) until interrupted."""
     from orchestrator.api import serving
 
-    settings = _settings()
+    settings = cli_settings()
     api = _app(settings)
     field(console, "dashboard", f"http://{host}:{port}/  (a token: farm api token create --scope read)")
     serving.serve(api, host, port, settings)

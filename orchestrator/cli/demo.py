@@ -23,7 +23,7 @@ from rich.live import Live
 
 from engine.kernels import PRECISIONS
 
-from .common import _settings, fail
+from .common import cli_settings, fail
 from .output import Table, console, escape, field
 
 DEMO_PREFIX = "demo "
@@ -106,7 +106,7 @@ def demo(
         fail(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     started = time.monotonic()
     browser_phones, tablets = _browser_devices(browser_phones, tablets)
-    settings = _settings()
+    settings = cli_settings()
     from .builds import farm_key
 
     farm_key(settings.config_dir, announce=False)  # the demo installs it on its own devices

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.live import Live
 
-from .common import JSON_OPTION, _print_json, _settings, fail, open_store
+from .common import JSON_OPTION, cli_settings, fail, open_store, print_json
 from .output import Table, console, escape
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -36,7 +36,7 @@ def deploy(
 
     if bool(device) == all_devices:
         fail("name devices with --device SERIAL (repeatable) or pass --all")
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions:
         with sessions() as session:
             try:
@@ -66,7 +66,7 @@ def deploy(
         rows = _follow(sessions, batch_id, {device_id: serial for device_id, serial, _ in plan},
                        timeout, quiet=as_json, title=f"deploying {build_name}")
     if as_json:
-        _print_json(rows)
+        print_json(rows)
     for r in rows if not as_json else ():
         if r.get("note"):
             console.print(f"note: {escape(r['device'])}: {escape(r['note'])}", highlight=False)

@@ -20,7 +20,7 @@ from orchestrator.infra import inputs
 from orchestrator.store.models import Device, DeviceState, TransportKind
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, Text, console, styled
 
 app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
@@ -98,7 +98,7 @@ def add(
     if runtime is Runtime.browser and transport not in (TransportKind.adb, TransportKind.web):
         fail(f"the browser runtime is reached over adb (a phone's Chrome through a reverse forward) or web (a "
              f"browser that opens the farm's hub over HTTPS), not {transport}")
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         if store.find_device(session, serial) is not None:
             fail(f"device {serial!r} already exists; `farm devices remove {serial}` first to re-add it")
@@ -136,7 +136,7 @@ def enrol(serial: str = typer.Argument(..., help="A web device (`farm devices ad
     """Print the URL (and QR code) a web device opens once to join the farm."""
     from orchestrator import store
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         device = store.find_device(session, serial)
     if device is None:
@@ -151,10 +151,10 @@ def list_devices(as_json: bool = JSON_OPTION):
     """List the devices with their state and GPU."""
     from orchestrator.store import queries
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         devices = queries.list_devices(session)
         if as_json:
-            _print_json([device_dict(d) for d in devices])
+            print_json([device_dict(d) for d in devices])
             return
         if not devices:
             console.print("no devices; add one with `farm devices add SERIAL --transport ... --address ...`")
@@ -172,14 +172,14 @@ def show(serial: str = typer.Argument(..., help="Device serial."), as_json: bool
     """Show one device: identity, GPU, health and lease."""
     from orchestrator import store
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             device = store.get_device(session, serial)
         except store.StoreError as exc:
             fail(str(exc))
         data = device_dict(device)
         if as_json:
-            _print_json(data)
+            print_json(data)
             return
         table = Table(show_header=False, box=None)
         for key, value in data.items():
@@ -201,7 +201,7 @@ def remove(
     """Forget a device. Refused while it has jobs or results, unless --force."""
     from orchestrator import store
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             device = store.get_device(session, serial)
         except store.StoreError as exc:
@@ -220,7 +220,7 @@ def _revoke(serial: str) -> bool:
     """Revoke a device's page token (the hub refuses it from its next request on)."""
     from orchestrator.transports.hub import revoke_token
 
-    return revoke_token(_settings().browser_tokens_dir / serial)
+    return revoke_token(cli_settings().browser_tokens_dir / serial)
 
 
 @app.command()
@@ -261,7 +261,7 @@ def set_address(
     """Change how the farm reaches a device (its transport stays the same)."""
     from orchestrator import store
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             device = store.get_device(session, serial)
         except store.StoreError as exc:
@@ -281,7 +281,7 @@ def set_address(
 def _set_state(serial: str, state: DeviceState, reason: str) -> None:
     from orchestrator import store
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:  # the state machine refuses a release of a device that is not quarantined
             device = store.get_device(session, serial)
             store.set_device_state(session, device.id, state, reason, force=True)
@@ -314,7 +314,7 @@ def discover(as_json: bool = JSON_OPTION):
     cannot be used is named with its fix, and the command exits 1."""
     from orchestrator import store
 
-    settings = _settings()
+    settings = cli_settings()
     outcomes: list[dict[str, Any]] = []
     with open_store(settings) as sessions:
         with sessions() as session:
@@ -331,7 +331,7 @@ def discover(as_json: bool = JSON_OPTION):
                 progress.advance(task)
     bad = [o["address_error"] for o in outcomes if o["address_error"]]
     if as_json:
-        _print_json(outcomes)
+        print_json(outcomes)
     else:
         table = Table("serial", "state", "gpu", "note")
         for o in outcomes:
@@ -381,7 +381,7 @@ def scan(
     once the key is accepted on the phone."""
     from orchestrator.jobs import health
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions:
         with nullcontext() if as_json else console.status("scanning"):
             seen, usb_note = health.scan(settings, sessions, address or [], usb=usb)
@@ -397,7 +397,7 @@ def scan(
                                   highlight=False)
         registered = health.register(settings, sessions, seen) if register and new else []
     if as_json:
-        _print_json({"usb": usb_note, "devices": [entry.as_dict() for entry in seen], "registered": registered})
+        print_json({"usb": usb_note, "devices": [entry.as_dict() for entry in seen], "registered": registered})
         return
     for serial in registered:
         console.print(f"registered {serial}", highlight=False)

@@ -18,7 +18,7 @@ from rich.live import Live
 from orchestrator.store.models import Build, Job, JobKind, JobState
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, Text, console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
@@ -218,7 +218,7 @@ def submit(
         fail(f"--init-image is for generate jobs, not {kind}")
     if strength is not None and init_image is None:
         fail("--strength needs --init-image")
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions:
         with sessions() as session:
             try:
@@ -275,7 +275,7 @@ def submit(
                           highlight=False, soft_wrap=True)
         if not wait:
             if as_json:
-                _print_json(submitted)
+                print_json(submitted)
             return
         states, timed_out = _follow(sessions, job_ids, timeout, quiet=as_json)
 
@@ -284,7 +284,7 @@ def submit(
         submitted["jobs"] = [{"id": j, "device": d, "state": str(st), "attempts": a, "error": e}
                              for j, d, st, a, e, _ in states]
         submitted["timed_out"] = timed_out
-        _print_json(submitted)
+        print_json(submitted)
     elif timed_out:
         console.print(f"[bold red]error:[/] gave up waiting after {timeout:g} s; the jobs go on "
                       f"(`farm jobs list --batch {batch_id}`)", highlight=False, soft_wrap=True)
@@ -357,7 +357,7 @@ def list_jobs(
     from orchestrator import store
     from orchestrator.store import queries
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             device_id = store.get_device(session, device).id if device else None
             build_id = store.get_build(session, build).id if build else None
@@ -367,7 +367,7 @@ def list_jobs(
                                  limit=limit)
         rows = [job_dict(j) for j in jobs]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     if not rows:
         console.print("no jobs" + (" match" if any((state, device, build, batch)) else
@@ -386,7 +386,7 @@ def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.recor
     from orchestrator import store
     from orchestrator.store import queries
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             job = store.get_job(session, job_id)
         except store.StoreError as exc:
@@ -397,7 +397,7 @@ def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.recor
                  "medians": meds.get(r.id, {})} for r in job.runs]
         data = job_dict(job, runs)
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
     table = Table(show_header=False, box=None)
     for key, value in data.items():
@@ -432,7 +432,7 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.rec
     from orchestrator import store
     from orchestrator.jobs.jobservice import cancel_job
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             job = cancel_job(session, job_id)
         except store.StoreError as exc:
@@ -444,7 +444,7 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.rec
         from orchestrator.jobs.celery_app import make_celery
         from orchestrator.jobs.dispatch import settle_batch
 
-        settle_batch(make_celery(_settings()), batch_id)
+        settle_batch(make_celery(cli_settings()), batch_id)
 
 
 @app.command()
@@ -459,7 +459,7 @@ def logs(
         out = text.rstrip("\n").splitlines()
         return "\n".join(out[-lines:] if lines else out)
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             job = store.get_job(session, job_id)
         except store.StoreError as exc:

@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, console
 
 SUBSCRIPTION_ID = typer.Argument(..., help="Subscription id (`farm notify list`).", parser=validate.record_id)
@@ -60,7 +60,7 @@ def add(
     from orchestrator.jobs import notify
     from orchestrator.store import notifications
 
-    settings = _settings()
+    settings = cli_settings()
     if kind in ("webhook", "slack") and not settings.notify_private_targets:
         host = (urllib.parse.urlsplit(target).hostname or "").lower()
         literal = host == "localhost" or host.endswith(".localhost")
@@ -92,11 +92,11 @@ def list_subscriptions(
     """Subscriptions, then the most recent deliveries and their states."""
     from orchestrator.store import notifications
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         subs = [subscription_dict(s) for s in notifications.subscriptions(session)]
         recent = [delivery_dict(d) for d in notifications.recent_deliveries(session, deliveries)]
     if as_json:
-        _print_json({"subscriptions": subs, "deliveries": recent})
+        print_json({"subscriptions": subs, "deliveries": recent})
         return
     if not subs:
         console.print("no subscriptions; `farm notify add webhook URL` adds one")
@@ -124,7 +124,7 @@ def remove(subscription_id: int = SUBSCRIPTION_ID):
     """Remove a subscription and its deliveries."""
     from orchestrator.store import notifications
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             session.delete(notifications.get_subscription(session, subscription_id))
         except notifications.NotifyError as exc:
@@ -140,7 +140,7 @@ def test(subscription_id: int = SUBSCRIPTION_ID):
     from orchestrator.jobs import notify
     from orchestrator.store import notifications
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
             subscription = notifications.get_subscription(session, subscription_id)

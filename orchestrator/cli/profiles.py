@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, console
 
 app = typer.Typer(help="Kernel profiles tuned per GPU: list, show, promote, diff.", no_args_is_help=True)
@@ -66,7 +66,7 @@ def list_profiles(
     from orchestrator import store
     from orchestrator.analysis import profiles
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
             on = store.get_device(session, device) if device is not None else None
@@ -74,7 +74,7 @@ def list_profiles(
             fail(str(exc))
         rows = [profile_dict(p) for p in profiles.listed(session, on)]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     if not rows:
         console.print("no tuned profiles yet: `farm jobs submit tune --device SERIAL` makes one")
@@ -90,11 +90,11 @@ def list_profiles(
 @app.command()
 def show(ref: str = typer.Argument(..., help="Profile id or name."), as_json: bool = JSON_OPTION):
     """A profile: where it was tuned, its gain, its rules."""
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         data = profile_dict(_get(session, ref), full=True)
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
     gpu = data["gpu"]
     console.print(f"[bold]{data['name']}[/] (id {data['id']}, sha256 {data['sha256']})", highlight=False)
@@ -120,7 +120,7 @@ def promote(
     """Ship a profile in the builds made from now on (replacing the one promoted for its GPU)."""
     from orchestrator.analysis import profiles
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         profile = _get(session, ref)
         if not force:
@@ -167,13 +167,13 @@ def diff(
     as_json: bool = JSON_OPTION,
 ):
     """Rule by rule, what two profiles choose differently."""
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         pa, pb = _get(session, a), _get(session, b)
         da, db = profile_dict(pa), profile_dict(pb)
         changes = rule_diff(pa.data or {}, pb.data or {})
     if as_json:
-        _print_json({"a": da, "b": db, "changes": changes})
+        print_json({"a": da, "b": db, "changes": changes})
         return
 
     def pick(side):

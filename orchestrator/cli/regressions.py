@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, console, escape
 
 ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
@@ -52,7 +52,7 @@ def list_alerts(
         kinds = [AlertKind(kind)] if kind else list(AlertKind)
     except ValueError as exc:
         fail(f"{exc}; states: {', '.join(AlertState)}; kinds: {', '.join(AlertKind)}")
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             device_id = store.get_device(session, device).id if device else None
             build_id = store.get_build(session, build).id if build else None
@@ -61,7 +61,7 @@ def list_alerts(
         rows = [alert_dict(a) for a in queries.list_alerts(session, states=states, kinds=kinds, device_id=device_id,
                                                            build_id=build_id)]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     if not rows:
         console.print("no alerts")
@@ -91,13 +91,13 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
     """Show one alert: the comparison, the kernels that moved, the images, the change points."""
     from orchestrator.store.models import Alert
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         alert = session.get(Alert, alert_id)
         if alert is None:
             fail(f"no alert {alert_id}; `farm regressions list --all` shows them")
         data = alert_dict(alert)
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
     console.print(f"[bold]alert {data['id']}[/] {data['kind']} ({data['state']}): {escape(data['summary'] or '')}",
                   highlight=False)
@@ -135,7 +135,7 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
 def _triage(alert_id: int, state, note: str | None) -> None:
     from orchestrator import store
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             store.triage_alert(session, alert_id, state, note)
         except store.StoreError as exc:
@@ -187,7 +187,7 @@ def scan(
 
     if metric is not None and metric not in regressions.HEADLINE_METRICS:
         fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
             dev = store.get_device(session, device) if device is not None else None
@@ -197,7 +197,7 @@ def scan(
             found = changepoints.scan_change_points(session, dev, metric)
         session.commit()
     if as_json:
-        _print_json(found)
+        print_json(found)
         return
     if not found:
         console.print("no change points: every series is level (or has fewer than "
@@ -231,7 +231,7 @@ def compare(
     if len(builds) != 2:
         fail("give --build twice: the baseline build, then the candidate build")
     rows: list[dict[str, Any]] = []
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             base, cand = (store.get_build(session, b) for b in builds)
             devices = [store.get_device(session, device)] if device else store.all_devices(session)
@@ -256,7 +256,7 @@ def compare(
     if not rows:
         fail(f"no device ran latency jobs of both {builds[0]} and {builds[1]} with the same settings")
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     table = Table("device", "metric", builds[0], builds[1], "ratio", "95% CI", "p", "verdict",
                   title=f"{builds[1]} against {builds[0]}")
@@ -299,7 +299,7 @@ def bisect(
 
     if metric not in regressions.HEADLINE_METRICS:
         fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
-    settings = _settings()
+    settings = cli_settings()
     app = make_celery(settings)
     steps: list[dict[str, Any]] = []
     with open_store(settings) as sessions:
@@ -396,6 +396,6 @@ def bisect(
                 low = mid
     first_bad = candidates[high][1]
     if as_json:
-        _print_json({"first_bad": first_bad, "last_good": candidates[low][1], "steps": steps})
+        print_json({"first_bad": first_bad, "last_good": candidates[low][1], "steps": steps})
         return
     console.print(f"first bad build: [bold]{first_bad}[/] (last good: {candidates[low][1]})", highlight=False)

@@ -16,7 +16,7 @@ import typer
 from orchestrator.store.models import JobKind
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .jobs import _fmt_metric, _state, _when
 from .output import Table, console
 
@@ -52,7 +52,7 @@ def list_results(
     """One row per run: job, device, build, status and the medians of its key metrics."""
     from orchestrator.store import queries
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         device_id, build_id = _resolve(session, device, build)
         runs = queries.list_runs(session, device_id=device_id, build_id=build_id, metric=metric, kind=kind,
                                  limit=limit)
@@ -60,7 +60,7 @@ def list_results(
              "kind": r.kind, "status": r.status, "started_at": iso(r.started_at), "finished_at": iso(r.finished_at),
              "medians": r.medians} for r in runs]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     if not rows:
         console.print("no runs" + (" match" if any((device, build, metric, kind)) else
@@ -112,13 +112,13 @@ def show(run_id: int = typer.Argument(..., help="Run id (`farm results list`).",
     """One run in full: every metric, kernel times, thermal readings, images, cool-down."""
     from orchestrator import store
 
-    with open_store(_settings()) as sessions, sessions() as session:
+    with open_store(cli_settings()) as sessions, sessions() as session:
         try:
             data = run_dict(session, run_id)
         except store.StoreError as exc:
             fail(str(exc))
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
     engine = data["engine"] or {}
     cooldown = data["cooldown"]
@@ -174,7 +174,7 @@ def export(
     from orchestrator.store import queries
 
     to_stdout = str(csv_path) == "-"
-    with open_store(_settings()) as sessions:
+    with open_store(cli_settings()) as sessions:
         with sessions() as session:
             device_id, build_id = _resolve(session, device, build)
         rows = queries.iter_samples(sessions, device_id=device_id, build_id=build_id, metric=metric, kind=kind)

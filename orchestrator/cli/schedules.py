@@ -13,7 +13,7 @@ import typer
 from engine.kernels import PRECISIONS
 
 from . import validate
-from .common import JSON_OPTION, _print_json, _settings, fail, iso, open_store
+from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
 from .output import Table, console
 
 app = typer.Typer(help="Nightly (or any cron) suites: deploy, run, analyse.", no_args_is_help=True)
@@ -92,7 +92,7 @@ def add(
                    {"kind": "latency", "spec": spec | {"profile": "tuned"}}]
     _check_specs(entries)
     suite = {"build": build, "devices": list(dict.fromkeys(device)) if device else "all", "jobs": entries}
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
             if build is not None:
@@ -127,12 +127,12 @@ def list_schedules(as_json: bool = JSON_OPTION):
     """List the schedules with their next firing."""
     from orchestrator import store
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         now = store.utcnow()
         rows = [schedule_dict(s, now) for s in store.all_schedules(session)]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     table = Table()
     table.add_column("name", no_wrap=True)
@@ -167,7 +167,7 @@ def _cooldown_text(jobs: list[dict[str, Any]] | None) -> str:
 def _set_enabled(name: str, enabled: bool) -> None:
     from orchestrator import store
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
             schedule = store.get_schedule(session, name)
@@ -197,7 +197,7 @@ def remove(name: str = typer.Argument(..., help="Schedule name.")):
     """Remove a schedule (its past jobs and results stay)."""
     from orchestrator import store
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
             session.delete(store.get_schedule(session, name))
@@ -214,7 +214,7 @@ def run_now(name: str = typer.Argument(..., help="Schedule name.")):
     from orchestrator.jobs.celery_app import make_celery
     from orchestrator.jobs.jobservice import fire_schedule
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         try:
             schedule_id = store.get_schedule(session, name).id

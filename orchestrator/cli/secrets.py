@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from .common import _settings, fail
+from .common import cli_settings, fail
 from .output import console
 
 app = typer.Typer(help="Secrets of the production stack: its .env and the keys devices trust.",
@@ -88,7 +88,7 @@ def public_keys(
 
     from .builds import farm_key
 
-    settings = _settings()
+    settings = cli_settings()
     if folder.exists() and not folder.is_dir():
         fail(f"{folder} is not a folder; give the folder devices mount, e.g. /public")
     farm_key(settings.config_dir)

@@ -14,7 +14,7 @@ import time
 import typer
 
 from . import validate
-from .common import _settings, fail, open_store
+from .common import cli_settings, fail, open_store
 from .output import console, escape
 
 HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM_HOST_NAME, else the OS host name).",
@@ -51,7 +51,7 @@ def worker(
     from orchestrator.jobs.celery_app import make_celery, worker_queues
     from orchestrator.services.stack import Notifier
 
-    settings = _settings(host_name=host)
+    settings = cli_settings(host_name=host)
     try:
         entries = settings.device_entries() + [parse_device_entry(d) for d in device or []]
     except ValueError as exc:
@@ -79,7 +79,7 @@ def notifier(
     from orchestrator.jobs.celery_app import make_celery, notifier_queues
     from orchestrator.services.stack import die_with_parent
 
-    settings = _settings()
+    settings = cli_settings()
     if beside is not None and not die_with_parent(beside):
         fail(f"the worker that started this notifier (pid {beside}) is gone")
     app = make_celery(settings)
@@ -103,7 +103,7 @@ def hub(
     from orchestrator.infra import ca
     from orchestrator.transports.hub import BrowserHub
 
-    settings = _settings()
+    settings = cli_settings()
     port = settings.hub_port if port is None else port
     https_port = settings.hub_https_port if https_port is None else https_port
     tls = None
@@ -151,7 +151,7 @@ def beat(loglevel: str = typer.Option("info", "--loglevel", "-l", help="Celery l
     Run one per farm (a second one fires nothing twice, but wastes work)."""
     from orchestrator.jobs.celery_app import make_celery
 
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings):
         pass  # refuse to start against a database that is not at head
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,7 @@ def up(
     """Run the embedded stack until Ctrl-C: a worker, beat, the hub browser devices talk to and
     virtual phones, with this host's GPU as a device. Every process it started is stopped when
     it returns."""
-    settings = _settings()
+    settings = cli_settings()
     with open_store(settings):
         pass
     with start_stack(settings, phones=phones, host_gpu=host_gpu, concurrency=concurrency, beat=True,
