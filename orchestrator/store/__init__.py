@@ -1,11 +1,12 @@
-"""The SQL store, the only package that speaks SQL: typed models (models), engines and sessions
-(session), the data-access functions every other layer calls, one module per idea (devices, builds, jobs,
-results, batches, schedules; rows: what they share), re-exported here: `from orchestrator import
-store; store.create_job(session, ...)`, the queries the faces read
-(queries), notifications' rows (notifications), the device state machine (device_states), what a
-run's environment is (environment) and Alembic migrations (migrate, migrations/). PostgreSQL in
-production, a SQLite file as the embedded default; the schema comes only from migrations, never
-from create_all."""
+"""The SQL store: typed models (models) and enums (enums), engines and sessions (session), the
+data-access functions the other layers call, one module per idea (devices, builds, jobs, results,
+batches, schedules; rows: what they share) and re-exported here (`from orchestrator import store;
+store.create_job(session, ...)`), the queries the faces read (queries), notifications' rows
+(notifications), the device state machine (device_states), what a run's environment is
+(environment) and Alembic migrations (migrate, migrations/). The CLI reaches SQL only through it;
+the API, the dashboard, the job path and the analysis still hold queries of their own. PostgreSQL
+in production, a SQLite file as the embedded default; the schema comes only from migrations,
+never from create_all."""
 
 from . import batches, builds, devices, jobs, results, schedules
 from .batches import *  # noqa: F403  (each module's __all__: the store's functions)
