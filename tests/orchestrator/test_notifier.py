@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import threading
 import time
 
 from processes import processes_with
+from support import RawReceiver
 
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs import notify
@@ -23,29 +22,6 @@ from orchestrator.store.models import Delivery
 
 HOST = "notehost"
 TIMEOUT_S = 40.0  # an attempt may take this long: far past what the job's ping waits
-
-
-class Silent:
-    """A receiver that accepts connections and answers nothing until closed."""
-
-    def __init__(self):
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port, self.accepted, self._held = self.server.getsockname()[1], 0, []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            self._held.append(conn)
-            self.accepted += 1
-
-    def close(self):
-        self.server.close()
-        for conn in self._held:
-            conn.close()
 
 
 def _ping(app, queue: str) -> float:
@@ -65,9 +41,9 @@ def test_a_receiver_that_never_answers_holds_no_job_slot_and_the_notifier_goes_w
     upgrade(settings.database_url)
     engine = make_engine(settings.database_url)
     Session = make_session_factory(engine)  # noqa: N806
-    receiver = Silent()
+    receiver = RawReceiver(lambda conn: receiver.closed.wait())  # accepts, reads the request, never answers
     with Session() as s, s.begin():
-        store.add_subscription(s, "webhook", f"http://127.0.0.1:{receiver.port}/hook", secret="k")
+        store.add_subscription(s, "webhook", receiver.url, secret="k")
         ids = [i for n in range(3) for i in store.record_event(s, {**notify.sample_event(), "key": f"stuck:{n}"})]
     assert len(ids) == 3
     app = make_celery(settings)
@@ -78,10 +54,10 @@ def test_a_receiver_that_never_answers_holds_no_job_slot_and_the_notifier_goes_w
         stack.start_worker(1)  # one job slot: a delivery in it would hold it for TIMEOUT_S
         worker = stack.children[-1].process
         deadline = time.monotonic() + 60
-        while receiver.accepted < 3 and time.monotonic() < deadline:
+        while receiver.hits < 3 and time.monotonic() < deadline:
             stack.check_alive()
             time.sleep(0.1)
-        assert receiver.accepted == 3, f"the notifier took {receiver.accepted} of 3 deliveries\n{stack.children[-1].tail()}"
+        assert receiver.hits == 3, f"the notifier took {receiver.hits} of 3 deliveries\n{stack.children[-1].tail()}"
         # All three attempts are open and stuck; the worker's one slot is free for jobs on both its queues.
         for queue in (host_queue(HOST), DEFAULT_QUEUE):
             assert _ping(app, queue) < 5.0, queue

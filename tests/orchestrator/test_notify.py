@@ -14,7 +14,6 @@ import email.policy
 import hashlib
 import hmac
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 from aiosmtpd.controller import Controller
-from support import free_port
+from support import RawReceiver, free_port
 
 from agent.protocol import JobResult, Manifest, ManifestFile, Sample
 from orchestrator import store
@@ -322,41 +321,6 @@ def test_email_goes_over_starttls_with_a_login(farm, tmp_path):
     assert mail.mail_from == "lab@example.com" and mail.rcpt_tos == ["oncall@example.com"]
 
 
-class _RawReceiver:
-    """A socket server in a thread that answers each connection with `answer(conn)`."""
-
-    def __init__(self, answer):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hook"
-        self.hits = 0
-
-        def serve():
-            while True:
-                try:
-                    conn, _ = self.sock.accept()
-                except OSError:
-                    return
-                self.hits += 1
-                threading.Thread(target=self._one, args=(conn, answer), daemon=True).start()
-
-        threading.Thread(target=serve, daemon=True).start()
-
-    @staticmethod
-    def _one(conn, answer):
-        with conn:
-            conn.settimeout(30)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
-            try:
-                answer(conn)
-            except OSError:
-                pass
-
-    def close(self):
-        self.sock.close()
-
-
 def test_one_attempt_takes_at_most_notify_timeout_s_however_slowly_the_receiver_answers():
     """A receiver answering a byte a second held one send for 30 s with a 2 s timeout (the
     timeout was per read): an attempt now ends at its deadline, connect to last byte."""
@@ -365,7 +329,7 @@ def test_one_attempt_takes_at_most_notify_timeout_s_however_slowly_the_receiver_
             conn.send(bytes([byte]))
             time.sleep(0.2)
 
-    slow = _RawReceiver(trickle)
+    slow = RawReceiver(trickle)
     try:
         started = time.monotonic()
         with pytest.raises(notify.DeliveryError, match=r"no whole answer within 1 s"):
@@ -381,7 +345,7 @@ def test_an_endless_answer_is_read_no_further_than_its_cap():
         while True:
             conn.sendall(b"y" * 65536)
 
-    receiver = _RawReceiver(endless)
+    receiver = RawReceiver(endless)
     try:
         started = time.monotonic()
         notify._post(receiver.url, b"{}", {}, 5.0, allow_private=True)  # 200: delivered, after at most 64 KiB of it
@@ -392,8 +356,8 @@ def test_an_endless_answer_is_read_no_further_than_its_cap():
 
 @pytest.mark.parametrize("status", [302, 307])
 def test_a_redirect_is_not_followed(status):
-    target = _RawReceiver(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"))
-    redirect = _RawReceiver(lambda conn: conn.sendall(
+    target = RawReceiver(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"))
+    redirect = RawReceiver(lambda conn: conn.sendall(
         f"HTTP/1.1 {status} Moved\r\nLocation: {target.url}\r\nContent-Length: 0\r\n\r\n".encode()))
     try:
         with pytest.raises(notify.DeliveryError, match=rf"HTTP {status} \(a redirect to .*\); deliveries follow no redirect"):
