@@ -291,9 +291,10 @@ def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = JS
     from orchestrator import store
 
     with open_store(cli_settings()) as sessions, sessions() as session:
-        build = store.find_build(session, name)
-        if build is None:
-            fail(f"no build {name!r}; `farm builds list` shows the known ones")
+        try:
+            build = store.get_build(session, name)
+        except store.StoreError as exc:
+            fail(str(exc))
         data = build_dict(build, files=True)
     if as_json:
         print_json(data)

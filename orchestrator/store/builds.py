@@ -24,7 +24,7 @@ from .rows import StoreError, insert_or_get, redispatch_row, update_row
 
 __all__ = [
     "build_models", "builds_in_order", "create_build", "create_deployment", "default_model",
-    "deployments_of_batch", "find_build", "find_due_deployments", "finish_deployment", "get_build",
+    "deployments_of_batch", "find_due_deployments", "finish_deployment", "get_build",
     "get_deployment", "heartbeat_deployment", "manifest_sha256", "pending_deployments",
     "record_deployment", "record_deployment_progress", "redispatch_deployment", "requeue_deployment",
     "start_deployment",
@@ -68,11 +68,6 @@ def get_build(session: Session, ref: int | str | None = None) -> Build:
     if build is None:
         raise StoreError(f"no build {ref!r}; `farm builds list` shows the known ones")
     return build
-
-
-def find_build(session: Session, name: str) -> Build | None:
-    """The build called `name`, or None."""
-    return session.scalar(select(Build).where(Build.name == name))
 
 
 def builds_in_order(session: Session) -> list[Build]:
