@@ -18,8 +18,9 @@ from .models import utcnow  # the store's clock
 from .results import *  # noqa: F403
 from .rows import InvalidTransition, StoreError, text_for_store
 from .schedules import *  # noqa: F403
-from .session import make_engine, make_session_factory
+from .session import DatabaseError, Session, SessionFactory, make_engine, make_session_factory, read_snapshot
 
-__all__ = ["InvalidTransition", "SchemaMismatch", "StoreError", "check", "make_engine", "make_session_factory",
+__all__ = ["DatabaseError", "InvalidTransition", "SchemaMismatch", "Session", "SessionFactory", "StoreError", "check", "make_engine",
+           "make_session_factory", "read_snapshot",
            "text_for_store", "upgrade", "utcnow",
            *batches.__all__, *builds.__all__, *devices.__all__, *jobs.__all__, *results.__all__, *schedules.__all__]

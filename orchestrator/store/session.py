@@ -21,6 +21,8 @@ from sqlalchemy.orm import Session, sessionmaker
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # What a database that cannot be reached or read raises, named for the layers above the store.
 DatabaseError = SQLAlchemyError
+# The layers above the store name a session and a session factory by these (they import no SQL).
+SessionFactory = sessionmaker
 
 
 def check_url(url: str) -> None:
