@@ -1,8 +1,7 @@
 """The adb transport: a phone reached over ADB (TCP, or USB when adb-shell's usb extra is
-installed) through adb-shell, with no adb server in between. It owns the host's RSA key
-(generated on first use, kept 0600), the socket tuning (TCP_NODELAY: adb-shell writes each
-message as two send() calls, and Nagle's algorithm would hold the second ~40 ms), and the
-device-side layout under a device root (default /data/local/tmp/devicefarm):
+installed) with no adb server in between. It owns the host's RSA key (generated on first
+use, kept 0600), the socket (TCP_NODELAY: Nagle's algorithm would hold small messages ~40 ms),
+and the device-side layout under a device root (default /data/local/tmp/devicefarm):
 
     <root>/store/<aa>/<sha>             the agent's blob store (read, via one `stat` per batch)
     <root>/incoming/.partial/<sha>      files being pushed; only complete files leave it, by `mv`
@@ -21,10 +20,11 @@ and appends it), so a cut deploy resumes it from its last whole chunk. A job run
 progress lines from stderr, and pulls result.json's artifacts. Everything on the device goes through the agent command,
 toybox commands and sync; nothing here imports the agent's job code.
 
-Every connection is a SharedAdbDevice (adb_shared.py): adb-shell's AdbDevice with one reader thread per
+Every connection is a SharedAdbDevice (adb_shared.py): the ADB protocol with one reader thread per
 connection, so that streams the phone opens (the OPENs of an `adb reverse` forward,
 orchestrator/transports/adb_reverse.py) are taken and relayed on the same connection while the
-transport's own commands run on it, over USB as over TCP.
+transport's own commands run on it, over USB as over TCP. Of adb-shell it uses only the public
+pieces: message packing, constants, exceptions, the USB transport and the RSA key tools.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import io
 import json
 import logging
 import os
+import select
 import shlex
 import socket
 import struct
@@ -42,9 +43,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
-from adb_shell import adb_device as adb_shell_device
 from adb_shell import exceptions as adb_errors
-from adb_shell.transport.tcp_transport import TcpTransport
 
 from agent.bundle import RESUME
 from agent.deviceinfo import collect_android
@@ -63,6 +62,7 @@ from agent.protocol import (
     to_json,
 )
 from orchestrator.transports.adb_shared import SharedAdbDevice
+from orchestrator.transports.adb_sync import SyncFailed
 from orchestrator.transports.base import (
     MAX_REPLY_BYTES,
     AgentExit,
@@ -90,40 +90,65 @@ _COMMAND_CHARS = 3000  # keep each shell line well under the 4 KiB an old adbd t
 ABSORB_BYTES = 64 << 20
 
 
-class NoDelayTcpTransport(TcpTransport):
-    """adb-shell's TCP transport with TCP_NODELAY, a peer close reported as an error (adb-shell
-    would otherwise spin until its read timeout) and a note of whether the device asked for
-    authentication (so a silent phone after AUTH reads as 'unauthorized', not 'timed out')."""
+class NoDelayTcpTransport:
+    """A phone's ADB port over TCP, as SharedIO reads and writes it: TCP_NODELAY (a message's
+    header and payload would otherwise wait ~40 ms on Nagle's algorithm), every byte of a write
+    sent (the socket's buffer takes part of it when the phone reads slower than the host sends),
+    a peer's close reported as an error, and each wait bounded by the time limit it is given.
+    The socket is non-blocking: the reader thread and writers use it at once."""
 
     def __init__(self, host: str, port: int, nodelay: bool = True):
-        super().__init__(host, port)
-        self.nodelay = nodelay
-        self.auth_requested = False
+        self.host, self.port, self.nodelay = host, port, nodelay
+        self.sock: socket.socket | None = None
         self.tcp_connected = False
 
-    def connect(self, transport_timeout_s):
-        self.auth_requested = self.tcp_connected = False
-        super().connect(transport_timeout_s)
+    def connect(self, timeout_s: float) -> None:
+        self.close()
+        self.tcp_connected = False
+        self.sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
         self.tcp_connected = True
         if self.nodelay:
-            self._connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setblocking(False)
 
-    def bulk_write(self, data, transport_timeout_s):
-        """All of `data`: adb-shell's own sends once on a non-blocking socket and ignores a short
-        count, which corrupts the stream as soon as the socket's buffer is full (a large push to a
-        phone slower than the host). Each wait for room is bounded by `transport_timeout_s`."""
+    def bulk_read(self, numbytes: int, timeout_s: float) -> bytes:
+        sock = self._socket()
+        if select.select([sock], [], [], timeout_s)[0]:
+            try:
+                data = sock.recv(numbytes)
+            except BlockingIOError:
+                data = None
+            if data == b"":
+                raise ConnectionResetError(f"{self.host}:{self.port} closed the connection")
+            if data is not None:
+                return data
+        raise adb_errors.TcpTimeoutException(f"reading from {self.host}:{self.port} timed out ({timeout_s:g} s)")
+
+    def bulk_write(self, data: bytes, timeout_s: float) -> int:
+        """All of `data`; each wait for room is bounded by `timeout_s`."""
+        sock = self._socket()
         view, sent = memoryview(data), 0
         while sent < len(view):
-            sent += super().bulk_write(view[sent:], transport_timeout_s)
+            if not select.select([], [sock], [], timeout_s)[1]:
+                raise adb_errors.TcpTimeoutException(f"writing to {self.host}:{self.port} timed out ({timeout_s:g} s)")
+            with contextlib.suppress(BlockingIOError):
+                sent += sock.send(view[sent:])
         return sent
 
-    def bulk_read(self, numbytes, transport_timeout_s):
-        data = super().bulk_read(numbytes, transport_timeout_s)
-        if not data:
-            raise ConnectionResetError(f"{self._host}:{self._port} closed the connection")
-        if numbytes == 24 and data[:4] == b"AUTH":
-            self.auth_requested = True
-        return data
+    def shutdown(self) -> None:
+        """Wake a thread blocked on the socket (the connection is over)."""
+        if self.sock is not None:
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+
+    def _socket(self) -> socket.socket:
+        if self.sock is None:
+            raise ConnectionAbortedError(f"{self.host}:{self.port}: not connected")
+        return self.sock
 
 
 def load_or_create_adb_key(path: Path) -> Path:
@@ -214,8 +239,7 @@ class AdbTransport(Transport):
             else:
                 device = self._usb_device()
             with self._errors("connect", device, connecting=True):
-                device.connect(rsa_keys=[signer], auth_timeout_s=self.auth_timeout_s,
-                               read_timeout_s=self.timeout_s, transport_timeout_s=self.timeout_s)
+                device.connect([signer], auth_timeout_s=self.auth_timeout_s)
             self._device = device
             for listener in list(self._listeners):
                 try:
@@ -225,11 +249,13 @@ class AdbTransport(Transport):
             return device
 
     def _usb_device(self) -> SharedAdbDevice:
-        if adb_shell_device.UsbTransport is None:
-            raise TransportError(self.name, "USB needs adb-shell's usb extra: pip install 'adb-shell[usb]' "
-                                 "(libusb1); or connect over TCP after `adb tcpip 5555`")
         try:
-            handle = adb_shell_device.UsbTransport.find_adb(self.usb_serial, None, self.timeout_s)
+            from adb_shell.transport.usb_transport import UsbTransport
+        except ImportError:
+            raise TransportError(self.name, "USB needs adb-shell's usb extra: pip install 'adb-shell[usb]' "
+                                 "(libusb1); or connect over TCP after `adb tcpip 5555`") from None
+        try:
+            handle = UsbTransport.find_adb(self.usb_serial, None, self.timeout_s)
         except adb_errors.UsbDeviceNotFoundError as exc:
             raise DeviceOffline(self.name, f"no USB device found ({exc}); check the cable and "
                                 "that USB debugging is on") from None
@@ -250,7 +276,7 @@ class AdbTransport(Transport):
 
     @contextlib.contextmanager
     def _errors(self, what: str, device: SharedAdbDevice | None, connecting: bool = False) -> Iterator[None]:
-        """Turn adb-shell's and the socket's exceptions into TransportErrors; any of them leaves
+        """Turn the connection's and the socket's exceptions into TransportErrors; any of them leaves
         `device`'s connection unusable, so it is closed and the next call reconnects."""
 
         def close() -> None:
@@ -261,12 +287,14 @@ class AdbTransport(Transport):
             yield
         except TransportError:
             raise
+        except SyncFailed as exc:  # the phone refused one file; the connection is whole
+            raise TransportError(self.name, f"{what}: {exc}") from None
         except adb_errors.DeviceAuthError as exc:
             close()
             raise DeviceUnauthorized(self.name, f"{what}: {exc}") from None
         except (adb_errors.TcpTimeoutException, adb_errors.AdbTimeoutError, TimeoutError) as exc:
             close()
-            if connecting and self._handle is not None and self._handle.auth_requested:
+            if connecting and device is not None and device.io.auth_requested:
                 raise DeviceUnauthorized(
                     self.name, f"the device did not accept this host's RSA key ({self.key_path}.pub) within "
                     f"{self.auth_timeout_s:g} s: unlock the phone and tap 'Allow' on the USB debugging "
@@ -290,16 +318,16 @@ class AdbTransport(Transport):
 
     def shell(self, command: str, timeout_s: float | None = None,
               on_stderr_line: Callable[[str], None] | None = None) -> tuple[str, str, int]:
-        """Run `command` over shell v2: (stdout, stderr, exit code). adb-shell has no v2 API, so
-        this speaks the packet format ([id u8][len u32 LE][data]) over its stream primitives.
-        stderr lines go to `on_stderr_line` as they arrive."""
+        """Run `command` over shell v2: (stdout, stderr, exit code), its packets ([id u8][len u32
+        LE][data]) read from the connection's stream. stderr lines go to `on_stderr_line` as they
+        arrive."""
         device = self._connect()
         timeout = timeout_s or self.timeout_s
         out, err, code = bytearray(), bytearray(), None
         buf, line, overflow = bytearray(), bytearray(), False
         with self._errors(f"shell {command[:60]!r}", device):
-            info = device._open(b"shell,v2,raw:" + command.encode(), timeout, timeout, None)
-            for chunk in device._read_until_close(info):
+            stream = device.open("shell,v2,raw:" + command, timeout)
+            for chunk in stream.until_close(timeout):
                 buf += chunk
                 while len(buf) >= 5:
                     kind, length = struct.unpack_from("<BI", buf)
@@ -332,11 +360,8 @@ class AdbTransport(Transport):
     def push(self, source: Path | bytes, device_path: str, mode: int = 0o644,
              progress: Callable[[int], None] | None = None) -> None:
         device = self._connect()
-        stream = io.BytesIO(source) if isinstance(source, bytes) else str(source)
-        callback = (lambda _path, n, _total: progress(n)) if progress is not None else None
         with self._errors(f"push {device_path}", device):
-            device.push(stream, device_path, st_mode=0o100000 | mode, progress_callback=callback,
-                        transport_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s)
+            device.push(source, device_path, 0o100000 | mode, progress, self.timeout_s)
 
     def pull(self, device_path: str) -> bytes:
         device = self._connect()
@@ -344,12 +369,12 @@ class AdbTransport(Transport):
         missing = None
         with self._errors(f"pull {device_path}", device):
             try:
-                device.pull(device_path, sink, transport_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s)
-            except adb_errors.AdbCommandFailureException as exc:
+                device.pull(device_path, sink, self.timeout_s)
+            except SyncFailed as exc:
                 missing = exc  # raised outside: _errors takes any OSError for a lost connection
         if missing is not None:
-            # adb-shell's pull closes the failed sync stream (CLSE, and the phone's CLSE read) in a
-            # `finally`: the connection is whole, and a tunnel relaying on it goes on
+            # the failed sync stream was closed: the connection is whole, and a tunnel relaying on
+            # it goes on
             raise FileNotFoundError(f"{device_path}: {missing}")
         return sink.getvalue()
 

@@ -3,7 +3,7 @@ http://localhost:P, a secure context, so the phone's Chrome offers WebGPU to the
 
 A ReverseTunnel lives on an AdbTransport's connection: every connection the transport makes is
 a SharedAdbDevice (adb.py), whose reader thread hands the tunnel the phone's OPENs and every
-message of the streams they start, while adb-shell's streams (shell, push, pull) run beside
+message of the streams they start, while the transport's own streams (shell, push, pull) run beside
 them. ReverseTunnel.on(adb, ...) shares the transport's own connection; ReverseTunnel.over(adb,
 ...) makes a connection of its own to the same phone (TCP only: over USB one host claims the
 interface, so a second connection is impossible); ReverseTunnel.for_transport picks on() over
@@ -353,7 +353,7 @@ class ReverseTunnel:
         return _protocol_string(self._call(device, "reverse:list-forward")).splitlines()
 
     def _call(self, device: SharedAdbDevice, service: str, timeout_s: float | None = None) -> bytes:
-        """One exchange with an adbd service, as an adb-shell stream; a failure closes the
+        """One exchange with an adbd service, on a stream of its own; a failure closes the
         connection (the transport's rule), which every stream on it then sees."""
         try:
             with self.adb._errors(service, device):

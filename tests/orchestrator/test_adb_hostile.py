@@ -113,7 +113,7 @@ def test_a_4_gib_maximum_and_a_400_mb_message_are_refused_not_buffered():
         device = _connect(phone.port)
         assert device.io.maxdata == HOST_MAX_DATA  # the phone's 4 GiB is not what the host keeps to
         assert _until(lambda: not device.alive), "the connection stayed open"
-        assert "more than the 1048576 the host announced" in str(device.io._error)
+        assert "more than the 1048576 the host announced" in str(device.io.error)
         assert _rss_mib() - rss < 64, f"the host grew {_rss_mib() - rss:.0f} MiB"
     finally:
         phone.close()
@@ -208,7 +208,7 @@ def test_messages_to_streams_nobody_reads_are_not_kept_without_end():
     try:
         device = _connect(phone.port)
         assert _until(lambda: not device.alive), "the connection stayed open"
-        assert "to streams nobody reads" in str(device.io._error)
+        assert "to streams nobody reads" in str(device.io.error)
         assert _rss_mib() - rss < 48, f"the host grew {_rss_mib() - rss:.0f} MiB"
     finally:
         phone.close()

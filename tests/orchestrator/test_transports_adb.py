@@ -445,7 +445,7 @@ def test_a_message_larger_than_the_socket_buffer_is_sent_whole():
     reader.start()
     t = NoDelayTcpTransport("127.0.0.1", listener.getsockname()[1])
     t.connect(5.0)
-    t._connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    t.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     data = os.urandom(2**20)  # far more than one send() on a 4 KiB buffer takes
     assert t.bulk_write(data, 5.0) == len(data)
     t.close()
