@@ -1,5 +1,5 @@
 """The child side of a job: the process `agent.jobs.run_job` starts (`python -m agent.child
-PLAN.json`) to do the GPU work under a time limit. It loads the engine on the plan's runtime,
+TASK.json`, a ChildTask) to do the GPU work under a time limit. It loads the engine on the job's executor,
 runs the kind (generate, latency, tune), and writes progress events and finally its JobResult as
 JSON lines on its stdout; everything else it prints goes to stderr, the job's log. A failure part
 of the way still hands back what was measured up to then."""
@@ -17,10 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.bundle import sha256_file
-from agent.jobs import BROWSER_PAGE_ENV, RESULT_EVENT, ProgressFn, artifact
+from agent.jobs import RESULT_EVENT, ChildTask, ProgressFn, artifact
 from agent.protocol import (
     JobResult,
-    JobSpec,
     KernelTiming,
     Sample,
     ThermalReading,
@@ -31,15 +30,15 @@ from agent.protocol import (
 
 class ChildJob:
     """The job inside the child process; fills `result` as it goes, so a failure part-way
-    still reports what was measured up to then. On the plan and browser runtimes the pipeline
+    still reports what was measured up to then. On the plan and browser executors the pipeline
     is a PlanPipeline (engine/plan_exec.py): its executors time the UNet step, and what the
-    native runtime reads from the pipeline's selection comes from its plans."""
+    native executor reads from the pipeline's selection comes from its plans."""
 
-    def __init__(self, plan: dict, emit: ProgressFn):
-        self.plan = plan
-        self.spec = from_dict(JobSpec, plan["spec"])
-        self.runtime = plan.get("runtime", "native")  # plans written before runtimes: native
-        self.out_dir = Path(plan["out_dir"])
+    def __init__(self, task: ChildTask, emit: ProgressFn):
+        self.task = task
+        self.spec = task.spec
+        self.executor = task.spec.executor
+        self.out_dir = Path(task.out_dir)
         self.emit = emit
         self.result = JobResult(job_id=self.spec.job_id, kind=self.spec.kind, status="failed")
         self.caps = None
@@ -73,9 +72,9 @@ class ChildJob:
 
     def thermal(self, phase: str):
         """Best effort: a device without readable zones just has none. Returns the DeviceInfo
-        read (its clocks serve the run's environment), or None. None on the browser runtime:
+        read (its clocks serve the run's environment), or None. None on the browser executor:
         the page's device need not be this host, whose zones must not pass for the device's."""
-        if self.runtime == "browser":
+        if self.executor == "browser":
             return None
         try:
             from agent.deviceinfo import collect_local
@@ -91,15 +90,15 @@ class ChildJob:
         return info
 
     def environment(self, clocks_mhz: dict[str, float] | None) -> None:
-        """Best effort too: the OS, kernel, driver, adapter and runtime this run starts in."""
+        """Best effort too: the OS, kernel, driver, adapter and WebGPU runtime this run starts in."""
         try:
             from agent.deviceinfo import browser_environment, read_environment
 
-            if self.runtime == "browser":
+            if self.executor == "browser":
                 adapter = self.pipe.session.hello["adapter"]
                 self.result.environment = browser_environment(self.caps.as_dict(), adapter.get("user_agent", ""))
-            elif self.runtime == "plan":
-                self.result.environment = read_environment(self.caps.as_dict(), clocks_mhz, runtime_kind="plan")
+            elif self.executor == "plan":
+                self.result.environment = read_environment(self.caps.as_dict(), clocks_mhz, webgpu_kind="plan")
             else:
                 self.result.environment = read_environment(self.caps.as_dict(), clocks_mhz)
         except Exception as exc:
@@ -107,12 +106,12 @@ class ChildJob:
 
     def engine_info(self, pipe=None, **extra) -> None:
         caps = self.caps
-        info = {"model": self.plan["model"], "build": self.plan["build"], "runtime": self.runtime,
+        info = {"model": self.task.model, "build": self.task.build, "executor": self.executor,
                 "requested_profile": self.spec.profile, "requested_precision": self.spec.precision}
         if caps is not None:  # None until the browser's page is up
             info["adapter"] = caps.as_dict()
         if pipe is not None:
-            info |= self.selection_info(pipe) if self.runtime == "native" else self.plans_info(pipe)
+            info |= self.selection_info(pipe) if self.executor == "native" else self.plans_info(pipe)
             if self.result.environment is not None:
                 self.result.environment.profile = profile_identity(self.profile, info["profile"], caps)
         self.result.engine = info | extra
@@ -142,42 +141,42 @@ class ChildJob:
     def profile(self):
         """What the pipeline loads with: the plan's profile, or for "auto" with a build's tuned
         profiles, the Profile chosen among them and the shipped ones for this GPU."""
-        if self.plan["profile"] != "auto" or not self.plan.get("tuned_profiles"):
-            return self.plan["profile"]
+        if self.task.profile != "auto" or not self.task.tuned_profiles:
+            return self.task.profile
         from engine.profiles import auto_profile, load_profile_file
 
-        return auto_profile(self.caps, extra=[load_profile_file(Path(p)) for p in self.plan["tuned_profiles"]])
+        return auto_profile(self.caps, extra=[load_profile_file(Path(p)) for p in self.task.tuned_profiles])
 
     def size(self, pipe) -> tuple[int, int]:
         return self.spec.height or pipe.native_size[0], self.spec.width or pipe.native_size[1]
 
     def load(self):
         """The pipeline, loaded once: load_ms times putting the weights on the GPU, so on the plan
-        and browser runtimes, whose plans load their weights, it also makes the job's plans."""
+        and browser executors, whose plans load their weights, it also makes the job's plans."""
         if self.pipe is not None:
             return self.pipe
         from engine import load_pipeline
 
         from .hubpage import HubPage
 
-        if self.runtime == "native":
-            self.phase("load", model=self.plan["model"], profile=self.plan["profile"])
+        if self.executor == "native":
+            self.phase("load", model=self.task.model, profile=self.task.profile)
             t0 = time.perf_counter()
             if self.spec.gpu_budget_bytes is not None:
                 from engine.errors import InputError
 
-                raise InputError("a GPU memory budget (--gpu-budget-mb) is kept by the plan and browser runtimes; "
+                raise InputError("a GPU memory budget (--gpu-budget-mb) is kept by the plan and browser executors; "
                                  "this job runs on the native one")
-            self.pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.profile())
+            self.pipe = load_pipeline(self.task.model, precision=self.spec.precision, profile=self.profile())
         else:
-            self.phase("load", model=self.plan["model"], profile=self.plan["profile"], runtime=self.runtime)
-            page = os.environ.get(BROWSER_PAGE_ENV)
+            self.phase("load", model=self.task.model, profile=self.task.profile, executor=self.executor)
+            page = self.task.browser_page
             t0 = time.perf_counter()
-            self.pipe = load_pipeline(self.plan["model"], precision=self.spec.precision, profile=self.plan["profile"],
-                                      runtime=self.runtime, budget_bytes=self.spec.gpu_budget_bytes,
+            self.pipe = load_pipeline(self.task.model, precision=self.spec.precision, profile=self.task.profile,
+                                      executor=self.executor, budget_bytes=self.spec.gpu_budget_bytes,
                                       **({"session": HubPage(page)} if page else {}))
             self.caps = self.pipe.caps
-            if self.plan["profile"] == "auto" and self.plan.get("tuned_profiles"):
+            if self.task.profile == "auto" and self.task.tuned_profiles:
                 self.pipe.set_profile(self.profile())  # chosen for the page's adapter, known now
             (self.step_executor if self.spec.kind == "latency" else self.generation_executor)(self.pipe)
         self.sample("load_ms", (time.perf_counter() - t0) * 1e3, "ms")
@@ -187,22 +186,22 @@ class ChildJob:
         """The executor of the job's generation (made as PlanPipeline.generate makes it)."""
         s = self.spec
         height, width = self.size(pipe)
-        return pipe.executor(height, width, s.steps, s.scheduler, s.guidance_scale,
+        return pipe.plan_executor(height, width, s.steps, s.scheduler, s.guidance_scale,
                              None if s.init_image is None else float(s.strength))
 
     def step_executor(self, pipe):
         """The executor whose plan's UNet step is timed and profiled: a batch-2 plan at the
         job's size, the generation's own when it guides (its unet_step stage is the same; a
         browser page holds the weights of every plan it loads, so another plan would double
-        them on the phone), else pipe.executor(height, width, guidance_scale=7.5)."""
+        them on the phone), else pipe.plan_executor(height, width, guidance_scale=7.5)."""
         ex = self.generation_executor(pipe)
         if ex.plan["batch"] == 2:
             return ex
         height, width = self.size(pipe)
-        return pipe.executor(height, width, guidance_scale=7.5)
+        return pipe.plan_executor(height, width, guidance_scale=7.5)
 
     def close(self) -> None:
-        """Give back what the pipeline started (the browser runtime's Chromium)."""
+        """Give back what the pipeline started (the browser executor's Chromium)."""
         close = getattr(self.pipe, "close", None)
         if close is not None:
             close()
@@ -218,7 +217,7 @@ class ChildJob:
 
     def run(self) -> JobResult:
         try:
-            if self.runtime == "native":
+            if self.executor == "native":
                 from engine.device import get_gpu
 
                 self.caps = get_gpu().caps
@@ -263,7 +262,7 @@ class ChildJob:
         (as many by default) for per-kernel GPU times (profiling splits passes, so they are kept
         apart from the timed ones), then
         spec.repetitions timed end-to-end generations."""
-        if self.runtime != "native":
+        if self.executor != "native":
             return self.run_latency_on_plans()
         s = self.spec
         pipe = self.load()
@@ -296,7 +295,7 @@ class ChildJob:
                          kernel_timing_repetitions=self.kernel_repetitions if timed_kernels else 0)
 
     def run_latency_on_plans(self) -> None:
-        """run_latency on the plan and browser runtimes: the executor of a batch-2 plan at the
+        """run_latency on the plan and browser executors: the executor of a batch-2 plan at the
         job's size (step_executor) times spec.unet_repetitions replays of its UNet step to GPU
         completion (after spec.warmup untimed ones, its inputs random and written once, so
         unlike the native step no upload or readback is in the time); then kernel_repetitions
@@ -343,7 +342,7 @@ class ChildJob:
         if not self.caps.has_timestamps:
             return "unavailable (no timestamp-query)"
         if not hasattr(ex, "kernel_times"):
-            return f"unavailable on the {self.runtime} runtime"
+            return f"unavailable on the {self.executor} executor"
         self.phase("kernel_timings", repetitions=repetitions)
         for r in range(repetitions):
             times = ex.kernel_times("unet_step", 1)
@@ -386,7 +385,7 @@ class ChildJob:
             return "off"
         if not self.caps.has_timestamps:
             return "unavailable (no timestamp-query)"
-        if self.runtime != "native":
+        if self.executor != "native":
             ex = self.step_executor(pipe)
             ex.time_stage("unet_step", 0, warmup=1, seed=self.spec.seed)  # random inputs, one warm-up
             clock = self.time_plan_kernels(ex, 1)
@@ -405,7 +404,7 @@ class ChildJob:
         from engine.tune import tune
 
         s = self.spec
-        config = load_model_config(self.plan["model"])
+        config = load_model_config(self.task.model)
         gpu = get_gpu()
         height, width = s.height or config.native_size[0], s.width or config.native_size[1]
         dtype = storage_dtype(s.precision, gpu.caps.has_f16)
@@ -423,7 +422,7 @@ class ChildJob:
         if s.kernel_timings:  # the UNet's kernels under the profile just tuned
             from engine import load_pipeline
 
-            pipe = load_pipeline(self.plan["model"], precision=precision, profile=str(path))
+            pipe = load_pipeline(self.task.model, precision=precision, profile=str(path))
             clock = self.kernel_timings_after(pipe, height, width)
         from engine.profiles import auto_profile
         from engine.tune import estimated_gain
@@ -464,7 +463,7 @@ def error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
 
 
-def child_main(plan_path: str) -> int:
+def child_main(task_path: str) -> int:
     """The child's entry point. Its stdout carries only JSON event lines; anything else the
     process prints (Python or native) goes to stderr, which is the job's log."""
     events = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
@@ -476,8 +475,7 @@ def child_main(plan_path: str) -> int:
         with lock:
             events.write(json.dumps(event, default=str) + "\n")
 
-    plan = json.loads(Path(plan_path).read_text())
-    job = ChildJob(plan, emit)
+    job = ChildJob(from_dict(ChildTask, json.loads(Path(task_path).read_text())), emit)
     try:
         result = job.run()
     except BaseException as exc:  # noqa: B036  (KeyboardInterrupt too: always hand back a result)
@@ -491,5 +489,5 @@ def child_main(plan_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m agent.child PLAN.json (started by agent.jobs.run_job)")
+        sys.exit("usage: python -m agent.child TASK.json (started by agent.jobs.run_job)")
     sys.exit(child_main(sys.argv[1]))

@@ -439,7 +439,7 @@ def android_properties() -> dict[str, str]:
     return {}
 
 
-def engine_runtime(kind: str = "wgpu-native") -> dict[str, str]:
+def webgpu_runtime(kind: str = "wgpu-native") -> dict[str, str]:
     """The runtime the engine's GPU work goes through: wgpu-native's version as loaded (the
     driver's partner in every timing), and the Python binding's. `kind` "plan": the engine's
     plans replayed through it (engine/plan_exec.py), a series apart from the eager engine's."""
@@ -457,9 +457,9 @@ def engine_runtime(kind: str = "wgpu-native") -> dict[str, str]:
 
 
 def read_environment(adapter: dict, clocks_mhz: dict[str, float] | None = None,
-                     runtime_kind: str = "wgpu-native") -> RunEnvironment:
+                     webgpu_kind: str = "wgpu-native") -> RunEnvironment:
     """The environment a run starts in on this device: OS, its build, kernel, GPU driver and
-    adapter (`adapter`, a DeviceCaps dict), the engine runtime (engine_runtime(runtime_kind)),
+    adapter (`adapter`, a DeviceCaps dict), the engine runtime (webgpu_runtime(webgpu_kind)),
     and the clocks (`clocks_mhz` when the caller has just read them, else read now; empty where
     unreadable). Android is recognised by its properties (android_properties), whether the
     agent runs there under Termux or for the virtual phone."""
@@ -480,7 +480,7 @@ def read_environment(adapter: dict, clocks_mhz: dict[str, float] | None = None,
         os=system, os_version=os_version, os_build=os_build, kernel=platform.release(),
         driver=str(adapter.get("description") or ""),
         adapter=identity | ({"adapter_id": adapter_id(adapter)} if adapter else {}),
-        runtime=engine_runtime(runtime_kind), clocks_mhz=dict(clocks_mhz),
+        runtime=webgpu_runtime(webgpu_kind), clocks_mhz=dict(clocks_mhz),
     )
 
 
@@ -530,7 +530,7 @@ def parse_user_agent_os(user_agent: str) -> tuple[str, str, str]:
 
 
 def browser_environment(adapter: dict, user_agent: str) -> RunEnvironment:
-    """The environment of a run in a browser's page (the engine's browser runtime), read on the
+    """The environment of a run in a browser's page (the engine's browser executor), read on the
     host that drives it: the page's adapter (`adapter`, a DeviceCaps dict; its identity, without
     an adapter_id, which would name this host) and its driver, and the browser from its user
     agent (parse_user_agent). The OS, kernel and clocks stay empty: this host's are not the

@@ -1,5 +1,5 @@
 """A browser device's page, reached through the farm's hub (orchestrator/transports/hub.py): what
-`farm-agent run` hands the engine as the session its browser runtime runs plans on
+`farm-agent run` hands the engine as the session its browser executor runs plans on
 (engine.browser.browser_pipeline(session=...)). The hub holds the page; this process reaches
 it on the hub's farm side, which asks for the hub's key in HUB_KEY_HEADER.
 """

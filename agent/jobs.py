@@ -5,9 +5,9 @@ that does the GPU work under a time limit, and the JobResult and log every job l
       1. lock      <root>/locks/device.lock (pid, job, start); a live holder -> AgentBusy,
                    a dead or overdue one is recovered with a log line
       2. cool down poll the hottest thermal zone until <= cooldown.max_celsius (not for the
-                   browser runtime: this host's zones are not the device's)
-      3. plan      resolve model, profile and engine runtime -> out_dir/plan.json
-      4. child     `python -m agent.child out_dir/plan.json` (agent/child.py): loads the engine, runs the kind,
+                   browser executor: this host's zones are not the device's)
+      3. task      resolve model and profile against the build -> out_dir/task.json (ChildTask)
+      4. child     `python -m agent.child out_dir/task.json` (agent/child.py): loads the engine, runs the kind,
                    streams progress events and finally the JobResult as JSON lines on its
                    stdout; its stderr (engine warnings, tracebacks) is out_dir/job.log.
                    Killed with its process group at spec.time_limit_s.
@@ -17,17 +17,17 @@ The GPU work runs in a child so that a hung driver or a runaway job can be kille
 taking the agent down, and so the agent process itself never holds a GPU device. Samples are
 raw, one per repetition; nothing is aggregated on the device.
 
-The engine runtime is the JobSpec's `engine_runtime` (where it is None, $FARM_ENGINE_RUNTIME,
-native when that is unset): "native" runs the eager engine on this host's GPU, "plan" replays
-engine plans on it, "browser" has a WebGPU page run them (a headless Chromium started here, or
-with $FARM_BROWSER_PAGE the page of a phone's browser that a farm's hub holds). Generate and
-latency jobs run on all three with the same sample metrics; tune jobs only on the native
-runtime.
+Who runs the model is the JobSpec's `executor`: "native" runs the eager engine on this host's
+GPU, "plan" replays engine plans on it, "browser" has a WebGPU page run them (a headless
+Chromium started here, or the page of a phone's browser that a farm's hub holds, named by the
+agent's configuration: protocol.AgentConfig). Generate and latency jobs run on all three with
+the same sample metrics; tune jobs only on the native executor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -38,14 +38,16 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.bundle import sha256_file
 from agent.files import atomic_write
 from agent.fsroot import FsRoot, PathRefused
 from agent.protocol import (
-    ENGINE_RUNTIMES,
+    AGENT_CONFIG_FILE,
     LOG_TAIL_CHARS,
+    AgentConfig,
     Artifact,
     JobResult,
     JobSpec,
@@ -65,9 +67,7 @@ SHIPPED_PROFILES = ("auto", "family", "reference")  # built into the engine: nam
 # made on this device's GPU over its family's.
 TUNED_PROFILES_DIR = "profiles/tuned"
 RESULT_EVENT = "result"
-ENGINE_RUNTIME_ENV = "FARM_ENGINE_RUNTIME"
-BROWSER_PAGE_ENV = "FARM_BROWSER_PAGE"  # the browser runtime's page; its URL holds the hub's key
-RUNTIMES = ENGINE_RUNTIMES  # engine.load.RUNTIMES, without importing the engine here
+TASK_FILE = "task.json"  # in the job's folder: the ChildTask
 
 
 class AgentBusy(RuntimeError):
@@ -334,27 +334,47 @@ def cooling_rate(readings: list[tuple[float, float]], window_s: float) -> float 
     return -slope * 60.0
 
 
-# ---- the plan: what the child runs --------------------------------------------------------
+# ---- the task: what the child runs ---------------------------------------------------------
 
 
-def job_runtime(spec: JobSpec) -> str:
-    """The engine runtime this job runs on: its spec's engine_runtime, else $FARM_ENGINE_RUNTIME,
-    native when both are unset."""
-    if spec.engine_runtime is not None:
-        runtime, said = spec.engine_runtime, f"engine_runtime {spec.engine_runtime}"
-    else:
-        runtime = os.environ.get(ENGINE_RUNTIME_ENV) or "native"
-        said = f"{ENGINE_RUNTIME_ENV}={runtime}"
-        if runtime not in RUNTIMES:
-            raise JobError(f"{ENGINE_RUNTIME_ENV}={runtime!r} is not an engine runtime; "
-                           f"set one of {', '.join(RUNTIMES)}, or leave it unset for native")
-    if os.environ.get(BROWSER_PAGE_ENV) and runtime != "browser":
-        raise JobError(f"{BROWSER_PAGE_ENV} is for the browser runtime ({ENGINE_RUNTIME_ENV}=browser); "
-                       f"this job runs on the {runtime} runtime")
-    if spec.kind == "tune" and runtime != "native":
-        raise JobError(f"tune jobs run on the native runtime (the farm tunes on the GPU host), not on "
-                       f"{said}; send this job to an agent on a GPU host, with engine_runtime native")
-    return runtime
+@dataclass
+class ChildTask:
+    """What the child process runs (TASK_FILE in the job's folder, written by the agent): the
+    job, with its model, profile and init image resolved against the installed build."""
+
+    spec: JobSpec  # its init_image, when it has one, is a file the child opens
+    model: str
+    profile: str
+    tuned_profiles: list[str]  # with "auto": the build's, beside the engine's shipped ones
+    build: str | None
+    build_path: str | None
+    out_dir: str
+    root: str
+    confined: bool
+    browser_page: str | None = None  # the browser executor's page (AgentConfig.browser_page)
+
+
+def read_agent_config(root: Path) -> AgentConfig:
+    """The agent's configuration under `root` (AgentConfig; defaults when there is none). A
+    file that cannot be read is the agent's fault: JobError says where."""
+    path = Path(root) / AGENT_CONFIG_FILE
+    try:
+        return from_dict(AgentConfig, json.loads(path.read_text()), AGENT_CONFIG_FILE)
+    except FileNotFoundError:
+        return AgentConfig()
+    except (OSError, ValueError, ProtocolError) as exc:
+        raise JobError(f"the agent's configuration {path} cannot be read: {exc}") from None
+
+
+def check_executor(spec: JobSpec, config: AgentConfig) -> None:
+    """JobError for a job this agent cannot run as asked: a tune job on any executor but the
+    native one, or a browser page configured for a job of another executor."""
+    if spec.kind == "tune" and spec.executor != "native":
+        raise JobError(f"tune jobs run on the native executor (the farm tunes on the GPU host), not on "
+                       f"the {spec.executor} executor; send this job to an agent on a GPU host")
+    if config.browser_page and spec.executor != "browser":
+        raise JobError(f"this agent's configuration names a browser page ({AGENT_CONFIG_FILE}), which runs "
+                       f"jobs on the browser executor; this job asks for the {spec.executor} executor")
 
 
 def _find_build(root: Path, build_id: str | None):
@@ -376,20 +396,19 @@ def _find_build(root: Path, build_id: str | None):
 DEFAULT_PROFILE_FILE = "profiles/DEFAULT"
 
 
-def make_plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot | None = None,
-              runtime: str = "native") -> dict:
+def make_task(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot | None = None,
+              config: AgentConfig | None = None) -> ChildTask:
     """Resolve the model and the profile against the build; errors name what is missing. A
     model or profile named relative to the build stays inside it; under a confined agent
-    (agent/fsroot.py) an absolute one is a device path, read under the device's filesystem.
-    `runtime` (job_runtime) is recorded for the child."""
+    (agent/fsroot.py) an absolute one is a device path, read under the device's filesystem."""
     fs = fs or FsRoot()
     try:
-        return _plan(spec, root, out_dir, fs) | {"runtime": runtime}
+        return _task(spec, root, out_dir, fs, config or AgentConfig())
     except PathRefused as exc:
         raise JobError(str(exc)) from None
 
 
-def _plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot) -> dict:
+def _task(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot, config: AgentConfig) -> ChildTask:
     model = Path(spec.model)
     need_build = not model.is_absolute() or (
         spec.profile not in SHIPPED_PROFILES and not Path(spec.profile).is_absolute() and spec.profile.endswith(".json"))
@@ -434,17 +453,13 @@ def _plan(spec: JobSpec, root: Path, out_dir: Path, fs: FsRoot) -> dict:
     if profile == "auto" and build is not None and (build.path / TUNED_PROFILES_DIR).is_dir():
         extra = [str(fs.within(build.path, f"{TUNED_PROFILES_DIR}/{p.name}", "profile"))
                  for p in sorted((build.path / TUNED_PROFILES_DIR).glob("*.json"))]
-    return {
-        "spec": to_dict(spec) | {"init_image": _init_image(spec, build, out_dir, fs)},
-        "model": str(model),
-        "profile": profile,
-        "tuned_profiles": extra,  # with "auto": the build's, beside the engine's shipped ones
-        "build": build.build_id if build is not None else None,
-        "build_path": str(build.path) if build is not None else None,
-        "out_dir": str(out_dir),
-        "root": str(root),
-        "confined": fs.confined,
-    }
+    return ChildTask(
+        spec=dataclasses.replace(spec, init_image=_init_image(spec, build, out_dir, fs)),
+        model=str(model), profile=profile, tuned_profiles=extra,
+        build=build.build_id if build is not None else None,
+        build_path=str(build.path) if build is not None else None,
+        out_dir=str(out_dir), root=str(root), confined=fs.confined,
+        browser_page=config.browser_page if spec.executor == "browser" else None)
 
 
 def _init_image(spec: JobSpec, build, out_dir: Path, fs: FsRoot) -> str | None:
@@ -476,13 +491,13 @@ def _init_image(spec: JobSpec, build, out_dir: Path, fs: FsRoot) -> str | None:
     return str(path)
 
 
-def _child_env(plan: dict) -> dict:
+def _child_env(task: ChildTask) -> dict:
     """The child imports the build's engine and agent when the build ships them, else ours.
     A confined agent (the virtual phone's) runs on the host, and a build is files on the phone
     that whoever holds adb can change: its child imports only the host's code."""
     paths = [str(Path(__file__).resolve().parent.parent)]
-    build_path = plan.get("build_path")
-    if build_path and not plan.get("confined") and (Path(build_path) / "engine" / "__init__.py").is_file() \
+    build_path = task.build_path
+    if build_path and not task.confined and (Path(build_path) / "engine" / "__init__.py").is_file() \
             and (Path(build_path) / "agent" / "jobs.py").is_file():
         paths.insert(0, build_path)
     env = dict(os.environ)
@@ -490,7 +505,7 @@ def _child_env(plan: dict) -> dict:
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONUNBUFFERED"] = "1"
-    if plan.get("confined"):
+    if task.confined:
         env["PYTHONSAFEPATH"] = "1"  # `-m` would put the current folder, on the phone, first
     return env
 
@@ -529,17 +544,18 @@ def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | Non
         emit({"event": "started", "kind": spec.kind})
         atomic_write_text(out_dir / "job.json", to_json(spec))
         try:
-            runtime = job_runtime(spec)
-            if spec.cooldown is not None and runtime == "browser" and thermal is None:
+            config = read_agent_config(root)
+            check_executor(spec, config)
+            if spec.cooldown is not None and spec.executor == "browser" and thermal is None:
                 log("cool-down: the engine runs in a browser's page; this host's temperatures are not "
                     "its device's; not waiting")
             elif spec.cooldown is not None:
                 result.cooldown_wait_s, result.cooldown_timed_out = cool_down(
                     spec.cooldown, thermal or read_hottest_celsius, log, emit)
-            plan = make_plan(spec, root, out_dir, fs, runtime)
-            atomic_write_text(out_dir / "plan.json", json.dumps(plan, indent=2))
+            task = make_task(spec, root, out_dir, fs, config)
+            atomic_write(out_dir / TASK_FILE, json.dumps(to_dict(task), indent=2).encode(), mode=0o600)  # a page URL's key
             if _stop_requested(root, spec.job_id) is None:
-                _run_child(plan, spec, result, lock, log, emit, log_path)
+                _run_child(task, spec, result, lock, log, emit, log_path)
             if (why := _stop_requested(root, spec.job_id)) is not None:  # before it started, or while it ran
                 result.status, result.error = "failed", f"stopped: {why}"
                 log(f"the job was stopped: {why}")
@@ -565,14 +581,14 @@ def run_job(spec: JobSpec, out_dir: Path, root: Path, progress: ProgressFn | Non
         return result
 
 
-def _run_child(plan: dict, spec: JobSpec, result: JobResult, lock: DeviceLock, log, emit, log_path: Path) -> None:
+def _run_child(task: ChildTask, spec: JobSpec, result: JobResult, lock: DeviceLock, log, emit, log_path: Path) -> None:
     """Start the child, relay its events, enforce the time limit, merge its result."""
-    cmd = [sys.executable, "-m", "agent.child", str(Path(plan["out_dir"]) / "plan.json")]
+    cmd = [sys.executable, "-m", "agent.child", str(Path(task.out_dir) / TASK_FILE)]
     popen_kw = {"start_new_session": True} if os.name == "posix" else {
         "creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
     with open(log_path, "ab") as child_err:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=child_err,
-                                env=_child_env(plan), **popen_kw)
+                                env=_child_env(task), **popen_kw)
     lock.update(child_pid=proc.pid)
     box: dict = {}
 

@@ -124,7 +124,7 @@ class Cooldown:
         _bounded(self, "Cooldown.settle_c_per_min", self.settle_c_per_min, 0.0, 1000.0)
 
 
-ENGINE_RUNTIMES = ("native", "plan", "browser")  # engine.load.RUNTIMES, without importing the engine
+EXECUTORS = ("native", "plan", "browser")  # engine.load.EXECUTORS, without importing the engine
 
 
 @dataclass
@@ -170,12 +170,12 @@ class JobSpec:
     # the image travels with the job), a path in the build, or a path on the device.
     init_image: str | None = None
     strength: float = 0.8
-    # How the engine runs the job (ENGINE_RUNTIMES): "native" (the eager engine on the device's
-    # GPU), "plan" (engine plans replayed there) or "browser" (a WebGPU page runs the plans: what
-    # the farm sends to a phone's browser). None: the agent's own default, $FARM_ENGINE_RUNTIME
-    # where it is set (an agent run by hand), else native.
-    engine_runtime: str | None = None
-    # The most GPU memory the job's plans may hold, in bytes (plan and browser runtimes: their
+    # Who runs the model (EXECUTORS): "native" (the eager engine on the device's GPU), "plan"
+    # (engine plans replayed there) or "browser" (a WebGPU page runs the plans: what the farm
+    # sends to a phone's browser). The farm sets it when the job is submitted (a device whose
+    # host kind is browser gets "browser"); an agent run by hand runs native unless told.
+    executor: str = "native"
+    # The most GPU memory the job's plans may hold, in bytes (plan and browser executors: their
     # weights are staged when only that fits; a plan that cannot fit fails the job at once with
     # the reasons). None: no budget.
     gpu_budget_bytes: int | None = None
@@ -207,9 +207,9 @@ class JobSpec:
             raise ProtocolError(f"JobSpec.strength must be in (0, 1], got {self.strength}")
         if self.gpu_budget_bytes is not None:
             _bounded(self, "JobSpec.gpu_budget_bytes", self.gpu_budget_bytes, MIN_GPU_BUDGET, MAX_GPU_BUDGET)
-        if self.engine_runtime is not None and self.engine_runtime not in ENGINE_RUNTIMES:
-            raise ProtocolError(f"JobSpec.engine_runtime {self.engine_runtime!r} is not one of "
-                                f"{', '.join(ENGINE_RUNTIMES)}")
+        if self.executor not in EXECUTORS:
+            raise ProtocolError(f"JobSpec.executor {self.executor!r} is not one of "
+                                f"{', '.join(EXECUTORS)}")
         if self.init_image is not None:
             if self.kind != "generate":
                 raise ProtocolError(f"JobSpec.init_image is for generate jobs, not {self.kind}")
@@ -219,6 +219,20 @@ class JobSpec:
             if len(self.init_image) > INIT_IMAGE_MAX_CHARS:
                 raise ProtocolError(f"JobSpec.init_image is {len(self.init_image)} characters; at most "
                                     f"{INIT_IMAGE_MAX_CHARS} (an {INIT_IMAGE_MAX_BYTES // 2**20} MiB image)")
+
+
+AGENT_CONFIG_FILE = "agent.json"  # under the agent's root
+
+
+@dataclass
+class AgentConfig:
+    """An agent's own settings, which its host's farm writes under the agent's root
+    (AGENT_CONFIG_FILE, readable by its owner only): what belongs to the device rather than to
+    a job, kept off command lines and out of the environment. `browser_page` is the control
+    URL of the page a farm's hub holds for this device's browser (it carries the hub's key):
+    jobs on the browser executor run there; without it the agent starts a headless Chromium."""
+
+    browser_page: str | None = None
 
 
 # ---- job result ---------------------------------------------------------------------------

@@ -45,13 +45,13 @@ def main(argv=None) -> int:
 
     from engine.device import get_gpu
     from engine.errors import EngineError
+    from engine.gpu import GpuContext, time_gpu_work
     from engine.kernels import PipelineCache, Selection, variants
     from engine.ops import Ops
-    from engine.runtime import Runtime, time_gpu_work
 
     gpu = get_gpu()
     dtype = "f16" if args.precision == "fp16" else "f32"
-    rt = Runtime(gpu, poison=True)
+    rt = GpuContext(gpu, poison=True)
     pipes = PipelineCache(gpu)
     ops = Ops(rt, pipes, Selection(frozenset(gpu.caps.features)), dtype)
     table = variants("attention")

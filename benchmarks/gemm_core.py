@@ -43,12 +43,12 @@ def main(argv=None) -> int:
     from engine.device import get_gpu
     from engine.errors import EngineError
     from engine.explain import distinct_calls
+    from engine.gpu import GpuContext, time_gpu_work
     from engine.kernels import PipelineCache, Selection, variants
     from engine.make_model import preset_model_config
     from engine.ops import Ops
     from engine.profiles import parse_profile
     from engine.roofline import measure_peaks
-    from engine.runtime import Runtime, time_gpu_work
     from engine.variants import gemm as core
 
     gpu = get_gpu()
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         return 2
     config = preset_model_config(args.preset)
     res = args.resolution or config.native_size[0]
-    rt = Runtime(gpu)
+    rt = GpuContext(gpu)
     pipes = PipelineCache(gpu)
     rng = np.random.default_rng(0)
     peaks = measure_peaks(gpu, rt)

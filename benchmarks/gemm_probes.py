@@ -110,17 +110,17 @@ def main(argv=None) -> int:
 
     from engine import kernels
     from engine.device import get_gpu
+    from engine.gpu import GpuContext, time_gpu_work
     from engine.kernels import PipelineCache, Selection, Variant, variants
     from engine.ops import Ops
     from engine.roofline import measure_peaks
-    from engine.runtime import Runtime, time_gpu_work
     from engine.variants import gemm as core
 
     gpu = get_gpu()
     if not gpu.caps.has_f16:
         print("the GEMM core needs shader-f16; this adapter has none", file=sys.stderr)
         return 2
-    rt = Runtime(gpu)
+    rt = GpuContext(gpu)
     peaks = measure_peaks(gpu, rt)
     print(f"{gpu.caps.device} ({gpu.caps.backend}): measured f16 SIMT peak {peaks.f16_tflops} TFLOP/s")
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
 """Peak GPU memory of a whole generation, from shapes alone: the pipeline runs on a
-TraceRuntime (engine/runtime.py), which allocates from the same buffer pool and counts
+TraceContext (engine/gpu.py), which allocates from the same buffer pool and counts
 weights the same way as the GPU runtime but does no GPU work, so an SD 1.4 512x512 estimate
 takes seconds on any machine. The numbers are the runtime's own accounting (weights plus
 every pool buffer); they leave out what the driver adds (uniform buffers, command buffers,
@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.device import DeviceCaps  # noqa: E402
+from engine.gpu import DTYPES, _align  # noqa: E402
 from engine.pipeline import RESIDENCIES, STAGE_WEIGHTS, Pipeline  # noqa: E402
-from engine.runtime import DTYPES, _align  # noqa: E402
 
 MIB = 2**20
 

@@ -34,8 +34,8 @@ def resident_run(model: Path, precision: str, size: int, reps: int, warmup: int)
     import engine
     from engine.fit import fit_plan
 
-    pipe = engine.load_pipeline(model, precision=precision, runtime="plan")
-    ex = pipe.executor(size, size)
+    pipe = engine.load_pipeline(model, precision=precision, executor="plan")
+    ex = pipe.plan_executor(size, size)
     t0 = time.perf_counter()
     times = ex.time_stage("unet_step", reps, warmup)
     fit = fit_plan(ex.plan, pipe.caps)

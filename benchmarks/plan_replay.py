@@ -5,10 +5,10 @@ completion, no upload or readback) and a whole generation of --e2e-steps steps, 
 
     python benchmarks/plan_replay.py --preset sd14 --precision fp16 --json docs/benchmarks/X.json
     python benchmarks/plan_replay.py --preset sd14 --precision fp32 --backend dawn   # Chrome's WebGPU
-    python benchmarks/plan_replay.py --preset tiny --runtime browser                 # a Chromium page
+    python benchmarks/plan_replay.py --preset tiny --executor browser                 # a Chromium page
 
 --backend dawn runs everything through Dawn (`wgpudawn`, Chrome's WebGPU implementation) instead
-of wgpu-native: what a Chrome tab on that GPU would reach. --runtime browser runs the plan in a
+of wgpu-native: what a Chrome tab on that GPU would reach. --executor browser runs the plan in a
 headless Chromium page instead of this process (the eager side stays native).
 
 Prints a table and writes JSON."""
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--e2e-steps", type=int, default=20)
     parser.add_argument("--e2e-reps", type=int, default=3)
     parser.add_argument("--backend", default="wgpu-native", choices=["wgpu-native", "dawn"])
-    parser.add_argument("--runtime", default="plan", choices=["plan", "browser"])
+    parser.add_argument("--executor", default="plan", choices=["plan", "browser"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.backend == "dawn":
@@ -85,7 +85,7 @@ def main() -> None:
         native = engine.load_pipeline(model, precision=args.precision)
         load_native = time.perf_counter() - t0
         t0 = time.perf_counter()
-        planned = engine.load_pipeline(model, precision=args.precision, runtime=args.runtime)
+        planned = engine.load_pipeline(model, precision=args.precision, executor=args.executor)
         caps = native.caps
         size = args.size or native.native_size[0]
         kw = {"steps": 2, "seed": 3, "height": size, "width": size, "scheduler": "pndm"}
@@ -93,7 +93,7 @@ def main() -> None:
         load_plan = time.perf_counter() - t0
         equal = bool(np.array_equal(a.latents, b.latents) and np.array_equal(a.image, b.image))
         max_diff = float(np.abs(a.latents - b.latents).max())
-        ex = planned.executor(size, size)
+        ex = planned.plan_executor(size, size)
         eager = eager_unet_ms(native, size, size, args.reps, args.warmup)
         replay = ex.time_stage("unet_step", args.reps, args.warmup)
         e2e = {"eager": [], "plan": []}
@@ -111,7 +111,7 @@ def main() -> None:
     dispatches = sum(c["op"] == "dispatch" for c in plan["stages"]["unet_step"]["commands"])
     result = {
         "date": time.strftime("%Y-%m-%d"), "adapter": caps.device, "backend": args.backend,
-        "driver": caps.description, "runtime": args.runtime, "plan_adapter": planned_adapter, "model": args.preset if not args.model else str(args.model),
+        "driver": caps.description, "executor": args.executor, "plan_adapter": planned_adapter, "model": args.preset if not args.model else str(args.model),
         "precision": args.precision, "dtype": plan["dtype"], "size": size, "profile": plan["profile"]["name"],
         "unet_dispatches": dispatches, "bit_equal_2_step_generation": equal, "max_latent_diff": max_diff,
         "unet_step_ms": {"eager": eager, "plan": replay},
@@ -128,7 +128,7 @@ def main() -> None:
     if args.e2e_steps:
         ee, ep = result["e2e_median_ms"]["eager"], result["e2e_median_ms"]["plan"]
         print(f"| {args.e2e_steps}-step generation ms (median of {args.e2e_reps}) | {ee:.0f} | {ep:.0f} | {ep / ee:.3f} |")
-    if args.runtime == "browser":
+    if args.executor == "browser":
         print(f"the plan ran in a Chromium page on {planned_adapter}: another adapter than the eager side's, so "
               f"equal bits are not expected (largest latent difference {max_diff:.3g})")
     else:

@@ -1,5 +1,5 @@
-"""A profile against the same profile with its rules for some ops taken out, on the plan runtime
-(this process's adapter) and in a Chromium page (the browser runtime): the UNet CFG step, median
+"""A profile against the same profile with its rules for some ops taken out, on the plan executor
+(this process's adapter) and in a Chromium page (the browser executor): the UNet CFG step, median
 of --reps replays after --warmup, and each kernel family's GPU time from timestamp queries in one
 profiled step. This is how a rule of a shipped profile is measured before it ships.
 
@@ -21,12 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def measure(model: Path, runtime: str, profile: Path, reps: int, warmup: int) -> dict:
+def measure(model: Path, executor: str, profile: Path, reps: int, warmup: int) -> dict:
     import engine
 
-    with engine.load_pipeline(model, precision="fp32", runtime=runtime, profile=str(profile)) as pipe:
+    with engine.load_pipeline(model, precision="fp32", executor=executor, profile=str(profile)) as pipe:
         h, w = pipe.native_size
-        ex = pipe.executor(h, w, guidance_scale=7.5)
+        ex = pipe.plan_executor(h, w, guidance_scale=7.5)
         times = ex.time_stage("unet_step", reps, warmup=warmup)
         kernels = ex.kernel_times("unet_step", 1) or {}
         adapter = getattr(pipe, "caps", None)
@@ -39,7 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="software", help="a shipped profile's name")
     ap.add_argument("--without", nargs="+", default=["layer_norm"], help="ops whose rules the baseline drops")
-    ap.add_argument("--runtimes", nargs="+", default=["plan", "browser"])
+    ap.add_argument("--executors", nargs="+", default=["plan", "browser"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
@@ -59,21 +59,21 @@ def main() -> None:
     paths["baseline"].write_text(json.dumps(baseline))
 
     rows = []
-    for runtime in args.runtimes:
+    for executor in args.executors:
         for which in ("baseline", "shipped"):
             t0 = time.perf_counter()
-            r = measure(model, runtime, paths[which], args.reps, args.warmup)
-            r |= {"runtime": runtime, "profile": which, "wall_s": round(time.perf_counter() - t0, 1)}
+            r = measure(model, executor, paths[which], args.reps, args.warmup)
+            r |= {"executor": executor, "profile": which, "wall_s": round(time.perf_counter() - t0, 1)}
             rows.append(r)
-            print(f"{runtime:8s} {which:9s} {r['adapter']:12s} UNet CFG step median {r['median_ms']:8.1f} ms "
+            print(f"{executor:8s} {which:9s} {r['adapter']:12s} UNet CFG step median {r['median_ms']:8.1f} ms "
                   + " ".join(f"{op}={r['kernels_ms'].get(op, 0):.1f}" for op in args.without), flush=True)
     print()
-    print(f"| runtime | adapter | without {', '.join(args.without)} | {args.profile} | ratio |")
+    print(f"| executor | adapter | without {', '.join(args.without)} | {args.profile} | ratio |")
     print("|---|---|---|---|---|")
-    for runtime in args.runtimes:
-        base, new = (next(r for r in rows if r["runtime"] == runtime and r["profile"] == p)
+    for executor in args.executors:
+        base, new = (next(r for r in rows if r["executor"] == executor and r["profile"] == p)
                      for p in ("baseline", "shipped"))
-        print(f"| {runtime} | {new['adapter']} | {base['median_ms']:.1f} ms | {new['median_ms']:.1f} ms | "
+        print(f"| {executor} | {new['adapter']} | {base['median_ms']:.1f} ms | {new['median_ms']:.1f} ms | "
               f"{new['median_ms'] / base['median_ms']:.2f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""The browser runtime: engine plans run by the WebGPU page in engine/web/ (plan.js), in a
+"""The browser executor: engine plans run by the WebGPU page in engine/web/ (plan.js), in a
 Chromium this module starts headless, in a browser reached over the DevTools protocol, or in any
-browser a person points at the URL it prints. `load_pipeline(model, runtime="browser")` returns
+browser a person points at the URL it prints. `load_pipeline(model, executor="browser")` returns
 the Pipeline API over it; host arrays go in and come back as numpy arrays.
 
 The host side is a page host (engine/pagehost.py) on 127.0.0.1 (WebGPU needs a secure context;
@@ -35,10 +35,10 @@ import numpy as np
 
 from .device import JS_LIMIT_NAMES
 from .errors import BrowserError, EngineError
+from .gpu import DTYPES
 from .httpserver import GuardedServer
 from .kernels import SHADER_ROOT
 from .pagehost import PageChannel, PageHostHandler, send_file
-from .runtime import DTYPES
 
 LIMIT_NAMES = {js: ours for ours, js in JS_LIMIT_NAMES.items()}  # the page reports JavaScript names
 BROWSER_FEATURES = {"subgroups": "subgroup"}  # the browser's feature names that engine.device spells otherwise
@@ -250,7 +250,7 @@ class BrowserSession:
         much) and none of the features it lacks, reports it, and holds plans to its
         memory_budget_bytes: a phone's browser, tested on this machine's."""
         self.server = _Server(page_lost_s)
-        self._thread = threading.Thread(target=self.server.serve_forever, name="browser-runtime", daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, name="browser-executor", daemon=True)
         self._thread.start()
         self.process: subprocess.Popen | None = None
         self._profile_dir: str | None = None
@@ -494,7 +494,7 @@ def browser_pipeline(model_dir: Path, config, tokenizer, precision: str, profile
         if own:
             session.close()
         raise
-    pipe.runtime = "browser"
+    pipe.executor = "browser"
     pipe.session = session
     if own:
         pipe.on_close(session.close)

@@ -1,7 +1,7 @@
 """The denoising loop, written once: classifier-free guidance and a scheduler's loop program
 (engine/schedulers/program.py) run as GPU ops, from the first sample to the last. The eager
 pipeline (engine/pipeline.py) runs it; the plan recorder (engine/plan.py) runs the same loop on
-a recording runtime and keeps what it dispatches, as tinygrad's export records a jitted run.
+a recording GPU context and keeps what it dispatches, as tinygrad's export records a jitted run.
 What differs between the two is the small set of hooks below: where each value of the loop
 lives, what running the UNet is, where a noise draw comes from, and what happens around a step.
 
@@ -14,15 +14,15 @@ Notation (the program's source names):
 
 from __future__ import annotations
 
+from .gpu import Tensor
 from .ops import Ops
-from .runtime import Tensor
 from .schedulers.program import Combine, LoopProgram, Step
 
 
 class DenoisingLoop:
     """One generation's denoising loop over `program`. `run(env)` takes the loop's first
     sources (x0; for image-to-image i0 and n1) and returns the last sample's tensor; the
-    hooks say what the runtime under it does."""
+    hooks say what the GPU context under it does."""
 
     def __init__(self, ops: Ops, program: LoopProgram, guidance_scale: float | None):
         self.ops, self.program = ops, program
@@ -35,7 +35,7 @@ class DenoisingLoop:
 
     def out(self, name: str) -> Tensor | None:
         """Where the loop writes source `name` (or "sample", the UNet's input); None for a
-        fresh tensor from the runtime's pool."""
+        fresh tensor from the GPU context's pool."""
         return None
 
     def unet(self, sample: Tensor, timestep: float) -> Tensor:

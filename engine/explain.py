@@ -1,4 +1,4 @@
-"""Which kernel variant runs where, and why: the models are run on a shape-only runtime (no
+"""Which kernel variant runs where, and why: the models are run on a shape-only GPU context (no
 weights, no GPU work), so every (op, shape) of a model is known in milliseconds, even for SD
 1.4 on a CPU adapter. `explain` reports the selection's decisions; `trace_calls` gives the
 tuner one example call of each distinct (op, shape)."""
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .gpu import Tensor, TraceContext
 from .kernels import Selection
 from .models import params
 from .models.clip import CLIPTextEncoder
@@ -17,7 +18,6 @@ from .models.common import GPUWeights
 from .models.unet import UNet2DCondition
 from .models.vae import AutoencoderKL
 from .ops import Ops
-from .runtime import Tensor, TraceRuntime
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ExplainRow:
     why: str
 
 
-def _shape_weights(rt: TraceRuntime, shapes: dict[str, tuple], dtype: str) -> GPUWeights:
+def _shape_weights(rt: TraceContext, shapes: dict[str, tuple], dtype: str) -> GPUWeights:
     return GPUWeights.of_tensors({k: rt.empty(s, dtype) for k, s in shapes.items()}, dtype)
 
 
@@ -41,7 +41,7 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
     h, w = height // f, width // f
     from .pipeline import _vae_dtype, scratch_scale
 
-    rt = TraceRuntime(caps)
+    rt = TraceContext(caps)
     out = []
     for network in ("text_encoder", "unet", "vae_decoder"):
         # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)

@@ -1,4 +1,4 @@
-"""`load_pipeline`: the engine's entry point, which picks who runs a model. Every runtime gives
+"""`load_pipeline`: the engine's entry point, which picks who runs a model. Every executor gives
 the same Pipeline API (engine.pipeline.BasePipeline):
 
     native   this process, eagerly (engine/pipeline.py)
@@ -14,30 +14,30 @@ from .errors import InputError, ModelError
 from .kernels import PRECISIONS
 from .pipeline import BasePipeline, check_residency, load_native_pipeline
 
-RUNTIMES = ("native", "plan", "browser")
+EXECUTORS = ("native", "plan", "browser")
 
 
 def load_pipeline(
     model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None, residency: str | None = None,
-    runtime: str = "native", budget_bytes: int | None = None, **browser_options,
+    executor: str = "native", budget_bytes: int | None = None, **browser_options,
 ) -> BasePipeline:
     """Load a model (diffusers folder or SD 1.x single-file checkpoint) for the GPU: its
     weights onto it ("resident"), or into host memory, to go up one network at a time
-    ("staged"). `runtime` picks who runs it (see the module docstring). The plan and browser
-    runtimes hold a plan's GPU memory within `budget_bytes` (a plan that cannot fit is refused
+    ("staged"). `executor` picks who runs it (see the module docstring). The plan and browser
+    executors hold a plan's GPU memory within `budget_bytes` (a plan that cannot fit is refused
     with engine.errors.FitError before anything is allocated) and by default ("auto") stage
     weights only when the budget needs it; natively the default is "resident" and there is no
     budget. `browser_options` go to engine.browser.browser_pipeline (a `session` another
     program hosts, a `chromium`, a `cdp` endpoint, `manual`)."""
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if runtime not in RUNTIMES:
-        raise InputError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if executor not in EXECUTORS:
+        raise InputError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
     if budget_bytes is not None and (budget_bytes <= 0 or int(budget_bytes) != budget_bytes):
         raise InputError(f"budget_bytes {budget_bytes!r}: expected a positive whole number of bytes")
-    if runtime == "native":
+    if executor == "native":
         if budget_bytes is not None:
-            raise InputError("a GPU memory budget is kept by the plan and browser runtimes; the native runtime has none")
+            raise InputError("a GPU memory budget is kept by the plan and browser executors; the native executor has none")
         residency = residency or "resident"
         check_residency(residency)
         return load_native_pipeline(model_dir, precision, profile, tokenizer_dir, residency)
@@ -49,10 +49,10 @@ def load_pipeline(
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ModelError(f"runtime {runtime!r} runs diffusers model folders; {model_dir} is not one")
+        raise ModelError(f"executor {executor!r} runs diffusers model folders; {model_dir} is not one")
     config = load_model_config(model_dir)
     tokenizer = CLIPTokenizer(tokenizer_dir or config.tokenizer_dir)
-    if runtime == "plan":
+    if executor == "plan":
         from .device import get_gpu
         from .plan_exec import PlanPipeline
 

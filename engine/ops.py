@@ -1,7 +1,7 @@
 """The ops the models are written in, each dispatching the variant the `Selection` picks.
 
 Shapes follow PyTorch: images NCHW, tokens (B, T, C), linear weights (out, in). Every op
-allocates its output from the runtime's pool and leaves its inputs untouched, so a model
+allocates its output from the GPU context's pool and leaves its inputs untouched, so a model
 reads like the diffusers module it mirrors.
 
 Ops with several variants (linear, conv2d, group_norm, activation, geglu, attention) describe
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
+from .gpu import WG_1D, GpuContext, Tensor
 from .kernels import PipelineCache, Selection, Variant, conv_out_size, register
-from .runtime import WG_1D, Runtime, Tensor
 
 register("add", "reference", doc="element-wise or per-channel broadcast add")(None)
 register("softmax", "reference", doc="row softmax in f32, optional causal mask")(None)
@@ -33,10 +33,10 @@ SCORE_SCRATCH_BYTES = 64 << 20
 
 
 class Ops:
-    """Op functions bound to one runtime, pipeline cache, selection and element type."""
+    """Op functions bound to one GPU context, pipeline cache, selection and element type."""
 
     def __init__(
-        self, rt: Runtime, pipelines: PipelineCache | None, selection: Selection, dtype: str,
+        self, rt: GpuContext, pipelines: PipelineCache | None, selection: Selection, dtype: str,
         scratch_scale: float = 1
     ):
         self.rt = rt

@@ -1,5 +1,5 @@
 """The page host: how a WebGPU page is served its commands, whoever hosts it. The engine's own
-browser runtime (engine/browser.py: one page per session, named in the query) and a hub of
+browser executor (engine/browser.py: one page per session, named in the query) and a hub of
 browser devices (one page per device, named by its token) are both a PageHostHandler on a
 GuardedServer (engine/httpserver.py) with one PageChannel per page:
 

@@ -1,5 +1,5 @@
 """Text-to-image and image-to-image generation: the one place that knows the tokenizer, the
-three networks, the scheduler and the GPU runtime together.
+three networks, the scheduler and the GPU context together.
 
 Randomness contract (so results can be reproduced and compared with diffusers): all noise
 comes from one `numpy.random.default_rng(seed)` (PCG64), drawn as
@@ -31,13 +31,13 @@ import numpy as np
 from .denoise import DenoisingLoop
 from .device import GPU, get_gpu
 from .errors import InputError, ModelError
+from .gpu import DTYPES, GpuContext, StageTimer, TraceContext
 from .kernels import Selection, precision_notes, precision_of, storage_dtype
 from .models.clip import ACTIVATIONS, CLIPTextEncoder
 from .models.common import GPUWeights
 from .models.unet import UNet2DCondition, timestep_embedding
 from .models.vae import AutoencoderKL
 from .ops import Ops
-from .runtime import DTYPES, Runtime, StageTimer, TraceRuntime
 from .schedulers import SCHEDULERS
 from .schedulers.program import loop_program
 
@@ -125,7 +125,7 @@ def check_residency(residency: str) -> None:
 
 def load_native_pipeline(model_dir, precision: str = "fp32", profile=None, tokenizer_dir=None,
                          residency: str = "resident") -> Pipeline:
-    """The native runtime of engine.load.load_pipeline: a model (diffusers folder or SD 1.x
+    """The native executor of engine.load.load_pipeline: a model (diffusers folder or SD 1.x
     single-file checkpoint) run eagerly by this process, its weights on the GPU ("resident")
     or in host memory, to go up one network at a time ("staged"; see the module docstring)."""
     config, tokenizer, states = _load_components(Path(model_dir), tokenizer_dir and Path(tokenizer_dir))
@@ -148,7 +148,7 @@ def load_native_pipeline(model_dir, precision: str = "fp32", profile=None, token
 
 def check_generate_args(vae_scale_factor: int, steps, height, width, scheduler, guidance_scale,
                         strength: float | None) -> None:
-    """What a generation's arguments must be, whichever runtime runs or records it (strength
+    """What a generation's arguments must be, whichever executor runs or records it (strength
     None: text-to-image)."""
     f = vae_scale_factor
     for name, v in (("height", height), ("width", width)):
@@ -223,12 +223,12 @@ STAGE_WEIGHTS = {
 
 
 class BasePipeline:
-    """What every pipeline is, whichever runtime runs it (this process eagerly, plans, a browser
+    """What every pipeline is, whichever executor runs it (this process eagerly, plans, a browser
     page): one model's config and tokenizer, and one `generate` with one signature, defaults
-    and input check (as diffusers' DiffusionPipeline gives every pipeline). A runtime
+    and input check (as diffusers' DiffusionPipeline gives every pipeline). An executor
     implements `_generate`, which receives checked arguments."""
 
-    runtime: str
+    executor: str
 
     def __init__(self, config, tokenizer):
         self.config = config
@@ -275,10 +275,10 @@ class BasePipeline:
 
 
 class Pipeline(BasePipeline):
-    """The native runtime: the networks run eagerly, op by op, on this process's GPU."""
+    """The native executor: the networks run eagerly, op by op, on this process's GPU."""
 
     def __init__(self, config, tokenizer, states: dict, gpu: GPU | None, dtype: str, selection: Selection,
-                 notes, residency: str = "resident", rt: Runtime | TraceRuntime | None = None,
+                 notes, residency: str = "resident", rt: GpuContext | TraceContext | None = None,
                  scratch_divisor: int = 1, vae_dtype: str | None = None):
         check_residency(residency)
         super().__init__(config, tokenizer)
@@ -286,7 +286,7 @@ class Pipeline(BasePipeline):
         self.dtype = dtype
         self.precision = precision_of(dtype)
         self.residency = residency
-        self.rt = Runtime(gpu) if rt is None else rt
+        self.rt = GpuContext(gpu) if rt is None else rt
         self.selection = selection
         pipelines = self.rt.pipeline_cache(gpu)
         self.ops = Ops(self.rt, pipelines, selection, dtype, scratch_scale=scratch_scale("unet", scratch_divisor))
@@ -315,12 +315,12 @@ class Pipeline(BasePipeline):
         """The adapter's capabilities (engine.device.DeviceCaps)."""
         return self.rt.caps
 
-    runtime = "native"
+    executor = "native"
 
     @classmethod
     def shape_only(cls, config, caps, precision: str = "fp16", residency: str = "resident",
                    profile=None) -> Pipeline:
-        """This pipeline on a TraceRuntime, with weights that are shapes alone: `generate` makes
+        """This pipeline on a TraceContext, with weights that are shapes alone: `generate` makes
         every allocation a real run makes, in the same order, and no GPU work (readbacks are
         zeros), so its peak_gpu_bytes is what a real run on an adapter with `caps` reports.
         Prompts become padding ids (every prompt has the same shapes)."""
@@ -338,7 +338,7 @@ class Pipeline(BasePipeline):
             for c in shapes
         }
         selection = _selection(caps, profile)
-        return cls(config, _PaddingTokenizer(), states, None, dtype, selection, [], residency, TraceRuntime(caps))
+        return cls(config, _PaddingTokenizer(), states, None, dtype, selection, [], residency, TraceContext(caps))
 
     def set_profile(self, profile) -> None:
         """Switch kernel selection (a profile spec, as load_pipeline takes) without reloading."""

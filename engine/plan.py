@@ -2,8 +2,8 @@
 and scheduler, written down as data that any WebGPU runtime can execute (docs/engine-plans.md
 is the format's reference; engine/plan_exec.py and engine/web/plan.js are its executors).
 
-A plan is recorded, not written by hand: the networks run on a `PlanRecorder`, a runtime that
-keeps every buffer, pipeline and dispatch the real runtime would make, in the same order, with
+A plan is recorded, not written by hand: the networks run on a `PlanRecorder`, a GPU context that
+keeps every buffer, pipeline and dispatch the real GPU context would make, in the same order, with
 the buffer pool's reuse (so an executor needs no allocator of its own), and the denoising loop
 (engine/denoise.py, the one `Pipeline.generate` runs) is recorded as it runs the scheduler's
 own program (engine/schedulers/program.py), unrolled into dispatches. So a plan replayed
@@ -33,6 +33,7 @@ import numpy as np
 from .denoise import DenoisingLoop
 from .device import JS_LIMIT_NAMES
 from .errors import InputError
+from .gpu import DTYPES, Tensor, _align, _Memory, dtype_of, pack_params
 from .kernels import (
     SHADER_HEADERS,
     SHADER_ROOT,
@@ -41,7 +42,6 @@ from .kernels import (
     shader_name,
     storage_dtype,
 )
-from .runtime import DTYPES, Tensor, _align, _Memory, dtype_of, pack_params
 
 SCHEMA = 1
 FORMAT = "devicefarm-engine-plan"
@@ -94,7 +94,7 @@ class _RecordingPipelines:
 
 
 class PlanRecorder(_Memory):
-    """A runtime that records instead of running: buffers, pipelines, uniform data and the
+    """A GPU context that records instead of running: buffers, pipelines, uniform data and the
     commands of the block being recorded (`commands_into`). Reads return zeros."""
 
     def __init__(self, caps):

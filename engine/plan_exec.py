@@ -5,7 +5,7 @@ with no allocation, no kernel selection and no Python work per tensor. On one ad
 the kernels `Pipeline.generate` runs, in the same order, and gives the same bits.
 
 `PlanPipeline` puts the Pipeline API (tokenize, encode_text, unet, decode, generate) over
-plans: `engine.load_pipeline(model, runtime="plan")`.
+plans: `engine.load_pipeline(model, executor="plan")`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 
 from .device import GPU, JS_LIMIT_NAMES, gpu_call
 from .errors import EngineError, FitError, GPUError, InputError, ModelError
+from .gpu import DTYPES, Fence, read_array, write_array
 from .kernels import storage_dtype
 from .pipeline import (
     BasePipeline,
@@ -28,9 +29,8 @@ from .pipeline import (
     prepare_image,
 )
 from .plan import check_plan, stage_inputs
-from .runtime import DTYPES, Fence, read_array, write_array
 
-SUBMIT_EVERY = 64  # dispatches per queue submit, as engine.runtime does
+SUBMIT_EVERY = 64  # dispatches per queue submit, as engine.gpu does
 
 _STORED = {"F32": np.float32, "F16": np.float16}
 
@@ -70,7 +70,7 @@ class _Dispatch:
 
 class _KernelClock:
     """Timestamp queries around each dispatch of a profiled replay, added up per kernel label
-    (as engine.runtime's profiling does): each dispatch gets a pass of its own, so a profiled
+    (as engine.gpu's profiling does): each dispatch gets a pass of its own, so a profiled
     replay is never a timed one."""
 
     def __init__(self, device, period_ns: float, capacity: int = 2048):
@@ -332,7 +332,7 @@ class PlanExecutor:
                     self._pass.end()
                     self._pass = None
                 self._encoder.copy_buffer_to_buffer(c[1], 0, c[2], 0, c[3])
-            elif kind == "run":  # timed to GPU completion, as engine.runtime.StageTimer does
+            elif kind == "run":  # timed to GPU completion, as engine.gpu.StageTimer does
                 name = c[1]["stage"]
                 if self._loop_t0 is not None and name == "unet_step":  # inside the loop: no wait
                     self._walk(self._stage(name), inputs)
@@ -379,7 +379,7 @@ class PlanExecutor:
     def time_stage(self, stage: str, repetitions: int, warmup: int = 1, seed: int = 0) -> list[float]:
         """Wall times (ms, to GPU completion) of `repetitions` replays of a stage after `warmup`
         untimed ones, its inputs written once (random, as a latency job's)."""
-        from .runtime import DTYPES
+        from .gpu import DTYPES
 
         commands = self._stage(stage)  # staged: its buffers exist from here
         rng = np.random.default_rng(seed)
@@ -420,7 +420,7 @@ class PlanExecutor:
         """The whole generation: token ids, the first sample (initial latents times the loop's
         init_noise_sigma) or, for an image-to-image plan, the image, and the noise draws in;
         the image (decoded, float) and the final latents out."""
-        from .runtime import DTYPES
+        from .gpu import DTYPES
 
         inputs: dict[str, Any] = {"input_ids": np.asarray(input_ids).astype(np.uint32),
                                   "noise": [np.asarray(n, np.float32) for n in noise]}
@@ -475,7 +475,7 @@ class PlanPipeline(BasePipeline):
     generation) of a plan recorded for its shapes on this GPU's adapter; plans are recorded on
     first use and kept, and share one copy of the weights."""
 
-    runtime = "plan"
+    executor = "plan"
 
     def __init__(self, model_dir: Path, config, tokenizer, caps, precision: str, profile=None, *,
                  gpu: GPU | None = None, make_executor=None, budget_bytes: int | None = None,
@@ -522,7 +522,7 @@ class PlanPipeline(BasePipeline):
         self._executors.clear()
         self.plans.clear()
 
-    def executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
+    def plan_executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
                  guidance_scale: float = 7.5, strength: float | None = None):
         from .plan import record_plan_within
 
@@ -541,7 +541,7 @@ class PlanPipeline(BasePipeline):
     def _stage_executor(self, batch: int, latent_hw: tuple[int, int] | None = None) -> PlanExecutor:
         h, w = (latent_hw[0] * self.vae_scale_factor, latent_hw[1] * self.vae_scale_factor) if latent_hw \
             else self.native_size
-        return self.executor(h, w, guidance_scale=7.5 if batch == 2 else 1.0)
+        return self.plan_executor(h, w, guidance_scale=7.5 if batch == 2 else 1.0)
 
     @property
     def dtype(self) -> str:
@@ -572,7 +572,7 @@ class PlanPipeline(BasePipeline):
         image = np.asarray(image, np.float32)
         if image.ndim != 4 or image.shape[0] != 1:
             raise InputError(f"a plan encodes one image (1, 3, H, W) at a time; got {image.shape}")
-        ex = self.executor(image.shape[2], image.shape[3], steps=1, strength=1.0)
+        ex = self.plan_executor(image.shape[2], image.shape[3], steps=1, strength=1.0)
         moments = ex.run("vae_encode", {"image": image})["moments"].astype(np.float32)
         mean, logvar = np.split(moments, 2, axis=1)
         return mean, np.clip(logvar, -30.0, 20.0)
@@ -580,7 +580,7 @@ class PlanPipeline(BasePipeline):
     def _generate(self, prompt, negative_prompt, steps, guidance_scale, seed, height, width, scheduler,
                   latents, progress, init_image, strength) -> GenerationResult:
         t_start = time.perf_counter()
-        ex = self.executor(height, width, steps, scheduler, guidance_scale,
+        ex = self.plan_executor(height, width, steps, scheduler, guidance_scale,
                            None if init_image is None else float(strength))
         plan = ex.plan
         cfg_on = plan["batch"] == 2

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .gpu import GpuContext, time_gpu_work
 from .kernels import SHADER_ROOT
-from .runtime import Runtime, time_gpu_work
 
 ITEM = {"f32": 4, "f16": 2}
 
@@ -68,10 +68,10 @@ def _pipeline(gpu, file: str, entry: str):
                                               compute={"module": module, "entry_point": entry})
 
 
-def measure_peaks(gpu, rt: Runtime | None = None, reps: int = 5) -> Peaks:
+def measure_peaks(gpu, rt: GpuContext | None = None, reps: int = 5) -> Peaks:
     """FMA throughput in f32 and f16 and copy bandwidth, medians of `reps` timed dispatches,
     each chain lengthened until one dispatch takes at least 2 ms."""
-    rt = rt or Runtime(gpu)
+    rt = rt or GpuContext(gpu)
     seeds = rt.upload(np.random.default_rng(0).random(256, dtype=np.float32), "f32")
 
     cpu = gpu.caps.adapter_type.lower() == "cpu"
@@ -127,8 +127,8 @@ class RooflineRow:
 
 
 def roofline(times: dict, work: dict, peaks: Peaks, dtype: str) -> list[RooflineRow]:
-    """Rows per op family from `times` (op -> KernelTime, the second of Runtime.take_times())
-    and `work` (op -> [calls, FLOPs, bytes], Runtime.take_work()), largest time first; kernels
+    """Rows per op family from `times` (op -> KernelTime, the second of GpuContext.take_times())
+    and `work` (op -> [calls, FLOPs, bytes], GpuContext.take_work()), largest time first; kernels
     outside the variant ops (add, concat, transpose, ...) are one row, "other"."""
     rows, other = [], [0, 0.0]
     for family, kt in times.items():

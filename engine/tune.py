@@ -23,10 +23,10 @@ import numpy as np
 
 from .errors import EngineError
 from .explain import distinct_calls, random_like
+from .gpu import GpuContext, Tensor, time_gpu_work
 from .kernels import PipelineCache, Selection, variants
 from .ops import Ops
 from .profiles import SCHEMA_ID
-from .runtime import Runtime, Tensor, time_gpu_work
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
@@ -52,7 +52,7 @@ def _call_dtype(args: tuple, dtype: str) -> str:
 WARM_UP_S = 2.0  # GPU work before the first measurement
 
 
-def warm_up(rt: Runtime, fn: Callable, seconds: float = WARM_UP_S) -> int:
+def warm_up(rt: GpuContext, fn: Callable, seconds: float = WARM_UP_S) -> int:
     """Run `fn` (GPU work) to completion again and again for `seconds`; returns the calls made.
     Meant for a GPU fresh from idle. On the H100 of 2026-11-25 it did not remove the slow spells
     that made a tune's first shapes 2-6x slow (docs/benchmarks.md, "Fifth increment")."""
@@ -86,7 +86,7 @@ def tune(
         if unknown:
             raise EngineError(f"the model has no {', '.join(sorted(unknown))} calls to tune")
         calls = [c for c in calls if c[0] in ops]
-    rt = Runtime(gpu)
+    rt = GpuContext(gpu)
     pipelines = PipelineCache(gpu)
     rng = np.random.default_rng(0)
     rules, measurements = [], []

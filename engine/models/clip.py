@@ -4,8 +4,8 @@ the final layer norm. Its output is the last hidden state, (B, 77, hidden)."""
 
 from __future__ import annotations
 
+from ..gpu import Tensor
 from ..ops import Ops
-from ..runtime import Tensor
 from .common import GPUWeights
 
 ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..gpu import GpuContext, Tensor
 from ..ops import Ops
-from ..runtime import Runtime, Tensor
 
 
 class GPUWeights:
@@ -17,19 +17,19 @@ class GPUWeights:
     around each use; the models look names up at call time, so they see whichever are
     loaded."""
 
-    def __init__(self, rt: Runtime, state: dict[str, np.ndarray] | None, dtype: str):
+    def __init__(self, rt: GpuContext, state: dict[str, np.ndarray] | None, dtype: str):
         self.dtype = dtype
         self.tensors: dict[str, Tensor] = {}
         if state is not None:
             self.load(rt, state)
 
-    def load(self, rt: Runtime, state: dict[str, np.ndarray]) -> None:
+    def load(self, rt: GpuContext, state: dict[str, np.ndarray]) -> None:
         """Upload the parameters of `state` that are not on the GPU yet."""
         for name, arr in state.items():
             if name not in self.tensors:
                 self.tensors[name] = rt.upload(arr, self.dtype, static=True)
 
-    def release(self, rt: Runtime, names=None) -> None:
+    def release(self, rt: GpuContext, names=None) -> None:
         """Free the GPU copies of `names` (default: all) now."""
         names = list(self.tensors) if names is None else [n for n in names if n in self.tensors]
         rt.release_weights([self.tensors.pop(n) for n in names])

@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
+from ..gpu import Tensor
 from ..ops import Ops
-from ..runtime import Tensor
 from .common import GPUWeights, attention_block, resnet_block
 
 TRANSFORMER_NORM_EPS = 1e-6  # Transformer2DModel's GroupNorm; the ResNets use cfg.norm_eps

@@ -6,8 +6,8 @@ Notation: B batch, C channels, (H, W) image size, (h, w) = (H, W) / 2^(levels-1)
 
 from __future__ import annotations
 
+from ..gpu import Tensor
 from ..ops import Ops
-from ..runtime import Tensor
 from .common import GPUWeights, attention_block, resnet_block
 
 VAE_EPS = 1e-6

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 
 from ..errors import EngineError
+from ..gpu import Tensor
 from ..kernels import Variant, register, variants
-from ..runtime import Tensor
 from .gemm import CONSTANTS as CORE_CONSTANTS
 from .gemm import gemm, unsupported
 

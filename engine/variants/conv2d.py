@@ -16,8 +16,8 @@ import math
 from typing import TYPE_CHECKING
 
 from ..errors import EngineError
+from ..gpu import DTYPES, Tensor
 from ..kernels import Variant, conv_out_size, register, variants
-from ..runtime import DTYPES, Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
 from .gemm import SCRATCH_BYTES, fit_rows, gemm, scratch_bytes

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from ..errors import EngineError
+from ..gpu import Tensor
 from ..kernels import variants
-from ..runtime import Tensor
 
 DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "FLUSH": 1, "SPLIT_K": 1, "PREFETCH": 1, "COLS": 8}
 CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (32, 64, 128), "TILE_K": (8, 16, 32), "FLUSH": (1, 2, 4),

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
+from ..gpu import Tensor
 from ..kernels import Variant, register, variants
-from ..runtime import Tensor
 
 
 @register(

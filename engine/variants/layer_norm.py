@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
+from ..gpu import Tensor
 from ..kernels import Variant, register
-from ..runtime import Tensor
 
 
 @register("layer_norm", "row", doc="one invocation per row, WG rows per workgroup, no barriers",

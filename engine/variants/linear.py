@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
+from ..gpu import Tensor
 from ..kernels import Variant, register, variants
-from ..runtime import Tensor
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
 from .gemm import fit_rows, gated_unsupported, gemm, unsupported

@@ -96,7 +96,7 @@ class DeviceOut(BaseModel):
     id: int
     serial: str
     transport: TransportKind
-    runtime: str
+    engine_host: str
     address: str
     host: str | None
     state: DeviceState
@@ -114,7 +114,7 @@ class DeviceOut(BaseModel):
 
     @classmethod
     def of(cls, d: Device) -> DeviceOut:
-        return cls(id=d.id, serial=d.serial, transport=d.transport, runtime=d.runtime, address=d.address,
+        return cls(id=d.id, serial=d.serial, transport=d.transport, engine_host=d.engine_host, address=d.address,
                    host=d.host.name if d.host is not None else None, state=d.state, state_reason=d.state_reason,
                    last_seen=d.last_seen, model=d.model, manufacturer=d.manufacturer, os=d.os,
                    os_version=d.os_version, virtual=d.virtual,

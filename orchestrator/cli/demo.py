@@ -81,13 +81,13 @@ def demo_jobs(precision: str, steps: int) -> list[dict[str, Any]]:
     light = common | {"steps": 1}
     browser = [{"kind": "latency", "spec": light | timed},
                {"kind": "generate", "spec": dict(light)}]
-    return [*({**j, "runtime": "python"} for j in python), *({**j, "runtime": "browser"} for j in browser)]
+    return [*({**j, "engine_host": "python"} for j in python), *({**j, "engine_host": "browser"} for j in browser)]
 
 
 def demo(
     phones: int = typer.Option(1, "--phones", min=0, help="Virtual phones to start (farm-agent on the phone)."),
     browser_phones: int = typer.Option(1, "--browser-phones", min=0, help="Virtual phones whose Chrome runs the "
-                                       "engine (the browser runtime over adb: a reverse forward and am start)."),
+                                       "engine (the browser executor over adb: a reverse forward and am start)."),
     tablets: int = typer.Option(1, "--tablets", min=0, help="Virtual web devices that open the farm's hub over "
                                 "HTTPS themselves (headless Chromium trusting the farm's CA)."),
     precision: str = typer.Option("fp32", "--precision", help="fp32, fp16 or f16-storage (packed halves where an adapter lacks shader-f16)."),
@@ -174,7 +174,7 @@ def _browser_devices(browser_phones: int, tablets: int) -> tuple[int, int]:
         left_out += [f"vtablet-{i}" for i in range(1, tablets + 1)]
     if left_out:
         console.print(f"[yellow]no {missing} on this machine:[/] the demo runs without {', '.join(left_out)} "
-                      f"(the browser runtime); `{ADD_BROWSERS}` adds them", highlight=False, soft_wrap=True)
+                      f"(the browser executor); `{ADD_BROWSERS}` adds them", highlight=False, soft_wrap=True)
         return (0 if not chromium else browser_phones), 0
     return browser_phones, tablets
 
@@ -190,7 +190,7 @@ def _set_series(sessions, serials: list[str], build: str, jobs: list[dict[str, A
         for serial in serials:
             device = store.get_device(session, serial)
             for job in jobs:
-                if job["kind"] != "latency" or job.get("runtime") not in (None, device.runtime):
+                if job["kind"] != "latency" or job.get("engine_host") not in (None, device.engine_host):
                     continue
                 spec = regressions.SpecKey.of({"model": model} | job["spec"])
                 for metric in regressions.HEADLINE_METRICS:

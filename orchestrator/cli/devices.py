@@ -34,7 +34,7 @@ def device_dict(device: Device) -> dict[str, Any]:
         "id": device.id,
         "serial": device.serial,
         "transport": str(device.transport),
-        "runtime": device.runtime,
+        "engine_host": device.engine_host,
         "address": device.address,
         "host": device.host.name if device.host is not None else None,
         "state": str(device.state),
@@ -70,7 +70,7 @@ def _state(device: Device) -> Text:
 # ---- commands -----------------------------------------------------------------------------
 
 
-class Runtime(StrEnum):
+class EngineHost(StrEnum):
     python = "python"
     browser = "browser"
 
@@ -86,26 +86,27 @@ def add(
     # Eager: parsed before --address, wherever it stands, so the address is checked against it.
     transport: TransportKind = typer.Option(..., "--transport", help="How the farm reaches it.", is_eager=True),
     address: str = typer.Option("", "--address", help=ADDRESS_HELP, callback=validate.device_address),
-    runtime: Runtime = typer.Option(Runtime.python, "--runtime",
-                                    help="python: farm-agent runs the engine on the device; browser: the device's "
-                                    "web browser does (an Android phone's Chrome over adb: README, Real phones)."),
+    engine_host: EngineHost = typer.Option(EngineHost.python, "--engine-host",
+                                           help="python: farm-agent runs the engine on the device; browser: the "
+                                           "device's web browser does (an Android phone's Chrome over adb: README, "
+                                           "Real phones)."),
 ):
     """Register a device; it stays offline until `farm devices discover` reaches it."""
     from orchestrator import store
 
     if transport is TransportKind.web:
-        runtime = Runtime.browser  # a web device is its browser
-    if runtime is Runtime.browser and transport not in (TransportKind.adb, TransportKind.web):
-        fail(f"the browser runtime is reached over adb (a phone's Chrome through a reverse forward) or web (a "
+        engine_host = EngineHost.browser  # a web device is its browser
+    if engine_host is EngineHost.browser and transport not in (TransportKind.adb, TransportKind.web):
+        fail(f"a device whose engine runs in its browser is reached over adb (a phone's Chrome through a reverse forward) or web (a "
              f"browser that opens the farm's hub over HTTPS), not {transport}")
     settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
         if store.find_device(session, serial) is not None:
             fail(f"device {serial!r} already exists; `farm devices remove {serial}` first to re-add it")
         device = store.upsert_device(session, serial, transport, address, host=settings.host_name,
-                                     runtime=runtime.value)
+                                     engine_host=engine_host.value)
         session.commit()
-        console.print(f"added device {device.serial} ({device.transport}, {device.runtime} runtime, "
+        console.print(f"added device {device.serial} ({device.transport}, engine on {device.engine_host}, "
                       f"{device.address or 'default address'})", highlight=False, markup=False)
     if transport is TransportKind.web:
         _print_enrolment(settings, serial)
@@ -159,10 +160,10 @@ def list_devices(as_json: bool = JSON_OPTION):
         if not devices:
             console.print("no devices; add one with `farm devices add SERIAL --transport ... --address ...`")
             return
-        table = Table("serial", "transport", "runtime", "state", "gpu", "model", "last seen")
+        table = Table("serial", "transport", "engine", "state", "gpu", "model", "last seen")
         for d in devices:
             gpu = d.gpu_device or d.gpu_vendor or "-"
-            table.add_row(d.serial, str(d.transport), d.runtime, _state(d), gpu, d.model or "-",
+            table.add_row(d.serial, str(d.transport), d.engine_host, _state(d), gpu, d.model or "-",
                           d.last_seen.strftime("%Y-%m-%d %H:%M:%S") if d.last_seen else "never")
         console.print(table)
 

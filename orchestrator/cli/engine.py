@@ -27,25 +27,25 @@ class Precision(StrEnum):
     f16_storage = "f16-storage"
 
 
-class Runtime(StrEnum):
+class Executor(StrEnum):
     native = "native"
     plan = "plan"
     browser = "browser"
 
 
-RUNTIME_HELP = ("native: this process runs the engine eagerly; plan: this process replays engine plans; "
+EXECUTOR_HELP = ("native: this process runs the engine eagerly; plan: this process replays engine plans; "
                 "browser: a WebGPU page in Chromium runs the plans (see --browser).")
-BROWSER_HELP = ("With --runtime browser: headless (start Debian's Chromium here), manual (print a URL to open "
+BROWSER_HELP = ("With --executor browser: headless (start Debian's Chromium here), manual (print a URL to open "
                 "in any browser with WebGPU on this machine), or a DevTools endpoint http://HOST:PORT of a "
                 "running Chrome (a tab is opened there).")
 
 
-def _browser_options(runtime: Runtime, browser: str) -> dict:
+def _browser_options(executor: Executor, browser: str) -> dict:
     from engine.errors import InputError
 
-    if runtime != Runtime.browser:
+    if executor != Executor.browser:
         if browser != "headless":
-            raise InputError("--browser is for --runtime browser")
+            raise InputError("--browser is for --executor browser")
         return {}
     if browser == "headless":
         return {}
@@ -63,7 +63,7 @@ class Residency(StrEnum):
 
 RESIDENCY_HELP = ("resident: all weights stay on the GPU; staged: each network's weights go up for its "
                   "stage only (lower peak GPU memory, one upload per network per generation). Default: "
-                  "resident natively; on the plan and browser runtimes staged only when --budget-mb needs it.")
+                  "resident natively; on the plan and browser executors staged only when --budget-mb needs it.")
 
 
 @app.command()
@@ -121,9 +121,9 @@ def generate(
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
     profile: str = typer.Option("auto", help="Kernel profile: auto, reference, a shipped name, or a JSON file."),
     residency: Residency = typer.Option(None, help=RESIDENCY_HELP),
-    runtime: Runtime = typer.Option(Runtime.native, help=RUNTIME_HELP),
+    executor: Executor = typer.Option(Executor.native, help=EXECUTOR_HELP),
     browser: str = typer.Option("headless", help=BROWSER_HELP),
-    budget_mb: float = typer.Option(None, "--budget-mb", min=1, help="plan and browser runtimes: GPU memory "
+    budget_mb: float = typer.Option(None, "--budget-mb", min=1, help="plan and browser executors: GPU memory "
                                     "the generation may hold, in MB (10^6 bytes); a plan that cannot fit is "
                                     "refused before anything is allocated."),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
@@ -134,13 +134,13 @@ def generate(
 
     if init_image is not None and not init_image.is_file():
         raise InputError(f"init image {init_image} does not exist")
-    options = _browser_options(runtime, browser)
+    options = _browser_options(executor, browser)
     if options.get("manual"):
         options["announce"] = lambda text: console.print(f"[bold]{text}[/]", highlight=False)
-    with console.status(f"loading {model}" + (" (waiting for the browser page)" if runtime == Runtime.browser
+    with console.status(f"loading {model}" + (" (waiting for the browser page)" if executor == Executor.browser
                                              else "")):
         pipe = load_pipeline(model, precision=precision.value, tokenizer_dir=tokenizer, profile=profile,
-                             residency=residency and residency.value, runtime=runtime.value,
+                             residency=residency and residency.value, executor=executor.value,
                              budget_bytes=None if budget_mb is None else int(budget_mb * 1e6), **options)
     try:
         _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height, width, scheduler, init_image,
@@ -169,7 +169,7 @@ def _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height,
     summary = {
         "image": str(out),
         "adapter": pipe.caps.device,
-        "runtime": pipe.runtime,
+        "executor": pipe.executor,
         "precision": pipe.precision,
         "height": height,
         "width": width,
@@ -188,7 +188,7 @@ def _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height,
         console.print(f"[yellow]warning:[/] {escape(w)}")
     t = result.timings
     console.print(
-        f"{out}  {width}x{height}, {steps} steps {scheduler}, {pipe.precision} on {pipe.caps.device} ({pipe.runtime}): "
+        f"{out}  {width}x{height}, {steps} steps {scheduler}, {pipe.precision} on {pipe.caps.device} ({pipe.executor}): "
         f"total {t['total_ms']:.0f} ms, text {t['text_encoder_ms']:.0f} ms, "
         f"UNet {t['unet_step_ms']:.0f} ms/step, VAE {t['vae_decode_ms']:.0f} ms, "
         f"peak GPU {result.peak_gpu_bytes / 2**20:.1f} MiB ({pipe.residency}: "
@@ -196,7 +196,7 @@ def _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height,
     )
 
 
-def _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, runtime, browser, json_out):
+def _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, executor, browser, json_out):
     """UNet CFG step and (with e2e_steps) a whole generation, replayed from the plan by this
     process or run by a browser page; per-kernel GPU times from the page where it has
     timestamp queries."""
@@ -210,19 +210,19 @@ def _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, r
 
     if (model is None) == (preset is None):
         raise InputError("give exactly one of --model DIR or --preset tiny|sd14")
-    options = _browser_options(runtime, browser)
+    options = _browser_options(executor, browser)
     with tempfile.TemporaryDirectory() as tmp:
         if preset is not None:
             from engine.make_model import make_model
 
             with console.status(f"making a random-weight {preset.value} model"):
                 model = make_model(preset.value, 0, Path(tmp) / preset.value, dtype=precision.value)
-        with console.status(f"loading {model} ({runtime.value})"):
-            pipe = load_pipeline(model, precision=precision.value, runtime=runtime.value, **options)
+        with console.status(f"loading {model} ({executor.value})"):
+            pipe = load_pipeline(model, precision=precision.value, executor=executor.value, **options)
         try:
             res = resolution or pipe.native_size[0]
             with console.status("timing the UNet step"):
-                ex = pipe.executor(res, res)
+                ex = pipe.plan_executor(res, res)
                 unet = ex.time_stage("unet_step", reps, warmup)
             e2e = []
             if e2e_steps:
@@ -235,7 +235,7 @@ def _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, r
             if hasattr(pipe, "close"):
                 pipe.close()
     caps, plan = pipe.caps, ex.plan
-    table = Table("what", "ms (median)", "min-max", title=f"{caps.device} ({runtime.value}), {plan['dtype']}, "
+    table = Table("what", "ms (median)", "min-max", title=f"{caps.device} ({executor.value}), {plan['dtype']}, "
                   f"{res}x{res}, profile {plan['profile']['name']}")
     table.add_row("UNet CFG step", f"{statistics.median(unet):.1f}", f"{min(unet):.1f}-{max(unet):.1f}")
     if e2e:
@@ -248,7 +248,7 @@ def _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, r
         console.print(k)
     if json_out:
         json_out.write_text(json.dumps({"date": __import__("datetime").date.today().isoformat(), "adapter": caps.device,
-                                        "runtime": runtime.value, "dtype": plan["dtype"], "size": res,
+                                        "executor": executor.value, "dtype": plan["dtype"], "size": res,
                                         "profile": plan["profile"]["name"], "unet_step_ms": unet,
                                         "e2e_ms": e2e, "kernels": kernels}, indent=1) + "\n")
 
@@ -321,7 +321,7 @@ def serve_plan(
     the image the page makes."""
     generate(model=model, prompt=prompt, out=out, negative_prompt="", steps=steps, guidance=7.5, seed=seed,
              height=None, width=None, scheduler=scheduler, precision=precision, init_image=None, strength=0.8,
-             tokenizer=None, profile="auto", residency=None, runtime=Runtime.browser,
+             tokenizer=None, profile="auto", residency=None, executor=Executor.browser,
              browser=browser, budget_mb=None, as_json=False)
 
 
@@ -342,7 +342,7 @@ def plan(
                                            "--json` on it, or a browser's report); default: this machine's."),
 ):
     """Write the engine plan of one generation configuration: buffers, pipelines and dispatches
-    as data, for any WebGPU executor (docs/engine-plans.md)."""
+    as data, for any WebGPU runtime (docs/engine-plans.md)."""
     from engine.fit import fit_plan
     from engine.plan import write_plan
 
@@ -494,7 +494,7 @@ def bench(
     e2e_steps: int = typer.Option(0, help="Also time a whole generation of this many steps (20: the paper)."),
     vae: bool = typer.Option(True, help="Also time the VAE decode of one latent in every row."),
     residency: Residency = typer.Option(Residency.resident, help=RESIDENCY_HELP),
-    runtime: Runtime = typer.Option(Runtime.native, help=RUNTIME_HELP + " plan and browser time the UNet step "
+    executor: Executor = typer.Option(Executor.native, help=EXECUTOR_HELP + " plan and browser time the UNet step "
                                     "and a generation of the auto profile's plan (no ablation rows)."),
     browser: str = typer.Option("headless", help=BROWSER_HELP),
     json_out: Path = typer.Option(None, "--json", help="Write the results as JSON here.",
@@ -505,8 +505,8 @@ def bench(
     SIMT and bandwidth peaks)."""
     import tempfile
 
-    if runtime != Runtime.native:
-        return _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, runtime, browser, json_out)
+    if executor != Executor.native:
+        return _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, executor, browser, json_out)
 
     from engine import load_pipeline
     from engine.bench import rows_as_json, run_ablation

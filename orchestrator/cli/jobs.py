@@ -190,7 +190,7 @@ def submit(
     tune_budget: float = typer.Option(600.0, "--tune-budget", help="tune: seconds at most."),
     time_limit: float = typer.Option(3600.0, "--time-limit", help="Seconds a job may run on the device."),
     gpu_budget_mb: float = typer.Option(None, "--gpu-budget-mb", help="GPU memory the job's plans may hold, "
-                                        "in MB (10^6 bytes; plan and browser runtimes): weights are staged "
+                                        "in MB (10^6 bytes; plan and browser executors): weights are staged "
                                         "when only that fits, and a plan that cannot fit fails at once."),
     cooldown: float = typer.Option(None, "--cooldown", help="Wait until the device is at most this "
                                    "many degrees C before running."),

@@ -22,13 +22,13 @@ HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM
 
 
 def register_devices(settings, entries: list[tuple[str, ...]]) -> None:
-    """Record `entries` (serial, transport, address[, runtime]) as devices plugged into this host."""
+    """Record `entries` (serial, transport, address[, engine_host]) as devices plugged into this host."""
     from orchestrator import store
 
     with open_store(settings) as sessions, sessions() as session:
-        for serial, transport, address, *runtime in entries:
+        for serial, transport, address, *engine_host in entries:
             store.upsert_device(session, serial, transport, address, host=settings.host_name,
-                                runtime=runtime[0] if runtime else None)
+                                engine_host=engine_host[0] if engine_host else None)
         store.get_or_create_host(session, settings.host_name)
         session.commit()
 
@@ -165,7 +165,7 @@ def up(
                                   "(local transport)."),
     concurrency: int = typer.Option(None, "--concurrency", "-c", help="Worker concurrency (default: one per device)."),
     browser_phones: int = typer.Option(0, "--browser-phones", min=0, help="Virtual phones whose Chrome runs the "
-                                       "engine (browser runtime over adb)."),
+                                       "engine (browser executor over adb)."),
     tablets: int = typer.Option(0, "--tablets", min=0, help="Virtual web devices (HTTPS through the hub)."),
 ):
     """Run the embedded stack until Ctrl-C: a worker, beat, the hub browser devices talk to and
@@ -240,7 +240,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
                 browser_phones: int = 0, tablets: int = 0) -> RunningStack:
     """Start the hub, phones and tablets, register them (and the host GPU) as devices of this
     host, start the worker (and beat), probe every device; stops what it started when anything
-    fails. `browser_phones`: virtual phones whose Chrome runs the engine (browser runtime over
+    fails. `browser_phones`: virtual phones whose Chrome runs the engine (browser executor over
     adb); `tablets`: virtual web devices that open the hub over HTTPS themselves."""
     from agent.bundle import provision_public_key
     from orchestrator.infra import ca
@@ -258,7 +258,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
     stack = Stack(settings)
     handlers = _interrupt_on_stop_signals()
     try:
-        entries = []  # (serial, transport, address, runtime)
+        entries = []  # (serial, transport, address, engine_host)
         with console.status("starting the hub browser devices talk to"):
             hub = stack.start_hub()
         if host_gpu:

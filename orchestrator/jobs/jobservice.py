@@ -94,7 +94,7 @@ def fit_refusals(settings: Settings, build_name: str, kind: str, spec: dict[str,
     from engine.plan import record_plan_within
     from engine.profiles import shipped_profiles
 
-    pages = [d for d in devices if d.runtime == "browser" and ((d.info or {}).get("adapter") or {}).get("limits")]
+    pages = [d for d in devices if d.engine_host == "browser" and ((d.info or {}).get("adapter") or {}).get("limits")]
     model_dir = settings.data_dir / "builds" / build_name / str(spec.get("model") or "")
     if kind not in ("generate", "latency") or not pages or not (model_dir / "model_index.json").is_file():
         return {}
@@ -176,8 +176,8 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
         raise store.StoreError("a suite needs at least one job")
     for entry in jobs:
         check_time_limit(settings, entry.get("spec") or {})
-        if entry.get("runtime") not in (None, "python", "browser"):
-            raise store.StoreError(f"a job entry's runtime is python or browser, not {entry['runtime']!r}")
+        if entry.get("engine_host") not in (None, "python", "browser"):
+            raise store.StoreError(f"a job entry's engine_host is python or browser, not {entry['engine_host']!r}")
     batch = store.create_batch(session, name, build_id=build_row.id, schedule_id=schedule_id,
                                idempotency_key=idempotency_key,
                                max_extra_rounds=3 if max_extra_rounds is None else max_extra_rounds,
@@ -203,8 +203,8 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
         deployments: dict[int, Deployment] = {}
         tune_job: int | None = None  # a "tuned" latency job runs after the device's tune job
         for index, (entry, job_build) in enumerate(zip(jobs, entry_builds, strict=True)):
-            if entry.get("runtime") not in (None, device.runtime):
-                continue  # an entry for the devices of another runtime
+            if entry.get("engine_host") not in (None, device.engine_host):
+                continue  # an entry for the devices of another engine host
             spec = dict(specs[index])
             key = f"{idempotency_key}:{device.serial}:{index}" if idempotency_key else None
             if device.serial in refusals[index]:
@@ -249,8 +249,8 @@ def launch_suite(
     analysis may launch `max_extra_rounds` follow-up batches with more repetitions (default 3),
     for the `round_metrics` only when given.
     A job entry may name its own "build" (id or name): the follow-up batches rerun the baseline
-    build that way, next to the candidate. An entry with a "runtime" (python, browser) runs on
-    the devices of that runtime only. Everything is written in one transaction and sent
+    build that way, next to the candidate. An entry with an "engine_host" (python, browser) runs
+    on the devices whose engine that hosts only. Everything is written in one transaction and sent
     after it. Returns the batch id."""
     settings, sends = settings_of(app), Sends()
     with session_for(app) as session, session.begin():

@@ -17,7 +17,7 @@ from typing import Any
 
 from celery import Celery
 
-from agent.protocol import JobSpec, from_dict
+from agent.protocol import JobSpec, ProtocolError
 from orchestrator import store
 from orchestrator.analysis import profiles
 from orchestrator.infra.settings import Settings
@@ -256,7 +256,12 @@ def run_attempt(app: Celery, job_id: int, seq: int | None = None, *, worker: str
                 device_id, attempt, batch_id = device.id, job.attempts, job.batch_id
                 timed = job.kind in store.TIMED_KINDS
                 problem = profiles.resolve_tuned(session, job)
-                if problem is not None:  # asked for a tuned profile that does not exist: its own fault
+                if problem is None:
+                    try:
+                        spec = store.job_spec(job, attempt)  # as submitted, named for this attempt
+                    except ProtocolError as exc:  # a row stored before specs were checked at submission
+                        problem = f"the job's stored spec cannot be run: {exc}"
+                if problem is not None:  # a tuned profile that does not exist, a bad spec: its own fault
                     store.transition_job(session, job_id, JobState.failed, error=problem, attempt=attempt)
                     hand_over(session, settings, sends, device_id, holder)
                     after_job(session, sends, job_id, JobState.failed)
@@ -264,9 +269,6 @@ def run_attempt(app: Celery, job_id: int, seq: int | None = None, *, worker: str
                         sends.batches.add(batch_id)
                     outcome = str(JobState.failed)
                 else:
-                    fields = dict(job.spec or {}) | {"job_id": f"job{job_id}-a{attempt}", "kind": str(job.kind)}
-                    if job.build is not None and not fields.get("build"):
-                        fields["build"] = job.build.name
                     outcome = None
     except store.InvalidTransition:
         return "skipped"
@@ -278,7 +280,6 @@ def run_attempt(app: Celery, job_id: int, seq: int | None = None, *, worker: str
     state, error, result, device_state, own_earlier = None, None, None, None, False
     beat = None
     try:
-        spec = from_dict(JobSpec, fields)
         transport = make_transport(device, settings)
         out_dir = settings.data_dir / "results" / f"job{job_id}" / f"attempt{attempt}"
         beat = _Heartbeat(app, lambda s: store.heartbeat_job(s, job_id, attempt), device_id, holder,

@@ -71,21 +71,21 @@ def upsert_device(
     *,
     info: DeviceInfo | None = None,
     host: str | None = None,
-    runtime: str | None = None,
+    engine_host: str | None = None,
 ) -> Device:
     """Create or update the device `serial`; `info` (when given) refreshes its identity and
-    marks it seen; `runtime` (python, browser) when given. A new device starts offline until
+    marks it seen; `engine_host` (python, browser) when given. A new device starts offline until
     something reports it available."""
     query = select(Device).where(Device.serial == serial)
     device = session.scalar(query)
     if device is None:
         device = insert_or_get(
             session, Device(serial=serial, transport=TransportKind(transport), address=address,
-                            runtime=runtime or "python"), query
+                            engine_host=engine_host or "python"), query
         )
     device.transport = TransportKind(transport)
-    if runtime is not None:
-        device.runtime = runtime
+    if engine_host is not None:
+        device.engine_host = engine_host
     if address:
         device.address = address
     if host is not None:

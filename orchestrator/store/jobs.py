@@ -4,16 +4,18 @@ Every function takes a session and flushes; the caller commits."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
-from agent.protocol import JobSpec, to_dict
+from agent.protocol import JobSpec, ProtocolError, from_dict, to_dict
 
 from .devices import TIMED_KINDS
 from .models import (
+    Build,
     Deployment,
     DeploymentStatus,
     Device,
@@ -27,7 +29,7 @@ from .rows import InvalidTransition, StoreError, insert_or_get, redispatch_row, 
 __all__ = [
     "ALLOWED_TRANSITIONS", "FINAL_STATES", "SETTLED_STATES", "create_job", "find_due_queued_jobs",
     "find_jobs_after_failed_jobs", "find_jobs_of_failed_deployments", "find_jobs_waiting_too_long",
-    "find_stale_running_jobs", "get_job", "heartbeat_job", "jobs_of_batches", "latency_specs",
+    "find_stale_running_jobs", "get_job", "heartbeat_job", "job_spec", "jobs_of_batches", "latency_specs",
     "record_job_progress", "redispatch_job", "transition_job",
 ]
 
@@ -53,6 +55,39 @@ FINAL_STATES = frozenset(s for s, nxt in ALLOWED_TRANSITIONS.items() if not nxt)
 SETTLED_STATES = FINAL_STATES | {JobState.infra_failed}
 
 
+PENDING_ID = "pending"  # a job's JobSpec.job_id until the job has its row's id
+
+
+def submitted_spec(kind: JobKind | str, spec: JobSpec | dict[str, Any], device: Device,
+                   build: Build | None = None) -> JobSpec:
+    """The job as the device will run it, validated once, here (the protocol's own checks and
+    defaults, agent/protocol.py): its kind, its build's name where it names none, and who runs
+    the model. A device whose engine is its browser runs every job on the browser executor;
+    the others run what the spec asks (native unless it says plan or browser). StoreError
+    names a field that is wrong."""
+    fields = to_dict(spec) if isinstance(spec, JobSpec) else dict(spec)
+    fields |= {"job_id": PENDING_ID, "kind": str(JobKind(kind))}
+    if build is not None and not fields.get("build"):
+        fields["build"] = build.name
+    if device.engine_host == "browser":
+        if fields.get("executor", "native") not in ("native", "browser"):
+            raise StoreError(f"device {device.serial!r} runs its engine in its browser: its jobs run on the "
+                             f"browser executor, not {fields['executor']!r}")
+        fields["executor"] = "browser"
+    try:
+        return from_dict(JobSpec, fields)
+    except ProtocolError as exc:
+        raise StoreError(f"the job's spec: {str(exc).replace('JobSpec.', '').replace('JobSpec: ', '')}") from None
+
+
+def job_spec(job: Job, attempt: int | None = None) -> JobSpec:
+    """The JobSpec stored with `job`, as submitted; with `attempt`, named for that attempt (each
+    attempt's files on the device are its own). A job stored before specs were stored whole
+    gets its kind and id from its row."""
+    spec = from_dict(JobSpec, {"job_id": f"job{job.id}", "kind": str(job.kind)} | (job.spec or {}))
+    return spec if attempt is None else dataclasses.replace(spec, job_id=f"job{job.id}-a{attempt}")
+
+
 def create_job(
     session: Session,
     kind: JobKind | str,
@@ -71,11 +106,16 @@ def create_job(
     firing twice) returns the job made the first time, even when both asks race. A job waits
     for `deployment_id` and for `after_job_id` (to succeed) when given; otherwise its message
     must start it by `due_at` (now when None: the caller sends it right after its commit, or
-    the reconciler will)."""
-    spec_dict = to_dict(spec) if isinstance(spec, JobSpec) else dict(spec)
+    the reconciler will). The spec is stored whole (submitted_spec: validated, its executor
+    resolved for the device), named for the job once it has an id; StoreError for a bad one."""
+    device = session.get(Device, device_id)
+    if device is None:
+        raise StoreError(f"no device {device_id}")
+    build = session.get(Build, build_id) if build_id is not None else None
+    submitted = submitted_spec(kind, spec, device, build)
     job = Job(
         kind=JobKind(kind),
-        spec=spec_dict,
+        spec=to_dict(submitted),
         device_id=device_id,
         build_id=build_id,
         schedule_id=schedule_id,
@@ -88,11 +128,17 @@ def create_job(
     )
     if idempotency_key is None:
         session.add(job)
+    else:
+        query = select(Job).where(Job.idempotency_key == idempotency_key)
+        existing = session.scalar(query)
+        if existing is not None:
+            return existing
+        job = insert_or_get(session, job, query)
+    session.flush()
+    if job.spec.get("job_id") == PENDING_ID:  # ours, not a row a racing transaction made first
+        job.spec = to_dict(dataclasses.replace(submitted, job_id=f"job{job.id}"))
         session.flush()
-        return job
-    query = select(Job).where(Job.idempotency_key == idempotency_key)
-    existing = session.scalar(query)
-    return existing if existing is not None else insert_or_get(session, job, query)
+    return job
 
 
 def jobs_of_batches(session: Session, batch_ids) -> list[Job]:

@@ -131,9 +131,10 @@ class Device(Base):
     host_id: Mapped[int | None] = mapped_column(ForeignKey("hosts.id", ondelete="SET NULL"))
     transport: Mapped[TransportKind] = mapped_column(_enum(TransportKind, "transport"))
     address: Mapped[str] = mapped_column(String(255), default="")
-    # Who runs the engine on it: "python" (farm-agent and wgpu-native on the device) or
-    # "browser" (the device's web browser; orchestrator/transports/browser.py)
-    runtime: Mapped[str] = mapped_column(String(16), default="python", server_default="python")
+    # What hosts the engine on it: "python" (farm-agent and wgpu-native on the device) or
+    # "browser" (the device's web browser, which runs every job on the browser executor;
+    # orchestrator/transports/browser.py)
+    engine_host: Mapped[str] = mapped_column(String(16), default="python", server_default="python")
     # identity (from DeviceInfo)
     model: Mapped[str] = mapped_column(String(255), default="")
     manufacturer: Mapped[str] = mapped_column(String(255), default="")
@@ -348,7 +349,7 @@ class Job(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     kind: Mapped[JobKind] = mapped_column(_enum(JobKind, "kind"))
-    spec: Mapped[dict[str, Any]]  # a JobSpec as a dict (agent.protocol.to_dict)
+    spec: Mapped[dict[str, Any]]  # the whole JobSpec as a dict (store.job_spec reads it back)
     device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
     build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
     schedule_id: Mapped[int | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))

@@ -270,7 +270,7 @@ class Transport(abc.ABC):
         """A file of the job's output folder; FileNotFoundError when it is not there."""
 
     def finish_result(self, spec: JobSpec, result: JobResult) -> JobResult:
-        """What the transport knows of the job that the agent could not (the browser runtime's
+        """What the transport knows of the job that the agent could not (the browser executor's
         device readings); may raise InfraFailure for a result that is the infrastructure's
         failure, not the job's. As it came by default."""
         return result

@@ -1,5 +1,5 @@
 """The transport factory: the Transport that reaches a device, from what the store keeps of it
-(its serial, transport kind, address and runtime; any object with those attributes, a device
+(its serial, transport kind, address and engine host; any object with those attributes, a device
 row included) and the settings (keys, tokens, the hub). The job path (orchestrator/jobs/worker.py,
 orchestrator/jobs/health.py) and the CLI's checks build every transport here."""
 
@@ -17,14 +17,14 @@ class DeviceRecord(Protocol):
     serial: str
     transport: str
     address: str | None
-    runtime: str | None
+    engine_host: str | None
 
 
 def make_transport(device: DeviceRecord, settings: Settings) -> Transport:
     """The transport for a device row: `address` is the agent root (local; default
     <data_dir>/devices/<serial>), host:port or usb:SERIAL (adb), or the agent's URL (http, with
     its token in <config_dir>/tokens/<serial>); adb signs with <config_dir>/adbkey. A device of
-    the browser runtime is reached over adb too, its engine run by its browser. ValueError
+    the browser executor is reached over adb too, its engine run by its browser. ValueError
     (orchestrator.infra.inputs.BadInput) names a stored address that cannot be used."""
     from orchestrator.infra.inputs import (
         AdbTcpAddress,
@@ -52,7 +52,7 @@ def make_transport(device: DeviceRecord, settings: Settings) -> Transport:
         adb = AdbTransport(address.host, address.port, key_path=settings.adb_key, name=device.serial)
     else:
         adb = AdbTransport(usb_serial=address.serial, key_path=settings.adb_key, name=device.serial)
-    if device.runtime == "browser":
+    if device.engine_host == "browser":
         return browser_transport(device, adb, settings)
     return adb
 

@@ -116,8 +116,8 @@ def test_install_with_key_then_run_against_the_build(tmp_path):
 
     assert current_build(root).build_id == "b1"
     # the job's relative model now resolves inside the build (and fails later, in the engine)
-    plan = jobs.make_plan(from_json(jobs.JobSpec, job_file(tmp_path, model="models/m").read_text()), root, tmp_path)
-    assert plan["model"] == str(root / "builds" / "b1" / "models" / "m") and plan["build"] == "b1"
+    task = jobs.make_task(from_json(jobs.JobSpec, job_file(tmp_path, model="models/m").read_text()), root, tmp_path)
+    assert task.model == str(root / "builds" / "b1" / "models" / "m") and task.build == "b1"
 
 
 def test_install_uses_farm_pub_in_the_root_and_refuses_tampering(tmp_path):

@@ -205,19 +205,19 @@ def test_model_and_profile_resolve_against_the_installed_build(tmp_path, monkeyp
     installed = bundle.InstalledBuild("b7", build, manifest=Manifest(build="b7", version="0", created=0.0, files=[]))
     monkeypatch.setattr(bundle, "current_build", lambda root: installed)
     monkeypatch.setattr(bundle, "list_builds", lambda root: [installed])
-    plan = jobs.make_plan(spec(profile="profiles/mine.json"), tmp_path / "root", tmp_path / "out")
-    assert plan["model"] == str(build / "models" / "tiny") and plan["build"] == "b7"
-    assert plan["profile"] == str(build / "profiles" / "mine.json")
-    assert jobs.make_plan(spec(build="b7", profile="adreno"), tmp_path / "root", tmp_path)["profile"] == "adreno"
+    task = jobs.make_task(spec(profile="profiles/mine.json"), tmp_path / "root", tmp_path / "out")
+    assert task.model == str(build / "models" / "tiny") and task.build == "b7"
+    assert task.profile == str(build / "profiles" / "mine.json")
+    assert jobs.make_task(spec(build="b7", profile="adreno"), tmp_path / "root", tmp_path).profile == "adreno"
     with pytest.raises(jobs.JobError, match="build 'b9' is not installed.*installed: b7"):
-        jobs.make_plan(spec(build="b9"), tmp_path / "root", tmp_path)
+        jobs.make_task(spec(build="b9"), tmp_path / "root", tmp_path)
     with pytest.raises(jobs.JobError, match="not found in build 'b7'"):
-        jobs.make_plan(spec(model="models/sd14"), tmp_path / "root", tmp_path)
+        jobs.make_task(spec(model="models/sd14"), tmp_path / "root", tmp_path)
     # a model or profile named relative to the build stays in it, on any device
     (tmp_path / "root" / "secret.json").write_text("{}")
     for field in ({"model": "../../secret.json"}, {"profile": "../../secret.json"}):
         with pytest.raises(jobs.JobError, match="leads outside the build"):
-            jobs.make_plan(spec(**field), tmp_path / "root", tmp_path)
+            jobs.make_task(spec(**field), tmp_path / "root", tmp_path)
 
 
 def test_busy_device_raises_and_leaves_the_output_alone(tmp_path):
@@ -282,8 +282,10 @@ def test_child_records_thermal_readings_before_and_after(monkeypatch, tmp_path):
                       thermal=[ThermalZone("gpu", 41.5), ThermalZone("cpu", 39.0)],
                       battery=Battery(celsius=31.0))
     monkeypatch.setattr(deviceinfo, "collect_local", lambda adapter=None: info)
-    child = ChildJob({"spec": {"job_id": "t", "kind": "generate", "model": "/m"}, "out_dir": str(tmp_path),
-                         "model": "/m", "profile": "auto", "build": None}, emit=lambda e: None)
+    task = jobs.ChildTask(spec=JobSpec(job_id="t", kind="generate", model="/m"), model="/m", profile="auto",
+                          tuned_profiles=[], build=None, build_path=None, out_dir=str(tmp_path), root=str(tmp_path),
+                          confined=False)
+    child = ChildJob(task, emit=lambda e: None)
     child.thermal("before")
     child.thermal("after")
     got = [(r.phase, r.zone, r.celsius) for r in child.result.thermal]

@@ -166,7 +166,7 @@ def native(tiny_model_dir, gpu):
 
 @pytest.fixture(scope="module")
 def browser(tiny_model_dir, session):
-    return engine.load_pipeline(tiny_model_dir, precision="fp32", runtime="browser", session=session)
+    return engine.load_pipeline(tiny_model_dir, precision="fp32", executor="browser", session=session)
 
 
 def _rel(got, want) -> float:
@@ -229,14 +229,14 @@ def test_generations_match_the_python_engine(native, browser, fresh_rng, schedul
     assert _rel(b.latents, a.latents) <= 1e-3
     assert b.timings["unet_step_ms"] > 0 and b.timings["vae_decode_ms"] > 0
     # the page ran the denoising loop back to back and timed it whole, as PlanExecutor does
-    ex = browser.executor(64, 64, 3, scheduler)
+    ex = browser.plan_executor(64, 64, 3, scheduler)
     runs = sum(1 for c in ex.plan["generate"] if c["op"] == "run" and c["stage"] == "unet_step")
     assert ex.loop_steps == runs >= 3
     assert b.timings["unet_step_ms"] == pytest.approx(b.timings["unet_total_ms"] / runs)
 
 
 def test_per_kernel_gpu_times_from_timestamp_queries(browser):
-    ex = browser.executor(*browser.native_size)
+    ex = browser.plan_executor(*browser.native_size)
     kernels = ex.kernel_times("unet_step", repetitions=1)
     assert kernels and sum(k["calls"] for k in kernels.values()) == sum(
         c["op"] == "dispatch" for c in ex.plan["stages"]["unet_step"]["commands"])
@@ -353,37 +353,37 @@ def test_bad_input_gives_structured_errors(session, caps, tiny_model_dir, tmp_pa
 # ---- the command line -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("runtime", ["plan", "browser"])
-def test_farm_engine_generate_on_each_runtime(tiny_model_dir, tmp_path, runtime):
+@pytest.mark.parametrize("executor", ["plan", "browser"])
+def test_farm_engine_generate_on_each_executor(tiny_model_dir, tmp_path, executor):
     from PIL import Image
     from typer.testing import CliRunner
 
     from orchestrator.cli import app
 
-    if runtime == "browser" and not find_chromium():
+    if executor == "browser" and not find_chromium():
         missing("no chromium: bash scripts/ensure-chromium.sh installs it", "CI needs it")
-    out = tmp_path / f"{runtime}.png"
+    out = tmp_path / f"{executor}.png"
     result = CliRunner().invoke(app, ["engine", "generate", "--model", str(tiny_model_dir), "--prompt", "a boat",
-                                      "--steps", "2", "--scheduler", "euler", "--runtime", runtime, "--json",
+                                      "--steps", "2", "--scheduler", "euler", "--executor", executor, "--json",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output[result.output.index("{"):])
-    assert summary["runtime"] == runtime and summary["timings_ms"]["unet_step"] > 0
+    assert summary["executor"] == executor and summary["timings_ms"]["unet_step"] > 0
     assert Image.open(out).size == (64, 64)
 
 
-def test_browser_option_needs_the_browser_runtime(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_browser_option_needs_the_browser_executor(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from orchestrator.cli import main
 
     monkeypatch.setattr("sys.argv", ["farm", "engine", "generate", "--model", str(tiny_model_dir), "--prompt", "x",
                                      "--browser", "manual", "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit) as exit_:
         main()
-    assert exit_.value.code == 1 and "--browser is for --runtime browser" in "".join(capsys.readouterr())
+    assert exit_.value.code == 1 and "--browser is for --executor browser" in "".join(capsys.readouterr())
 
 
 def test_a_browser_never_closed_goes_when_its_process_exits(tmp_path):
-    """A script that starts the browser runtime and exits without close() (the README's example
+    """A script that starts the browser executor and exits without close() (the README's example
     did) left its headless Chromium running; it goes with the interpreter now."""
     import os
     import subprocess
@@ -461,12 +461,12 @@ def test_f16_storage_in_chromium_matches_the_python_engine_and_diffusers(tiny_mo
     """fp16 memory without shader-f16: the plan names no feature SwiftShader lacks, and its 3-step
     generation equals the Python engine's f16-storage run and diffusers' fp32 one (>= 40 dB)."""
     native = engine.load_pipeline(tiny_model_dir, precision="f16-storage")
-    browser = engine.load_pipeline(tiny_model_dir, precision="fp16", runtime="browser", session=session)
+    browser = engine.load_pipeline(tiny_model_dir, precision="fp16", executor="browser", session=session)
     kwargs = {"steps": 3, "guidance_scale": 7.5, "height": 64, "width": 64, "scheduler": "pndm",
               "latents": golden3["txt2img3_latents_in"]}
     a = native.generate(str(golden3["txt2img3_prompt"]), **kwargs)
     b = browser.generate(str(golden3["txt2img3_prompt"]), **kwargs)
-    plan = browser.executor(64, 64, 3, "pndm", guidance_scale=7.5).plan
+    plan = browser.plan_executor(64, 64, 3, "pndm", guidance_scale=7.5).plan
     assert plan["dtype"] == "f16s" and "shader-f16" not in plan["requires"]["features"]
     assert any("f16-storage" in w for w in b.warnings)
     assert psnr(b.image, a.image) >= 40.0, f"{psnr(b.image, a.image):.1f} dB against the Python engine"

@@ -224,9 +224,9 @@ def test_farm_engine_plan_warns_of_a_plan_the_adapter_cannot_hold(tmp_path):
 
 
 @pytest.mark.gpu
-def test_farm_engine_generate_keeps_a_budget_on_the_plan_runtime(tiny_model_dir, tmp_path):
+def test_farm_engine_generate_keeps_a_budget_on_the_plan_executor(tiny_model_dir, tmp_path):
     base = ["engine", "generate", "--model", str(tiny_model_dir), "--prompt", "a boat", "--steps", "2",
-            "--scheduler", "euler", "--runtime", "plan", "--json"]
+            "--scheduler", "euler", "--executor", "plan", "--json"]
     runner = CliRunner()
     free = runner.invoke(app, [*base, "--out", str(tmp_path / "free.png")])
     assert free.exit_code == 0, free.output

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from ci_support import F16_HINT, missing
 
+from engine.gpu import GpuContext
 from engine.kernels import PipelineCache, Selection
 from engine.ops import Ops
-from engine.runtime import Runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 
 @pytest.fixture(scope="module")
 def rt(gpu):
-    return Runtime(gpu, poison=True)
+    return GpuContext(gpu, poison=True)
 
 
 @pytest.fixture(params=["f32", "f16", "f16s"])
@@ -243,9 +243,9 @@ def test_oversized_activation_is_refused_with_a_clear_message(rt):
 def test_chained_kernels_across_submit_batches(ops, fresh_rng, monkeypatch):
     """Recorded work is submitted every SUBMIT_EVERY dispatches: a chain of dependent kernels
     split over many submits, reusing pooled buffers, still computes the chain."""
-    import engine.runtime
+    import engine.gpu
 
-    monkeypatch.setattr(engine.runtime, "SUBMIT_EVERY", 3)
+    monkeypatch.setattr(engine.gpu, "SUBMIT_EVERY", 3)
     a, b = rand(fresh_rng, 4, 33), rand(fresh_rng, 4, 33)
     y, bt = up(ops, a), up(ops, b)
     for _ in range(10):

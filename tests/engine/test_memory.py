@@ -1,6 +1,6 @@
 """GPU memory: the buffer pool's size classes and trimming, staged weight residency (same
 image as resident, lower peak), per-stage peaks, and the shape-only estimate
-(benchmarks/memory_estimate.py) agreeing with the real runtime's accounting."""
+(benchmarks/memory_estimate.py) agreeing with the real GPU context's accounting."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from script_support import load_script
 
 import engine
+from engine.gpu import CLASSES_PER_DOUBLING, MIN_CLASS_BYTES, GpuContext, size_class
 from engine.models.config import load_model_config
 from engine.pipeline import Pipeline
-from engine.runtime import CLASSES_PER_DOUBLING, MIN_CLASS_BYTES, Runtime, size_class
 
 STAGES = {"text_encoder", "unet", "vae_decode"}
 
@@ -31,7 +31,7 @@ def test_size_classes_round_up_by_at_most_one_class_step():
 
 @pytest.fixture
 def rt(gpu):
-    return Runtime(gpu, poison=True)
+    return GpuContext(gpu, poison=True)
 
 
 @pytest.mark.gpu
@@ -164,7 +164,7 @@ def _memory_estimate():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("residency", ["resident", "staged"])
-def test_shape_only_estimate_matches_the_runtime_on_the_tiny_model(tiny_model_dir, pipes, residency):
+def test_shape_only_estimate_matches_the_gpu_context_on_the_tiny_model(tiny_model_dir, pipes, residency):
     real = pipes[residency].generate("any prompt", steps=3, height=64, width=64, seed=1)
     config = load_model_config(tiny_model_dir)
     est = _memory_estimate().estimate(config, pipes[residency].rt.caps, "fp32", residency, 64, 64, "reference")

@@ -5,7 +5,7 @@ shader-f16). A build of a model of SD 1.4's real layer sizes (random fp16 weight
 64x64 so SwiftShader can run it) is deployed to it a signed 4 MiB chunk at a time, the renderer
 never holding a whole weight file; the page then holds the model in f16-storage within the
 paper's 2,093 MB, from its own verified copy, and one UNet call (the stage that sets the plan's
-peak) equals the Python runtime's running the same plan on lavapipe (within fp16's 1e-2). The Chromium renderer's and GPU process's peak
+peak) equals the plan executor's running the same plan on lavapipe (within fp16's 1e-2). The Chromium renderer's and GPU process's peak
 resident memory are recorded beside the plan's GPU bytes (printed, and in the test report's
 properties). The same page refuses the plan under a budget it cannot meet, with the reasons,
 before it allocates anything."""
@@ -126,11 +126,11 @@ def test_an_sd14_shaped_build_deployed_to_and_run_in_a_phone_class_page(sd14_sha
         sample = rng.standard_normal((1, 4, 8, 8), dtype=np.float32)  # (B, 4, h, w)
         context = rng.standard_normal((1, 77, 768), dtype=np.float32)  # (B, tokens, hidden)
         reset_memory_peaks(proc.pid)
-        page = engine.load_pipeline(model, precision="fp16", runtime="browser", session=session,
+        page = engine.load_pipeline(model, precision="fp16", executor="browser", session=session,
                                     budget_bytes=PAPER_BUDGET, timeout_s=1800)
         got = page.unet(sample, TIMESTEP, context)
         (plan,) = page.plans.values()
-        executor = page.executor(64, 64, guidance_scale=1.0)  # the one unet() ran
+        executor = page.plan_executor(64, 64, guidance_scale=1.0)  # the one unet() ran
         fit = fit_plan(plan, caps, PAPER_BUDGET)
         assert plan["profile"]["name"] == "adreno" and plan["dtype"] == "f16s"
         assert "shader-f16" not in plan["requires"]["features"]
@@ -162,15 +162,15 @@ def test_an_sd14_shaped_build_deployed_to_and_run_in_a_phone_class_page(sd14_sha
         proc.kill()
         proc.wait()
         hub.close()
-    # the Python runtime, the same plan (the phone's adapter, the same budget) on lavapipe
-    native = engine.load_pipeline(model, precision="fp16", runtime="plan", budget_bytes=PAPER_BUDGET)
+    # the plan executor, the same plan (the phone's adapter, the same budget) on lavapipe
+    native = engine.load_pipeline(model, precision="fp16", executor="plan", budget_bytes=PAPER_BUDGET)
     native.caps = caps
     want = native.unet(sample, TIMESTEP, context)
     (mine,) = native.plans.values()
     assert mine["sha256"] == plan["sha256"]
     # both store halves and compute in f32: fp16's tolerance, relative to the largest output
     err = float(np.abs(got - want).max() / np.abs(want).max())
-    assert err <= 1e-2, f"the page's UNet is {err:.2e} from the Python runtime's"
+    assert err <= 1e-2, f"the page's UNet is {err:.2e} from the plan executor's"
 
 
 def deploy_fields(manifest: Manifest, root) -> tuple[str, str]:

@@ -93,11 +93,11 @@ def test_a_step_that_is_not_linear_is_refused(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ops(gpu):
+    from engine.gpu import GpuContext
     from engine.kernels import PipelineCache, Selection
     from engine.ops import Ops
-    from engine.runtime import Runtime
 
-    rt = Runtime(gpu)
+    rt = GpuContext(gpu)
     return Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f32")
 
 
@@ -138,7 +138,7 @@ def native(tiny_model_dir, gpu):
 
 @pytest.fixture(scope="module")
 def planned(tiny_model_dir, gpu):
-    return engine.load_pipeline(tiny_model_dir, precision="fp32", runtime="plan")
+    return engine.load_pipeline(tiny_model_dir, precision="fp32", executor="plan")
 
 
 @pytest.mark.gpu
@@ -151,7 +151,7 @@ def test_a_replayed_plan_equals_generate_bit_for_bit(native, planned, scheduler)
     np.testing.assert_array_equal(b.image, a.image)
     assert set(b.timings) >= {"text_encoder_ms", "unet_step_ms", "vae_decode_ms", "total_ms"}
     # the denoising loop ran back to back and was timed whole: its steps are the UNet runs
-    ex = planned.executor(64, 64, 3, scheduler)
+    ex = planned.plan_executor(64, 64, 3, scheduler)
     runs = sum(1 for c in ex.plan["generate"] if c["op"] == "run" and c["stage"] == "unet_step")
     assert ex.loop_steps == runs >= 3
     t = b.timings
@@ -162,7 +162,7 @@ def test_a_replayed_plan_equals_generate_bit_for_bit(native, planned, scheduler)
 
 @pytest.mark.gpu
 def test_an_f16_storage_plan_equals_generate_and_holds_what_fit_says(tiny_model_dir, gpu):
-    """Packed halves on the plan runtime: the same image as the native f16-storage run, to the
+    """Packed halves on the plan executor: the same image as the native f16-storage run, to the
     bit, and the executor's high-water mark is fit's number, resident and within a budget that
     only staging meets."""
     from engine.fit import fit_plan
@@ -170,13 +170,13 @@ def test_an_f16_storage_plan_equals_generate_and_holds_what_fit_says(tiny_model_
     eager = engine.load_pipeline(tiny_model_dir, precision="f16-storage")
     kwargs = {"steps": 2, "seed": 5, "height": 64, "width": 64, "scheduler": "euler"}
     a = eager.generate("a red bicycle", **kwargs)
-    planned16 = engine.load_pipeline(tiny_model_dir, precision="f16-storage", runtime="plan")
+    planned16 = engine.load_pipeline(tiny_model_dir, precision="f16-storage", executor="plan")
     b = planned16.generate("a red bicycle", **kwargs)
     np.testing.assert_array_equal(b.image, a.image)
     plan = planned16.plans[(64, 64, 2, "euler", 7.5, None)]
     fit = fit_plan(plan, gpu.caps)
     assert plan["dtype"] == "f16s" and b.peak_gpu_bytes == fit.peak_gpu_bytes == fit.resident_gpu_bytes
-    tight = engine.load_pipeline(tiny_model_dir, precision="f16-storage", runtime="plan",
+    tight = engine.load_pipeline(tiny_model_dir, precision="f16-storage", executor="plan",
                                  budget_bytes=fit.resident_gpu_bytes - 1)
     c = tight.generate("a red bicycle", **kwargs)
     np.testing.assert_array_equal(c.image, a.image)
@@ -188,7 +188,7 @@ def test_a_plan_without_guidance_equals_generate(native, planned, fresh_rng):
     latents = fresh_rng.standard_normal((1, 4, 8, 8), dtype=np.float32)
     kwargs = {"steps": 2, "guidance_scale": 1.0, "height": 64, "width": 64, "scheduler": "ddim", "latents": latents}
     a, b = native.generate("a cat", **kwargs), planned.generate("a cat", **kwargs)
-    assert planned.executor(64, 64, 2, "ddim", 1.0).plan["batch"] == 1
+    assert planned.plan_executor(64, 64, 2, "ddim", 1.0).plan["batch"] == 1
     np.testing.assert_array_equal(b.latents, a.latents)
 
 
@@ -304,10 +304,10 @@ def test_explain_and_the_plan_agree_on_every_selection(tiny_model_dir, gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("runtime", ["native", "plan"])
+@pytest.mark.parametrize("executor", ["native", "plan"])
 @pytest.mark.parametrize("scheduler", ["pndm", "ddim", "euler"])
-def test_3_step_generations_match_diffusers(native, planned, golden3, runtime, scheduler):
-    pipe = native if runtime == "native" else planned
+def test_3_step_generations_match_diffusers(native, planned, golden3, executor, scheduler):
+    pipe = native if executor == "native" else planned
     result = pipe.generate(str(golden3["txt2img3_prompt"]), steps=3, guidance_scale=7.5, height=64, width=64,
                            scheduler=scheduler, latents=golden3["txt2img3_latents_in"])
     ref = golden3[f"txt2img3_{scheduler}_image"][0]
@@ -318,15 +318,15 @@ def test_3_step_generations_match_diffusers(native, planned, golden3, runtime, s
 
 
 @pytest.mark.gpu
-def test_farm_engine_bench_on_the_plan_runtime(tiny_model_dir, tmp_path):
+def test_farm_engine_bench_on_the_plan_executor(tiny_model_dir, tmp_path):
     from orchestrator.cli import app
 
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(app, ["engine", "bench", "--model", str(tiny_model_dir), "--runtime", "plan",
+    result = CliRunner().invoke(app, ["engine", "bench", "--model", str(tiny_model_dir), "--executor", "plan",
                                       "--reps", "3", "--warmup", "1", "--e2e-steps", "2", "--json", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert doc["runtime"] == "plan" and len(doc["unet_step_ms"]) == 3 and doc["e2e_ms"][0] > 0
+    assert doc["executor"] == "plan" and len(doc["unet_step_ms"]) == 3 and doc["e2e_ms"][0] > 0
     assert "UNet CFG step" in result.output
 
 
@@ -339,7 +339,7 @@ def test_an_image_to_image_plan_equals_generate(native, planned, golden, schedul
     b = planned.generate("a small house", **kwargs)
     np.testing.assert_array_equal(b.latents, a.latents)
     np.testing.assert_array_equal(b.image, a.image)
-    plan = planned.executor(64, 64, 4, scheduler, 7.5, 0.5).plan
+    plan = planned.plan_executor(64, 64, 4, scheduler, 7.5, 0.5).plan
     assert "vae_encode" in plan["stages"] and "image" in plan["inputs"] and plan["loop"]["prologue"]
 
 
@@ -431,7 +431,7 @@ def test_a_vae_whose_f32_tensors_exceed_the_binding_limit_stores_halves(tiny_mod
     assert (halves["dtype"], halves["vae_dtype"]) == ("f16", "f16s")
     assert _max_binding(halves, ("vae_decode",)) <= limit
     assert any("stores them as halves" in w for w in halves["warnings"])
-    pipe = engine.load_pipeline(tiny_model_dir, precision="fp16", runtime="plan", profile="reference")
+    pipe = engine.load_pipeline(tiny_model_dir, precision="fp16", executor="plan", profile="reference")
     pipe.caps = small
     result = pipe.generate(str(golden3["txt2img3_prompt"]), steps=3, guidance_scale=7.5, height=64, width=64,
                            scheduler="pndm", latents=golden3["txt2img3_latents_in"])

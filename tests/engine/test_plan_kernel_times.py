@@ -1,5 +1,5 @@
 """PlanExecutor.kernel_times: per-kernel GPU times of a plan's stage from timestamp queries, as
-BrowserExecutor's and as the native runtime's profiling gives them: the same kernel labels with
+BrowserExecutor's and as the native executor's profiling gives them: the same kernel labels with
 the same call counts as the eager UNet's profiled step, every dispatch counted once per
 repetition, and the executor unchanged afterwards (a replay still equals the eager UNet)."""
 
@@ -22,14 +22,14 @@ def native(tiny_model_dir, gpu):
 
 @pytest.fixture(scope="module")
 def planned(tiny_model_dir, gpu):
-    return engine.load_pipeline(tiny_model_dir, precision="fp32", runtime="plan")
+    return engine.load_pipeline(tiny_model_dir, precision="fp32", executor="plan")
 
 
 def test_kernel_times_count_every_dispatch_of_the_stage(planned, native, gpu, fresh_rng):
     if not gpu.caps.has_timestamps:
-        assert planned.executor(64, 64).kernel_times("unet_step") is None
+        assert planned.plan_executor(64, 64).kernel_times("unet_step") is None
         return
-    ex = planned.executor(64, 64)
+    ex = planned.plan_executor(64, 64)
     dispatches = Counter(c["label"] for c in ex.plan["stages"]["unet_step"]["commands"] if c["op"] == "dispatch")
     times = ex.kernel_times("unet_step", repetitions=2)
     assert {k: t["calls"] for k, t in times.items()} == {k: 2 * n for k, n in dispatches.items()}

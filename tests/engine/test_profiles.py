@@ -268,10 +268,10 @@ def test_tune_warm_up_keeps_the_gpu_busy_for_its_seconds(gpu):
     """tune's warm-up runs the GPU work to completion, again and again, for the time asked."""
     import time
 
-    from engine.runtime import Runtime
+    from engine.gpu import GpuContext
     from engine.tune import warm_up
 
-    rt = Runtime(gpu)
+    rt = GpuContext(gpu)
     x = rt.upload(np.ones((256, 256), np.float32), "f32")
     calls = []
 

@@ -8,8 +8,8 @@ from dataclasses import asdict
 import pytest
 from script_support import load_script
 
+from engine.gpu import KernelTime
 from engine.roofline import Peaks, measure_peaks, op_work, print_roofline, roofline, rows_as_json
-from engine.runtime import KernelTime
 
 
 def test_op_work_counts_the_direct_algorithm():

@@ -10,9 +10,9 @@ import pytest
 from ci_support import F16_HINT, missing
 
 from engine.errors import EngineError
+from engine.gpu import GpuContext
 from engine.kernels import PipelineCache, Selection, variants
 from engine.ops import Ops
-from engine.runtime import Runtime
 from engine.variants import attention as attn
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +24,7 @@ VARIANTS = ["partial_softmax", "flash", "flash_gemm", "flash_packed"]
 
 @pytest.fixture(scope="module")
 def rt(gpu):
-    return Runtime(gpu, poison=True)
+    return GpuContext(gpu, poison=True)
 
 
 def make_ops(rt, gpu, dtype, variant=None):

@@ -15,9 +15,9 @@ import pytest
 from ci_support import F16_HINT, missing
 
 from engine.errors import EngineError
+from engine.gpu import GpuContext
 from engine.kernels import PipelineCache, Rule, Selection
 from engine.ops import Ops
-from engine.runtime import Runtime
 from engine.variants.conv2d import winograd_applies, winograd_pays
 
 pytestmark = pytest.mark.gpu
@@ -31,7 +31,7 @@ NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 
 @pytest.fixture(scope="module")
 def rt(gpu):
-    return Runtime(gpu, poison=True)
+    return GpuContext(gpu, poison=True)
 
 
 @pytest.fixture(scope="module")

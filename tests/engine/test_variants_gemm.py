@@ -16,9 +16,9 @@ import pytest
 from script_support import load_script
 
 from engine.errors import EngineError
+from engine.gpu import GpuContext
 from engine.kernels import PipelineCache, Rule, Selection
 from engine.ops import Ops
-from engine.runtime import Runtime
 from engine.variants import gemm as core
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,7 @@ NP = {"f16": np.float16, "f32": np.float32, "f16s": np.float16}
 
 @pytest.fixture(scope="module")
 def rt(gpu):
-    return Runtime(gpu, poison=True)
+    return GpuContext(gpu, poison=True)
 
 
 @pytest.fixture(params=["f16", "f32", "f16s"])

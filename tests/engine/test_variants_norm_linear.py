@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from ci_support import F16_HINT, missing
 
+from engine.gpu import GpuContext
 from engine.kernels import PipelineCache, Rule, Selection, variants
 from engine.ops import Ops
-from engine.runtime import Runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 
 @pytest.fixture(scope="module")
 def rt(gpu):
-    return Runtime(gpu, poison=True)
+    return GpuContext(gpu, poison=True)
 
 
 def make_ops(rt, gpu, dtype, choices):

@@ -23,6 +23,6 @@ def add_page_devices(cli, manifest, model_dir) -> None:
         for serial, adapter in (("page-1", adreno), ("page-2", narrow)):
             info = DeviceInfo(serial=serial, model="Pixel 4", manufacturer="Google", os="android", os_version="13",
                               adapter=adapter)
-            device = store.upsert_device(s, serial, "web", info=info, host="testhost", runtime="browser")
+            device = store.upsert_device(s, serial, "web", info=info, host="testhost", engine_host="browser")
             store.set_device_state(s, device.id, DeviceState.available)
     shutil.copytree(model_dir, cli.tmp / "data" / "builds" / build_name / "models" / "tiny")

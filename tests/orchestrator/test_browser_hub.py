@@ -2,7 +2,7 @@
 (agent/web, on engine/web) in Debian's headless Chromium on SwiftShader: enrolment by token and farm key, a
 signed build deployed into the page's cache (verified with WebCrypto Ed25519; a second deploy
 fetches nothing; a build signed by another key or altered is refused), a generation run from the
-deployed build through the hub's farm side equal to the plan runtime's (PSNR >= 40 dB) with no
+deployed build through the hub's farm side equal to the plan executor's (PSNR >= 40 dB) with no
 byte fetched at run time, an unknown token or another device's refused, and a page killed
 mid-command reported as lost."""
 
@@ -96,14 +96,14 @@ def test_a_signed_build_is_cached_once_and_runs_from_the_cache(farm):
 
     model = farm["root"] / "builds" / "current" / "models" / "tiny"
     args = {"prompt": "a red bicycle", "steps": 2, "scheduler": "euler", "seed": 4, "height": 64, "width": 64}
-    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=HubPage(hub.control_url("d1"))) as page:
+    with engine.load_pipeline(model, precision="fp32", executor="browser", session=HubPage(hub.control_url("d1"))) as page:
         image = page.generate(**args).image
-    with engine.load_pipeline(model, precision="fp32", runtime="plan") as plan:
+    with engine.load_pipeline(model, precision="fp32", executor="plan") as plan:
         reference = plan.generate(**args).image
     assert hub.device("d1").bytes_served == expected  # shaders and weights came from the page's cache
     mse = np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2)
     psnr = 10 * np.log10(255.0**2 / max(mse, 1e-12))
-    assert psnr >= 40.0, f"browser vs plan runtime: {psnr:.1f} dB"
+    assert psnr >= 40.0, f"browser vs plan executor: {psnr:.1f} dB"
 
 
 def test_a_build_the_page_cannot_verify_is_refused(farm):
@@ -144,8 +144,8 @@ def test_a_page_killed_mid_command_is_reported_lost(farm):
     """Last in the module: it kills the page."""
     hub = farm["hub"]
     model = farm["root"] / "builds" / "current" / "models" / "tiny"
-    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=HubPage(hub.control_url("d1"))) as page:
-        ex = page.executor(64, 64, guidance_scale=7.5)
+    with engine.load_pipeline(model, precision="fp32", executor="browser", session=HubPage(hub.control_url("d1"))) as page:
+        ex = page.plan_executor(64, 64, guidance_scale=7.5)
         killer = subprocess.Popen(["sh", "-c", f"sleep 2; kill -9 {farm['proc'].pid}"])
         t0 = time.monotonic()
         with pytest.raises(BrowserError) as err:

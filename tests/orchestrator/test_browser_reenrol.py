@@ -94,7 +94,7 @@ def test_a_page_whose_storage_was_deleted_is_enrolled_again_over_adb(phone_farm)
         time.sleep(0.2)
     assert hub.status(SERIAL)["seen_s_ago"] >= 3.0 and hub.refused_tokens > refused
     info = t.info()  # the farm opens its enrolment URL again
-    assert len(link.opened) == 2 and info.properties["runtime"] == "browser"
+    assert len(link.opened) == 2 and info.properties["engine_host"] == "browser"
     hello = t.hello()
     assert (hello["device"], hello["key"], hello["restored"]) == (SERIAL, True, [])
 

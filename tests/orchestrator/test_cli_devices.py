@@ -141,13 +141,13 @@ def test_a_browser_device_is_added_over_adb_and_reached_through_its_browser(cli_
 
     cli = cli_db
     added = cli("devices", "add", "pixel-8", "--transport", "adb", "--address", "127.0.0.1:5999",
-                "--runtime", "browser")
-    assert "browser runtime" in added.output
+                "--engine-host", "browser")
+    assert "engine on browser" in added.output
     cli("devices", "add", "pixel-6", "--transport", "adb", "--address", "127.0.0.1:5998")
-    listed = {d["serial"]: (d["transport"], d["runtime"]) for d in json.loads(cli("devices", "list", "--json").output)}
+    listed = {d["serial"]: (d["transport"], d["engine_host"]) for d in json.loads(cli("devices", "list", "--json").output)}
     assert listed == {"pixel-8": ("adb", "browser"), "pixel-6": ("adb", "python")}
     refused = cli("devices", "add", "mac", "--transport", "http", "--address", "http://10.0.0.2:8765",
-                  "--runtime", "browser", ok=False)
+                  "--engine-host", "browser", ok=False)
     assert "reached over adb" in refused.output
 
     settings = load_settings()
@@ -169,7 +169,7 @@ def test_a_web_device_is_added_with_the_url_and_qr_code_it_opens_once(cli_db):
     assert "▀" in out or "▄" in out or "█" in out  # the QR code, in half blocks
     assert "farm hub" in out  # no CA yet: where it comes from
     [device] = json.loads(cli("devices", "list", "--json").output)
-    assert (device["transport"], device["runtime"], device["address"]) == ("web", "browser", "")
+    assert (device["transport"], device["engine_host"], device["address"]) == ("web", "browser", "")
     again = cli("devices", "enrol", "ipad-1").output
     assert url in again  # the same token: the page already enrolled keeps working
     refused = cli("devices", "add", "ipad-2", "--transport", "web", "--address", "https://x:1", ok=False)

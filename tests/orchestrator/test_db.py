@@ -4,6 +4,7 @@ follow the rules, results round-trip, stale jobs are found, device health is rec
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import multiprocessing
 import threading
@@ -18,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from agent.protocol import (
     Artifact,
+    Cooldown,
     DeviceInfo,
     JobResult,
     JobSpec,
@@ -349,6 +351,37 @@ def test_create_build_is_idempotent_and_deployment_recorded(Session):
 
 # ---- jobs ---------------------------------------------------------------------------------
 
+MODEL = {"model": "models/tiny"}  # the least a job's spec names
+
+
+def test_a_job_spec_reads_back_as_submitted_with_its_executor_resolved(Session):
+    """The spec is validated once, at submission, and stored whole: read back from the store it
+    equals the JobSpec submitted, named for its job, with its build and its executor (a browser
+    device's jobs run on its page) filled in; a bad field is refused before anything is stored."""
+    with Session() as s:
+        device_id = _device(s).id
+        browser_id = store.upsert_device(s, "pixel-chrome", "adb", "127.0.0.1:5991", engine_host="browser").id
+        build = store.create_build(s, Manifest(build="b-typed", version="1", created=0.0,
+                                               files=[ManifestFile("models/tiny/model_index.json", "0" * 64, 2)]))
+        submitted = JobSpec(job_id="ignored", kind="latency", model="models/tiny", precision="fp32", height=64, width=64,
+                            steps=3, cooldown=Cooldown(max_celsius=45.0), gpu_budget_bytes=2**30, executor="plan")
+        job = store.create_job(s, "latency", submitted, device_id, build.id)
+        s.commit()
+        job_id = job.id
+        on_page = store.create_job(s, "generate", {"model": "models/tiny", "steps": 2}, browser_id, build.id)
+        s.commit()
+        with pytest.raises(store.StoreError, match="steps must be at least 1"):
+            store.create_job(s, "generate", {"model": "models/tiny", "steps": 0}, device_id)
+        with pytest.raises(store.StoreError, match="browser executor, not 'plan'"):
+            store.create_job(s, "generate", {"model": "models/tiny", "executor": "plan"}, browser_id)
+    with Session() as s:
+        read = store.job_spec(s.get(Job, job_id))
+        assert read == dataclasses.replace(submitted, job_id=f"job{job_id}", build="b-typed")
+        assert store.job_spec(s.get(Job, job_id), attempt=2).job_id == f"job{job_id}-a2"
+        page = store.job_spec(s.get(Job, on_page.id))
+        assert (page.executor, page.kind, page.steps, page.build) == ("browser", "generate", 2, "b-typed")
+        assert s.scalar(select(func.count()).select_from(Job)) == 2
+
 
 def test_job_creation_is_idempotent(Session):
     with Session() as s:
@@ -367,7 +400,7 @@ def test_job_creation_is_idempotent(Session):
         try:
             start.wait()
             with Session() as s:
-                results.append(store.create_job(s, "generate", {"job_id": "g"}, device_id, idempotency_key="race").id)
+                results.append(store.create_job(s, "generate", MODEL, device_id, idempotency_key="race").id)
                 s.commit()
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
@@ -380,13 +413,13 @@ def test_job_creation_is_idempotent(Session):
     assert errors == [] and len(set(results)) == 1
     with Session() as s:
         assert s.scalar(select(func.count()).select_from(Job).where(Job.idempotency_key == "race")) == 1
-        assert store.create_job(s, "tune", {}, device_id).id != store.create_job(s, "tune", {}, device_id).id
+        assert store.create_job(s, "tune", MODEL, device_id).id != store.create_job(s, "tune", MODEL, device_id).id
 
 
 def test_job_transition_rules(Session):
     with Session() as s:
         device_id = _device(s).id
-        job = store.create_job(s, "latency", {}, device_id)
+        job = store.create_job(s, "latency", MODEL, device_id)
         with pytest.raises(store.InvalidTransition, match="from queued to succeeded"):
             store.transition_job(s, job.id, JobState.succeeded)
         job = store.transition_job(s, job.id, "running", worker="lab-1/w1")
@@ -400,13 +433,13 @@ def test_job_transition_rules(Session):
         for target in JobState:
             with pytest.raises(store.InvalidTransition):
                 store.transition_job(s, job.id, target)
-        cancelled = store.create_job(s, "tune", {}, device_id)
+        cancelled = store.create_job(s, "tune", MODEL, device_id)
         store.transition_job(s, cancelled.id, "cancelled")
         with pytest.raises(store.InvalidTransition):
             store.transition_job(s, cancelled.id, "running")
         with pytest.raises(store.StoreError, match="no job 999999"):
             store.transition_job(s, 999999, "running")
-        racy = store.create_job(s, "latency", {}, device_id)
+        racy = store.create_job(s, "latency", MODEL, device_id)
         s.commit()
         racy_id = racy.id
 
@@ -441,7 +474,7 @@ def test_job_transition_rules(Session):
 def test_find_stale_running_jobs(Session):
     with Session() as s:
         device_id = _device(s).id
-        stale, fresh, queued = (store.create_job(s, "latency", {}, device_id) for _ in range(3))
+        stale, fresh, queued = (store.create_job(s, "latency", MODEL, device_id) for _ in range(3))
         store.transition_job(s, stale.id, "running")
         store.transition_job(s, fresh.id, "running")
         s.execute(update(Job).where(Job.id == stale.id).values(heartbeat_at=utcnow() - dt.timedelta(minutes=10)))

@@ -56,7 +56,7 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
         assert processes_with(f"DEMO_TEST_MARKER={tmp_path}") == []  # every process it started is gone
     left_out = [line for line in outputs[1].splitlines() if "no Chromium" in line]
     assert left_out == ["no Chromium on this machine: the demo runs without vphone-chrome-1, vtablet-1 (the "
-                        "browser runtime); `bash scripts/ensure-chromium.sh` adds them"], outputs[1][:3000]
+                        "browser executor); `bash scripts/ensure-chromium.sh` adds them"], outputs[1][:3000]
     assert "no Chromium" not in outputs[0] and "provision" not in outputs[0] + outputs[1]
 
     data = tmp_path / "data" / "devicefarm"
@@ -78,7 +78,7 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                 assert batch.summary is not None and batch.finished_at is not None
             for index, batch in enumerate(batches):
                 for dep in session.scalars(select(Deployment).where(Deployment.batch_id == batch.id)):
-                    if session.get(Device, dep.device_id).runtime == "browser":
+                    if session.get(Device, dep.device_id).engine_host == "browser":
                         # what the page fetched: the shaders and the weights, then nothing new
                         assert (dep.files_sent > 20) if index == 0 else (dep.files_sent == 0), dep.files_sent
                     elif index == 0:
@@ -109,7 +109,7 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                         # conv2d each moved 77-85 ms, in either order (host-gpu: conv2d 85.0, attention
                         # 80.6), layer_norm 30 ms behind, and `top[0] == "attention"` failed 2 runs of 3.
                         assert "attention" in top, alert.detail["attribution_by_op"]
-                    assert alert.device.runtime == ("browser" if alert.device.serial in browser_devices else "python")
+                    assert alert.device.engine_host == ("browser" if alert.device.serial in browser_devices else "python")
             # The second A is compared with the first A (B is not accepted while its alerts are open).
             second_a = [c for c in batches[2].summary["analysis"]["comparisons"]
                         if c.get("metric") in ("unet_step_ms", "e2e_ms")]

@@ -55,7 +55,7 @@ def farm(tmp_path_factory, tiny_model_dir):
     Session = make_session_factory(engine)  # noqa: N806
     with VirtualPhone(serial="chrome-1", root=tmp / "phone", adb_keys=adb_key.with_name("adbkey.pub")) as phone:
         with Session() as session, session.begin():
-            store.upsert_device(session, "chrome-1", "adb", f"127.0.0.1:{phone.port}", host=HOST, runtime="browser")
+            store.upsert_device(session, "chrome-1", "adb", f"127.0.0.1:{phone.port}", host=HOST, engine_host="browser")
             store.create_build(session, manifest)
         workers = Workers(tmp, settings)
         try:

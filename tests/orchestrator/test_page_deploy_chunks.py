@@ -249,9 +249,9 @@ def test_a_cut_deploy_resumes_with_the_chunks_not_held(farm, page, fraction):
     args = {"prompt": "a red bicycle", "steps": 2, "scheduler": "euler", "seed": 4, "height": 64, "width": 64}
     served = page.served
     hub = farm["hub"]
-    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=HubPage(hub.control_url("d1"))) as p:
+    with engine.load_pipeline(model, precision="fp32", executor="browser", session=HubPage(hub.control_url("d1"))) as p:
         image = p.generate(**args).image
-    with engine.load_pipeline(model, precision="fp32", runtime="plan") as plan:
+    with engine.load_pipeline(model, precision="fp32", executor="plan") as plan:
         reference = plan.generate(**args).image
     assert page.served == served  # the weights came from the chunks in the page's cache
     mse = np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2)
@@ -282,7 +282,7 @@ def test_a_deploy_holds_a_chunk_at_a_time_and_keeps_two_builds(farm, page):
           f"quota {first['quota_bytes']}, usage {first['usage_bytes']}; b3 freed {third['freed_bytes']} bytes")
     with pytest.raises(BrowserError, match="not deployed"):  # b1's manifest is gone from the page
         with engine.load_pipeline(farm["root"] / "builds" / "current" / "models" / "tiny", precision="fp32",
-                                  runtime="browser", session=HubPage(farm["hub"].control_url("d1"))) as p:
+                                  executor="browser", session=HubPage(farm["hub"].control_url("d1"))) as p:
             p.generate(prompt="x", steps=1, scheduler="euler", seed=1, height=64, width=64)
     page.whole.clear()
     back = deploy(farm, "b1")  # a rollback to b1 fetches only its own file again
@@ -321,14 +321,14 @@ def test_a_damaged_chunk_is_dropped_by_the_run_that_reads_it_and_fetched_again_b
     args = {"prompt": "a red bicycle", "steps": 1, "scheduler": "euler", "seed": 4, "height": 64, "width": 64}
     session = HubPage(farm["hub"].control_url("d1"))
     with pytest.raises(BrowserError) as damaged:
-        with engine.load_pipeline(model, precision="fp32", runtime="browser", session=session) as p:
+        with engine.load_pipeline(model, precision="fp32", executor="browser", session=session) as p:
             p.generate(**args)
     assert damaged.value.kind == "hash-mismatch"
     assert f"of the cached {UNET} are damaged: 1 chunk(s) dropped, deploy build b1 again" in str(damaged.value)
     again = deploy(farm, "b1")
     assert (again["fetched_chunks"], again["fetched_bytes"]) == (1, CHUNK)
     assert page.whole == [(unet.sha256, 5 * CHUNK, 6 * CHUNK)]
-    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=session) as p:
+    with engine.load_pipeline(model, precision="fp32", executor="browser", session=session) as p:
         assert p.generate(**args).image.shape == (64, 64, 3)
     damage_chunk(page, unet, 17)
     page.whole.clear()
@@ -430,7 +430,7 @@ def test_a_kept_plan_is_reused_only_within_the_budget_of_the_load_that_asks_for_
     deploy(farm, "b1")
     model = farm["root"] / "builds" / "current" / "models" / "tiny"
     session = HubPage(farm["hub"].control_url("d1"))
-    with engine.load_pipeline(model, precision="fp32", runtime="browser", session=session) as p:
+    with engine.load_pipeline(model, precision="fp32", executor="browser", session=session) as p:
         p.generate(prompt="x", steps=1, scheduler="euler", seed=1, height=64, width=64)
         (plan,) = p.plans.values()
     memory = plan_memory(plan)

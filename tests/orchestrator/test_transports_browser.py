@@ -1,4 +1,4 @@
-"""The browser runtime's transport over ADB, end to end through the virtual phone: adb-shell ->
+"""The browser executor's transport over ADB, end to end through the virtual phone: adb-shell ->
 reverse forward -> the phone's Chromium (headless, SwiftShader WebGPU) opened by `am start` ->
 the farm's hub -> the page. Device info from the phone and its page, a deploy the page verifies
 and caches (a second sends nothing), latency and generate jobs whose JobResults carry the
@@ -73,7 +73,7 @@ def test_info_is_the_phone_with_its_browser_and_adapter(browser, phone):
     info = browser.info()
     assert (info.serial, info.os, info.virtual) == ("sim-browser", "android", True)
     assert info.adapter["architecture"] == "swiftshader"
-    assert info.properties["runtime"] == "browser" and info.properties["browser"] in ("HeadlessChrome", "Chrome")
+    assert info.properties["engine_host"] == "browser" and info.properties["browser"] in ("HeadlessChrome", "Chrome")
     assert info.properties["page_secure_context"] == "True"  # http://localhost over the reverse forward
     assert phone.browser_running()
 

@@ -150,4 +150,4 @@ def test_a_closed_tab_leaves_the_device_offline_until_it_opens_the_page_again(fa
         farm["transport"].info()
     farm["tablet"].open(f"{farm['origin']}/web/index.html")  # enrolled: its token is in the page's storage
     HubClient(hub.local_url, hub.key).wait_online(SERIAL, 90.0)
-    assert farm["transport"].info().properties["runtime"] == "browser"
+    assert farm["transport"].info().properties["engine_host"] == "browser"

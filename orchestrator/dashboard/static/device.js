@@ -16,7 +16,7 @@
       ["OS", `${device.os} ${device.os_version}`.trim() || "—"],
       ["GPU", [gpu.vendor, gpu.architecture, gpu.device].filter(Boolean).join(" · ") || "—"],
       ["driver / backend", [gpu.driver, gpu.backend].filter(Boolean).join(" · ") || "—"],
-      ["transport", `${device.transport} ${device.address}`], ["runtime", device.runtime],
+      ["transport", `${device.transport} ${device.address}`], ["engine host", device.engine_host],
       ["last seen", fmt.when(device.last_seen)],
       ["runs", el("span", { id: "run-counts" }, Object.entries(health.runs).map(([s, n]) => `${n} ${s}`).join(", "))],
       ["failure rate", el("span", { id: "failure-rate" }, health.failure_rate === null ? "—"

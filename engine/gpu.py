@@ -33,7 +33,7 @@ WG_1D = 256  # invocations per workgroup of the one-dimensional kernels
 CLASS_BITS = 2  # 2**CLASS_BITS buffer size classes per power of two (at most 25% slack)
 CLASSES_PER_DOUBLING = 2**CLASS_BITS
 MIN_CLASS_BYTES = 256
-SUBMIT_EVERY = 64  # dispatches per queue submit (see Runtime.dispatch)
+SUBMIT_EVERY = 64  # dispatches per queue submit (see GpuContext.dispatch)
 
 
 def dtype_of(array: np.ndarray) -> str:
@@ -59,7 +59,7 @@ def size_class(nbytes: int) -> int:
 
 def pack_params(values: tuple) -> bytes:
     """A dispatch's uniform parameters as the shaders read them: int -> u32, float -> f32,
-    little-endian, padded to a multiple of 16 bytes (the runtime and the plan recorder both
+    little-endian, padded to a multiple of 16 bytes (the GPU context and the plan recorder both
     pack this way, so a replayed plan binds the same bytes)."""
     raw = b"".join(
         struct.pack("<f", v) if isinstance(v, float) else struct.pack("<I", int(v) & 0xFFFFFFFF)
@@ -230,7 +230,7 @@ class PeakWatch:
 
 
 class _Memory:
-    """What Runtime and TraceRuntime share: the pool, the weights' byte count and the peak
+    """What GpuContext and TraceContext share: the pool, the weights' byte count and the peak
     accounting, so a shape-only run accounts memory exactly as a real one does."""
 
     def _init_memory(self, create_buffer, max_buffer_bytes: int | None):
@@ -241,7 +241,7 @@ class _Memory:
 
     @property
     def gpu_bytes(self) -> int:
-        """What this runtime holds on the GPU now: weights plus every pool buffer."""
+        """What this context holds on the GPU now: weights plus every pool buffer."""
         return self.static_bytes + self.pool.pooled_bytes
 
     def _note_peak(self):
@@ -306,7 +306,7 @@ class KernelTime:
 
 
 class _TraceBuffer:
-    """A buffer that exists only as a size, for TraceRuntime."""
+    """A buffer that exists only as a size, for TraceContext."""
 
     __slots__ = ("size",)
 
@@ -317,8 +317,8 @@ class _TraceBuffer:
         pass
 
 
-class TraceRuntime(_Memory):
-    """A runtime that only follows shapes: no GPU memory, no dispatches. Running a model on it
+class TraceContext(_Memory):
+    """A GPU context that only follows shapes: no GPU memory, no dispatches. Running a model on it
     reveals every (op, shape) the model would dispatch, which `explain` and `tune` need, in
     milliseconds and without weights; its pool and weight accounting are Runtime's, so it also
     gives the peak GPU memory a real run would report (benchmarks/memory_estimate.py).
@@ -357,7 +357,7 @@ class TraceRuntime(_Memory):
         pass
 
 
-class Runtime(_Memory):
+class GpuContext(_Memory):
     """Allocation, upload/readback and dispatch recording on one GPU."""
 
     def __init__(self, gpu: GPU, poison: bool = False):
@@ -603,7 +603,7 @@ class Runtime(_Memory):
 class StageTimer:
     """Wall-clock time of pipeline stages, measured to GPU completion."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: GpuContext):
         self.rt = rt
         self.ms: dict[str, float] = defaultdict(float)
 
@@ -623,7 +623,7 @@ class StageTimer:
         return _Stage()
 
 
-def time_gpu_work(rt: Runtime, fn, warmup: int, repeats: int) -> list[float]:
+def time_gpu_work(rt: GpuContext, fn, warmup: int, repeats: int) -> list[float]:
     """Milliseconds of GPU work per call of `fn`, `repeats` samples after `warmup` calls."""
     for _ in range(warmup):
         fn()
