@@ -440,7 +440,7 @@ def android_properties() -> dict[str, str]:
 
 
 def webgpu_runtime(kind: str = "wgpu-native") -> dict[str, str]:
-    """The runtime the engine's GPU work goes through: wgpu-native's version as loaded (the
+    """The WebGPU runtime the engine's GPU work goes through: wgpu-native's version as loaded (the
     driver's partner in every timing), and the Python binding's. `kind` "plan": the engine's
     plans replayed through it (engine/plan_exec.py), a series apart from the eager engine's."""
     runtime = {"kind": kind}
@@ -459,7 +459,7 @@ def webgpu_runtime(kind: str = "wgpu-native") -> dict[str, str]:
 def read_environment(adapter: dict, clocks_mhz: dict[str, float] | None = None,
                      webgpu_kind: str = "wgpu-native") -> RunEnvironment:
     """The environment a run starts in on this device: OS, its build, kernel, GPU driver and
-    adapter (`adapter`, a DeviceCaps dict), the engine runtime (webgpu_runtime(webgpu_kind)),
+    adapter (`adapter`, a DeviceCaps dict), the WebGPU runtime (webgpu_runtime(webgpu_kind)),
     and the clocks (`clocks_mhz` when the caller has just read them, else read now; empty where
     unreadable). Android is recognised by its properties (android_properties), whether the
     agent runs there under Termux or for the virtual phone."""

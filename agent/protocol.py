@@ -277,7 +277,7 @@ class RunEnvironment:
     updates between two runs records two environments, whatever the device's record says.
 
     The fields that make two runs' numbers comparable are os, os_version, os_build, kernel,
-    driver, the adapter's identity and the runtime (orchestrator/store/environment.py keys series
+    driver, the adapter's identity and the WebGPU runtime (orchestrator/store/environment.py keys series
     by them). clocks_mhz and profile are kept with the run but are no part of that key: clocks
     move from one run to the next, and the profile is what the build ships (a new profile is
     the build's doing). Readings the device does not give stay empty, never guessed."""

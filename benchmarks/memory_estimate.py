@@ -1,7 +1,7 @@
 """Peak GPU memory of a whole generation, from shapes alone: the pipeline runs on a
 TraceContext (engine/gpu.py), which allocates from the same buffer pool and counts
-weights the same way as the GPU runtime but does no GPU work, so an SD 1.4 512x512 estimate
-takes seconds on any machine. The numbers are the runtime's own accounting (weights plus
+weights the same way as the GPU context but does no GPU work, so an SD 1.4 512x512 estimate
+takes seconds on any machine. The numbers are the GPU context's own accounting (weights plus
 every pool buffer); they leave out what the driver adds (uniform buffers, command buffers,
 pipelines, allocation granularity).
 

@@ -108,7 +108,7 @@ def device_variable(*, multi: bool) -> dict[str, Any]:
 # A series as the regression analysis keys it (orchestrator/analysis/regressions.py SpecKey.of and
 # series_key): the job's kind, model, resolution ("WIDTHxHEIGHT", else "native"), steps,
 # precision and profile, from the job's spec with the analysis' defaults; only succeeded runs
-# count. The environment (OS, driver, adapter, engine runtime) is the rest of the key: its changes
+# count. The environment (OS, driver, adapter, WebGPU runtime) is the rest of the key: its changes
 # are annotations, so a step at a driver update reads as one.
 SPEC_COLUMNS = {
     "model": "coalesce(j.spec->>'model', '')",
@@ -179,7 +179,7 @@ WHERE a.device_id IN ($device) AND (a.metric = '$metric' OR a.metric = '')
 ORDER BY b.created
 """
 
-# The first run of each environment on a device (its OS, driver, adapter or engine runtime
+# The first run of each environment on a device (its OS, driver, adapter or WebGPU runtime
 # changed): a new series begins there.
 ENVIRONMENT_CHANGES_SQL = """
 SELECT first_run AS "time",

@@ -4,7 +4,7 @@ protocol.RunEnvironment an agent sends, as a dict) that series are keyed by, its
 ("driver changed 512.3 -> 530.1"), and the environment a device's record gives for a result
 that came without one. Plain functions over dicts: the store and the analysis both use them.
 
-The identity is os, os_version, os_build, kernel, driver, the runtime and the adapter's
+The identity is os, os_version, os_build, kernel, driver, the WebGPU runtime and the adapter's
 identity: what changes a run's numbers without the build changing. Clocks are left out (they
 move from run to run and are kept as readings), and so is the profile: the build ships it, so
 a new profile is the build's change, reported as the build's; the series key has the profile
@@ -103,7 +103,7 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
         old, new = runtime_label(a["runtime"]), runtime_label(b["runtime"])
         if old == new:  # the same name and version, another binding
             old, new = json.dumps(a["runtime"], sort_keys=True), json.dumps(b["runtime"], sort_keys=True)
-        changed("engine runtime", old, new)
+        changed("WebGPU runtime", old, new)
     if a["adapter"] != b["adapter"]:
         old, new = adapter_label(a["adapter"]), adapter_label(b["adapter"])
         if old == new:

@@ -387,7 +387,7 @@ class Job(Base):
 class Run(Base):
     """One execution attempt of a job that came back with a JobResult. Device and build are
     copied from the job so the series queries need no join through jobs. `environment` is what
-    the run ran on (protocol.RunEnvironment as a dict: OS, kernel, driver, adapter, runtime,
+    the run ran on (protocol.RunEnvironment as a dict: OS, kernel, driver, adapter, WebGPU runtime,
     clocks, profile; from the device's record, marked so, when the agent sent none) and
     `env_key` its short key (orchestrator/store/environment.py), which series are keyed by; both are
     empty on runs stored before migration 0009."""

@@ -1,5 +1,5 @@
 """3-step generations of diffusers' StableDiffusionPipeline on the tiny model, for the engine's
-runtimes (native, a replayed plan, a browser page) to be checked against: PNDM, DDIM and Euler,
+executors (native, a replayed plan, a browser page) to be checked against: PNDM, DDIM and Euler,
 guidance 7.5, 64x64, the initial latents given (seed TXT2IMG_SEED's first numpy draw, as the
 engine takes them).
 

@@ -84,14 +84,14 @@ def test_the_key_is_the_environments_identity_and_changes_read_as_words():
                                              "driver changed 512.3 -> 530.1"]
     assert run_env.changes(env, same) == []
     browser = to_dict(_env(runtime={"kind": "browser", "name": "Chrome", "version": "131.0"}))
-    assert run_env.changes(env, browser) == ["engine runtime changed wgpu-native 29.0.1.1 -> Chrome 131.0"]
+    assert run_env.changes(env, browser) == ["WebGPU runtime changed wgpu-native 29.0.1.1 -> Chrome 131.0"]
     assert run_env.label(updated) == "android 14 / 530.1"
     record = run_env.from_device_record(os="android", os_version="14", driver="512.3",
                                         info={"adapter": ADAPTER, "properties": {}})
     assert run_env.changes(record, env) == [
         "OS build changed (not recorded) -> samsung/dm3q/14/UP1A:user",
         "kernel changed (not recorded) -> 5.15.94-android13",
-        "engine runtime changed (not recorded) -> wgpu-native 29.0.1.1",
+        "WebGPU runtime changed (not recorded) -> wgpu-native 29.0.1.1",
         "the baseline's environment is the device's record, not the run's (its agent sent none)"]
 
 

@@ -16,7 +16,7 @@ class SeriesKey:
     """One series. `metric` carries its unit in its name (unet_step_ms, peak_gpu_bytes,
     kernel:<name>_ms); `resolution` is "WIDTHxHEIGHT"; `os_driver` is the OS version and GPU
     driver and `environment` the key of the whole environment the runs recorded (OS build,
-    kernel, driver, adapter, engine runtime: orchestrator/store/environment.py), both from the
+    kernel, driver, adapter, WebGPU runtime: orchestrator/store/environment.py), both from the
     caller, since a phone update or a driver update is a different series. An empty
     `environment` is the series in any environment (what a per-series setting is made for),
     and is left out of canonical(), as keys were written before runs carried one."""
