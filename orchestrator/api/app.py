@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy.exc import DataError, StatementError
 
+from orchestrator import store
 from orchestrator.dashboard import pages
 from orchestrator.infra.settings import Settings
 from orchestrator.store import make_engine, make_session_factory, migrate
@@ -61,14 +61,14 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(router, prefix="/v1")
     _mount_dashboard(app)
 
-    @app.exception_handler(StatementError)
-    async def refused_value(request: Request, exc: StatementError) -> JSONResponse:
+    @app.exception_handler(store.StatementError)
+    async def refused_value(request: Request, exc: store.StatementError) -> JSONResponse:
         # A value the database cannot take (out of range, a character it refuses) is the
         # request's fault; anything else the database raised is a server error after all.
-        if isinstance(exc, DataError) or isinstance(exc.orig, ValueError | OverflowError):
-            return JSONResponse({"detail": f"the database refused a value of the request: "
-                                           f"{str(exc.orig).splitlines()[0]}"}, status_code=400)
-        raise exc
+        said = store.refused_value(exc)
+        if said is None:
+            raise exc
+        return JSONResponse({"detail": f"the database refused a value of the request: {said}"}, status_code=400)
 
     return app
 

@@ -14,8 +14,6 @@ import threading
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import update
-from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import store
 from orchestrator.services import check as gate
@@ -29,7 +27,7 @@ PROGRESS_CHARS = 500
 class CheckRunner:
     """Starts checks in daemon threads and records what becomes of them."""
 
-    def __init__(self, sessions: sessionmaker[Session], app: Celery):
+    def __init__(self, sessions: store.SessionFactory, app: Celery):
         self.sessions, self.app = sessions, app
         self.threads: dict[int, threading.Thread] = {}
 
@@ -37,23 +35,17 @@ class CheckRunner:
         """Mark every check still `running` in the store as interrupted: none of them has a
         thread any more (called once, when the API starts)."""
         with self.sessions() as session, session.begin():
-            ids = list(session.scalars(
-                update(CheckRun).where(CheckRun.state == CheckState.running)
-                .values(state=CheckState.interrupted, exit_code=gate.FAILED, outcome="interrupted",
-                        error="the API process stopped while the check ran; start it again",
-                        finished_at=utcnow())
-                .returning(CheckRun.id)))
+            ids = store.interrupt_running_checks(
+                session, exit_code=gate.FAILED, error="the API process stopped while the check ran; start it again")
         if ids:
             log.warning("checks %s were running when the API stopped: marked interrupted", ids)
         return ids
 
-    def start(self, session: Session, request: gate.CheckRequest, token_id: int | None) -> CheckRun:
+    def start(self, session: store.Session, request: gate.CheckRequest, token_id: int | None) -> CheckRun:
         """Check the request (CheckInput names what is wrong), record the check and start its
         thread. Commits `session`."""
         gate.plan(session, request)
-        row = CheckRun(state=CheckState.running, request=_as_dict(request), progress="starting",
-                       token_id=token_id)
-        session.add(row)
+        row = store.add_check_run(session, _as_dict(request), token_id)
         session.commit()
         thread = threading.Thread(target=self._run, args=(row.id, request), name=f"check-{row.id}", daemon=True)
         self.threads[row.id] = thread
@@ -81,7 +73,7 @@ class CheckRunner:
 
     def _update(self, check_id: int, **values: Any) -> None:
         with self.sessions() as session, session.begin():
-            session.execute(update(CheckRun).where(CheckRun.id == check_id).values(**values))
+            store.update_check_run(session, check_id, **values)
 
     def _finish(self, check_id: int, state: CheckState, exit_code: int, outcome: str, *,
                 error: str | None = None, report: dict[str, Any] | None = None) -> None:

@@ -10,7 +10,6 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
 
 from orchestrator import store
 from orchestrator.store.models import ApiScope
@@ -44,12 +43,12 @@ BAD_BODY = problem(400, "The body is not JSON.")
 BAD_FILTER = problem(404, "A filter names an unknown device or build.")
 
 
-def session(request: Request) -> Iterator[Session]:
+def session(request: Request) -> Iterator[store.Session]:
     with request.app.state.sessions() as db:
         yield db
 
 
-Db = Annotated[Session, Depends(session)]
+Db = Annotated[store.Session, Depends(session)]
 
 
 # What a request without a good token is told (here and by guard.py, which answers a request

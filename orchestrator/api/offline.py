@@ -15,12 +15,12 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from fastapi import FastAPI
-from sqlalchemy import select
 
+from orchestrator import store
 from orchestrator.analysis import series as farm_series
 from orchestrator.dashboard import pages
 from orchestrator.infra.settings import Settings
-from orchestrator.store.models import Alert, ApiScope, Build, Device
+from orchestrator.store.models import ApiScope
 
 from . import deps, tokens
 from .app import create_app
@@ -147,9 +147,9 @@ def _write(app: FastAPI, out: Path) -> None:
     export.json("/v1/alerts")
     with app.state.sessions() as session:
         series_ids = [s.id for s in farm_series.list_series(session)]
-        alert_ids = list(session.scalars(select(Alert.id).order_by(Alert.id)))
-        serials = list(session.scalars(select(Device.serial).order_by(Device.serial)))
-        build_names = list(session.scalars(select(Build.name).order_by(Build.id)))
+        alert_ids = store.alert_ids(session)
+        serials = [d.serial for d in store.all_devices(session)]
+        build_names = [b.name for b in store.builds_in_order(session)]
     for ident in series_ids:
         export.json(f"/v1/series/{ident}")
         export.json(f"/v1/series/{ident}/events")

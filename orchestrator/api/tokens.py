@@ -15,9 +15,6 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session
-
 from orchestrator import store
 from orchestrator.store.models import ApiScope, ApiToken, utcnow
 
@@ -51,27 +48,24 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def create_token(session: Session, scope: ApiScope | str, name: str = "") -> tuple[ApiToken, str]:
+def create_token(session: store.Session, scope: ApiScope | str, name: str = "") -> tuple[ApiToken, str]:
     """A new token of `scope`: its row, and the token itself (shown once, stored nowhere)."""
     try:
         scope = ApiScope(scope)
     except ValueError:
         raise store.StoreError(f"unknown scope {scope!r}; choose from {', '.join(ApiScope)}") from None
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = ApiToken(name=name, scope=scope, prefix=token[:PREFIX_CHARS], sha256=digest(token))
-    session.add(row)
-    session.flush()
-    return row, token
+    return store.add_api_token(session, name=name, scope=scope, prefix=token[:PREFIX_CHARS], sha256=digest(token)), token
 
 
-def list_tokens(session: Session) -> list[ApiToken]:
-    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+def list_tokens(session: store.Session) -> list[ApiToken]:
+    return store.api_tokens(session)
 
 
-def revoke_token(session: Session, token_id: int) -> ApiToken:
+def revoke_token(session: store.Session, token_id: int) -> ApiToken:
     """Revoke a token from its next request on; StoreError when there is no such token or it
     is revoked already."""
-    row = session.get(ApiToken, token_id)
+    row = store.find_api_token(session, token_id)
     if row is None:
         raise store.StoreError(f"no API token {token_id}; `farm api token list` shows them")
     if row.revoked_at is not None:
@@ -81,18 +75,17 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
     return row
 
 
-def authenticate(session: Session, token: str) -> Caller | None:
+def authenticate(session: store.Session, token: str) -> Caller | None:
     """The caller a presented token stands for, or None when it is unknown or revoked. Marks
     the token used (at most once a LAST_USED_EVERY)."""
     if not token.startswith(TOKEN_PREFIX):
         return None
     wanted = digest(token)
-    row = session.scalar(select(ApiToken).where(ApiToken.sha256 == wanted))
+    row = store.api_token_of_digest(session, wanted)
     # The lookup is by the hash's value; compare again in constant time all the same.
     if row is None or row.revoked_at is not None or not hmac.compare_digest(row.sha256, wanted):
         return None
     now = utcnow()
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_EVERY:
-        session.execute(update(ApiToken).where(ApiToken.id == row.id).values(last_used_at=now))
-        session.flush()
+        store.mark_api_token_used(session, row.id, now)
     return Caller(row.id, row.name, row.scope)

@@ -10,7 +10,6 @@ import datetime as dt
 import logging
 
 from celery import Celery
-from sqlalchemy import select
 
 from orchestrator import store
 from orchestrator.jobs.celery_app import DEFAULT_QUEUE, session_for, settings_of
@@ -24,7 +23,7 @@ from orchestrator.jobs.dispatch import (
     publish,
     retry_or_end,
 )
-from orchestrator.store.models import Batch, DeploymentStatus, utcnow
+from orchestrator.store.models import DeploymentStatus, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +110,7 @@ def reconcile(app: Celery) -> dict[str, list[int]]:
                 report["jobs_resent"].append(job.id)
 
         analysis_due = now - dt.timedelta(seconds=ANALYSIS_GRACE_FACTOR * settings.message_grace_s)
-        report["batches_analysed"] = list(session.scalars(
-            select(Batch.id).where(Batch.finished_at.is_not(None), Batch.finished_at < analysis_due,
-                                   Batch.summary.is_(None)).order_by(Batch.id).limit(100)))
+        report["batches_analysed"] = store.batches_awaiting_analysis(session, analysis_due, limit=100)
     sends.send(app)
     for batch_id in report["batches_analysed"]:
         publish(app, ANALYZE_BATCH, (batch_id,), DEFAULT_QUEUE)

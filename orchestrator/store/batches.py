@@ -3,6 +3,8 @@ Every function takes a session and flushes; the caller commits."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
@@ -18,8 +20,8 @@ from .models import (
 from .rows import StoreError, insert_or_get, text_for_store
 
 __all__ = [
-    "create_batch", "extra_round", "extra_rounds_of", "finish_batch_if_done", "get_alert", "get_batch",
-    "triage_alert",
+    "alert_ids", "batches_awaiting_analysis", "create_batch", "extra_round", "extra_rounds_of", "finish_batch_if_done",
+    "get_alert", "get_batch", "triage_alert",
 ]
 
 
@@ -69,6 +71,14 @@ def finish_batch_if_done(session: Session, batch_id: int) -> bool:
     return result.rowcount == 1
 
 
+def batches_awaiting_analysis(session: Session, finished_before: dt.datetime, limit: int = 100) -> list[int]:
+    """The ids of batches that finished before `finished_before` and have no summary yet (their
+    analysis never came), oldest first, at most `limit`."""
+    return list(session.scalars(
+        select(Batch.id).where(Batch.finished_at.is_not(None), Batch.finished_at < finished_before,
+                               Batch.summary.is_(None)).order_by(Batch.id).limit(limit)))
+
+
 def extra_rounds_of(session: Session, root_id: int) -> list[Batch]:
     """The more-repetitions rounds a batch's analyses launched (idempotency key more:<root>:...)."""
     return list(session.scalars(select(Batch).where(Batch.idempotency_key.like(f"more:{root_id}:%"))
@@ -84,6 +94,11 @@ def extra_round(idempotency_key: str | None) -> int:
 
 
 # ---- alerts -------------------------------------------------------------------------------
+
+
+def alert_ids(session: Session) -> list[int]:
+    """The id of every alert, whatever its state, in the order they were raised."""
+    return list(session.scalars(select(Alert.id).order_by(Alert.id)))
 
 
 def get_alert(session: Session, alert_id: int) -> Alert:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DataError, SQLAlchemyError, StatementError
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -23,6 +23,18 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 DatabaseError = SQLAlchemyError
 # The layers above the store name a session and a session factory by these (they import no SQL).
 SessionFactory = sessionmaker
+# StatementError (imported above, named for the layers above the store) is what a statement the
+# database could not run raises, a DatabaseError; refused_value tells the request's fault (a bad
+# value) from the server's.
+
+
+def refused_value(error: StatementError) -> str | None:
+    """What the database said, in one line, when `error` is a value of the statement it cannot take
+    (out of range, a character it refuses: DataError, or the driver's ValueError or OverflowError
+    before the statement was sent); None when `error` is about anything else."""
+    if isinstance(error, DataError) or isinstance(error.orig, ValueError | OverflowError):
+        return str(error.orig).splitlines()[0]
+    return None
 
 
 def check_url(url: str) -> None:

@@ -5,11 +5,10 @@ code, outcome and report."""
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Request
-from sqlalchemy import select
 
+from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.services import check as gate
-from orchestrator.store.models import CheckRun
 
 from ..deps import AUTH_ERRORS, NOT_FOUND, Db, Limit, Reader, RecordId, Runner, problem
 from ..schemas import CheckIn, CheckOut
@@ -37,13 +36,13 @@ def start_check(caller: Runner, db: Db, body: CheckIn, request: Request) -> Chec
 
 @router.get("", response_model=list[CheckOut], summary="Checks, newest first")
 def list_checks(_: Reader, db: Db, limit: Limit = 50) -> list[CheckOut]:
-    return [CheckOut.of(c) for c in db.scalars(select(CheckRun).order_by(CheckRun.id.desc()).limit(limit))]
+    return [CheckOut.of(c) for c in store.recent_check_runs(db, limit)]
 
 
 @router.get("/{check_id}", response_model=CheckOut, responses=NOT_FOUND,
             summary="One check: its state, progress and, once it ended, exit code, outcome and report")
 def get_check(_: Reader, db: Db, check_id: RecordId) -> CheckOut:
-    row = db.get(CheckRun, check_id)
+    row = store.find_check_run(db, check_id)
     if row is None:
         raise HTTPException(404, f"no check {check_id}; GET /v1/checks lists them")
     return CheckOut.of(row)
