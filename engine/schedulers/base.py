@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from dataclasses import fields
 
 import numpy as np
 
 from engine.errors import InputError
+from engine.schedulers.common import (
+    TrainingSchedule,
+    as_f32,
+    check_num_inference_steps,
+    check_timestep_spacing,
+    spaced_timesteps,
+)
 
 
 class Scheduler(ABC):
@@ -24,6 +32,15 @@ class Scheduler(ABC):
 
     timesteps: np.ndarray  # set by set_timesteps; the values passed to the UNet, in order
     init_noise_sigma: float  # the pipeline multiplies its initial latents by this
+
+    def __init__(self, schedule: TrainingSchedule, timestep_spacing: str, steps_offset: int):
+        """What every scheduler keeps of its config besides its own options: the length of
+        the training schedule and how inference timesteps are spaced over it."""
+        check_timestep_spacing(timestep_spacing)
+        self.num_train_timesteps = schedule.num_train_timesteps
+        self.timestep_spacing = timestep_spacing
+        self.steps_offset = int(steps_offset)
+        self.num_inference_steps: int | None = None  # set by set_timesteps
 
     @classmethod
     def from_config(cls, config: dict) -> Scheduler:
@@ -34,24 +51,34 @@ class Scheduler(ABC):
         diffusers marks keys that were absent from the file and filled with the original
         class's defaults in ``_use_default_values``; those are dropped too, so that e.g. a
         PNDM config without ``timestep_spacing`` gives Euler its own default ("linspace"),
-        not PNDM's ("leading").
+        not PNDM's ("leading"). The training schedule's keys go to the TrainingSchedule.
         """
         filled_by_defaults = set(config.get("_use_default_values", ()))
-        parameters = inspect.signature(cls.__init__).parameters
-        kwargs = {
-            key: value
-            for key, value in config.items()
-            if key in parameters and key != "self" and key not in filled_by_defaults
-        }
-        return cls(**kwargs)
+        given = {key: value for key, value in config.items() if key not in filled_by_defaults}
+        schedule_keys = {field.name for field in fields(TrainingSchedule)}
+        parameters = set(inspect.signature(cls.__init__).parameters) - {"self", "schedule"}
+        schedule = TrainingSchedule(**{k: v for k, v in given.items() if k in schedule_keys})
+        return cls(schedule, **{key: value for key, value in given.items() if key in parameters})
 
     @abstractmethod
     def set_timesteps(self, num_inference_steps: int) -> None: ...
 
+    def _spaced_timesteps(self, num_inference_steps: int, *, round_linspace: bool) -> np.ndarray:
+        """Check and keep n; the n inference timesteps of this config's spacing, largest
+        first, float64 (common.spaced_timesteps)."""
+        n = check_num_inference_steps(num_inference_steps, self.num_train_timesteps)
+        self.num_inference_steps = n
+        return spaced_timesteps(
+            self.timestep_spacing,
+            self.num_train_timesteps,
+            n,
+            self.steps_offset,
+            round_linspace=round_linspace,
+        )
+
     def scale_model_input(self, sample: np.ndarray, timestep) -> np.ndarray:
         return sample
 
-    @abstractmethod
     def step(
         self,
         model_output: np.ndarray,
@@ -60,6 +87,11 @@ class Scheduler(ABC):
         rng: np.random.Generator | None = None,
     ) -> np.ndarray:
         """One denoising step: returns the previous sample (float32, same shape)."""
+        return self._step(as_f32(model_output), timestep, as_f32(sample), rng)
+
+    @abstractmethod
+    def _step(self, eps: np.ndarray, timestep, x: np.ndarray, rng) -> np.ndarray:
+        """step() on float32 tensors: ε, the model output, and x, the current sample."""
 
     def set_begin_index(self, begin_index: int) -> None:
         """Start stepping at ``timesteps[begin_index]`` instead of finding the position by value.

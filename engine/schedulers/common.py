@@ -18,6 +18,7 @@ Notation
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -133,6 +134,39 @@ def alphas_cumprod(betas: np.ndarray) -> np.ndarray:
     return np.cumprod((np.float32(1.0) - betas).astype(np.float64)).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class TrainingSchedule:
+    """The noise schedule the model was trained with: the five scheduler_config.json keys
+    every diffusers scheduler takes, with diffusers' defaults. Scheduler.from_config fills it
+    from the config; each scheduler's own options stay its own arguments."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+    beta_schedule: str = "linear"
+    trained_betas: object = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_train_timesteps", int(self.num_train_timesteps))
+
+    def alpha_bars(self) -> np.ndarray:
+        """ᾱ_t for t in [0, T), float32."""
+        betas = make_betas(
+            self.beta_schedule,
+            self.beta_start,
+            self.beta_end,
+            self.num_train_timesteps,
+            self.trained_betas,
+        )
+        return alphas_cumprod(betas)
+
+
+def training_timesteps(num_train_timesteps: int, dtype) -> np.ndarray:
+    """Every training timestep, largest first: the schedule before set_timesteps, as
+    diffusers starts out."""
+    return np.arange(num_train_timesteps, dtype=dtype)[::-1].copy()
+
+
 def spaced_timesteps(
     timestep_spacing: str,
     num_train_timesteps: int,
@@ -183,15 +217,35 @@ def per_sample(coefficient: np.ndarray, ndim: int) -> np.ndarray:
     return coefficient.reshape(coefficient.shape[0], *([1] * (ndim - 1)))
 
 
-def add_noise_by_alpha_bar(
-    alphas_cumprod: np.ndarray, original: np.ndarray, noise: np.ndarray, timesteps: np.ndarray
-) -> np.ndarray:
-    """x_t = sqrt(ᾱ_t) x_0 + sqrt(1 - ᾱ_t) ε, one t per sample of the batch (DDPM forward)."""
-    alpha_bar = alphas_cumprod[np.asarray(timesteps, dtype=np.int64)]
-    ndim = np.ndim(original)
-    signal = per_sample(np.sqrt(alpha_bar), ndim)
-    noise_scale = per_sample(np.sqrt(np.float32(1.0) - alpha_bar), ndim)
-    return signal * as_f32(original) + noise_scale * as_f32(noise)
+class AlphaBarSchedule:
+    """The ᾱ parameterisation shared by DDIM and PNDM: integer timesteps ("linspace"
+    rounded), and steps from t to t_prev that read ᾱ at both ends; below t = 0 they read the
+    final ᾱ, 1 with set_alpha_to_one, else ᾱ_0.
+
+    Subclasses call Scheduler.__init__, then _init_alpha_bars.
+    """
+
+    num_train_timesteps: int
+    alphas_cumprod: np.ndarray  # (T,) ᾱ_t float32
+
+    def _init_alpha_bars(self, schedule: TrainingSchedule, set_alpha_to_one: bool) -> None:
+        self.alphas_cumprod = schedule.alpha_bars()
+        self.final_alpha_cumprod = np.float32(1.0) if set_alpha_to_one else self.alphas_cumprod[0]
+        self.init_noise_sigma = 1.0
+        self.timesteps = training_timesteps(self.num_train_timesteps, np.int64)
+
+    def alpha_bar_prev(self, t_prev: int) -> np.float32:
+        return self.alphas_cumprod[t_prev] if t_prev >= 0 else self.final_alpha_cumprod
+
+    def add_noise(
+        self, original: np.ndarray, noise: np.ndarray, timesteps: np.ndarray
+    ) -> np.ndarray:
+        """x_t = sqrt(ᾱ_t) x_0 + sqrt(1 - ᾱ_t) ε, one t per sample of the batch (DDPM forward)."""
+        alpha_bar = self.alphas_cumprod[np.asarray(timesteps, dtype=np.int64)]
+        ndim = np.ndim(original)
+        signal = per_sample(np.sqrt(alpha_bar), ndim)
+        noise_scale = per_sample(np.sqrt(np.float32(1.0) - alpha_bar), ndim)
+        return signal * as_f32(original) + noise_scale * as_f32(noise)
 
 
 class StepIndex:
@@ -203,7 +257,10 @@ class StepIndex:
     middle does not skip a σ.
     """
 
+    num_train_timesteps: int
     timesteps: np.ndarray
+    sigmas_by_t: np.ndarray  # (T,) σ_t float32
+    sigmas: np.ndarray  # (n + 1,) σ at each inference timestep, then 0
     _step_index: int | None = None
     _begin_index: int | None = None
 
@@ -234,6 +291,12 @@ class StepIndex:
             f"values of scheduler.timesteps"
         )
 
+    def _start_at_training_timesteps(self, dtype) -> None:
+        """Before set_timesteps: every training timestep and its σ, as diffusers starts out."""
+        self.timesteps = training_timesteps(self.num_train_timesteps, dtype)
+        self.sigmas = inference_sigmas(self.timesteps, self.sigmas_by_t)
+        self._reset_step_index()
+
     def _init_step_index(self, timestep) -> None:
         if self._begin_index is None:
             self._step_index = self.index_for_timestep(timestep)
@@ -257,41 +320,19 @@ class SigmaSchedule(StepIndex):
     trained on DDPM inputs, therefore gets x / sqrt(σ² + 1). Timesteps are float32 and,
     with "linspace" spacing, fractional: the UNet's sinusoidal embedding takes them as is.
 
-    Subclasses check their own options, then call _init_sigmas.
+    Subclasses check their own options, call Scheduler.__init__, then _init_sigmas; the
+    Scheduler base gives set_timesteps its spacing (_spaced_timesteps).
     """
 
-    num_train_timesteps: int
     timestep_spacing: str
-    steps_offset: int
-    sigmas_by_t: np.ndarray  # (T,) σ_t float32
-    sigmas: np.ndarray  # (n + 1,) σ at each inference timestep, then 0
 
-    def _init_sigmas(
-        self, num_train_timesteps, beta_start, beta_end, beta_schedule, trained_betas,
-        timestep_spacing, steps_offset,
-    ) -> None:
-        check_timestep_spacing(timestep_spacing)
-        self.num_train_timesteps = int(num_train_timesteps)
-        self.timestep_spacing = timestep_spacing
-        self.steps_offset = int(steps_offset)
-        betas = make_betas(beta_schedule, beta_start, beta_end, self.num_train_timesteps, trained_betas)
-        self.sigmas_by_t = train_sigmas(alphas_cumprod(betas))
-        self.num_inference_steps: int | None = None
-        # before set_timesteps: the whole training schedule, as diffusers starts out
-        self.timesteps = np.arange(self.num_train_timesteps, dtype=np.float32)[::-1].copy()
-        self.sigmas = np.concatenate([self.sigmas_by_t[::-1], [0.0]]).astype(np.float32)
-        self._reset_step_index()
+    def _init_sigmas(self, schedule: TrainingSchedule) -> None:
+        self.sigmas_by_t = train_sigmas(schedule.alpha_bars())
+        self._start_at_training_timesteps(np.float32)
 
-    def _set_sigma_timesteps(self, num_inference_steps: int) -> None:
-        n = check_num_inference_steps(num_inference_steps, self.num_train_timesteps)
-        self.num_inference_steps = n
-        self.timesteps = spaced_timesteps(
-            self.timestep_spacing,
-            self.num_train_timesteps,
-            n,
-            self.steps_offset,
-            round_linspace=False,
-        ).astype(np.float32)
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        spaced = self._spaced_timesteps(num_inference_steps, round_linspace=False)
+        self.timesteps = spaced.astype(np.float32)
         # interpolate at the float32 timesteps, as diffusers does, not at the float64 ones
         self.sigmas = inference_sigmas(self.timesteps, self.sigmas_by_t)
         self._reset_step_index()

@@ -26,12 +26,10 @@ import numpy as np
 from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     StepIndex,
-    alphas_cumprod,
+    TrainingSchedule,
     as_f32,
     check_num_inference_steps,
-    check_timestep_spacing,
     inference_sigmas,
-    make_betas,
     per_sample,
     require_default,
     require_epsilon,
@@ -54,15 +52,9 @@ def half_log_snr(sigma: np.float32) -> np.float32:
 
 
 class DPMSolverMultistepScheduler(StepIndex, Scheduler):
-    order = 1
-
     def __init__(
         self,
-        num_train_timesteps: int = 1000,
-        beta_start: float = 0.0001,
-        beta_end: float = 0.02,
-        beta_schedule: str = "linear",
-        trained_betas=None,
+        schedule: TrainingSchedule = TrainingSchedule(),
         prediction_type: str = "epsilon",
         thresholding: bool = False,
         lower_order_final: bool = True,
@@ -92,18 +84,12 @@ class DPMSolverMultistepScheduler(StepIndex, Scheduler):
             require_default(key, bool(value), False)
         require_default("final_sigmas_type", final_sigmas_type, "zero")
         require_default("variance_type", variance_type, None)
-        check_timestep_spacing(timestep_spacing)
-        self.num_train_timesteps = int(num_train_timesteps)
+        super().__init__(schedule, timestep_spacing, steps_offset)
         self.lower_order_final = bool(lower_order_final)
         self.euler_at_final = bool(euler_at_final)
         self.final_sigmas_type = final_sigmas_type
-        self.timestep_spacing = timestep_spacing
-        self.steps_offset = int(steps_offset)
 
-        betas = make_betas(
-            beta_schedule, beta_start, beta_end, self.num_train_timesteps, trained_betas
-        )
-        alpha_bar = alphas_cumprod(betas)
+        alpha_bar = schedule.alpha_bars()
         self.sigmas_by_t = train_sigmas(alpha_bar)
         # timesteps whose λ falls below lambda_min_clipped are cut off the top of the range
         lambda_by_t = np.log(np.sqrt(alpha_bar)) - np.log(np.sqrt(np.float32(1.0) - alpha_bar))
@@ -111,10 +97,7 @@ class DPMSolverMultistepScheduler(StepIndex, Scheduler):
         self.last_timestep = self.num_train_timesteps - clipped
 
         self.init_noise_sigma = 1.0
-        self.num_inference_steps: int | None = None
-        self.timesteps = np.arange(self.num_train_timesteps, dtype=np.int64)[::-1].copy()
-        self.sigmas = np.concatenate([self.sigmas_by_t[::-1], [0.0]]).astype(np.float32)
-        self._reset_step_index()
+        self._start_at_training_timesteps(np.int64)
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         n = check_num_inference_steps(num_inference_steps, self.num_train_timesteps)
@@ -138,20 +121,12 @@ class DPMSolverMultistepScheduler(StepIndex, Scheduler):
     def _index_of_unknown_timestep(self, timestep) -> int:
         return len(self.timesteps) - 1  # diffusers reads a timestep off the schedule as "the end"
 
-    def step(
-        self,
-        model_output: np.ndarray,
-        timestep,
-        sample: np.ndarray,
-        rng: np.random.Generator | None = None,
-    ) -> np.ndarray:
+    def _step(self, eps: np.ndarray, timestep, x: np.ndarray, rng) -> np.ndarray:
         if self.num_inference_steps is None:
             raise ValueError("call set_timesteps before step")
         if self._step_index is None:
             self._init_step_index(timestep)
         i = self._step_index
-        eps = as_f32(model_output)
-        x = as_f32(sample)
 
         # with final σ = 0 the last step is always first order; lower_order_final and
         # euler_at_final only matter for the σ_min ending the engine does not offer

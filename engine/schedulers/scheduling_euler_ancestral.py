@@ -22,22 +22,16 @@ import numpy as np
 from engine.schedulers.base import Scheduler
 from engine.schedulers.common import (
     SigmaSchedule,
-    as_f32,
+    TrainingSchedule,
     require_default,
     require_epsilon,
 )
 
 
 class EulerAncestralDiscreteScheduler(SigmaSchedule, Scheduler):
-    order = 1
-
     def __init__(
         self,
-        num_train_timesteps: int = 1000,
-        beta_start: float = 0.0001,
-        beta_end: float = 0.02,
-        beta_schedule: str = "linear",
-        trained_betas=None,
+        schedule: TrainingSchedule = TrainingSchedule(),
         prediction_type: str = "epsilon",
         timestep_spacing: str = "linspace",
         steps_offset: int = 0,
@@ -45,29 +39,16 @@ class EulerAncestralDiscreteScheduler(SigmaSchedule, Scheduler):
     ):
         require_epsilon(prediction_type)
         require_default("rescale_betas_zero_snr", rescale_betas_zero_snr, False)
-        self._init_sigmas(
-            num_train_timesteps, beta_start, beta_end, beta_schedule, trained_betas,
-            timestep_spacing, steps_offset,
-        )
+        super().__init__(schedule, timestep_spacing, steps_offset)
+        self._init_sigmas(schedule)
 
-    def set_timesteps(self, num_inference_steps: int) -> None:
-        self._set_sigma_timesteps(num_inference_steps)
-
-    def step(
-        self,
-        model_output: np.ndarray,
-        timestep,
-        sample: np.ndarray,
-        rng: np.random.Generator | None = None,
-    ) -> np.ndarray:
+    def _step(self, eps: np.ndarray, timestep, x: np.ndarray, rng) -> np.ndarray:
         if rng is None:
             raise ValueError(
                 "euler_ancestral draws fresh noise every step: pass a numpy Generator as rng"
             )
         if self._step_index is None:
             self._init_step_index(timestep)
-        eps = as_f32(model_output)
-        x = as_f32(sample)
         sigma = self.sigmas[self._step_index]
         sigma_next = self.sigmas[self._step_index + 1]
 

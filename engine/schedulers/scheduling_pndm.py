@@ -24,30 +24,15 @@ from __future__ import annotations
 import numpy as np
 
 from engine.schedulers.base import Scheduler
-from engine.schedulers.common import (
-    add_noise_by_alpha_bar,
-    alphas_cumprod,
-    as_f32,
-    check_num_inference_steps,
-    check_timestep_spacing,
-    make_betas,
-    require_epsilon,
-    spaced_timesteps,
-)
+from engine.schedulers.common import AlphaBarSchedule, TrainingSchedule, require_epsilon
 
 PNDM_ORDER = 4  # the multistep formula uses the last four ε
 
 
-class PNDMScheduler(Scheduler):
-    order = 1
-
+class PNDMScheduler(AlphaBarSchedule, Scheduler):
     def __init__(
         self,
-        num_train_timesteps: int = 1000,
-        beta_start: float = 0.0001,
-        beta_end: float = 0.02,
-        beta_schedule: str = "linear",
-        trained_betas=None,
+        schedule: TrainingSchedule = TrainingSchedule(),
         skip_prk_steps: bool = False,
         set_alpha_to_one: bool = False,
         prediction_type: str = "epsilon",
@@ -55,31 +40,14 @@ class PNDMScheduler(Scheduler):
         steps_offset: int = 0,
     ):
         require_epsilon(prediction_type)
-        check_timestep_spacing(timestep_spacing)
-        self.num_train_timesteps = int(num_train_timesteps)
+        super().__init__(schedule, timestep_spacing, steps_offset)
         self.skip_prk_steps = bool(skip_prk_steps)
-        self.timestep_spacing = timestep_spacing
-        self.steps_offset = int(steps_offset)
-
-        betas = make_betas(
-            beta_schedule, beta_start, beta_end, self.num_train_timesteps, trained_betas
-        )
-        self.alphas_cumprod = alphas_cumprod(betas)  # (T,) float32
-        self.final_alpha_cumprod = np.float32(1.0) if set_alpha_to_one else self.alphas_cumprod[0]
-        self.init_noise_sigma = 1.0
-        self.num_inference_steps: int | None = None
-        self.timesteps = np.arange(self.num_train_timesteps, dtype=np.int64)[::-1].copy()
+        self._init_alpha_bars(schedule, set_alpha_to_one)
 
     def set_timesteps(self, num_inference_steps: int) -> None:
-        n = check_num_inference_steps(num_inference_steps, self.num_train_timesteps)
-        self.num_inference_steps = n
-        ascending = spaced_timesteps(
-            self.timestep_spacing,
-            self.num_train_timesteps,
-            n,
-            self.steps_offset,
-            round_linspace=True,
-        )[::-1].astype(np.int64)
+        spaced = self._spaced_timesteps(num_inference_steps, round_linspace=True)
+        ascending = spaced[::-1].astype(np.int64)
+        n = self.num_inference_steps
 
         if self.skip_prk_steps:
             self.prk_timesteps = np.array([], dtype=np.int64)
@@ -103,17 +71,9 @@ class PNDMScheduler(Scheduler):
         self._x_start: np.ndarray | None = None  # x_t the warm-up steps restart from
         self._rk_sum: np.ndarray | float = 0.0  # running RK4 weighted sum of ε
 
-    def step(
-        self,
-        model_output: np.ndarray,
-        timestep,
-        sample: np.ndarray,
-        rng: np.random.Generator | None = None,
-    ) -> np.ndarray:
+    def _step(self, eps: np.ndarray, timestep, sample: np.ndarray, rng) -> np.ndarray:
         if self.num_inference_steps is None:
             raise ValueError("call set_timesteps before step")
-        eps = as_f32(model_output)
-        sample = as_f32(sample)
         timestep = int(timestep)
         if self._counter < len(self.prk_timesteps) and not self.skip_prk_steps:
             return self._step_runge_kutta(eps, timestep, sample)
@@ -178,7 +138,7 @@ class PNDMScheduler(Scheduler):
     def _transfer(self, x_t: np.ndarray, t: int, t_prev: int, eps: np.ndarray) -> np.ndarray:
         """Eq. (9) of the PNDM paper: x_t -> x_{t_prev} given ε, in float32."""
         alpha_bar_t = self.alphas_cumprod[t]
-        alpha_bar_prev = self.alphas_cumprod[t_prev] if t_prev >= 0 else self.final_alpha_cumprod
+        alpha_bar_prev = self.alpha_bar_prev(t_prev)
         beta_bar_t = np.float32(1.0) - alpha_bar_t
         beta_bar_prev = np.float32(1.0) - alpha_bar_prev
 
@@ -187,8 +147,3 @@ class PNDMScheduler(Scheduler):
             alpha_bar_t * beta_bar_t * alpha_bar_prev
         )
         return sample_coeff * x_t - (alpha_bar_prev - alpha_bar_t) * eps / eps_denominator
-
-    def add_noise(
-        self, original: np.ndarray, noise: np.ndarray, timesteps: np.ndarray
-    ) -> np.ndarray:
-        return add_noise_by_alpha_bar(self.alphas_cumprod, original, noise, timesteps)
