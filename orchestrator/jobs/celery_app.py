@@ -28,11 +28,10 @@ from __future__ import annotations
 from functools import cache
 
 from celery import Celery
-from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.infra import fsbroker
 from orchestrator.infra.settings import Settings, load_settings
-from orchestrator.store import make_engine, make_session_factory
+from orchestrator.store import Session, SessionFactory, make_engine, make_session_factory
 
 DEFAULT_QUEUE = "farm"
 NOTIFY_QUEUE = "notify"  # notification deliveries only: their own consumer, never a job's slot
@@ -138,7 +137,7 @@ def settings_of(app: Celery) -> Settings:
 
 
 @cache
-def _sessions(database_url: str) -> sessionmaker[Session]:
+def _sessions(database_url: str) -> SessionFactory:
     # One engine per process (created lazily, so after the prefork fork).
     return make_session_factory(make_engine(database_url))
 

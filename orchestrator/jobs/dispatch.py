@@ -38,13 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from orchestrator import store
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.celery_app import DEFAULT_QUEUE, host_queue, session_for, settings_of
-from orchestrator.store.models import Build, DeploymentStatus, Device, Job, JobState, utcnow
+from orchestrator.store import Session
+from orchestrator.store.models import DeploymentStatus, Device, Job, JobState, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -204,17 +203,15 @@ def hand_over(session: Session, settings: Settings, sends: Sends, device_id: int
 def after_deployment(session: Session, settings: Settings, sends: Sends, deployment_id: int,
                      status: DeploymentStatus, error: str | None) -> None:
     """The jobs that waited for a deployment: sent when it succeeded, ended when it failed."""
-    waiting = session.scalars(select(Job).where(Job.deployment_id == deployment_id,
-                                                Job.state == JobState.queued).order_by(Job.id)).all()
-    build = session.get(Build, store.get_deployment(session, deployment_id).build_id)
-    for job in waiting:
+    build = store.get_build(session, store.get_deployment(session, deployment_id).build_id)
+    for job in store.jobs_of_deployment(session, deployment_id):
         if status == DeploymentStatus.succeeded and prior_pending(session, job):
             continue  # its prior job sends it when it succeeds (after_job)
         if status == DeploymentStatus.succeeded:
             sends.job(session, settings, job.id, store.redispatch_job(session, job.id, grace(settings),
                                                                       new_message=True))
         else:
-            end_job(session, sends, job, f"deployment of {build.name if build else '?'} to {job.device.serial} "
+            end_job(session, sends, job, f"deployment of {build.name} to {job.device.serial} "
                                          f"failed: {error}")
 
 
@@ -222,7 +219,7 @@ def prior_pending(session: Session, job: Job) -> bool:
     """`job` runs after another job that has not ended yet."""
     if job.after_job_id is None:
         return False
-    prior = session.get(Job, job.after_job_id)
+    prior = store.find_job(session, job.after_job_id)
     return prior is not None and prior.state in (JobState.queued, JobState.running)
 
 
@@ -231,7 +228,5 @@ def after_job(session: Session, sends: Sends, job_id: int, state: JobState | str
     succeeded hands its device, and so them, on in hand_over)."""
     if state not in (JobState.failed, JobState.infra_failed, JobState.cancelled):
         return
-    waiting = session.scalars(select(Job).where(Job.after_job_id == job_id, Job.state == JobState.queued)
-                              .order_by(Job.id)).all()
-    for job in waiting:
+    for job in store.jobs_after_job(session, job_id):
         end_job(session, sends, job, f"job {job_id}, which it runs after, ended {state}; it did not run")

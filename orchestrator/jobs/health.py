@@ -18,14 +18,13 @@ from functools import partial
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import or_, select
-from sqlalchemy.orm import Session
 
 from agent.protocol import DeviceInfo
 from orchestrator import store
 from orchestrator.infra import inputs
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.celery_app import host_queue, session_for, settings_of
+from orchestrator.store import Session
 from orchestrator.store.device_states import PROBED_STATES, DeviceEvent
 from orchestrator.store.models import Device, DeviceState, TransportKind, utcnow
 from orchestrator.transports import TransportError
@@ -139,19 +138,6 @@ def probe(settings: Settings, sessions: Sessions, device: Device, now: dt.dateti
 # ---- the health check ---------------------------------------------------------------------
 
 
-def _free(now: dt.datetime):
-    return or_(Device.lease_holder.is_(None), Device.lease_until.is_(None), Device.lease_until < now)
-
-
-def due_devices(session: Session, now: dt.datetime) -> list[Device]:
-    """Offline and unauthorized devices whose next probe is due and that nothing holds, by id.
-    Quarantined devices are never probed: only an operator releases them."""
-    return list(session.scalars(
-        select(Device).where(Device.state.in_(PROBED_STATES), _free(now),
-                             or_(Device.next_probe_at.is_(None), Device.next_probe_at <= now))
-        .order_by(Device.id)))
-
-
 def check(app: Celery, now: dt.datetime | None = None) -> dict[str, list[int]]:
     """Beat's health check. In one transaction: busy devices whose lease ran out are available
     again (lease_expired), and every due device's next probe is pushed back by the back-off it
@@ -163,7 +149,7 @@ def check(app: Celery, now: dt.datetime | None = None) -> dict[str, list[int]]:
     with session_for(app) as session, session.begin():
         freed = store.expire_device_leases(session, now)
         sends = []
-        for device in due_devices(session, now):
+        for device in store.devices_due_for_probe(session, now):
             device.next_probe_at = now + dt.timedelta(seconds=backoff_s(device.probe_failures + 1))
             sends.append((device.id, host_queue(device.host.name if device.host is not None else settings.host_name)))
     for device_id, queue in sends:
@@ -183,8 +169,11 @@ def probe_device(app: Celery, device_id: int, now: dt.datetime | None = None) ->
     something holds it; else the state it was left in."""
     now = now or utcnow()
     with session_for(app) as session:
-        device = session.get(Device, device_id)
-        if device is None or device.state not in PROBED_STATES or (
+        try:
+            device = store.get_device(session, device_id)
+        except store.StoreError:
+            return "skipped"
+        if device.state not in PROBED_STATES or (
                 device.lease_holder is not None and device.lease_until is not None and device.lease_until >= now):
             return "skipped"
     return str(probe(settings_of(app), partial(session_for, app), device, now).state)
@@ -241,8 +230,7 @@ def scan(settings: Settings, sessions: Sessions, addresses: list[str], *, usb: b
     canonical). Nothing is recorded. Returns what answered at each, and why USB was not looked
     at (None when it was, or `usb` is False)."""
     with sessions() as session:
-        known = list(session.scalars(select(Device).where(Device.transport == TransportKind.adb)
-                                     .order_by(Device.serial)))
+        known = store.devices_of_transport(session, TransportKind.adb)
         serials_known = {d.serial for d in known}
         by_address = {d.address: d.serial for d in known if d.address}
     usb_found, usb_note = usb_serials() if usb else ([], None)

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
-from sqlalchemy.orm import Session
 
 from agent.protocol import JobSpec
 from orchestrator import store
@@ -21,6 +20,7 @@ from orchestrator.analysis import profiles
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.celery_app import session_for, settings_of
 from orchestrator.jobs.dispatch import Sends, grace
+from orchestrator.store import Session
 from orchestrator.store.models import (
     BATCH_SERIES,
     Batch,

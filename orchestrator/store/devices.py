@@ -33,7 +33,7 @@ from .rows import InvalidTransition, StoreError, insert_or_get
 __all__ = [
     "QUARANTINE_AFTER_INFRA_FAILURES", "TIMED_KINDS", "TRANSPORT_STATES", "acquire_device_lease",
     "adapter_group_of", "all_devices", "apply_device_event", "count_job_outcome", "device_history",
-    "devices_named", "expire_device_leases", "find_device", "get_device", "get_or_create_host",
+    "devices_due_for_probe", "devices_named", "devices_of_transport", "expire_device_leases", "find_device", "get_device", "get_or_create_host",
     "in_service_devices", "release_device_lease", "remove_device", "set_device_state", "upsert_device",
 ]
 
@@ -141,6 +141,21 @@ def remove_device(session: Session, device: Device) -> None:
     """Delete the device row and, through the schema's cascades, what names it."""
     session.delete(device)
     session.flush()
+
+
+def devices_of_transport(session: Session, transport: TransportKind | str) -> list[Device]:
+    """Every device reached through `transport`, by serial."""
+    return list(session.scalars(select(Device).where(Device.transport == TransportKind(transport))
+                                .order_by(Device.serial)))
+
+
+def devices_due_for_probe(session: Session, now: dt.datetime) -> list[Device]:
+    """Offline and unauthorized devices whose next probe is due and that nothing holds, by id.
+    Quarantined devices are never probed: only an operator releases them."""
+    return list(session.scalars(
+        select(Device).where(Device.state.in_(PROBED_STATES), _unheld(now),
+                             or_(Device.next_probe_at.is_(None), Device.next_probe_at <= now))
+        .order_by(Device.id)))
 
 
 def in_service_devices(session: Session) -> list[Device]:
@@ -287,14 +302,18 @@ def expire_device_leases(session: Session, now: dt.datetime) -> list[int]:
     back, and no one took it since) are available again (lease_expired); returns their ids."""
     ids = list(session.scalars(
         update(Device)
-        .where(Device.state == DeviceState.busy,
-               or_(Device.lease_holder.is_(None), Device.lease_until.is_(None), Device.lease_until < now))
+        .where(Device.state == DeviceState.busy, _unheld(now))
         .values(**_lease_event(DeviceEvent.lease_expired))
         .returning(Device.id)
         .execution_options(synchronize_session=False)))
     for device_id in ids:
         _expire_device(session, device_id)
     return sorted(ids)
+
+
+def _unheld(now: dt.datetime):
+    """The condition on Device that no lease holds it at `now` (none taken, or it ran out)."""
+    return or_(Device.lease_holder.is_(None), Device.lease_until.is_(None), Device.lease_until < now)
 
 
 def _expire_device(session: Session, device_id: int) -> None:

@@ -28,8 +28,8 @@ from .rows import InvalidTransition, StoreError, insert_or_get, redispatch_row, 
 
 __all__ = [
     "ALLOWED_TRANSITIONS", "FINAL_STATES", "SETTLED_STATES", "create_job", "find_due_queued_jobs",
-    "find_jobs_after_failed_jobs", "find_jobs_of_failed_deployments", "find_jobs_waiting_too_long",
-    "find_stale_running_jobs", "get_job", "heartbeat_job", "job_spec", "jobs_of_batches", "latency_specs",
+    "find_job", "find_jobs_after_failed_jobs", "find_jobs_of_failed_deployments", "find_jobs_waiting_too_long",
+    "find_stale_running_jobs", "get_job", "heartbeat_job", "job_spec", "jobs_after_job", "jobs_of_batches", "jobs_of_deployment", "latency_specs",
     "record_job_progress", "redispatch_job", "transition_job",
 ]
 
@@ -152,8 +152,13 @@ def latency_specs(session: Session, device_id: int, build_id: int) -> list[dict]
         Job.device_id == device_id, Job.build_id == build_id, Job.kind == JobKind.latency))]
 
 
+def find_job(session: Session, job_id: int) -> Job | None:
+    """The job `job_id`, or None."""
+    return session.get(Job, job_id)
+
+
 def get_job(session: Session, job_id: int) -> Job:
-    job = session.get(Job, job_id)
+    job = find_job(session, job_id)
     if job is None:
         raise StoreError(f"no job {job_id}; `farm jobs list` shows the known ones")
     return job
@@ -292,6 +297,18 @@ def find_due_queued_jobs(session: Session, now: dt.datetime, device_id: int | li
     firsts = select(Job.id, rank).where(*conditions).subquery()
     ids = select(firsts.c.id).where(firsts.c.rank == 1)
     return list(session.scalars(select(Job).where(Job.id.in_(ids)).order_by(Job.id).limit(limit)))
+
+
+def jobs_of_deployment(session: Session, deployment_id: int) -> list[Job]:
+    """The queued jobs that wait for the deployment `deployment_id`, in the order they were made."""
+    return list(session.scalars(select(Job).where(Job.deployment_id == deployment_id, Job.state == JobState.queued)
+                                .order_by(Job.id)))
+
+
+def jobs_after_job(session: Session, job_id: int) -> list[Job]:
+    """The queued jobs that run after the job `job_id` (`after_job_id`), in the order they were made."""
+    return list(session.scalars(select(Job).where(Job.after_job_id == job_id, Job.state == JobState.queued)
+                                .order_by(Job.id)))
 
 
 def find_jobs_waiting_too_long(session: Session, queued_before: dt.datetime, limit: int = 500) -> list[Job]:

@@ -166,8 +166,8 @@ def test_probe_backoff_with_explicit_clocks(farm):
             row = store.get_device(s, device_id)
             assert row.probe_failures == failures
             waits.append((row.next_probe_at - now).total_seconds())
-            assert [d.id for d in health.due_devices(s, row.next_probe_at - dt.timedelta(seconds=1))] == []
-            assert [d.id for d in health.due_devices(s, row.next_probe_at)] == [device_id]
+            assert [d.id for d in store.devices_due_for_probe(s, row.next_probe_at - dt.timedelta(seconds=1))] == []
+            assert [d.id for d in store.devices_due_for_probe(s, row.next_probe_at)] == [device_id]
         now = row.next_probe_at
     assert waits == [30, 60, 120, 240, 480, 960, 1800, 1800]
 
