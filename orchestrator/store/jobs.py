@@ -29,7 +29,7 @@ from .rows import InvalidTransition, StoreError, insert_or_get, redispatch_row, 
 __all__ = [
     "ALLOWED_TRANSITIONS", "FINAL_STATES", "SETTLED_STATES", "create_job", "find_due_queued_jobs",
     "find_job", "find_jobs_after_failed_jobs", "find_jobs_of_failed_deployments", "find_jobs_waiting_too_long",
-    "find_stale_running_jobs", "get_job", "heartbeat_job", "job_spec", "jobs_after_job", "jobs_of_batches", "jobs_of_deployment", "latency_specs",
+    "find_stale_running_jobs", "get_job", "heartbeat_job", "job_spec", "jobs_after_job", "jobs_of_batches", "jobs_of_deployment", "latency_specs", "workload",
     "record_job_progress", "redispatch_job", "transition_job",
 ]
 
@@ -67,7 +67,7 @@ def submitted_spec(kind: JobKind | str, spec: JobSpec | dict[str, Any], device: 
     names a field that is wrong."""
     fields = to_dict(spec) if isinstance(spec, JobSpec) else dict(spec)
     fields |= {"job_id": PENDING_ID, "kind": str(JobKind(kind))}
-    if build is not None and not fields.get("build"):
+    if build is not None:  # the job's build row, whatever a copied spec said
         fields["build"] = build.name
     if device.engine_host == "browser":
         if fields.get("executor", "native") not in ("native", "browser"):
@@ -78,6 +78,12 @@ def submitted_spec(kind: JobKind | str, spec: JobSpec | dict[str, Any], device: 
         return from_dict(JobSpec, fields)
     except ProtocolError as exc:
         raise StoreError(f"the job's spec: {str(exc).replace('JobSpec.', '').replace('JobSpec: ', '')}") from None
+
+
+def workload(spec: dict[str, Any]) -> dict[str, Any]:
+    """A stored spec without what names its job (job_id, kind, build: the job's row holds
+    those): what a report shows and a rerun of the same work on another job submits."""
+    return {k: v for k, v in (spec or {}).items() if k not in ("job_id", "kind", "build")}
 
 
 def job_spec(job: Job, attempt: int | None = None) -> JobSpec:

@@ -19,11 +19,13 @@ from typer.testing import CliRunner
 from agent.protocol import (
     Artifact,
     JobResult,
+    JobSpec,
     KernelTiming,
     Manifest,
     ManifestFile,
     Sample,
     ThermalReading,
+    to_dict,
 )
 from orchestrator import store
 from orchestrator.analysis import regressions
@@ -188,7 +190,8 @@ def test_regression_found_attributed_and_baseline_skips_open_alerts(farm):
     assert c2["drift_source"] == "default"  # one earlier run: too little history to estimate it
     assert c2["verdict"] == "same" or (c2["verdict"] == "inconclusive" and c2["more_repetitions_suggested"] > 0)
     if c2["verdict"] == "inconclusive":  # the next round reruns the baseline build too
-        assert same["more_repetitions"] == [{"device": "p1", "spec": SPEC, "repetitions": 10,
+        whole = store.workload(to_dict(JobSpec(job_id="any", kind="latency", **SPEC)))  # as stored
+        assert same["more_repetitions"] == [{"device": "p1", "spec": whole, "repetitions": 10,
                                              "baseline_build": farm["builds"]["b1"], "metrics": ["unet_step_ms"]}]
     (c3,) = [c for c in regressed["comparisons"] if c["metric"] == "unet_step_ms"]
     assert c3["baseline_build"] == "b2" and c3["verdict"] == "regression" and 1.25 < c3["ratio"] < 1.35

@@ -142,7 +142,9 @@ def test_jobs_list_filters_and_json(seeded):
 def test_jobs_show_logs(seeded):
     cli, ids = seeded, seeded.ids
     shown = json.loads(cli("jobs", "show", str(ids[0]), "--json").output)
-    assert shown["spec"] == {"model": "models/tiny", "precision": "fp32", "steps": 2}
+    # the whole spec as the device ran it: what was asked, the protocol's defaults, its job's names
+    assert shown["spec"] | {"model": "models/tiny", "precision": "fp32", "steps": 2} == shown["spec"]
+    assert (shown["spec"]["job_id"], shown["spec"]["kind"], shown["spec"]["scheduler"]) == (f"job{ids[0]}", "latency", "pndm")
     assert shown["state"] == "succeeded" and shown["attempts"] == 1 and shown["worker"] == "w1@testhost"
     assert shown["worker_losses"] == 0
     (run,) = shown["runs"]

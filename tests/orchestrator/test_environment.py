@@ -14,7 +14,7 @@ import numpy as np
 from alembic import command
 from sqlalchemy import func, select
 
-from agent.protocol import DeviceInfo, JobResult, RunEnvironment, Sample, to_dict
+from agent.protocol import DeviceInfo, JobResult, JobSpec, RunEnvironment, Sample, to_dict
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.store import environment as run_env
@@ -180,7 +180,9 @@ def test_a_driver_update_is_an_environment_change_not_a_build_regression(Session
     assert c3["min_effect"] == 0.1
     # ... and asks for b2 to be measured again, in the new environment, beside b3.
     # Every metric is measured again: the comparison across the change decided none of them.
-    assert across["more_repetitions"] == [{"device": "p1", "spec": SPEC, "repetitions": 20, "baseline_build": ids["b2"],
+    # The spec as stored: the whole JobSpec, less what names its job.
+    whole = store.workload(to_dict(JobSpec(job_id="any", kind="latency", **SPEC)))
+    assert across["more_repetitions"] == [{"device": "p1", "spec": whole, "repetitions": 20, "baseline_build": ids["b2"],
                                            "metrics": ["unet_step_ms", "e2e_ms", "peak_gpu_bytes"],
                                            "environment_change": ["driver changed 512.3 -> 530.1"]}]
     with Session() as s:
