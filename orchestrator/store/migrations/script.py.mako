@@ -1,20 +1,13 @@
 """${message}
 
-Revision ID: ${up_revision}
-Revises: ${down_revision | comma,n}
 Create Date: ${create_date}
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 ${imports if imports else ""}
 
-revision: str = ${repr(up_revision)}
-down_revision: str | Sequence[str] | None = ${repr(down_revision)}
-branch_labels: str | Sequence[str] | None = ${repr(branch_labels)}
-depends_on: str | Sequence[str] | None = ${repr(depends_on)}
+revision, down_revision, branch_labels, depends_on = ${repr(up_revision)}, ${repr(down_revision)}, ${repr(branch_labels)}, ${repr(depends_on)}
 
 
 def upgrade() -> None:

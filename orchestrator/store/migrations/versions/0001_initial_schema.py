@@ -1,19 +1,12 @@
 """initial schema
 
-Revision ID: 0001
-Revises: (none)
 Create Date: 2026-11-21 16:36:38.576282
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0001'
-down_revision: str | Sequence[str] | None = None
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0001', None, None, None
 
 
 def upgrade() -> None:

@@ -1,19 +1,12 @@
 """batches: jobs submitted and analysed together (schedule firings, submits, demos)
 
-Revision ID: 0002
-Revises: 0001
 Create Date: 2026-11-21 17:10:45.065891
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0002'
-down_revision: str | Sequence[str] | None = '0001'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0002', '0001', None, None
 
 
 def upgrade() -> None:

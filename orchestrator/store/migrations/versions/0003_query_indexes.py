@@ -5,19 +5,12 @@ Measured with benchmarks/store_scale.py (200 devices, 1,000 builds, 1,000,000 sa
 is not in id order), and `--build` scanned the jobs table, which had no index on build_id
 (also what ON DELETE SET NULL of a build walks).
 
-Revision ID: 0003
-Revises: 0002
 Create Date: 2026-11-21 17:20:00.000000
 """
 
-from collections.abc import Sequence
-
 from alembic import op
 
-revision: str = '0003'
-down_revision: str | Sequence[str] | None = '0002'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0003', '0002', None, None
 
 
 def upgrade() -> None:

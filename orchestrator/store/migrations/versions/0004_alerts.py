@@ -1,20 +1,13 @@
 """alerts: what the regression analysis found, for triage; per-series analysis settings; how
 many more-repetition rounds a batch may launch
 
-Revision ID: 0004
-Revises: 0003
 Create Date: 2026-11-21 17:22:30.828183
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0004'
-down_revision: str | Sequence[str] | None = '0003'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0004', '0003', None, None
 
 
 def upgrade() -> None:

@@ -2,20 +2,13 @@
 dispatch sequence number, so the reconciler can send it again and drop superseded messages;
 deployments get attempts and a heartbeat; a job names the deployment it waits for
 
-Revision ID: 0005
-Revises: 0004
 Create Date: 2026-11-24 21:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0005'
-down_revision: str | Sequence[str] | None = '0004'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0005', '0004', None, None
 
 
 def upgrade() -> None:

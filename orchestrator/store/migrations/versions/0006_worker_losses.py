@@ -1,20 +1,13 @@
 """worker losses: a job counts the executions it lost because their worker died apart from
 the ones its device failed, so a flaky host does not use up an innocent job's attempts
 
-Revision ID: 0006
-Revises: 0005
 Create Date: 2026-11-25 01:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0006'
-down_revision: str | Sequence[str] | None = '0005'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0006', '0005', None, None
 
 
 def upgrade() -> None:

@@ -2,20 +2,13 @@
 host itself) share an `adapter_group`, and a device lease says whether its holder is timed
 (`lease_timed`), so the farm never times a job while anything else runs on that GPU
 
-Revision ID: 0007
-Revises: 0006
 Create Date: 2026-11-25 02:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0007'
-down_revision: str | Sequence[str] | None = '0006'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0007', '0006', None, None
 
 
 def upgrade() -> None:

@@ -1,19 +1,12 @@
 """devices heal: health-check back-off and consecutive infrastructure failures
 
-Revision ID: 0008
-Revises: 0007
 Create Date: 2026-11-25 12:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0008'
-down_revision: str | Sequence[str] | None = '0007'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0008', '0007', None, None
 
 
 def upgrade() -> None:

@@ -3,20 +3,13 @@ adapter, engine runtime, clocks, profile, as the agent read them at run time) an
 `runs.env_key`, the short key series are keyed by; runs stored before stay empty ({} and '')
 and the analysis reads their device's record for them
 
-Revision ID: 0009
-Revises: 0008
 Create Date: 2026-11-25 12:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0009'
-down_revision: str | Sequence[str] | None = '0008'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0009', '0008', None, None
 
 
 def upgrade() -> None:

@@ -3,20 +3,13 @@ tune run that made them, the family profile they are measured against, the gain 
 estimated and the gain a latency run measured, and when they were promoted; jobs may wait
 for another job (`after_job_id`: a latency run of the profile a tune job makes)
 
-Revision ID: 0010
-Revises: 0009
 Create Date: 2026-11-25 12:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0010'
-down_revision: str | Sequence[str] | None = '0009'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0010', '0009', None, None
 
 
 def upgrade() -> None:

@@ -1,20 +1,13 @@
 """change points: where each series' level moved, found by scanning its whole history; a
 batch's `round_metrics`, the metrics whose inconclusive comparison asks for more repetitions
 
-Revision ID: 0011
-Revises: 0010
 Create Date: 2026-11-25 14:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0011'
-down_revision: str | Sequence[str] | None = '0010'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0011', '0010', None, None
 
 
 def upgrade() -> None:

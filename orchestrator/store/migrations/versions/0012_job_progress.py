@@ -1,20 +1,13 @@
 """job progress: where a running job is (its agent's last phase and step), recorded as the
 transport relays the agent's events
 
-Revision ID: 0012
-Revises: 0011
 Create Date: 2026-11-25 19:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0012'
-down_revision: str | Sequence[str] | None = '0011'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0012', '0011', None, None
 
 
 def upgrade() -> None:

@@ -1,20 +1,13 @@
 """device runtime: who runs the engine on a device, its farm-agent ("python") or its web
 browser ("browser")
 
-Revision ID: 0013
-Revises: 0012
 Create Date: 2026-11-25 11:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0013'
-down_revision: str | Sequence[str] | None = '0012'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0013', '0012', None, None
 
 
 def upgrade() -> None:

@@ -1,19 +1,12 @@
 """web transport: browser devices that open the farm's hub over HTTPS themselves (iPhones,
 iPads, any browser on the network)
 
-Revision ID: 0014
-Revises: 0013
 Create Date: 2026-11-25 12:00:00
 """
 
-from collections.abc import Sequence
-
 from alembic import op
 
-revision: str = '0014'
-down_revision: str | Sequence[str] | None = '0013'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0014', '0013', None, None
 
 
 def _transports(*values: str) -> None:

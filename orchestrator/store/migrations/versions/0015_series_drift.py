@@ -1,20 +1,13 @@
 """series drift: a per-series prior on the run-to-run drift, used until the series' history is
 long enough to estimate its own (a series setting may now hold a drift, a minimum effect or both)
 
-Revision ID: 0015
-Revises: 0014
 Create Date: 2026-11-27 15:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0015'
-down_revision: str | Sequence[str] | None = '0014'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0015', '0014', None, None
 
 
 def upgrade() -> None:

@@ -1,20 +1,13 @@
 """schedule errors: why a schedule could not fire last time (a cron that names no date, no
 build, no devices), shown by `farm schedules list`; cleared by its next firing
 
-Revision ID: 0016
-Revises: 0015
 Create Date: 2026-11-27 15:30:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0016'
-down_revision: str | Sequence[str] | None = '0015'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0016', '0015', None, None
 
 
 def upgrade() -> None:

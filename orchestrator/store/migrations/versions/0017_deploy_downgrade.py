@@ -2,20 +2,13 @@
 (`farm deploy --allow-downgrade`), and a note on what an install did besides succeeding
 (an older build installed beside the current one, which stays)
 
-Revision ID: 0017
-Revises: 0016
 Create Date: 2026-11-27 18:45:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0017'
-down_revision: str | Sequence[str] | None = '0016'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0017', '0016', None, None
 
 
 def upgrade() -> None:

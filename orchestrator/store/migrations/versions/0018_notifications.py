@@ -2,20 +2,13 @@
 filters) and one delivery row per event and subscription, unique, with its state, attempts,
 last error and back-off
 
-Revision ID: 0018
-Revises: 0017
 Create Date: 2026-11-28 09:50:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0018'
-down_revision: str | Sequence[str] | None = '0017'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0018', '0017', None, None
 
 
 def upgrade() -> None:

@@ -1,20 +1,13 @@
 """the farm API: bearer tokens (only their sha256 and a short prefix kept) with a scope, and the
 checks started through it, with their state, progress, exit code and report
 
-Revision ID: 0019
-Revises: 0018
 Create Date: 2026-11-28 14:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0019'
-down_revision: str | Sequence[str] | None = '0018'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0019', '0018', None, None
 
 
 def upgrade() -> None:

@@ -1,20 +1,13 @@
 """a batch's purpose: "series" (its runs are the series' measurements, analysed when it ends) or
 "check" (a farm check's runs, judged by the check alone and never part of a series)
 
-Revision ID: 0020
-Revises: 0019
 Create Date: 2026-11-28 14:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0020'
-down_revision: str | Sequence[str] | None = '0019'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0020', '0019', None, None
 
 
 def upgrade() -> None:

@@ -1,20 +1,13 @@
 """device state changes: each change of a device's state (not its lease's busy and available)
 with the event and the reason, for its health page's history
 
-Revision ID: 0021
-Revises: 0020
 Create Date: 2026-11-28 14:20:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0021'
-down_revision: str | Sequence[str] | None = '0020'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0021', '0020', None, None
 
 
 def upgrade() -> None:

@@ -3,20 +3,13 @@ browser: what hosts the engine on it), and a job's stored spec names its `execut
 plan or browser; the spec's former `engine_runtime`), browser for the jobs of browser devices,
 which until now were told so only when they ran
 
-Revision ID: 0022
-Revises: 0021
 Create Date: 2026-12-06 05:00:00
 """
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0022'
-down_revision: str | Sequence[str] | None = '0021'
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision, branch_labels, depends_on = '0022', '0021', None, None
 
 devices = sa.table('devices', sa.column('id', sa.Integer), sa.column('engine_host', sa.String))
 jobs = sa.table('jobs', sa.column('id', sa.Integer), sa.column('device_id', sa.Integer), sa.column('spec', sa.JSON))
