@@ -45,8 +45,7 @@ from pathlib import Path, PurePosixPath
 
 from adb_shell import exceptions as adb_errors
 
-from agent.bundle import RESUME
-from agent.deviceinfo import collect_android
+from agent.link import RESUME, collect_android
 from agent.protocol import (
     EXIT_FAILED,
     EXIT_NOT_FOUND,

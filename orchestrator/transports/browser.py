@@ -32,9 +32,15 @@ import shlex
 import threading
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-
-from agent.bundle import load_public_key
+from agent.link import (
+    adapter_id,
+    collect_android,
+    cool_down,
+    farm_key_bytes,
+    parse_user_agent,
+    parse_user_agent_os,
+    provision_public_key,
+)
 from agent.protocol import FARM_KEY, DeviceInfo, JobResult, JobSpec, ThermalReading
 from engine.errors import BrowserError
 from orchestrator.transports.base import (
@@ -132,8 +138,6 @@ class AdbPageLink(PageLink):
             raise TransportError(self.adb.name, f"could not open the page in {self.package}: {text[-300:]}")
 
     def device_info(self, adapter: dict, user_agent: str = "") -> DeviceInfo:
-        from agent.deviceinfo import collect_android
-
         def run(command: str) -> str:
             out, err, _ = self.adb.shell(command)
             return out + err
@@ -187,8 +191,6 @@ class WebPageLink(PageLink):
                             f"the URL `farm devices enrol {self.name}` prints on the device again and keep it in front")
 
     def device_info(self, adapter: dict, user_agent: str = "") -> DeviceInfo:
-        from agent.deviceinfo import parse_user_agent_os
-
         os_name, os_version, model = parse_user_agent_os(user_agent)
         return DeviceInfo(serial=self.name, model=model, manufacturer="", os=os_name, os_version=os_version,
                           adapter=adapter, properties={"thermal": "unknown (a web page cannot read it)",
@@ -196,8 +198,7 @@ class WebPageLink(PageLink):
 
 
 def host_adapter_id() -> str:
-    """The adapter group of this host's own device and virtual phones (agent.deviceinfo)."""
-    from agent.deviceinfo import adapter_id
+    """The adapter group of this host's own device and virtual phones (agent.link)."""
     from engine.device import get_gpu
 
     return adapter_id(get_gpu().caps.as_dict())
@@ -253,8 +254,7 @@ def enrolment_url(origin: str, serial: str, token: str, farm_pub: Path, virtual:
     """The URL that enrols a device's page: the hub's page at `origin`, with the device's name,
     its token and the farm's public key (base64url) in the fragment, which no server sees;
     `virtual` marks a browser on the farm's own host (grouped with the host's adapter)."""
-    raw = load_public_key(farm_pub).public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    key = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    key = base64.urlsafe_b64encode(farm_key_bytes(farm_pub)).decode().rstrip("=")
     return f"{origin}{PAGE_PATH}#device={serial}&token={token}&key={key}" + ("&virtual=1" if virtual else "")
 
 
@@ -353,7 +353,6 @@ class BrowserTransport(LocalTransport):
     # ---- the Transport interface -----------------------------------------------------------------
 
     def info(self) -> DeviceInfo:
-        from agent.deviceinfo import adapter_id, parse_user_agent
         from engine.browser import caps_of
 
         hello = self.hello()
@@ -378,8 +377,6 @@ class BrowserTransport(LocalTransport):
         page fetched."""
         (self.root / FARM_KEY).parent.mkdir(parents=True, exist_ok=True)
         if not (self.root / FARM_KEY).is_file():
-            from agent.bundle import provision_public_key
-
             provision_public_key(self.root, self.farm_pub)
         host = super().send_bundle(bundle_dir, progress, allow_downgrade=allow_downgrade)
         manifest_bytes, manifest = self.read_manifest(Path(bundle_dir))
@@ -405,8 +402,6 @@ class BrowserTransport(LocalTransport):
         self.job_env = {"FARM_BROWSER_PAGE": hub.control_url(self.name)}  # where the page is: this host's concern
         self._cooldown, self._notes = None, []
         if spec.cooldown is not None:  # on the device's own zones: the host's are not the device's
-            from agent.jobs import cool_down
-
             self._cooldown = cool_down(spec.cooldown, self._hottest, self._notes.append,
                                        lambda event: emit(progress, event))
         self._before = self.link.thermal("before")

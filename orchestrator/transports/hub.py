@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.hubpage import HUB_KEY_HEADER, hub_request
+from agent.link import HUB_KEY_HEADER, hub_request
 from engine.errors import BrowserError
 from engine.httpserver import GuardedServer, RequestError
 from engine.pagehost import (

@@ -1,7 +1,11 @@
 """The local transport: the orchestrator host's own GPU, driven through the same `farm-agent`
 command a phone runs (a subprocess per call, with its own agent root), so a local job has the
 same lock, child process, time limit and JobResult as anywhere else. The agent's output
-folder is <root>/jobs/<job>; artifacts are copied from there into the caller's folder."""
+folder is <root>/jobs/<job>; artifacts are copied from there into the caller's folder.
+A deploy's files are received into the root on this host through the agent's device link
+(agent/link.py: what the root lacks, a file kept a verified chunk at a time, the staged
+manifest's signature), where a phone's transport asks `farm-agent resume` and the shell; the
+install itself is `farm-agent install`, as on a phone."""
 
 from __future__ import annotations
 
@@ -13,17 +17,17 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agent.bundle import (
+from agent.link import (
+    BundleError,
+    installed_build_is,
+    lacking_files,
+    receive_chunks,
+    staged_manifest,
+)
+from agent.protocol import (
     FILES,
     MANIFEST,
     SIGNATURE,
-    BundleError,
-    arrived_bytes,
-    current_build,
-    missing_files,
-    verify_build,
-)
-from agent.protocol import (
     DeviceInfo,
     JobSpec,
     Manifest,
@@ -32,7 +36,6 @@ from agent.protocol import (
     from_json,
     to_json,
 )
-from agent.uploads import receive_chunks, staged_manifest
 from orchestrator.transports.base import (
     MAX_REPLY_BYTES,
     AgentExit,
@@ -80,17 +83,14 @@ class LocalTransport(Transport):
             raise ProtocolMismatch(self.name, str(exc)) from None
 
     def installed_manifest_is(self, manifest_bytes: bytes, manifest: Manifest) -> bool:
-        current = current_build(self.root) if self.root.is_dir() else None
-        return (current is not None and (current.path / MANIFEST).read_bytes() == manifest_bytes
-                and not verify_build(self.root, current))
+        return installed_build_is(self.root, manifest_bytes)
 
     def _staging(self, manifest: Manifest) -> Path:
         return self.root / "incoming" / manifest.build
 
     def prepare_deploy(self, manifest_bytes: bytes, manifest: Manifest) -> list[ManifestFile]:
         self._staging(manifest).mkdir(parents=True, exist_ok=True)
-        lacking = missing_files(manifest, self.root, staged=self._staging(manifest))
-        self._arrived = arrived_bytes(manifest, self.root, lacking)
+        lacking, self._arrived = lacking_files(manifest, self.root, self._staging(manifest))
         return lacking
 
     def arrived(self, f: ManifestFile) -> int:
