@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import Celery
 
-from agent.protocol import JobSpec
+from agent.protocol import JobSpec, ProtocolError, from_dict
 from orchestrator import store
 from orchestrator.analysis import profiles
 from orchestrator.infra.settings import Settings
@@ -95,11 +95,15 @@ def fit_refusals(settings: Settings, build_name: str, kind: str, spec: dict[str,
     from engine.profiles import shipped_profiles
 
     pages = [d for d in devices if d.engine_host == "browser" and ((d.info or {}).get("adapter") or {}).get("limits")]
-    model_dir = settings.data_dir / "builds" / build_name / str(spec.get("model") or "")
-    if kind not in ("generate", "latency") or not pages or not (model_dir / "model_index.json").is_file():
+    try:  # the protocol's defaults, defined once (agent/protocol.py)
+        job = from_dict(JobSpec, {"job_id": "fit", "kind": kind, "model": ""} | spec)
+    except ProtocolError:
+        return {}  # not judged here: the job's creation names what is wrong with it
+    model_dir = settings.data_dir / "builds" / build_name / job.model
+    if kind not in ("generate", "latency") or not pages or not job.model or not (model_dir / "model_index.json").is_file():
         return {}
     config = load_model_config(model_dir)
-    profile = spec.get("profile", "auto")
+    profile = job.profile
     if profile not in ("auto", "family", "reference", *(p.name for p in shipped_profiles())):
         profile = "auto"  # a tuned or in-build profile: the family's stands in for it
     refusals: dict[str, list[str]] = {}
@@ -110,13 +114,11 @@ def fit_refusals(settings: Settings, build_name: str, kind: str, spec: dict[str,
         if key not in judged:
             try:
                 caps = caps_from_dict(adapter)
-                height, width = spec.get("height"), spec.get("width")
                 plan = record_plan_within(
-                    config, caps, spec.get("gpu_budget_bytes"), precision=spec.get("precision", "fp16"),
-                    height=height or config.native_size[0], width=width or config.native_size[1],
-                    steps=spec.get("steps", 20), scheduler=spec.get("scheduler", "pndm"),
-                    guidance_scale=spec.get("guidance_scale", 7.5), profile=profile)
-                judged[key] = fit_plan(plan, caps, spec.get("gpu_budget_bytes")).reasons
+                    config, caps, job.gpu_budget_bytes, precision=job.precision,
+                    height=job.height or config.native_size[0], width=job.width or config.native_size[1],
+                    steps=job.steps, scheduler=job.scheduler, guidance_scale=job.guidance_scale, profile=profile)
+                judged[key] = fit_plan(plan, caps, job.gpu_budget_bytes).reasons
             except (EngineError, ValueError, TypeError) as exc:
                 judged[key] = [f"no plan can be made for its adapter: {exc}"]
         if judged[key]:

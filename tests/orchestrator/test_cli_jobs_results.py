@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from agent.protocol import (
     Artifact,
     JobResult,
+    JobSpec,
     KernelTiming,
     Manifest,
     ManifestFile,
@@ -275,8 +276,8 @@ def test_results_show(seeded):
 
     generate_run = json.loads(cli("results", "list", "--json", "--kind", "generate").output)[0]["run_id"]
     image = json.loads(cli("results", "show", str(generate_run), "--json").output)["images"]
-    # the job's spec had no prompt or seed: the image row says so rather than inventing them
-    assert image == [{"path": "image.png", "sha256": "d" * 64, "size": 4096, "prompt": "", "seed": None}]
+    # the prompt and seed the image was made with: the protocol's defaults, which the stored spec holds
+    assert image == [{"path": "image.png", "sha256": "d" * 64, "size": 4096, "prompt": JobSpec.prompt, "seed": 0}]
     assert "image: image.png" in cli("results", "show", str(generate_run)).output
 
 
@@ -356,7 +357,7 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
                 (3, 0, False, 90.0)
             assert spec["cooldown"]["max_celsius"] == 38.0
             assert spec["gpu_budget_bytes"] == 2_093_000_000
-            assert "job_id" not in spec and "kind" not in spec
+            assert (spec["job_id"], spec["kind"], spec["executor"]) == (f"job{job.id}", "latency", "native")  # whole
 
     text = cli("jobs", "submit", "generate", "--build", "b1", "--device", "phone-2", "--device", "phone-2",
                "--name", "smoke", "--model", "models/other").output
