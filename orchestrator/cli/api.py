@@ -9,7 +9,14 @@ from typing import Any
 import typer
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import (
+    JSON_OPTION,
+    cli_settings,
+    fail,
+    iso,
+    open_store,
+    print_json_or_empty,
+)
 from .output import Table, console, field
 
 app = typer.Typer(help="The farm API: serve it, and manage its bearer tokens.", no_args_is_help=True)
@@ -51,11 +58,7 @@ def list_tokens(as_json: bool = JSON_OPTION):
 
     with open_store(cli_settings()) as sessions, sessions() as session:
         rows = [token_dict(t) for t in tokens.list_tokens(session)]
-    if as_json:
-        print_json(rows)
-        return
-    if not rows:
-        console.print("no API tokens; `farm api token create --scope read` makes one")
+    if print_json_or_empty(rows, as_json, "no API tokens; `farm api token create --scope read` makes one"):
         return
     table = Table("id", "name", "scope", "prefix", "created", "last used", "revoked")
     for r in rows:

@@ -22,7 +22,16 @@ from orchestrator.infra.keys import PUBLIC_KEY, ensure_farm_key
 from orchestrator.store.models import Build
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import (
+    JSON_OPTION,
+    cli_settings,
+    fail,
+    get_or_fail,
+    iso,
+    open_store,
+    print_json,
+    print_json_or_empty,
+)
 from .output import Table, console
 
 app = typer.Typer(help="Create and inspect signed build bundles.", no_args_is_help=True)
@@ -272,11 +281,7 @@ def list_builds(as_json: bool = JSON_OPTION):
 
     with open_store(cli_settings()) as sessions, sessions() as session:
         rows = [build_dict(b) for b in queries.list_builds(session)]
-    if as_json:
-        print_json(rows)
-        return
-    if not rows:
-        console.print("no builds; create one with `farm builds create --model DIR`")
+    if print_json_or_empty(rows, as_json, "no builds; create one with `farm builds create --model DIR`"):
         return
     table = Table("name", "version", "files", "MB", "created", "revision")
     for r in rows:
@@ -291,11 +296,7 @@ def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = JS
     from orchestrator import store
 
     with open_store(cli_settings()) as sessions, sessions() as session:
-        try:
-            build = store.get_build(session, name)
-        except store.StoreError as exc:
-            fail(str(exc))
-        data = build_dict(build, files=True)
+        data = build_dict(get_or_fail(store.get_build, session, name), files=True)
     if as_json:
         print_json(data)
         return

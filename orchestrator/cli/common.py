@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.markup import escape
@@ -14,6 +14,8 @@ from rich.markup import escape
 from .output import console
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON.")
+
+T = TypeVar("T")
 
 
 # ---- shared by the store-backed commands --------------------------------------------------
@@ -45,6 +47,18 @@ def open_store(settings) -> Iterator[Any]:
         engine.dispose()
 
 
+def get_or_fail(get: Callable[[Any, Any], T], session, key, error: type[Exception] | None = None) -> T:
+    """``get(session, key)``, or the store's message as the command's error when there is no
+    such row (``error``: what ``get`` raises then; the store's StoreError by default)."""
+    from orchestrator.store import StoreError
+
+    missing = error or StoreError
+    try:
+        return get(session, key)
+    except missing as exc:
+        fail(str(exc))
+
+
 def iso(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
@@ -59,3 +73,15 @@ def cli_settings(**overrides):
 
 def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2))
+
+
+def print_json_or_empty(rows: list, as_json: bool, empty: str) -> bool:
+    """What a list command prints before its table: the rows as JSON with --json, or the line
+    `empty` when there are none. True when that was everything (the command returns)."""
+    if as_json:
+        print_json(rows)
+        return True
+    if not rows:
+        console.print(empty)
+        return True
+    return False

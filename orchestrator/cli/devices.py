@@ -20,7 +20,7 @@ from orchestrator.infra import inputs
 from orchestrator.store.models import Device, DeviceState, TransportKind
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import JSON_OPTION, cli_settings, fail, get_or_fail, iso, open_store, print_json
 from .output import Table, Text, console, styled
 
 app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
@@ -174,10 +174,7 @@ def show(serial: str = typer.Argument(..., help="Device serial."), as_json: bool
     from orchestrator import store
 
     with open_store(cli_settings()) as sessions, sessions() as session:
-        try:
-            device = store.get_device(session, serial)
-        except store.StoreError as exc:
-            fail(str(exc))
+        device = get_or_fail(store.get_device, session, serial)
         data = device_dict(device)
         if as_json:
             print_json(data)

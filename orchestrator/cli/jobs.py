@@ -18,7 +18,16 @@ from rich.live import Live
 from orchestrator.store.models import Build, Job, JobKind, JobState
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import (
+    JSON_OPTION,
+    cli_settings,
+    fail,
+    get_or_fail,
+    iso,
+    open_store,
+    print_json,
+    print_json_or_empty,
+)
 from .output import Table, Text, console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
@@ -358,20 +367,13 @@ def list_jobs(
     from orchestrator.store import queries
 
     with open_store(cli_settings()) as sessions, sessions() as session:
-        try:
-            device_id = store.get_device(session, device).id if device else None
-            build_id = store.get_build(session, build).id if build else None
-        except store.StoreError as exc:
-            fail(str(exc))
+        device_id = get_or_fail(store.get_device, session, device).id if device else None
+        build_id = get_or_fail(store.get_build, session, build).id if build else None
         jobs = queries.list_jobs(session, state=state, device_id=device_id, build_id=build_id, batch_id=batch,
                                  limit=limit)
         rows = [job_dict(j) for j in jobs]
-    if as_json:
-        print_json(rows)
-        return
-    if not rows:
-        console.print("no jobs" + (" match" if any((state, device, build, batch)) else
-                                   "; submit some with `farm jobs submit KIND --all`"))
+    if print_json_or_empty(rows, as_json, "no jobs" + (" match" if any((state, device, build, batch)) else
+                                                       "; submit some with `farm jobs submit KIND --all`")):
         return
     table = Table("id", "kind", "device", "build", "batch", "state", "attempts", "created", "finished")
     for j, r in zip(jobs, rows, strict=True):

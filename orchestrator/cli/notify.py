@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import JSON_OPTION, cli_settings, fail, get_or_fail, iso, open_store, print_json
 from .output import Table, console
 
 SUBSCRIPTION_ID = typer.Argument(..., help="Subscription id (`farm notify list`).", parser=validate.record_id)
@@ -142,10 +142,8 @@ def test(subscription_id: int = SUBSCRIPTION_ID):
 
     settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
-        try:
-            subscription = notifications.get_subscription(session, subscription_id)
-        except notifications.NotifyError as exc:
-            fail(str(exc))
+        subscription = get_or_fail(notifications.get_subscription, session, subscription_id,
+                                   notifications.NotifyError)
         session.expunge(subscription)
     try:
         notify.send(settings, subscription, notify.sample_event())

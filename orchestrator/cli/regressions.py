@@ -11,7 +11,16 @@ from typing import Any
 import typer
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import (
+    JSON_OPTION,
+    cli_settings,
+    fail,
+    get_or_fail,
+    iso,
+    open_store,
+    print_json,
+    print_json_or_empty,
+)
 from .output import Table, console, escape
 
 ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
@@ -53,18 +62,11 @@ def list_alerts(
     except ValueError as exc:
         fail(f"{exc}; states: {', '.join(AlertState)}; kinds: {', '.join(AlertKind)}")
     with open_store(cli_settings()) as sessions, sessions() as session:
-        try:
-            device_id = store.get_device(session, device).id if device else None
-            build_id = store.get_build(session, build).id if build else None
-        except store.StoreError as exc:
-            fail(str(exc))
+        device_id = get_or_fail(store.get_device, session, device).id if device else None
+        build_id = get_or_fail(store.get_build, session, build).id if build else None
         rows = [alert_dict(a) for a in queries.list_alerts(session, states=states, kinds=kinds, device_id=device_id,
                                                            build_id=build_id)]
-    if as_json:
-        print_json(rows)
-        return
-    if not rows:
-        console.print("no alerts")
+    if print_json_or_empty(rows, as_json, "no alerts"):
         return
     table = Table()
     for header in ("id", "kind", "state"):
@@ -112,18 +114,14 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
     for key in ("baseline_median", "candidate_median", "n_baseline", "n_candidate", "unit", "reason", "psnr_db"):
         if key in detail:
             console.print(f"{key}: {detail[key]}", highlight=False, markup=False)
-    if detail.get("attribution_by_op"):
-        table = Table("op", "baseline ms", "candidate ms", "delta ms", "share", title="attribution by op")
-        for m in detail["attribution_by_op"]:
-            table.add_row(m["op"], f"{m['baseline_ms']:.2f}", f"{m['candidate_ms']:.2f}", f"{m['delta_ms']:+.2f}",
-                          f"{m['share'] * 100:.0f}%")
-        console.print(table)
-    if detail.get("attribution"):
-        table = Table("kernel", "baseline ms", "candidate ms", "delta ms", "share", title="kernel attribution")
-        for m in detail["attribution"]:
-            table.add_row(m["kernel"], f"{m['baseline_ms']:.2f}", f"{m['candidate_ms']:.2f}", f"{m['delta_ms']:+.2f}",
-                          f"{m['share'] * 100:.0f}%")
-        console.print(table)
+    for key, name, title in (("attribution_by_op", "op", "attribution by op"),
+                             ("attribution", "kernel", "kernel attribution")):
+        if detail.get(key):
+            table = Table(name, "baseline ms", "candidate ms", "delta ms", "share", title=title)
+            for m in detail[key]:
+                table.add_row(m[name], f"{m['baseline_ms']:.2f}", f"{m['candidate_ms']:.2f}",
+                              f"{m['delta_ms']:+.2f}", f"{m['share'] * 100:.0f}%")
+            console.print(table)
     if detail.get("images"):
         console.print(f"image before: {detail['images']['before']}\nimage after:  {detail['images']['after']}",
                       highlight=False)
@@ -189,10 +187,7 @@ def scan(
         fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
     settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
-        try:
-            dev = store.get_device(session, device) if device is not None else None
-        except store.StoreError as exc:
-            fail(str(exc))
+        dev = get_or_fail(store.get_device, session, device) if device is not None else None
         with console.status("scanning series histories"):
             found = changepoints.scan_change_points(session, dev, metric)
         session.commit()

@@ -16,7 +16,15 @@ import typer
 from orchestrator.store.models import JobKind
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import (
+    JSON_OPTION,
+    cli_settings,
+    fail,
+    iso,
+    open_store,
+    print_json,
+    print_json_or_empty,
+)
 from .jobs import _fmt_metric, _state, _when
 from .output import Table, console
 
@@ -59,12 +67,8 @@ def list_results(
     rows = [{"run_id": r.id, "job_id": r.job_id, "attempt": r.attempt, "device": r.device, "build": r.build,
              "kind": r.kind, "status": r.status, "started_at": iso(r.started_at), "finished_at": iso(r.finished_at),
              "medians": r.medians} for r in runs]
-    if as_json:
-        print_json(rows)
-        return
-    if not rows:
-        console.print("no runs" + (" match" if any((device, build, metric, kind)) else
-                                   "; run some with `farm jobs submit latency --all`"))
+    if print_json_or_empty(rows, as_json, "no runs" + (" match" if any((device, build, metric, kind)) else
+                                                       "; run some with `farm jobs submit latency --all`")):
         return
     metrics = [m for m in queries.KEY_METRICS if any(m in r.medians for r in runs)]
     if metric and metric not in metrics:

@@ -13,7 +13,7 @@ import typer
 from engine.kernels import PRECISIONS
 
 from . import validate
-from .common import JSON_OPTION, cli_settings, fail, iso, open_store, print_json
+from .common import JSON_OPTION, cli_settings, fail, get_or_fail, iso, open_store, print_json
 from .output import Table, console
 
 app = typer.Typer(help="Nightly (or any cron) suites: deploy, run, analyse.", no_args_is_help=True)
@@ -169,10 +169,7 @@ def _set_enabled(name: str, enabled: bool) -> None:
 
     settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
-        try:
-            schedule = store.get_schedule(session, name)
-        except store.StoreError as exc:
-            fail(str(exc))
+        schedule = get_or_fail(store.get_schedule, session, name)
         if enabled and not schedule.enabled:
             schedule.last_run_at = store.utcnow()  # resume from now: no burst of missed firings
         schedule.enabled = enabled
