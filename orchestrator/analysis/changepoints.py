@@ -9,30 +9,19 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
 from orchestrator import store
 from orchestrator.analysis import stats as rg
 from orchestrator.analysis.regressions import (
     HEADLINE_METRICS,
     SpecKey,
-    in_series,
     min_effect,
     series_history,
     series_key,
 )
 from orchestrator.analysis.stats.changepoint import MIN_SEGMENT
+from orchestrator.store import Session
 from orchestrator.store import environment as run_env
-from orchestrator.store.models import (
-    ChangePoint,
-    Device,
-    Job,
-    JobKind,
-    Run,
-    RunStatus,
-    utcnow,
-)
+from orchestrator.store.models import ChangePoint, Device, utcnow
 
 
 def scan_change_points(session: Session, device: Device | None = None, metric: str | None = None,
@@ -63,20 +52,15 @@ def find_change_points(session: Session, device: Device | None = None,
     """scan_change_points' reading and computing, which writes nothing: what an analysis runs in
     a read snapshot (orchestrator.store.session.read_snapshot), so that a whole history's scan
     never holds the store's write lock."""
-    devices = [device] if device is not None else list(session.scalars(select(Device).order_by(Device.serial)))
+    devices = [device] if device is not None else store.all_devices(session)
     metrics = [metric] if metric is not None else list(HEADLINE_METRICS)
     found: list[FoundChangePoint] = []
     for dev in devices:
         legacy = store.result_environment(dev)  # runs stored before runs carried an environment
         series: dict[tuple[SpecKey, str], dict[str, Any]] = {}
-        rows = session.execute(
-            select(Job.spec, Run.env_key, Run.environment).join(Job, Job.id == Run.job_id)
-            .where(Run.device_id == dev.id, Run.status == RunStatus.succeeded, Job.kind == JobKind.latency,
-                   in_series())
-            .order_by(Run.id))
-        for spec, env_key, environment in rows:
-            env = environment if env_key else legacy
-            series[(SpecKey.of(spec or {}), env_key or run_env.environment_key(legacy))] = env
+        for run in store.series_runs(session, dev.id, environment=True):
+            env = run.environment if run.env_key else legacy
+            series[(SpecKey.of(run.spec or {}), run.env_key or run_env.environment_key(legacy))] = env
         for (spec, env_key), env in sorted(series.items(), key=lambda kv: (repr(kv[0][0]), kv[0][1])):
             for name in metrics:
                 history = series_history(session, dev, spec, name, environment=env_key)
@@ -98,22 +82,23 @@ def record_change_points(session: Session, found: list[FoundChangePoint],
     now = now or utcnow()
     out = []
     for f in found:
-        out.append(_record_change_point(session, session.get(Device, f.device_id), f.key, f.history, f.point, now))
+        out.append(_record_change_point(session, store.get_device(session, f.device_id), f.key, f.history, f.point,
+                                        now))
     return out
 
 
 def _record_change_point(session: Session, device: Device, key: rg.SeriesKey, history: list[dict[str, Any]],
                          point, now: dt.datetime) -> dict[str, Any]:
     build = history[point.index]
-    row = session.scalar(select(ChangePoint).where(ChangePoint.series_key == key.canonical(),
-                                                   ChangePoint.build_id == build["build_id"]))
+    row = store.find_change_point(session, key.canonical(), build["build_id"])
     new = row is None
     if new:
         row = ChangePoint(series_key=key.canonical(), series=key.as_dict(), device_id=device.id,
                           build_id=build["build_id"], metric=key.metric, detected_at=now)
-        session.add(row)
     row.median_before, row.median_after, row.ratio = point.median_before, point.median_after, point.ratio
     row.p_value, row.builds_in_history, row.updated_at = point.p_value, len(history), now
+    if new:
+        store.add_change_point(session, row)
     return {"device": device.serial, "metric": key.metric, "series": key.as_dict(), "build": build["build"],
             "ratio": point.ratio, "median_before": point.median_before, "median_after": point.median_after,
             "p_value": point.p_value, "builds_in_history": len(history), "new": new}

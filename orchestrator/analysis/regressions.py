@@ -20,12 +20,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
-
 from orchestrator import store
 from orchestrator.analysis import stats as rg
 from orchestrator.analysis.stats.compare import MIN_SAMPLES
+from orchestrator.store import Session, queries
 from orchestrator.store import environment as run_env
 from orchestrator.store.models import (
     BATCH_CHECK,
@@ -38,21 +36,16 @@ from orchestrator.store.models import (
     Image,
     Job,
     JobKind,
-    JobState,
-    KernelTiming,
     Run,
-    RunStatus,
-    Sample,
-    SeriesSetting,
-    ThermalReading,
     utcnow,
 )
+from orchestrator.store.rows import made_before  # noqa: F401  (services/check.py's, until it asks store.builds_before)
 
 # metric -> higher is worse. The analysis compares these; the rest are stored and charted.
 HEADLINE_METRICS = {"unet_step_ms": True, "e2e_ms": True, "peak_gpu_bytes": True}
 LATENCY_METRICS = ("unet_step_ms", "e2e_ms")
 DEFAULT_MIN_EFFECT = 0.03
-OPEN_STATES = (AlertState.new, AlertState.acknowledged)
+OPEN_STATES = store.OPEN_ALERT_STATES
 STOPPAGE_AFTER = dt.timedelta(hours=48)  # a device silent this long after reporting raises an alert
 
 
@@ -101,14 +94,13 @@ def _series_setting(session: Session, key: rg.SeriesKey, field: str) -> float | 
     """A series setting's `field` (min_effect or drift): set for this series in this
     environment, else set for it in any environment (the newest such setting: a driver update
     keeps the series' tolerance), else None."""
-    setting = session.scalar(select(SeriesSetting).where(SeriesSetting.series_key == key.canonical()))
+    setting = store.series_setting(session, key.canonical())
     if setting is not None and getattr(setting, field) is not None:
         return getattr(setting, field)
     wanted = key.in_any_environment()
     device_part = json.dumps({"device": key.device}, separators=(",", ":"), ensure_ascii=False)[1:-1]
     found = None
-    for other in session.scalars(select(SeriesSetting).where(
-            SeriesSetting.series_key.contains(device_part, autoescape=True)).order_by(SeriesSetting.id)):
+    for other in store.series_settings_naming(session, device_part):
         try:
             if getattr(other, field) is not None and rg.SeriesKey.parse(other.series_key).in_any_environment() == wanted:
                 found = other
@@ -129,20 +121,10 @@ def drift_prior(session: Session, key: rg.SeriesKey) -> float | None:
     return _series_setting(session, key, "drift")
 
 
-def _set(session: Session, key: rg.SeriesKey, **values: float) -> None:
-    setting = session.scalar(select(SeriesSetting).where(SeriesSetting.series_key == key.canonical()))
-    if setting is None:
-        session.add(SeriesSetting(series_key=key.canonical(), **values))
-    else:
-        for field, value in values.items():
-            setattr(setting, field, value)
-    session.flush()
-
-
 def set_min_effect(session: Session, key: rg.SeriesKey, value: float) -> None:
     if not 0 < value < 1:
         raise store.StoreError(f"minimum effect {value} must be between 0 and 1 (0.03 = 3%)")
-    _set(session, key, min_effect=value)
+    store.set_series_setting(session, key.canonical(), min_effect=value)
 
 
 def set_drift(session: Session, key: rg.SeriesKey, value: float) -> None:
@@ -151,49 +133,36 @@ def set_drift(session: Session, key: rg.SeriesKey, value: float) -> None:
     DEFAULT_DRIFT (several devices sharing one machine's CPU, a phone without fixed clocks)."""
     if not 0 <= value < 1:
         raise store.StoreError(f"drift {value} must be in [0, 1) (0.01 = 1% a run)")
-    _set(session, key, drift=value)
+    store.set_series_setting(session, key.canonical(), drift=value)
 
 
 # ---- fetching -----------------------------------------------------------------------------
-
-
-def in_series():
-    """The condition on Job (joined) that a run is a series' measurement: not a run of a `farm
-    check` (Batch.purpose "check"), which the check alone judges."""
-    return Job.batch_id.is_(None) | Job.batch_id.not_in(select(Batch.id).where(Batch.purpose == BATCH_CHECK))
-
 
 
 def runs_of(session: Session, device_id: int, build_id: int, kind: JobKind, spec: SpecKey | None = None, *,
             checks: bool = False) -> list[Run]:
     """Succeeded runs of `kind` jobs of a build on a device (with that spec key, when given): the
     series' runs, and with `checks` also those of `farm check`s."""
-    query = (select(Run, Job.spec).join(Job, Job.id == Run.job_id)
-             .where(Run.device_id == device_id, Run.build_id == build_id, Run.status == RunStatus.succeeded,
-                    Job.kind == kind).order_by(Run.id))
-    rows = session.execute(query if checks else query.where(in_series())).all()
+    rows = store.runs_with_specs(session, device_id, build_id, kind, checks=checks)
     return [run for run, job_spec in rows if spec is None or SpecKey.of(job_spec or {}) == spec]
 
 
 def _flagged(session: Session, runs: list[Run]) -> dict[int, rg.ThermalFlag]:
     readings = defaultdict(list)
-    for t in session.scalars(select(ThermalReading).where(ThermalReading.run_id.in_([r.id for r in runs]))):
+    for t in store.thermal_readings_of(session, [r.id for r in runs]):
         readings[t.run_id].append(rg.ThermalReading(t.phase, t.zone, t.celsius))
     return {r.id: rg.thermal_flag(cooldown_timed_out=r.cooldown_timed_out, readings=readings[r.id]) for r in runs}
 
 
 def _samples(session: Session, key: rg.SeriesKey, runs: list[Run]) -> list[rg.SeriesSample]:
-    rows = session.execute(select(Sample.run_id, Sample.unit, Sample.value).where(
-        Sample.run_id.in_([r.id for r in runs]), Sample.metric == key.metric).order_by(Sample.id))
-    return [rg.SeriesSample(key, unit, value, run_id) for run_id, unit, value in rows]
+    return [rg.SeriesSample(key, unit, value, run_id)
+            for run_id, unit, value in store.samples_of(session, [r.id for r in runs], key.metric)]
 
 
 def _kernels(session: Session, runs: list[Run]) -> dict[str, list[float]]:
     """kernel -> its total ms in each (run, repetition)."""
     out: dict[str, list[float]] = defaultdict(list)
-    rows = session.execute(select(KernelTiming.kernel, KernelTiming.total_ms).where(
-        KernelTiming.run_id.in_([r.id for r in runs])).order_by(KernelTiming.run_id, KernelTiming.repetition))
-    for kernel, total in rows:
+    for _, _, kernel, total in store.kernel_timings_of(session, [r.id for r in runs]):
         out[kernel].append(total)
     return out
 
@@ -226,15 +195,6 @@ def _by_op(kernels: dict[str, list[float]]) -> dict[str, list[float]]:
     return ops
 
 
-def made_before(build: Build):
-    """SQL condition: a Build made before `build` (creation time, then id)."""
-    return (Build.created < build.created) | ((Build.created == build.created) & (Build.id < build.id))
-
-
-def _earlier_builds(session: Session, build: Build) -> list[Build]:
-    return list(session.scalars(select(Build).where(made_before(build)).order_by(Build.created.desc(), Build.id.desc())))
-
-
 _NOT_SPEC = ("metric", "os_driver", "environment")
 
 
@@ -247,16 +207,14 @@ def _same_workload(series: dict[str, Any], key: rg.SeriesKey) -> bool:
 def _has_open_regression(session: Session, build_id: int, device_id: int, key: rg.SeriesKey) -> bool:
     """Whether the build has an open regression alert on this device and workload. An alert
     raised across an environment change does not count: it does not say the build is worse."""
-    alerts = session.scalars(select(Alert).where(
-        Alert.build_id == build_id, Alert.device_id == device_id, Alert.kind == AlertKind.regression,
-        Alert.state.in_(OPEN_STATES)))
+    alerts = queries.list_alerts(session, states=OPEN_STATES, kinds=(AlertKind.regression,), device_id=device_id,
+                                 build_id=build_id)
     return any(_same_workload(a.series, key) and not (a.detail or {}).get("environment_change") for a in alerts)
 
 
 def _builds_with_open_regressions(session: Session, device_id: int, key: rg.SeriesKey) -> set[int]:
     """The builds _has_open_regression holds true of on this device and workload, in one query."""
-    alerts = session.scalars(select(Alert).where(
-        Alert.device_id == device_id, Alert.kind == AlertKind.regression, Alert.state.in_(OPEN_STATES)))
+    alerts = queries.list_alerts(session, states=OPEN_STATES, kinds=(AlertKind.regression,), device_id=device_id)
     return {a.build_id for a in alerts
             if _same_workload(a.series, key) and not (a.detail or {}).get("environment_change")}
 
@@ -267,10 +225,9 @@ def baseline_build(session: Session, build: Build, device: Device, spec: SpecKey
     on it (the last accepted build), with those runs; with `environment` (an env_key), the
     newest such build that has runs in that environment where one exists, else the newest in
     any (compare_builds then reports the environment change)."""
-    same_env = set(session.scalars(select(Run.build_id).join(Job, Job.id == Run.job_id).where(
-        Run.device_id == device.id, Run.env_key == environment, in_series()).distinct())) if environment else set()
+    same_env = store.builds_measured_in(session, device.id, environment) if environment else set()
     fallback = None
-    for earlier in _earlier_builds(session, build):
+    for earlier in store.builds_before(session, build):
         if fallback is not None and earlier.id not in same_env:
             continue
         runs = runs_of(session, device.id, earlier.id, JobKind.latency, spec)
@@ -356,11 +313,8 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     slower) they made every consecutive pair a step, estimated a drift near 100% and turned
     B's regression and A's sameness into "inconclusive" (CI 0.15-29). With too little
     history, (the series' drift setting, else rg.DEFAULT_DRIFT, 0)."""
-    rows = session.execute(
-        select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
-        .where(Run.device_id == device.id, made_before(candidate), Run.status == RunStatus.succeeded,
-               Job.kind == JobKind.latency, in_series())
-        .order_by(Run.id.desc()).limit(20 * DRIFT_HISTORY_RUNS)).all()  # other specs' runs are filtered below
+    rows = store.series_runs_before(session, device.id, candidate,
+                                    20 * DRIFT_HISTORY_RUNS)  # other specs' runs are filtered below
     key = series_key(device, spec, metric)
     rejected = _builds_with_open_regressions(session, device.id, key)
     runs = []
@@ -373,8 +327,7 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     flags = _flagged(session, runs)
     runs = [run for run in reversed(runs) if not flags[run.id].flagged]  # oldest first
     values: dict[int, list[float]] = defaultdict(list)
-    for run_id, value in session.execute(select(Sample.run_id, Sample.value).where(
-            Sample.run_id.in_([r.id for r in runs]), Sample.metric == metric).order_by(Sample.id)):
+    for run_id, _, value in store.samples_of(session, [r.id for r in runs], metric):
         values[run_id].append(value)
     history = [values[r.id] for r in runs if values[r.id]]
     drift = rg.estimate_drift(history)
@@ -395,15 +348,15 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
         return report
     if batch.purpose == BATCH_CHECK:  # the check judges its own runs: no alert, no round, no series
         return report | {"skipped": "a farm check's batch: the check judges its runs"}
-    build = session.get(Build, batch.build_id)
-    jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id)))
+    build = store.get_build(session, batch.build_id)
+    jobs = store.jobs_of_batches(session, [batch_id])
     # Each more-repetitions round adds one run of each build: what is left of the batch's rounds.
     runs_left = None if batch.max_extra_rounds is None else max(0, batch.max_extra_rounds - store.extra_round(batch.idempotency_key))
     # A more-repetitions batch also reruns the baseline build; its jobs are not candidates.
     pairs = {(job.device_id, SpecKey.of(job.spec or {})): job for job in jobs
              if job.kind == JobKind.latency and job.build_id == build.id}
     for (device_id, spec), job in sorted(pairs.items(), key=lambda kv: kv[1].id):
-        device = session.get(Device, device_id)
+        device = store.get_device(session, device_id)
         candidate_runs = runs_of(session, device_id, build.id, JobKind.latency, spec)
         if not candidate_runs:
             continue
@@ -445,7 +398,7 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
             else:
                 _settle_environment_alerts(session, build, device, result)
         if more:
-            entry = {"device": device.serial, "spec": dict(job.spec or {}), "repetitions": more,
+            entry = {"device": device.serial, "spec": store.workload(job.spec), "repetitions": more,
                      "baseline_build": baseline.id, "metrics": undecided or list(HEADLINE_METRICS)}
             report["more_repetitions"].append(entry | ({"environment_change": changes} if changes else {}))
     report["fidelity"] = _check_fidelity(session, batch, build, jobs, report["alerts"])
@@ -460,9 +413,8 @@ def _settle_environment_alerts(session: Session, build: Build, device: Device, r
     if result["verdict"] not in ("regression", "improvement", "same"):
         return
     key = rg.SeriesKey.from_dict(result["series"])
-    for alert in session.scalars(select(Alert).where(
-            Alert.build_id == build.id, Alert.device_id == device.id, Alert.metric == result["metric"],
-            Alert.kind.in_([AlertKind.regression, AlertKind.improvement]), Alert.state.in_(OPEN_STATES))):
+    for alert in queries.list_alerts(session, states=OPEN_STATES, kinds=(AlertKind.regression, AlertKind.improvement),
+                                     device_id=device.id, build_id=build.id, metric=result["metric"]):
         if (alert.detail or {}).get("environment_change") and alert.kind != result["verdict"] \
                 and _same_workload(alert.series, key):
             alert.state, alert.updated_at = AlertState.invalid, utcnow()
@@ -504,22 +456,18 @@ def _record_alert(session: Session, batch: Batch, build: Build, baseline: Build,
     if changes:
         summary = (f"environment changed: {'; '.join(changes)}; {summary}; not the build's alone "
                    f"until {baseline.name} is measured again in the new environment")
-    existing = session.scalar(select(Alert).where(Alert.build_id == build.id, Alert.device_id == device.id,
-                                                  Alert.kind == kind, Alert.metric == result["metric"]))
-    alert = existing or Alert(kind=kind, build_id=build.id, device_id=device.id, metric=result["metric"])
+    alert = (store.find_alert(session, build.id, device.id, kind, result["metric"])
+             or Alert(kind=kind, build_id=build.id, device_id=device.id, metric=result["metric"]))
     alert.baseline_build_id, alert.batch_id, alert.series = baseline.id, batch.id, result["series"]
     alert.ratio, alert.ci_low, alert.ci_high, alert.p_value = (result["ratio"], result["ci_low"], result["ci_high"],
                                                                result["p_value"])
     alert.summary, alert.detail, alert.updated_at = summary, detail, utcnow()
-    if existing is None:
-        session.add(alert)
-    session.flush()
-    return alert
+    return store.save_alert(session, alert)
 
 
 def job_spec(session: Session, run: Run) -> dict[str, Any]:
     """The spec of the job a run belongs to."""
-    return session.get(Job, run.job_id).spec or {}
+    return store.get_job(session, run.job_id).spec or {}
 
 
 def series_history(session: Session, device: Device, spec: SpecKey, metric: str,
@@ -527,12 +475,7 @@ def series_history(session: Session, device: Device, spec: SpecKey, metric: str,
     """Every build's samples of one series on one device, in build order: [{build, values}];
     with `environment` (an env_key), only the runs that recorded that environment."""
     legacy = run_env.environment_key(store.result_environment(device))  # runs stored with no environment
-    rows = session.execute(
-        select(Build.name, Build.created, Build.id, Sample.value, Job.spec, Run.env_key)
-        .join(Run, Run.build_id == Build.id).join(Job, Job.id == Run.job_id).join(Sample, Sample.run_id == Run.id)
-        .where(Run.device_id == device.id, Run.status == RunStatus.succeeded, Job.kind == JobKind.latency,
-               Sample.metric == metric, in_series())
-        .order_by(Build.created, Build.id, Sample.id)).all()
+    rows = store.series_history_rows(session, device.id, metric)
     history: dict[int, dict[str, Any]] = {}
     for name, created, build_id, value, job_spec, env_key in rows:
         if until is not None and (created, build_id) > (until.created, until.id):
@@ -554,15 +497,14 @@ def _check_fidelity(session: Session, batch: Batch, build: Build, jobs: list[Job
     for job in jobs:
         if job.kind != JobKind.generate:
             continue
-        image = session.scalar(select(Image).join(Run, Run.id == Image.run_id).where(
-            Run.job_id == job.id, Run.status == RunStatus.succeeded).order_by(Run.attempt.desc()).limit(1))
+        image = store.newest_image_of_job(session, job.id)
         if image is None:
             continue
         spec = job.spec or {}
         previous = _previous_image(session, job, build, spec)
         if previous is None:
             continue
-        device = session.get(Device, job.device_id)
+        device = store.get_device(session, job.device_id)
         try:
             check = rg.compare_images(previous.path, image.path)
         except (OSError, ValueError) as exc:
@@ -572,12 +514,13 @@ def _check_fidelity(session: Session, batch: Batch, build: Build, jobs: list[Job
                  "before": previous.path, "after": image.path}
         results.append(entry)
         if check.changed:
-            before_run, after_run = session.get(Run, previous.run_id), session.get(Run, image.run_id)
+            before_run, after_run = queries.get_run(session, previous.run_id), queries.get_run(session, image.run_id)
             before_env, after_env = run_environment(before_run, device), run_environment(after_run, device)
             changes = run_env.changes(before_env, after_env) if env_key_of(before_run, device) != \
                 env_key_of(after_run, device) else []
             key = series_key(device, SpecKey.of(spec), "image_psnr_db", after_env)
-            previous_build = session.get(Build, before_run.build_id)
+            previous_build = (store.get_build(session, before_run.build_id) if before_run.build_id is not None
+                              else None)
             summary = (f"image changed on {device.serial}: PSNR {check.psnr_db:.1f} dB against "
                        f"{previous_build.name if previous_build else 'the previous build'}")
             alert = Alert(kind=AlertKind.fidelity, build_id=build.id, device_id=device.id, batch_id=batch.id,
@@ -587,20 +530,14 @@ def _check_fidelity(session: Session, batch: Batch, build: Build, jobs: list[Job
                           detail={"psnr_db": check.psnr_db, "images": {"before": previous.path, "after": image.path},
                                   "environment_change": changes})
             entry["environment_change"] = changes
-            session.add(alert)
-            session.flush()
-            alerts.append(alert.id)
+            alerts.append(store.save_alert(session, alert).id)
     return results
 
 
 def _previous_image(session: Session, job: Job, build: Build, spec: dict[str, Any]) -> Image | None:
     wanted = (SpecKey.of(spec), spec.get("prompt", ""), spec.get("seed", 0))
-    for earlier in _earlier_builds(session, build):
-        rows = session.execute(select(Image, Job.spec).join(Run, Run.id == Image.run_id).join(Job, Job.id == Run.job_id)
-                               .where(Run.device_id == job.device_id, Run.build_id == earlier.id,
-                                      Job.kind == JobKind.generate, Run.status == RunStatus.succeeded, in_series())
-                               .order_by(Image.id.desc())).all()
-        for image, other in rows:
+    for earlier in store.builds_before(session, build):
+        for image, other in store.generated_images(session, job.device_id, earlier.id):
             other = other or {}
             if (SpecKey.of(other), other.get("prompt", ""), other.get("seed", 0)) == wanted:
                 return image
@@ -612,22 +549,15 @@ def raise_stoppages(session: Session, now: dt.datetime) -> list[int]:
     (one open alert per device)."""
     created = []
     # When the control plane last heard a result from each device (its own clock, not the device's).
-    last = session.execute(select(Job.device_id, func.max(Job.finished_at))
-                           .where(Job.state.in_([JobState.succeeded, JobState.failed]))
-                           .group_by(Job.device_id)).all()
-    for device_id, finished in last:
+    for device_id, finished in store.last_reports(session):
         if finished is None or now - finished < STOPPAGE_AFTER:
             continue
-        open_alert = session.scalar(select(Alert.id).where(
-            Alert.device_id == device_id, Alert.kind == AlertKind.data_stoppage, Alert.state.in_(OPEN_STATES)))
-        if open_alert is not None:
+        if store.has_open_alert(session, device_id, AlertKind.data_stoppage):
             continue
-        device = session.get(Device, device_id)
+        device = store.get_device(session, device_id)
         hours = (now - finished).total_seconds() / 3600
         alert = Alert(kind=AlertKind.data_stoppage, device_id=device_id, metric="", series={"device": device.serial},
                       summary=f"{device.serial} has not reported for {hours:.0f} h (last run {finished:%Y-%m-%d %H:%M} UTC)",
                       detail={"last_run_finished": finished.isoformat(), "state": str(device.state)})
-        session.add(alert)
-        session.flush()
-        created.append(alert.id)
+        created.append(store.save_alert(session, alert).id)
     return created

@@ -12,14 +12,12 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.analysis import stats as rg
+from orchestrator.store import Session, queries
 from orchestrator.store import environment as run_env
-from orchestrator.store.models import Device, Job, JobKind, Run, RunStatus, Sample
+from orchestrator.store.models import Device
 
 SERIES_ID_CHARS = 16
 
@@ -40,29 +38,25 @@ def series_id(key: rg.SeriesKey) -> str:
 def list_series(session: Session, device: Device | None = None, metric: str | None = None) -> list[Series]:
     """Every headline-metric series with at least one sample (of `device`, of `metric` when
     given), by device serial and then key."""
-    runs = select(Run.id, Run.device_id, Run.env_key, Job.spec).join(Job, Job.id == Run.job_id).where(
-        Job.kind == JobKind.latency, Run.status == RunStatus.succeeded, regressions.in_series())
-    if device is not None:
-        runs = runs.where(Run.device_id == device.id)
+    device_id = device.id if device is not None else None
     metrics = [metric] if metric is not None else list(regressions.HEADLINE_METRICS)
     measured: dict[int, set[str]] = {}
-    for run_id, name in session.execute(select(Sample.run_id, Sample.metric).distinct().where(
-            Sample.metric.in_(metrics), Sample.run_id.in_(runs.with_only_columns(Run.id).scalar_subquery()))):
+    for run_id, name in store.metrics_measured(session, metrics, device_id):
         measured.setdefault(run_id, set()).add(name)
     devices: dict[int, Device] = {}
     legacy: dict[int, str] = {}  # runs stored before runs carried an environment: the device's record
     groups: dict[tuple[int, regressions.SpecKey, str, str], list[int]] = {}
-    for run_id, device_id, env_key, spec in session.execute(runs.order_by(Run.id)):
-        if device_id not in devices:
-            devices[device_id] = session.get(Device, device_id)
-            legacy[device_id] = run_env.environment_key(store.result_environment(devices[device_id]))
-        for name in measured.get(run_id, ()):
-            groups.setdefault((device_id, regressions.SpecKey.of(spec or {}), env_key or legacy[device_id], name),
-                              []).append(run_id)
+    for run in store.series_runs(session, device_id):
+        if run.device_id not in devices:
+            devices[run.device_id] = store.get_device(session, run.device_id)
+            legacy[run.device_id] = run_env.environment_key(store.result_environment(devices[run.device_id]))
+        for name in measured.get(run.id, ()):
+            groups.setdefault((run.device_id, regressions.SpecKey.of(run.spec or {}),
+                               run.env_key or legacy[run.device_id], name), []).append(run.id)
     found = []
     for (device_id, spec, _, name), run_ids in groups.items():
         dev = devices[device_id]
-        environment = regressions.run_environment(session.get(Run, run_ids[-1]), dev)
+        environment = regressions.run_environment(queries.get_run(session, run_ids[-1]), dev)
         key = regressions.series_key(dev, spec, name, environment)
         found.append(Series(series_id(key), key, device_id, spec, len(run_ids)))
     return sorted(found, key=lambda s: (s.key.device, s.key.canonical()))
@@ -78,7 +72,7 @@ def get_series(session: Session, ident: str) -> Series:
 
 def points(session: Session, series: Series) -> list[dict[str, Any]]:
     """One point per build, oldest first: its samples, their count, median, minimum, maximum."""
-    history = regressions.series_history(session, session.get(Device, series.device_id), series.spec,
+    history = regressions.series_history(session, store.get_device(session, series.device_id), series.spec,
                                       series.key.metric, environment=series.key.environment)
     return [{"build": h["build"], "build_id": h["build_id"], "n": len(h["values"]),
              "median": statistics.median(h["values"]), "min": min(h["values"]), "max": max(h["values"]),

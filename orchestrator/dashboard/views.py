@@ -15,30 +15,20 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
-
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.analysis import series as farm_series
 from orchestrator.analysis import stats as rg
+from orchestrator.store import Session, queries
 from orchestrator.store import environment as run_env
-from orchestrator.store import queries
 from orchestrator.store.models import (
     Alert,
     AlertKind,
     AlertState,
     Build,
-    ChangePoint,
-    Deployment,
-    DeploymentStatus,
     Device,
-    DeviceStateChange,
     Image,
-    Job,
     JobKind,
-    KernelTiming,
-    Run,
     RunStatus,
 )
 
@@ -120,9 +110,8 @@ def overview(session: Session) -> dict[str, Any]:
 
 def _environment(session: Session, series: farm_series.Series) -> dict[str, Any]:
     """What the series' newest run recorded (as the series listing labels it)."""
-    device = session.get(Device, series.device_id)
-    run = session.scalar(select(Run).where(Run.device_id == device.id, Run.env_key == series.key.environment)
-                         .order_by(Run.id.desc()).limit(1))
+    device = store.get_device(session, series.device_id)
+    run = store.newest_run_in(session, device.id, series.key.environment)
     return regressions.run_environment(run, device) if run is not None else store.result_environment(device)
 
 
@@ -145,24 +134,19 @@ def series_events(session: Session, series: farm_series.Series) -> dict[str, Any
     names = {p["build_id"]: p["build"] for p in points}
     annotations: list[dict[str, Any]] = []
     if build_ids:
-        for build_id, finished in session.execute(
-                select(Deployment.build_id, func.max(Deployment.finished_at))
-                .where(Deployment.device_id == series.device_id, Deployment.build_id.in_(build_ids),
-                       Deployment.status == DeploymentStatus.succeeded).group_by(Deployment.build_id)):
+        for build_id, finished in queries.deployed_at(session, series.device_id, build_ids):
             when = f" {finished:%Y-%m-%d %H:%M} UTC" if finished is not None else ""
             annotations.append({"build": names[build_id], "kind": "deploy", "text": f"deployed{when}"})
-        for cp in session.scalars(select(ChangePoint).where(ChangePoint.series_key == series.key.canonical(),
-                                                            ChangePoint.build_id.in_(build_ids))):
+        for cp in store.change_points_of(session, series.key.canonical(), build_ids):
             annotations.append({"build": names[cp.build_id], "kind": "change_point",
                                 "text": f"change point: median {cp.median_before:.6g} -> {cp.median_after:.6g} "
                                         f"(p={cp.p_value:.2g})"})
-        first = session.get(Build, build_ids[0])
-        for other in farm_series.list_series(session, session.get(Device, series.device_id), series.key.metric):
+        first = store.get_build(session, build_ids[0])
+        for other in farm_series.list_series(session, store.get_device(session, series.device_id), series.key.metric):
             if not _same_but_environment(other.key, series.key):
                 continue
             earlier = [p for p in farm_series.points(session, other)
-                       if (b := session.get(Build, p["build_id"])) is not None
-                       and (b.created, b.id) < (first.created, first.id)]
+                       if ((b := store.get_build(session, p["build_id"])).created, b.id) < (first.created, first.id)]
             if earlier:
                 changes = run_env.changes(_environment(session, other), _environment(session, series))
                 annotations.append({"build": names[first.id], "kind": "environment", "series_id": other.id,
@@ -181,16 +165,14 @@ def series_kernels(session: Session, series: farm_series.Series) -> dict[str, An
     repetitions of the series' runs of that build (the runs its points are made of: this
     device, workload and environment, no check's). The KERNELS_SHOWN kernels slowest in the
     newest build are named, the rest summed as "other"; a kernel a build did not run is None."""
-    device = session.get(Device, series.device_id)
+    device = store.get_device(session, series.device_id)
     builds: list[str] = []
     per_build: list[dict[str, float]] = []
     for point in farm_series.points(session, series):
         runs = [r for r in regressions.runs_of(session, device.id, point["build_id"], JobKind.latency, series.spec)
                 if regressions.env_key_of(r, device) == series.key.environment]
         totals: dict[tuple[int, int, str], float] = {}
-        for run_id, repetition, kernel, ms in session.execute(
-                select(KernelTiming.run_id, KernelTiming.repetition, KernelTiming.kernel, KernelTiming.total_ms)
-                .where(KernelTiming.run_id.in_([r.id for r in runs]))):
+        for run_id, repetition, kernel, ms in store.kernel_timings_of(session, [r.id for r in runs]):
             totals[(run_id, repetition, kernel)] = totals.get((run_id, repetition, kernel), 0.0) + ms
         repetitions = {(run_id, rep) for run_id, rep, _ in totals}
         if not repetitions:
@@ -224,11 +206,7 @@ def _image_ref(image: Image, build: str | None) -> dict[str, Any]:
 
 def _generated_image(session: Session, device_id: int, build: Build, spec: regressions.SpecKey) -> Image | None:
     """The newest image a generate job of `spec` made with `build` on the device."""
-    rows = session.execute(select(Image, Job.spec).join(Run, Run.id == Image.run_id).join(Job, Job.id == Run.job_id)
-                           .where(Run.device_id == device_id, Run.build_id == build.id, Job.kind == JobKind.generate,
-                                  Run.status == RunStatus.succeeded, regressions.in_series())
-                           .order_by(Image.id.desc()))
-    return next((image for image, job_spec in rows if regressions.SpecKey.of(job_spec or {}) == spec), None)
+    return next((image for image, job_spec in store.generated_images(session, device_id, build.id) if regressions.SpecKey.of(job_spec or {}) == spec), None)
 
 
 def _images(session: Session, alert: Alert) -> dict[str, dict[str, Any] | None]:
@@ -240,8 +218,7 @@ def _images(session: Session, alert: Alert) -> dict[str, dict[str, Any] | None]:
     if isinstance(named, dict):
         for side in sides:
             path = named.get(side)
-            found[side] = (session.scalar(select(Image).where(Image.path == path).order_by(Image.id.desc()).limit(1))
-                           if isinstance(path, str) else None)
+            found[side] = store.image_at(session, path) if isinstance(path, str) else None
     elif alert.device_id is not None:
         series = alert.series or {}
         spec = regressions.SpecKey.of({"model": series.get("model", ""), "steps": series.get("steps", 20),
@@ -258,10 +235,7 @@ def _images(session: Session, alert: Alert) -> dict[str, dict[str, Any] | None]:
 def build_gallery(session: Session, build: Build) -> dict[str, Any]:
     """Every image a generate job made with `build` (a check's included), newest first, each
     with the device, workload and job it came from."""
-    rows = session.execute(select(Image, Job.spec, Job.id, Device.serial).join(Run, Run.id == Image.run_id)
-                           .join(Job, Job.id == Run.job_id).join(Device, Device.id == Run.device_id)
-                           .where(Run.build_id == build.id, Run.status == RunStatus.succeeded)
-                           .order_by(Image.id.desc()))
+    rows = store.images_of_build(session, build.id)
     return {"build": build.name, "created": build.created,
             "images": [_image_ref(image, build.name) | {"device": serial, "job": job_id,
                                                           "workload": spec_label(regressions.SpecKey.of(job_spec or {}))}
@@ -290,9 +264,7 @@ def alert_context(session: Session, alert: Alert) -> dict[str, Any]:
 def image_file(session: Session, image_id: int, data_dir: Path) -> Path:
     """Where a stored image's file is (a relative path is under the farm's data directory);
     StoreError when the image or its file is gone."""
-    image = session.get(Image, image_id)
-    if image is None:
-        raise store.StoreError(f"no image {image_id}")
+    image = store.get_image(session, image_id)
     path = Path(image.path)
     path = path if path.is_absolute() else data_dir / path
     if not path.is_file():
@@ -307,17 +279,12 @@ def device_health(session: Session, device: Device) -> dict[str, Any]:
     """Runs by outcome and the failure rate, the newest runs, the device's quarantine (its state
     and reason now, and the alerts raised about it that were not about a build) and its newest
     STATE_HISTORY state changes."""
-    counts = dict(session.execute(select(Run.status, func.count(Run.id)).where(Run.device_id == device.id)
-                                  .group_by(Run.status)).all())
+    counts = queries.run_counts(session, device.id)
     total = sum(counts.values())
-    recent = session.execute(
-        select(Run.id, Run.status, Run.error, Run.started_at, Run.finished_at, Job.kind, Build.name)
-        .join(Job, Job.id == Run.job_id).outerjoin(Build, Build.id == Run.build_id)
-        .where(Run.device_id == device.id).order_by(Run.id.desc()).limit(RECENT_RUNS)).all()
+    recent = queries.recent_runs(session, device.id, RECENT_RUNS)
     stoppages = queries.list_alerts(session, states=tuple(AlertState), kinds=(AlertKind.data_stoppage,),
                                     device_id=device.id)
-    history = session.scalars(select(DeviceStateChange).where(DeviceStateChange.device_id == device.id)
-                              .order_by(DeviceStateChange.at.desc(), DeviceStateChange.id.desc()).limit(STATE_HISTORY))
+    history = queries.state_changes(session, device.id, STATE_HISTORY)
     return {"serial": device.serial,
             "runs": {str(s): counts.get(s, 0) for s in RunStatus}, "total_runs": total,
             "failure_rate": counts.get(RunStatus.failed, 0) / total if total else None,

@@ -1,24 +1,42 @@
 """The SQL store: typed models (models) and enums (enums), engines and sessions (session), the
 data-access functions the other layers call, one module per idea (devices, builds, jobs, results,
-batches, schedules; rows: what they share) and re-exported here (`from orchestrator import store;
-store.create_job(session, ...)`), the queries the faces read (queries), notifications' rows
-(notifications), the device state machine (device_states), what a run's environment is
-(environment) and Alembic migrations (migrate, migrations/). The CLI reaches SQL only through it;
+batches, schedules, series, alerts, change_points, images; rows: what they share) and
+re-exported here (`from orchestrator import store; store.create_job(session, ...)`), the queries
+the faces read (queries), notifications' rows (notifications), the device state machine
+(device_states), what a run's environment is (environment) and Alembic migrations (migrate,
+migrations/). The CLI reaches SQL only through it;
 the API, the dashboard, the job path and the analysis still hold queries of their own. PostgreSQL
 in production, a SQLite file as the embedded default; the schema comes only from migrations,
 never from create_all."""
 
-from . import batches, builds, check_runs, devices, jobs, results, schedules, tokens
-from .batches import *  # noqa: F403  (each module's __all__: the store's functions)
+from . import (
+    alerts,
+    batches,
+    builds,
+    change_points,
+    check_runs,
+    devices,
+    images,
+    jobs,
+    results,
+    schedules,
+    series,
+    tokens,
+)
+from .alerts import *  # noqa: F403  (each module's __all__: the store's functions)
+from .batches import *  # noqa: F403
 from .builds import *  # noqa: F403
+from .change_points import *  # noqa: F403
 from .check_runs import *  # noqa: F403
 from .devices import *  # noqa: F403
+from .images import *  # noqa: F403
 from .jobs import *  # noqa: F403
 from .migrate import SchemaMismatch, check, upgrade
 from .models import utcnow  # the store's clock
 from .results import *  # noqa: F403
 from .rows import InvalidTransition, StoreError, text_for_store
 from .schedules import *  # noqa: F403
+from .series import *  # noqa: F403
 from .session import (
     DatabaseError,
     Session,
@@ -35,4 +53,5 @@ __all__ = ["DatabaseError", "InvalidTransition", "SchemaMismatch", "Session", "S
            "make_session_factory", "read_snapshot", "refused_value", "StatementError",
            "text_for_store", "upgrade", "utcnow",
            *batches.__all__, *builds.__all__, *devices.__all__, *jobs.__all__, *results.__all__, *schedules.__all__,
-           *check_runs.__all__, *tokens.__all__]
+           *check_runs.__all__, *tokens.__all__,
+           *alerts.__all__, *change_points.__all__, *images.__all__, *series.__all__]

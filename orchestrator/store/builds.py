@@ -20,10 +20,10 @@ from .models import (
     DeploymentStatus,
     utcnow,
 )
-from .rows import StoreError, insert_or_get, redispatch_row, update_row
+from .rows import StoreError, insert_or_get, made_before, redispatch_row, update_row
 
 __all__ = [
-    "build_models", "builds_in_order", "create_build", "create_deployment", "default_model",
+    "build_models", "builds_before", "builds_in_order", "create_build", "create_deployment", "default_model",
     "deployments_of_batch", "find_due_deployments", "finish_deployment", "get_build",
     "get_deployment", "heartbeat_deployment", "manifest_sha256", "pending_deployments",
     "record_deployment", "record_deployment_progress", "redispatch_deployment", "requeue_deployment",
@@ -73,6 +73,11 @@ def get_build(session: Session, ref: int | str | None = None) -> Build:
 def builds_in_order(session: Session) -> list[Build]:
     """Every build in the order it was made (what bisect walks)."""
     return list(session.scalars(select(Build).order_by(Build.created, Build.id)))
+
+
+def builds_before(session: Session, build: Build) -> list[Build]:
+    """The builds made before `build` (creation time, then id), newest first."""
+    return list(session.scalars(select(Build).where(made_before(build)).order_by(Build.created.desc(), Build.id.desc())))
 
 
 def deployments_of_batch(session: Session, batch_id: int) -> list[Deployment]:

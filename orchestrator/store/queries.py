@@ -1,7 +1,7 @@
 """Read queries behind `farm jobs` and `farm results`, and the ones dashboards and regression
 analysis share: job and run listings with filters, one run's metrics and kernel times, the
-samples of one metric on one device along builds, and raw samples streamed in chunks for
-export. Reads only: cancelling a job is the job service's (orchestrator/jobs/jobservice.py).
+samples of one metric on one device along builds, a device's health (runs by status, its newest
+runs and state changes), and raw samples streamed in chunks for export. Reads only: cancelling a job is the job service's (orchestrator/jobs/jobservice.py).
 
 Medians are computed in Python from the raw samples of the runs asked for: SQLite has no
 median aggregate, and a listing is one page of runs, so the samples involved are few (counts,
@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Select, exists, func, select
+from sqlalchemy import Row, Select, exists, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from .models import (
@@ -25,13 +25,17 @@ from .models import (
     AlertKind,
     AlertState,
     Build,
+    Deployment,
+    DeploymentStatus,
     Device,
+    DeviceStateChange,
     Image,
     Job,
     JobKind,
     JobState,
     KernelTiming,
     Run,
+    RunStatus,
     Sample,
     ThermalReading,
 )
@@ -69,6 +73,39 @@ def list_builds(session: Session) -> list[Build]:
                                 .order_by(Build.created.desc(), Build.id.desc())))
 
 
+def deployed_at(session: Session, device_id: int, build_ids: Sequence[int]) -> list[tuple[int, dt.datetime | None]]:
+    """(build id, when its newest succeeded deployment to the device finished) for each of
+    `build_ids` deployed there."""
+    return [tuple(r) for r in session.execute(
+        select(Deployment.build_id, func.max(Deployment.finished_at))
+        .where(Deployment.device_id == device_id, Deployment.build_id.in_(list(build_ids)),
+               Deployment.status == DeploymentStatus.succeeded).group_by(Deployment.build_id))]
+
+
+# ---- a device's health --------------------------------------------------------------------
+
+
+def run_counts(session: Session, device_id: int) -> dict[RunStatus, int]:
+    """How many of the device's runs are in each status (those with any)."""
+    return dict(session.execute(select(Run.status, func.count(Run.id)).where(Run.device_id == device_id)
+                                .group_by(Run.status)).all())
+
+
+def recent_runs(session: Session, device_id: int, limit: int) -> list[Row]:
+    """The device's newest `limit` runs, newest first: (id, status, error, started_at,
+    finished_at, kind: its job's, name: its build's, None without one)."""
+    return list(session.execute(
+        select(Run.id, Run.status, Run.error, Run.started_at, Run.finished_at, Job.kind, Build.name)
+        .join(Job, Job.id == Run.job_id).outerjoin(Build, Build.id == Run.build_id)
+        .where(Run.device_id == device_id).order_by(Run.id.desc()).limit(limit)))
+
+
+def state_changes(session: Session, device_id: int, limit: int) -> list[DeviceStateChange]:
+    """The device's newest `limit` state changes, newest first."""
+    return list(session.scalars(select(DeviceStateChange).where(DeviceStateChange.device_id == device_id)
+                                .order_by(DeviceStateChange.at.desc(), DeviceStateChange.id.desc()).limit(limit)))
+
+
 # ---- alerts -------------------------------------------------------------------------------
 
 
@@ -79,6 +116,7 @@ def list_alerts(
     kinds: Iterable[AlertKind] = tuple(AlertKind),
     device_id: int | None = None,
     build_id: int | None = None,
+    metric: str | None = None,
     limit: int | None = None,
 ) -> list[Alert]:
     """Alerts newest first: by default the open ones (new and acknowledged) of every kind."""
@@ -89,6 +127,8 @@ def list_alerts(
         query = query.where(Alert.device_id == device_id)
     if build_id is not None:
         query = query.where(Alert.build_id == build_id)
+    if metric is not None:
+        query = query.where(Alert.metric == metric)
     query = query.order_by(Alert.created_at.desc(), Alert.id.desc())
     return list(session.scalars(query if limit is None else query.limit(limit)))
 

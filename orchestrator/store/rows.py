@@ -1,5 +1,6 @@
-"""What the store's modules share: its errors, and the single conditional statements its writes are
-made of (an update that names the row's expected state, an idempotent insert, a redispatch).
+"""What the store's modules share: its errors, the single conditional statements its writes are
+made of (an update that names the row's expected state, an idempotent insert, a redispatch) and
+the conditions its reads share (a run that is a series' measurement, a build made before another).
 Every function takes a session and flushes; the caller commits."""
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
+from .models import BATCH_CHECK, Batch, Build, Job
+
 __all__ = [
-    "InvalidTransition", "StoreError", "bulk_insert", "insert_or_get", "redispatch_row",
+    "InvalidTransition", "StoreError", "bulk_insert", "in_series", "insert_or_get", "made_before", "redispatch_row",
     "text_for_store", "update_row",
 ]
 
@@ -78,3 +81,14 @@ def insert_or_get(session: Session, obj, query):
             raise
         return existing
     return obj
+
+
+def in_series():
+    """The condition on Job (joined) that a run is a series' measurement: not a run of a `farm
+    check` (Batch.purpose "check"), which the check alone judges."""
+    return Job.batch_id.is_(None) | Job.batch_id.not_in(select(Batch.id).where(Batch.purpose == BATCH_CHECK))
+
+
+def made_before(build: Build):
+    """The condition on Build that a build was made before `build` (creation time, then id)."""
+    return (Build.created < build.created) | ((Build.created == build.created) & (Build.id < build.id))
