@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from orchestrator import store
 from orchestrator.analysis import regressions
@@ -29,17 +27,13 @@ from orchestrator.analysis.stats import compare_images
 from orchestrator.infra.escape import md_code
 from orchestrator.jobs.batch_analysis import more_repetitions_jobs
 from orchestrator.jobs.jobservice import launch_suite, target_devices
+from orchestrator.store import Session
 from orchestrator.store.models import (
     BATCH_CHECK,
-    Batch,
     Build,
-    Device,
-    Image,
-    Job,
     JobKind,
     JobState,
     Run,
-    RunStatus,
 )
 
 PASS, REGRESSION, UNDECIDED, BAD_INPUT, FAILED = 0, 1, 2, 3, 4
@@ -107,9 +101,7 @@ def plan(session: Session, request: CheckRequest) -> tuple[Build, dict[str, Buil
         if baseline is None:
             key = regressions.series_key(device, spec, next(iter(regressions.HEADLINE_METRICS)))
             found = regressions.baseline_build(session, candidate, device, spec, key)
-            baseline = found[0] if found else session.scalar(
-                select(Build).where(regressions.made_before(candidate))
-                .order_by(Build.created.desc(), Build.id.desc()).limit(1))
+            baseline = found[0] if found else next(iter(store.builds_before(session, candidate)), None)
         if baseline is None:
             raise CheckInput(f"no build before {candidate.name} to compare it with on {device.serial}; "
                              "name one with --baseline")
@@ -202,12 +194,12 @@ def _wait(sessions, batch_ids: list[int], deadline: float, progress: Callable[[s
     last = None
     while True:
         with sessions() as session:
-            jobs = list(session.scalars(select(Job).where(Job.batch_id.in_(batch_ids))))
-            finished = all(session.get(Batch, b).finished_at is not None for b in batch_ids)
+            jobs = store.jobs_of_batches(session, batch_ids)
+            finished = all(store.get_batch(session, b).finished_at is not None for b in batch_ids)
             bad = [j for j in jobs if j.state in (JobState.failed, JobState.infra_failed, JobState.cancelled)]
             if bad:
                 job = bad[0]
-                raise CheckFailed(f"{job.kind} job {job.id} on {session.get(Device, job.device_id).serial} "
+                raise CheckFailed(f"{job.kind} job {job.id} on {job.device.serial} "
                                   f"{job.state}: {job.error or 'no error recorded'}")
             line = f"{sum(j.state == JobState.succeeded for j in jobs)}/{len(jobs)} jobs done"
         if finished:
@@ -225,10 +217,7 @@ def _check_runs(session: Session, rounds: list[_Round], serial: str) -> dict[str
     roles: dict[str, list[Run]] = {"baseline": [], "candidate": []}
     batches = [b for r in rounds for b in r.batches]
     by_batch = {b: r for r in rounds for b in r.batches}
-    rows = session.execute(select(Run, Job).join(Job, Job.id == Run.job_id).join(Device, Device.id == Job.device_id)
-                           .where(Job.batch_id.in_(batches), Device.serial == serial, Job.kind == JobKind.latency,
-                                  Run.status == RunStatus.succeeded).order_by(Run.id)).all()
-    for run, job in rows:
+    for run, job in store.runs_of_batches(session, batches, JobKind.latency, serial):
         index = int(job.idempotency_key.rsplit(":", 1)[1])
         roles[by_batch[job.batch_id].roles[(job.batch_id, index)]].append(run)
     return roles
@@ -237,7 +226,7 @@ def _check_runs(session: Session, rounds: list[_Round], serial: str) -> dict[str
 def _judge(session: Session, rounds: list[_Round], serial: str, candidate_id: int, baseline_id: int,
            request: CheckRequest, number: int) -> dict[tuple[str, str], dict[str, Any]]:
     device = store.get_device(session, serial)
-    candidate, baseline = session.get(Build, candidate_id), session.get(Build, baseline_id)
+    candidate, baseline = store.get_build(session, candidate_id), store.get_build(session, baseline_id)
     runs = _check_runs(session, rounds, serial)
     spec = regressions.SpecKey.of({"model": store.default_model(candidate)} | request.spec)
     out = {}
@@ -261,11 +250,7 @@ def _fidelity(session: Session, rounds: list[_Round]) -> list[dict[str, Any]]:
     """Per device, the candidate's generated image against the baseline's (same spec and seed)."""
     first = rounds[0]
     images: dict[str, dict[str, str]] = {}
-    rows = session.execute(select(Image.path, Job, Device.serial).join(Run, Run.id == Image.run_id)
-                           .join(Job, Job.id == Run.job_id).join(Device, Device.id == Job.device_id)
-                           .where(Job.batch_id.in_(first.batches), Job.kind == JobKind.generate,
-                                  Run.status == RunStatus.succeeded)).all()
-    for path, job, serial in rows:
+    for path, job, serial in store.images_of_batches(session, first.batches, JobKind.generate):
         role = first.roles[(job.batch_id, int(job.idempotency_key.rsplit(":", 1)[1]))]
         images.setdefault(serial, {})[role] = path
     out = []

@@ -18,6 +18,8 @@ from .jobs import get_job
 from .models import (
     Device,
     Image,
+    Job,
+    JobKind,
     KernelTiming,
     Run,
     RunStatus,
@@ -26,7 +28,7 @@ from .models import (
 )
 from .rows import StoreError, bulk_insert, insert_or_get
 
-__all__ = ["record_result", "result_environment"]
+__all__ = ["images_of_batches", "record_result", "result_environment", "runs_of_batches"]
 
 
 def record_result(session: Session, job_id: int, result: JobResult, attempt: int | None = None,
@@ -86,6 +88,24 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
     session.flush()
     session.expire(run, ["samples", "kernel_timings", "thermal", "images"])
     return run
+
+
+def runs_of_batches(session: Session, batch_ids: list[int], kind: JobKind, serial: str) -> list[tuple[Run, Job]]:
+    """The succeeded runs of the `kind` jobs of the batches `batch_ids` on the device `serial`,
+    each with its job, in the order they were recorded."""
+    return [(run, job) for run, job in session.execute(
+        select(Run, Job).join(Job, Job.id == Run.job_id).join(Device, Device.id == Job.device_id)
+        .where(Job.batch_id.in_(batch_ids), Device.serial == serial, Job.kind == kind,
+               Run.status == RunStatus.succeeded).order_by(Run.id))]
+
+
+def images_of_batches(session: Session, batch_ids: list[int], kind: JobKind) -> list[tuple[str, Job, str]]:
+    """The images of the succeeded runs of the `kind` jobs of the batches `batch_ids`: each
+    image's path, its job and its device's serial."""
+    return [(path, job, serial) for path, job, serial in session.execute(
+        select(Image.path, Job, Device.serial).join(Run, Run.id == Image.run_id)
+        .join(Job, Job.id == Run.job_id).join(Device, Device.id == Job.device_id)
+        .where(Job.batch_id.in_(batch_ids), Job.kind == kind, Run.status == RunStatus.succeeded))]
 
 
 def result_environment(device: Device, result: JobResult | None = None) -> dict[str, Any]:
