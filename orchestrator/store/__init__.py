@@ -4,8 +4,8 @@ batches, schedules, series, alerts, change_points, images; rows: what they share
 re-exported here (`from orchestrator import store; store.create_job(session, ...)`), the queries
 the faces read (queries), notifications' rows (notifications), the device state machine
 (device_states), what a run's environment is (environment) and Alembic migrations (migrate,
-migrations/). The CLI reaches SQL only through it;
-the API, the dashboard, the job path and the analysis still hold queries of their own. PostgreSQL
+migrations/); the API's tokens and checks are rows of tokens and check_runs. The layers above
+reach SQL only through it (the import-linter contracts in pyproject.toml keep it so). PostgreSQL
 in production, a SQLite file as the embedded default; the schema comes only from migrations,
 never from create_all."""
 
