@@ -1,8 +1,8 @@
-"""The browser runtime's transport: a device whose engine runs in its web browser (an Android
+"""The browser executor's transport: a device whose engine runs in its web browser (an Android
 phone's Chrome, an iPhone's Safari), which has WebGPU but no Python. The job's logic runs in a
 `farm-agent` on this host, in an agent root of the device's own (<data_dir>/devices/<serial>),
 exactly as for a local device: the same lock, time limit, JobSpec and JobResult. Its engine is
-the browser runtime (the JobSpec's engine_runtime "browser"): every plan runs in the device's page, reached
+the browser executor (the JobSpec's executor "browser"): every plan runs in the device's page, reached
 through the farm's hub (orchestrator/transports/hub.py).
 
 A deploy installs the signed build in the host-side root (the agent verifies it), then hands
@@ -41,13 +41,14 @@ from agent.link import (
     parse_user_agent_os,
     provision_public_key,
 )
-from agent.protocol import FARM_KEY, DeviceInfo, JobResult, JobSpec, ThermalReading
+from agent.protocol import FARM_KEY, AgentConfig, DeviceInfo, JobResult, JobSpec, ThermalReading
 from engine.errors import BrowserError
 from orchestrator.transports.base import (
     AgentExit,
     DeviceOffline,
     InfraFailure,
     ProgressFn,
+    ProtocolMismatch,
     SendReport,
     TransportError,
     emit,
@@ -360,7 +361,7 @@ class BrowserTransport(LocalTransport):
         adapter = caps_of(hello["adapter"]).as_dict()
         info = self.link.device_info(adapter, user_agent)
         browser = parse_user_agent(user_agent)
-        info.properties.update({"runtime": "browser", "browser": browser.get("name", "unknown"),
+        info.properties.update({"engine_host": "browser", "browser": browser.get("name", "unknown"),
                                 "browser_version": browser.get("version", "unknown"), "user_agent": user_agent,
                                 "page_secure_context": str(hello.get("secure"))})
         info.agent_version = f"page@{hello.get('current') or 'none'}"
@@ -399,13 +400,16 @@ class BrowserTransport(LocalTransport):
 
     def exec_job(self, spec: JobSpec, limit_s: float, on_line, progress: ProgressFn | None) -> AgentExit:
         hub = self.ensure_page()
-        self.job_env = {"FARM_BROWSER_PAGE": hub.control_url(self.name)}  # where the page is: this host's concern
+        if spec.executor != "browser":  # the farm sets it when the job is submitted
+            raise ProtocolMismatch(self.name, f"job {spec.job_id} asks for the {spec.executor} executor; "
+                                   "this device's engine is its browser's page")
+        self.configure_agent(AgentConfig(browser_page=hub.control_url(self.name)))  # where the page is
         self._cooldown, self._notes = None, []
         if spec.cooldown is not None:  # on the device's own zones: the host's are not the device's
             self._cooldown = cool_down(spec.cooldown, self._hottest, self._notes.append,
                                        lambda event: emit(progress, event))
         self._before = self.link.thermal("before")
-        return super().exec_job(dataclasses.replace(spec, cooldown=None, engine_runtime="browser"), limit_s,
+        return super().exec_job(dataclasses.replace(spec, cooldown=None), limit_s,
                                 on_line, progress)
 
     def _hottest(self) -> float | None:

@@ -18,7 +18,7 @@ with a token (agent/web/farm.js keeps it) and polls the hub for its next command
       PUT  /ctl/<device>/plans/<name>   a plan for the page to fetch
 
 The page side is the engine's page host (engine/pagehost.py), the one the engine's own browser
-runtime is served by too: each device's commands go through a PageChannel; a command whose
+executor is served by too: each device's commands go through a PageChannel; a command whose
 page goes quiet for PAGE_LOST_S, or whose page was replaced by a new one (the tab reloaded),
 ends with a BrowserError of kind "page-lost": the caller treats it as an infrastructure
 failure. The hub counts the blob bytes it serves per device, so a deploy can show it sent nothing.

@@ -25,9 +25,11 @@ from agent.link import (
     staged_manifest,
 )
 from agent.protocol import (
+    AGENT_CONFIG_FILE,
     FILES,
     MANIFEST,
     SIGNATURE,
+    AgentConfig,
     DeviceInfo,
     JobSpec,
     Manifest,
@@ -60,7 +62,6 @@ class LocalTransport(Transport):
         self.agent = list(agent_command)
         self.name = name
         self.timeout_s, self.job_margin_s = timeout_s, job_margin_s
-        self.job_env: dict[str, str] = {}  # added to the agent's environment for jobs
         self._arrived: dict[str, int] = {}  # of the deploy under way: sha256 -> bytes a cut upload left
 
     def _agent(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
@@ -143,6 +144,17 @@ class LocalTransport(Transport):
         done = self._agent("stop", job_id, "--root", str(self.root), "--reason", reason, timeout_s=60)
         return done.returncode == 0
 
+    def configure_agent(self, config: AgentConfig) -> None:
+        """Write the agent's configuration (protocol.AgentConfig) under its root, readable by
+        its owner only: it may hold a page URL with the hub's key."""
+        path = self.root / AGENT_CONFIG_FILE
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(to_json(config))
+        os.replace(tmp, path)
+
     def _job_dir(self, spec: JobSpec) -> Path:
         return self.root / "jobs" / spec.job_id
 
@@ -153,8 +165,7 @@ class LocalTransport(Transport):
         spec_path.write_text(to_json(spec))
         proc = subprocess.Popen([*self.agent, "run", str(spec_path), "--out", str(self._job_dir(spec)),
                                  "--root", str(self.root), "--json"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, **self.job_env} if self.job_env else None)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
         def relay() -> None:
             for line in proc.stderr:

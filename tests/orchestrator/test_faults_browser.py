@@ -121,7 +121,8 @@ def test_the_reverse_connection_cut_mid_deploy_resumes_and_keeps_nothing_partial
         again = t.send_bundle(settings.data_dir / "builds" / "b1")
         assert again.bytes_sent == 0
         result = t.run(JobSpec(job_id="after-cut", kind="generate", model="models/tiny", precision="fp32",
-                               height=64, width=64, steps=2, scheduler="euler", time_limit_s=300.0), tmp_path / "out")
+                               height=64, width=64, steps=2, scheduler="euler", time_limit_s=300.0, executor="browser"),
+                       tmp_path / "out")
         assert result.status == "succeeded", result.error
     finally:
         t.close()

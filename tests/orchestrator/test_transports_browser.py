@@ -7,6 +7,7 @@ infrastructure failure, after which the next job runs."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -15,12 +16,13 @@ from ci_support import missing
 
 from agent.bundle import generate_keypair
 from agent.packing import build_bundle
-from agent.protocol import Cooldown, JobSpec, Manifest
+from agent.protocol import AGENT_CONFIG_FILE, Cooldown, JobSpec, Manifest
 from agent.simulator import VirtualPhone
 from engine.browser import find_chromium
 from engine.kernels import SHADER_ROOT
 from orchestrator.transports import InfraFailure
 from orchestrator.transports.adb import AdbTransport, load_or_create_adb_key
+from orchestrator.transports.base import ProtocolMismatch
 from orchestrator.transports.browser import AdbPageLink, BrowserTransport
 from orchestrator.transports.hub import BrowserHub
 
@@ -66,7 +68,8 @@ def job(job_id: str, **kw) -> JobSpec:
     """A job the transport runs: the tiny model's smallest image (32x32) and one step, since
     these tests are about the link to the page, not its numbers (tests/engine/test_browser.py)."""
     return JobSpec(**({"job_id": job_id, "kind": "generate", "model": "models/tiny", "precision": "fp32",
-                       "steps": 1, "scheduler": "euler", "time_limit_s": 300.0, "height": 32, "width": 32} | kw))
+                       "steps": 1, "scheduler": "euler", "time_limit_s": 300.0, "height": 32, "width": 32,
+                       "executor": "browser"} | kw))
 
 
 def test_info_is_the_phone_with_its_browser_and_adapter(browser, phone):
@@ -102,6 +105,13 @@ def test_latency_and_generate_jobs_run_in_the_page(browser, farm, tmp_path):
     generated = browser.run(job("gen-1", prompt="a red bicycle", seed=3), tmp_path / "gen")
     assert generated.status == "succeeded", generated.error
     assert (tmp_path / "gen" / "image.png").is_file()
+    # the page reached the agent as its configuration, for its owner's eyes only (the URL holds the hub's key)
+    config = browser.root / AGENT_CONFIG_FILE
+    assert json.loads(config.read_text())["browser_page"].startswith("http://127.0.0.1:")
+    assert config.stat().st_mode & 0o077 == 0
+    # who runs a job is decided when it is submitted: a job for another executor is refused here
+    with pytest.raises(ProtocolMismatch, match="asks for the native executor"):
+        browser.run(job("native-1", executor="native"), tmp_path / "native")
 
 
 def test_a_browser_killed_mid_job_is_an_infrastructure_failure_then_the_next_job_runs(browser, farm, phone,
@@ -110,7 +120,7 @@ def test_a_browser_killed_mid_job_is_an_infrastructure_failure_then_the_next_job
 
     def kill_when_running() -> None:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not list((browser.root / "jobs").glob("doomed/plan.json")):
+        while time.monotonic() < deadline and not list((browser.root / "jobs").glob("doomed/task.json")):
             time.sleep(0.2)
         time.sleep(3.0)  # into the job's work in the page
         phone.kill_browser()

@@ -85,7 +85,8 @@ def test_a_latency_job_runs_in_the_tablets_page(farm, tmp_path):
     t = farm["transport"]
     t.send_bundle(farm["tmp"] / "b1")
     spec = JobSpec(job_id="web-lat", kind="latency", model="models/tiny", precision="fp32", height=32, width=32,
-                   steps=1, scheduler="euler", warmup=1, repetitions=1, unet_repetitions=3, time_limit_s=300.0)
+                   steps=1, scheduler="euler", warmup=1, repetitions=1, unet_repetitions=3, time_limit_s=300.0,
+                   executor="browser")
     result = t.run(spec, tmp_path / "out")
     assert result.status == "succeeded", result.error
     assert len([s for s in result.samples if s.metric == "unet_step_ms"]) == 3
