@@ -17,22 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from agent.protocol import JobResult
 from orchestrator import store
-from orchestrator.store.models import (
-    Build,
-    Device,
-    Job,
-    JobKind,
-    JobState,
-    Profile,
-    Run,
-    RunStatus,
-    Sample,
-)
+from orchestrator.store import Session, queries
+from orchestrator.store.models import Job, JobKind, JobState, Profile, Run
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +56,10 @@ def register(session: Session, job: Job, run: Run, result: JobResult, artifacts_
         return None
     device, sha = job.device, profile_sha256(doc)
     adapter = (result.engine or {}).get("adapter") or {}  # what it ran on (the device record may lag)
-    existing = session.scalar(select(Profile).where(Profile.name == doc.get("name", ""), Profile.sha256 == sha))
+    existing = store.find_profile(session, doc.get("name", ""), sha)
     if existing is not None:
         return existing
-    build = session.get(Build, job.build_id) if job.build_id is not None else None
+    build = store.get_build(session, job.build_id) if job.build_id is not None else None
     environment = run.environment or {}
     estimate = (result.engine or {}).get("estimated_gain") or {}
     profile = Profile(
@@ -85,42 +74,18 @@ def register(session: Session, job: Job, run: Run, result: JobResult, artifacts_
         family=str((result.engine or {}).get("family_profile") or ""),
         estimated_gain=estimate.get("gain"),
     )
-    session.add(profile)
-    session.flush()
-    return profile
+    return store.add_profile(session, profile)
 
 
 def get(session: Session, ref: int | str) -> Profile:
     """A profile by id, or by name (the newest of that name)."""
     if isinstance(ref, int) or str(ref).isdigit():
-        profile = session.get(Profile, int(ref))
+        profile = store.profile_by_id(session, int(ref))
     else:
-        profile = session.scalar(select(Profile).where(Profile.name == ref).order_by(Profile.id.desc()).limit(1))
+        profile = store.newest_profile_named(session, ref)
     if profile is None:
         raise ProfileError(f"no profile {ref!r}; `farm profiles list` shows them")
     return profile
-
-
-def same_gpu(device: Device):
-    """The condition on Profile for profiles tuned on `device`'s GPU (vendor, device name,
-    backend); for a device whose record names no GPU (never discovered), those tuned on it."""
-    if not device.gpu_device:
-        return Profile.tuned_on_device_id == device.id
-    return ((Profile.gpu_vendor == device.gpu_vendor) & (Profile.gpu_device == device.gpu_device)
-            & (Profile.gpu_backend == device.gpu_backend))
-
-
-def listed(session: Session, device: Device | None = None) -> list[Profile]:
-    """The tuned profiles, newest first; those made on `device`'s exact GPU when given."""
-    query = select(Profile).order_by(Profile.id.desc())
-    if device is not None:
-        query = query.where(same_gpu(device))
-    return list(session.scalars(query))
-
-
-def newest_for(session: Session, device: Device) -> Profile | None:
-    """The newest profile tuned on `device`'s GPU (any device of the same GPU)."""
-    return session.scalar(select(Profile).where(same_gpu(device)).order_by(Profile.id.desc()).limit(1))
 
 
 def resolve_tuned(session: Session, job: Job) -> str | None:
@@ -130,7 +95,7 @@ def resolve_tuned(session: Session, job: Job) -> str | None:
     spec = dict(job.spec or {})
     if spec.get("profile") != TUNED or spec.get("profile_document"):
         return None
-    profile = newest_for(session, job.device)
+    profile = store.newest_profile_for(session, job.device)
     if profile is None:
         return (f"no profile has been tuned on {job.device.gpu_device or 'this GPU'} yet: run a tune job on "
                 f"{job.device.serial} (or a device with the same GPU) first")
@@ -141,7 +106,7 @@ def resolve_tuned(session: Session, job: Job) -> str | None:
 def promoted(session: Session) -> list[Profile]:
     """The profiles builds ship: the newest promoted one per GPU."""
     shipped: dict[tuple[str, str, str], Profile] = {}
-    for p in session.scalars(select(Profile).where(Profile.promoted_at.is_not(None)).order_by(Profile.promoted_at)):
+    for p in store.promoted_profiles(session):
         shipped[(p.gpu_vendor, p.gpu_device, p.gpu_backend)] = p
     return sorted(shipped.values(), key=lambda p: p.name)
 
@@ -149,9 +114,7 @@ def promoted(session: Session) -> list[Profile]:
 def promote(session: Session, profile: Profile, now: dt.datetime | None = None) -> list[Profile]:
     """Ship `profile` in the builds made from now on, in place of the one promoted for its GPU
     before (returned, now demoted). Flushes only."""
-    replaced = list(session.scalars(select(Profile).where(
-        Profile.gpu_vendor == profile.gpu_vendor, Profile.gpu_device == profile.gpu_device,
-        Profile.gpu_backend == profile.gpu_backend, Profile.promoted_at.is_not(None), Profile.id != profile.id)))
+    replaced = store.promoted_on_gpu(session, profile)
     for other in replaced:
         other.promoted_at = None
     profile.promoted_at = now or store.utcnow()
@@ -176,8 +139,8 @@ def measure_gains(session: Session, batch_id: int) -> list[dict[str, Any]]:
     bootstrap interval, and a verdict; recorded on the profile (flushes only)."""
     from orchestrator.analysis.stats.compare import bootstrap_ratio_ci
 
-    jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id, Job.kind == JobKind.latency,
-                                                  Job.state == JobState.succeeded)))
+    jobs = [job for job in store.jobs_of_batches(session, [batch_id])
+            if job.kind == JobKind.latency and job.state == JobState.succeeded]
     by_device: dict[tuple[int, int | None], dict[str, Job]] = {}
     for job in jobs:
         profile = (job.spec or {}).get("profile")
@@ -187,9 +150,9 @@ def measure_gains(session: Session, batch_id: int) -> list[dict[str, Any]]:
     for (device_id, _build_id), pair in sorted(by_device.items(), key=lambda kv: kv[0][0]):
         if set(pair) != {TUNED, FAMILY}:
             continue
-        device = session.get(Device, device_id)
+        device = store.get_device(session, device_id)
         doc = pair[TUNED].spec.get("profile_document") or {}
-        profile = session.scalar(select(Profile).where(Profile.sha256 == profile_sha256(doc)).limit(1)) if doc else None
+        profile = store.profile_with_sha256(session, profile_sha256(doc)) if doc else None
         tuned, family = (_values(session, pair[k]) for k in (TUNED, FAMILY))
         if profile is None or tuned.size == 0 or family.size == 0:
             continue
@@ -207,9 +170,7 @@ def measure_gains(session: Session, batch_id: int) -> list[dict[str, Any]]:
 
 
 def _values(session: Session, job: Job) -> np.ndarray:
-    run = session.scalar(select(Run).where(Run.job_id == job.id, Run.status == RunStatus.succeeded)
-                         .order_by(Run.attempt.desc()).limit(1))
+    run = queries.newest_run(session, job.id, succeeded=True)
     if run is None:
         return np.array([])
-    return np.array(session.scalars(select(Sample.value).where(Sample.run_id == run.id,
-                                                               Sample.metric == GAIN_METRIC)).all(), dtype=float)
+    return np.array([value for _, value in queries.run_samples(session, run.id, [GAIN_METRIC])], dtype=float)

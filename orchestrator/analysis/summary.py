@@ -7,12 +7,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
 from orchestrator import store
-from orchestrator.store import queries
-from orchestrator.store.models import Build, Device, Job, Run, Sample
+from orchestrator.store import Session, queries
+from orchestrator.store.models import Job
 
 HEADLINE_METRICS = ("unet_step_ms", "e2e_ms", "peak_gpu_bytes")
 
@@ -23,9 +20,9 @@ def _median(values: list[float]) -> float | None:
 
 def job_row(session: Session, job: Job) -> dict[str, Any]:
     """One job's headline numbers, from its last run (the attempt that counts)."""
-    device = session.get(Device, job.device_id)
-    build = session.get(Build, job.build_id) if job.build_id is not None else None
-    run = session.scalar(select(Run).where(Run.job_id == job.id).order_by(Run.attempt.desc()).limit(1))
+    device = store.get_device(session, job.device_id)
+    build = store.get_build(session, job.build_id) if job.build_id is not None else None
+    run = queries.newest_run(session, job.id)
     row: dict[str, Any] = {
         "job": job.id, "kind": str(job.kind), "state": str(job.state), "attempts": job.attempts,
         "device": device.serial, "gpu": device.gpu_device or device.gpu_driver,
@@ -36,8 +33,7 @@ def job_row(session: Session, job: Job) -> dict[str, Any]:
         return row
     row.update(run=run.id, cooldown_wait_s=run.cooldown_wait_s, cooldown_timed_out=run.cooldown_timed_out)
     values: dict[str, list[float]] = {}
-    for metric, value in session.execute(
-            select(Sample.metric, Sample.value).where(Sample.run_id == run.id, Sample.metric.in_(HEADLINE_METRICS))):
+    for metric, value in queries.run_samples(session, run.id, HEADLINE_METRICS):
         values.setdefault(metric, []).append(value)
     for metric in HEADLINE_METRICS:
         if metric == "peak_gpu_bytes":
@@ -52,7 +48,7 @@ def job_row(session: Session, job: Job) -> dict[str, Any]:
 
 def batch_summary(session: Session, batch_id: int) -> dict[str, Any]:
     batch = store.get_batch(session, batch_id)
-    jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.id)))
+    jobs = store.jobs_of_batches(session, [batch_id])
     rows = [job_row(session, job) for job in jobs]
     states: dict[str, int] = {}
     for row in rows:

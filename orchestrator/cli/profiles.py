@@ -64,7 +64,6 @@ def list_profiles(
 ):
     """List the tuned profiles, newest first."""
     from orchestrator import store
-    from orchestrator.analysis import profiles
 
     settings = cli_settings()
     with open_store(settings) as sessions, sessions() as session:
@@ -72,7 +71,7 @@ def list_profiles(
             on = store.get_device(session, device) if device is not None else None
         except store.StoreError as exc:
             fail(str(exc))
-        rows = [profile_dict(p) for p in profiles.listed(session, on)]
+        rows = [profile_dict(p) for p in store.profiles_for(session, on)]
     if as_json:
         print_json(rows)
         return

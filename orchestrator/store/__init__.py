@@ -1,6 +1,6 @@
 """The SQL store: typed models (models) and enums (enums), engines and sessions (session), the
 data-access functions the other layers call, one module per idea (devices, builds, jobs, results,
-batches, schedules, series, alerts, change_points, images; rows: what they share) and
+batches, schedules, series, alerts, change_points, images, profiles; rows: what they share) and
 re-exported here (`from orchestrator import store; store.create_job(session, ...)`), the queries
 the faces read (queries), notifications' rows (notifications), the device state machine
 (device_states), what a run's environment is (environment) and Alembic migrations (migrate,
@@ -18,6 +18,7 @@ from . import (
     devices,
     images,
     jobs,
+    profiles,
     results,
     schedules,
     series,
@@ -33,6 +34,7 @@ from .images import *  # noqa: F403
 from .jobs import *  # noqa: F403
 from .migrate import SchemaMismatch, check, upgrade
 from .models import utcnow  # the store's clock
+from .profiles import *  # noqa: F403
 from .results import *  # noqa: F403
 from .rows import InvalidTransition, StoreError, text_for_store
 from .schedules import *  # noqa: F403
@@ -54,4 +56,4 @@ __all__ = ["DatabaseError", "InvalidTransition", "SchemaMismatch", "Session", "S
            "text_for_store", "upgrade", "utcnow",
            *batches.__all__, *builds.__all__, *devices.__all__, *jobs.__all__, *results.__all__, *schedules.__all__,
            *check_runs.__all__, *tokens.__all__,
-           *alerts.__all__, *change_points.__all__, *images.__all__, *series.__all__]
+           *alerts.__all__, *change_points.__all__, *images.__all__, *profiles.__all__, *series.__all__]

@@ -270,6 +270,21 @@ def kernel_totals(session: Session, run_id: int) -> list[dict]:
              "ms_per_repetition": float(ms) / n if n else None} for k, calls, ms, n in rows]
 
 
+def newest_run(session: Session, job_id: int, *, succeeded: bool = False) -> Run | None:
+    """The job's newest attempt (the one that counts), with `succeeded` its newest succeeded
+    one; None when it has none."""
+    query = select(Run).where(Run.job_id == job_id)
+    if succeeded:
+        query = query.where(Run.status == RunStatus.succeeded)
+    return session.scalar(query.order_by(Run.attempt.desc()).limit(1))
+
+
+def run_samples(session: Session, run_id: int, metrics: Iterable[str]) -> list[tuple[str, float]]:
+    """(metric, value) of each sample of `metrics` one run recorded."""
+    return [tuple(r) for r in session.execute(
+        select(Sample.metric, Sample.value).where(Sample.run_id == run_id, Sample.metric.in_(list(metrics))))]
+
+
 def thermal_readings(session: Session, run_id: int) -> list[ThermalReading]:
     return list(session.scalars(select(ThermalReading).where(ThermalReading.run_id == run_id)
                                 .order_by(ThermalReading.phase.desc(), ThermalReading.zone)))
