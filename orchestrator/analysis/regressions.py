@@ -39,7 +39,6 @@ from orchestrator.store.models import (
     Run,
     utcnow,
 )
-from orchestrator.store.rows import made_before  # noqa: F401  (services/check.py's, until it asks store.builds_before)
 
 # metric -> higher is worse. The analysis compares these; the rest are stored and charted.
 HEADLINE_METRICS = {"unet_step_ms": True, "e2e_ms": True, "peak_gpu_bytes": True}
