@@ -21,17 +21,7 @@ from agent.bundle import DEFAULT_EXCLUDE
 from orchestrator.infra.keys import PUBLIC_KEY, ensure_farm_key
 from orchestrator.store.models import Build
 
-from . import validate
-from .common import (
-    JSON_OPTION,
-    cli_settings,
-    fail,
-    get_or_fail,
-    iso,
-    open_store,
-    print_json,
-    print_json_or_empty,
-)
+from . import common, validate
 from .output import Table, console
 
 app = typer.Typer(help="Create and inspect signed build bundles.", no_args_is_help=True)
@@ -79,7 +69,7 @@ def _checkout_tree(source: Path) -> Path:
     source = source.expanduser().resolve()
     missing = [pkg for pkg in PACKAGES if not (source / pkg).is_dir()]
     if not source.is_dir() or missing:
-        fail(f"{source}: not a checkout of this project (no {', '.join(f'{m}/' for m in missing) or 'folder'})")
+        common.fail(f"{source}: not a checkout of this project (no {', '.join(f'{m}/' for m in missing) or 'folder'})")
     return source
 
 
@@ -89,22 +79,22 @@ def _export_commit(repo: Path, commit: str, into: Path) -> str:
     try:
         rev = _git(repo, "rev-parse", "--verify", "--short=12", f"{commit}^{{commit}}", timeout=30)
         if rev.returncode != 0:
-            fail(f"{commit!r} is not a commit of {repo}: {rev.stderr.decode().strip() or 'git rev-parse failed'}")
+            common.fail(f"{commit!r} is not a commit of {repo}: {rev.stderr.decode().strip() or 'git rev-parse failed'}")
         into.mkdir(parents=True)
         archive = _git(repo, "archive", "--format=tar", rev.stdout.decode().strip(), "--", *PACKAGES, timeout=300)
         if archive.returncode != 0:
-            fail(f"cannot export {commit} of {repo}: {archive.stderr.decode().strip()}")
+            common.fail(f"cannot export {commit} of {repo}: {archive.stderr.decode().strip()}")
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(into, filter="data")
     except tarfile.FilterError as exc:  # a committed link that leaves the tree, or an absolute one
         member = exc.tarinfo
-        fail(f"commit {commit} of {repo}: {member.name} is a link to {member.linkname}, outside the tree; "
+        common.fail(f"commit {commit} of {repo}: {member.name} is a link to {member.linkname}, outside the tree; "
              "a build holds only the files inside it")
     except (OSError, subprocess.TimeoutExpired) as exc:
-        fail(f"cannot export {commit} of {repo}: {exc}")
+        common.fail(f"cannot export {commit} of {repo}: {exc}")
     missing = [pkg for pkg in PACKAGES if not (into / pkg).is_dir()]
     if missing:
-        fail(f"commit {commit} of {repo} has no {', '.join(f'{m}/' for m in missing)}: not a commit of this project")
+        common.fail(f"commit {commit} of {repo} has no {', '.join(f'{m}/' for m in missing)}: not a commit of this project")
     return rev.stdout.decode().strip()
 
 
@@ -124,7 +114,7 @@ def build_dict(build: Build, files: bool = False) -> dict[str, Any]:
         "version": build.version,
         "source_revision": build.source_revision,
         "manifest_sha256": build.manifest_sha256,
-        "created": iso(build.created),
+        "created": common.iso(build.created),
         "file_count": len(build.files),
         "bytes": sum(f.size for f in build.files),
     }
@@ -157,7 +147,7 @@ def create(
                                "(any git revision) of --source has them, not the files on disk."),
 ):
     """Pack, sign and register a build bundle."""
-    data = make_build(cli_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned,
+    data = make_build(common.cli_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned,
                       source=source, commit=commit)
     console.print(f"created build [bold]{data['name']}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
                   f"manifest {data['manifest_sha256'][:12]}) in {data['bundle']}", highlight=False, soft_wrap=True)
@@ -182,25 +172,25 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
 
     model = model.expanduser()
     if not (model / "model_index.json").is_file() and not (model / "unet").is_dir():
-        fail(f"{model}: not a diffusers model folder (no model_index.json or unet/)")
+        common.fail(f"{model}: not a diffusers model folder (no model_index.json or unet/)")
     if profiles is not None and not profiles.expanduser().is_dir():
-        fail(f"{profiles}: profiles folder not found")
+        common.fail(f"{profiles}: profiles folder not found")
     if default_profile is not None:
         choices = default_profile_choices(profiles)
         if default_profile not in choices:
-            fail(f"unknown default profile {default_profile!r}; choose from {', '.join(choices)}")
+            common.fail(f"unknown default profile {default_profile!r}; choose from {', '.join(choices)}")
     version = version or _default_version()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     name = name or f"{model.resolve().name}-{version}-{stamp}"
     try:
         check_build_name(name)
     except BadInput as exc:  # a default name from a model folder called, say, "my model"
-        fail(f"{exc}; give one with --name")
+        common.fail(f"{exc}; give one with --name")
     builds_dir = settings.data_dir / "builds"
     final = builds_dir / name
-    with open_store(settings) as sessions:
+    with common.open_store(settings) as sessions:
         if final.exists():
-            fail(f"{final}: a build named {name!r} already exists; give another --name or --version")
+            common.fail(f"{final}: a build named {name!r} already exists; give another --name or --version")
         # Packed under a temporary name and renamed when complete, so a failure leaves nothing.
         staging = builds_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         profiles_dir = builds_dir / f".tmp-{name}-profiles-{uuid.uuid4().hex[:8]}"
@@ -248,7 +238,7 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
                     raise
                 data = build_dict(build)
         except (BundleError, store.StoreError, OSError) as exc:
-            fail(str(exc))
+            common.fail(str(exc))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(profiles_dir, ignore_errors=True)
@@ -275,13 +265,13 @@ def default_profile_choices(profiles: Path | None) -> list[str]:
 
 
 @app.command("list")
-def list_builds(as_json: bool = JSON_OPTION):
+def list_builds(as_json: bool = common.JSON_OPTION):
     """List the builds, newest first."""
     from orchestrator.store import queries
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         rows = [build_dict(b) for b in queries.list_builds(session)]
-    if print_json_or_empty(rows, as_json, "no builds; create one with `farm builds create --model DIR`"):
+    if common.print_json_or_empty(rows, as_json, "no builds; create one with `farm builds create --model DIR`"):
         return
     table = Table("name", "version", "files", "MB", "created", "revision")
     for r in rows:
@@ -291,18 +281,18 @@ def list_builds(as_json: bool = JSON_OPTION):
 
 
 @app.command()
-def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = JSON_OPTION):
+def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = common.JSON_OPTION):
     """Show one build and its files."""
     from orchestrator import store
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
-        data = build_dict(get_or_fail(store.get_build, session, name), files=True)
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
+        data = build_dict(common.get_or_fail(store.get_build, session, name), files=True)
     if as_json:
-        print_json(data)
+        common.print_json(data)
         return
     for key in ("name", "version", "source_revision", "manifest_sha256", "created"):
         console.print(f"{key}: {data[key] or '-'}", highlight=False)
-    console.print(f"bundle: {cli_settings().data_dir / 'builds' / name}", highlight=False, soft_wrap=True)
+    console.print(f"bundle: {common.cli_settings().data_dir / 'builds' / name}", highlight=False, soft_wrap=True)
     table = Table("path", "bytes", "sha256")
     for f in data["files"]:
         table.add_row(f["path"], f"{f['size']:,}", f["sha256"][:12])

@@ -65,6 +65,14 @@ RESIDENCY_HELP = ("resident: all weights stay on the GPU; staged: each network's
                   "stage only (lower peak GPU memory, one upload per network per generation). Default: "
                   "resident natively; on the plan and browser executors staged only when --budget-mb needs it.")
 
+# Options the generating and planning commands share.
+PRECISION_HELP = "fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."
+STEPS_OPTION = typer.Option(20, help="Denoising steps.")
+SCHEDULER_OPTION = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m.")
+PROFILE_OPTION = typer.Option("auto", help="Kernel profile: auto, reference, a shipped profile's name, or a JSON file.")
+HEIGHT_OPTION = typer.Option(None, help="Image height (default: the model's native size).")
+WIDTH_OPTION = typer.Option(None, help="Image width (default: the model's native size).")
+
 
 @app.command()
 def info(as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON.")):
@@ -109,17 +117,16 @@ def generate(
     prompt: str = typer.Option(..., help="What to draw."),
     out: Path = typer.Option(Path("out.png"), help="PNG file to write.", callback=validate.output_file),
     negative_prompt: str = typer.Option("", help="What to steer away from."),
-    steps: int = typer.Option(20, help="Denoising steps."),
+    steps: int = STEPS_OPTION,
     guidance: float = typer.Option(7.5, help="Classifier-free guidance scale (<= 1 turns it off)."),
     seed: int = typer.Option(0, help="Seed of the numpy noise generator."),
-    height: int = typer.Option(None, help="Image height (default: the model's native size)."),
-    width: int = typer.Option(None, help="Image width (default: the model's native size)."),
-    scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
-    precision: Precision = typer.Option(Precision.fp32, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
+    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    scheduler: str = SCHEDULER_OPTION,
+    precision: Precision = typer.Option(Precision.fp32, help=PRECISION_HELP),
     init_image: Path = typer.Option(None, help="Start from this image (img2img)."),
     strength: float = typer.Option(0.8, help="img2img: how much of the init image to repaint."),
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
-    profile: str = typer.Option("auto", help="Kernel profile: auto, reference, a shipped name, or a JSON file."),
+    profile: str = PROFILE_OPTION,
     residency: Residency = typer.Option(None, help=RESIDENCY_HELP),
     executor: Executor = typer.Option(Executor.native, help=EXECUTOR_HELP),
     browser: str = typer.Option("headless", help=BROWSER_HELP),
@@ -274,9 +281,9 @@ def _native(config, height, width):
 def explain(
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture (no weights needed)."),
-    profile: str = typer.Option("auto", help="auto, reference, a shipped profile's name, or a JSON file."),
+    profile: str = PROFILE_OPTION,
     precision: Precision = typer.Option(Precision.fp16, help="Element type the kernels would run in."),
-    height: int = typer.Option(None), width: int = typer.Option(None),
+    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
 ):
     """Show which kernel variant each op of the model uses on this adapter, and why."""
@@ -310,10 +317,10 @@ def serve_plan(
     model: Path = typer.Option(..., help="diffusers model folder."),
     prompt: str = typer.Option("a lighthouse on a cliff at dusk", help="What to draw."),
     out: Path = typer.Option(Path("browser.png"), help="PNG file to write.", callback=validate.output_file),
-    steps: int = typer.Option(20, help="Denoising steps."),
-    scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
+    steps: int = STEPS_OPTION,
+    scheduler: str = SCHEDULER_OPTION,
     seed: int = typer.Option(0, help="Seed of the numpy noise generator."),
-    precision: Precision = typer.Option(Precision.fp32, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
+    precision: Precision = typer.Option(Precision.fp32, help=PRECISION_HELP),
     browser: str = typer.Option("manual", help=BROWSER_HELP),
 ):
     """Run a generation's engine plan in a browser on this machine: prints the page's URL (open it
@@ -330,14 +337,14 @@ def plan(
     out: Path = typer.Option(..., help="Plan JSON to write.", callback=validate.output_file),
     model: Path = typer.Option(None, help="diffusers model folder (the plan then says where each weight is)."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture: tensors and shapes only, no weights read."),
-    precision: Precision = typer.Option(Precision.fp32, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
-    height: int = typer.Option(None), width: int = typer.Option(None),
-    steps: int = typer.Option(20, help="Denoising steps."),
-    scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
+    precision: Precision = typer.Option(Precision.fp32, help=PRECISION_HELP),
+    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    steps: int = STEPS_OPTION,
+    scheduler: str = SCHEDULER_OPTION,
     guidance: float = typer.Option(7.5, help="Classifier-free guidance scale (<= 1 turns it off)."),
     strength: float = typer.Option(None, help="Image-to-image: encode an input image and denoise the last "
                                               "int(steps * strength) steps from it."),
-    profile: str = typer.Option("auto", help="auto, reference, a shipped profile's name, or a JSON file."),
+    profile: str = PROFILE_OPTION,
     adapter: Path = typer.Option(None, help="The target adapter's capabilities as JSON (`farm engine info "
                                            "--json` on it, or a browser's report); default: this machine's."),
 ):
@@ -370,11 +377,11 @@ def fit(
                                            "browsers; `farm engine info --json` prints this machine's)."),
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture (sd14: the real model's sizes)."),
-    precision: Precision = typer.Option(Precision.fp16, help="fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."),
-    height: int = typer.Option(None), width: int = typer.Option(None),
-    steps: int = typer.Option(20, help="Denoising steps."),
-    scheduler: str = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m."),
-    profile: str = typer.Option("auto", help="auto, reference, a shipped profile's name, or a JSON file."),
+    precision: Precision = typer.Option(Precision.fp16, help=PRECISION_HELP),
+    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    steps: int = STEPS_OPTION,
+    scheduler: str = SCHEDULER_OPTION,
+    profile: str = PROFILE_OPTION,
     budget_mb: float = typer.Option(None, "--budget-mb", min=1, help="GPU memory the page may use, in MB "
                                     "(10^6 bytes; the paper ran SD 1.4 in 2,093 MB on a Galaxy S23 Ultra)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -460,7 +467,7 @@ def tune(
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture."),
     precision: Precision = typer.Option(Precision.fp16),
-    height: int = typer.Option(None), width: int = typer.Option(None),
+    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     repeats: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
     time_budget: float = typer.Option(600.0, help="Seconds; past it only reference variants are timed."),
 ):

@@ -17,17 +17,7 @@ from rich.live import Live
 
 from orchestrator.store.models import Build, Job, JobKind, JobState
 
-from . import validate
-from .common import (
-    JSON_OPTION,
-    cli_settings,
-    fail,
-    get_or_fail,
-    iso,
-    open_store,
-    print_json,
-    print_json_or_empty,
-)
+from . import common, validate
 from .output import Table, Text, console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
@@ -79,10 +69,10 @@ def job_dict(job: Job, runs: list[dict] | None = None) -> dict[str, Any]:
         "attempts": job.attempts,
         "worker_losses": job.worker_losses,  # attempts that ended because their worker died
         "worker": job.worker,
-        "created_at": iso(job.created_at),
-        "started_at": iso(job.started_at),
-        "heartbeat_at": iso(job.heartbeat_at),
-        "finished_at": iso(job.finished_at),
+        "created_at": common.iso(job.created_at),
+        "started_at": common.iso(job.started_at),
+        "heartbeat_at": common.iso(job.heartbeat_at),
+        "finished_at": common.iso(job.finished_at),
         "error": job.error,
         "progress": job.progress,  # the agent's last phase and step, as relayed while it ran
     }
@@ -102,9 +92,9 @@ def _resolution(value: str | None) -> tuple[int | None, int | None]:
     try:
         h, w = int(height), int(width) if sep else int(height)
     except ValueError:
-        fail(f"--resolution {value!r}: give HEIGHTxWIDTH (512x512) or one size (512)")
+        common.fail(f"--resolution {value!r}: give HEIGHTxWIDTH (512x512) or one size (512)")
     if h <= 0 or w <= 0 or h % 8 or w % 8:
-        fail(f"--resolution {value!r}: height and width must be positive multiples of 8")
+        common.fail(f"--resolution {value!r}: height and width must be positive multiples of 8")
     return h, w
 
 
@@ -116,10 +106,10 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
     from engine.schedulers import SCHEDULERS
 
     if fields["scheduler"] not in SCHEDULERS:
-        fail(f"--scheduler {fields['scheduler']!r}: choose one of {', '.join(SCHEDULERS)}")
+        common.fail(f"--scheduler {fields['scheduler']!r}: choose one of {', '.join(SCHEDULERS)}")
     cooldown_c, cooldown_wait = fields.pop("cooldown_celsius"), fields.pop("cooldown_wait_s")
     if cooldown_wait is not None and cooldown_c is None:
-        fail("--cooldown-wait needs --cooldown CELSIUS")
+        common.fail("--cooldown-wait needs --cooldown CELSIUS")
     fields["height"], fields["width"] = _resolution(fields.pop("resolution"))
     if cooldown_c is not None:
         fields["cooldown"] = {"max_celsius": cooldown_c} | ({} if cooldown_wait is None else
@@ -128,7 +118,7 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
     try:
         spec = from_dict(JobSpec, fields)
     except ProtocolError as exc:
-        fail(str(exc).replace("JobSpec.", "").replace("JobSpec: ", ""))
+        common.fail(str(exc).replace("JobSpec.", "").replace("JobSpec: ", ""))
     data = to_dict(spec)
     del data["job_id"], data["kind"]
     return data
@@ -136,7 +126,7 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
 
 def _budget_bytes(mb: float) -> int:
     if not math.isfinite(mb) or mb <= 0:
-        fail(f"--gpu-budget-mb {mb}: expected a positive number of MB")
+        common.fail(f"--gpu-budget-mb {mb}: expected a positive number of MB")
     return int(mb * 1e6)
 
 
@@ -153,17 +143,17 @@ def _init_image_uri(path: Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        fail(f"--init-image {path}: {exc.strerror or exc}")
+        common.fail(f"--init-image {path}: {exc.strerror or exc}")
     if len(data) > INIT_IMAGE_MAX_BYTES:
-        fail(f"--init-image {path}: {len(data)} bytes; at most {INIT_IMAGE_MAX_BYTES} (it travels with the job)")
+        common.fail(f"--init-image {path}: {len(data)} bytes; at most {INIT_IMAGE_MAX_BYTES} (it travels with the job)")
     try:
         with Image.open(io.BytesIO(data)) as image:
             image_format = image.format
             image.verify()
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-        fail(f"--init-image {path}: not a readable image ({exc})")
+        common.fail(f"--init-image {path}: not a readable image ({exc})")
     if image_format not in ("PNG", "JPEG"):
-        fail(f"--init-image {path}: a {image_format} image; give a PNG or JPEG")
+        common.fail(f"--init-image {path}: a {image_format} image; give a PNG or JPEG")
     return f"data:image/{image_format.lower()};base64,{base64.b64encode(data).decode()}"
 
 
@@ -211,7 +201,7 @@ def submit(
     wait: bool = typer.Option(False, "--wait", help="Follow the jobs until they end; exit 0 only if "
                               f"all succeeded (1 otherwise, {EXIT_TIMEOUT} on --timeout)."),
     timeout: float = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
-    as_json: bool = JSON_OPTION,
+    as_json: bool = common.JSON_OPTION,
 ):
     """Queue one job per device as one batch and send them to the workers."""
 
@@ -220,15 +210,15 @@ def submit(
     from orchestrator.jobs.celery_app import make_celery
 
     if bool(devices) == all_devices:
-        fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
+        common.fail("name the devices with --device SERIAL (repeatable) or pass --all, not both")
     if timeout is not None and not wait:
-        fail("--timeout only applies with --wait")
+        common.fail("--timeout only applies with --wait")
     if init_image is not None and kind != JobKind.generate:
-        fail(f"--init-image is for generate jobs, not {kind}")
+        common.fail(f"--init-image is for generate jobs, not {kind}")
     if strength is not None and init_image is None:
-        fail("--strength needs --init-image")
-    settings = cli_settings()
-    with open_store(settings) as sessions:
+        common.fail("--strength needs --init-image")
+    settings = common.cli_settings()
+    with common.open_store(settings) as sessions:
         with sessions() as session:
             try:
                 build = store.get_build(session, build_name)
@@ -236,7 +226,7 @@ def submit(
                 targets = jobservice.target_devices(session, "all" if all_devices else devices,
                                                     refuse_quarantined=True)
             except store.StoreError as exc:
-                fail(str(exc))
+                common.fail(str(exc))
             spec = _build_spec(kind, build, model, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                                steps=steps, scheduler=scheduler, guidance_scale=guidance_scale,
                                precision=precision, resolution=resolution, profile=profile, warmup=warmup,
@@ -251,7 +241,7 @@ def submit(
             # A page that cannot hold the job's plan would only fail on the phone: said here instead.
             refusals = jobservice.fit_refusals(settings, build.name, str(kind), spec, targets)
             if refusals:
-                fail("nothing queued: the job does not fit " + "; ".join(
+                common.fail("nothing queued: the job does not fit " + "; ".join(
                     f"{serial} ({', '.join(reasons)})" for serial, reasons in refusals.items())
                     + ". Leave those devices out, or change the job (--gpu-budget-mb, --resolution, --precision)")
             stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -259,7 +249,7 @@ def submit(
                 batch, job_ids = jobservice.queue_jobs(session, settings, name or f"{kind} {build.name} {stamp}",
                                                        build.id, kind, spec, [device.id for device in targets])
             except store.StoreError as exc:
-                fail(str(exc))
+                common.fail(str(exc))
             session.commit()
             batch_id, batch_name, build_label = batch.id, batch.name, build.name
             serials = [d.serial for d in targets]
@@ -272,7 +262,7 @@ def submit(
                 cancelled, running = jobservice.cancel_unsent(session, job_ids, f"not sent: {exc}")
                 session.commit()
             went_on = f"; job(s) {', '.join(map(str, running))} had reached a worker and go on" if running else ""
-            fail(f"could not send the jobs to the workers ({type(exc).__name__}: {exc}); "
+            common.fail(f"could not send the jobs to the workers ({type(exc).__name__}: {exc}); "
                  f"batch {batch_id}'s {len(cancelled)} unsent job(s) are cancelled{went_on}")
 
         submitted = {"batch_id": batch_id, "batch": batch_name, "build": build_label, "kind": str(kind),
@@ -284,7 +274,7 @@ def submit(
                           highlight=False, soft_wrap=True)
         if not wait:
             if as_json:
-                print_json(submitted)
+                common.print_json(submitted)
             return
         states, timed_out = _follow(sessions, job_ids, timeout, quiet=as_json)
 
@@ -293,7 +283,7 @@ def submit(
         submitted["jobs"] = [{"id": j, "device": d, "state": str(st), "attempts": a, "error": e}
                              for j, d, st, a, e, _ in states]
         submitted["timed_out"] = timed_out
-        print_json(submitted)
+        common.print_json(submitted)
     elif timed_out:
         console.print(f"[bold red]error:[/] gave up waiting after {timeout:g} s; the jobs go on "
                       f"(`farm jobs list --batch {batch_id}`)", highlight=False, soft_wrap=True)
@@ -360,19 +350,19 @@ def list_jobs(
     build: str = typer.Option(None, "--build", help="Only jobs of this build (name)."),
     batch: int = typer.Option(None, "--batch", help="Only jobs of this batch (id).", parser=validate.record_id),
     limit: int = typer.Option(50, "--limit", min=1, help="At most this many, newest first."),
-    as_json: bool = JSON_OPTION,
+    as_json: bool = common.JSON_OPTION,
 ):
     """List jobs, newest first."""
     from orchestrator import store
     from orchestrator.store import queries
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
-        device_id = get_or_fail(store.get_device, session, device).id if device else None
-        build_id = get_or_fail(store.get_build, session, build).id if build else None
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
+        device_id = common.get_or_fail(store.get_device, session, device).id if device else None
+        build_id = common.get_or_fail(store.get_build, session, build).id if build else None
         jobs = queries.list_jobs(session, state=state, device_id=device_id, build_id=build_id, batch_id=batch,
                                  limit=limit)
         rows = [job_dict(j) for j in jobs]
-    if print_json_or_empty(rows, as_json, "no jobs" + (" match" if any((state, device, build, batch)) else
+    if common.print_json_or_empty(rows, as_json, "no jobs" + (" match" if any((state, device, build, batch)) else
                                                        "; submit some with `farm jobs submit KIND --all`")):
         return
     table = Table("id", "kind", "device", "build", "batch", "state", "attempts", "created", "finished")
@@ -383,23 +373,23 @@ def list_jobs(
 
 
 @app.command()
-def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.record_id), as_json: bool = JSON_OPTION):
+def show(job_id: int = typer.Argument(..., help="Job id.", parser=validate.record_id), as_json: bool = common.JSON_OPTION):
     """Show one job: spec, state, attempts, timestamps, and its runs with their key medians."""
     from orchestrator import store
     from orchestrator.store import queries
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         try:
             job = store.get_job(session, job_id)
         except store.StoreError as exc:
-            fail(str(exc))
+            common.fail(str(exc))
         meds = queries.medians(session, [r.id for r in job.runs], queries.KEY_METRICS)
         runs = [{"id": r.id, "attempt": r.attempt, "status": str(r.status), "error": r.error,
-                 "started_at": iso(r.started_at), "finished_at": iso(r.finished_at), "adapter": r.adapter,
+                 "started_at": common.iso(r.started_at), "finished_at": common.iso(r.finished_at), "adapter": r.adapter,
                  "medians": meds.get(r.id, {})} for r in job.runs]
         data = job_dict(job, runs)
     if as_json:
-        print_json(data)
+        common.print_json(data)
         return
     table = Table(show_header=False, box=None)
     for key, value in data.items():
@@ -434,11 +424,11 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.rec
     from orchestrator import store
     from orchestrator.jobs.jobservice import cancel_job
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         try:
             job = cancel_job(session, job_id)
         except store.StoreError as exc:
-            fail(str(exc))
+            common.fail(str(exc))
         session.commit()
         batch_id = job.batch_id
     console.print(f"job {job_id} cancelled", highlight=False)
@@ -446,7 +436,7 @@ def cancel(job_id: int = typer.Argument(..., help="Job id.", parser=validate.rec
         from orchestrator.jobs.celery_app import make_celery
         from orchestrator.jobs.dispatch import settle_batch
 
-        settle_batch(make_celery(cli_settings()), batch_id)
+        settle_batch(make_celery(common.cli_settings()), batch_id)
 
 
 @app.command()
@@ -461,11 +451,11 @@ def logs(
         out = text.rstrip("\n").splitlines()
         return "\n".join(out[-lines:] if lines else out)
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         try:
             job = store.get_job(session, job_id)
         except store.StoreError as exc:
-            fail(str(exc))
+            common.fail(str(exc))
         runs = list(job.runs)
         console.print(f"[bold]job {job.id}[/] {job.kind} on {escape(job.device.serial)}: {_state(job.state).markup}, "
                       f"{job.attempts} attempt(s)", highlight=False)

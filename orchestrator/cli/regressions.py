@@ -10,17 +10,7 @@ from typing import Any
 
 import typer
 
-from . import validate
-from .common import (
-    JSON_OPTION,
-    cli_settings,
-    fail,
-    get_or_fail,
-    iso,
-    open_store,
-    print_json,
-    print_json_or_empty,
-)
+from . import common, validate
 from .output import Table, console, escape
 
 ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
@@ -36,8 +26,8 @@ def alert_dict(alert) -> dict[str, Any]:
             "baseline_build": alert.baseline_build.name if alert.baseline_build else None,
             "metric": alert.metric, "ratio": alert.ratio, "ci_low": alert.ci_low, "ci_high": alert.ci_high,
             "p_value": alert.p_value, "summary": alert.summary, "note": alert.note, "series": alert.series,
-            "detail": alert.detail, "batch": alert.batch_id, "created_at": iso(alert.created_at),
-            "updated_at": iso(alert.updated_at)}
+            "detail": alert.detail, "batch": alert.batch_id, "created_at": common.iso(alert.created_at),
+            "updated_at": common.iso(alert.updated_at)}
 
 
 @app.command("list")
@@ -48,7 +38,7 @@ def list_alerts(
     device: str = typer.Option(None, "--device", help="Device serial."),
     build: str = typer.Option(None, "--build", help="Build name."),
     all_states: bool = typer.Option(False, "--all", help="Every state."),
-    as_json: bool = JSON_OPTION,
+    as_json: bool = common.JSON_OPTION,
 ):
     """List alerts, newest first."""
     from orchestrator import store
@@ -60,13 +50,13 @@ def list_alerts(
                   else [AlertState.new, AlertState.acknowledged])
         kinds = [AlertKind(kind)] if kind else list(AlertKind)
     except ValueError as exc:
-        fail(f"{exc}; states: {', '.join(AlertState)}; kinds: {', '.join(AlertKind)}")
-    with open_store(cli_settings()) as sessions, sessions() as session:
-        device_id = get_or_fail(store.get_device, session, device).id if device else None
-        build_id = get_or_fail(store.get_build, session, build).id if build else None
+        common.fail(f"{exc}; states: {', '.join(AlertState)}; kinds: {', '.join(AlertKind)}")
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
+        device_id = common.get_or_fail(store.get_device, session, device).id if device else None
+        build_id = common.get_or_fail(store.get_build, session, build).id if build else None
         rows = [alert_dict(a) for a in queries.list_alerts(session, states=states, kinds=kinds, device_id=device_id,
                                                            build_id=build_id)]
-    if print_json_or_empty(rows, as_json, "no alerts"):
+    if common.print_json_or_empty(rows, as_json, "no alerts"):
         return
     table = Table()
     for header in ("id", "kind", "state"):
@@ -89,17 +79,17 @@ def list_alerts(
 
 
 @app.command()
-def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
+def show(alert_id: int = ALERT_ID, as_json: bool = common.JSON_OPTION):
     """Show one alert: the comparison, the kernels that moved, the images, the change points."""
     from orchestrator.store.models import Alert
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         alert = session.get(Alert, alert_id)
         if alert is None:
-            fail(f"no alert {alert_id}; `farm regressions list --all` shows them")
+            common.fail(f"no alert {alert_id}; `farm regressions list --all` shows them")
         data = alert_dict(alert)
     if as_json:
-        print_json(data)
+        common.print_json(data)
         return
     console.print(f"[bold]alert {data['id']}[/] {data['kind']} ({data['state']}): {escape(data['summary'] or '')}",
                   highlight=False)
@@ -133,11 +123,11 @@ def show(alert_id: int = ALERT_ID, as_json: bool = JSON_OPTION):
 def _triage(alert_id: int, state, note: str | None) -> None:
     from orchestrator import store
 
-    with open_store(cli_settings()) as sessions, sessions() as session:
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         try:
             store.triage_alert(session, alert_id, state, note)
         except store.StoreError as exc:
-            fail(str(exc))
+            common.fail(str(exc))
         session.commit()
     console.print(f"alert {alert_id} {state}", highlight=False)
 
@@ -176,7 +166,7 @@ def fixed(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
 def scan(
     device: str = typer.Option(None, "--device", help="Only this device's series (default: every device)."),
     metric: str = typer.Option(None, "--metric", help="Only this metric (unet_step_ms, e2e_ms, peak_gpu_bytes)."),
-    as_json: bool = JSON_OPTION,
+    as_json: bool = common.JSON_OPTION,
 ):
     """Change-point detection over each series' whole history; records what it finds (beat
     runs it after every batch, on the batch's devices)."""
@@ -184,15 +174,15 @@ def scan(
     from orchestrator.analysis import changepoints, regressions
 
     if metric is not None and metric not in regressions.HEADLINE_METRICS:
-        fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
-    settings = cli_settings()
-    with open_store(settings) as sessions, sessions() as session:
-        dev = get_or_fail(store.get_device, session, device) if device is not None else None
+        common.fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
+    settings = common.cli_settings()
+    with common.open_store(settings) as sessions, sessions() as session:
+        dev = common.get_or_fail(store.get_device, session, device) if device is not None else None
         with console.status("scanning series histories"):
             found = changepoints.scan_change_points(session, dev, metric)
         session.commit()
     if as_json:
-        print_json(found)
+        common.print_json(found)
         return
     if not found:
         console.print("no change points: every series is level (or has fewer than "
@@ -216,7 +206,7 @@ def compare(
     builds: list[str] = typer.Option(..., "--build", help="Baseline build, then candidate build (give it twice)."),
     device: str = typer.Option(None, "--device", help="Device serial (default: every device that ran both)."),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Keep thermally flagged runs."),
-    as_json: bool = JSON_OPTION,
+    as_json: bool = common.JSON_OPTION,
 ):
     """Compare two builds metric by metric: medians, ratio, confidence interval, verdict."""
     from orchestrator import store
@@ -224,14 +214,14 @@ def compare(
     from orchestrator.store.models import JobKind
 
     if len(builds) != 2:
-        fail("give --build twice: the baseline build, then the candidate build")
+        common.fail("give --build twice: the baseline build, then the candidate build")
     rows: list[dict[str, Any]] = []
-    with open_store(cli_settings()) as sessions, sessions() as session:
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         try:
             base, cand = (store.get_build(session, b) for b in builds)
             devices = [store.get_device(session, device)] if device else store.all_devices(session)
         except store.StoreError as exc:
-            fail(str(exc))
+            common.fail(str(exc))
         for dev in devices:
             specs = {regressions.SpecKey.of(spec) for spec in store.latency_specs(session, dev.id, cand.id)}
             for spec in sorted(specs, key=repr):
@@ -249,9 +239,9 @@ def compare(
                     except ValueError as exc:
                         rows.append({"device": dev.serial, "metric": metric, "verdict": "refused", "reason": str(exc)})
     if not rows:
-        fail(f"no device ran latency jobs of both {builds[0]} and {builds[1]} with the same settings")
+        common.fail(f"no device ran latency jobs of both {builds[0]} and {builds[1]} with the same settings")
     if as_json:
-        print_json(rows)
+        common.print_json(rows)
         return
     table = Table("device", "metric", builds[0], builds[1], "ratio", "95% CI", "p", "verdict",
                   title=f"{builds[1]} against {builds[0]}")
@@ -283,7 +273,7 @@ def bisect(
     metric: str = typer.Option("unet_step_ms", "--metric", help="Metric that regressed."),
     repetitions: int = typer.Option(10, "--repetitions", min=5, help="Repetitions per build run."),
     timeout: float = typer.Option(3600.0, "--timeout", help="Seconds to wait for each build's run."),
-    as_json: bool = JSON_OPTION,
+    as_json: bool = common.JSON_OPTION,
 ):
     """Find the first bad build between --good and --bad (builds in the order they were made)."""
     from orchestrator import store
@@ -293,26 +283,26 @@ def bisect(
     from orchestrator.store.models import Batch, Build, JobKind
 
     if metric not in regressions.HEADLINE_METRICS:
-        fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
-    settings = cli_settings()
+        common.fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
+    settings = common.cli_settings()
     app = make_celery(settings)
     steps: list[dict[str, Any]] = []
-    with open_store(settings) as sessions:
+    with common.open_store(settings) as sessions:
         with sessions() as session:
             try:
                 good_b, bad_b = store.get_build(session, good), store.get_build(session, bad)
                 dev = store.get_device(session, device)
             except store.StoreError as exc:
-                fail(str(exc))
+                common.fail(str(exc))
             order = store.builds_in_order(session)
             ids = [b.id for b in order]
             lo, hi = ids.index(good_b.id), ids.index(bad_b.id)
             if lo >= hi:
-                fail(f"{good} must be older than {bad}")
+                common.fail(f"{good} must be older than {bad}")
             candidates = [(b.id, b.name) for b in order[lo:hi + 1]]
             bad_runs = regressions.runs_of(session, dev.id, bad_b.id, JobKind.latency)
             if not bad_runs:
-                fail(f"{bad} has no latency runs on {device}: nothing says what to reproduce")
+                common.fail(f"{bad} has no latency runs on {device}: nothing says what to reproduce")
             spec_dict = dict(regressions.job_spec(session, bad_runs[-1]))
         spec = regressions.SpecKey.of(spec_dict)
         job_spec = {k: v for k, v in spec_dict.items() if k not in ("job_id", "build", "kind")}
@@ -334,7 +324,7 @@ def bisect(
                             if session.get(Batch, batch_id).finished_at is not None:
                                 break
                         if time.monotonic() > deadline:
-                            fail(f"{name} did not finish on {device} within {timeout:g} s")
+                            common.fail(f"{name} did not finish on {device} within {timeout:g} s")
                         time.sleep(1.0)
             with sessions() as session:
                 return regressions.runs_of(session, dev.id, build_id, JobKind.latency, spec)
@@ -346,7 +336,7 @@ def bisect(
                 result = regressions.compare_builds(session, session.get(type(dev), dev.id), spec, metric, base_row,
                                                  base_runs, row, runs)
             if result is None:
-                fail(f"neither {base_row.name} nor {row.name} measured {metric} on {device}")
+                common.fail(f"neither {base_row.name} nor {row.name} measured {metric} on {device}")
             return result
 
         def is_bad(index: int) -> bool:
@@ -373,14 +363,14 @@ def bisect(
                 console.print(f"{name}: {vs_good['verdict']}{env} against {good} "
                               f"(ratio {vs_good['ratio'] or float('nan'):.3f}){against_bad}", highlight=False)
             if vs_bad is not None and not worse and not better:
-                fail(f"{name} cannot be placed: {vs_good['verdict']} against {good} ({vs_good['reason']}), "
+                common.fail(f"{name} cannot be placed: {vs_good['verdict']} against {good} ({vs_good['reason']}), "
                      f"{vs_bad['verdict']} against {bad}; bisect again with more --repetitions")
             return worse
 
         low, high = 0, len(candidates) - 1  # low is good, high is bad
         if not is_bad(high):
             last = steps[-1]
-            fail(f"{bad} does not regress {metric} against {good} on {device} ({last['verdict']}, ratio "
+            common.fail(f"{bad} does not regress {metric} against {good} on {device} ({last['verdict']}, ratio "
                  f"{last['ratio'] or float('nan'):.3f}, 95% CI {last['ci_low'] or float('nan'):.3f}-"
                  f"{last['ci_high'] or float('nan'):.3f}): nothing to bisect")
         while high - low > 1:
@@ -391,6 +381,6 @@ def bisect(
                 low = mid
     first_bad = candidates[high][1]
     if as_json:
-        print_json({"first_bad": first_bad, "last_good": candidates[low][1], "steps": steps})
+        common.print_json({"first_bad": first_bad, "last_good": candidates[low][1], "steps": steps})
         return
     console.print(f"first bad build: [bold]{first_bad}[/] (last good: {candidates[low][1]})", highlight=False)
