@@ -1,7 +1,7 @@
 """Checks started through the API: each runs `orchestrator.services.check.run_check` (which blocks while
 its batches run) in a thread of the API process, with its state kept in the store (CheckRun):
 running, then done with the report's exit code and outcome, bad_input (3) or failed (4) with
-the error. The input is checked before the thread starts (check.plan), so a request naming an
+the error. The input is checked before the thread starts (check.builds_compared), so a request naming an
 unknown build or device, or a farm with no device to run on, is refused at once. A check that
 was running when the API process stopped cannot go on (its thread is gone, its batches may
 still finish): `CheckRunner` marks it interrupted when the next API process starts."""
@@ -44,7 +44,7 @@ class CheckRunner:
     def start(self, session: store.Session, request: gate.CheckRequest, token_id: int | None) -> CheckRun:
         """Check the request (CheckInput names what is wrong), record the check and start its
         thread. Commits `session`."""
-        gate.plan(session, request)
+        gate.builds_compared(session, request)
         row = store.add_check_run(session, _as_dict(request), token_id)
         session.commit()
         thread = threading.Thread(target=self._run, args=(row.id, request), name=f"check-{row.id}", daemon=True)

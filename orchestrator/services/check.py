@@ -81,7 +81,7 @@ class _Round:
     roles: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
-def plan(session: Session, request: CheckRequest) -> tuple[Build, dict[str, Build]]:
+def builds_compared(session: Session, request: CheckRequest) -> tuple[Build, dict[str, Build]]:
     """The candidate and each device's baseline (serial -> build). CheckInput names what is
     unknown or missing."""
     unknown = [m for m in request.metrics if m not in regressions.HEADLINE_METRICS]
@@ -132,7 +132,7 @@ def run_check(app: Celery, sessions, request: CheckRequest,
     started, deadline = time.monotonic(), time.monotonic() + request.timeout_s
     token = uuid.uuid4().hex[:12]
     with sessions() as session:
-        candidate, baselines = plan(session, request)
+        candidate, baselines = builds_compared(session, request)
         names = (candidate.name, {serial: b.name for serial, b in baselines.items()})
     spec = dict(request.spec)
     rounds: list[_Round] = []
