@@ -136,17 +136,20 @@ def alphas_cumprod(betas: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TrainingSchedule:
-    """The noise schedule the model was trained with: the five scheduler_config.json keys
-    every diffusers scheduler takes, with diffusers' defaults. Scheduler.from_config fills it
-    from the config; each scheduler's own options stay its own arguments."""
+    """How the model was trained: the noise schedule, and what the network learned to predict
+    from it. These are the six scheduler_config.json keys every diffusers scheduler takes,
+    with diffusers' defaults. Scheduler.from_config fills it from the config; each
+    scheduler's own options stay its own arguments."""
 
     num_train_timesteps: int = 1000
     beta_start: float = 0.0001
     beta_end: float = 0.02
     beta_schedule: str = "linear"
     trained_betas: object = None
+    prediction_type: str = "epsilon"
 
     def __post_init__(self) -> None:
+        require_epsilon(self.prediction_type)
         object.__setattr__(self, "num_train_timesteps", int(self.num_train_timesteps))
 
     def alpha_bars(self) -> np.ndarray:

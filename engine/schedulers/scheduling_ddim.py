@@ -18,12 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.schedulers.base import Scheduler
-from engine.schedulers.common import (
-    AlphaBarSchedule,
-    TrainingSchedule,
-    require_default,
-    require_epsilon,
-)
+from engine.schedulers.common import AlphaBarSchedule, TrainingSchedule, require_default
 
 
 class DDIMScheduler(AlphaBarSchedule, Scheduler):
@@ -33,13 +28,11 @@ class DDIMScheduler(AlphaBarSchedule, Scheduler):
         clip_sample: bool = True,
         set_alpha_to_one: bool = True,
         steps_offset: int = 0,
-        prediction_type: str = "epsilon",
         thresholding: bool = False,
         clip_sample_range: float = 1.0,
         timestep_spacing: str = "leading",
         rescale_betas_zero_snr: bool = False,
     ):
-        require_epsilon(prediction_type)
         require_default("thresholding", thresholding, False)
         require_default("rescale_betas_zero_snr", rescale_betas_zero_snr, False)
         super().__init__(schedule, timestep_spacing, steps_offset)

@@ -32,7 +32,6 @@ from engine.schedulers.common import (
     inference_sigmas,
     per_sample,
     require_default,
-    require_epsilon,
     train_sigmas,
 )
 
@@ -55,7 +54,6 @@ class DPMSolverMultistepScheduler(StepIndex, Scheduler):
     def __init__(
         self,
         schedule: TrainingSchedule = TrainingSchedule(),
-        prediction_type: str = "epsilon",
         thresholding: bool = False,
         lower_order_final: bool = True,
         euler_at_final: bool = False,
@@ -71,7 +69,6 @@ class DPMSolverMultistepScheduler(StepIndex, Scheduler):
         steps_offset: int = 0,
         rescale_betas_zero_snr: bool = False,
     ):
-        require_epsilon(prediction_type)
         require_default("thresholding", thresholding, False)
         for key, value in (
             ("use_karras_sigmas", use_karras_sigmas),

@@ -17,19 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from engine.schedulers.base import Scheduler
-from engine.schedulers.common import (
-    SigmaSchedule,
-    TrainingSchedule,
-    require_default,
-    require_epsilon,
-)
+from engine.schedulers.common import SigmaSchedule, TrainingSchedule, require_default
 
 
 class EulerDiscreteScheduler(SigmaSchedule, Scheduler):
     def __init__(
         self,
         schedule: TrainingSchedule = TrainingSchedule(),
-        prediction_type: str = "epsilon",
         interpolation_type: str = "linear",
         use_karras_sigmas: bool = False,
         use_exponential_sigmas: bool = False,
@@ -39,8 +33,7 @@ class EulerDiscreteScheduler(SigmaSchedule, Scheduler):
         rescale_betas_zero_snr: bool = False,
         final_sigmas_type: str = "zero",
     ):
-        # timestep_type "continuous" only changes v-prediction models, refused below anyway
-        require_epsilon(prediction_type)
+        # timestep_type "continuous" only changes v-prediction models, which TrainingSchedule refuses
         require_default("interpolation_type", interpolation_type, "linear")
         require_default("use_karras_sigmas", bool(use_karras_sigmas), False)
         require_default("use_exponential_sigmas", bool(use_exponential_sigmas), False)

@@ -20,24 +20,17 @@ from __future__ import annotations
 import numpy as np
 
 from engine.schedulers.base import Scheduler
-from engine.schedulers.common import (
-    SigmaSchedule,
-    TrainingSchedule,
-    require_default,
-    require_epsilon,
-)
+from engine.schedulers.common import SigmaSchedule, TrainingSchedule, require_default
 
 
 class EulerAncestralDiscreteScheduler(SigmaSchedule, Scheduler):
     def __init__(
         self,
         schedule: TrainingSchedule = TrainingSchedule(),
-        prediction_type: str = "epsilon",
         timestep_spacing: str = "linspace",
         steps_offset: int = 0,
         rescale_betas_zero_snr: bool = False,
     ):
-        require_epsilon(prediction_type)
         require_default("rescale_betas_zero_snr", rescale_betas_zero_snr, False)
         super().__init__(schedule, timestep_spacing, steps_offset)
         self._init_sigmas(schedule)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.schedulers.base import Scheduler
-from engine.schedulers.common import AlphaBarSchedule, TrainingSchedule, require_epsilon
+from engine.schedulers.common import AlphaBarSchedule, TrainingSchedule
 
 PNDM_ORDER = 4  # the multistep formula uses the last four ε
 
@@ -35,11 +35,9 @@ class PNDMScheduler(AlphaBarSchedule, Scheduler):
         schedule: TrainingSchedule = TrainingSchedule(),
         skip_prk_steps: bool = False,
         set_alpha_to_one: bool = False,
-        prediction_type: str = "epsilon",
         timestep_spacing: str = "leading",
         steps_offset: int = 0,
     ):
-        require_epsilon(prediction_type)
         super().__init__(schedule, timestep_spacing, steps_offset)
         self.skip_prk_steps = bool(skip_prk_steps)
         self._init_alpha_bars(schedule, set_alpha_to_one)
