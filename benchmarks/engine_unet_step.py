@@ -23,6 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from model_args import add_model_arguments, model_folder  # noqa: E402
+
 
 def timed(rt, fn, warmup: int, reps: int) -> list[float]:
     for _ in range(warmup):
@@ -39,11 +41,7 @@ def timed(rt, fn, warmup: int, reps: int) -> list[float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="diffusers model folder")
-    src.add_argument("--preset", choices=["tiny", "sd14"], help="make a random-weight model first")
-    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
-    ap.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: native)")
+    add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--generate-steps", type=int, default=0, help="also time a whole generation")
@@ -53,16 +51,8 @@ def main(argv=None) -> int:
 
     from engine import load_pipeline
 
-    tmp = None
-    model = args.model
-    if model is None:
-        from engine.make_model import make_model
-
-        tmp = tempfile.TemporaryDirectory()
-        model = Path(tmp.name) / args.preset
-        t0 = time.perf_counter()
-        make_model(args.preset, 0, model, dtype=args.precision)
-        print(f"made {args.preset} model in {time.perf_counter() - t0:.1f} s", flush=True)
+    tmp = tempfile.TemporaryDirectory()
+    model = model_folder(args, Path(tmp.name))
 
     t0 = time.perf_counter()
     pipe = load_pipeline(model, precision=args.precision)
@@ -116,8 +106,7 @@ def main(argv=None) -> int:
     print(f"peak GPU memory {rt.peak_bytes / 2**20:.0f} MiB (weights {rt.static_bytes / 2**20:.0f} MiB)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    if tmp:
-        tmp.cleanup()
+    tmp.cleanup()
     return 0
 
 

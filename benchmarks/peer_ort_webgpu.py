@@ -36,6 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from model_args import add_model_arguments, model_folder  # noqa: E402
+
 CARRY_HINT = "carry diffusers==0.42.1 onnxruntime-webgpu==1.27.0 wheels, see docs/benchmarks.md"
 PROVIDERS = {"webgpu": "WebGpuExecutionProvider", "cpu": "CPUExecutionProvider"}
 TIMESTEP = 981.0  # the first PNDM timestep of a 50-step SD run; what engine_unet_step.py uses
@@ -264,11 +266,7 @@ def wgpu_adapter() -> dict | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="diffusers model folder")
-    src.add_argument("--preset", choices=["tiny", "sd14"], help="make a random-weight model first")
-    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
-    ap.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: native)")
+    add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -306,14 +304,7 @@ def main(argv=None) -> int:
 
     # 2. the model
     tmp = tempfile.TemporaryDirectory()
-    model = args.model
-    if model is None:
-        from engine.make_model import make_model
-
-        model = Path(tmp.name) / args.preset
-        t0 = time.perf_counter()
-        make_model(args.preset, 0, model, dtype=args.precision)
-        print(f"made {args.preset} model in {time.perf_counter() - t0:.1f} s", flush=True)
+    model = model_folder(args, Path(tmp.name))
     if not (model / "unet" / "config.json").is_file():
         raise PeerError(f"{model}: no unet/config.json; expected a diffusers-layout model folder")
     t0 = time.perf_counter()

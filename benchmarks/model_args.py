@@ -1,0 +1,30 @@
+"""The model a GPU benchmark runs and its size, as the benchmarks that take them say them on
+the command line: a diffusers folder (--model) or a preset's random-weight model made for the
+run (--preset), in --precision, at --resolution."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """--model or --preset (one of them), --precision and --resolution."""
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="diffusers model folder")
+    src.add_argument("--preset", choices=["tiny", "sd14"], help="make a random-weight model first")
+    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
+    ap.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: native)")
+
+
+def model_folder(args: argparse.Namespace, tmp: Path) -> Path:
+    """args.model, or a random-weight model of args.preset written under `tmp` in args.precision."""
+    if args.model is not None:
+        return args.model
+    from engine.make_model import make_model
+
+    t0 = time.perf_counter()
+    model = make_model(args.preset, 0, tmp / args.preset, dtype=args.precision)
+    print(f"made {args.preset} model in {time.perf_counter() - t0:.1f} s", flush=True)
+    return model
