@@ -24,19 +24,8 @@ TILED_CONSTANTS = {"TILE_M": (32, 64), "TILE_N": (32, 64), "TILE_K": (8, 16, 32)
     constants=TILED_CONSTANTS,
 )
 def linear_tiled(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    n_out, k = w.shape[0], math.prod(w.shape[1:])
-    m = x.numel // k
-    tiles = fit_rows({**DEFAULTS, **consts}, m, TILED_CONSTANTS["TILE_M"])
-    y = ops.rt.empty((*x.shape[:-1], n_out), ops.dtype)
-    entry = "main_vec4" if k % 4 == 0 else "main"
-    ops.rt.dispatch(
-        ops.pipeline(v, entry, **tiles),
-        "linear",
-        (m, n_out, k, int(b is not None)),
-        [x, w, b if b is not None else ops.dummy, y],
-        (math.ceil(n_out / tiles["TILE_N"]), math.ceil(m / tiles["TILE_M"]), 1),
-    )
-    return y
+    k = math.prod(w.shape[1:])
+    return _dispatch_tiled(ops, v, "main_vec4" if k % 4 == 0 else "main", consts, x, w, b)
 
 
 @register(
@@ -48,15 +37,20 @@ def linear_tiled(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor 
     constants=TILED_CONSTANTS,
 )
 def linear_tiled_f16(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    n_out, k = w.shape[0], math.prod(w.shape[1:])
-    if ops.dtype != "f16" or k % 4:
+    if ops.dtype != "f16" or math.prod(w.shape[1:]) % 4:
         tiled = variants("linear")["tiled"]
         return linear_tiled(ops, tiled, consts, x, w, b)
+    return _dispatch_tiled(ops, v, "main", consts, x, w, b)
+
+
+def _dispatch_tiled(ops, v: Variant, entry: str, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """y = x w^T + b through `entry` of a tiled kernel: x (..., K), w (N, K), y (..., N)."""
+    n_out, k = w.shape[0], math.prod(w.shape[1:])
     m = x.numel // k
     tiles = fit_rows({**DEFAULTS, **consts}, m, TILED_CONSTANTS["TILE_M"])
     y = ops.rt.empty((*x.shape[:-1], n_out), ops.dtype)
     ops.rt.dispatch(
-        ops.pipeline(v, "main", **tiles),
+        ops.pipeline(v, entry, **tiles),
         "linear",
         (m, n_out, k, int(b is not None)),
         [x, w, b if b is not None else ops.dummy, y],
