@@ -107,6 +107,16 @@ def _sample_size(d: dict, key: str, default: Any, source: Path) -> int | tuple[i
     raise _bad(source, key, v, "a positive integer or [height, width]")
 
 
+def _check_kind(d: Any, source: Path, key: str, expected: str, requirement: str) -> None:
+    """Refuse a config file that is not a JSON object, or whose ``key`` names another kind of
+    network than ``expected`` (absent counts as expected); ``requirement`` says what is run."""
+    if not isinstance(d, dict):
+        raise ModelError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    found = d.get(key, expected)
+    if found != expected:
+        raise UnsupportedModelError(f"{source}: {key}={found!r}; {requirement}; {SUPPORTED}")
+
+
 def _refuse_unless(d: dict, source: Path, key: str, allowed: Any, what: str) -> None:
     """Refuse a key whose value turns on a feature outside SD 1.x (absent counts as allowed).
 
@@ -158,14 +168,8 @@ class CLIPTextConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: Path) -> CLIPTextConfig:
-        if not isinstance(d, dict):
-            raise ModelError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type", "clip_text_model")
-        if model_type != "clip_text_model":
-            raise UnsupportedModelError(
-                f"{source}: model_type={model_type!r}; the text encoder must be a CLIPTextModel "
-                f"(model_type 'clip_text_model'); {SUPPORTED}"
-            )
+        _check_kind(d, source, "model_type", "clip_text_model",
+                    "the text encoder must be a CLIPTextModel (model_type 'clip_text_model')")
         archs = d.get("architectures")
         if archs and any(a != "CLIPTextModel" for a in archs):
             raise UnsupportedModelError(
@@ -283,13 +287,7 @@ class UNetConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: Path) -> UNetConfig:
-        if not isinstance(d, dict):
-            raise ModelError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        cls_name = d.get("_class_name", "UNet2DConditionModel")
-        if cls_name != "UNet2DConditionModel":
-            raise UnsupportedModelError(
-                f"{source}: _class_name={cls_name!r}; expected UNet2DConditionModel; {SUPPORTED}"
-            )
+        _check_kind(d, source, "_class_name", "UNet2DConditionModel", "expected UNet2DConditionModel")
         if d.get("addition_embed_type") == "text_time":
             raise _unsupported(source, "addition_embed_type", "text_time", "SDXL")
         _refuse_unless(d, source, "addition_embed_type", None, "added embeddings")
@@ -428,13 +426,7 @@ class VAEConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: Path) -> VAEConfig:
-        if not isinstance(d, dict):
-            raise ModelError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        cls_name = d.get("_class_name", "AutoencoderKL")
-        if cls_name != "AutoencoderKL":
-            raise UnsupportedModelError(
-                f"{source}: _class_name={cls_name!r}; expected AutoencoderKL; {SUPPORTED}"
-            )
+        _check_kind(d, source, "_class_name", "AutoencoderKL", "expected AutoencoderKL")
         _refuse_unless(d, source, "act_fn", "silu", "a non-SiLU activation")
         _refuse_unless(d, source, "shift_factor", None, "a latent shift (SD3/Flux VAEs)")
         _refuse_unless(d, source, "latents_mean", None, "per-channel latent statistics")
