@@ -26,6 +26,11 @@ GRAFANA_VERSION = "11.6.0"
 SCHEMA_VERSION = 41
 # The datasource of dashboards/provisioning/datasources/devicefarm.yaml.
 DATASOURCE = {"type": "grafana-postgresql-datasource", "uid": "devicefarm-postgres"}
+# Options several panels share: a compact table, and a time series' legend below it with a
+# tooltip that lists every series.
+TABLE_OPTIONS = {"showHeader": True, "cellHeight": "sm"}
+LEGEND_BELOW = {"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
+                "tooltip": {"mode": "multi", "sort": "none"}}
 
 
 # ---- building blocks ----------------------------------------------------------------------
@@ -246,8 +251,6 @@ def latency_dashboard() -> dict[str, Any]:
         ]
     line = {"drawStyle": "line", "showPoints": "always", "pointSize": 6, "lineWidth": 2, "spanNulls": True,
             "fillOpacity": 0}
-    legend = {"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
-              "tooltip": {"mode": "multi", "sort": "none"}}
     panels = [
         panel(1, "timeseries", "$metric on $device over builds", (0, 0, 16, 9),
               [target(LATENCY_BY_BUILD_SQL)], repeat="device", unit="ms",
@@ -255,7 +258,7 @@ def latency_dashboard() -> dict[str, Any]:
                           "profile): one point per build at its creation time, the median of the per-run "
                           "medians, in a band from the lowest to the highest run median. Alerts and "
                           "environment changes are annotations.",
-              custom=line, overrides=band("blue"), options=legend),
+              custom=line, overrides=band("blue"), options=LEGEND_BELOW),
         panel(2, "barchart", "$metric on $device by build", (16, 0, 8, 9), [target(LATENCY_BARS_SQL)],
               repeat="device", unit="ms", description="The median per build, builds in creation order.",
               options={"xField": "build", "orientation": "vertical", "showValue": "auto", "stacking": "none",
@@ -265,7 +268,7 @@ def latency_dashboard() -> dict[str, Any]:
         panel(3, "timeseries", "Peak GPU memory on $device over builds", (0, 9, 16, 8),
               [target(MEMORY_BY_BUILD_SQL)], repeat="device", unit="bytes",
               description="peak_gpu_bytes of the same series: the median per build of the runs' peaks.",
-              custom=line, overrides=band("purple"), options=legend),
+              custom=line, overrides=band("purple"), options=LEGEND_BELOW),
     ]
     annotations = [
         {"name": "Alerts", "datasource": DATASOURCE, "enable": True, "hide": False, "iconColor": "red",
@@ -351,7 +354,7 @@ def kernels_dashboard() -> dict[str, Any]:
               options={"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
                        "tooltip": {"mode": "multi", "sort": "desc"}}),
         panel(3, "table", "Kernel timings per build on $device", (0, 19, 24, 10), [target(KERNELS_TABLE_SQL)],
-              options={"showHeader": True, "cellHeight": "sm"}),
+              options=TABLE_OPTIONS),
     ]
     return dashboard("devicefarm-kernels", "devicefarm / per-kernel breakdown",
                      "Where a device's time goes, kernel by kernel, build by build.", panels,
@@ -426,11 +429,9 @@ def health_dashboard() -> dict[str, Any]:
                        "properties": [{"id": "mappings", "value": state_mapping},
                                       {"id": "custom.cellOptions", "value": {"type": "color-background"}}]}]
     line = {"drawStyle": "line", "showPoints": "always", "lineWidth": 1, "spanNulls": False}
-    legend = {"legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
-              "tooltip": {"mode": "multi", "sort": "none"}}
     panels = [
         panel(1, "table", "Devices", (0, 0, 18, 8), [target(DEVICES_SQL)], overrides=state_override,
-              options={"showHeader": True, "cellHeight": "sm"}),
+              options=TABLE_OPTIONS),
         panel(2, "stat", "Devices by state", (18, 0, 6, 4), [target(STATE_COUNTS_SQL)],
               options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": True},
                        "textMode": "value_and_name", "colorMode": "background", "graphMode": "none"}),
@@ -439,11 +440,11 @@ def health_dashboard() -> dict[str, Any]:
               options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
                        "textMode": "value_and_name", "colorMode": "value", "graphMode": "none"}),
         panel(4, "timeseries", "Cool-down wait before each run", (0, 8, 12, 9),
-              [target(COOLDOWN_WAITS_SQL, fmt="time_series")], unit="s", custom=line, options=legend),
+              [target(COOLDOWN_WAITS_SQL, fmt="time_series")], unit="s", custom=line, options=LEGEND_BELOW),
         panel(5, "timeseries", "Hottest thermal zone before and after each run", (12, 8, 12, 9),
-              [target(THERMAL_SQL, fmt="time_series")], unit="celsius", custom=line, options=legend),
+              [target(THERMAL_SQL, fmt="time_series")], unit="celsius", custom=line, options=LEGEND_BELOW),
         panel(6, "table", "Latest reading per thermal zone", (0, 17, 24, 8), [target(LATEST_THERMAL_SQL)],
-              options={"showHeader": True, "cellHeight": "sm"}),
+              options=TABLE_OPTIONS),
     ]
     return dashboard("devicefarm-health", "devicefarm / device health and cool-down",
                      "Which devices are usable, when they were last seen, and how hot they ran.", panels,
