@@ -88,6 +88,13 @@ def custom_variable(name: str, label: str, values: list[str]) -> dict[str, Any]:
             "skipUrlSync": False}
 
 
+def stat_options(*, values: bool, color_mode: str = "value") -> dict[str, Any]:
+    """A stat panel's options: a value per row of the query (values=True), or each field's last
+    non-null value, shown with its name."""
+    return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": values},
+            "textMode": "value_and_name", "colorMode": color_mode, "graphMode": "none"}
+
+
 def dashboard(uid: str, title: str, description: str, panels: list[dict], variables: list[dict], *,
               annotations: list[dict] | None = None, time_from: str = "now-90d") -> dict[str, Any]:
     return {
@@ -433,12 +440,10 @@ def health_dashboard() -> dict[str, Any]:
         panel(1, "table", "Devices", (0, 0, 18, 8), [target(DEVICES_SQL)], overrides=state_override,
               options=TABLE_OPTIONS),
         panel(2, "stat", "Devices by state", (18, 0, 6, 4), [target(STATE_COUNTS_SQL)],
-              options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": True},
-                       "textMode": "value_and_name", "colorMode": "background", "graphMode": "none"}),
+              options=stat_options(values=True, color_mode="background")),
         panel(3, "stat", "Runs whose cool-down timed out", (18, 4, 6, 4), [target(COOLDOWN_TIMED_OUT_SQL)],
               description="Kept out of regression comparisons by default.",
-              options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                       "textMode": "value_and_name", "colorMode": "value", "graphMode": "none"}),
+              options=stat_options(values=False)),
         panel(4, "timeseries", "Cool-down wait before each run", (0, 8, 12, 9),
               [target(COOLDOWN_WAITS_SQL, fmt="time_series")], unit="s", custom=line, options=LEGEND_BELOW),
         panel(5, "timeseries", "Hottest thermal zone before and after each run", (12, 8, 12, 9),
@@ -498,8 +503,7 @@ def alerts_dashboard() -> dict[str, Any]:
                             "url": "${farm_url}/alerts/${__value.raw}", "targetBlank": True}]}]}]
     panels = [
         panel(1, "stat", "Alerts by kind", (0, 0, 24, 4), [target(ALERT_COUNTS_SQL)],
-              options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": True},
-                       "textMode": "value_and_name", "colorMode": "value", "graphMode": "none"}),
+              options=stat_options(values=True)),
         panel(2, "table", "Alerts", (0, 4, 24, 16), [target(ALERTS_SQL)], overrides=ratio_override,
               description="ratio = new median / baseline median, with its bootstrap confidence interval. "
                           "An alert's number opens its page in the farm (set Farm API above), where it is "
