@@ -25,6 +25,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def f16_context():
+    """(gpu, a GpuContext on it, its measured peaks) for timing the GEMM core, which needs
+    shader-f16; where the adapter has none, that is said on stderr and the script exits 2."""
+    from engine.device import get_gpu
+    from engine.gpu import GpuContext
+    from engine.roofline import measure_peaks
+
+    gpu = get_gpu()
+    if not gpu.caps.has_f16:
+        print("the GEMM core needs shader-f16; this adapter has none", file=sys.stderr)
+        sys.exit(2)
+    rt = GpuContext(gpu)
+    return gpu, rt, measure_peaks(gpu, rt)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=["tiny", "sd14"], default="sd14")
@@ -40,27 +55,20 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from engine.device import get_gpu
     from engine.errors import EngineError
     from engine.explain import distinct_calls
-    from engine.gpu import GpuContext, time_gpu_work
+    from engine.gpu import time_gpu_work
     from engine.kernels import PipelineCache, Selection, variants
     from engine.make_model import preset_model_config
     from engine.ops import Ops
     from engine.profiles import parse_profile
-    from engine.roofline import measure_peaks
     from engine.variants import gemm as core
 
-    gpu = get_gpu()
-    if not gpu.caps.has_f16:
-        print("the GEMM core needs shader-f16; this adapter has none", file=sys.stderr)
-        return 2
+    gpu, rt, peaks = f16_context()
     config = preset_model_config(args.preset)
     res = args.resolution or config.native_size[0]
-    rt = GpuContext(gpu)
     pipes = PipelineCache(gpu)
     rng = np.random.default_rng(0)
-    peaks = measure_peaks(gpu, rt)
     print(f"{gpu.caps.device} ({gpu.caps.backend}): measured peaks f32 {peaks.f32_tflops} TFLOP/s, "
           f"f16 {peaks.f16_tflops} TFLOP/s, copy {peaks.gbps} GB/s")
     base_doc = json.loads(args.profile.read_text()) if args.profile else None

@@ -107,21 +107,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import numpy as np
+    from gemm_core import f16_context
 
     from engine import kernels
-    from engine.device import get_gpu
-    from engine.gpu import GpuContext, time_gpu_work
+    from engine.gpu import time_gpu_work
     from engine.kernels import PipelineCache, Selection, Variant, variants
     from engine.ops import Ops
-    from engine.roofline import measure_peaks
     from engine.variants import gemm as core
 
-    gpu = get_gpu()
-    if not gpu.caps.has_f16:
-        print("the GEMM core needs shader-f16; this adapter has none", file=sys.stderr)
-        return 2
-    rt = GpuContext(gpu)
-    peaks = measure_peaks(gpu, rt)
+    gpu, rt, peaks = f16_context()
     print(f"{gpu.caps.device} ({gpu.caps.backend}): measured f16 SIMT peak {peaks.f16_tflops} TFLOP/s")
     rng = np.random.default_rng(0)
     shipped = variants("linear")["gemm"]

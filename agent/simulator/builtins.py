@@ -90,57 +90,48 @@ class Builtins:
             async for chunk in io.stdin.chunks():
                 await io.out(chunk)
             return 0
-        status = 0
-        for p in args:
-            try:
-                host = self.fs.readable_host_file(p, s.cwd)
-                if host is None:
-                    await io.out(self.fs.read_bytes(p, s.cwd))
-                    continue
-                with host.open("rb") as f:
-                    while chunk := f.read(1 << 20):
-                        await io.out(chunk)
-            except OSError as exc:
-                await io.err(f"cat: {p}: {exc.strerror}\n".encode())
-                status = 1
-        return status
+
+        async def cat(p):
+            host = self.fs.readable_host_file(p, s.cwd)
+            if host is None:
+                await io.out(self.fs.read_bytes(p, s.cwd))
+                return
+            with host.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    await io.out(chunk)
+
+        return await _each_path("cat", args, io, cat)
 
     async def _mkdir(self, args, io, s):
         flags, paths = _split_flags(args)
-        status = 0
-        for p in paths:
-            try:
-                host = self.fs.writable_host_path(p, s.cwd)
-                if "p" in flags:
-                    host.mkdir(parents=True, exist_ok=True)
-                else:
-                    host.mkdir()
-            except OSError as exc:
-                await io.err(f"mkdir: '{p}': {exc.strerror}\n".encode())
-                status = 1
-        return status
+
+        async def mkdir(p):
+            host = self.fs.writable_host_path(p, s.cwd)
+            if "p" in flags:
+                host.mkdir(parents=True, exist_ok=True)
+            else:
+                host.mkdir()
+
+        return await _each_path("mkdir", paths, io, mkdir, quoted=True)
 
     async def _rm(self, args, io, s):
         flags, paths = _split_flags(args)
         recursive, force = bool({"r", "R"} & set(flags)), "f" in flags
-        status = 0
-        for p in paths:
-            try:
-                if self.fs.normalize(p, s.cwd) == "/":
-                    raise fs_error(errno.EBUSY, "/")
-                host = self.fs.writable_host_path(p, s.cwd)
-                if host.is_dir() and not host.is_symlink():
-                    if not recursive:
-                        raise fs_error(errno.EISDIR, p)
-                    await asyncio.to_thread(shutil.rmtree, host)
-                elif host.exists() or host.is_symlink():
-                    host.unlink()
-                elif not force:
-                    raise fs_error(errno.ENOENT, p)
-            except OSError as exc:
-                await io.err(f"rm: {p}: {exc.strerror}\n".encode())
-                status = 1
-        return status
+
+        async def rm(p):
+            if self.fs.normalize(p, s.cwd) == "/":
+                raise fs_error(errno.EBUSY, "/")
+            host = self.fs.writable_host_path(p, s.cwd)
+            if host.is_dir() and not host.is_symlink():
+                if not recursive:
+                    raise fs_error(errno.EISDIR, p)
+                await asyncio.to_thread(shutil.rmtree, host)
+            elif host.exists() or host.is_symlink():
+                host.unlink()
+            elif not force:
+                raise fs_error(errno.ENOENT, p)
+
+        return await _each_path("rm", paths, io, rm)
 
     async def _move_or_copy(self, name, args, io, s, copy: bool):
         flags, paths = _split_flags(args)
@@ -189,19 +180,16 @@ class Builtins:
             digest = hashlib.sha256(await io.stdin.read_all()).hexdigest()
             await io.out(f"{digest}  -\n".encode())
             return 0
-        status = 0
-        for p in args:
-            try:
-                host = self.fs.readable_host_file(p, s.cwd)
-                if host is None:
-                    digest = hashlib.sha256(self.fs.read_bytes(p, s.cwd)).hexdigest()
-                else:
-                    digest = await asyncio.to_thread(sha256_file, host)
-                await io.out(f"{digest}  {p}\n".encode())
-            except OSError as exc:
-                await io.err(f"sha256sum: {p}: {exc.strerror}\n".encode())
-                status = 1
-        return status
+
+        async def sha256sum(p):
+            host = self.fs.readable_host_file(p, s.cwd)
+            if host is None:
+                digest = hashlib.sha256(self.fs.read_bytes(p, s.cwd)).hexdigest()
+            else:
+                digest = await asyncio.to_thread(sha256_file, host)
+            await io.out(f"{digest}  {p}\n".encode())
+
+        return await _each_path("sha256sum", args, io, sha256sum)
 
     async def _stat(self, args, io, s):
         fmt = None
@@ -497,3 +485,18 @@ def _split_flags(args: list[str]) -> tuple[str, list[str]]:
         else:
             rest.append(a)
     return flags, rest
+
+
+async def _each_path(name: str, paths: list[str], io, action, *, quoted: bool = False) -> int:
+    """`await action(path)` for each path, as toybox's file commands go on: an OSError prints
+    `name: path: why` on stderr (the path in quotes where the command quotes it) and makes the
+    status 1, and the next path is tried. Returns the status."""
+    status = 0
+    for p in paths:
+        try:
+            await action(p)
+        except OSError as exc:
+            shown = f"'{p}'" if quoted else p
+            await io.err(f"{name}: {shown}: {exc.strerror}\n".encode())
+            status = 1
+    return status

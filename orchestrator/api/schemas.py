@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from orchestrator.analysis import regressions
+from orchestrator.analysis.stats import SeriesKey
 from orchestrator.store.models import (
     Alert,
     AlertKind,
@@ -229,23 +230,10 @@ class RunDetail(RunSummary):
 # ---- series and alerts --------------------------------------------------------------------
 
 
-class SeriesKeyOut(BaseModel):
-    """A series as the analysis keys it (orchestrator/analysis/stats SeriesKey)."""
-
-    device: str
-    os_driver: str
-    model: str
-    resolution: str
-    steps: int
-    precision: str
-    profile: str
-    metric: str
-    environment: str
-
 
 class SeriesOut(BaseModel):
     id: str = Field(description="A short hash of the key's canonical JSON.")
-    key: SeriesKeyOut
+    key: SeriesKey  # as the analysis keys it (orchestrator/analysis/stats)
     canonical: str = Field(description="The key as canonical JSON (what series settings are stored by).")
     runs: int = Field(description="Succeeded latency runs in the series.")
 

@@ -20,7 +20,7 @@ from .models import (
     DeploymentStatus,
     utcnow,
 )
-from .rows import StoreError, insert_or_get, made_before, redispatch_row, update_row
+from .rows import StoreError, by_id_or_name, insert_or_get, made_before, redispatch_row, update_row
 
 __all__ = [
     "build_models", "builds_before", "builds_in_order", "create_build", "create_deployment", "default_model",
@@ -64,10 +64,7 @@ def get_build(session: Session, ref: int | str | None = None) -> Build:
         if build is None:
             raise StoreError("no builds yet; `farm builds create --model DIR` makes one")
         return build
-    build = session.scalar(select(Build).where(Build.id == ref if isinstance(ref, int) else Build.name == ref))
-    if build is None:
-        raise StoreError(f"no build {ref!r}; `farm builds list` shows the known ones")
-    return build
+    return by_id_or_name(session, Build, Build.name, ref, "build")
 
 
 def builds_in_order(session: Session) -> list[Build]:

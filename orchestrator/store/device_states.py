@@ -46,8 +46,6 @@ DEVICE_TRANSITIONS: dict[tuple[DeviceState, DeviceEvent], Transition] = {
     (AVAILABLE, E.refused): T(UNAUTHORIZED, "it no longer accepts this host"),
     (AVAILABLE, E.lease_taken): T(BUSY, "a job or deployment holds it"),
     (AVAILABLE, E.lease_released): T(AVAILABLE, "released after an operator freed it mid-job", ignored=True),
-    (AVAILABLE, E.infra_failures): T(QUARANTINED, "three jobs in a row failed for infrastructure reasons"),
-    (AVAILABLE, E.quarantine): T(QUARANTINED, "an operator took it out of service"),
 
     (BUSY, E.answered): T(BUSY, "its holder still has it", ignored=True),
     (BUSY, E.unreachable): T(OFFLINE, "its job or deployment lost it"),
@@ -55,24 +53,18 @@ DEVICE_TRANSITIONS: dict[tuple[DeviceState, DeviceEvent], Transition] = {
     (BUSY, E.lease_taken): T(BUSY, "renewed, or taken over after it expired"),
     (BUSY, E.lease_released): T(AVAILABLE, "its holder gave it back"),
     (BUSY, E.lease_expired): T(AVAILABLE, "its holder vanished; nothing holds it"),
-    (BUSY, E.infra_failures): T(QUARANTINED, "three jobs in a row failed for infrastructure reasons"),
-    (BUSY, E.quarantine): T(QUARANTINED, "an operator took it out of service"),
 
     (OFFLINE, E.answered): T(AVAILABLE, "it answers again"),
     (OFFLINE, E.unreachable): T(OFFLINE, "still gone (the reason is the latest error)"),
     (OFFLINE, E.refused): T(UNAUTHORIZED, "it answers, but refuses this host"),
     (OFFLINE, E.lease_taken): T(BUSY, "a job or deployment tries it; its outcome decides what follows"),
     (OFFLINE, E.lease_released): T(OFFLINE, "its job found it offline, then gave it back", ignored=True),
-    (OFFLINE, E.infra_failures): T(QUARANTINED, "three jobs in a row failed for infrastructure reasons"),
-    (OFFLINE, E.quarantine): T(QUARANTINED, "an operator took it out of service"),
 
     (UNAUTHORIZED, E.answered): T(AVAILABLE, "the phone accepted this host's key"),
     (UNAUTHORIZED, E.unreachable): T(OFFLINE, "it stopped answering"),
     (UNAUTHORIZED, E.refused): T(UNAUTHORIZED, "still refused (the reason is the latest error)"),
     (UNAUTHORIZED, E.lease_taken): T(BUSY, "a job or deployment tries it; its outcome decides what follows"),
     (UNAUTHORIZED, E.lease_released): T(UNAUTHORIZED, "its job was refused, then gave it back", ignored=True),
-    (UNAUTHORIZED, E.infra_failures): T(QUARANTINED, "three jobs in a row failed for infrastructure reasons"),
-    (UNAUTHORIZED, E.quarantine): T(QUARANTINED, "an operator took it out of service"),
 
     (QUARANTINED, E.answered): T(QUARANTINED, "only an operator releases it", ignored=True),
     (QUARANTINED, E.unreachable): T(QUARANTINED, "only an operator releases it", ignored=True),
@@ -82,6 +74,12 @@ DEVICE_TRANSITIONS: dict[tuple[DeviceState, DeviceEvent], Transition] = {
     (QUARANTINED, E.quarantine): T(QUARANTINED, "the operator's new reason replaces the old one"),
     (QUARANTINED, E.release): T(AVAILABLE, "an operator put it back in service"),
 }
+# Every state in service is taken out of it the same two ways.
+for _state in (AVAILABLE, BUSY, OFFLINE, UNAUTHORIZED):
+    DEVICE_TRANSITIONS[(_state, E.infra_failures)] = T(QUARANTINED, "three jobs in a row failed for infrastructure reasons")
+    DEVICE_TRANSITIONS[(_state, E.quarantine)] = T(QUARANTINED, "an operator took it out of service")
+DEVICE_TRANSITIONS = dict(sorted(DEVICE_TRANSITIONS.items(),  # by state, then event, as declared
+                                key=lambda pair: (list(DeviceState).index(pair[0][0]), list(E).index(pair[0][1]))))
 
 # Why a pair missing from the table is refused, by event.
 REFUSALS: dict[DeviceEvent, str] = {

@@ -28,7 +28,7 @@ from .models import (
     TransportKind,
     utcnow,
 )
-from .rows import InvalidTransition, StoreError, insert_or_get
+from .rows import InvalidTransition, by_id_or_name, insert_or_get
 
 __all__ = [
     "QUARANTINE_AFTER_INFRA_FAILURES", "TIMED_KINDS", "TRANSPORT_STATES", "acquire_device_lease",
@@ -109,11 +109,7 @@ def upsert_device(
 
 def get_device(session: Session, ref: int | str) -> Device:
     """A device by id or serial; StoreError naming it when unknown."""
-    query = select(Device).where(Device.id == ref if isinstance(ref, int) else Device.serial == ref)
-    device = session.scalar(query)
-    if device is None:
-        raise StoreError(f"no device {ref!r}; `farm devices list` shows the known ones")
-    return device
+    return by_id_or_name(session, Device, Device.serial, ref, "device")
 
 
 def find_device(session: Session, serial: str) -> Device | None:

@@ -39,7 +39,7 @@ from .models import (
     Sample,
     ThermalReading,
 )
-from .rows import StoreError
+from .rows import StoreError, where_given
 
 # The metrics a listing shows for every run, when the run has them: one timed UNet CFG step
 # (latency jobs), one whole generation, the peak GPU memory, and a tuning's duration.
@@ -123,12 +123,7 @@ def list_alerts(
     query = (select(Alert).options(selectinload(Alert.device), selectinload(Alert.build),
                                    selectinload(Alert.baseline_build))
              .where(Alert.state.in_(list(states)), Alert.kind.in_(list(kinds))))
-    if device_id is not None:
-        query = query.where(Alert.device_id == device_id)
-    if build_id is not None:
-        query = query.where(Alert.build_id == build_id)
-    if metric is not None:
-        query = query.where(Alert.metric == metric)
+    query = where_given(query, (Alert.device_id, device_id), (Alert.build_id, build_id), (Alert.metric, metric))
     query = query.order_by(Alert.created_at.desc(), Alert.id.desc())
     return list(session.scalars(query if limit is None else query.limit(limit)))
 
@@ -147,14 +142,8 @@ def list_jobs(
 ) -> list[Job]:
     """The newest jobs first, with their device and build loaded."""
     query = select(Job).options(selectinload(Job.device), selectinload(Job.build))
-    if state is not None:
-        query = query.where(Job.state == JobState(state))
-    if device_id is not None:
-        query = query.where(Job.device_id == device_id)
-    if build_id is not None:
-        query = query.where(Job.build_id == build_id)
-    if batch_id is not None:
-        query = query.where(Job.batch_id == batch_id)
+    query = where_given(query, (Job.state, None if state is None else JobState(state)), (Job.device_id, device_id),
+                        (Job.build_id, build_id), (Job.batch_id, batch_id))
     return list(session.scalars(query.order_by(Job.id.desc()).limit(limit)))
 
 

@@ -83,6 +83,24 @@ def insert_or_get(session: Session, obj, query):
     return obj
 
 
+def by_id_or_name(session: Session, model, name_column, ref: int | str, what: str):
+    """The row of `model` whose id (an int `ref`) or name (a str) is `ref`; StoreError naming
+    it when there is none, with the `farm <what>s list` that shows the known ones."""
+    row = session.scalar(select(model).where(model.id == ref if isinstance(ref, int) else name_column == ref))
+    if row is None:
+        raise StoreError(f"no {what} {ref!r}; `farm {what}s list` shows the known ones")
+    return row
+
+
+def where_given(query, *conditions):
+    """`query` narrowed by each (column, value) pair whose value is not None: the optional
+    filters of a list."""
+    for column, value in conditions:
+        if value is not None:
+            query = query.where(column == value)
+    return query
+
+
 def in_series():
     """The condition on Job (joined) that a run is a series' measurement: not a run of a `farm
     check` (Batch.purpose "check"), which the check alone judges."""

@@ -15,7 +15,7 @@ from .models import (
     Schedule,
     utcnow,
 )
-from .rows import StoreError
+from .rows import StoreError, by_id_or_name
 
 __all__ = [
     "all_schedules", "claim_schedule_firing", "create_schedule", "due_schedules", "get_schedule",
@@ -123,11 +123,7 @@ def all_schedules(session: Session) -> list[Schedule]:
 
 
 def get_schedule(session: Session, ref: int | str) -> Schedule:
-    query = select(Schedule).where(Schedule.id == ref if isinstance(ref, int) else Schedule.name == ref)
-    schedule = session.scalar(query)
-    if schedule is None:
-        raise StoreError(f"no schedule {ref!r}; `farm schedules list` shows the known ones")
-    return schedule
+    return by_id_or_name(session, Schedule, Schedule.name, ref, "schedule")
 
 
 def create_schedule(session: Session, name: str, cron: str, timezone: str, suite: dict[str, Any],

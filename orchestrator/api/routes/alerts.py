@@ -24,7 +24,8 @@ from ..deps import (
     Triager,
     found,
 )
-from ..schemas import PLAIN, AlertOut, Triage
+from ..filters import DeviceAndBuild
+from ..schemas import AlertOut, Triage
 
 router = APIRouter(prefix="/alerts", tags=["alerts"], responses=AUTH_ERRORS)
 
@@ -32,16 +33,13 @@ router = APIRouter(prefix="/alerts", tags=["alerts"], responses=AUTH_ERRORS)
 @router.get("", response_model=list[AlertOut], responses=BAD_FILTER,
             summary="Alerts, newest first (default: the open ones, new and acknowledged)")
 def list_alerts(
-    _: Reader, db: Db,
+    _: Reader, db: Db, filters: DeviceAndBuild,
     state: Annotated[list[AlertState] | None, Query(description="Repeat for several; default new and "
                                                                 "acknowledged.")] = None,
     kind: Annotated[list[AlertKind] | None, Query(description="Repeat for several; default every kind.")] = None,
-    device: Annotated[str | None, Query(max_length=255, pattern=PLAIN, description="Device serial.")] = None,
-    build: Annotated[str | None, Query(max_length=128, pattern=PLAIN, description="Build name.")] = None,
     limit: Limit = 50,
 ) -> list[AlertOut]:
-    device_id = found(store.get_device, db, device).id if device else None
-    build_id = found(store.get_build, db, build).id if build else None
+    device_id, build_id = filters
     alerts = queries.list_alerts(db, states=state or (AlertState.new, AlertState.acknowledged),
                                  kinds=kind or tuple(AlertKind), device_id=device_id, build_id=build_id, limit=limit)
     return [AlertOut.of(a) for a in alerts]

@@ -12,22 +12,20 @@ from orchestrator.store import queries
 from orchestrator.store.models import JobState
 
 from ..deps import AUTH_ERRORS, BAD_FILTER, MAX_ID, NOT_FOUND, Db, Limit, Reader, RecordId, found
-from ..schemas import PLAIN, JobDetail, JobOut, RunSummary
+from ..filters import DeviceAndBuild
+from ..schemas import JobDetail, JobOut, RunSummary
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=AUTH_ERRORS)
 
 
 @router.get("", response_model=list[JobOut], responses=BAD_FILTER, summary="Jobs, newest first")
 def list_jobs(
-    _: Reader, db: Db,
+    _: Reader, db: Db, filters: DeviceAndBuild,
     state: JobState | None = None,
-    device: Annotated[str | None, Query(max_length=255, pattern=PLAIN, description="Device serial.")] = None,
-    build: Annotated[str | None, Query(max_length=128, pattern=PLAIN, description="Build name.")] = None,
     batch: Annotated[int | None, Query(ge=1, le=MAX_ID, description="Batch id.")] = None,
     limit: Limit = 50,
 ) -> list[JobOut]:
-    device_id = found(store.get_device, db, device).id if device else None
-    build_id = found(store.get_build, db, build).id if build else None
+    device_id, build_id = filters
     return [JobOut.of(j) for j in queries.list_jobs(db, state=state, device_id=device_id, build_id=build_id,
                                                     batch_id=batch, limit=limit)]
 

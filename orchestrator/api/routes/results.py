@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from orchestrator import store
 from orchestrator.store import queries
 from orchestrator.store.models import JobKind
 
 from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Limit, Reader, RecordId, found
+from ..filters import DeviceAndBuild
 from ..schemas import (
     PLAIN,
     Cooldown,
@@ -28,16 +28,13 @@ router = APIRouter(prefix="/results", tags=["results"], responses=AUTH_ERRORS)
 
 @router.get("", response_model=list[RunSummary], responses=BAD_FILTER, summary="Runs, newest first")
 def list_results(
-    _: Reader, db: Db,
-    device: Annotated[str | None, Query(max_length=255, pattern=PLAIN, description="Device serial.")] = None,
-    build: Annotated[str | None, Query(max_length=128, pattern=PLAIN, description="Build name.")] = None,
+    _: Reader, db: Db, filters: DeviceAndBuild,
     metric: Annotated[str | None, Query(max_length=128, pattern=PLAIN,
                                        description="Only runs that measured this metric.")] = None,
     kind: JobKind | None = None,
     limit: Limit = 50,
 ) -> list[RunSummary]:
-    device_id = found(store.get_device, db, device).id if device else None
-    build_id = found(store.get_build, db, build).id if build else None
+    device_id, build_id = filters
     return [RunSummary(run_id=r.id, job_id=r.job_id, attempt=r.attempt, device=r.device, build=r.build,
                        kind=r.kind, status=r.status, started_at=r.started_at, finished_at=r.finished_at,
                        medians=r.medians)

@@ -3,7 +3,6 @@ series with a point per build): orchestrator/analysis/series.py."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -12,13 +11,13 @@ from orchestrator import store
 from orchestrator.analysis import series as farm_series
 
 from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Reader, SeriesId, found
-from ..schemas import PLAIN, Metric, SeriesDetail, SeriesKeyOut, SeriesOut, SeriesPoint
+from ..schemas import PLAIN, Metric, SeriesDetail, SeriesOut, SeriesPoint
 
 router = APIRouter(prefix="/series", tags=["series"], responses=AUTH_ERRORS)
 
 
 def _out(s: farm_series.Series) -> SeriesOut:
-    return SeriesOut(id=s.id, key=SeriesKeyOut(**asdict(s.key)), canonical=s.key.canonical(), runs=s.runs)
+    return SeriesOut(id=s.id, key=s.key, canonical=s.key.canonical(), runs=s.runs)
 
 
 @router.get("", response_model=list[SeriesOut], responses=BAD_FILTER, summary="The analysis' series")
