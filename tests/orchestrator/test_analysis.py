@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 from PIL import Image as PILImage
+from support import record_job
 from typer.testing import CliRunner
 
 from agent.protocol import (
@@ -31,7 +32,7 @@ from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.cli import app
 from orchestrator.store import make_engine, make_session_factory, upgrade
-from orchestrator.store.models import Alert, AlertKind, AlertState, JobState
+from orchestrator.store.models import Alert, AlertKind, AlertState
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
 BASE_MS = 100.0
@@ -57,11 +58,8 @@ def _latency(rng, slow: float, *, timed_out: bool = False, unit: str = "ms", rep
 
 def _record(session, device_id: int, build_id: int, kind: str, result: JobResult, batch_id: int | None = None,
             artifacts_dir=None) -> int:
-    job = store.create_job(session, kind, SPEC, device_id, build_id, batch_id=batch_id)
-    store.transition_job(session, job.id, JobState.running, worker="w")
-    store.record_result(session, job.id, result, artifacts_dir=artifacts_dir)
-    store.transition_job(session, job.id, JobState.succeeded)
-    return job.id
+    return record_job(session, kind, SPEC, device_id, build_id, result, batch_id=batch_id,
+                      artifacts_dir=artifacts_dir).job_id
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ from asgi_server import serving
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from sqlalchemy import select
+from support import latency_result, seed_nightlies
 
-from agent.protocol import JobResult, Manifest, ManifestFile, Sample
 from orchestrator import store
 from orchestrator.api import tokens
 from orchestrator.api.app import create_app
@@ -35,20 +35,9 @@ from orchestrator.infra.settings import Settings
 from orchestrator.jobs import batch_analysis
 from orchestrator.jobs.celery_app import make_celery
 from orchestrator.store import make_engine, make_session_factory, upgrade
-from orchestrator.store.models import Alert, AlertState, ApiToken, CheckRun, CheckState, JobState
+from orchestrator.store.models import Alert, AlertState, ApiToken, CheckRun, CheckState
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
-
-
-def _manifest(name: str, created: float) -> Manifest:
-    return Manifest(build=name, version="0.1.0", created=created,
-                    files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)])
-
-
-def _latency(rng, slow: float) -> JobResult:
-    steps = 100.0 * slow * rng.lognormal(0.0, 0.02, 10)
-    return JobResult(job_id="j", kind="latency", status="succeeded",
-                     samples=[Sample("unet_step_ms", float(v), "ms", r) for r, v in enumerate(steps)])
 
 
 @pytest.fixture
@@ -64,16 +53,7 @@ def farm(db_url, tmp_path):
         devices = [store.upsert_device(s, serial, "local", f"/tmp/{serial}", host="h") for serial in ("p1", "p2")]
         for device in devices:
             store.set_device_state(s, device.id, "available")
-        batches = {}
-        for i, slow in ((1, 1.0), (2, 1.0), (3, 1.3)):
-            build = store.create_build(s, _manifest(f"b{i}", 1_700_000_000.0 + 86400 * i))
-            batch = store.create_batch(s, f"nightly b{i}", build_id=build.id)
-            for device in devices:
-                job = store.create_job(s, "latency", SPEC, device.id, build.id, batch_id=batch.id)
-                store.transition_job(s, job.id, JobState.running, worker="w")
-                store.record_result(s, job.id, _latency(rng, slow))
-                store.transition_job(s, job.id, JobState.succeeded)
-            batches[f"b{i}"] = batch.id
+        batches = seed_nightlies(s, devices, SPEC, lambda slow: latency_result(rng, slow))
         made = {scope: tokens.create_token(s, scope, f"{scope} token")[1] for scope in ("read", "triage", "run")}
         revoked_row, made["revoked"] = tokens.create_token(s, "triage", "revoked token")
         tokens.revoke_token(s, revoked_row.id)

@@ -39,9 +39,10 @@ import pytest
 from asgi_server import serving
 from ci_support import missing
 from sqlalchemy import select
+from support import record_job, seed_nightlies
 from typer.testing import CliRunner
 
-from agent.protocol import Artifact, JobResult, KernelTiming, Manifest, ManifestFile, Sample
+from agent.protocol import Artifact, JobResult, KernelTiming, Sample
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.api import tokens
@@ -60,7 +61,6 @@ from orchestrator.store.models import (
     DeploymentStatus,
     Device,
     Job,
-    JobState,
     Run,
 )
 from orchestrator.store.models import KernelTiming as KernelTimingRow
@@ -118,24 +118,16 @@ def farm(tmp_path_factory):
             store.set_device_state(s, device.id, "available")
         store.set_device_state(s, devices[0].id, "quarantined", "flaky USB hub", force=True)  # a state history
         store.set_device_state(s, devices[0].id, "available", "hub replaced", force=True)
-        for i, slow in ((1, 1.0), (2, 1.0), (3, 1.3)):
-            build = store.create_build(s, Manifest(build=f"b{i}", version="0.1.0", created=1_700_000_000.0 + 86400 * i,
-                                                   files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]))
-            batch = store.create_batch(s, f"nightly b{i}", build_id=build.id)
-            for device in devices:
-                job = store.create_job(s, "latency", SPEC, device.id, build.id, batch_id=batch.id)
-                store.transition_job(s, job.id, JobState.running, worker="w")
-                store.record_result(s, job.id, _latency(rng, slow))
-                store.transition_job(s, job.id, JobState.succeeded)
-            _png(images / f"b{i}.png", (40 * i, 120, 200))
-            job = store.create_job(s, "generate", SPEC, devices[0].id, build.id, batch_id=batch.id)
-            store.transition_job(s, job.id, JobState.running, worker="w")
-            store.record_result(s, job.id, _generate(f"b{i}"), artifacts_dir=images)
-            store.transition_job(s, job.id, JobState.succeeded)
-            if i == 3:
-                b3_batch = batch.id
+
+        def with_an_image(build, batch):  # and b3 deployed to p1 at 02:05
+            _png(images / f"{build.name}.png", (40 * int(build.name[1:]), 120, 200))
+            record_job(s, "generate", SPEC, devices[0].id, build.id, _generate(build.name), batch_id=batch.id,
+                       artifacts_dir=images)
+            if build.name == "b3":
                 s.add(Deployment(build_id=build.id, device_id=devices[0].id, status=DeploymentStatus.succeeded,
                                  finished_at=dt.datetime(2026, 11, 28, 2, 5, tzinfo=dt.UTC)))
+
+        b3_batch = seed_nightlies(s, devices, SPEC, lambda slow: _latency(rng, slow), on_build=with_an_image)["b3"]
         made = {scope: tokens.create_token(s, scope, f"{scope} token")[1] for scope in ("read", "triage")}
     batch_analysis.analyze(make_celery(settings), b3_batch)
     with sessions() as s:

@@ -13,13 +13,14 @@ import json
 import numpy as np
 from alembic import command
 from sqlalchemy import func, select
+from support import record_job, tiny_manifest
 
 from agent.protocol import DeviceInfo, JobResult, JobSpec, RunEnvironment, Sample, to_dict
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.store import environment as run_env
 from orchestrator.store import make_engine, make_session_factory, migrate, upgrade
-from orchestrator.store.models import Alert, AlertKind, AlertState, JobState, Run
+from orchestrator.store.models import Alert, AlertKind, AlertState, Run
 from orchestrator.store.models import Sample as SampleRow
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
@@ -44,11 +45,7 @@ def _latency(rng, slow: float, environment: RunEnvironment | None, reps: int = 2
 
 
 def _record(session, device_id: int, build_id: int, result: JobResult, batch_id: int | None = None) -> Run:
-    job = store.create_job(session, "latency", SPEC, device_id, build_id, batch_id=batch_id)
-    store.transition_job(session, job.id, JobState.running, worker="w")
-    run = store.record_result(session, job.id, result)
-    store.transition_job(session, job.id, JobState.succeeded)
-    return run
+    return record_job(session, "latency", SPEC, device_id, build_id, result, batch_id=batch_id)
 
 
 def _phone(session, driver: str = "512.3"):
@@ -59,10 +56,7 @@ def _phone(session, driver: str = "512.3"):
 
 
 def _build(session, name: str, day: int):
-    from agent.protocol import Manifest, ManifestFile
-
-    return store.create_build(session, Manifest(build=name, version="0.1.0", created=1_700_000_000.0 + 86400 * day,
-                                                files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)]))
+    return store.create_build(session, tiny_manifest(name, 1_700_000_000.0 + 86400 * day))
 
 
 def _unet(report: dict) -> dict:

@@ -21,15 +21,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 from aiosmtpd.controller import Controller
-from support import RawReceiver, free_port
+from support import RawReceiver, free_port, latency_result, seed_nightlies
 
-from agent.protocol import JobResult, Manifest, ManifestFile, Sample
 from orchestrator import store
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs import batch_analysis, notify
 from orchestrator.jobs.celery_app import make_celery
 from orchestrator.store import make_engine, make_session_factory, notifications, upgrade
-from orchestrator.store.models import Delivery, DeliveryState, DeviceState, JobState
+from orchestrator.store.models import Delivery, DeliveryState, DeviceState
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
 
@@ -100,17 +99,6 @@ def smtp():
     controller.stop()
 
 
-def _manifest(name: str, created: float) -> Manifest:
-    return Manifest(build=name, version="0.1.0", created=created,
-                    files=[ManifestFile("models/tiny/model_index.json", "b" * 64, 20)])
-
-
-def _latency(rng, slow: float) -> JobResult:
-    steps = 100.0 * slow * rng.lognormal(0.0, 0.02, 10)
-    return JobResult(job_id="j", kind="latency", status="succeeded",
-                     samples=[Sample("unet_step_ms", float(v), "ms", r) for r, v in enumerate(steps)])
-
-
 @pytest.fixture
 def farm(db_url, tmp_path, smtp):
     """Devices p1 and p2, builds b1, b2 at 100 ms and b3 30 % slower on both; a Celery app on
@@ -124,16 +112,7 @@ def farm(db_url, tmp_path, smtp):
     rng = np.random.default_rng(20261128)
     with Session() as s, s.begin():
         devices = [store.upsert_device(s, serial, "local", f"/tmp/{serial}", host="h") for serial in ("p1", "p2")]
-        batches = {}
-        for i, slow in ((1, 1.0), (2, 1.0), (3, 1.3)):
-            build = store.create_build(s, _manifest(f"b{i}", 1_700_000_000.0 + 86400 * i))
-            batch = store.create_batch(s, f"nightly b{i}", build_id=build.id)
-            for device in devices:
-                job = store.create_job(s, "latency", SPEC, device.id, build.id, batch_id=batch.id)
-                store.transition_job(s, job.id, JobState.running, worker="w")
-                store.record_result(s, job.id, _latency(rng, slow))
-                store.transition_job(s, job.id, JobState.succeeded)
-            batches[f"b{i}"] = batch.id
+        batches = seed_nightlies(s, devices, SPEC, lambda slow: latency_result(rng, slow))
     app = make_celery(settings)
     import orchestrator.jobs.tasks  # noqa: F401  (registers the tasks on the app)
 
