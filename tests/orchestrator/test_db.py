@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import multiprocessing
 import threading
 import time
@@ -347,6 +348,41 @@ def test_create_build_is_idempotent_and_deployment_recorded(Session):
                                       files_skipped=1, duration_s=2.5, deployment_id=dep.id)
         s.commit()
         assert (dep.status, dep.bytes_sent, dep.finished_at is not None) == ("succeeded", 123, True)
+
+
+def test_migration_0022_names_the_engine_host_and_each_stored_jobs_executor(db_url):
+    """Down to 0021 a device's engine host is its `runtime` column and a stored spec names only
+    an executor other than native, as the former engine_runtime; back up, every stored spec names
+    its executor (browser for a browser device's jobs, whatever they said) and reads back as a
+    JobSpec."""
+    config = migrate.alembic_config(db_url)
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    sessions = make_session_factory(engine)
+    try:
+        with sessions() as s, s.begin():
+            chrome = store.upsert_device(s, "chrome-phone", "adb", "127.0.0.1:5991", engine_host="browser")
+            agent = store.upsert_device(s, "agent-phone", "adb", "127.0.0.1:5992")
+            for device, spec in ((chrome, {"model": "models/tiny", "steps": 2}), (agent, {"model": "models/tiny"}),
+                                 (agent, {"model": "models/tiny", "executor": "plan"})):
+                store.create_job(s, "latency", spec, device.id)
+        command.downgrade(config, "0021")
+        with engine.begin() as conn:
+            assert dict(conn.execute(text("SELECT serial, runtime FROM devices")).all()) == \
+                {"chrome-phone": "browser", "agent-phone": "python"}
+            old = [json.loads(v) if isinstance(v, str) else v for v in conn.scalars(text("SELECT spec FROM jobs ORDER BY id"))]
+            assert [(o.get("engine_runtime"), "executor" in o) for o in old] == [("browser", False), (None, False), ("plan", False)]
+            # a browser device's job stored before its executor was: told so only when it ran
+            conn.execute(text("UPDATE jobs SET spec = :spec WHERE id = 1"),
+                         {"spec": json.dumps({"model": "models/tiny", "steps": 2})})
+        command.upgrade(config, "head")
+        with sessions() as s:
+            specs = [store.job_spec(j) for j in s.scalars(select(Job).order_by(Job.id))]
+            assert {d.serial: d.engine_host for d in s.scalars(select(Device))} == \
+                {"chrome-phone": "browser", "agent-phone": "python"}
+        assert [(sp.executor, sp.steps) for sp in specs] == [("browser", 2), ("native", 20), ("plan", 20)]
+    finally:
+        engine.dispose()
 
 
 # ---- jobs ---------------------------------------------------------------------------------
