@@ -60,7 +60,7 @@ from agent.protocol import (
     from_json,
     to_json,
 )
-from orchestrator.transports.adb_shared import SharedAdbDevice
+from orchestrator.transports.adb_shared import ServiceRefused, SharedAdbDevice
 from orchestrator.transports.adb_sync import SyncFailed
 from orchestrator.transports.base import (
     MAX_REPLY_BYTES,
@@ -288,6 +288,8 @@ class AdbTransport(Transport):
             raise
         except SyncFailed as exc:  # the phone refused one file; the connection is whole
             raise TransportError(self.name, f"{what}: {exc}") from None
+        except ServiceRefused as exc:  # the phone has no such service; the connection is whole
+            raise TransportError(self.name, f"{what}: the device refused the service {exc}") from None
         except adb_errors.DeviceAuthError as exc:
             close()
             raise DeviceUnauthorized(self.name, f"{what}: {exc}") from None

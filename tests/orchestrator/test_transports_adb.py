@@ -33,6 +33,7 @@ from orchestrator.transports import (
     DeviceTimeout,
     DeviceUnauthorized,
     InfraFailure,
+    TransportError,
 )
 from orchestrator.transports.adb import DEFAULT_ROOT, AdbTransport, load_or_create_adb_key
 
@@ -264,6 +265,21 @@ def test_busy_device_raises_device_busy(adb, phone):
     with pytest.raises(DeviceBusy, match="busy with job 'other'") as err:
         adb.run(job("b"), Path("/nonexistent-out"))
     assert err.value.state == "busy"
+
+
+def test_a_service_the_phone_refuses_is_a_transport_error_and_the_connection_stays(adb, phone, monkeypatch):
+    """A phone without the sync service answers its OPEN with CLSE: the push fails at once as
+    the transport's own error (the worker records infra_failed, not a job failure), and the same
+    connection still runs the next command."""
+    from agent.simulator.device import Connection
+
+    serve = Connection._service
+    monkeypatch.setattr(Connection, "_service", lambda self, service: None if service.startswith("sync") else
+                        serve(self, service))
+    with pytest.raises(TransportError, match="push /data/local/tmp/x: the device refused the service sync") as err:
+        adb.push(b"x", "/data/local/tmp/x")
+    assert type(err.value) is TransportError
+    assert adb.shell("echo still here")[0] == "still here\n"
 
 
 @pytest.mark.gpu
