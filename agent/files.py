@@ -40,10 +40,11 @@ def copy_hashing(source: Path, target: Path, fsync: bool = False,
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write via a temporary file, fsync and rename: a reader never sees half a file."""
+    """Write via a temporary file, fsync and rename: a reader never sees half a file. The
+    temporary file is made with `mode` (at most), so a private file is never readable by others."""
     tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
     try:
-        with open(tmp, "xb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

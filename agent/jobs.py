@@ -366,6 +366,13 @@ def read_agent_config(root: Path) -> AgentConfig:
         raise JobError(f"the agent's configuration {path} cannot be read: {exc}") from None
 
 
+def write_agent_config(root: Path, config: AgentConfig) -> None:
+    """Write the agent's configuration under `root` (read_agent_config reads it), readable by
+    its owner only: it may hold a page URL with the hub's key."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(root) / AGENT_CONFIG_FILE, to_json(config).encode(), mode=0o600)
+
+
 def check_executor(spec: JobSpec, config: AgentConfig) -> None:
     """JobError for a job this agent cannot run as asked: a tune job on any executor but the
     native one, or a browser page configured for a job of another executor."""

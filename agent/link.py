@@ -30,7 +30,7 @@ from agent.bundle import (
 )
 from agent.deviceinfo import adapter_id, collect_android, parse_user_agent, parse_user_agent_os
 from agent.hubpage import HUB_KEY_HEADER, hub_request
-from agent.jobs import cool_down
+from agent.jobs import cool_down, write_agent_config
 from agent.protocol import MANIFEST, Manifest, ManifestFile
 from agent.uploads import receive_chunks, staged_manifest
 
@@ -55,6 +55,8 @@ __all__ = [
     "parse_user_agent_os",
     # before a timed job
     "cool_down",
+    # the agent's configuration (protocol.AgentConfig), which its host's farm writes
+    "write_agent_config",
 ]
 
 

@@ -23,9 +23,9 @@ from agent.link import (
     lacking_files,
     receive_chunks,
     staged_manifest,
+    write_agent_config,
 )
 from agent.protocol import (
-    AGENT_CONFIG_FILE,
     FILES,
     MANIFEST,
     SIGNATURE,
@@ -147,13 +147,7 @@ class LocalTransport(Transport):
     def configure_agent(self, config: AgentConfig) -> None:
         """Write the agent's configuration (protocol.AgentConfig) under its root, readable by
         its owner only: it may hold a page URL with the hub's key."""
-        path = self.root / AGENT_CONFIG_FILE
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(to_json(config))
-        os.replace(tmp, path)
+        write_agent_config(self.root, config)
 
     def _job_dir(self, spec: JobSpec) -> Path:
         return self.root / "jobs" / spec.job_id
