@@ -104,6 +104,7 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
     not on the device."""
     from agent.protocol import JobSpec, ProtocolError, from_dict, to_dict
     from engine.schedulers import SCHEDULERS
+    from orchestrator import store
 
     if fields["scheduler"] not in SCHEDULERS:
         common.fail(f"--scheduler {fields['scheduler']!r}: choose one of {', '.join(SCHEDULERS)}")
@@ -118,7 +119,7 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
     try:
         spec = from_dict(JobSpec, fields)
     except ProtocolError as exc:
-        common.fail(str(exc).replace("JobSpec.", "").replace("JobSpec: ", ""))
+        common.fail(store.spec_problem(exc))
     data = to_dict(spec)
     del data["job_id"], data["kind"]
     return data

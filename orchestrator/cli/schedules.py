@@ -113,13 +113,14 @@ def _check_specs(entries: list[dict[str, Any]]) -> None:
     time (the model is resolved then: any name stands for it here), so a bad number fails at
     `add`, not every night on the device."""
     from agent.protocol import JobSpec, ProtocolError, from_dict
+    from orchestrator import store
 
     for entry in entries:
         try:
             from_dict(JobSpec, {"model": "models/checked"} | entry["spec"] | {"job_id": "schedule",
                                                                             "kind": entry["kind"]})
         except ProtocolError as exc:
-            fail(str(exc).replace("JobSpec.", "").replace("JobSpec: ", ""))
+            fail(store.spec_problem(exc))
 
 
 @app.command("list")

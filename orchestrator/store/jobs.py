@@ -30,7 +30,7 @@ __all__ = [
     "ALLOWED_TRANSITIONS", "FINAL_STATES", "SETTLED_STATES", "create_job", "find_due_queued_jobs",
     "find_job", "find_jobs_after_failed_jobs", "find_jobs_of_failed_deployments", "find_jobs_waiting_too_long",
     "find_stale_running_jobs", "get_job", "heartbeat_job", "job_spec", "jobs_after_job", "jobs_of_batches", "jobs_of_deployment", "latency_specs", "workload",
-    "record_job_progress", "redispatch_job", "transition_job",
+    "record_job_progress", "redispatch_job", "spec_problem", "transition_job",
 ]
 
 
@@ -58,6 +58,11 @@ SETTLED_STATES = FINAL_STATES | {JobState.infra_failed}
 PENDING_ID = "pending"  # a job's JobSpec.job_id until the job has its row's id
 
 
+def spec_problem(exc: ProtocolError) -> str:
+    """What is wrong with a JobSpec, as its field says it ("steps must be at least 1, got 0")."""
+    return str(exc).replace("JobSpec.", "").replace("JobSpec: ", "")
+
+
 def submitted_spec(kind: JobKind | str, spec: JobSpec | dict[str, Any], device: Device,
                    build: Build | None = None) -> JobSpec:
     """The job as the device will run it, validated once, here (the protocol's own checks and
@@ -77,7 +82,7 @@ def submitted_spec(kind: JobKind | str, spec: JobSpec | dict[str, Any], device: 
     try:
         return from_dict(JobSpec, fields)
     except ProtocolError as exc:
-        raise StoreError(f"the job's spec: {str(exc).replace('JobSpec.', '').replace('JobSpec: ', '')}") from None
+        raise StoreError(f"the job's spec: {spec_problem(exc)}") from None
 
 
 def workload(spec: dict[str, Any]) -> dict[str, Any]:
