@@ -25,6 +25,7 @@ from . import notify as notify_cmd
 from . import profiles as profiles_cmd
 from . import regressions as regressions_cmd
 from . import results as results_cmd
+from . import retention as retention_cmd
 from . import schedules as schedules_cmd
 from . import secrets as secrets_cmd
 from . import stack as stack_cmd
@@ -69,6 +70,7 @@ app.add_typer(schedules_cmd.app, name="schedules")
 app.add_typer(profiles_cmd.app, name="profiles")
 app.add_typer(regressions_cmd.app, name="regressions")
 app.add_typer(notify_cmd.app, name="notify")
+app.add_typer(retention_cmd.app, name="retention")
 app.add_typer(api_cmd.app, name="api")
 results_cmd.app.command("compare")(regressions_cmd.compare)
 app.command("bisect")(regressions_cmd.bisect)

@@ -67,6 +67,16 @@ The farm API (`farm api serve`; orchestrator/api/guard.py):
 | api_max_body_bytes | 1048576 | the largest request body the API reads; a larger one is answered 413 without being read (and a body to /v1 only after its token is known) |
 | api_request_deadline_s | 10 | a connection must send a whole request head within this of opening or of its last answer, and a body within this of its head, or it is closed (408 for a body) |
 | api_max_connections | 100 | connections and requests served at once; above it, 503 |
+
+Retention (`farm retention`; orchestrator/store/retention.py, which beat applies daily): how
+many days a run's data is kept as it came (0: for ever).
+
+| field                 | default | then |
+|-----------------------|---------|------|
+| retention_raw_days    | 90      | raw samples become a summary per (run, metric) that keeps the run's median |
+| retention_kernel_days | 90      | kernel timings become one per (run, kernel), the median over repetitions |
+| retention_image_days  | 180     | images are deleted, but the newest per (device, workload, prompt, seed) |
+| retention_log_days    | 30      | job log files under <data_dir>/results are deleted |
 """
 
 from __future__ import annotations
@@ -141,6 +151,11 @@ class Settings(BaseSettings):
     api_max_body_bytes: int = Field(1 << 20, ge=1024)
     api_request_deadline_s: float = Field(10.0, gt=0)  # a connection's request head must arrive within this
     api_max_connections: int = Field(100, ge=1)  # connections and requests served at once (503 above)
+    # Retention (orchestrator/store/retention.py): days a run's data is kept as it came; 0: for ever.
+    retention_raw_days: float = Field(90.0, ge=0)
+    retention_kernel_days: float = Field(90.0, ge=0)
+    retention_image_days: float = Field(180.0, ge=0)
+    retention_log_days: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:

@@ -42,6 +42,7 @@ VISIBILITY_MARGIN_S = 900.0
 POLLING_INTERVAL_S = 0.1
 NOTIFY_SWEEP_S = 60.0  # beat resends due notification deliveries this often
 SCHEDULE_TICK_S = 15.0  # beat checks the database's schedules this often (a firing is late by at most this)
+RETENTION_EVERY_S = 86400.0  # beat applies the retention policy this often (orchestrator/jobs/retention.py)
 
 
 def visibility_timeout_s(settings: Settings) -> float:
@@ -122,6 +123,9 @@ def make_celery(settings: Settings) -> Celery:
             # Notification deliveries that are due and whose message was lost (orchestrator/jobs/notify.py).
             "send-due-notifications": {"task": "orchestrator.tasks.send_due_notifications",
                                        "schedule": NOTIFY_SWEEP_S, "options": {"queue": DEFAULT_QUEUE}},
+            # Old runs downsampled, old images and job logs deleted (orchestrator/store/retention.py).
+            "retention": {"task": "orchestrator.tasks.apply_retention",
+                          "schedule": RETENTION_EVERY_S, "options": {"queue": DEFAULT_QUEUE}},
         },
     )
     app.farm_settings = settings

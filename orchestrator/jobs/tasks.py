@@ -13,7 +13,15 @@ import logging
 
 from celery import shared_task
 
-from orchestrator.jobs import batch_analysis, health, jobservice, notify, reconciler, worker
+from orchestrator.jobs import (
+    batch_analysis,
+    health,
+    jobservice,
+    notify,
+    reconciler,
+    retention,
+    worker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +89,13 @@ def send_notification(self, delivery_id: int) -> str:
 def send_due_notifications(self) -> list[int]:
     """Beat's resend of due notification deliveries whose message was lost (orchestrator.jobs.notify.sweep)."""
     return notify.sweep(self.app)
+
+
+@shared_task(bind=True, name="orchestrator.tasks.apply_retention")
+def apply_retention(self) -> dict:
+    """Beat's daily retention pass: old runs downsampled, old images and logs deleted
+    (orchestrator.jobs.retention.apply)."""
+    return retention.apply(self.app)
 
 
 @shared_task(name="orchestrator.tasks.ping")

@@ -40,6 +40,7 @@ from orchestrator.store.models import (
     JobState,
     utcnow,
 )
+from orchestrator.store.retention import run_folder
 from orchestrator.transports import DeviceBusy, TransportError
 from orchestrator.transports.factory import make_transport
 
@@ -281,7 +282,7 @@ def run_attempt(app: Celery, job_id: int, seq: int | None = None, *, worker: str
     beat = None
     try:
         transport = make_transport(device, settings)
-        out_dir = settings.data_dir / "results" / f"job{job_id}" / f"attempt{attempt}"
+        out_dir = run_folder(settings.data_dir, job_id, attempt)  # where retention finds its logs
         beat = _Heartbeat(app, lambda s: store.heartbeat_job(s, job_id, attempt), device_id, holder,
                           f"job{job_id}", timed, on_lost=lambda reason: _stop_on_device(device, settings, spec, reason))
         with beat, transport:

@@ -417,6 +417,11 @@ class Run(Base):
     log_tail: Mapped[str] = mapped_column(Text, default="")
     environment: Mapped[dict[str, Any]] = mapped_column(default=dict)
     env_key: Mapped[str] = mapped_column(String(32), default="")
+    # Retention (orchestrator/store/retention.py): when its samples and kernel timings became summaries,
+    # what those stand for (per metric n, min, max), when its log files were deleted; None: not yet.
+    downsampled_at: Mapped[dt.datetime | None]
+    retained: Mapped[dict[str, Any] | None]
+    logs_deleted_at: Mapped[dt.datetime | None]
 
     job: Mapped[Job] = relationship(back_populates="runs")
     samples: Mapped[list[Sample]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
