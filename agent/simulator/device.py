@@ -47,7 +47,11 @@ class Stream:
 
     async def write(self, data: bytes) -> None:
         for i in range(0, len(data), self.conn.maxdata):
-            await self.acked.wait()
+            # One WRTE in flight per stream (ADB's flow control). The host's OKAY wakes every
+            # writer of the stream (shell v2's stdout and stderr pumps): only the first may send,
+            # the others wait for the OKAY of its WRTE.
+            while not self.acked.is_set():
+                await self.acked.wait()
             if self.closed:
                 raise StreamClosed()
             self.acked.clear()

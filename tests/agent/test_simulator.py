@@ -125,6 +125,40 @@ def test_handshake_waits_for_host_and_rejects_unknown_service(phone):
         assert (clse.command, clse.arg0, clse.arg1) == (wire.CLSE, 0, 7)
 
 
+def test_one_write_in_flight_per_stream_when_the_host_acknowledges_late(tmp_path):
+    """A host that acknowledges late (its worker blocked, its store out of reach) has both of a
+    shell v2 stream's pumps, stdout and stderr, waiting for its OKAY. When it comes, one WRTE
+    follows, not one per pump: two in flight break ADB's flow control, and the farm's adb
+    transport closes the connection (it once failed a job so, after a partition)."""
+    code = ("import sys, time\n"
+            "for i in range(50):\n"
+            "    print('o' * 64, flush=True); print('e' * 64, file=sys.stderr, flush=True); time.sleep(0.01)")
+    agent = AgentSettings(command=(sys.executable, "-c", code))
+    with VirtualPhone(serial="flow", root=tmp_path / "p", agent=agent, auth=False) as p, \
+            socket.create_connection(("127.0.0.1", p.port), timeout=10) as sock:
+        sock.sendall(wire.pack(wire.Message(wire.CNXN, 0x01000000, 4096, b"host::\0"), 0x01000000))
+        assert _recv_msg(sock).command == wire.CNXN
+        sock.sendall(wire.pack(wire.Message(wire.OPEN, 7, 0, b"shell,v2,raw:farm-agent\0"), 0x01000000))
+        opened = _recv_msg(sock)
+        assert opened.command == wire.OKAY
+        ack = wire.pack(wire.Message(wire.OKAY, 7, opened.arg0), 0x01000000)
+        assert _recv_msg(sock).command == wire.WRTE
+        in_flight = []
+        for _ in range(4):
+            time.sleep(0.3)  # the agent has written to both pipes since: both pumps wait for the OKAY
+            sock.sendall(ack)
+            sock.settimeout(0.3)
+            writes = 0
+            try:
+                while True:
+                    writes += _recv_msg(sock).command == wire.WRTE
+            except TimeoutError:
+                pass
+            sock.settimeout(10)
+            in_flight.append(writes)
+        assert in_flight == [1, 1, 1, 1]
+
+
 # ---- adb-shell -----------------------------------------------------------------------------
 
 
