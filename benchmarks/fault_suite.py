@@ -38,7 +38,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,8 +49,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))  # net_support: the cutting proxy and the partial-file watcher
+sys.path.insert(0, str(REPO / "tests"))  # net_support (the cutting proxy, the partial-file watcher), hosts
 
+from hosts.servers import PostgresServer, RedisServer  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
 from agent.bundle import generate_keypair, provision_public_key  # noqa: E402
@@ -72,85 +72,6 @@ SPEC = {"precision": "fp32", "steps": 1, "scheduler": "euler", "height": 64, "wi
 # without a heartbeat, and beat reconciles every second.
 RELIABILITY = {"stale_after_s": 6.0, "message_grace_s": 8.0, "reconcile_every_s": 1.0}
 WORKERS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _as_postgres_user() -> list[str]:
-    # initdb and postgres refuse to run as root.
-    if os.getuid() != 0:
-        return []
-    if subprocess.run(["id", "postgres"], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--system", "--no-create-home", "postgres"], check=True)
-    return ["runuser", "-u", "postgres", "--"]
-
-
-class RedisServer:
-    """A private redis-server whose every write is in its append-only file before it is acknowledged."""
-
-    def __init__(self, folder: Path):
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            raise SystemExit("no redis-server on PATH (Debian package redis-server)")
-        self.folder, self.port = folder, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        log = open(self.folder / "redis.log", "a")  # noqa: SIM115  (the child keeps it)
-        self.process = subprocess.Popen([self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir",
-                                         str(self.folder), "--save", "", "--appendonly", "yes",
-                                         "--appendfsync", "always"], stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        _wait_port(self.port, "redis-server")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=30)
-
-
-class PostgresServer:
-    """A private PostgreSQL cluster made with initdb in `folder`."""
-
-    def __init__(self, folder: Path):
-        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
-        if not found:
-            raise SystemExit("no PostgreSQL server (Debian package postgresql)")
-        self.bin, self.folder, self.port = found[-1].parent, folder, free_port()
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-        self.user = _as_postgres_user()
-        folder.mkdir(parents=True, exist_ok=True)
-        if self.user:
-            shutil.chown(folder, "postgres")
-        subprocess.run([*self.user, str(self.bin / "initdb"), "-D", str(folder / "data"), "-U", "postgres",
-                        "--auth=trust", "-E", "UTF8"], check=True, capture_output=True)
-
-    def _ctl(self, *args: str) -> None:
-        subprocess.run([*self.user, str(self.bin / "pg_ctl"), "-D", str(self.folder / "data"), "-l",
-                        str(self.folder / "server.log"), "-w", "-t", "60", *args], check=True, capture_output=True)
-
-    def start(self) -> None:
-        self._ctl("-o", f"-h 127.0.0.1 -p {self.port} -k {self.folder} -c fsync=off", "start")
-
-    def stop(self) -> None:
-        self._ctl("-m", "fast", "stop")
-
-
-def _wait_port(port: int, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} did not start on port {port}")
 
 
 @dataclass

@@ -42,7 +42,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
                FARM_DATABASE_URL=str(settings.database_url), FARM_HOST_NAME=settings.host_name)
     if settings.broker_url:
         env["FARM_BROKER_URL"] = settings.broker_url
-    for name in ("reconcile_every_s", "stale_after_s", "message_grace_s", "max_queue_wait_s", "max_job_time_s"):
+    for name in ("reconcile_every_s", "stale_after_s", "message_grace_s", "max_queue_wait_s", "max_job_time_s",
+                 "health_check_every_s"):
         env[f"FARM_{name.upper()}"] = repr(getattr(settings, name))
     return env
 

@@ -1,0 +1,124 @@
+"""Several hosts through real network boundaries (issue 40), on one farm for the whole module
+(tests/hosts): PostgreSQL, Redis, beat and the farm API in a control namespace, and two device
+hosts, hA and hB, each a namespace of its own with two virtual phones on its loopback and
+`farm worker --host` driving them. Jobs are latency jobs of the tiny model (a few seconds each);
+the farm's reliability knobs are the fault suite's (a silent worker is lost after 6 s).
+
+Without root or iproute2 the tests are skipped locally and fail in CI (tests/ci_support.py)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from ci_support import missing
+from hosts import netns
+from hosts.farm import BUILD, LATENCY, HostFarm, make_root, remove_root
+from sqlalchemy import func, select
+
+from orchestrator import store
+from orchestrator.jobs import jobservice
+from orchestrator.store.models import Device, Job, JobState, Run, utcnow
+
+pytestmark = pytest.mark.gpu
+PHONES = {"hA": ["pa1", "pa2"], "hB": ["pb1", "pb2"]}
+HOST_OF = {serial: host for host, serials in PHONES.items() for serial in serials}
+
+
+@pytest.fixture(scope="module")
+def farm():
+    problem = netns.unavailable()
+    if problem is not None:
+        missing(problem, "CI runs the suite as root, with iproute2")
+    if shutil.which("redis-server") is None or not list(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl")):
+        missing("no redis-server or PostgreSQL server programs", "scripts/ensure-redis.sh and ensure-postgres.sh "
+                "install them")
+    root = make_root()
+    hosts = HostFarm(root, PHONES)
+    try:
+        hosts.start()
+        yield hosts
+    finally:
+        hosts.stop()
+        remove_root(root)
+
+
+@pytest.fixture(autouse=True)
+def healthy(farm):
+    """Each test starts on a farm whose workers answer and whose phones are available on their
+    hosts, and leaves no process dead that it did not kill itself."""
+    farm.wait_ready()
+    yield
+    assert farm.dead() == [], farm.logs()
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def suite(farm, name: str, per_device: int, devices: list[str] | str = "all") -> int:
+    """A batch of `per_device` latency jobs on each device, launched as a schedule's tick does."""
+    entries = [{"kind": "latency", "spec": LATENCY | {"seed": i}} for i in range(per_device)]
+    return jobservice.launch_suite(farm.app, name, entries, build=BUILD, devices=devices, max_extra_rounds=0)
+
+
+def jobs_of(farm, batch_id: int) -> list:
+    with farm.Session() as session:
+        return session.execute(select(Job.id, Job.state, Job.worker, Job.attempts, Job.worker_losses,
+                                      Device.serial).join(Device, Device.id == Job.device_id)
+                               .where(Job.batch_id == batch_id).order_by(Job.id)).all()
+
+
+def until(farm, predicate, what: str, timeout_s: float = 120.0):
+    """The first truthy value of `predicate()`, polled every 0.2 s; fails with the logs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except store.DatabaseError:  # PostgreSQL is restarting: look again
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}\n{farm.logs()}")
+
+
+def settled(farm, batch_id: int, serials: set[str] | None = None, timeout_s: float = 150.0) -> list:
+    """The batch's jobs (on `serials` only, when given) once every one of them has settled."""
+    def done():
+        rows = [r for r in jobs_of(farm, batch_id) if serials is None or r.serial in serials]
+        return rows if rows and all(r.state in store.SETTLED_STATES for r in rows) else None
+    return until(farm, done, f"batch {batch_id} settled", timeout_s)
+
+
+def runs_per_job(farm, batch_id: int) -> dict[int, int]:
+    with farm.Session() as session:
+        return dict(session.execute(select(Run.job_id, func.count()).join(Job, Job.id == Run.job_id)
+                                    .where(Job.batch_id == batch_id).group_by(Run.job_id)).all())
+
+
+def assert_each_job_once_on_its_host(farm, batch_id: int, rows) -> None:
+    """Every job succeeded, was run by the worker of its device's host, and is stored once."""
+    assert [(r.id, r.state) for r in rows] == [(r.id, JobState.succeeded) for r in rows], rows
+    assert {r.id: r.worker for r in rows} == {r.id: f"farm@{HOST_OF[r.serial]}" for r in rows}
+    assert runs_per_job(farm, batch_id) == {r.id: 1 for r in rows}
+
+
+# ---- the scenarios ----------------------------------------------------------------------------
+
+
+def test_a_schedules_batch_over_two_hosts_runs_each_job_on_its_hosts_worker(farm):
+    """A schedule fires (as beat's tick does) over the phones of both hosts: each job is run by
+    the worker of the host its phone is plugged into, once; the farm API in ctl says the same."""
+    with farm.Session() as session, session.begin():
+        schedule = store.create_schedule(session, "hosts nightly", "0 3 * * *", "UTC", {
+            "build": BUILD, "devices": "all", "jobs": [{"kind": "latency", "spec": LATENCY}]})
+        schedule_id = schedule.id
+    batch_id = jobservice.fire_schedule(farm.app, schedule_id, utcnow())
+    rows = settled(farm, batch_id)
+    assert sorted(r.serial for r in rows) == sorted(HOST_OF)
+    assert_each_job_once_on_its_host(farm, batch_id, rows)
+    listed = farm.api(f"/jobs?batch={batch_id}")
+    assert {j["device"]: (j["state"], j["worker"], j["schedule_id"]) for j in listed} == {
+        serial: ("succeeded", f"farm@{host}", schedule_id) for serial, host in HOST_OF.items()}
