@@ -1,21 +1,28 @@
-"""The store at scale: fills a freshly migrated database with a farm's worth of history
-(200 devices, 1,000 builds, 1,000,000 raw samples, and the jobs, runs, kernel timings,
-thermal readings and images that go with them), then times the queries the CLI and the
-dashboards run (orchestrator/store/queries.py), each the median of several repetitions in a
-fresh session, as `farm` would run them. Target: every query under 200 ms.
+"""The store at scale: a year of nightly runs for a farm of 200 devices, each timing two
+profiles every night on the three headline metrics, loaded into a freshly migrated store on
+SQLite and PostgreSQL; measured as it grows: one nightly batch's analysis (what the
+analyze_batch task runs: orchestrator/jobs/batch_analysis.py analyze_in_store) after 1 month, 6
+months and 1 year of history, which must stay flat (within 1.5x from 1 month to 1 year); then
+the dashboard's and the API's main reads (p50 and p95 of repeated calls, each in a fresh
+session, as a request gets one) and the store's size.
 
-    python benchmarks/store_scale.py --json out.json                 # SQLite and PostgreSQL
-    python benchmarks/store_scale.py --backends sqlite --samples 100000
+    python benchmarks/store_scale.py --json docs/benchmarks/<date>-store-scale.json
+    python benchmarks/store_scale.py --backends sqlite --devices 20 --at 30,90    # minutes, not an hour
 
 PostgreSQL comes from --postgres-url or $FARM_TEST_POSTGRES_URL (scripts/ensure-postgres.sh
 prints one); the benchmark creates its own database there and drops it afterwards.
 
-The shape of the history: every build runs a latency job on 25 of the devices (a nightly
-batch per build), so each device has 125 builds in its series; a run carries 40 samples (10
-unet_step_ms, 5 repetitions of six per-generation metrics), 10 kernel timings and 2 thermal
-readings; every tenth job is a generate with one image. Loading uses executemany on SQLite and
-COPY on PostgreSQL; PostgreSQL is ANALYZEd afterwards as autovacuum would, SQLite is left
-without statistics, as the farm leaves it.
+The history: night n makes build n (one a day) and its nightly batch: on every device two
+latency jobs (profiles "auto" and "tuned"), each one run of 10 UNet-step samples, 3
+end-to-end generations and one peak-memory reading, 6 kernel timings and 2 thermal readings,
+in the environment the device reports (a quarter of the devices get a driver update on night
+200: a new environment, a new series). Levels: a per-device level, 1% noise per sample and
+0.5% drift per night; every 10th device regresses 8% on builds of nights 100-109 (its
+regression alerts are stored, fixed); every 20th improves 10% for good from night 150 (a
+change point). The nights before a measured one are loaded in bulk (executemany on SQLite, COPY
+on PostgreSQL, which is ANALYZEd as autovacuum would), and the analysis' series state is
+brought up to date for them as the nightly analyses would have left it; the measured night's
+batch is then analysed as the task does.
 """
 
 from __future__ import annotations
@@ -35,18 +42,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sqlalchemy import Engine, create_engine, select, text  # noqa: E402
+import numpy as np  # noqa: E402
+from sqlalchemy import Engine, create_engine, text  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
-from sqlalchemy.orm import selectinload  # noqa: E402
 
-from orchestrator.cli.results import run_dict  # noqa: E402
+from orchestrator import store  # noqa: E402
+from orchestrator.analysis import series as farm_series  # noqa: E402
+from orchestrator.analysis import series_state  # noqa: E402
+from orchestrator.analysis.stats import SeriesKey  # noqa: E402
+from orchestrator.dashboard import views  # noqa: E402
+from orchestrator.jobs.batch_analysis import analyze_in_store  # noqa: E402
+from orchestrator.store import environment as run_env  # noqa: E402
 from orchestrator.store import make_engine, make_session_factory, queries, upgrade  # noqa: E402
 from orchestrator.store.models import (  # noqa: E402
+    Alert,
+    AlertState,
     Batch,
     Build,
     Device,
     Host,
-    Image,
     Job,
     KernelTiming,
     Run,
@@ -54,145 +68,167 @@ from orchestrator.store.models import (  # noqa: E402
     ThermalReading,
 )
 
-TARGET_MS = 200.0
-SAMPLES_PER_RUN = 40
-RUN_METRICS = [("unet_step_ms", "ms", 10)] + [(m, u, 5) for m, u in [
-    ("e2e_ms", "ms"), ("text_encoder_ms", "ms"), ("unet_total_ms", "ms"), ("vae_decoder_ms", "ms"),
-    ("peak_gpu_bytes", "bytes"), ("unet_peak_gpu_bytes", "bytes")]]
-KERNELS = ["conv2d", "conv2d/winograd", "linear", "attention/flash", "attention/partial_softmax",
-           "group_norm", "layer_norm", "geglu", "upsample", "add"]
+FLAT_WITHIN = 1.5  # one batch's analysis at a year of history / at a month
+PROFILES = ("auto", "tuned")
+METRICS = (("unet_step_ms", "ms", 10), ("e2e_ms", "ms", 3), ("peak_gpu_bytes", "bytes", 1))
+SAMPLES_PER_RUN = sum(n for _, _, n in METRICS)
+KERNELS = ("conv2d", "linear", "attention/flash", "group_norm", "geglu", "upsample")
 HOSTS = 10
-T0 = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
+T0 = dt.datetime(2025, 1, 1, 2, tzinfo=dt.UTC)
+SPEC = {"model": "models/sd14", "height": 512, "width": 512, "steps": 20, "precision": "fp16", "repetitions": 3}
+DRIVER_UPDATE_NIGHT = 200
+REGRESSION_NIGHTS = range(100, 110)
+STEP_NIGHT = 150
 
 
 # ---- the generated history --------------------------------------------------------------------
 
 
-class Shape:
-    """How many of everything, and which device runs which build."""
+class Farm:
+    """Who runs what, and the ids of every row (deterministic: a night's rows never need a
+    lookup)."""
 
-    def __init__(self, devices: int, builds: int, samples: int):
-        self.devices, self.builds = devices, builds
-        self.runs = max(1, samples // SAMPLES_PER_RUN)
-        self.per_build = max(1, min(devices, -(-self.runs // builds)))  # devices per build
-        self.runs = min(self.runs, builds * self.per_build)
-        self.queued = max(1, self.runs // 25)  # jobs with no run yet: queued, running, cancelled
+    def __init__(self, devices: int):
+        self.devices = devices
+        self.runs_per_night = devices * len(PROFILES)
 
-    def run_plan(self) -> Iterator[tuple[int, int, int]]:
-        """(run/job id, device id, build id), builds in order, devices spread evenly."""
-        stride = max(1, self.devices // self.per_build)
-        run_id = 0
-        for b in range(self.builds):
-            for k in range(self.per_build):
-                run_id += 1
-                if run_id > self.runs:
-                    return
-                yield run_id, (b + k * stride) % self.devices + 1, b + 1
+    def run_id(self, night: int, device: int, profile: int) -> int:
+        return (night - 1) * self.runs_per_night + (device - 1) * len(PROFILES) + profile + 1
+
+    def environment(self, device: int, night: int) -> dict:
+        updated = device % 4 == 0 and night >= DRIVER_UPDATE_NIGHT
+        return {"os": "android", "os_version": "14", "os_build": "UP1A.231005.007", "kernel": "5.15.123",
+                "driver": f"V@0{615 + device % 3}.{'77' if updated else '65'}",
+                "runtime": {"name": "Chrome", "version": "131.0.6778.39"},
+                "adapter": {"vendor": "qualcomm", "architecture": "adreno-7xx", "device": f"Adreno (TM) 7{device % 5}0",
+                            "backend": "vulkan"}}
+
+    def level(self, device: int, profile: int, night: int) -> float:
+        base = (120.0 + device % 40 * 6.0) * (0.9 if profile else 1.0) * (1 + 0.005 * ((night * 7919) % 5 - 2))
+        if device % 10 == 3 and night in REGRESSION_NIGHTS:
+            base *= 1.08
+        if device % 20 == 5 and night >= STEP_NIGHT:
+            base *= 0.9
+        return base
 
 
-def build_created(build_id: int) -> dt.datetime:
-    return T0 + dt.timedelta(hours=8 * build_id)
+def build_created(night: int) -> dt.datetime:
+    return T0 + dt.timedelta(days=night)
 
 
-def rows(shape: Shape) -> dict[str, Callable[[], Iterator[dict]]]:
-    """Per table, a generator of its rows as dicts (ids given, so COPY needs no RETURNING)."""
+def series_dict(farm: Farm, device: int, profile: int, night: int, metric: str) -> dict:
+    env = farm.environment(device, night)
+    return SeriesKey(device=f"dev-{device:04d}", os_driver=run_env.label(env), model=SPEC["model"],
+                     resolution="512x512", steps=SPEC["steps"], precision=SPEC["precision"],
+                     profile=PROFILES[profile], metric=metric, environment=run_env.environment_key(env)).as_dict()
+
+
+def rows(farm: Farm, nights: range, first: bool) -> dict[str, Callable[[], Iterator[dict]]]:
+    """Per table, a generator of the rows of `nights` (with the fleet when `first`)."""
 
     def hosts():
-        for h in range(1, HOSTS + 1):
-            yield {"id": h, "name": f"host-{h:02d}", "last_seen": T0, "created_at": T0}
+        if first:
+            for h in range(1, HOSTS + 1):
+                yield {"id": h, "name": f"host-{h:02d}", "last_seen": T0, "created_at": T0}
 
     def devices():
-        for d in range(1, shape.devices + 1):
-            yield {"id": d, "serial": f"dev-{d:04d}", "host_id": (d - 1) % HOSTS + 1, "transport": "adb",
-                   "address": f"10.0.{d // 250}.{d % 250}:5555", "model": f"SM-S9{d % 30:02d}B",
-                   "manufacturer": "samsung", "os": "android", "os_version": "14", "gpu_vendor": "qualcomm",
-                   "gpu_architecture": "adreno-7xx", "gpu_device": f"Adreno (TM) 7{d % 5}0", "gpu_driver": "",
-                   "gpu_backend": "Vulkan", "virtual": False, "info": None,
-                   "state": "quarantined" if d % 50 == 0 else "available", "state_reason": "",
-                   "last_seen": T0, "lease_holder": None, "lease_until": None, "created_at": T0}
+        if first:
+            for d in range(1, farm.devices + 1):
+                yield {"id": d, "serial": f"dev-{d:04d}", "host_id": (d - 1) % HOSTS + 1, "transport": "adb",
+                       "address": f"10.0.{d // 250}.{d % 250}:5555", "engine_host": "browser",
+                       "model": f"SM-S9{d % 30:02d}B", "manufacturer": "samsung", "os": "android", "os_version": "14",
+                       "gpu_vendor": "qualcomm", "gpu_architecture": "adreno-7xx", "gpu_device": f"Adreno (TM) 7{d % 5}0",
+                       "gpu_driver": "", "gpu_backend": "vulkan", "virtual": False, "adapter_group": None,
+                       "info": None, "state": "available", "state_reason": "", "last_seen": T0,
+                       "infra_failures_in_row": 0, "probe_failures": 0, "next_probe_at": None, "lease_holder": None,
+                       "lease_until": None, "lease_timed": False, "created_at": T0}
 
     def builds():
-        for b in range(1, shape.builds + 1):
-            yield {"id": b, "name": f"build-{b:05d}", "version": f"0.{b // 100}.{b % 100}",
-                   "source_revision": f"{b:012x}", "manifest_sha256": f"{b:064x}", "created": build_created(b)}
+        for n in nights:
+            yield {"id": n, "name": f"nightly-{n:04d}", "version": f"1.{n // 100}.{n % 100}",
+                   "source_revision": f"{n:012x}", "manifest_sha256": f"{n:064x}", "created": build_created(n)}
 
     def batches():
-        for b in range(1, shape.builds + 1):
-            yield {"id": b, "name": f"nightly build-{b:05d}", "schedule_id": None, "build_id": b,
-                   "idempotency_key": None, "created_at": build_created(b),
-                   "finished_at": build_created(b) + dt.timedelta(hours=2), "summary": None}
+        for n in nights:
+            yield {"id": n, "name": f"nightly {n}", "schedule_id": None, "build_id": n, "idempotency_key": None,
+                   "max_extra_rounds": 0, "round_metrics": None, "purpose": "nightly",
+                   "created_at": build_created(n), "finished_at": build_created(n) + dt.timedelta(hours=3),
+                   "summary": None}
+
+    def each_run() -> Iterator[tuple[int, int, int, int, dt.datetime]]:
+        for n in nights:
+            for d in range(1, farm.devices + 1):
+                for p in range(len(PROFILES)):
+                    run_id = farm.run_id(n, d, p)
+                    yield run_id, n, d, p, build_created(n) + dt.timedelta(seconds=30 * (d * 2 + p))
 
     def jobs():
-        spec = {"model": "models/sd14", "precision": "fp16", "steps": 20, "repetitions": 5}
-        for run_id, device_id, build_id in shape.run_plan():
-            start = build_created(build_id) + dt.timedelta(minutes=run_id % 60)
-            yield {"id": run_id, "kind": "generate" if run_id % 10 == 0 else "latency", "spec": spec,
-                   "device_id": device_id, "build_id": build_id, "schedule_id": None, "batch_id": build_id,
-                   "state": "failed" if run_id % 97 == 0 else "succeeded", "attempts": 1,
-                   "idempotency_key": None, "worker": f"w@host-{(device_id - 1) % HOSTS + 1:02d}",
-                   "created_at": start, "started_at": start, "heartbeat_at": start,
-                   "finished_at": start + dt.timedelta(minutes=3), "log_tail": "", "error": None}
-        last_build = shape.builds
-        for q in range(shape.queued):
-            job_id = shape.runs + q + 1
-            start = build_created(last_build) + dt.timedelta(hours=3, seconds=q)
-            state = ("queued", "running", "cancelled")[q % 3]
-            yield {"id": job_id, "kind": "latency", "spec": spec, "device_id": q % shape.devices + 1,
-                   "build_id": last_build, "schedule_id": None, "batch_id": None, "state": state,
-                   "attempts": 0 if state == "queued" else 1, "idempotency_key": None, "worker": None,
-                   "created_at": start, "started_at": None, "heartbeat_at": None,
-                   "finished_at": start if state == "cancelled" else None, "log_tail": "", "error": None}
+        for run_id, n, d, p, start in each_run():
+            yield {"id": run_id, "kind": "latency", "spec": SPEC | {"profile": PROFILES[p], "job_id": f"job{run_id}"},
+                   "device_id": d, "build_id": n, "schedule_id": None, "batch_id": n, "deployment_id": None,
+                   "after_job_id": None, "state": "succeeded", "attempts": 1, "worker_losses": 0,
+                   "progress": None, "dispatch_seq": 0, "queued_at": start, "due_at": None, "idempotency_key": None,
+                   "worker": f"farm@host-{(d - 1) % HOSTS + 1:02d}", "created_at": start, "started_at": start,
+                   "heartbeat_at": start, "finished_at": start + dt.timedelta(seconds=25), "log_tail": "",
+                   "error": None}
 
     def runs():
         engine = {"profile": "adreno", "precision": "fp16", "height": 512, "width": 512}
-        for run_id, device_id, build_id in shape.run_plan():
-            start = build_created(build_id) + dt.timedelta(minutes=run_id % 60)
-            yield {"id": run_id, "job_id": run_id, "attempt": 1, "device_id": device_id, "build_id": build_id,
-                   "status": "failed" if run_id % 97 == 0 else "succeeded", "error": None,
-                   "started_at": start, "finished_at": start + dt.timedelta(minutes=3),
-                   "adapter": "Adreno (TM) 740", "engine": engine, "cooldown_wait_s": 12.0,
-                   "cooldown_timed_out": False, "artifacts": [], "log_tail": "[job] done\n"}
+        for run_id, n, d, _, start in each_run():
+            env = farm.environment(d, n)
+            yield {"id": run_id, "job_id": run_id, "attempt": 1, "device_id": d, "build_id": n,
+                   "status": "succeeded", "error": None, "started_at": start,
+                   "finished_at": start + dt.timedelta(seconds=25), "adapter": "Adreno (TM) 740", "engine": engine,
+                   "cooldown_wait_s": 12.0, "cooldown_timed_out": False, "artifacts": [], "log_tail": "",
+                   "environment": env, "env_key": run_env.environment_key(env)}
 
     def samples():
-        sample_id = 0
-        for run_id, device_id, build_id in shape.run_plan():
-            base = 300.0 + device_id % 40 * 10 + (build_id % 7)  # a per-device level, a little drift
-            for metric, unit, reps in RUN_METRICS:
+        for run_id, n, d, p, _ in each_run():
+            rng = np.random.default_rng(run_id)
+            level = farm.level(d, p, n)
+            noise = 1 + 0.01 * rng.standard_normal(SAMPLES_PER_RUN)
+            k = 0
+            for metric, unit, reps in METRICS:
                 for r in range(reps):
-                    sample_id += 1
-                    jitter = ((sample_id * 2654435761) % 1000) / 1000.0
-                    value = (2.1e9 + jitter * 1e7) if unit == "bytes" else base * (1 + 0.02 * jitter)
-                    yield {"id": sample_id, "run_id": run_id, "metric": metric, "unit": unit, "value": value,
-                           "repetition": r}
+                    value = 2.1e9 * (1 + 0.001 * p) if unit == "bytes" else level * (20 if metric == "e2e_ms" else 1)
+                    yield {"id": run_id * SAMPLES_PER_RUN + k, "run_id": run_id, "metric": metric, "unit": unit,
+                           "value": float(value if unit == "bytes" else value * noise[k]), "repetition": r}
+                    k += 1
 
     def kernel_timings():
-        timing_id = 0
-        for run_id, _, _ in shape.run_plan():
+        for run_id, n, d, p, _ in each_run():
+            level = farm.level(d, p, n)
             for k, kernel in enumerate(KERNELS):
-                timing_id += 1
-                yield {"id": timing_id, "run_id": run_id, "kernel": kernel, "calls": 10 + k, "total_ms": 50.0 / (k + 1),
-                       "repetition": 0}
+                yield {"id": run_id * len(KERNELS) + k, "run_id": run_id, "kernel": kernel, "calls": 10 + k,
+                       "total_ms": level / (k + 2), "repetition": 0}
 
     def thermal_readings():
-        reading_id = 0
-        for run_id, _, _ in shape.run_plan():
-            for phase, celsius in (("before", 34.0), ("after", 47.5)):
-                reading_id += 1
-                yield {"id": reading_id, "run_id": run_id, "phase": phase, "zone": "gpu", "celsius": celsius}
+        for run_id, *_ in each_run():
+            for k, (phase, celsius) in enumerate((("before", 34.0), ("after", 41.5))):
+                yield {"id": run_id * 2 + k, "run_id": run_id, "phase": phase, "zone": "gpu", "celsius": celsius}
 
-    def images():
-        for run_id, _, _ in shape.run_plan():
-            if run_id % 10 == 0:
-                yield {"id": run_id // 10, "run_id": run_id, "path": f"results/job{run_id}/image.png",
-                       "sha256": f"{run_id:064x}", "size": 400_000, "prompt": "an astronaut", "seed": 0}
+    def alerts():
+        for n in nights:
+            if n not in REGRESSION_NIGHTS:
+                continue
+            for d in range(3, farm.devices + 1, 10):
+                for p in range(len(PROFILES)):
+                    for metric in ("unet_step_ms", "e2e_ms"):
+                        at = build_created(n) + dt.timedelta(hours=4)
+                        yield {"id": (n * farm.devices + d) * 4 + p * 2 + (metric == "e2e_ms"), "kind": "regression",
+                               "state": "fixed", "device_id": d, "build_id": n, "baseline_build_id": n - 1,
+                               "batch_id": n, "metric": metric, "series": series_dict(farm, d, p, n, metric),
+                               "ratio": 1.08, "ci_low": 1.06, "ci_high": 1.10, "p_value": 1e-4,
+                               "summary": f"{metric} +8.0% on dev-{d:04d}", "detail": {}, "note": "fixed",
+                               "created_at": at, "updated_at": at}
 
     return {"hosts": hosts, "devices": devices, "builds": builds, "batches": batches, "jobs": jobs, "runs": runs,
             "samples": samples, "kernel_timings": kernel_timings, "thermal_readings": thermal_readings,
-            "images": images}
+            "alerts": alerts}
 
 
 TABLES = {"hosts": Host, "devices": Device, "builds": Build, "batches": Batch, "jobs": Job, "runs": Run,
-          "samples": Sample, "kernel_timings": KernelTiming, "thermal_readings": ThermalReading, "images": Image}
+          "samples": Sample, "kernel_timings": KernelTiming, "thermal_readings": ThermalReading, "alerts": Alert}
 
 
 def _chunks(it: Iterator[dict], n: int) -> Iterator[list[dict]]:
@@ -206,10 +242,10 @@ def _chunks(it: Iterator[dict], n: int) -> Iterator[list[dict]]:
         yield chunk
 
 
-def fill(engine: Engine, shape: Shape) -> dict[str, int]:
-    """Load the generated history; returns rows per table."""
+def fill(engine: Engine, farm: Farm, nights: range, first: bool) -> dict[str, int]:
+    """Load the rows of `nights`; returns rows per table."""
     counts: dict[str, int] = {}
-    generators = rows(shape)
+    generators = rows(farm, nights, first)
     if engine.dialect.name == "postgresql":
         from psycopg.types.json import Jsonb
 
@@ -240,93 +276,131 @@ def fill(engine: Engine, shape: Shape) -> dict[str, int]:
         for name, gen in generators.items():
             table = TABLES[name].__table__
             n = 0
-            for chunk in _chunks(gen(), 50_000):
+            for chunk in _chunks(gen(), 20_000):
                 conn.execute(table.insert(), chunk)
                 n += len(chunk)
             counts[name] = n
     return counts
 
 
-# ---- the queries ----------------------------------------------------------------------------
+# ---- what is timed ------------------------------------------------------------------------
 
 
-def query_set(shape: Shape) -> dict[str, Callable]:
-    """Name -> f(session) -> number of rows, for the queries the CLI and dashboards run."""
-    device = shape.devices // 2 + 1  # a device in the middle of the fleet
-    build_id = shape.builds // 2 + 1
-    run_id = shape.runs // 2 + 1
-    job_id = run_id
+def analyse_night(sessions, night: int) -> dict:
+    """One nightly batch's analysis, as the task runs it; seconds and what it found."""
+    t0 = time.perf_counter()
+    summary, _, _ = analyze_in_store(sessions, night)
+    seconds = time.perf_counter() - t0
+    report = summary["analysis"]
+    verdicts: dict[str, int] = {}
+    for c in report["comparisons"]:
+        verdicts[c["verdict"]] = verdicts.get(c["verdict"], 0) + 1
+    return {"seconds": round(seconds, 2), "comparisons": len(report["comparisons"]), "verdicts": verdicts,
+            "alerts": len(report["alerts"]), "change_points": len(report["change_points"])}
 
-    def results_show(s):  # what `farm results show` reads
-        return len(run_dict(s, run_id)["metrics"])
 
-    def jobs_show(s):  # what `farm jobs show` reads
-        job = s.get(Job, job_id)
-        _ = job.device, job.build  # the CLI prints both
-        return len(queries.medians(s, [r.id for r in job.runs], queries.KEY_METRICS))
+def read_set(farm: Farm, night: int) -> dict[str, Callable]:
+    """Name -> f(session) -> rows, the reads behind the dashboard's pages and the API's routes."""
+    device = farm.devices // 2 + 1
+    serial = f"dev-{device:04d}"
+    key = SeriesKey.from_dict(series_dict(farm, device, 0, night, "unet_step_ms"))
+    ident = farm_series.series_id(key)
 
-    def devices_list(s):  # what `farm devices list` runs
-        return len(s.scalars(select(Device).options(selectinload(Device.host)).order_by(Device.serial)).all())
+    def series_page(s):  # GET /v1/series/{id}: the series and its points
+        return len(farm_series.points(s, farm_series.get_series(s, ident)))
 
-    def export_device(s):  # what `farm results export --device` reads, chunk by chunk
-        return sum(1 for _ in queries.iter_samples(make_session_factory(s.get_bind()), device_id=device))
+    def series_events(s):
+        return len(views.series_events(s, farm_series.get_series(s, ident))["annotations"])
+
+    def series_kernels(s):
+        return len(views.series_kernels(s, farm_series.get_series(s, ident))["builds"])
+
+    def device_series(s):  # GET /v1/series?device=
+        return len(farm_series.list_series(s, store.get_device(s, serial)))
+
+    def alert_page(s):
+        alert = queries.list_alerts(s, states=tuple(AlertState), limit=1)[0]
+        return len(views.alert_context(s, alert)["before"] or {})
 
     return {
-        "results list": lambda s: len(queries.list_runs(s)),
-        "results list --device": lambda s: len(queries.list_runs(s, device_id=device)),
-        "results list --build": lambda s: len(queries.list_runs(s, build_id=build_id)),
-        "results list --device --build": lambda s: len(queries.list_runs(s, device_id=device, build_id=build_id)),
-        "results list --metric unet_step_ms --kind latency":
-            lambda s: len(queries.list_runs(s, metric="unet_step_ms", kind="latency")),
-        "results list --metric tune_ms (absent)": lambda s: len(queries.list_runs(s, metric="tune_ms")),
-        "results show": results_show,
-        "jobs list": lambda s: len(queries.list_jobs(s)),
-        "jobs list --state queued": lambda s: len(queries.list_jobs(s, state="queued")),
-        "jobs list --state succeeded": lambda s: len(queries.list_jobs(s, state="succeeded")),
-        "jobs list --device": lambda s: len(queries.list_jobs(s, device_id=device)),
-        "jobs list --build": lambda s: len(queries.list_jobs(s, build_id=build_id)),
-        "jobs list --batch": lambda s: len(queries.list_jobs(s, batch_id=build_id)),
-        "jobs show": jobs_show,
-        "series: unet_step_ms of one device along builds":
-            lambda s: len(queries.metric_series(s, device, "unet_step_ms")),
-        "series: last 30 builds": lambda s: len(queries.metric_series(s, device, "unet_step_ms", limit_builds=30)),
-        "devices list": devices_list,
-        "results export --device (all its samples)": export_device,
+        "dashboard overview (every series' latest build)": lambda s: len(views.overview(s)["cells"]),
+        "GET /v1/series (every series)": lambda s: len(farm_series.list_series(s)),
+        "GET /v1/series?device=": device_series,
+        "GET /v1/series/{id} (its points)": series_page,
+        "series page: events": series_events,
+        "series page: kernels": series_kernels,
+        "alert page: context": alert_page,
+        "GET /v1/alerts": lambda s: len(queries.list_alerts(s, limit=50)),
+        "GET /v1/results (newest 50)": lambda s: len(queries.list_runs(s)),
+        "GET /v1/jobs (newest 50)": lambda s: len(queries.list_jobs(s)),
+        "GET /v1/devices": lambda s: len(queries.list_devices(s)),
     }
 
 
-def time_queries(engine: Engine, shape: Shape, reps: int) -> dict[str, dict]:
-    sessions = make_session_factory(engine)
+def time_reads(sessions, farm: Farm, night: int, reps: int) -> dict[str, dict]:
     out = {}
-    for name, query in query_set(shape).items():
+    for name, read in read_set(farm, night).items():
         with sessions() as session:
-            query(session)  # warm: plans cached, pages in the OS cache
+            read(session)  # warm: plans cached, pages in the OS cache
         times, n = [], 0
         for _ in range(reps):
             with sessions() as session:
                 t0 = time.perf_counter()
-                n = query(session)
+                n = read(session)
                 times.append((time.perf_counter() - t0) * 1e3)
-        out[name] = {"median_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2),
-                     "max_ms": round(max(times), 2), "rows": n}
-        print(f"  {name:<55} {out[name]['median_ms']:>9.2f} ms  ({n} rows)", flush=True)
+        times.sort()
+        out[name] = {"p50_ms": round(statistics.median(times), 2),
+                     "p95_ms": round(times[min(len(times) - 1, int(0.95 * len(times)))], 2), "rows": n}
+        print(f"    {name:<50} p50 {out[name]['p50_ms']:>9.2f} ms  p95 {out[name]['p95_ms']:>9.2f} ms  ({n})",
+              flush=True)
     return out
+
+
+def store_bytes(engine: Engine, sqlite_path: Path | None) -> int:
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one())
+    return sum(p.stat().st_size for p in sqlite_path.parent.glob(sqlite_path.name + "*"))
 
 
 # ---- backends -------------------------------------------------------------------------------
 
 
-def run_backend(url: str, shape: Shape, reps: int) -> dict:
-    t0 = time.perf_counter()
+def run_backend(url: str, farm: Farm, at: list[int], reps: int, sqlite_path: Path | None = None) -> dict:
     upgrade(url)
     engine = make_engine(url)
+    sessions = make_session_factory(engine)
+    out: dict = {"checkpoints": {}, "load_s": 0.0, "catch_up_s": 0.0}
     try:
-        counts = fill(engine, shape)
-        fill_s = time.perf_counter() - t0
-        print(f"  filled in {fill_s:.1f} s: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()), flush=True)
+        loaded = 0
+        for night in at:
+            t0 = time.perf_counter()
+            counts = fill(engine, farm, range(loaded + 1, night), first=loaded == 0)
+            out["load_s"] += time.perf_counter() - t0
+            # What the nightly analyses of those nights would have left: the series state.
+            t0 = time.perf_counter()
+            with sessions() as session, session.begin():
+                series_state.catch_up(session)
+            out["catch_up_s"] += time.perf_counter() - t0
+            fill(engine, farm, range(night, night + 1), first=False)
+            loaded = night
+            analysis = [analyse_night(sessions, night)]
+            label = f"{night} nights"
+            print(f"  {label}: loaded {sum(counts.values()):,} rows; analysis {analysis[0]['seconds']} s "
+                  f"({analysis[0]['comparisons']} comparisons: {analysis[0]['verdicts']}, "
+                  f"{analysis[0]['alerts']} alerts, {analysis[0]['change_points']} change points)", flush=True)
+            out["checkpoints"][str(night)] = {"analysis": analysis[0],
+                                              "store_bytes": store_bytes(engine, sqlite_path)}
+        with sessions() as session:
+            out["rows"] = {name: session.query(model).count() for name, model in TABLES.items()}
+        print("  reads at the last night:", flush=True)
+        out["reads"] = time_reads(sessions, farm, at[-1], reps)
+        out["load_s"], out["catch_up_s"] = round(out["load_s"], 1), round(out["catch_up_s"], 1)
         version = engine.dialect.server_version_info
-        return {"server_version": ".".join(map(str, version)) if version else None, "fill_s": round(fill_s, 1),
-                "rows": counts, "queries": time_queries(engine, shape, reps)}
+        out["server_version"] = ".".join(map(str, version)) if version else None
+        first, last = (out["checkpoints"][str(n)]["analysis"]["seconds"] for n in (at[0], at[-1]))
+        out["growth"] = round(last / first, 2) if first else None
+        return out
     finally:
         engine.dispose()
 
@@ -352,57 +426,60 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite, postgresql")
     ap.add_argument("--devices", type=int, default=200)
-    ap.add_argument("--builds", type=int, default=1000)
-    ap.add_argument("--samples", type=int, default=1_000_000)
-    ap.add_argument("--reps", type=int, default=7, help="timed repetitions per query (after one warm-up)")
-    ap.add_argument("--sqlite-path", type=Path, help="SQLite file to create (default: a temporary one)")
+    ap.add_argument("--at", default="30,182,365", help="the nights whose batch is analysed (history length)")
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per read (after one warm-up)")
     ap.add_argument("--postgres-url", default=os.environ.get("FARM_TEST_POSTGRES_URL"),
                     help="a database URL on the server to create the benchmark database on")
-    ap.add_argument("--keep", action="store_true", help="keep the filled databases")
+    ap.add_argument("--keep", action="store_true", help="keep the PostgreSQL database")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-
-    shape = Shape(args.devices, args.builds, args.samples)
+    at = sorted({int(n) for n in args.at.split(",")})
+    if not at or at[0] < 2:
+        ap.error("--at: nights from 2 on (the first night has no baseline)")
+    farm = Farm(args.devices)
     result = {"benchmark": "store_scale", "date": dt.date.today().isoformat(),
               "machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "cpus": os.cpu_count()},
-              "shape": {"devices": shape.devices, "builds": shape.builds, "runs": shape.runs,
-                        "devices_per_build": shape.per_build, "samples_per_run": SAMPLES_PER_RUN,
-                        "queued_jobs": shape.queued},
-              "target_ms": TARGET_MS, "reps": args.reps, "backends": {}}
+              "shape": {"devices": farm.devices, "profiles": list(PROFILES), "metrics": [m for m, _, _ in METRICS],
+                        "samples_per_run": SAMPLES_PER_RUN, "kernels_per_run": len(KERNELS), "nights": at},
+              "flat_within": FLAT_WITHIN, "backends": {}}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         print(f"{backend}:", flush=True)
         if backend == "sqlite":
             with tempfile.TemporaryDirectory() as tmp:
-                path = args.sqlite_path or Path(tmp) / "farm.db"
-                if path.exists():
-                    ap.error(f"{path} exists; give a new --sqlite-path")
-                result["backends"]["sqlite"] = run_backend(f"sqlite:///{path}", shape, args.reps)
+                path = Path(tmp) / "farm.db"
+                result["backends"]["sqlite"] = run_backend(f"sqlite:///{path}", farm, at, args.reps, path)
                 result["backends"]["sqlite"]["server_version"] = __import__("sqlite3").sqlite_version
         elif backend == "postgresql":
             if not args.postgres_url:
                 ap.error("PostgreSQL needs --postgres-url or $FARM_TEST_POSTGRES_URL "
                          "(scripts/ensure-postgres.sh prints one)")
             result["backends"]["postgresql"] = with_postgres_database(
-                args.postgres_url, lambda url: run_backend(url, shape, args.reps), args.keep)
+                args.postgres_url, lambda url: run_backend(url, farm, at, args.reps), args.keep)
         else:
             ap.error(f"unknown backend {backend!r}: sqlite or postgresql")
 
-    names = list(query_set(shape))
     backends = list(result["backends"])
-    print(f"\n{'query (median ms)':<55}" + "".join(f"{b:>12}" for b in backends))
-    for name in names:
-        cells = []
-        for b in backends:
-            ms = result["backends"][b]["queries"][name]["median_ms"]
-            cells.append(f"{ms:>11.1f}{'!' if ms > TARGET_MS else ' '}")
-        print(f"{name:<55}" + "".join(cells))
-    slow = [(b, n) for b in backends for n in names if result["backends"][b]["queries"][n]["median_ms"] > TARGET_MS]
-    print(f"\n{'all under' if not slow else 'over'} {TARGET_MS:g} ms" + ("" if not slow else f": {slow}"))
+    print(f"\n{'one batch analysis (s)':<40}" + "".join(f"{b:>14}" for b in backends))
+    for night in at:
+        print(f"{f'after {night} nights':<40}" + "".join(
+            f"{result['backends'][b]['checkpoints'][str(night)]['analysis']['seconds']:>14.2f}" for b in backends))
+    print(f"{f'{at[-1]} nights / {at[0]} nights':<40}" + "".join(
+        f"{result['backends'][b]['growth']:>13.2f}{'!' if result['backends'][b]['growth'] > FLAT_WITHIN else ' '}"
+        for b in backends))
+    print(f"\n{'read (p50 / p95 ms)':<50}" + "".join(f"{b:>22}" for b in backends))
+    for name in result["backends"][backends[0]]["reads"]:
+        print(f"{name:<50}" + "".join(
+            f"{result['backends'][b]['reads'][name]['p50_ms']:>11.1f} /{result['backends'][b]['reads'][name]['p95_ms']:>8.1f}"
+            for b in backends))
+    print(f"{'store size (MB)':<50}" + "".join(
+        f"{result['backends'][b]['checkpoints'][str(at[-1])]['store_bytes'] / 1e6:>22.0f}" for b in backends))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    flat = all(result["backends"][b]["growth"] <= FLAT_WITHIN for b in backends)
+    print(f"\nanalysis {'flat' if flat else 'NOT flat'}: within {FLAT_WITHIN}x from {at[0]} to {at[-1]} nights")
+    return 0 if flat else 1
 
 
 if __name__ == "__main__":

@@ -11,27 +11,22 @@ from typing import Any
 
 from orchestrator import store
 from orchestrator.analysis import stats as rg
-from orchestrator.analysis.regressions import (
-    HEADLINE_METRICS,
-    SpecKey,
-    min_effect,
-    series_history,
-    series_key,
-)
+from orchestrator.analysis.regressions import CHANGE_POINT_WINDOW, HEADLINE_METRICS, min_effect
+from orchestrator.analysis.series_state import catch_up
 from orchestrator.analysis.stats.changepoint import MIN_SEGMENT
 from orchestrator.store import Session
-from orchestrator.store import environment as run_env
 from orchestrator.store.models import ChangePoint, Device, utcnow
 
 
 def scan_change_points(session: Session, device: Device | None = None, metric: str | None = None,
                        now: dt.datetime | None = None) -> list[dict[str, Any]]:
-    """Change-point detection over the whole history of every latency series (of `device`, of
-    `metric`, when given), on its own rather than inside an alert; each change point found is
+    """Change-point detection over the recent history of every latency series (of `device`, of
+    `metric`, when given: find_change_points), on its own rather than inside an alert; each change point found is
     recorded (ChangePoint, one per series and build, updated when found again). A level move
     smaller than the series' minimum effect is not one: with ten samples a build, a 1% shift can
     be significant and still be nothing anyone would act on. Returns them, `new` marking those
     not recorded before. Flushes only."""
+    catch_up(session)
     found = record_change_points(session, find_change_points(session, device, metric), now)
     session.flush()
     return found
@@ -50,28 +45,32 @@ class FoundChangePoint:
 def find_change_points(session: Session, device: Device | None = None,
                        metric: str | None = None) -> list[FoundChangePoint]:
     """scan_change_points' reading and computing, which writes nothing: what an analysis runs in
-    a read snapshot (orchestrator.store.session.read_snapshot), so that a whole history's scan
-    never holds the store's write lock."""
-    devices = [device] if device is not None else store.all_devices(session)
-    metrics = [metric] if metric is not None else list(HEADLINE_METRICS)
+    a read snapshot (orchestrator.store.session.read_snapshot), so that a scan never holds the
+    store's write lock. Each series is scanned over its tail, as per-build medians from the
+    series state: its newest CHANGE_POINT_WINDOW builds, from the change point recorded before
+    its newest one on (the stable segment before the newest change point, which that change
+    point is confirmed or moved against, and all after it): the cost of a scan does not grow
+    with the series' age."""
+    catch_up(session)  # nothing to write when the caller caught it up (a read snapshot writes nothing)
     found: list[FoundChangePoint] = []
-    for dev in devices:
-        legacy = store.result_environment(dev)  # runs stored before runs carried an environment
-        series: dict[tuple[SpecKey, str], dict[str, Any]] = {}
-        for run in store.series_runs(session, dev.id, environment=True):
-            env = run.environment if run.env_key else legacy
-            series[(SpecKey.of(run.spec or {}), run.env_key or run_env.environment_key(legacy))] = env
-        for (spec, env_key), env in sorted(series.items(), key=lambda kv: (repr(kv[0][0]), kv[0][1])):
-            for name in metrics:
-                history = series_history(session, dev, spec, name, environment=env_key)
-                if len(history) < 2 * MIN_SEGMENT:
-                    continue
-                key = series_key(dev, spec, name, env)
-                floor = min_effect(session, key)
-                for point in rg.detect_change_points([h["values"] for h in history]):
-                    if point.ratio is None or abs(point.ratio - 1) < floor:
-                        continue
-                    found.append(FoundChangePoint(dev.id, key, history, point))
+    states = store.series_states(session, device.id if device is not None else None, metric,
+                                 metrics=None if metric is not None else list(HEADLINE_METRICS))
+    for state, _, _ in states:
+        points = store.series_points(session, state.id, newest=CHANGE_POINT_WINDOW)
+        # The tail since the last stable segment: from the change point before the newest on.
+        recorded = {cp.build_id for cp in store.change_points_of(session, state.key, [p.build_id for p, _ in points])}
+        at = [i for i, (p, _) in enumerate(points) if p.build_id in recorded]
+        if len(at) >= 2:
+            points = points[at[-2]:]
+        if len(points) < 2 * MIN_SEGMENT:
+            continue
+        key = rg.SeriesKey.from_dict(state.series)
+        history = [{"build": name, "build_id": p.build_id, "values": [p.median]} for p, name in points]
+        floor = min_effect(session, key)
+        for point in rg.detect_change_points([p.median for p, _ in points]):
+            if point.ratio is None or abs(point.ratio - 1) < floor:
+                continue
+            found.append(FoundChangePoint(state.device_id, key, history, point))
     return found
 
 

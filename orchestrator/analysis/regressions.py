@@ -17,11 +17,20 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import store
 from orchestrator.analysis import stats as rg
+from orchestrator.analysis.keys import (  # noqa: F401  (the keys, named from here too)
+    HEADLINE_METRICS,
+    SERIES_ID_CHARS,
+    SpecKey,
+    env_key_of,
+    run_environment,
+    series_ident,
+    series_key,
+)
+from orchestrator.analysis.series_state import catch_up
 from orchestrator.analysis.stats.compare import MIN_SAMPLES
 from orchestrator.store import Session, queries
 from orchestrator.store import environment as run_env
@@ -40,53 +49,13 @@ from orchestrator.store.models import (
     utcnow,
 )
 
-# metric -> higher is worse. The analysis compares these; the rest are stored and charted.
-HEADLINE_METRICS = {"unet_step_ms": True, "e2e_ms": True, "peak_gpu_bytes": True}
 LATENCY_METRICS = ("unet_step_ms", "e2e_ms")
 DEFAULT_MIN_EFFECT = 0.03
 OPEN_STATES = store.OPEN_ALERT_STATES
+# The builds of a series change-point detection looks at: the newest so many (an alert's
+# context, the nightly scan's tail), so that neither grows with the series' age.
+CHANGE_POINT_WINDOW = 90
 STOPPAGE_AFTER = dt.timedelta(hours=48)  # a device silent this long after reporting raises an alert
-
-
-@dataclass(frozen=True)
-class SpecKey:
-    """The job-spec part of a series key (everything but device and metric)."""
-
-    model: str
-    resolution: str
-    steps: int
-    precision: str
-    profile: str  # as the job asked for it ("auto" follows the build's default)
-
-    @classmethod
-    def of(cls, spec: dict[str, Any]) -> SpecKey:
-        height, width = spec.get("height"), spec.get("width")
-        resolution = f"{width}x{height}" if height and width else "native"
-        return cls(str(spec.get("model", "")), resolution, int(spec.get("steps", 20)),
-                   str(spec.get("precision", "fp16")), str(spec.get("profile", "auto")))
-
-
-def series_key(device: Device, spec: SpecKey, metric: str, environment: dict[str, Any] | None = None) -> rg.SeriesKey:
-    """The series of `metric` for `spec` on `device` in `environment` (what a run recorded:
-    run_environment()); without one, the series in any environment, labelled with what the
-    device's record says (the key a per-series setting is made for)."""
-    if environment is None:
-        os_driver, env_key = run_env.label(store.result_environment(device)), ""
-    else:
-        os_driver, env_key = run_env.label(environment), run_env.environment_key(environment)
-    return rg.SeriesKey(device=device.serial, os_driver=os_driver, model=spec.model, resolution=spec.resolution,
-                        steps=spec.steps, precision=spec.precision, profile=spec.profile, metric=metric,
-                        environment=env_key)
-
-
-def run_environment(run: Run, device: Device) -> dict[str, Any]:
-    """What `run` ran on: as it was recorded with it, else (a run stored before runs carried
-    one) what the device's record says now."""
-    return run.environment or store.result_environment(device)
-
-
-def env_key_of(run: Run, device: Device) -> str:
-    return run.env_key or run_env.environment_key(run_environment(run, device))
 
 
 def _series_setting(session: Session, key: rg.SeriesKey, field: str) -> float | None:
@@ -223,21 +192,21 @@ def baseline_build(session: Session, build: Build, device: Device, spec: SpecKey
     """The newest earlier build with latency runs on this series and no open regression alert
     on it (the last accepted build), with those runs; with `environment` (an env_key), the
     newest such build that has runs in that environment where one exists, else the newest in
-    any (compare_builds then reports the environment change)."""
-    same_env = store.builds_measured_in(session, device.id, environment) if environment else set()
-    fallback = None
-    for earlier in store.builds_before(session, build):
-        if fallback is not None and earlier.id not in same_env:
-            continue
-        runs = runs_of(session, device.id, earlier.id, JobKind.latency, spec)
-        if not runs or _has_open_regression(session, earlier.id, device.id, key):
-            continue
-        if environment is None or any(env_key_of(r, device) == environment for r in runs):
-            return earlier, runs
-        fallback = fallback or (earlier, runs)
-        if not same_env:
-            break
-    return fallback
+    any (compare_builds then reports the environment change). Read from the series state: the
+    newest few builds of the workload's series, however long its history."""
+    catch_up(session)
+    rejected = _builds_with_open_regressions(session, device.id, key)
+    states = store.series_of_device(session, device.id, spec.canonical())
+    in_env = [s.id for s in states if environment and s.env_key == environment]
+    for series_ids in ([in_env] if in_env else []) + [[s.id for s in states]]:
+        # At most len(rejected) builds are passed over: the next is the baseline.
+        for build_id in store.series_builds_before(session, series_ids, (build.created, build.id), len(rejected) + 1):
+            if build_id in rejected:
+                continue
+            runs = runs_of(session, device.id, build_id, JobKind.latency, spec)
+            if runs:
+                return store.get_build(session, build_id), runs
+    return None
 
 
 def _environment_group(runs: list[Run], device: Device, prefer: str | None = None) -> tuple[list[Run], dict | None]:
@@ -311,29 +280,20 @@ def series_drift(session: Session, device: Device, spec: SpecKey, metric: str, c
     them alike), and their steps are no drift. With the demo's A, B, A, B, ... builds (B 2x
     slower) they made every consecutive pair a step, estimated a drift near 100% and turned
     B's regression and A's sameness into "inconclusive" (CI 0.15-29). With too little
-    history, (the series' drift setting, else rg.DEFAULT_DRIFT, 0)."""
-    rows = store.series_runs_before(session, device.id, candidate,
-                                    20 * DRIFT_HISTORY_RUNS)  # other specs' runs are filtered below
+    history, (the series' drift setting, else rg.DEFAULT_DRIFT, 0). Read from the series
+    state (each run's log median and its variance: stats.run_spread), not from raw samples."""
+    catch_up(session)
     key = series_key(device, spec, metric)
     rejected = _builds_with_open_regressions(session, device.id, key)
-    runs = []
-    for run, job_spec in rows:
-        if SpecKey.of(job_spec or {}) != spec or (environment and env_key_of(run, device) != environment):
-            continue
-        if run.build_id not in rejected:
-            runs.append(run)
-    runs = runs[:DRIFT_HISTORY_RUNS]
-    flags = _flagged(session, runs)
-    runs = [run for run in reversed(runs) if not flags[run.id].flagged]  # oldest first
-    values: dict[int, list[float]] = defaultdict(list)
-    for run_id, _, value in store.samples_of(session, [r.id for r in runs], metric):
-        values[run_id].append(value)
-    history = [values[r.id] for r in runs if values[r.id]]
-    drift = rg.estimate_drift(history)
+    states = [s.id for s in store.series_of_device(session, device.id, spec.canonical(), environment or None)
+              if s.metric == metric]
+    runs = store.series_run_stats(session, states, (candidate.created, candidate.id), rejected, DRIFT_HISTORY_RUNS)
+    runs = [run for run in reversed(runs) if not run.flagged]  # oldest first
+    drift = rg.drift_from_spreads([(r.log_median, r.within) if r.log_median is not None else None for r in runs])
     if drift is None:
         prior = drift_prior(session, key)  # a setting holds in every environment of the series
         return (rg.DEFAULT_DRIFT if prior is None else prior), 0
-    return drift, len(history)
+    return drift, len(runs)
 
 
 def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = None) -> dict[str, Any]:
@@ -347,6 +307,7 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
         return report
     if batch.purpose == BATCH_CHECK:  # the check judges its own runs: no alert, no round, no series
         return report | {"skipped": "a farm check's batch: the check judges its runs"}
+    catch_up(session, thorough=True)  # the series state holds the batch's runs
     build = store.get_build(session, batch.build_id)
     jobs = store.jobs_of_batches(session, [batch_id])
     # Each more-repetitions round adds one run of each build: what is left of the batch's rounds.
@@ -441,11 +402,11 @@ def _record_alert(session: Session, batch: Batch, build: Build, baseline: Build,
         by_op = rg.attribute(_by_op(_kernels(session, baseline_runs)), _by_op(_kernels(session, candidate_runs)))
         detail["attribution_by_op"] = [{"op": m.kernel, "baseline_ms": m.baseline_ms, "candidate_ms": m.candidate_ms,
                                         "delta_ms": m.delta_ms, "share": m.share} for m in by_op]
-    history = series_history(session, device, spec, result["metric"], until=build,
-                             environment=result["series"].get("environment") or None)
+    history = store.series_points(session, series_ident(rg.SeriesKey.from_dict(result["series"])),
+                                  until=(build.created, build.id), newest=CHANGE_POINT_WINDOW)
     if len(history) >= 2:
-        points = rg.detect_change_points([h["values"] for h in history])
-        detail["change_points"] = [{"build": history[p.index]["build"], "ratio": p.ratio, "p_value": p.p_value}
+        points = rg.detect_change_points([point.median for point, _ in history])
+        detail["change_points"] = [{"build": history[p.index][1], "ratio": p.ratio, "p_value": p.p_value}
                                    for p in points]
     change = (result["ratio"] - 1) * 100
     summary = (f"{result['metric']} {'+' if change >= 0 else ''}{change:.1f}% on {device.serial}: "
@@ -472,7 +433,9 @@ def job_spec(session: Session, run: Run) -> dict[str, Any]:
 def series_history(session: Session, device: Device, spec: SpecKey, metric: str,
                    until: Build | None = None, environment: str | None = None) -> list[dict[str, Any]]:
     """Every build's samples of one series on one device, in build order: [{build, values}];
-    with `environment` (an env_key), only the runs that recorded that environment."""
+    with `environment` (an env_key), only the runs that recorded that environment. Read from
+    the raw samples over the series' whole history: the reference the series state is checked
+    against; the nightly analysis and the faces read the state (orchestrator/analysis/series.py)."""
     legacy = run_env.environment_key(store.result_environment(device))  # runs stored with no environment
     rows = store.series_history_rows(session, device.id, metric)
     history: dict[int, dict[str, Any]] = {}

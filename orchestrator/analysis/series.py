@@ -1,25 +1,25 @@
 """The analysis' series as a listing: every series a succeeded latency run has contributed to,
-keyed exactly as orchestrator/regressions.py keys it when it compares builds (device, OS and
-driver, model, resolution, steps, precision, requested profile, metric and the environment the
-runs recorded), and its points, one per build in build order (regressions.series_history: the
-same samples the analysis reads). What the farm API's /v1/series serves; a series' `id` is a
-short hash of its canonical key, stable for as long as the key is."""
+keyed exactly as orchestrator/analysis/regressions.py keys it when it compares builds (device,
+OS and driver, model, resolution, steps, precision, requested profile, metric and the
+environment the runs recorded), and its points, one per build in build order. Read from the
+series state (orchestrator/analysis/series_state.py), brought up to date first: a series is
+found by its id, every series is one query, and neither grows with the farm's history. What the
+farm API's /v1/series serves; a series' `id` is a short hash of its canonical key, stable for as
+long as the key is."""
 
 from __future__ import annotations
 
-import hashlib
-import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.analysis import stats as rg
-from orchestrator.store import Session, queries
-from orchestrator.store import environment as run_env
+from orchestrator.analysis.regressions import SERIES_ID_CHARS, series_ident  # noqa: F401  (the id, here too)
+from orchestrator.analysis.series_state import catch_up
+from orchestrator.store import Session
 from orchestrator.store.models import Device
-
-SERIES_ID_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -29,51 +29,52 @@ class Series:
     device_id: int
     spec: regressions.SpecKey
     runs: int  # succeeded latency runs in it
+    builds: int = 0  # its points
+    latest: dict[str, Any] | None = None  # its newest point: build, build_id, median, n
 
 
 def series_id(key: rg.SeriesKey) -> str:
-    return hashlib.sha256(key.canonical().encode()).hexdigest()[:SERIES_ID_CHARS]
+    return series_ident(key)
+
+
+def _spec(key: rg.SeriesKey) -> regressions.SpecKey:
+    return regressions.SpecKey(key.model, key.resolution, key.steps, key.precision, key.profile)
+
+
+def _series(state, build_name: str | None) -> Series:
+    key = rg.SeriesKey.from_dict(state.series)
+    latest = None if state.last_build_id is None else {"build": build_name, "build_id": state.last_build_id,
+                                                         "median": state.last_median, "n": state.last_n}
+    return Series(state.id, key, state.device_id, _spec(key), state.runs, state.builds, latest)
 
 
 def list_series(session: Session, device: Device | None = None, metric: str | None = None) -> list[Series]:
     """Every headline-metric series with at least one sample (of `device`, of `metric` when
     given), by device serial and then key."""
-    device_id = device.id if device is not None else None
-    metrics = [metric] if metric is not None else list(regressions.HEADLINE_METRICS)
-    measured: dict[int, set[str]] = {}
-    for run_id, name in store.metrics_measured(session, metrics, device_id):
-        measured.setdefault(run_id, set()).add(name)
-    devices: dict[int, Device] = {}
-    legacy: dict[int, str] = {}  # runs stored before runs carried an environment: the device's record
-    groups: dict[tuple[int, regressions.SpecKey, str, str], list[int]] = {}
-    for run in store.series_runs(session, device_id):
-        if run.device_id not in devices:
-            devices[run.device_id] = store.get_device(session, run.device_id)
-            legacy[run.device_id] = run_env.environment_key(store.result_environment(devices[run.device_id]))
-        for name in measured.get(run.id, ()):
-            groups.setdefault((run.device_id, regressions.SpecKey.of(run.spec or {}),
-                               run.env_key or legacy[run.device_id], name), []).append(run.id)
-    found = []
-    for (device_id, spec, _, name), run_ids in groups.items():
-        dev = devices[device_id]
-        environment = regressions.run_environment(queries.get_run(session, run_ids[-1]), dev)
-        key = regressions.series_key(dev, spec, name, environment)
-        found.append(Series(series_id(key), key, device_id, spec, len(run_ids)))
-    return sorted(found, key=lambda s: (s.key.device, s.key.canonical()))
+    catch_up(session)
+    rows = store.series_states(session, device.id if device is not None else None, metric,
+                               metrics=None if metric is not None else list(regressions.HEADLINE_METRICS))
+    return [_series(state, build_name) for state, _, build_name in rows]
 
 
 def get_series(session: Session, ident: str) -> Series:
     """The series whose id is `ident`; StoreError when none is."""
-    for series in list_series(session):
-        if series.id == ident:
-            return series
-    raise store.StoreError(f"no series {ident!r}; GET /v1/series lists them")
+    catch_up(session)
+    state = store.get_series_state(session, ident)
+    if state is None:
+        raise store.StoreError(f"no series {ident!r}; GET /v1/series lists them")
+    build = store.get_build(session, state.last_build_id) if state.last_build_id is not None else None
+    return _series(state, build.name if build is not None else None)
 
 
-def points(session: Session, series: Series) -> list[dict[str, Any]]:
-    """One point per build, oldest first: its samples, their count, median, minimum, maximum."""
-    history = regressions.series_history(session, store.get_device(session, series.device_id), series.spec,
-                                      series.key.metric, environment=series.key.environment)
-    return [{"build": h["build"], "build_id": h["build_id"], "n": len(h["values"]),
-             "median": statistics.median(h["values"]), "min": min(h["values"]), "max": max(h["values"]),
-             "values": h["values"]} for h in history if h["values"]]
+def points(session: Session, series: Series, builds: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """One point per build (of `builds`, when given), oldest first: its samples, their count,
+    median, minimum, maximum. The count and statistics are the state's, kept when retention
+    has thinned an old run's raw samples; `values` are the raw samples still stored."""
+    builds = list(builds) if builds is not None else None
+    values: dict[int, list[float]] = {}
+    for build_id, value in store.series_run_values(session, series.id, series.key.metric, builds):
+        values.setdefault(build_id, []).append(value)
+    return [{"build": name, "build_id": p.build_id, "n": p.n, "median": p.median, "min": p.minimum,
+             "max": p.maximum, "values": values.get(p.build_id, [])}
+            for p, name in store.series_points(session, series.id, builds=builds)]

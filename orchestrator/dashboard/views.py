@@ -28,7 +28,6 @@ from orchestrator.store.models import (
     Build,
     Device,
     Image,
-    JobKind,
     RunStatus,
 )
 
@@ -84,17 +83,16 @@ def overview(session: Session) -> dict[str, Any]:
     verdict on it (the alert on its latest build, else its newest open alert, else none)."""
     alerts = _series_alerts(session)
     cells = []
-    for series in farm_series.list_series(session):
-        points = farm_series.points(session, series)
-        if not points:
+    for series in farm_series.list_series(session):  # one query: each series carries its newest point
+        latest = series.latest
+        if latest is None:
             continue
-        latest = points[-1]
         on_series = alerts.get(series.id, [])
         verdict = (next((a for a in on_series if a.build_id == latest["build_id"]), None)
                    or next((a for a in on_series if a.state in regressions.OPEN_STATES), None))
         cells.append({"series_id": series.id, "device": series.key.device, "metric": series.key.metric,
                       "unit": unit_of(series.key.metric), "spec": spec_label(series.spec),
-                      "environment": series.key.os_driver, "builds": len(points), "runs": series.runs,
+                      "environment": series.key.os_driver, "builds": series.builds, "runs": series.runs,
                       "latest": {"build": latest["build"], "median": latest["median"], "n": latest["n"]},
                       "verdict": _alert_ref(verdict) if verdict is not None else None,
                       "verdict_on_latest": verdict is not None and verdict.build_id == latest["build_id"]})
@@ -145,9 +143,9 @@ def series_events(session: Session, series: farm_series.Series) -> dict[str, Any
         for other in farm_series.list_series(session, store.get_device(session, series.device_id), series.key.metric):
             if not _same_but_environment(other.key, series.key):
                 continue
-            earlier = [p for p in farm_series.points(session, other)
-                       if ((b := store.get_build(session, p["build_id"])).created, b.id) < (first.created, first.id)]
-            if earlier:
+            # Its newest two points up to this series' first build: one that is not that build is earlier.
+            upto = store.series_points(session, other.id, until=(first.created, first.id), newest=2)
+            if any(point.build_id != first.id for point, _ in upto):
                 changes = run_env.changes(_environment(session, other), _environment(session, series))
                 annotations.append({"build": names[first.id], "kind": "environment", "series_id": other.id,
                                     "text": "environment changed: " + ("; ".join(changes) or "(same fields)")})
@@ -165,14 +163,14 @@ def series_kernels(session: Session, series: farm_series.Series) -> dict[str, An
     repetitions of the series' runs of that build (the runs its points are made of: this
     device, workload and environment, no check's). The KERNELS_SHOWN kernels slowest in the
     newest build are named, the rest summed as "other"; a kernel a build did not run is None."""
-    device = store.get_device(session, series.device_id)
+    timings: dict[int, list[tuple[int, int, str, float]]] = {}
+    for build_id, run_id, repetition, kernel, ms in store.series_kernel_timings(session, series.id):  # one query
+        timings.setdefault(build_id, []).append((run_id, repetition, kernel, ms))
     builds: list[str] = []
     per_build: list[dict[str, float]] = []
-    for point in farm_series.points(session, series):
-        runs = [r for r in regressions.runs_of(session, device.id, point["build_id"], JobKind.latency, series.spec)
-                if regressions.env_key_of(r, device) == series.key.environment]
+    for point, name in store.series_points(session, series.id):
         totals: dict[tuple[int, int, str], float] = {}
-        for run_id, repetition, kernel, ms in store.kernel_timings_of(session, [r.id for r in runs]):
+        for run_id, repetition, kernel, ms in timings.get(point.build_id, []):
             totals[(run_id, repetition, kernel)] = totals.get((run_id, repetition, kernel), 0.0) + ms
         repetitions = {(run_id, rep) for run_id, rep, _ in totals}
         if not repetitions:
@@ -180,7 +178,7 @@ def series_kernels(session: Session, series: farm_series.Series) -> dict[str, An
         means: dict[str, float] = {}
         for (_, _, kernel), ms in totals.items():
             means[kernel] = means.get(kernel, 0.0) + ms / len(repetitions)
-        builds.append(point["build"])
+        builds.append(name)
         per_build.append(means)
     if not per_build:
         return {"unit": "ms", "builds": [], "kernels": []}
@@ -254,8 +252,12 @@ def alert_context(session: Session, alert: Alert) -> dict[str, Any]:
     """The series an alert is about (its id, when the series still has points), the samples of
     its baseline and its build in that series, and the images before and after."""
     ident = alert_series_id(alert)
-    series = next((s for s in farm_series.list_series(session) if s.id == ident), None) if ident else None
-    points = farm_series.points(session, series) if series is not None else []
+    try:
+        series = farm_series.get_series(session, ident) if ident else None
+    except store.StoreError:  # its series has no points any more
+        series = None
+    sides = [b for b in (alert.baseline_build_id, alert.build_id) if b is not None]
+    points = farm_series.points(session, series, builds=sides) if series is not None else []
     return {"series_id": series.id if series is not None else None, "unit": unit_of(alert.metric or ""),
             "before": _side(points, alert.baseline_build_id), "after": _side(points, alert.build_id),
             "images": _images(session, alert)}

@@ -6,6 +6,8 @@ through the job service (orchestrator/jobs/jobservice.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from celery import Celery
 
@@ -14,7 +16,7 @@ from orchestrator.analysis import profiles
 from orchestrator.jobs import notify
 from orchestrator.jobs.celery_app import session_for, settings_of
 from orchestrator.jobs.jobservice import launch_suite
-from orchestrator.store import notifications
+from orchestrator.store import Session, notifications
 from orchestrator.store.models import BATCH_CHECK
 from orchestrator.store.session import read_snapshot
 
@@ -26,44 +28,67 @@ def analyze(app: Celery, batch_id: int) -> dict:
     whatever sends notifications. Inconclusive comparisons launch a follow-up batch with more
     repetitions on those devices (at most the batch's max_extra_rounds rounds; idempotent)."""
     from agent.files import atomic_write
+
+    settings = settings_of(app)
+    summary, follow_up, deliveries = analyze_in_store(lambda: session_for(app), batch_id)
+    notify.publish_deliveries(app, deliveries)
+    report_path = settings.data_dir / "reports" / f"batch-{batch_id}.json"
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(report_path, json.dumps(summary, indent=2, default=str).encode())
+    rounds = follow_up.rounds
+    for device, jobs in more_repetitions_jobs(follow_up.entries).items():
+        launch_suite(app, f"{follow_up.name} (more repetitions, round {rounds + 1})", jobs, build=follow_up.build_id,
+                     devices=[device], idempotency_key=f"more:{follow_up.root}:{rounds + 1}:{device}",
+                     max_extra_rounds=follow_up.max_rounds, round_metrics=follow_up.round_metrics)
+    return summary
+
+
+@dataclass
+class FollowUp:
+    """What the analysis of one batch asks for next: the more-repetitions rounds (the analysis'
+    entries, empty when the batch has had its rounds) and what to launch them as."""
+
+    entries: list[dict]
+    name: str
+    build_id: int | None
+    root: int
+    rounds: int  # rounds done before this one (0: the original batch)
+    max_rounds: int
+    round_metrics: list[str] | None
+
+
+def analyze_in_store(new_session: Callable[[], Session], batch_id: int) -> tuple[dict, FollowUp, list]:
+    """The store's part of a batch's analysis, which analyze() then reports and acts on:
+    (the summary stored on the batch, the follow-up rounds, the deliveries recorded for its
+    alerts). What benchmarks/store_scale.py times."""
     from orchestrator.analysis import changepoints, regressions
     from orchestrator.analysis.summary import batch_summary
 
-    settings = settings_of(app)
-    # 1. Each series the batch fed, scanned over its whole history (not only inside an alert):
-    # the long part, read in a snapshot that holds no write lock (on SQLite every other
-    # transaction takes it first, and a worker recording a result would wait for all of it:
-    # 17.9 s of a 19.5 s analysis of 5 devices' year of nightly runs; benchmarks/analysis_lock.py).
-    with session_for(app) as session, session.begin():
+    # 1. Each series the batch fed, scanned over its recent history (not only inside an alert):
+    # read in a snapshot that holds no write lock (on SQLite every other transaction takes it
+    # first, and a worker recording a result would wait for all of it; benchmarks/analysis_lock.py).
+    with new_session() as session, session.begin():
         read_snapshot(session)
         batch = store.get_batch(session, batch_id)
         devices = [] if batch.purpose == BATCH_CHECK else sorted({job.device for job in batch.jobs},
                                                                   key=lambda d: d.serial)  # no series fed
         found = [point for device in devices for point in changepoints.find_change_points(session, device)]
     # 2. The comparisons and everything written, in one short transaction.
-    with session_for(app) as session, session.begin():
+    with new_session() as session, session.begin():
         batch = store.get_batch(session, batch_id)
         report = regressions.analyze_batch(session, batch_id)
         report["profile_gains"] = profiles.measure_gains(session, batch_id)
         report["change_points"] = changepoints.record_change_points(session, found)
         summary = batch_summary(session, batch_id) | {"analysis": report}
         rounds = store.extra_round(batch.idempotency_key)  # 0: the original batch
-        follow_up = report["more_repetitions"] if rounds < batch.max_extra_rounds else []
-        name, build_id, root, max_rounds = batch.name, batch.build_id, _root_batch(batch), batch.max_extra_rounds
-        round_metrics = batch.round_metrics
+        follow_up = FollowUp(report["more_repetitions"] if rounds < batch.max_extra_rounds else [], batch.name,
+                             batch.build_id, _root_batch(batch), rounds, batch.max_extra_rounds,
+                             batch.round_metrics)
         batch.summary = summary
         # 3. Who hears of the alerts: deliveries recorded with them (never twice, however often
         # this batch is analysed), sent once this commits; a receiver's trouble is the task's.
         deliveries = notifications.record_alerts(session, report["alerts"] + report["stoppages"])
-    notify.publish_deliveries(app, deliveries)
-    report_path = settings.data_dir / "reports" / f"batch-{batch_id}.json"
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(report_path, json.dumps(summary, indent=2, default=str).encode())
-    for device, jobs in more_repetitions_jobs(follow_up).items():
-        launch_suite(app, f"{name} (more repetitions, round {rounds + 1})", jobs, build=build_id,
-                     devices=[device], idempotency_key=f"more:{root}:{rounds + 1}:{device}",
-                     max_extra_rounds=max_rounds, round_metrics=round_metrics)
-    return summary
+    return summary, follow_up, deliveries
 
 
 def more_repetitions_jobs(entries: list[dict]) -> dict[str, list[dict]]:

@@ -22,6 +22,7 @@ from . import (
     results,
     schedules,
     series,
+    series_state,
     tokens,
 )
 from .alerts import *  # noqa: F403  (each module's __all__: the store's functions)
@@ -39,6 +40,7 @@ from .results import *  # noqa: F403
 from .rows import InvalidTransition, StoreError, text_for_store
 from .schedules import *  # noqa: F403
 from .series import *  # noqa: F403
+from .series_state import *  # noqa: F403
 from .session import (
     DatabaseError,
     Session,
@@ -56,4 +58,5 @@ __all__ = ["DatabaseError", "InvalidTransition", "SchemaMismatch", "Session", "S
            "text_for_store", "upgrade", "utcnow",
            *batches.__all__, *builds.__all__, *devices.__all__, *jobs.__all__, *results.__all__, *schedules.__all__,
            *check_runs.__all__, *tokens.__all__,
-           *alerts.__all__, *change_points.__all__, *images.__all__, *profiles.__all__, *series.__all__]
+           *alerts.__all__, *change_points.__all__, *images.__all__, *profiles.__all__, *series.__all__,
+           *series_state.__all__]

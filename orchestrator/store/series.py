@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Row, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .models import (
@@ -23,34 +23,12 @@ from .models import (
     SeriesSetting,
     ThermalReading,
 )
-from .rows import in_series, made_before
+from .rows import in_series
 
 __all__ = [
-    "builds_measured_in", "kernel_timings_of", "metrics_measured", "newest_run_in", "runs_with_specs",
-    "samples_of", "series_history_rows", "series_runs", "series_runs_before", "series_setting",
+    "kernel_timings_of", "newest_run_in", "runs_with_specs", "samples_of", "series_history_rows", "series_setting",
     "series_settings_naming", "set_series_setting", "thermal_readings_of",
 ]
-
-
-def _series_runs_query(device_id: int | None):
-    query = (select(Run.id, Run.device_id, Run.env_key, Job.spec).join(Job, Job.id == Run.job_id)
-             .where(Job.kind == JobKind.latency, Run.status == RunStatus.succeeded, in_series()))
-    return query if device_id is None else query.where(Run.device_id == device_id)
-
-
-def series_runs(session: Session, device_id: int | None = None, *, environment: bool = False) -> list[Row]:
-    """Every succeeded latency run that is a series' measurement (of `device_id` when given), by
-    id: (id, device_id, env_key, spec: its job's), with `environment` also the environment it
-    recorded (environment)."""
-    query = _series_runs_query(device_id)
-    return list(session.execute((query.add_columns(Run.environment) if environment else query).order_by(Run.id)))
-
-
-def metrics_measured(session: Session, metrics: list[str], device_id: int | None = None) -> list[tuple[int, str]]:
-    """(run id, metric) for each of `metrics` a run of series_runs (of `device_id`) has samples of."""
-    runs = _series_runs_query(device_id).with_only_columns(Run.id).scalar_subquery()
-    return [tuple(r) for r in session.execute(select(Sample.run_id, Sample.metric).distinct().where(
-        Sample.metric.in_(metrics), Sample.run_id.in_(runs)))]
 
 
 def runs_with_specs(session: Session, device_id: int, build_id: int, kind: JobKind, *,
@@ -61,23 +39,6 @@ def runs_with_specs(session: Session, device_id: int, build_id: int, kind: JobKi
              .where(Run.device_id == device_id, Run.build_id == build_id, Run.status == RunStatus.succeeded,
                     Job.kind == kind).order_by(Run.id))
     return [tuple(r) for r in session.execute(query if checks else query.where(in_series()))]
-
-
-def series_runs_before(session: Session, device_id: int, build: Build,
-                       limit: int) -> list[tuple[Run, dict[str, Any] | None]]:
-    """The newest `limit` succeeded latency runs on a device that are a series' measurement, of
-    builds made before `build`, newest first, each with its job's spec."""
-    return [tuple(r) for r in session.execute(
-        select(Run, Job.spec).join(Job, Job.id == Run.job_id).join(Build, Build.id == Run.build_id)
-        .where(Run.device_id == device_id, made_before(build), Run.status == RunStatus.succeeded,
-               Job.kind == JobKind.latency, in_series())
-        .order_by(Run.id.desc()).limit(limit))]
-
-
-def builds_measured_in(session: Session, device_id: int, env_key: str) -> set[int]:
-    """The builds with series runs on a device in one environment (an env_key)."""
-    return set(session.scalars(select(Run.build_id).join(Job, Job.id == Run.job_id).where(
-        Run.device_id == device_id, Run.env_key == env_key, in_series()).distinct()))
 
 
 def newest_run_in(session: Session, device_id: int, env_key: str) -> Run | None:

@@ -30,7 +30,8 @@ API (docs/regression.md has the method and its measured quality):
         more run of each build (at least what makes p <= alpha reachable), bounded so that no
         build exceeds max_repetitions; 0 there means the verdict is final.
     estimate_drift(runs, *, min_runs=6) -> float | None
-        a series' run-to-run drift from its history (one sample array per run, in order).
+        a series' run-to-run drift from its history (one sample array per run, in order);
+        = drift_from_spreads([run_spread(run) for run in runs]), the form the analysis keeps.
     detect_change_points(history, *, min_segment=3, sig_level=0.01, n_permutations=199,
                          seed=0) -> list[ChangePoint(index, p_value, q, median_before,
                                                      median_after, ratio)]
@@ -58,8 +59,10 @@ from orchestrator.analysis.stats.compare import (
     Comparison,
     Verdict,
     compare,
+    drift_from_spreads,
     estimate_drift,
     min_rank_p,
+    run_spread,
 )
 from orchestrator.analysis.stats.fidelity import ImageCheck, compare_images, load_image, psnr
 from orchestrator.analysis.stats.series import CheckedSeries, SeriesKey, SeriesSample, check_series
@@ -84,9 +87,11 @@ __all__ = [
     "compare",
     "compare_images",
     "detect_change_points",
+    "drift_from_spreads",
     "estimate_drift",
     "load_image",
     "min_rank_p",
     "psnr",
+    "run_spread",
     "thermal_flag",
 ]

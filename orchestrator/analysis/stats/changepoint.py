@@ -49,19 +49,23 @@ def _as_values(history: Sequence[float] | Sequence[Sequence[float]]) -> np.ndarr
     return x
 
 
-def _best_split(D: np.ndarray, min_segment: int) -> tuple[int, float]:
-    """(tau, Q(tau)) maximising Q over one segment's distance matrix D (T, T)."""
-    T = D.shape[0]
-    C = np.zeros((T + 1, T + 1))
-    C[1:, 1:] = D.cumsum(0).cumsum(1)  # C[a, b] = sum D[:a, :b]
+def _best_split(D: np.ndarray, min_segment: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tau, Q(tau)) maximising Q over one segment's distance matrix D (..., T, T): for each of
+    a stack of segments at once (one per permutation in the significance test)."""
+    T = D.shape[-1]
+    C = np.zeros(D.shape[:-2] + (T + 1, T + 1))
+    C[..., 1:, 1:] = D.cumsum(-2).cumsum(-1)  # C[a, b] = sum D[:a, :b]
     tau = np.arange(min_segment, T - min_segment + 1)
     m, n = tau.astype(float), (T - tau).astype(float)
-    left = C[tau, tau]  # ordered pairs, diagonal 0
-    between = C[tau, T] - C[tau, tau]
-    right = C[T, T] - 2 * C[tau, T] + C[tau, tau]
+    left = C[..., tau, tau]  # ordered pairs, diagonal 0
+    between = C[..., tau, T] - C[..., tau, tau]
+    right = C[..., T, T][..., None] - 2 * C[..., tau, T] + C[..., tau, tau]
     q = m * n / (m + n) * (2 * between / (m * n) - left / (m * (m - 1)) - right / (n * (n - 1)))
-    k = int(np.argmax(q))
-    return int(tau[k]), float(q[k])
+    k = np.argmax(q, axis=-1)
+    return tau[k], np.take_along_axis(q, k[..., None], axis=-1)[..., 0]
+
+
+PERMUTATION_BLOCK = 25  # permutations tested at once
 
 
 def detect_change_points(
@@ -94,16 +98,20 @@ def detect_change_points(
             seg = x[s:e]
             tau, q = _best_split(np.abs(seg[:, None] - seg[None, :]), min_segment)
             if best is None or q > best[2]:
-                best = (s, e, q, s + tau)
+                best = (s, e, float(q), s + int(tau))
         if best is None:
             break
         s, e, q, index = best
-        # 2. Its significance: how often a shuffled segment splits as well.
+        # 2. Its significance: how often a shuffled segment splits as well. The permutations
+        # are drawn one by one, as always, and tested a block at a time; the test stops once
+        # enough have split as well for p to exceed sig_level whatever the rest do (then the
+        # split is dropped and the search ends, so no later draw is skipped).
         seg = x[s:e]
-        hits = 0
-        for _ in range(n_permutations):
-            perm = rng.permutation(seg)
-            hits += _best_split(np.abs(perm[:, None] - perm[None, :]), min_segment)[1] >= q
+        hits, done = 0, 0
+        while done < n_permutations and (1 + hits) / (1 + n_permutations) <= sig_level:
+            perms = np.array([rng.permutation(seg) for _ in range(min(PERMUTATION_BLOCK, n_permutations - done))])
+            hits += int(np.sum(_best_split(np.abs(perms[:, :, None] - perms[:, None, :]), min_segment)[1] >= q))
+            done += len(perms)
         p = (1 + hits) / (1 + n_permutations)
         if p > sig_level:
             break

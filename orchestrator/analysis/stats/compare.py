@@ -135,17 +135,33 @@ def estimate_drift(runs: Sequence[Sequence[float]], *, min_runs: int = MIN_HISTO
     k / (k - 0.8) for k differences. MAD-based, so a
     real step or a thermal outlier among the runs moves it little. None with fewer than
     `min_runs` runs of at least 3 samples each."""
-    usable = [np.log(_check_values("run", r)) for r in runs if len(r) >= 3]
-    usable = [r for r in usable if np.all(np.isfinite(r))]
+    return drift_from_spreads([run_spread(r) for r in runs], min_runs=min_runs)
+
+
+def run_spread(run: Sequence[float]) -> tuple[float, float] | None:
+    """What estimate_drift needs of one run: (its log median, the variance of that median:
+    pi/2 * (1.4826 MAD of its log samples)^2 / n); None for a run it cannot use (fewer than 3
+    samples, or a sample at 0). The analysis keeps this per run (series_runs), so that a drift
+    estimate reads no raw samples."""
+    if len(run) < 3:
+        return None
+    x = np.log(_check_values("run", run))
+    if not np.all(np.isfinite(x)):
+        return None
+    return float(np.median(x)), float((math.pi / 2) * (1.4826 * np.median(np.abs(x - np.median(x)))) ** 2 / x.size)
+
+
+def drift_from_spreads(spreads: Sequence[tuple[float, float] | None], *,
+                       min_runs: int = MIN_HISTORY_RUNS) -> float | None:
+    """estimate_drift over runs already reduced by run_spread (None: a run it cannot use)."""
+    usable = [s for s in spreads if s is not None]
     if len(usable) < min_runs:
         return None
-    medians = np.array([np.median(r) for r in usable])  # (k,)
-    diffs = np.diff(medians)
+    diffs = np.diff(np.array([median for median, _ in usable]))  # (k - 1,)
     # 1.4826 makes a MAD a normal standard deviation as n grows; k / (k - 0.8) undoes most of
     # its downward bias on few values (Croux and Rousseeuw's small-sample factor).
     spread = 1.4826 * diffs.size / (diffs.size - 0.8) * np.median(np.abs(diffs - np.median(diffs)))
-    within = np.mean([(math.pi / 2) * (1.4826 * np.median(np.abs(r - np.median(r)))) ** 2 / r.size
-                      for r in usable])
+    within = np.mean([w for _, w in usable])
     return float(math.sqrt(max(0.0, spread**2 / 2 - within)))
 
 
