@@ -122,3 +122,25 @@ def test_a_schedules_batch_over_two_hosts_runs_each_job_on_its_hosts_worker(farm
     listed = farm.api(f"/jobs?batch={batch_id}")
     assert {j["device"]: (j["state"], j["worker"], j["schedule_id"]) for j in listed} == {
         serial: ("succeeded", f"farm@{host}", schedule_id) for serial, host in HOST_OF.items()}
+
+
+def test_a_host_killed_mid_batch_gets_its_jobs_back_when_it_returns(farm):
+    """hA's worker is SIGKILLed with its whole process group while it runs a job: hB's jobs all
+    finish while hA is still dead; once hA's worker is back, the jobs it was running run again
+    there; every job succeeds and is stored once."""
+    batch_id = suite(farm, "hosts: kill", per_device=2)
+    hit = until(farm, lambda: [r.id for r in jobs_of(farm, batch_id)
+                               if r.state == JobState.running and r.worker == "farm@hA"], "a job running on hA")
+    farm.kill_worker("hA")
+    on_b = settled(farm, batch_id, set(PHONES["hB"]))
+    assert {r.state for r in on_b} == {JobState.succeeded}, on_b  # without waiting for hA
+    assert not farm.processes["worker-hA"].alive()
+    on_a = [r for r in jobs_of(farm, batch_id) if r.id in hit]
+    assert {r.state for r in on_a} != {JobState.succeeded}, on_a  # what hA was running waits for hA
+
+    farm.start_worker("hA")
+    rows = settled(farm, batch_id)
+    assert_each_job_once_on_its_host(farm, batch_id, rows)
+    again = {r.id: (r.attempts, r.worker_losses) for r in rows if r.id in hit}
+    assert all(attempts >= 2 and losses >= 1 for attempts, losses in again.values()), again
+
