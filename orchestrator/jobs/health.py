@@ -1,9 +1,11 @@
 """Device health (docs/devices.md): the probe that asks a device what it is and records the
-answer through the state machine (orchestrator/store/device_states.py); the health check that
-beat runs every `health_check_every_s`, which sends a probe of every offline or unauthorized
-device that is due to the worker of its host, each failure doubling the wait before the next
-(PROBE_BACKOFF_S), and frees busy devices whose holder vanished; and the scan of what the ADB
-transport can see (USB, and known or given TCP addresses) behind `farm devices scan`. The
+answer through the state machine (orchestrator/store/device_states.py); the heartbeat of each
+host, which every worker keeps for the hosts whose queues it consumes; the health check that
+beat runs every `health_check_every_s`, which takes the devices of a host not heard from for
+`stale_after_s` offline, sends a probe of every offline or unauthorized device that is due to
+the worker of its host (once that host is heard again), each failure doubling the wait before
+the next (PROBE_BACKOFF_S), and frees busy devices whose holder vanished; and the scan of what
+the ADB transport can see (USB, and known or given TCP addresses) behind `farm devices scan`. The
 third job in a row that ends infra_failed quarantines its device; the job path counts that
 (store.count_job_outcome). No transaction is open while a device is asked."""
 
@@ -12,21 +14,24 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import shlex
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_ready, worker_shutdown
 
 from agent.protocol import DeviceInfo
 from orchestrator import store
 from orchestrator.infra import inputs
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.celery_app import host_queue, session_for, settings_of
-from orchestrator.store import Session
+from orchestrator.store import Session, make_session_factory
 from orchestrator.store.device_states import PROBED_STATES, DeviceEvent
 from orchestrator.store.models import Device, DeviceState, TransportKind, utcnow
+from orchestrator.store.session import make_unpooled_engine
 from orchestrator.transports import TransportError
 from orchestrator.transports.factory import make_transport
 
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PROBE_BACKOFF_S = (30.0, 1800.0)  # the wait after a device's first failed probe, and the longest
 PROBE_DEVICE = "orchestrator.tasks.probe_device"
+HOST_BEAT_MAX_S = 5.0  # a worker stamps its hosts at least this often (a third of stale_after_s when shorter)
 
 Sessions = Callable[[], Session]
 
@@ -135,21 +141,91 @@ def probe(settings: Settings, sessions: Sessions, device: Device, now: dt.dateti
         return Probe(row.id, row.serial, row.state, error, address_error)
 
 
+# ---- hosts: heard while their workers run -------------------------------------------------
+
+
+def host_beat_s(settings: Settings) -> float:
+    """How often a worker stamps its hosts as heard: a third of stale_after_s, after which a
+    silent host's devices go offline, and at most HOST_BEAT_MAX_S."""
+    return min(HOST_BEAT_MAX_S, settings.stale_after_s / 3)
+
+
+class HostHeartbeat:
+    """A thread that, while a worker runs, stamps the hosts whose queues it consumes (host.<name>)
+    as heard (hosts.last_seen) every host_beat_s, each time over a connection of its own that
+    gives up after one beat's time: the worker's main process forks its pool (no connection may
+    be left for a child to inherit), and a host cut off from the database must not hang here. A
+    missed beat is logged; the next one may land."""
+
+    def __init__(self, settings: Settings, hosts: list[str]):
+        self.settings, self.hosts, self.every_s = settings, hosts, host_beat_s(settings)
+        self._engine = make_unpooled_engine(settings.database_url, self.every_s)
+        self._sessions = make_session_factory(self._engine)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="host-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        with self._sessions() as session, session.begin():
+            for host in self.hosts:
+                store.get_or_create_host(session, host)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self.beat()
+            except Exception as exc:  # noqa: BLE001  (the store is out of reach: the next beat may land)
+                log.warning("could not stamp host(s) %s as heard: %s", ", ".join(self.hosts), str(exc).splitlines()[0])
+            if self._stop.wait(self.every_s):
+                return
+
+    def start(self) -> HostHeartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.every_s + 5)
+        self._engine.dispose()
+
+
+_heartbeats: list[HostHeartbeat] = []
+
+
+@worker_ready.connect
+def _start_host_heartbeat(sender, **_) -> None:
+    """A farm worker that consumes host queues keeps those hosts heard while it runs."""
+    settings = getattr(sender.app, "farm_settings", None)
+    prefix = host_queue("")
+    hosts = sorted(name[len(prefix):] for name in sender.app.amqp.queues.consume_from if name.startswith(prefix))
+    if settings is not None and hosts:
+        _heartbeats.append(HostHeartbeat(settings, hosts).start())
+
+
+@worker_shutdown.connect
+def _stop_host_heartbeat(**_) -> None:
+    while _heartbeats:
+        _heartbeats.pop().stop()
+
+
 # ---- the health check ---------------------------------------------------------------------
 
 
 def check(app: Celery, now: dt.datetime | None = None) -> dict[str, list[int]]:
     """Beat's health check. In one transaction: busy devices whose lease ran out are available
-    again (lease_expired), and every due device's next probe is pushed back by the back-off it
-    would get on failing (so a probe that never reports is sent again then, not at every
-    check). After the commit, a probe of each due device goes to the queue of its host (a USB
+    again (lease_expired); the devices of every host not heard from for `stale_after_s` go
+    offline (no worker there drives them); and every due device's next probe is pushed back by
+    the back-off it would get on failing (so a probe that never reports is sent again then, not
+    at every check), except on a host not heard from, whose devices stay due until it is heard
+    again. After the commit, a probe of each due device goes to the queue of its host (a USB
     phone is reachable only there), expiring after one check interval. Returns the ids of the
-    devices freed and probed."""
+    devices freed, taken offline with their host, and probed."""
     settings, now = settings_of(app), now or utcnow()
+    heard_since = now - dt.timedelta(seconds=settings.stale_after_s)
     with session_for(app) as session, session.begin():
         freed = store.expire_device_leases(session, now)
+        offline = store.take_silent_hosts_offline(session, heard_since, now)
         sends = []
-        for device in store.devices_due_for_probe(session, now):
+        for device in store.devices_due_for_probe(session, now, heard_since):
             device.next_probe_at = now + dt.timedelta(seconds=backoff_s(device.probe_failures + 1))
             sends.append((device.id, host_queue(device.host.name if device.host is not None else settings.host_name)))
     for device_id, queue in sends:
@@ -158,9 +234,11 @@ def check(app: Celery, now: dt.datetime | None = None) -> dict[str, list[int]]:
                 queue=queue, ignore_result=True, expires=settings.health_check_every_s)
         except Exception as exc:  # noqa: BLE001  (the broker is down: the device is due again after its back-off)
             log.warning("could not send the probe of device %s (%s)", device_id, exc)
+    if offline:
+        log.warning("health check: devices %s offline: their host is silent", offline)
     if freed or sends:
         log.info("health check: freed %s, probing %s", freed, [device_id for device_id, _ in sends])
-    return {"freed": freed, "probed": [device_id for device_id, _ in sends]}
+    return {"freed": freed, "offline": offline, "probed": [device_id for device_id, _ in sends]}
 
 
 def probe_device(app: Celery, device_id: int, now: dt.datetime | None = None) -> str:

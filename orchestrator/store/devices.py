@@ -1,5 +1,6 @@
-"""Hosts and devices: registration, the device state machine's events, leases (one timed job per
-physical adapter), and the outcome counts that quarantine a failing device.
+"""Hosts and devices: registration, when each host was last heard (its workers stamp it; a host
+silent too long has its devices taken offline), the device state machine's events, leases (one
+timed job per physical adapter), and the outcome counts that quarantine a failing device.
 Every function takes a session and flushes; the caller commits."""
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ __all__ = [
     "QUARANTINE_AFTER_INFRA_FAILURES", "TIMED_KINDS", "TRANSPORT_STATES", "acquire_device_lease",
     "adapter_group_of", "all_devices", "apply_device_event", "count_job_outcome", "device_history",
     "devices_due_for_probe", "devices_named", "devices_of_transport", "expire_device_leases", "find_device", "get_device", "get_or_create_host",
-    "in_service_devices", "release_device_lease", "remove_device", "set_device_state", "upsert_device",
+    "in_service_devices", "release_device_lease", "remove_device", "set_device_state", "take_silent_hosts_offline",
+    "upsert_device",
 ]
 
 
@@ -145,13 +147,35 @@ def devices_of_transport(session: Session, transport: TransportKind | str) -> li
                                 .order_by(Device.serial)))
 
 
-def devices_due_for_probe(session: Session, now: dt.datetime) -> list[Device]:
+def devices_due_for_probe(session: Session, now: dt.datetime, heard_since: dt.datetime | None = None) -> list[Device]:
     """Offline and unauthorized devices whose next probe is due and that nothing holds, by id.
-    Quarantined devices are never probed: only an operator releases them."""
-    return list(session.scalars(
-        select(Device).where(Device.state.in_(PROBED_STATES), _unheld(now),
-                             or_(Device.next_probe_at.is_(None), Device.next_probe_at <= now))
-        .order_by(Device.id)))
+    Quarantined devices are never probed: only an operator releases them. With `heard_since`,
+    neither are the devices of a host not heard from since then: no worker there would take the
+    probe, and they stay due until their host is heard again."""
+    query = select(Device).where(Device.state.in_(PROBED_STATES), _unheld(now),
+                                 or_(Device.next_probe_at.is_(None), Device.next_probe_at <= now))
+    if heard_since is not None:
+        silent = select(Host.id).where(Host.last_seen < heard_since)
+        query = query.where(or_(Device.host_id.is_(None), Device.host_id.not_in(silent)))
+    return list(session.scalars(query.order_by(Device.id)))
+
+
+def take_silent_hosts_offline(session: Session, heard_since: dt.datetime, now: dt.datetime) -> list[int]:
+    """The devices of every host not heard from since `heard_since` (its workers stamp its
+    last_seen while they run: orchestrator/jobs/health.py) go offline (unreachable), saying so,
+    unless offline or quarantined already: nothing can drive them until their host is back.
+    Returns their ids."""
+    rows = session.execute(
+        select(Device.id, Host.name, Host.last_seen).join(Host, Device.host_id == Host.id)
+        .where(Host.last_seen < heard_since,
+               Device.state.in_([DeviceState.available, DeviceState.busy, DeviceState.unauthorized]))
+        .order_by(Device.id)).all()
+    for device_id, host, last_seen in rows:
+        silent = (now - last_seen).total_seconds()
+        apply_device_event(session, device_id, DeviceEvent.unreachable,
+                           f"its host {host} has not been heard from for {silent:.0f} s (its worker is down, or "
+                           "cut off from the farm's database)")
+    return [device_id for device_id, _, _ in rows]
 
 
 def in_service_devices(session: Session) -> list[Device]:

@@ -53,6 +53,20 @@ def safe_url(url: str) -> str:
         return url
 
 
+def make_unpooled_engine(url: str, timeout_s: float) -> Engine:
+    """An engine that keeps no connection between transactions and, on PostgreSQL, gives up
+    connecting, or waiting on the network, after `timeout_s`: for a thread of a process that
+    forks (a Celery worker's main process: no pooled connection for a child to inherit) and that
+    must not hang on a network that drops everything (a host cut off from the database)."""
+    from sqlalchemy.pool import NullPool
+
+    kwargs: dict = {"poolclass": NullPool}
+    if make_url(url).get_backend_name() == "postgresql":
+        kwargs["connect_args"] = {"connect_timeout": max(1, round(timeout_s)),
+                                  "tcp_user_timeout": round(timeout_s * 1000)}
+    return make_engine(url, **kwargs)
+
+
 def make_engine(url: str, **kwargs) -> Engine:
     """An engine for `url`; a SQLite file's folder is created when missing."""
     parsed = make_url(url)

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 from worker_farm import Workers, wait
 
 from agent.protocol import JobResult, Manifest, ManifestFile
@@ -24,7 +24,7 @@ from orchestrator.jobs import dispatch, health, worker
 from orchestrator.jobs.celery_app import DEFAULT_QUEUE, make_celery
 from orchestrator.store import make_engine, make_session_factory, upgrade
 from orchestrator.store.device_states import DEVICE_TRANSITIONS, DeviceEvent, markdown_table
-from orchestrator.store.models import Device, DeviceState, Job, JobState, utcnow
+from orchestrator.store.models import Device, DeviceState, Host, Job, JobState, utcnow
 from orchestrator.transports import DeviceOffline
 from orchestrator.transports.adb import load_or_create_adb_key
 
@@ -173,7 +173,7 @@ def test_probe_backoff_with_explicit_clocks(farm):
 
     # The check sends a probe of a due device and claims it for one more back-off.
     report = health.check(farm.app, now=now)
-    assert report == {"freed": [], "probed": [device_id]}
+    assert report == {"freed": [], "offline": [], "probed": [device_id]}
     with farm.Session() as s:
         assert store.get_device(s, device_id).next_probe_at == now + dt.timedelta(seconds=1800)
     assert health.check(farm.app, now=now + dt.timedelta(seconds=1))["probed"] == []
@@ -193,7 +193,8 @@ def test_check_skips_quarantined_leased_and_reachable_devices(farm):
         stale_busy = _device(s, "g-stale-busy", DeviceState.busy).id
         s.execute(update(Device).where(Device.id == leased).values(lease_holder="job", lease_until=T0 + dt.timedelta(minutes=1)))
         s.execute(update(Device).where(Device.id == stale_busy).values(lease_holder="dead", lease_until=T0 - dt.timedelta(minutes=1)))
-    assert health.check(farm.app, now=T0) == {"freed": [stale_busy], "probed": [due_offline, due_unauthorized]}
+    assert health.check(farm.app, now=T0) == {"freed": [stale_busy], "offline": [],
+                                              "probed": [due_offline, due_unauthorized]}
     with farm.Session() as s:
         assert store.get_device(s, stale_busy).state == DeviceState.available
     # A probe sent before the device changed is skipped when it arrives.
@@ -201,6 +202,33 @@ def test_check_skips_quarantined_leased_and_reachable_devices(farm):
         store.set_device_state(s, due_offline, DeviceState.quarantined, "flaky", force=True)
     assert health.probe_device(farm.app, due_offline, now=T0) == "skipped"
     assert health.probe_device(farm.app, leased, now=T0) == "skipped"
+
+
+def test_a_silent_hosts_devices_go_offline_and_are_probed_once_it_is_heard_again(farm):
+    """A host whose workers have not stamped it for stale_after_s (dead, or cut off from the
+    store): its available, busy and unauthorized devices go offline, saying why, and none is
+    probed while it stays silent (no worker there would take the probe); once its heartbeat
+    lands again, each is probed on its host at the next check. Another host's due device is
+    probed all along."""
+    with farm.Session() as s, s.begin():
+        idle = _device(s, "a-idle", DeviceState.available).id
+        busy = _device(s, "b-busy").id
+        assert store.acquire_device_lease(s, busy, "job1:x", 60)  # a job of that host holds it
+        refused = _device(s, "c-unauthorized", DeviceState.unauthorized).id
+        quarantined = _device(s, "d-quarantined", DeviceState.quarantined).id
+        elsewhere = store.upsert_device(s, "e-elsewhere", "adb", "127.0.0.1:9", host="otherhost").id  # offline, due
+        s.execute(update(Host).where(Host.name == HOST).values(last_seen=utcnow() - dt.timedelta(seconds=61)))
+    assert health.check(farm.app) == {"freed": [], "offline": [idle, busy, refused], "probed": [elsewhere]}
+    with farm.Session() as s:
+        rows = {d.id: d for d in store.all_devices(s)}
+        assert {rows[i].state for i in (idle, busy, refused)} == {DeviceState.offline}
+        assert rows[idle].state_reason.startswith(f"its host {HOST} has not been heard from for 6")
+        assert rows[quarantined].state == DeviceState.quarantined
+    assert health.check(farm.app) == {"freed": [], "offline": [], "probed": []}  # still silent: nothing sent
+
+    health.HostHeartbeat(farm.settings, [HOST]).beat()  # what a worker consuming host.<HOST> does
+    # (the busy one still has its job's lease: its job's outcome, or the reconciler, gives it back)
+    assert health.check(farm.app) == {"freed": [], "offline": [], "probed": [idle, refused]}
 
 
 def test_a_probe_leaves_a_busy_device_to_its_holder(farm):
@@ -258,7 +286,10 @@ def test_health_check_task_brings_a_phone_back_through_a_worker(tmp_path):
         # Found offline a minute ago: due now.
         assert health.probe(settings, farm["Session"], device, now=utcnow() - dt.timedelta(seconds=60)).state \
             == DeviceState.offline
+        started = utcnow()
         workers.start("worker")
+        # The worker stamps its host as heard while it runs (health.HostHeartbeat).
+        wait(farm, lambda s: s.scalar(select(Host.last_seen).where(Host.name == HOST)) > started, "the host heard")
         with _phone(settings, port=port, root=root):
             app.signature("orchestrator.tasks.health_check").apply_async(queue=DEFAULT_QUEUE, ignore_result=True)
             row = wait(farm, lambda s: (d := store.get_device(s, device.id)).state == DeviceState.available and d,

@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 
 from orchestrator import store
 from orchestrator.jobs import jobservice
-from orchestrator.store.models import Device, Job, JobState, Run, utcnow
+from orchestrator.store.models import Device, DeviceStateChange, Job, JobState, Run, utcnow
 
 pytestmark = pytest.mark.gpu
 PHONES = {"hA": ["pa1", "pa2"], "hB": ["pb1", "pb2"]}
@@ -144,3 +144,43 @@ def test_a_host_killed_mid_batch_gets_its_jobs_back_when_it_returns(farm):
     again = {r.id: (r.attempts, r.worker_losses) for r in rows if r.id in hit}
     assert all(attempts >= 2 and losses >= 1 for attempts, losses in again.values()), again
 
+
+def test_a_host_cut_off_from_redis_and_postgresql_recovers_its_jobs_once(farm):
+    """hA's link to ctl goes down while it runs a job, for longer than stale_after_s: its phones
+    go offline (its host is silent), the job it was running is taken from it; healed, its phones
+    come back by themselves and its jobs run again, each succeeding and stored once, the attempt
+    that ran during the cut never recorded. hB's phones stay in service all along."""
+    batch_id = suite(farm, "hosts: partition", per_device=2)
+    hit = until(farm, lambda: [r.id for r in jobs_of(farm, batch_id)
+                               if r.state == JobState.running and r.worker == "farm@hA"], "a job running on hA")
+    cut_at = utcnow()
+    farm.net.cut("hA")
+    try:
+        offline = until(farm, lambda: states(farm, PHONES["hA"]) == {"offline"} and reasons(farm, PHONES["hA"]),
+                        "hA's phones offline", timeout_s=60)
+        assert all(reason.startswith("its host hA has not been heard from") for reason in offline), offline
+        until(farm, lambda: all(r.state != JobState.running for r in jobs_of(farm, batch_id) if r.id in hit),
+              "hA's running job taken from it", timeout_s=60)
+    finally:
+        farm.net.heal("hA")
+    rows = settled(farm, batch_id)
+    assert_each_job_once_on_its_host(farm, batch_id, rows)
+    again = {r.id: (r.attempts, r.worker_losses) for r in rows if r.id in hit}
+    assert all(attempts >= 2 and losses >= 1 for attempts, losses in again.values()), again
+    until(farm, lambda: states(farm, PHONES["hA"]) == {"available"}, "hA's phones back", timeout_s=60)
+    with farm.Session() as session:
+        changes = session.execute(select(Device.serial, DeviceStateChange.to_state).join(
+            Device, Device.id == DeviceStateChange.device_id).where(DeviceStateChange.at >= cut_at)
+            .order_by(DeviceStateChange.id)).all()
+    # (back by a probe, or by the next job that took it: a lease's cycle is not a recorded change)
+    assert {serial for serial, to in changes if to == "offline"} == set(PHONES["hA"]), changes
+
+
+def states(farm, serials: list[str]) -> set[str]:
+    with farm.Session() as session:
+        return {str(d.state) for d in store.devices_named(session, serials)}
+
+
+def reasons(farm, serials: list[str]) -> list[str]:
+    with farm.Session() as session:
+        return [d.state_reason for d in store.devices_named(session, serials)]
