@@ -233,12 +233,17 @@ class HostFarm:
         from orchestrator import store
 
         deadline = time.monotonic() + timeout_s
-        waiting = set(self.placement)
+        waiting, error = set(self.placement), None
         while waiting:
             self.check_alive()
             if time.monotonic() > deadline:
-                raise FarmError(f"the workers of {sorted(waiting)} did not answer:\n{self.logs()}")
-            for answer in self.app.control.ping(destination=[f"farm@{host}" for host in waiting], timeout=1.0):
+                raise FarmError(f"the workers of {sorted(waiting)} did not answer ({error}):\n{self.logs()}")
+            try:
+                answers = self.app.control.ping(destination=[f"farm@{host}" for host in waiting], timeout=1.0)
+            except Exception as exc:  # noqa: BLE001  (Redis restarted: this process's connection went with it)
+                error, answers = exc, []
+                time.sleep(0.2)
+            for answer in answers:
                 waiting -= {name.split("@", 1)[1] for name in answer}
         expected = {serial: host for host, serials in self.placement.items() for serial in serials}
         while True:

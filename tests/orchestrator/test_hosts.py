@@ -24,7 +24,6 @@ from orchestrator.store.models import Device, DeviceStateChange, Job, JobState, 
 
 pytestmark = pytest.mark.gpu
 PHONES = {"hA": ["pa1", "pa2"], "hB": ["pb1", "pb2"]}
-HOST_OF = {serial: host for host, serials in PHONES.items() for serial in serials}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +100,8 @@ def runs_per_job(farm, batch_id: int) -> dict[int, int]:
 def assert_each_job_once_on_its_host(farm, batch_id: int, rows) -> None:
     """Every job succeeded, was run by the worker of its device's host, and is stored once."""
     assert [(r.id, r.state) for r in rows] == [(r.id, JobState.succeeded) for r in rows], rows
-    assert {r.id: r.worker for r in rows} == {r.id: f"farm@{HOST_OF[r.serial]}" for r in rows}
+    host_of = {serial: host for host, serials in farm.placement.items() for serial in serials}
+    assert {r.id: r.worker for r in rows} == {r.id: f"farm@{host_of[r.serial]}" for r in rows}
     assert runs_per_job(farm, batch_id) == {r.id: 1 for r in rows}
 
 
@@ -117,11 +117,12 @@ def test_a_schedules_batch_over_two_hosts_runs_each_job_on_its_hosts_worker(farm
         schedule_id = schedule.id
     batch_id = jobservice.fire_schedule(farm.app, schedule_id, utcnow())
     rows = settled(farm, batch_id)
-    assert sorted(r.serial for r in rows) == sorted(HOST_OF)
+    host_of = {serial: host for host, serials in farm.placement.items() for serial in serials}
+    assert sorted(r.serial for r in rows) == sorted(host_of)
     assert_each_job_once_on_its_host(farm, batch_id, rows)
     listed = farm.api(f"/jobs?batch={batch_id}")
     assert {j["device"]: (j["state"], j["worker"], j["schedule_id"]) for j in listed} == {
-        serial: ("succeeded", f"farm@{host}", schedule_id) for serial, host in HOST_OF.items()}
+        serial: ("succeeded", f"farm@{host}", schedule_id) for serial, host in host_of.items()}
 
 
 def test_a_host_killed_mid_batch_gets_its_jobs_back_when_it_returns(farm):
@@ -132,7 +133,7 @@ def test_a_host_killed_mid_batch_gets_its_jobs_back_when_it_returns(farm):
     hit = until(farm, lambda: [r.id for r in jobs_of(farm, batch_id)
                                if r.state == JobState.running and r.worker == "farm@hA"], "a job running on hA")
     farm.kill_worker("hA")
-    on_b = settled(farm, batch_id, set(PHONES["hB"]))
+    on_b = settled(farm, batch_id, set(farm.placement["hB"]))
     assert {r.state for r in on_b} == {JobState.succeeded}, on_b  # without waiting for hA
     assert not farm.processes["worker-hA"].alive()
     on_a = [r for r in jobs_of(farm, batch_id) if r.id in hit]
@@ -156,7 +157,7 @@ def test_a_host_cut_off_from_redis_and_postgresql_recovers_its_jobs_once(farm):
     cut_at = utcnow()
     farm.net.cut("hA")
     try:
-        offline = until(farm, lambda: states(farm, PHONES["hA"]) == {"offline"} and reasons(farm, PHONES["hA"]),
+        offline = until(farm, lambda: states(farm, farm.placement["hA"]) == {"offline"} and reasons(farm, farm.placement["hA"]),
                         "hA's phones offline", timeout_s=60)
         assert all(reason.startswith("its host hA has not been heard from") for reason in offline), offline
         until(farm, lambda: all(r.state != JobState.running for r in jobs_of(farm, batch_id) if r.id in hit),
@@ -167,13 +168,29 @@ def test_a_host_cut_off_from_redis_and_postgresql_recovers_its_jobs_once(farm):
     assert_each_job_once_on_its_host(farm, batch_id, rows)
     again = {r.id: (r.attempts, r.worker_losses) for r in rows if r.id in hit}
     assert all(attempts >= 2 and losses >= 1 for attempts, losses in again.values()), again
-    until(farm, lambda: states(farm, PHONES["hA"]) == {"available"}, "hA's phones back", timeout_s=60)
+    until(farm, lambda: states(farm, farm.placement["hA"]) == {"available"}, "hA's phones back", timeout_s=60)
     with farm.Session() as session:
         changes = session.execute(select(Device.serial, DeviceStateChange.to_state).join(
             Device, Device.id == DeviceStateChange.device_id).where(DeviceStateChange.at >= cut_at)
             .order_by(DeviceStateChange.id)).all()
     # (back by a probe, or by the next job that took it: a lease's cycle is not a recorded change)
-    assert {serial for serial, to in changes if to == "offline"} == set(PHONES["hA"]), changes
+    assert {serial for serial, to in changes if to == "offline"} == set(farm.placement["hA"]), changes
+
+
+def test_postgresql_and_redis_restarted_under_load_from_both_hosts(farm):
+    """PostgreSQL and Redis both stop for a few seconds while both hosts run jobs, then start
+    again on their addresses: every job settles once, succeeded, on its own host's worker, and
+    no worker, beat or API process exits."""
+    batch_id = suite(farm, "hosts: restarts", per_device=2)
+    until(farm, lambda: {r.worker for r in jobs_of(farm, batch_id) if r.state == JobState.running}
+          == {"farm@hA", "farm@hB"}, "jobs running on both hosts")
+    farm.postgres.stop()
+    farm.redis.stop()
+    time.sleep(3.0)
+    farm.redis.start()
+    farm.postgres.start()
+    rows = settled(farm, batch_id)
+    assert_each_job_once_on_its_host(farm, batch_id, rows)
 
 
 def states(farm, serials: list[str]) -> set[str]:
