@@ -193,6 +193,31 @@ def test_postgresql_and_redis_restarted_under_load_from_both_hosts(farm):
     assert_each_job_once_on_its_host(farm, batch_id, rows)
 
 
+def test_a_phone_moved_to_another_host_keeps_its_series(farm):
+    """pa1 runs a latency job on hA, then is unplugged and plugged into hB (its worker entry
+    moves: hA's worker starts again without it, hB's with it, under the same serial): it is the
+    same device row, now on hB, with its earlier runs, and its next run, by hB's worker, lands
+    in the series its earlier runs are in (one series per metric for it, holding every run)."""
+    from orchestrator.analysis.series import list_series
+
+    before = settled(farm, suite(farm, "hosts: before the move", per_device=1, devices=["pa1"]))
+    assert [(r.state, r.worker) for r in before] == [(JobState.succeeded, "farm@hA")]
+    with farm.Session() as session:
+        device_id = store.get_device(session, "pa1").id
+    farm.move_phone("pa1", "hB")
+    after = settled(farm, suite(farm, "hosts: after the move", per_device=1, devices=["pa1"]))
+    assert [(r.state, r.worker) for r in after] == [(JobState.succeeded, "farm@hB")]
+    with farm.Session() as session:
+        device = store.get_device(session, "pa1")
+        assert (device.id, device.host.name) == (device_id, "hB")
+        runs = session.scalars(select(Run.job_id).where(Run.device_id == device_id)).all()
+        assert {before[0].id, after[0].id} <= set(runs)
+        series = list_series(session, device)
+    by_metric = {}
+    for one in series:
+        by_metric.setdefault(one.key.metric, []).append(one.runs)
+    assert by_metric and all(counts == [len(runs)] for counts in by_metric.values()), (by_metric, len(runs))
+
 def states(farm, serials: list[str]) -> set[str]:
     with farm.Session() as session:
         return {str(d.state) for d in store.devices_named(session, serials)}
