@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Row, and_, delete, func, select, tuple_
 from sqlalchemy.orm import Session
@@ -30,7 +30,7 @@ from .rows import in_series
 from .series_models import SeriesPoint, SeriesProgress, SeriesRun, SeriesState
 
 __all__ = [
-    "delete_series_points", "lock_series_progress", "pending_series_runs", "point_values", "runs_in_series_state",
+    "Point", "delete_series_points", "lock_series_progress", "pending_series_runs", "point_values", "runs_in_series_state",
     "samples_of_runs", "save_series_points", "save_series_runs", "series_builds_before", "series_kernel_timings",
     "series_of_device", "series_points", "series_progress", "series_run_stats", "series_runs_of_builds",
     "get_series_state", "newest_run_id", "series_points_at", "series_run_values", "series_states", "set_series_progress",
@@ -178,32 +178,51 @@ def _before(created: dt.datetime, build_id: int, column_created, column_build):
     return (column_created < created) | ((column_created == created) & (column_build < build_id))
 
 
+class Point(NamedTuple):
+    """A series' point as series_points reads it (plain values, no ORM object)."""
+
+    build_id: int
+    build_created: dt.datetime
+    n: int
+    median: float
+    minimum: float
+    maximum: float
+
+
 def series_points(session: Session, series_id: str, *, until: tuple[dt.datetime, int] | None = None,
-                  newest: int | None = None, builds: Iterable[int] | None = None) -> list[tuple[SeriesPoint, str]]:
+                  newest: int | None = None, builds: Iterable[int] | None = None) -> list[tuple[Point, str]]:
     """A series' points in build order, each with its build's name: all, or those up to the
     build (created, id) `until`, or of `builds`; with `newest`, only the newest so many."""
-    query = (select(SeriesPoint, Build.name).join(Build, Build.id == SeriesPoint.build_id)
-             .where(SeriesPoint.series_id == series_id))
+    query = (select(SeriesPoint.build_id, SeriesPoint.build_created, SeriesPoint.n, SeriesPoint.median,
+                    SeriesPoint.minimum, SeriesPoint.maximum, Build.name)
+             .join(Build, Build.id == SeriesPoint.build_id).where(SeriesPoint.series_id == series_id))
     if until is not None:
         query = query.where(_before(*until, SeriesPoint.build_created, SeriesPoint.build_id) |
                             and_(SeriesPoint.build_created == until[0], SeriesPoint.build_id == until[1]))
     if builds is not None:
         query = query.where(SeriesPoint.build_id.in_(list(builds)))
     if newest is None:
-        return [tuple(r) for r in session.execute(query.order_by(SeriesPoint.build_created, SeriesPoint.build_id))]
-    rows = session.execute(query.order_by(SeriesPoint.build_created.desc(), SeriesPoint.build_id.desc()).limit(newest))
-    return [tuple(r) for r in reversed(list(rows))]
+        rows = list(session.execute(query.order_by(SeriesPoint.build_created, SeriesPoint.build_id)))
+    else:
+        rows = list(session.execute(query.order_by(SeriesPoint.build_created.desc(), SeriesPoint.build_id.desc())
+                                    .limit(newest)))[::-1]
+    return [(Point(*row[:6]), row[6]) for row in rows]
 
 
 def series_run_values(session: Session, series_id: str, metric: str,
                       builds: Iterable[int] | None = None) -> list[tuple[int, float]]:
-    """(build id, value) of every sample of the series' runs (of `builds`), in recording order."""
-    query = (select(SeriesRun.build_id, Sample.value).join(Sample, Sample.run_id == SeriesRun.run_id)
-             .where(SeriesRun.series_id == series_id, Sample.metric == metric))
+    """(build id, value) of every sample of the series' runs (of `builds`), in recording order:
+    the runs from the state first, then their samples through (metric, run_id)."""
+    query = select(SeriesRun.run_id, SeriesRun.build_id).where(SeriesRun.series_id == series_id)
     if builds is not None:
         query = query.where(SeriesRun.build_id.in_(list(builds)))
-    return [tuple(r) for r in session.execute(query.order_by(Sample.id))]
-
+    build_of = dict(session.execute(query).all())
+    out: list[tuple[int, int, float]] = []
+    run_ids = sorted(build_of)
+    for start in range(0, len(run_ids), 500):
+        out += session.execute(select(Sample.id, Sample.run_id, Sample.value).where(
+            Sample.metric == metric, Sample.run_id.in_(run_ids[start:start + 500]))).all()
+    return [(build_of[run_id], value) for _, run_id, value in sorted(out)]
 
 
 def series_run_stats(session: Session, series_ids: list[str], before: tuple[dt.datetime, int], skip_builds: set[int],

@@ -63,8 +63,9 @@ def test_a_summary_keeps_the_median_and_what_the_drift_estimate_reads(fresh_rng)
         x = 100 * fresh_rng.lognormal(0.0, fresh_rng.choice([0.002, 0.03, 0.3]), n)
         x = np.round(x, 1) if fresh_rng.random() < 0.2 else x
         kept = retention.summarize(x)
-        if kept is None:  # an even count whose middle samples lie too far apart for fewer values
-            assert n % 2 == 0 and n <= 8, x
+        if kept is None:  # an even count whose middle samples lie too far apart for fewer values (ties
+            # from rounding make the MAD small beside that gap, at any n)
+            assert n % 2 == 0, x
             kept = list(x)
         else:
             assert len(kept) == 3 if n % 2 else 4 <= len(kept) < n and len(kept) % 2 == 0

@@ -51,15 +51,21 @@ def _as_values(history: Sequence[float] | Sequence[Sequence[float]]) -> np.ndarr
 
 def _best_split(D: np.ndarray, min_segment: int) -> tuple[np.ndarray, np.ndarray]:
     """(tau, Q(tau)) maximising Q over one segment's distance matrix D (..., T, T): for each of
-    a stack of segments at once (one per permutation in the significance test)."""
+    a stack of segments at once (one per permutation in the significance test). With row sums
+    r_i = sum_j D[i, j] and lower row sums l_i = sum_{j<i} D[i, j], the points before tau hold
+    2 W(tau) = 2 sum_{i<tau} l_i within, the pairs across are S(tau) - 2 W(tau) with
+    S(tau) = sum_{i<tau} r_i, and the points from tau on hold sum r - 2 S(tau) + 2 W(tau)."""
     T = D.shape[-1]
-    C = np.zeros(D.shape[:-2] + (T + 1, T + 1))
-    C[..., 1:, 1:] = D.cumsum(-2).cumsum(-1)  # C[a, b] = sum D[:a, :b]
+    rows = D.sum(-1)
+    lower = (D * np.tri(T, T, -1)).sum(-1)
+    zero = np.zeros(D.shape[:-2] + (1,))
+    W = np.concatenate([zero, lower.cumsum(-1)], axis=-1)  # W[..., tau]
+    S = np.concatenate([zero, rows.cumsum(-1)], axis=-1)
     tau = np.arange(min_segment, T - min_segment + 1)
     m, n = tau.astype(float), (T - tau).astype(float)
-    left = C[..., tau, tau]  # ordered pairs, diagonal 0
-    between = C[..., tau, T] - C[..., tau, tau]
-    right = C[..., T, T][..., None] - 2 * C[..., tau, T] + C[..., tau, tau]
+    left = 2 * W[..., tau]  # ordered pairs, diagonal 0
+    between = S[..., tau] - 2 * W[..., tau]
+    right = rows.sum(-1)[..., None] - 2 * S[..., tau] + 2 * W[..., tau]
     q = m * n / (m + n) * (2 * between / (m * n) - left / (m * (m - 1)) - right / (n * (n - 1)))
     k = np.argmax(q, axis=-1)
     return tau[k], np.take_along_axis(q, k[..., None], axis=-1)[..., 0]
