@@ -15,6 +15,15 @@ if ! command -v adb >/dev/null; then
     { $sudo_ apt-get update -qq >/dev/null && $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq adb >/dev/null; } ||
     { echo "error: could not install adb (apt-get install adb)" >&2; exit 1; }
 fi
+# The multi-host tests (tests/orchestrator/test_hosts.py) make network namespaces and veth pairs
+# with iproute2's `ip` (as root; Debian package iproute2).
+if ! command -v ip >/dev/null; then
+  echo "installing iproute2 for the multi-host tests"
+  if [ "$(id -u)" = 0 ]; then sudo_=""; else sudo_="sudo -n"; fi
+  $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null 2>&1 ||
+    { $sudo_ apt-get update -qq >/dev/null && $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; } ||
+    { echo "error: could not install iproute2 (apt-get install iproute2)" >&2; exit 1; }
+fi
 # The store tests run against PostgreSQL too: use a reachable server or start a local one.
 export FARM_TEST_POSTGRES_URL="$(bash scripts/ensure-postgres.sh)"
 # The broker tests run worker processes on Redis too (tests/orchestrator/test_compose.py needs no server).

@@ -24,7 +24,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ PREFIX = "dfh"
 # The root namespace's end of a run's link is 10.213.K.1, ctl's 10.213.K.2 (K in 1..254, one per
 # run alive on this machine); a device host's link is 10.213.0.4i/30 inside the namespaces.
 NETWORK = "10.213"
-ALLOCATION_LOCK = Path(tempfile.gettempdir()) / "devicefarm-hosts.lock"
+RUN_NETNS = Path("/run/netns")  # where `ip netns add` names namespaces: locked while a run picks its subnet
 ETC_NETNS = Path("/etc/netns")  # iproute2's per-namespace /etc (ip-netns(8))
 _NAME = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]+-")
 
@@ -141,7 +140,8 @@ class Star:
                 (ETC_NETNS / name).mkdir(parents=True, exist_ok=True)
                 (ETC_NETNS / name / "machine-id").write_text(secrets.token_hex(16) + "\n")
         ctl = self.namespaces["ctl"]
-        with open(ALLOCATION_LOCK, "a") as lock:
+        lock = os.open(RUN_NETNS, os.O_RDONLY)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # two runs must not pick one subnet
             used = set(re.findall(rf"inet {re.escape(NETWORK)}\.(\d+)\.", ip("-4", "-o", "addr", "show")))
             free = [k for k in range(1, 255) if str(k) not in used]
@@ -151,6 +151,8 @@ class Star:
             ip("link", "add", self.root_link, "type", "veth", "peer", "name", "to-root", "netns", ctl)
             ip("addr", "add", f"{NETWORK}.{self.subnet}.1/30", "dev", self.root_link)
             ip("link", "set", self.root_link, "up")
+        finally:
+            os.close(lock)  # and with it the lock
         ip("-n", ctl, "addr", "add", f"{self.ctl_address()}/30", "dev", "to-root")
         ip("-n", ctl, "link", "set", "to-root", "up")
         for host in self.hosts:

@@ -129,7 +129,7 @@ def test_a_host_killed_mid_batch_gets_its_jobs_back_when_it_returns(farm):
     """hA's worker is SIGKILLed with its whole process group while it runs a job: hB's jobs all
     finish while hA is still dead; once hA's worker is back, the jobs it was running run again
     there; every job succeeds and is stored once."""
-    batch_id = suite(farm, "hosts: kill", per_device=2)
+    batch_id = suite(farm, "hosts: kill", per_device=1)
     hit = until(farm, lambda: [r.id for r in jobs_of(farm, batch_id)
                                if r.state == JobState.running and r.worker == "farm@hA"], "a job running on hA")
     farm.kill_worker("hA")
@@ -150,8 +150,8 @@ def test_a_host_cut_off_from_redis_and_postgresql_recovers_its_jobs_once(farm):
     """hA's link to ctl goes down while it runs a job, for longer than stale_after_s: its phones
     go offline (its host is silent), the job it was running is taken from it; healed, its phones
     come back by themselves and its jobs run again, each succeeding and stored once, the attempt
-    that ran during the cut never recorded. hB's phones stay in service all along."""
-    batch_id = suite(farm, "hosts: partition", per_device=2)
+    that ran during the cut never recorded."""
+    batch_id = suite(farm, "hosts: partition", per_device=1)
     hit = until(farm, lambda: [r.id for r in jobs_of(farm, batch_id)
                                if r.state == JobState.running and r.worker == "farm@hA"], "a job running on hA")
     cut_at = utcnow()
@@ -181,7 +181,7 @@ def test_postgresql_and_redis_restarted_under_load_from_both_hosts(farm):
     """PostgreSQL and Redis both stop for a few seconds while both hosts run jobs, then start
     again on their addresses: every job settles once, succeeded, on its own host's worker, and
     no worker, beat or API process exits."""
-    batch_id = suite(farm, "hosts: restarts", per_device=2)
+    batch_id = suite(farm, "hosts: restarts", per_device=1)
     until(farm, lambda: {r.worker for r in jobs_of(farm, batch_id) if r.state == JobState.running}
           == {"farm@hA", "farm@hB"}, "jobs running on both hosts")
     farm.postgres.stop()
