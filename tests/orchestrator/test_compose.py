@@ -195,7 +195,10 @@ def test_the_stack_has_its_services_wired_in_order(stack):
 
 def test_dockerfile_installs_the_project_flower_and_a_software_vulkan():
     text = DOCKERFILE.read_text()
-    assert re.search(r"^FROM python:3\.1[12]-slim", text, re.M), "the image is Debian-based python:3.11/3.12-slim"
+    # The base is an ARG (a local stand-in where no registry is reachable: scripts/docker/local/)
+    # whose default is the official image.
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.1[12]-slim", text, re.M) and re.search(
+        r"^FROM \$\{PYTHON_IMAGE\}$", text, re.M), "the image is Debian-based python:3.11/3.12-slim"
     runs = "\n".join(re.findall(r"^RUN (.*)", text.replace("\\\n", " "), re.M))  # continuations joined
     assert "mesa-vulkan-drivers" in runs and "libvulkan1" in runs
     pip = [cmd for cmd in re.split(r"&&|\n", runs) if "pip install" in cmd]
@@ -203,6 +206,29 @@ def test_dockerfile_installs_the_project_flower_and_a_software_vulkan():
     assert any(re.search(r"""pip install\b.*\s["']?\.\[farm\]["']?(\s|$)""", cmd) for cmd in pip), \
         f"the project is not pip-installed with its farm extra: {pip}"
     assert any(re.search(r"\bflower\b", cmd) for cmd in pip), f"flower is not pip-installed: {pip}"
+
+
+def test_the_local_override_changes_where_images_come_from_and_nothing_else(compose, stack):
+    """scripts/docker/compose.local.yml, for a machine that reaches no registry
+    (benchmarks/compose_stack.py starts the stack with it): Compose accepts it over the file, and
+    it changes Redis's and PostgreSQL's images, the farm image's base (PYTHON_IMAGE) and puts
+    Grafana behind a profile, nothing else; a service added to docker-compose.yml later is not
+    left on the official base."""
+    out = compose("-f", str(REPO / "scripts" / "docker" / "compose.local.yml"), "config", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    local = json.loads(out.stdout)
+    assert set(local["services"]) == set(stack["services"]) - {"grafana"}  # behind its profile
+    for name, service in local["services"].items():
+        expected = json.loads(json.dumps(stack["services"][name]))
+        if name in ("redis", "postgres"):
+            assert service["image"].startswith(f"devicefarm-local/{name}:"), service["image"]
+            expected["image"] = service["image"]
+        if "build" in expected:
+            assert service["build"]["args"] == {"PYTHON_IMAGE": "devicefarm-local/python:3.11-bookworm"}, name
+            expected["build"]["args"] = service["build"]["args"]
+        for mounts in (service.get("volumes"), expected.get("volumes")):  # merged: their order may change
+            (mounts or []).sort(key=lambda m: m["target"])
+        assert service == expected, name
 
 
 # ---- every command a service runs exists ----------------------------------------------------
