@@ -17,16 +17,24 @@ Scenarios:
   send exactly what the device had not kept (whole files and whole, verified chunks: the
   build lists 64 KiB chunks, --chunk-size), and on the wire the cut and resumed deploys
   together may send at most one chunk (and one more deploy's start) beyond an uncut deploy.
+- hosts (`--hosts N`): the farm spread over N device hosts through real network boundaries
+  (tests/hosts: network namespaces, PostgreSQL, Redis, beat and the API in a control namespace,
+  each host a `farm worker --host` driving its own virtual phones over ADB), latency jobs on
+  every phone while, one fault at a time, a random host's worker is SIGKILLed with its process
+  group (and started again after a pause) or its link to the control namespace goes down for
+  longer than stale_after_s (and comes back). Needs root and iproute2.
 
 For each: jobs lost (not succeeded when everything settled or the deadline passed), jobs
 recorded twice (more than one stored run), jobs that ran more than once on a device (allowed:
 delivery is at least once), worker or beat processes that exited on their own, and how long after a fault the work it hit came back: for a kill,
-from the kill until each job its worker was running started again; for a restart, from the
+from the kill until each job its worker was running started again; for a host cut off, from
+its link coming back until each job it was running started again; for a restart, from the
 server coming back until the next job settled.
 
     python benchmarks/fault_suite.py --json docs/benchmarks/fault-suite.json
     python benchmarks/fault_suite.py --small              # what CI runs (tests/orchestrator/test_fault_suite.py)
     python benchmarks/fault_suite.py --scenarios push-cut # the cuts alone (seconds)
+    python benchmarks/fault_suite.py --hosts 3            # 3 hosts x 3 phones, 12 kills, 3 partitions (as root)
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ from orchestrator.jobs.celery_app import DEFAULT_QUEUE, host_queue, make_celery 
 from orchestrator.jobs.jobservice import launch_suite  # noqa: E402
 from orchestrator.services.stack import settings_env  # noqa: E402
 from orchestrator.store import make_engine, make_session_factory, upgrade  # noqa: E402
-from orchestrator.store.models import Deployment, DeploymentStatus, Job, JobState, Run, utcnow  # noqa: E402
+from orchestrator.store.models import Deployment, DeploymentStatus, Host, Job, JobState, Run, utcnow  # noqa: E402
 from orchestrator.transports import DeviceOffline  # noqa: E402
 
 HOST = "faulthost"
@@ -148,7 +156,7 @@ class Monitor(threading.Thread):
         self.started: dict[tuple[int, int], float] = {}  # (job, attempt) -> first seen running
         self.settled_at: list[float] = []
         self.done = threading.Event()
-        self._settled: set[int] = set()
+        self.settled: set[int] = set()  # jobs seen settled
 
     def run(self) -> None:
         while not self.done.is_set():
@@ -163,8 +171,8 @@ class Monitor(threading.Thread):
             for job_id, state, attempts in rows:
                 if state == JobState.running:
                     self.started.setdefault((job_id, attempts), now)
-                if state in store.SETTLED_STATES and job_id not in self._settled:
-                    self._settled.add(job_id)
+                if state in store.SETTLED_STATES and job_id not in self.settled:
+                    self.settled.add(job_id)
                     self.settled_at.append(now)
             time.sleep(0.1)
 
@@ -298,6 +306,123 @@ def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, 
                 server.stop()
             except Exception:  # noqa: BLE001  (already down)
                 pass
+
+
+def run_hosts(root: Path, *, hosts: int, devices: int, jobs: int, kills: int, partitions: int, seed: int,
+              timeout_s: float) -> dict:
+    """The hosts scenario: latency jobs on `devices` phones of each of `hosts` device hosts
+    while `kills` worker kills and `partitions` cuts of a host's link land, one at a time, in a
+    random order, on random hosts."""
+    from hosts.farm import BUILD, LATENCY, HostFarm
+    from hosts.farm import RELIABILITY as HOST_RELIABILITY
+
+    from orchestrator.store.models import Device, DeviceStateChange
+
+    rng = random.Random(seed)
+    names = [f"h{chr(ord('A') + i)}" for i in range(hosts)]
+    farm = HostFarm(root, {host: [f"{host}-p{j + 1}" for j in range(devices)] for host in names})
+    per_device = max(1, -(-jobs // (hosts * devices)))
+    faults: list[dict] = []
+    try:
+        farm.start()
+        t0 = time.monotonic()
+        entries = [{"kind": "latency", "spec": LATENCY | {"seed": i}} for i in range(per_device)]
+        batch_id = launch_suite(farm.app, "fault suite: hosts", entries, build=BUILD, devices="all", max_extra_rounds=0)
+        monitor = Monitor(farm, batch_id)
+        monitor.start()
+        total = per_device * hosts * devices
+        plan = ["kill"] * kills + ["cut"] * partitions
+        rng.shuffle(plan)
+        already_hit: set[tuple[int, int]] = set()
+        for fault in plan:
+            if faults:  # the next fault lands once what the last one hit runs again (recoveries do not overlap)
+                _until(lambda hit=faults[-1]["jobs_hit"]: all(
+                    (job, attempt + 1) in monitor.started or job in monitor.settled for job, attempt in hit.items()),
+                    120)
+            time.sleep(rng.uniform(3.0, 8.0))
+            victim = rng.choice(names)
+            running = monitor.running()
+            # A restarted worker has the dead one's name: an attempt still marked running from
+            # an earlier fault (not yet found stale) was not hit again.
+            hit = {job: attempt for job, (attempt, worker) in running.items()
+                   if worker == f"farm@{victim}" and (job, attempt) not in already_hit}
+            already_hit.update(hit.items())
+            at = time.monotonic()
+            if fault == "kill":
+                farm.kill_worker(victim)
+                down_s = rng.uniform(1.0, 5.0)
+                time.sleep(down_s)
+                farm.start_worker(victim)
+                faults.append({"fault": f"SIGKILL {victim}'s worker, back after {down_s:.1f} s", "kind": "kill",
+                               "host": victim, "at_s": round(at - t0, 2), "jobs_hit": hit, "_at": at})
+            else:
+                cut_s = HOST_RELIABILITY["stale_after_s"] + rng.uniform(2.0, 6.0)
+                farm.net.cut(victim)
+                time.sleep(cut_s)
+                farm.net.heal(victim)
+                faults.append({"fault": f"{victim} cut off for {cut_s:.1f} s", "kind": "cut", "host": victim,
+                               "at_s": round(at - t0, 2), "jobs_hit": hit, "_at": time.monotonic()})
+            if len(monitor.settled_at) >= total:
+                print(f"warning: the batch settled before the last fault ({len(faults)} of {len(plan)} done): "
+                      "more --jobs", flush=True)
+                break
+
+        deadline = t0 + timeout_s
+        while time.monotonic() < deadline and len(monitor.settled_at) < total:
+            time.sleep(0.5)
+        elapsed = time.monotonic() - t0
+        monitor.done.set()
+        monitor.join()
+        with farm.Session() as session:
+            host_of = dict(session.execute(select(Job.id, Host.name).join(Device, Device.id == Job.device_id)
+                                           .join(Host, Host.id == Device.host_id).where(Job.batch_id == batch_id)).all())
+        recovery: dict[str, list[float]] = {"kill": [], "cut": []}
+        for fault in faults:
+            fault["recovered_s"], fault["host_jobs_started_first"] = {}, {}
+            for job, attempt in fault["jobs_hit"].items():
+                back = monitor.started.get((job, attempt + 1))
+                if back is not None:
+                    recovery[fault["kind"]].append(back - fault["_at"])
+                    fault["recovered_s"][job] = round(back - fault["_at"], 2)
+                    # What its host ran before it came back: its phones share one GPU, and timed
+                    # jobs take it in turn.
+                    fault["host_jobs_started_first"][job] = sum(
+                        1 for (other, _), at in monitor.started.items()
+                        if other != job and host_of.get(other) == fault["host"] and fault["_at"] < at < back)
+        with farm.Session() as session:
+            states = dict(session.execute(select(Job.state, func.count()).where(Job.batch_id == batch_id)
+                                          .group_by(Job.state)).all())
+            runs_per_job = session.execute(select(Run.job_id, func.count()).join(Job, Job.id == Run.job_id).where(
+                Job.batch_id == batch_id).group_by(Run.job_id)).all()
+            reran = session.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch_id,
+                                                                               Job.attempts > 1))
+            wrong_host = session.scalar(select(func.count()).select_from(Job).join(Device, Device.id == Job.device_id)
+                                        .where(Job.batch_id == batch_id, Job.state == JobState.succeeded,
+                                               Job.worker != func.concat("farm@", select(Host.name).where(
+                                                   Host.id == Device.host_id).scalar_subquery())))
+            offline = session.scalar(select(func.count()).select_from(DeviceStateChange).where(
+                DeviceStateChange.to_state == "offline", DeviceStateChange.reason.like("its host % not been heard%")))
+            unavailable = [f"{d.serial}: {d.state}" for d in session.scalars(select(Device))
+                           if d.state != "available"]
+            unhealthy = [f"job {j.id}: {j.state} ({j.error})" for j in session.scalars(select(Job).where(
+                Job.batch_id == batch_id, Job.state != JobState.succeeded))]
+        for fault in faults:
+            fault.pop("_at")
+            fault["jobs_hit"] = sorted(fault["jobs_hit"])
+        return {
+            "scenario": "hosts", "hosts": hosts, "jobs": total, "devices": hosts * devices, "faults": faults,
+            "kills": sum(f["kind"] == "kill" for f in faults), "partitions": sum(f["kind"] == "cut" for f in faults),
+            "elapsed_s": round(elapsed, 1), "states": {str(k): v for k, v in states.items()},
+            "lost": total - states.get(JobState.succeeded, 0),
+            "recorded_twice": sum(1 for _, n in runs_per_job if n > 1),
+            "ran_more_than_once": reran, "run_on_another_host": wrong_host,
+            "recovery": _percentiles(recovery["kill"] + recovery["cut"]),
+            "recovery_kills": _percentiles(recovery["kill"]), "recovery_partitions": _percentiles(recovery["cut"]),
+            "devices_taken_offline_with_their_host": offline, "devices_not_available_at_end": unavailable,
+            "processes_exited": farm.dead(), "not_succeeded": unhealthy[:20],
+        }
+    finally:
+        farm.stop()
 
 
 # Where the cuts land in the tiny model's build (files in manifest order): inside the text
@@ -456,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per scenario")
     parser.add_argument("--small", action="store_true", help="CI's size: 9 jobs, 3 kills")
+    parser.add_argument("--hosts", type=int, help="run the hosts scenario alone, over this many device hosts "
+                        "(each with --devices phones; --jobs in all, --kills and --partitions faults; as root)")
+    parser.add_argument("--partitions", type=int, default=3, help="hosts: cuts of a host's link to ctl")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--keep", type=Path, help="keep each scenario's folder (logs, store) under this folder")
     parser.add_argument("--chunk-size", type=int, default=PUSH_CUT_CHUNK,
@@ -463,6 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.small:
         args.jobs, args.kills, args.timeout = 9, 3, 400.0
+    if args.hosts:
+        args.scenarios = "hosts"
+        if "--jobs" not in (argv if argv is not None else sys.argv):
+            args.jobs = 200
+        if "--timeout" not in (argv if argv is not None else sys.argv):
+            args.timeout = 3600.0
     os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.mkdtemp())
     results = []
     for name in args.scenarios.split(","):
@@ -470,10 +604,14 @@ def main(argv: list[str] | None = None) -> int:
             args.keep.mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix=f"fault-{name}-", dir=args.keep))
         os.chmod(root, 0o755)  # a private PostgreSQL runs as another user
-        print(f"-- {name}: {args.jobs} jobs on {args.devices} devices ({root})", flush=True)
+        where = f"{args.hosts} hosts x {args.devices} phones" if name == "hosts" else f"{args.devices} devices"
+        print(f"-- {name}: {args.jobs} jobs on {where} ({root})", flush=True)
         try:
             if name == "push-cut":
                 result = run_push_cuts(root, args.chunk_size)
+            elif name == "hosts":
+                result = run_hosts(root, hosts=args.hosts or 3, devices=args.devices, jobs=args.jobs, kills=args.kills,
+                                   partitions=args.partitions, seed=args.seed, timeout_s=args.timeout)
             else:
                 result = run_scenario(name, root, jobs=args.jobs, devices=args.devices, kills=args.kills,
                                       seed=args.seed, timeout_s=args.timeout)
@@ -492,6 +630,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['scenario']:<16}{r['jobs']:>6}{len(r['faults']):>8}{r['lost']:>6}{r['recorded_twice']:>7}"
               f"{r['ran_more_than_once']:>7}{_s(rec['median_s']):>17}{_s(rec['max_s']):>8}{r['elapsed_s']:>8.0f}s")
     for r in results:
+        if r["scenario"] == "hosts":
+            kills, cuts = r["recovery_kills"], r["recovery_partitions"]
+            print(f"hosts: {r['hosts']} x {r['devices'] // r['hosts']} phones; {r['kills']} kills (recovery median "
+                  f"{_s(kills['median_s'])}, max {_s(kills['max_s'])}), {r['partitions']} partitions (median "
+                  f"{_s(cuts['median_s'])}, max {_s(cuts['max_s'])}); phones taken offline with their host "
+                  f"{r['devices_taken_offline_with_their_host']}, jobs run on another host {r['run_on_another_host']}")
         if r["scenario"] == "push-cut":
             print()
             print(f"push cut, chunks of {r['chunk_size']} bytes; a deploy's start is at most {r['start_bytes']}")
@@ -503,11 +647,26 @@ def main(argv: list[str] | None = None) -> int:
                       f"{c['resent_wire_bytes']:>8}{c['partial_files_seen']:>14}{str(c['installed']):>11}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                                         "settings": RELIABILITY, "workers": WORKERS, "results": results},
+        from hosts.farm import RELIABILITY as HOST_RELIABILITY
+
+        settings = HOST_RELIABILITY if args.hosts else RELIABILITY
+        args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(),
+                                                     "python": platform.python_version()},
+                                         "settings": settings,
+                                         "workers": "one per host, a pool process per phone" if args.hosts else WORKERS,
+                                         "results": results},
                                         indent=2) + "\n")
     return 0 if all(r["ok"] if r["scenario"] == "push-cut" else
-                    r["lost"] == 0 and r["recorded_twice"] == 0 and not r["processes_exited"] for r in results) else 1
+                    r["lost"] == 0 and r["recorded_twice"] == 0 and not r["processes_exited"]
+                    and not r.get("run_on_another_host") for r in results) else 1
+
+
+def _cpu_model() -> str:
+    try:
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
 
 
 def _s(value: float | None) -> str:
