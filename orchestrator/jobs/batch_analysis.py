@@ -5,6 +5,7 @@ through the job service (orchestrator/jobs/jobservice.py)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,10 +58,12 @@ class FollowUp:
     round_metrics: list[str] | None
 
 
-def analyze_in_store(new_session: Callable[[], Session], batch_id: int) -> tuple[dict, FollowUp, list]:
+def analyze_in_store(new_session: Callable[[], Session], batch_id: int,
+                     now: dt.datetime | None = None) -> tuple[dict, FollowUp, list]:
     """The store's part of a batch's analysis, which analyze() then reports and acts on:
     (the summary stored on the batch, the follow-up rounds, the deliveries recorded for its
-    alerts). What benchmarks/store_scale.py times."""
+    alerts). `now`: the clock data stoppages are judged by (the store's). What
+    benchmarks/store_scale.py times."""
     from orchestrator.analysis import changepoints, regressions
     from orchestrator.analysis.summary import batch_summary
 
@@ -76,7 +79,7 @@ def analyze_in_store(new_session: Callable[[], Session], batch_id: int) -> tuple
     # 2. The comparisons and everything written, in one short transaction.
     with new_session() as session, session.begin():
         batch = store.get_batch(session, batch_id)
-        report = regressions.analyze_batch(session, batch_id)
+        report = regressions.analyze_batch(session, batch_id, now)
         report["profile_gains"] = profiles.measure_gains(session, batch_id)
         report["change_points"] = changepoints.record_change_points(session, found)
         summary = batch_summary(session, batch_id) | {"analysis": report}
