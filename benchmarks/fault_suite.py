@@ -209,8 +209,8 @@ def run_scenario(name: str, root: Path, *, jobs: int, devices: int, kills: int, 
     if name != "kills":
         servers["redis"] = RedisServer(root / "redis")
         servers["postgres"] = PostgresServer(root / "postgres")
-        for server in servers.values():
-            server.start()
+        servers["redis"].start()
+        servers["postgres"].start(any_port=True)
     farm = make_farm(root, devices, servers["postgres"].url if servers else None,
                      servers["redis"].url if servers else None)
     per_device = max(1, -(-jobs // devices))

@@ -46,12 +46,12 @@ def find_change_points(session: Session, device: Device | None = None,
                        metric: str | None = None) -> list[FoundChangePoint]:
     """scan_change_points' reading and computing, which writes nothing: what an analysis runs in
     a read snapshot (orchestrator.store.session.read_snapshot), so that a scan never holds the
-    store's write lock. Each series is scanned over its tail, as per-build medians from the
+    store's write lock: the caller brings the series state up to date first (series_state.catch_up,
+    in a transaction of its own). Each series is scanned over its tail, as per-build medians from the
     series state: its newest CHANGE_POINT_WINDOW builds, from the change point recorded before
     its newest one on (the stable segment before the newest change point, which that change
     point is confirmed or moved against, and all after it): the cost of a scan does not grow
     with the series' age."""
-    catch_up(session)  # nothing to write when the caller caught it up (a read snapshot writes nothing)
     found: list[FoundChangePoint] = []
     states = store.series_states(session, device.id if device is not None else None, metric,
                                  metrics=None if metric is not None else list(HEADLINE_METRICS))

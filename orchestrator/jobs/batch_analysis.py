@@ -65,8 +65,14 @@ def analyze_in_store(new_session: Callable[[], Session], batch_id: int,
     alerts). `now`: the clock data stoppages are judged by (the store's). What
     benchmarks/store_scale.py times."""
     from orchestrator.analysis import changepoints, regressions
+    from orchestrator.analysis.series_state import catch_up
     from orchestrator.analysis.summary import batch_summary
 
+    # 0. The series state brought up to the batch's runs, in a short transaction of its own: the
+    # scan below reads it in a snapshot, which must write nothing (on SQLite a snapshot that
+    # writes fails at once with "database is locked" when another writer holds the lock).
+    with new_session() as session, session.begin():
+        catch_up(session, thorough=True)
     # 1. Each series the batch fed, scanned over its recent history (not only inside an alert):
     # read in a snapshot that holds no write lock (on SQLite every other transaction takes it
     # first, and a worker recording a result would wait for all of it; benchmarks/analysis_lock.py).

@@ -101,11 +101,28 @@ class PostgresServer:
         return f"postgresql+psycopg://postgres@{address}:{self.port}/postgres"
 
     def _ctl(self, *args: str) -> None:
-        subprocess.run([*self.run_in, *self.user, str(self.bin / "pg_ctl"), "-D", str(self.folder / "data"), "-l",
-                        str(self.folder / "server.log"), "-w", "-t", "60", *args], check=True, capture_output=True)
+        done = subprocess.run([*self.run_in, *self.user, str(self.bin / "pg_ctl"), "-D", str(self.folder / "data"),
+                               "-l", str(self.folder / "server.log"), "-w", "-t", "60", *args],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            log = self.folder / "server.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.is_file() else "(no server.log)"
+            raise RuntimeError(f"pg_ctl {args[-1]} failed ({done.returncode}): {done.stderr.strip()}\n"
+                               f"--- {log}\n{tail}")
 
-    def start(self) -> None:
-        self._ctl("-o", f"-h {self.listen} -p {self.port} -k {self.folder} -c fsync=off", "start")
+    def start(self, *, any_port: bool = False) -> None:
+        """Start the server; with `any_port` (its first start, before anyone knows its address),
+        on another free port when its own was taken in the meantime (free_port only finds one
+        free at that moment: another test's server may bind it first)."""
+        for attempt in range(3 if any_port else 1):
+            try:
+                self._ctl("-o", f"-h {self.listen} -p {self.port} -k {self.folder} -c fsync=off", "start")
+                return
+            except RuntimeError as exc:
+                if attempt == 2 or not any_port or "already in use" not in str(exc):
+                    raise
+                self.port = free_port()
+                self.url = self.url_at(self.reach)
 
     def stop(self) -> None:
         self._ctl("-m", "fast", "stop")
