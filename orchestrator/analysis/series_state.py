@@ -68,7 +68,7 @@ def _run_rows(session: Session, pending: list) -> list[dict[str, Any]]:
     for run_id, metric, _, value in store.samples_of_runs(session, run_ids, keys.HEADLINE_METRICS):
         values[(run_id, metric)].append(value)
     readings = defaultdict(list)
-    for t in store.thermal_of_runs(session, run_ids):
+    for t in store.thermal_readings_of(session, run_ids):
         readings[t.run_id].append(rg.ThermalReading(t.phase, t.zone, t.celsius))
     devices: dict[int, Any] = {}
     rows = []

@@ -23,7 +23,6 @@ from .models import (
     Run,
     RunStatus,
     Sample,
-    ThermalReading,
     utcnow,
 )
 from .rows import in_series
@@ -32,9 +31,9 @@ from .series_models import SeriesPoint, SeriesProgress, SeriesRun, SeriesState
 __all__ = [
     "Point", "delete_series_points", "lock_series_progress", "pending_series_runs", "point_values", "runs_in_series_state",
     "samples_of_runs", "save_series_points", "save_series_runs", "series_builds_before", "series_kernel_timings",
-    "series_of_device", "series_points", "series_progress", "series_run_stats", "series_runs_of_builds",
+    "series_of_device", "series_points", "series_progress", "series_run_stats",
     "get_series_state", "newest_run_id", "series_points_at", "series_run_values", "series_states", "set_series_progress",
-    "thermal_of_runs", "upsert_series_state",
+    "upsert_series_state",
 ]
 
 PROGRESS_ID = 1
@@ -93,10 +92,6 @@ def samples_of_runs(session: Session, run_ids: list[int], metrics: Iterable[str]
     return [tuple(r) for r in session.execute(
         select(Sample.run_id, Sample.metric, Sample.unit, Sample.value)
         .where(Sample.run_id.in_(run_ids), Sample.metric.in_(list(metrics))).order_by(Sample.id))]
-
-
-def thermal_of_runs(session: Session, run_ids: list[int]) -> list[ThermalReading]:
-    return list(session.scalars(select(ThermalReading).where(ThermalReading.run_id.in_(run_ids))))
 
 
 def upsert_series_state(session: Session, ident: str, **values: Any) -> SeriesState:
@@ -250,13 +245,6 @@ def series_builds_before(session: Session, series_ids: list[str], before: tuple[
         .group_by(SeriesPoint.build_id, SeriesPoint.build_created)
         .order_by(SeriesPoint.build_created.desc(), SeriesPoint.build_id.desc()).limit(limit))
     return [build_id for build_id, _ in rows]
-
-
-def series_runs_of_builds(session: Session, series_id: str, build_ids: Iterable[int]) -> list[tuple[int, int]]:
-    """(build id, run id) of the series' runs of those builds, by run."""
-    return [tuple(r) for r in session.execute(
-        select(SeriesRun.build_id, SeriesRun.run_id)
-        .where(SeriesRun.series_id == series_id, SeriesRun.build_id.in_(list(build_ids))).order_by(SeriesRun.run_id))]
 
 
 def series_kernel_timings(session: Session, series_id: str) -> list[tuple[int, int, int, str, float]]:
