@@ -168,6 +168,42 @@ class Device(Base):
     host: Mapped[Host | None] = relationship(back_populates="devices")
 
 
+class DeviceReservation(Base):
+    """A person holds a device until `until`: schedules, suites and checks leave it alone (they
+    skip it or wait, and say so). Ended early by `released_at`; kept afterwards as history."""
+
+    __tablename__ = "device_reservations"
+    __table_args__ = (Index("ix_device_reservations_device_until", "device_id", "until"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    holder: Mapped[str] = mapped_column(String(255))
+    note: Mapped[str] = mapped_column(Text, default="")
+    starts_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    until: Mapped[dt.datetime]
+    released_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class DeviceScreenshot(Base):
+    """What a device's screen showed at `taken_at` (`farm devices screenshot`): a PNG kept on
+    the control plane at `path`, taken by `source` ("adb": screencap; "devtools": the browser
+    page through Chromium's DevTools protocol)."""
+
+    __tablename__ = "device_screenshots"
+    __table_args__ = (Index("ix_device_screenshots_device_taken", "device_id", "taken_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    path: Mapped[str] = mapped_column(String(1024))
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(BigInteger, default=0)
+    width: Mapped[int] = mapped_column(default=0)
+    height: Mapped[int] = mapped_column(default=0)
+    source: Mapped[str] = mapped_column(String(16))
+    taken_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
 # ---- builds and profiles ------------------------------------------------------------------
 
 
@@ -198,6 +234,9 @@ class Build(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
+    # What people call it in tables, charts and commands ("A", "B", "rc1"): given at `builds
+    # create --label` or derived; unique, so that it names the build wherever a build is named.
+    label: Mapped[str | None] = mapped_column(String(32), unique=True)
     version: Mapped[str] = mapped_column(String(64))
     source_revision: Mapped[str] = mapped_column(String(128), default="")
     manifest_sha256: Mapped[str] = mapped_column(String(64), unique=True)
@@ -540,10 +579,34 @@ class Alert(Base):
     summary: Mapped[str] = mapped_column(Text, default="")  # one line a person reads first
     detail: Mapped[dict[str, Any]]  # attribution, samples counts, images, thermal flags
     note: Mapped[str] = mapped_column(Text, default="")  # the triager's words
+    # the regression this cell belongs to: every alert of one build pair (AlertGroup)
+    group_id: Mapped[int | None] = mapped_column(ForeignKey("alert_groups.id", ondelete="SET NULL"),
+                                                 index=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     device: Mapped[Device | None] = relationship()
+    build: Mapped[Build | None] = relationship(foreign_keys=[build_id])
+    baseline_build: Mapped[Build | None] = relationship(foreign_keys=[baseline_build_id])
+
+
+class AlertGroup(Base):
+    """One regression as people triage it: the alerts one build raised against one baseline (a
+    build range, with the devices and metrics inside), triaged together: one owner, one bug,
+    one note, and its alerts acknowledged, invalidated or fixed in bulk."""
+
+    __tablename__ = "alert_groups"
+    __table_args__ = (Index("ix_alert_groups_build", "build_id", "baseline_build_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"))
+    baseline_build_id: Mapped[int | None] = mapped_column(ForeignKey("builds.id", ondelete="SET NULL"))
+    owner: Mapped[str] = mapped_column(String(255), default="")
+    bug_url: Mapped[str] = mapped_column(String(1024), default="")
+    note: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
     build: Mapped[Build | None] = relationship(foreign_keys=[build_id])
     baseline_build: Mapped[Build | None] = relationship(foreign_keys=[baseline_build_id])
 
