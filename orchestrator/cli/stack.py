@@ -33,6 +33,18 @@ def register_devices(settings, entries: list[tuple[str, ...]]) -> None:
         session.commit()
 
 
+def registered_here(settings, skip: set[str]) -> list[str]:
+    """The serials of the real devices registered on this host, or on none (their jobs go to this
+    host's queue), but those in `skip`: what `farm up` drives beside its virtual devices. A
+    virtual device of an earlier stack is not among them: its process is gone."""
+    from orchestrator.store import queries
+
+    with open_store(settings) as sessions, sessions() as session:
+        return [d.serial for d in queries.list_devices(session)
+                if d.serial not in skip and not d.virtual
+                and (d.host is None or d.host.name == settings.host_name)]
+
+
 def worker(
     host: str = HOST_OPTION,
     concurrency: int = typer.Option(2, "--concurrency", "-c", min=1, help="Jobs this worker runs at once "
@@ -169,13 +181,14 @@ def up(
     tablets: int = typer.Option(0, "--tablets", min=0, help="Virtual web devices (HTTPS through the hub)."),
 ):
     """Run the embedded stack until Ctrl-C: a worker, beat, the hub browser devices talk to and
-    virtual phones, with this host's GPU as a device. Every process it started is stopped when
-    it returns."""
+    virtual phones, with this host's GPU as a device, and the devices registered on this host
+    (`farm devices add`: a phone on USB, a tablet). Every process it started is stopped when it
+    returns."""
     settings = cli_settings()
     with open_store(settings):
         pass
     with start_stack(settings, phones=phones, host_gpu=host_gpu, concurrency=concurrency, beat=True,
-                     browser_phones=browser_phones, tablets=tablets) as stack:
+                     browser_phones=browser_phones, tablets=tablets, registered=True) as stack:
         try:  # the stop signal may land while the line below is still being written
             console.print(f"[bold green]farm up[/]: {len(stack.devices)} devices on host {settings.host_name} "
                           f"({', '.join(stack.devices)}); logs in {stack.stack.log_dir}. Ctrl-C stops everything.")
@@ -237,11 +250,12 @@ HOST_GPU_SERIAL = "host-gpu"
 
 
 def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | None, beat: bool,
-                browser_phones: int = 0, tablets: int = 0) -> RunningStack:
+                browser_phones: int = 0, tablets: int = 0, registered: bool = False) -> RunningStack:
     """Start the hub, phones and tablets, register them (and the host GPU) as devices of this
     host, start the worker (and beat), probe every device; stops what it started when anything
     fails. `browser_phones`: virtual phones whose Chrome runs the engine (browser executor over
-    adb); `tablets`: virtual web devices that open the hub over HTTPS themselves."""
+    adb); `tablets`: virtual web devices that open the hub over HTTPS themselves; `registered`:
+    drive the real devices already registered on this host too (`registered_here`)."""
     from agent.bundle import provision_public_key
     from orchestrator.infra import ca
     from orchestrator.infra.keys import PUBLIC_KEY
@@ -293,9 +307,13 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
                     url = enrolment_url(f"https://localhost:{hub['https_port']}", serial, token, public, virtual=True)
                     stack.start_tablet(serial, url, ca_pem)
                     entries.append((serial, "web", "", "browser"))
-        if not entries:
-            fail("no devices: start phones (--phones N) or keep the host GPU")
-        register_devices(settings, entries)
+        others = registered_here(settings, {entry[0] for entry in entries} | {HOST_GPU_SERIAL}) if registered else []
+        if not entries and not others:
+            fail("no devices: register one (farm devices add SERIAL --transport adb --address usb:SERIAL), "
+                 "start virtual phones (--phones N) or keep the host GPU (--host-gpu)")
+        if entries:
+            register_devices(settings, entries)
+        entries += [(serial, "", "") for serial in others]
         with console.status("starting the worker"):
             stack.start_worker(concurrency or len(entries))
             if beat:
