@@ -80,7 +80,7 @@ def add(
         subscription_id = subscription.id
     console.print(f"subscription {subscription_id}: {kind} {target}", highlight=False, markup=False)
     if secret:
-        console.print(f"signing secret (shown once; README, Notifications, says how to verify): {secret}",
+        console.print(f"signing secret (shown once; docs/triage.md, Notifications, says how to verify): {secret}",
                       highlight=False, markup=False)
 
 

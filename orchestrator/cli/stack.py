@@ -108,7 +108,7 @@ def hub(
                                    "hub_https_port, 8743; 0: any free one)."),
 ):
     """Run the hub browser devices talk to: HTTP on 127.0.0.1 (workers, phones' reverse forwards)
-    and HTTPS for phones and tablets on the network (README: Real phones). One per farm host;
+    and HTTPS for phones and tablets on the network (docs/phones.md). One per farm host;
     while it runs, <config_dir>/hub.json (0600) tells workers its key and ports."""
     import json
 

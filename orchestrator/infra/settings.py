@@ -37,7 +37,7 @@ Device health (docs/devices.md):
 |---------------------|---------|---------|
 | health_check_every_s | 180    | beat runs the health check this often: offline and unauthorized devices due for a probe are probed (with back-off), busy devices nothing holds are freed |
 
-The hub browser devices talk to (`farm hub`; README, Real phones):
+The hub browser devices talk to (`farm hub`; docs/phones.md):
 
 | field           | default   | meaning |
 |-----------------|-----------|---------|

@@ -9,7 +9,7 @@ MAX_DELIVERY_ATTEMPTS, and beat's sweep resends any delivery whose message was l
 broken receiver costs its own task at most `notify_timeout_s` in all, however slowly it
 answers, and never the analysis.
 
-Webhook signature (README, "Notifications"): the subscription's secret signs, as HMAC-SHA256
+Webhook signature (docs/triage.md, "Notifications"): the subscription's secret signs, as HMAC-SHA256
 over "<timestamp>.<delivery id>.<body>", `X-Farm-Signature: sha256=<hex>` beside
 `X-Farm-Timestamp: <unix seconds>` and `X-Farm-Delivery: <delivery id>` (the same id on a retry,
 so a receiver can drop a duplicate; signed, so no one else can make it drop one). An attempt

@@ -411,7 +411,7 @@ class AdbTransport(Transport):
 
     def agent_missing(self, err: str) -> TransportError:
         return TransportError(self.name, f"the agent command {self.agent!r} is not on the device ({err.strip()}); "
-                              "install it (README: Connecting real devices) or set agent_command")
+                              "install it (docs/phones.md: Connecting real devices) or set agent_command")
 
     # ---- the Transport interface -------------------------------------------------------------
 
