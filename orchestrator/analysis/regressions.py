@@ -30,7 +30,7 @@ from orchestrator.analysis.keys import (  # noqa: F401  (the keys, named from he
     series_ident,
     series_key,
 )
-from orchestrator.analysis.series_state import catch_up
+from orchestrator.analysis.series_state import catch_up, record_verdict
 from orchestrator.analysis.stats.compare import MIN_SAMPLES
 from orchestrator.store import Session, queries
 from orchestrator.store import environment as run_env
@@ -340,6 +340,7 @@ def analyze_batch(session: Session, batch_id: int, now: dt.datetime | None = Non
             if result is None:
                 continue
             report["comparisons"].append(result)
+            record_verdict(session, result, build, baseline)  # what the overview shows, decided or not
             if result["verdict"] in ("regression", "improvement"):
                 alert = _record_alert(session, batch, build, baseline, device, spec, result,
                                       baseline_runs, candidate_runs)

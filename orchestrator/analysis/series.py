@@ -3,7 +3,8 @@ keyed exactly as orchestrator/analysis/regressions.py keys it when it compares b
 OS and driver, model, resolution, steps, precision, requested profile, metric and the
 environment the runs recorded), and its points, one per build in build order. Read from the
 series state (orchestrator/analysis/series_state.py), brought up to date first: a series is
-found by its id, every series is one query, and neither grows with the farm's history. What the
+found by its id, every series is one query (with its newest verdict, as the batch analysis
+stored it: latest_verdict), and neither grows with the farm's history. What the
 farm API's /v1/series serves; a series' `id` is a short hash of its canonical key, stable for as
 long as the key is."""
 
@@ -31,6 +32,33 @@ class Series:
     runs: int  # succeeded latency runs in it
     builds: int = 0  # its points
     latest: dict[str, Any] | None = None  # its newest point: build, build_id, median, n
+    verdict: dict[str, Any] | None = None  # its newest verdict: latest_verdict()
+
+
+# What a series' newest comparison says, as the faces name it: the analysis' "same" is "no_change".
+# Settled: regression, improvement, no_change. Unsettled: inconclusive (the interval straddles
+# the minimum effect), not_enough_data (one build, or nothing to compare with), not_analysed
+# (its newest build's batch not analysed yet, or analysed before migration 0026).
+VERDICTS = {"regression": "regression", "improvement": "improvement", "same": "no_change",
+            "inconclusive": "inconclusive"}
+SETTLED = ("regression", "improvement", "no_change")
+
+
+def latest_verdict(stored: dict[str, Any] | None, builds: int, last_build_id: int | None) -> dict[str, Any]:
+    """A series' newest verdict as the API serves it, from what the batch analysis stored in its
+    row (series_state.record_verdict): verdict, settled, the builds compared, the ratio of
+    medians and its interval, the reason, and whether it is about the series' newest build."""
+    empty = {"verdict": "not_enough_data", "settled": False, "build": None, "baseline_build": None,
+             "on_latest": False, "ratio": None, "ci_low": None, "ci_high": None, "p_value": None,
+             "confidence": None, "reason": "one build: nothing to compare it with yet"}
+    if stored is None:
+        return empty if builds < 2 else empty | {
+            "verdict": "not_analysed", "reason": "no analysis of this series' builds recorded yet"}
+    verdict = VERDICTS.get(stored["verdict"], "not_enough_data")
+    return {"verdict": verdict, "settled": verdict in SETTLED, "build": stored["build"],
+            "baseline_build": stored["baseline_build"], "on_latest": stored["build_id"] == last_build_id,
+            "ratio": stored["ratio"], "ci_low": stored["ci_low"], "ci_high": stored["ci_high"],
+            "p_value": stored["p_value"], "confidence": stored.get("confidence"), "reason": stored["reason"]}
 
 
 def series_id(key: rg.SeriesKey) -> str:
@@ -45,7 +73,8 @@ def _series(state, build_name: str | None) -> Series:
     key = rg.SeriesKey.from_dict(state.series)
     latest = None if state.last_build_id is None else {"build": build_name, "build_id": state.last_build_id,
                                                          "median": state.last_median, "n": state.last_n}
-    return Series(state.id, key, state.device_id, _spec(key), state.runs, state.builds, latest)
+    return Series(state.id, key, state.device_id, _spec(key), state.runs, state.builds, latest,
+                  latest_verdict(state.verdict, state.builds, state.last_build_id))
 
 
 def list_series(session: Session, device: Device | None = None, metric: str | None = None) -> list[Series]:

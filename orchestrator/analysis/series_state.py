@@ -12,7 +12,10 @@ over the newest LAG run ids); the first call after migration 0024 reads the whol
 CHUNK runs a transaction step. Runs are read in id order; a run committed late with a lower id
 than ones already read (two workers recording at once) is still found: the scan looks LAG ids
 back, and the state records every run it holds. Two catch-ups at once are serialised by the
-progress row's lock, taken only when there is something to write."""
+progress row's lock, taken only when there is something to write.
+
+record_verdict() keeps each series' newest comparison (its verdict, ratio and interval against
+its baseline) in its row, as the batch analysis makes it: the faces read it, never compare."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from orchestrator.analysis import keys
 from orchestrator.analysis import stats as rg
 from orchestrator.store import Session
 from orchestrator.store import environment as run_env
-from orchestrator.store.models import utcnow
+from orchestrator.store.models import Build, utcnow
 
 LAG = 1000  # run ids looked back past the progress mark, for runs committed out of id order
 CHUNK = 5000  # runs read per step of a catch-up
@@ -58,6 +61,26 @@ def catch_up(session: Session, *, thorough: bool = False) -> int:
         if not full:
             return added
         done = mark
+
+
+def record_verdict(session: Session, result: dict[str, Any], candidate: Build, baseline: Build) -> None:
+    """Keep a batch analysis' comparison (compare_builds' dict) as its series' newest verdict,
+    which the overview and the series pages read as it is: "inconclusive" and "same" as much
+    as the alerts' regression and improvement. An older build's comparison (a batch analysed
+    again later) leaves a newer build's verdict in place."""
+    state = store.get_series_state(session, keys.series_ident(rg.SeriesKey.from_dict(result["series"])))
+    if state is None:  # no samples of the candidate in it: nothing to show the verdict on
+        return
+    order = [candidate.created.isoformat(), candidate.id]
+    if state.verdict is not None and state.verdict.get("order", order) > order:
+        return
+    state.verdict = {"verdict": result["verdict"], "cause": result.get("cause"), "reason": result["reason"],
+                     "build_id": candidate.id, "build": candidate.name, "baseline_build_id": baseline.id,
+                     "baseline_build": baseline.name, "ratio": result["ratio"], "ci_low": result["ci_low"],
+                     "ci_high": result["ci_high"], "confidence": result.get("confidence"),
+                     "p_value": result["p_value"], "environment_change": bool(result.get("environment_change")),
+                     "order": order, "at": utcnow().isoformat()}
+    session.flush()
 
 
 def _run_rows(session: Session, pending: list) -> list[dict[str, Any]]:

@@ -231,11 +231,30 @@ class RunDetail(RunSummary):
 
 
 
+class SeriesVerdict(BaseModel):
+    """A series' newest comparison, as the batch analysis made it (orchestrator/analysis/series.py
+    latest_verdict): settled (regression, improvement, no_change) or not (inconclusive: the
+    interval straddles the minimum effect; not_enough_data; not_analysed)."""
+
+    verdict: Literal["regression", "improvement", "inconclusive", "no_change", "not_enough_data", "not_analysed"]
+    settled: bool = Field(description="regression, improvement or no_change: the analysis decided.")
+    build: str | None = Field(description="The build compared (the candidate).")
+    baseline_build: str | None
+    on_latest: bool = Field(description="Whether `build` is the series' newest build.")
+    ratio: float | None = Field(description="The build's median / its baseline's.")
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None
+    confidence: float | None = Field(description="Of the interval (0.95).")
+    reason: str
+
+
 class SeriesOut(BaseModel):
     id: str = Field(description="A short hash of the key's canonical JSON.")
     key: SeriesKey  # as the analysis keys it (orchestrator/analysis/stats)
     canonical: str = Field(description="The key as canonical JSON (what series settings are stored by).")
     runs: int = Field(description="Succeeded latency runs in the series.")
+    latest_verdict: SeriesVerdict
 
 
 class SeriesPoint(BaseModel):
@@ -385,7 +404,8 @@ class OverviewCell(BaseModel):
     builds: int
     runs: int
     latest: LatestPoint
-    verdict: AlertRef | None
+    latest_verdict: SeriesVerdict = Field(description="The series' newest comparison, decided or not.")
+    verdict: AlertRef | None = Field(description="The alert on the latest build, else the newest open one.")
     verdict_on_latest: bool
 
 

@@ -79,8 +79,9 @@ def spec_label(spec: regressions.SpecKey) -> str:
 
 
 def overview(session: Session) -> dict[str, Any]:
-    """Devices, headline metrics and one cell per series: its latest build's median and the
-    verdict on it (the alert on its latest build, else its newest open alert, else none)."""
+    """Devices, headline metrics and one cell per series: its latest build's median, its newest
+    verdict as the batch analysis stored it in the series row (inconclusive and no change too),
+    and the alert on it (the alert on its latest build, else its newest open alert, else none)."""
     alerts = _series_alerts(session)
     cells = []
     for series in farm_series.list_series(session):  # one query: each series carries its newest point
@@ -94,6 +95,7 @@ def overview(session: Session) -> dict[str, Any]:
                       "unit": unit_of(series.key.metric), "spec": spec_label(series.spec),
                       "environment": series.key.os_driver, "builds": series.builds, "runs": series.runs,
                       "latest": {"build": latest["build"], "median": latest["median"], "n": latest["n"]},
+                      "latest_verdict": series.verdict,
                       "verdict": _alert_ref(verdict) if verdict is not None else None,
                       "verdict_on_latest": verdict is not None and verdict.build_id == latest["build_id"]})
     devices = [{"serial": d.serial, "model": d.model, "state": str(d.state), "state_reason": d.state_reason,

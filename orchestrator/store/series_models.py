@@ -44,6 +44,9 @@ class SeriesState(Base):
     last_build_created: Mapped[dt.datetime | None]
     last_median: Mapped[float | None]
     last_n: Mapped[int] = mapped_column(default=0)
+    # The newest comparison of the series' build against its baseline, as the batch analysis
+    # made it (analysis/series_state.py record_verdict): verdict, ratio, interval, builds, reason.
+    verdict: Mapped[dict[str, Any] | None]
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 

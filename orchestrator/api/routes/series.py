@@ -1,5 +1,5 @@
-"""GET /v1/series (the analysis' series, keyed as it keys them) and /v1/series/{id} (one
-series with a point per build): orchestrator/analysis/series.py."""
+"""GET /v1/series (the analysis' series, keyed as it keys them, each with its newest verdict)
+and /v1/series/{id} (one series with a point per build): orchestrator/analysis/series.py."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from orchestrator import store
 from orchestrator.analysis import series as farm_series
 
 from ..deps import AUTH_ERRORS, BAD_FILTER, NOT_FOUND, Db, Reader, SeriesId, found
-from ..schemas import PLAIN, Metric, SeriesDetail, SeriesOut, SeriesPoint
+from ..schemas import PLAIN, Metric, SeriesDetail, SeriesOut, SeriesPoint, SeriesVerdict
 
 router = APIRouter(prefix="/series", tags=["series"], responses=AUTH_ERRORS)
 
 
 def _out(s: farm_series.Series) -> SeriesOut:
-    return SeriesOut(id=s.id, key=s.key, canonical=s.key.canonical(), runs=s.runs)
+    return SeriesOut(id=s.id, key=s.key, canonical=s.key.canonical(), runs=s.runs,
+                     latest_verdict=SeriesVerdict(**s.verdict))
 
 
 @router.get("", response_model=list[SeriesOut], responses=BAD_FILTER, summary="The analysis' series")
