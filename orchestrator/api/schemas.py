@@ -8,10 +8,12 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.analysis.stats import SeriesKey
+from orchestrator.dashboard import views
 from orchestrator.store.models import (
     Alert,
     AlertKind,
@@ -290,6 +292,10 @@ class AlertOut(BaseModel):
     series: dict[str, Any]
     detail: dict[str, Any]
     batch: int | None
+    series_id: str | None = Field(description="The series the alert is about (/v1/series/{id}); none for a "
+                                              "device's data stoppage.")
+    group_id: int | None = Field(description="The regression it belongs to (/v1/alert-groups/{id}): every alert "
+                                             "of its build pair.")
     created_at: dt.datetime
     updated_at: dt.datetime
 
@@ -300,11 +306,110 @@ class AlertOut(BaseModel):
                    baseline_build=a.baseline_build.name if a.baseline_build else None, metric=a.metric,
                    ratio=a.ratio, ci_low=a.ci_low, ci_high=a.ci_high, p_value=a.p_value, summary=a.summary,
                    note=a.note, series=a.series or {}, detail=a.detail or {}, batch=a.batch_id,
+                   series_id=views.alert_series_id(a), group_id=a.group_id,
                    created_at=a.created_at, updated_at=a.updated_at)
 
 
 class Triage(BaseModel):
     note: str | None = Field(None, max_length=10_000, description="Why (kept on the alert).")
+
+
+# ---- alert groups -------------------------------------------------------------------------
+
+
+def _build_label(build: Build | None) -> str | None:
+    """A build as people name it: its short label when it has one, else its name."""
+    return None if build is None else (build.label or build.name)
+
+
+class AlertInGroup(BaseModel):
+    """One alert as its group's row lists it."""
+
+    id: int
+    kind: AlertKind
+    state: AlertState
+    device: str | None
+    metric: str
+    ratio: float | None
+    series_id: str | None
+    summary: str
+
+    @classmethod
+    def of(cls, a: Alert) -> AlertInGroup:
+        return cls(id=a.id, kind=a.kind, state=a.state, device=a.device.serial if a.device else None,
+                   metric=a.metric, ratio=a.ratio, series_id=views.alert_series_id(a), summary=a.summary)
+
+
+class AlertGroupOut(BaseModel):
+    """One regression: the alerts one build raised against one baseline, triaged together."""
+
+    id: int
+    build: str | None
+    baseline_build: str | None
+    build_label: str | None = Field(description="The build's label, else its name.")
+    baseline_label: str | None = Field(description="The baseline's label, else its name.")
+    owner: str
+    bug_url: str
+    note: str
+    devices: list[str]
+    metrics: list[str]
+    kinds: dict[str, int] = Field(description="How many alerts of each kind.")
+    states: dict[str, int] = Field(description="How many alerts in each state (every state named).")
+    size: int = Field(description="How many alerts.")
+    open: bool = Field(description="Whether any alert is new or acknowledged.")
+    worst_ratio: float | None = Field(description="The ratio furthest from 1 (of the regressions, when any).")
+    worst_alert: int | None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    alerts: list[AlertInGroup]
+
+    @classmethod
+    def of(cls, v: store.AlertGroupView) -> AlertGroupOut:
+        g, worst = v.group, v.worst
+        return cls(id=g.id, build=g.build.name if g.build else None,
+                   baseline_build=g.baseline_build.name if g.baseline_build else None,
+                   build_label=_build_label(g.build), baseline_label=_build_label(g.baseline_build),
+                   owner=g.owner, bug_url=g.bug_url, note=g.note, devices=v.devices, metrics=v.metrics,
+                   kinds=v.kinds, states=v.states, size=len(v.alerts), open=v.open,
+                   worst_ratio=worst.ratio if worst else None, worst_alert=worst.id if worst else None,
+                   created_at=g.created_at, updated_at=g.updated_at, alerts=[AlertInGroup.of(a) for a in v.alerts])
+
+
+class AlertGroupDetail(AlertGroupOut):
+    full_alerts: list[AlertOut] = Field(description="Every alert of the group as /v1/alerts/{id} gives it.")
+
+    @classmethod
+    def of(cls, v: store.AlertGroupView) -> AlertGroupDetail:
+        return cls(**AlertGroupOut.of(v).model_dump(), full_alerts=[AlertOut.of(a) for a in v.alerts])
+
+
+class GroupTriage(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    note: str | None = Field(None, max_length=10_000, description="Why (kept on each alert triaged).")
+    alert_ids: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] | None = Field(
+        None, max_length=10_000, description="Only these alerts of the group (default: every one).")
+
+
+class GroupUpdate(BaseModel):
+    """What a PATCH sets; a field left out stays as it is, "" clears it."""
+
+    model_config = {"extra": "forbid"}
+
+    owner: str | None = Field(None, max_length=255, pattern=PLAIN)
+    bug_url: str | None = Field(None, max_length=1024, pattern=PLAIN,
+                                description="An http(s) link to the bug, or \"\" to clear it.")
+    note: str | None = Field(None, max_length=10_000, pattern=PLAIN)
+
+    @field_validator("bug_url")
+    @classmethod
+    def _http_link(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        try:
+            return store.valid_bug_url(url)
+        except store.StoreError as exc:
+            raise ValueError(str(exc)) from None
 
 
 # ---- checks -------------------------------------------------------------------------------

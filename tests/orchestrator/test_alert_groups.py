@@ -1,0 +1,267 @@
+"""Alert groups (issue 41): one slow build raised one alert per device and metric, ten for five
+devices and two metrics, each triaged alone. Now every alert of a build pair joins one group,
+made with the pair's first alert, which people list (devices x metrics, worst change, counts by
+state), triage in bulk and give an owner, a bug link and a note, in the store (SQLite and
+PostgreSQL), the API (TestClient, each scope) and the CLI; alerts carry their series and group;
+`farm regressions show` prints numbers people read.
+
+The store is seeded the farm's way: devices p1-p3, builds b1 and b2 at 100 ms a UNet step and
+2,000 ms end to end, b3 30 % slower on both, b3's batch analysed for real."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, select, text, update
+from sqlalchemy.engine import make_url
+from support import seed_nightlies
+
+from agent.protocol import JobResult, Sample
+from orchestrator import store
+from orchestrator.api import tokens
+from orchestrator.api.app import create_app
+from orchestrator.infra.settings import Settings
+from orchestrator.jobs import batch_analysis
+from orchestrator.store.models import Alert, AlertGroup, AlertKind, AlertState
+
+SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
+SERIALS = ("p1", "p2", "p3")
+METRICS = ("e2e_ms", "unet_step_ms")
+
+
+def _latency(rng, slow: float) -> JobResult:
+    steps = 100.0 * slow * rng.lognormal(0.0, 0.02, 10)
+    e2e = 2000.0 * slow * rng.lognormal(0.0, 0.02, 10)
+    return JobResult(job_id="j", kind="latency", status="succeeded",
+                     samples=[Sample("unet_step_ms", float(v), "ms", r) for r, v in enumerate(steps)]
+                     + [Sample("e2e_ms", float(v), "ms", r) for r, v in enumerate(e2e)])
+
+
+def _seed(sessions) -> None:
+    rng = np.random.default_rng(20261206)
+    with sessions() as s, s.begin():
+        devices = [store.upsert_device(s, serial, "local", f"/tmp/{serial}", host="h") for serial in SERIALS]
+        for device in devices:
+            store.set_device_state(s, device.id, "available")
+        batches = seed_nightlies(s, devices, SPEC, lambda slow: _latency(rng, slow))
+    batch_analysis.analyze_in_store(sessions, batches["b3"])
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def seeded(request, tmp_path_factory):
+    """The seeded, analysed store, made once a module for each backend: each test gets a copy
+    (a file copy, or a database made from it as a template)."""
+    root = tmp_path_factory.mktemp("seeded")
+    if request.param == "sqlite":
+        url = f"sqlite:///{root / 'farm.db'}"
+    else:
+        server = make_url(request.getfixturevalue("pg_server_url"))
+        admin = create_engine(server, isolation_level="AUTOCOMMIT")
+        template = f"farm_groups_{uuid.uuid4().hex[:12]}"
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{template}"'))
+        url = server.set(database=template).render_as_string(hide_password=False)
+    store.upgrade(url)
+    engine = store.make_engine(url)
+    _seed(store.make_session_factory(engine))
+    engine.dispose()
+    if request.param == "sqlite":
+        yield lambda tmp_path: shutil.copy(root / "farm.db", tmp_path / "farm.db") and f"sqlite:///{tmp_path}/farm.db"
+        return
+    copies: list[str] = []
+
+    def copy(_tmp_path) -> str:
+        copies.append(f"farm_groups_{uuid.uuid4().hex[:12]}")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{copies[-1]}" TEMPLATE "{template}"'))
+        return server.set(database=copies[-1]).render_as_string(hide_password=False)
+
+    yield copy
+    with admin.connect() as conn:
+        for name in [*copies, template]:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def farm(seeded, tmp_path):
+    """A copy of the seeded store, its settings, a read and a triage token."""
+    url = seeded(tmp_path)
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="h", database_url=url)
+    engine = store.make_engine(url)
+    sessions = store.make_session_factory(engine)
+    with sessions() as s, s.begin():
+        made = {scope: tokens.create_token(s, scope, f"{scope} token")[1] for scope in ("read", "triage")}
+    yield {"settings": settings, "sessions": sessions, "tokens": made, "url": url}
+    engine.dispose()
+
+
+def _regressions(sessions) -> list[Alert]:
+    with sessions() as s:
+        return list(s.scalars(select(Alert).where(Alert.kind == AlertKind.regression).order_by(Alert.id)))
+
+
+# ---- the store ----------------------------------------------------------------------------
+
+
+def test_one_slow_build_is_one_group_of_its_device_by_metric_alerts(farm):
+    alerts = _regressions(farm["sessions"])
+    assert {(a.device_id, a.metric) for a in alerts} and len(alerts) == len(SERIALS) * len(METRICS)
+    assert len({a.group_id for a in alerts}) == 1 and alerts[0].group_id is not None
+    with farm["sessions"]() as s:
+        (view,) = store.list_alert_groups(s)
+        assert (view.group.build.name, view.group.baseline_build.name) == ("b3", "b2")
+        assert view.devices == list(SERIALS) and view.metrics == list(METRICS)
+        assert view.kinds == {"regression": 6} and view.states == {"new": 6, "acknowledged": 0, "invalid": 0,
+                                                                    "fixed": 0}
+        assert view.open and view.worst.ratio == max(a.ratio for a in alerts) and 1.2 < view.worst.ratio < 1.4
+
+
+def test_a_group_is_triaged_in_bulk_or_by_the_alerts_chosen(farm):
+    alerts = _regressions(farm["sessions"])
+    group_id = alerts[0].group_id
+    with farm["sessions"]() as s, s.begin():
+        view = store.triage_group(s, group_id, AlertState.acknowledged, "on it")
+        assert view.states["acknowledged"] == 6
+    with farm["sessions"]() as s, s.begin():
+        store.triage_group(s, group_id, "fixed", alert_ids=[alerts[0].id, alerts[1].id])
+    with farm["sessions"]() as s:
+        states = {a.id: (a.state, a.note) for a in s.scalars(select(Alert).where(Alert.group_id == group_id))}
+    assert states[alerts[0].id] == states[alerts[1].id] == (AlertState.fixed, "on it")
+    assert {states[a.id] for a in alerts[2:]} == {(AlertState.acknowledged, "on it")}
+    with farm["sessions"]() as s, pytest.raises(store.StoreError, match=r"alert 999999 not in group .*group show"):
+        store.triage_group(s, group_id, "fixed", alert_ids=[alerts[0].id, 999999])
+    with farm["sessions"]() as s, pytest.raises(store.StoreError, match="no alert group 999999"):
+        store.triage_group(s, 999999, "fixed")
+    with farm["sessions"]() as s:  # every alert closed: no open group left, but --all lists it
+        store.triage_group(s, group_id, "invalid")
+        assert store.list_alert_groups(s) == []
+        assert [v.group.id for v in store.list_alert_groups(s, states=tuple(AlertState))] == [group_id]
+
+
+def test_a_group_takes_an_owner_an_http_bug_link_and_a_note(farm):
+    group_id = _regressions(farm["sessions"])[0].group_id
+    with farm["sessions"]() as s, s.begin():
+        store.update_alert_group(s, group_id, owner="ana", bug_url="https://bugs.example.com/41", note="attention")
+    for bad in ("javascript:alert(1)", "ftp://bugs.example.com/1", "bugs.example.com/1", "https://", "http://a b"):
+        with farm["sessions"]() as s, pytest.raises(store.StoreError, match="is not an http\\(s\\) URL"):
+            store.update_alert_group(s, group_id, bug_url=bad)
+    with farm["sessions"]() as s:
+        (view,) = store.list_alert_groups(s, owner="ana")
+        assert (view.group.owner, view.group.bug_url, view.group.note) == ("ana", "https://bugs.example.com/41",
+                                                                           "attention")
+        assert store.list_alert_groups(s, owner="") == []
+        store.update_alert_group(s, group_id, bug_url="")  # "" clears it
+        assert store.get_alert_group(s, group_id).group.bug_url == ""
+
+
+def test_alerts_raised_before_groups_are_grouped_when_groups_are_listed(farm):
+    """An alert the migration found ungrouped joins its pair's group on the first listing; a
+    data stoppage, a device's with no build, stays alone."""
+    with farm["sessions"]() as s, s.begin():
+        s.execute(update(Alert).values(group_id=None))
+        s.execute(AlertGroup.__table__.delete())
+        device = store.get_device(s, "p1")
+        s.add(Alert(kind=AlertKind.data_stoppage, device_id=device.id, metric="", series={"device": "p1"},
+                    summary="p1 has not reported", detail={}))
+    with farm["sessions"]() as s, s.begin():
+        (view,) = store.list_alert_groups(s, states=tuple(AlertState))
+        assert len(view.alerts) == 6 and view.devices == list(SERIALS)
+    with farm["sessions"]() as s:
+        stoppage = s.scalar(select(Alert).where(Alert.kind == AlertKind.data_stoppage))
+        assert stoppage.group_id is None
+        assert s.scalar(select(Alert.id).where(Alert.kind == AlertKind.regression, Alert.group_id.is_(None))) is None
+
+
+def test_filters_and_sorts_over_several_groups(farm):
+    """A second pair (b2 against b1, made by hand) is a group of its own: filters by build,
+    device, metric and kind find one or the other; sort by worst change and by size."""
+    with farm["sessions"]() as s, s.begin():
+        b1, b2 = store.get_build(s, "b1"), store.get_build(s, "b2")
+        p2 = store.get_device(s, "p2")
+        small = store.save_alert(s, Alert(kind=AlertKind.improvement, build_id=b2.id, baseline_build_id=b1.id,
+                                          device_id=p2.id, metric="unet_step_ms", ratio=0.5, series={},
+                                          summary="faster", detail={}))
+    assert small.group_id not in {a.group_id for a in _regressions(farm["sessions"])}
+    with farm["sessions"]() as s:
+        groups = store.list_alert_groups(s)
+        assert [v.group.build.name for v in groups] == ["b2", "b3"]  # made last, listed first
+        assert [v.group.build.name for v in store.list_alert_groups(s, sort="size")] == ["b3", "b2"]
+        assert [v.group.build.name for v in store.list_alert_groups(s, sort="worst")] == ["b2", "b3"]  # 0.5 is 2x
+        assert [v.group.build.name for v in store.list_alert_groups(s, build_id=b2.id)] == ["b2"]
+        assert [v.group.build.name for v in store.list_alert_groups(s, kinds=[AlertKind.regression])] == ["b3"]
+        p1 = store.get_device(s, "p1")
+        assert [v.group.build.name for v in store.list_alert_groups(s, device_id=p1.id)] == ["b3"]
+        assert [v.group.build.name for v in store.list_alert_groups(s, metric="e2e_ms")] == ["b3"]
+        with pytest.raises(store.StoreError, match="unknown sort 'name'; choose from created, worst, size"):
+            store.list_alert_groups(s, sort="name")
+
+
+# ---- the API ------------------------------------------------------------------------------
+
+
+def _client(farm, scope: str) -> TestClient:
+    return TestClient(create_app(farm["settings"]), headers={"Authorization": f"Bearer {farm['tokens'][scope]}"})
+
+
+def test_the_api_lists_groups_and_a_read_token_cannot_triage_them(farm):
+    with _client(farm, "read") as read:
+        (group,) = read.get("/v1/alert-groups").json()
+        assert (group["build"], group["baseline_build"], group["size"]) == ("b3", "b2", 6)
+        assert group["devices"] == list(SERIALS) and group["metrics"] == list(METRICS)
+        assert group["states"] == {"new": 6, "acknowledged": 0, "invalid": 0, "fixed": 0} and group["open"]
+        assert group["kinds"] == {"regression": 6} and 1.2 < group["worst_ratio"] < 1.4
+        assert read.get("/v1/alert-groups", params={"device": "p9"}).status_code == 404
+        assert read.get("/v1/alert-groups", params={"metric": "e2e_ms", "sort": "worst"}).json()[0]["id"] == \
+            group["id"]
+        assert read.get("/v1/alert-groups", params={"owner": "ana"}).json() == []
+        assert read.get("/v1/alert-groups", params={"sort": "name"}).status_code == 422
+        detail = read.get(f"/v1/alert-groups/{group['id']}").json()
+        assert [a["id"] for a in detail["full_alerts"]] == [a["id"] for a in group["alerts"]]
+        assert read.get("/v1/alert-groups/999999").status_code == 404
+        for action in ("acknowledge", "invalidate", "fixed"):
+            refused = read.post(f"/v1/alert-groups/{group['id']}/{action}", json={})
+            assert refused.status_code == 403 and "does not grant triage" in refused.json()["detail"]
+        assert read.patch(f"/v1/alert-groups/{group['id']}", json={"owner": "me"}).status_code == 403
+    with farm["sessions"]() as s:
+        assert {a.state for a in s.scalars(select(Alert))} == {AlertState.new}
+
+
+def test_alerts_carry_their_series_and_group(farm):
+    with _client(farm, "read") as read:
+        alerts = read.get("/v1/alerts").json()
+        assert len(alerts) == 6
+        for alert in alerts:
+            series = read.get(f"/v1/series/{alert['series_id']}")
+            assert series.status_code == 200, alert
+            assert (series.json()["key"]["device"], series.json()["key"]["metric"]) == (alert["device"],
+                                                                                        alert["metric"])
+        assert len({a["group_id"] for a in alerts}) == 1
+        assert read.get(f"/v1/alerts/{alerts[0]['id']}").json()["group_id"] == alerts[0]["group_id"]
+
+
+def test_a_triage_token_triages_a_group_in_bulk_and_assigns_it(farm):
+    with _client(farm, "triage") as triage:
+        (group,) = triage.get("/v1/alert-groups").json()
+        first = [a["id"] for a in group["alerts"][:2]]
+        done = triage.post(f"/v1/alert-groups/{group['id']}/acknowledge", json={"note": "on it"}).json()
+        assert done["states"]["acknowledged"] == 6 and {a["note"] for a in done["full_alerts"]} == {"on it"}
+        done = triage.post(f"/v1/alert-groups/{group['id']}/fixed", json={"alert_ids": first}).json()
+        assert done["states"] == {"new": 0, "acknowledged": 4, "invalid": 0, "fixed": 2}
+        stranger = triage.post(f"/v1/alert-groups/{group['id']}/fixed", json={"alert_ids": [999999]})
+        assert stranger.status_code == 400 and "not in group" in stranger.json()["detail"]
+        bad = triage.patch(f"/v1/alert-groups/{group['id']}", json={"bug_url": "javascript:alert(1)"})
+        assert bad.status_code == 422 and "is not an http(s) URL" in json.dumps(bad.json())
+        set_ = triage.patch(f"/v1/alert-groups/{group['id']}", json={"owner": "ana", "bug_url": "https://b.example/7"})
+        assert (set_.json()["owner"], set_.json()["bug_url"], set_.json()["note"]) == ("ana", "https://b.example/7", "")
+        assert [g["id"] for g in triage.get("/v1/alert-groups", params={"owner": "ana"}).json()] == [group["id"]]
+        triage.post(f"/v1/alert-groups/{group['id']}/invalidate")
+        assert triage.get("/v1/alert-groups").json() == []
+        assert triage.get("/v1/alert-groups", params={"state": "invalid"}).json()[0]["size"] == 6
+    with farm["sessions"]() as s:
+        assert {a.state for a in s.scalars(select(Alert))} == {AlertState.invalid}
