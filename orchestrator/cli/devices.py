@@ -7,6 +7,9 @@ reaches the database: settings read here, schema checked at head."""
 
 from __future__ import annotations
 
+import datetime as dt
+import os
+import re
 import sys
 from contextlib import nullcontext
 from enum import StrEnum
@@ -29,7 +32,8 @@ app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
 # ---- presentation -------------------------------------------------------------------------
 
 
-def device_dict(device: Device) -> dict[str, Any]:
+def device_dict(device: Device, reservation=None) -> dict[str, Any]:
+    """A device as the CLI prints it; `reservation`: the one holding it now (store.active_reservation)."""
     return {
         "id": device.id,
         "serial": device.serial,
@@ -54,6 +58,9 @@ def device_dict(device: Device) -> dict[str, Any]:
         },
         "lease_holder": device.lease_holder,
         "lease_until": iso(device.lease_until),
+        "reserved_by": reservation.holder if reservation is not None else None,
+        "reserved_until": iso(reservation.until) if reservation is not None else None,
+        "reservation_note": reservation.note if reservation is not None else None,
         "created_at": iso(device.created_at),
     }
 
@@ -65,6 +72,11 @@ _STATE_STYLE = {"available": "green", "busy": "yellow", "offline": "red", "unaut
 def _state(device: Device) -> Text:
     state = str(device.state)
     return styled(state, _STATE_STYLE.get(state, "white"))
+
+
+def _held(reservation) -> str:
+    """A listing's reserved cell: "ana until 14:00 UTC", or "-"."""
+    return "-" if reservation is None else f"{reservation.holder} until {_utc(iso(reservation.until))}"
 
 
 # ---- commands -----------------------------------------------------------------------------
@@ -149,22 +161,25 @@ def enrol(serial: str = typer.Argument(..., help="A web device (`farm devices ad
 
 @app.command("list")
 def list_devices(as_json: bool = JSON_OPTION):
-    """List the devices with their state and GPU."""
+    """List the devices with their state, GPU and who has reserved them."""
+    from orchestrator import store
     from orchestrator.store import queries
 
     with open_store(cli_settings()) as sessions, sessions() as session:
         devices = queries.list_devices(session)
+        held = store.active_reservations(session)
         if as_json:
-            print_json([device_dict(d) for d in devices])
+            print_json([device_dict(d, held.get(d.id)) for d in devices])
             return
         if not devices:
             console.print("no devices; add one with `farm devices add SERIAL --transport ... --address ...`")
             return
-        table = Table("serial", "transport", "engine", "state", "gpu", "model", "last seen")
+        table = Table("serial", "transport", "engine", "state", "gpu", "model", "last seen", "reserved")
         for d in devices:
             gpu = d.gpu_device or d.gpu_vendor or "-"
             table.add_row(d.serial, str(d.transport), d.engine_host, _state(d), gpu, d.model or "-",
-                          d.last_seen.strftime("%Y-%m-%d %H:%M:%S") if d.last_seen else "never")
+                          d.last_seen.strftime("%Y-%m-%d %H:%M:%S") if d.last_seen else "never",
+                          _held(held.get(d.id)))
         console.print(table)
 
 
@@ -175,7 +190,7 @@ def show(serial: str = typer.Argument(..., help="Device serial."), as_json: bool
 
     with open_store(cli_settings()) as sessions, sessions() as session:
         device = get_or_fail(store.get_device, session, serial)
-        data = device_dict(device)
+        data = device_dict(device, store.active_reservation(session, device.id))
         if as_json:
             print_json(data)
             return
@@ -246,9 +261,128 @@ def revoke_token_command(serial: str = typer.Argument(..., help="Device serial."
 
 
 @app.command()
-def release(serial: str = typer.Argument(..., help="Device serial.")):
-    """Put a quarantined device back in service (available until a probe says otherwise)."""
-    _set_state(serial, DeviceState.available, "released by operator")
+def release(
+    serial: str = typer.Argument(..., help="Device serial."),
+    reservation: bool | None = typer.Option(None, "--reservation/--quarantine", show_default=False,
+                             help="Which hold to end (default: the reservation when one holds the device, "
+                             "else the quarantine)."),
+):
+    """End a hold on a device: its reservation (`farm devices reserve`) when one is active, else
+    its quarantine (back in service, available until a probe says otherwise). --reservation or
+    --quarantine picks one; the command says which it ended."""
+    from orchestrator import store
+
+    if reservation is None:
+        with open_store(cli_settings()) as sessions, sessions() as session:
+            device = get_or_fail(store.get_device, session, serial)
+            reservation = store.active_reservation(session, device.id) is not None
+    if reservation:
+        _unreserve(serial)
+    else:
+        _set_state(serial, DeviceState.available, "released by operator")
+
+
+def _unreserve(serial: str) -> None:
+    from orchestrator import store
+
+    with open_store(cli_settings()) as sessions, sessions() as session:
+        device = get_or_fail(store.get_device, session, serial)
+        ended = store.release_reservation(session, device)
+        if ended is None:
+            fail(f"{serial} is not reserved (`farm devices reservations` lists who holds what)")
+        session.commit()
+        console.print(f"released {ended.holder}'s reservation of {serial}; schedules and checks use it again",
+                      highlight=False, markup=False)
+
+
+# ---- reservations: a person holds a device (orchestrator/store/reservations.py) -----------------
+
+_DURATION = re.compile(r"(\d+)([mhd])")
+_UNIT_S = {"m": 60, "h": 3600, "d": 86400}
+MAX_RESERVATION = dt.timedelta(days=30)
+
+
+def parse_duration(value: str) -> dt.timedelta:
+    """30m, 2h, 1d, 1h30m: how long a reservation lasts (at most 30 days)."""
+    text = (value or "").strip().lower()
+    parts = _DURATION.findall(text)
+    if not text or "".join(n + u for n, u in parts) != text:
+        raise typer.BadParameter(f"{value!r} is not a duration: write it as 30m, 2h, 1d or 1h30m")
+    length = dt.timedelta(seconds=sum(int(n) * _UNIT_S[u] for n, u in parts))
+    if length <= dt.timedelta(0) or length > MAX_RESERVATION:
+        raise typer.BadParameter(f"{value!r}: a reservation lasts more than 0 and at most 30 days (1d ... 30d)")
+    return length
+
+
+def _user() -> str:
+    return os.environ.get("USER") or os.environ.get("USERNAME") or ""
+
+
+def reservation_dict(reservation, serial: str) -> dict[str, Any]:
+    return {"device": serial, "holder": reservation.holder, "note": reservation.note,
+            "starts_at": iso(reservation.starts_at), "until": iso(reservation.until),
+            "released_at": iso(reservation.released_at)}
+
+
+@app.command()
+def reserve(
+    serial: str = typer.Argument(..., help="Device serial."),
+    length: str = typer.Option(..., "--for", metavar="DURATION", help="How long: 30m, 2h, 1d, 1h30m (at most 30d)."),
+    note: str = typer.Option("", "--note", help="Why (shown to whoever the reservation turns away)."),
+    holder: str = typer.Option(None, "--as", metavar="NAME", help="Who holds it (default: $USER)."),
+    as_json: bool = JSON_OPTION,
+):
+    """Book a device: until the reservation ends, nightly schedules skip it (their batch says
+    so) and checks and jobs that name it are refused with the holder's name. Jobs queued before
+    stay queued (`farm jobs cancel` them). Reserving a device you already hold extends it; one
+    held by someone else is refused. `farm devices release SERIAL` ends it early."""
+    from orchestrator import store
+
+    duration = parse_duration(length)
+    holder = (holder if holder is not None else _user()).strip()
+    if not holder:
+        fail("who holds it? $USER is not set: pass --as NAME")
+    with open_store(cli_settings()) as sessions, sessions() as session:
+        device = get_or_fail(store.get_device, session, serial)
+        now = store.utcnow()
+        try:
+            reservation, extended = store.reserve_device(session, device, holder, now + duration, note, now=now)
+        except store.StoreError as exc:
+            fail(str(exc))
+        session.commit()
+        data = reservation_dict(reservation, device.serial)
+    if as_json:
+        print_json(data | {"extended": extended})
+        return
+    verb = "extended: " if extended else ""
+    console.print(f"{verb}{store.reservation_line(serial, reservation)}; `farm devices release {serial}` ends it "
+                  "early", highlight=False, markup=False)
+
+
+@app.command("reservations")
+def list_reservations_command(
+    ended: bool = typer.Option(False, "--all", help="Also those that ended in the last day."),
+    as_json: bool = JSON_OPTION,
+):
+    """Who holds which device, until when and why."""
+    from orchestrator import store
+
+    with open_store(cli_settings()) as sessions, sessions() as session:
+        rows = [reservation_dict(r, serial) for r, serial in store.list_reservations(session, include_ended=ended)]
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        console.print("no device is reserved; `farm devices reserve SERIAL --for 2h` books one", highlight=False)
+        return
+    table = Table("device", "holder", "until", "note", "ended")
+    for r in rows:
+        table.add_row(r["device"], r["holder"], _utc(r["until"]), r["note"] or "-", _utc(r["released_at"]))
+    console.print(table)
+
+
+def _utc(stamp: str | None) -> str:
+    return dt.datetime.fromisoformat(stamp).astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M UTC") if stamp else "-"
 
 
 @app.command("set-address")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from orchestrator.jobs.jobservice import launch_suite
 from orchestrator.store import Session, notifications
 from orchestrator.store.models import BATCH_CHECK
 from orchestrator.store.session import read_snapshot
+
+log = logging.getLogger(__name__)
 
 
 def analyze(app: Celery, batch_id: int) -> dict:
@@ -38,9 +41,13 @@ def analyze(app: Celery, batch_id: int) -> dict:
     atomic_write(report_path, json.dumps(summary, indent=2, default=str).encode())
     rounds = follow_up.rounds
     for device, jobs in more_repetitions_jobs(follow_up.entries).items():
-        launch_suite(app, f"{follow_up.name} (more repetitions, round {rounds + 1})", jobs, build=follow_up.build_id,
-                     devices=[device], idempotency_key=f"more:{follow_up.root}:{rounds + 1}:{device}",
-                     max_extra_rounds=follow_up.max_rounds, round_metrics=follow_up.round_metrics)
+        try:
+            launch_suite(app, f"{follow_up.name} (more repetitions, round {rounds + 1})", jobs,
+                         build=follow_up.build_id, devices=[device],
+                         idempotency_key=f"more:{follow_up.root}:{rounds + 1}:{device}",
+                         max_extra_rounds=follow_up.max_rounds, round_metrics=follow_up.round_metrics)
+        except store.StoreError as exc:  # reserved by a person since: its verdict stays open
+            log.warning("batch %s: no more-repetitions round on %s: %s", batch_id, device, exc)
     return summary
 
 
@@ -89,6 +96,8 @@ def analyze_in_store(new_session: Callable[[], Session], batch_id: int,
         report["profile_gains"] = profiles.measure_gains(session, batch_id)
         report["change_points"] = changepoints.record_change_points(session, found)
         summary = batch_summary(session, batch_id) | {"analysis": report}
+        if (batch.summary or {}).get("skipped"):  # devices its suite skipped (reserved): kept
+            summary["skipped"] = batch.summary["skipped"]
         rounds = store.extra_round(batch.idempotency_key)  # 0: the original batch
         follow_up = FollowUp(report["more_repetitions"] if rounds < batch.max_extra_rounds else [], batch.name,
                              batch.build_id, _root_batch(batch), rounds, batch.max_extra_rounds,

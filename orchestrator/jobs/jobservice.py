@@ -46,14 +46,19 @@ def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_qua
     named (`refuse_quarantined`), so the operator hears it at once. A suite does not: a schedule
     or a more-repetitions round names its devices long before it runs, and one quarantined
     device must not stop the others' runs; its jobs end infra_failed, with why, when they come
-    to run (orchestrator/jobs/worker.py)."""
+    to run (orchestrator/jobs/worker.py).
+
+    The reservation rule (`farm devices reserve`): a person asking now (`refuse_quarantined`:
+    `farm jobs submit`, `farm check`) is refused a reserved device, named or among "all", with
+    its holder and end, so the holder's debugging is not disturbed and the asker hears why at
+    once; a suite skips it (_create_suite)."""
     if devices == "all":
         targets = store.in_service_devices(session)
         if not targets:
             raise store.StoreError("no devices that are not quarantined; `farm devices list` shows them, "
                                    "`farm devices add` registers one")
-        return targets
-    targets = [store.get_device(session, serial) for serial in dict.fromkeys(devices)]
+    else:
+        targets = [store.get_device(session, serial) for serial in dict.fromkeys(devices)]
     if not targets:
         raise store.StoreError("no devices to run on; `farm devices add` registers one")
     for device in targets:
@@ -61,7 +66,28 @@ def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_qua
             reason = device.state_reason or "no reason given"
             raise store.StoreError(f"device {device.serial!r} is quarantined ({reason}); "
                                    f"`farm devices release {device.serial}` first")
+    if refuse_quarantined:
+        held = store.active_reservations(session, [d.id for d in targets])
+        for device in targets:
+            if device.id in held:
+                raise store.DeviceReserved(device.serial, held[device.id],
+                                           "leave it out (name the other devices), or wait until it ends")
     return targets
+
+
+def skip_reserved(session: Session, targets: list[Device], what: str) -> tuple[list[Device], list[dict[str, Any]]]:
+    """A suite's devices less those a person holds now: (the rest, one entry per device skipped
+    with its holder, end, note and the line that says so, logged here). StoreError when every
+    device is held: the suite would run nothing."""
+    held = store.active_reservations(session, [d.id for d in targets])
+    skipped = [{"device": d.serial, "holder": held[d.id].holder, "until": held[d.id].until.isoformat(),
+                "note": held[d.id].note, "reason": store.reservation_line(d.serial, held[d.id])}
+               for d in targets if d.id in held]
+    for entry in skipped:
+        log.info("%s skips %s", what, entry["reason"])
+    if skipped and len(skipped) == len(targets):
+        raise store.StoreError("every device it runs on is reserved: " + "; ".join(e["reason"] for e in skipped))
+    return [d for d in targets if d.id not in held], skipped
 
 
 def check_time_limit(settings: Settings, spec: dict[str, Any]) -> None:
@@ -173,7 +199,9 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
                   idempotency_key: str | None, max_extra_rounds: int | None,
                   round_metrics: list[str] | None = None, purpose: str = BATCH_SERIES) -> int:
     build_row = store.get_build(session, build)
-    targets = target_devices(session, devices, refuse_quarantined=False)
+    # A reserved device is skipped, and the batch says so (its summary's "skipped"): a schedule
+    # named its devices long before a person booked one. A person's check was refused it before.
+    targets, skipped = skip_reserved(session, target_devices(session, devices, refuse_quarantined=False), name)
     if not jobs:
         raise store.StoreError("a suite needs at least one job")
     for entry in jobs:
@@ -186,6 +214,8 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
                                round_metrics=round_metrics, purpose=purpose)
     if idempotency_key is not None and batch.jobs:
         return batch.id  # launched before: the reconciler sends whatever of it has not run
+    if skipped:
+        batch.summary = {"skipped": skipped}  # the analysis keeps it (batch_analysis.analyze_in_store)
     entry_builds = [build_row if entry.get("build") is None else store.get_build(session, entry["build"])
                     for entry in jobs]
     models: dict[int, str] = {}

@@ -36,6 +36,7 @@ from .jobs import *  # noqa: F403
 from .migrate import SchemaMismatch, check, upgrade
 from .models import utcnow  # the store's clock
 from .profiles import *  # noqa: F403
+from .reservations import *  # noqa: F403  (devices people book, screenshots)
 from .results import *  # noqa: F403
 from .rows import InvalidTransition, StoreError, text_for_store
 from .schedules import *  # noqa: F403
@@ -60,3 +61,4 @@ __all__ = ["DatabaseError", "InvalidTransition", "SchemaMismatch", "Session", "S
            *check_runs.__all__, *tokens.__all__,
            *alerts.__all__, *change_points.__all__, *images.__all__, *profiles.__all__, *series.__all__,
            *series_state.__all__]
+__all__ += reservations.__all__  # noqa: F405  (bound by the star import above)
