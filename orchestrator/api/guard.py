@@ -10,8 +10,11 @@
 - every answer carries a Content-Security-Policy (scripts, styles and connections only from
   the farm itself, `frame-ancestors 'none'`) and `X-Frame-Options: DENY`, so no other page
   (on another port of the same host, say) can frame the dashboard signed in from localStorage
-  and click its triage buttons. The API's own documentation pages load Swagger UI and ReDoc
-  from their CDN, so theirs allows that one origin."""
+  and click its triage buttons. The API's own documentation pages (/docs, /redoc) load Swagger
+  UI and ReDoc from the farm too (vendored: orchestrator/api/static/vendor), and start them with
+  an inline script and inline styles, which theirs allows; nothing comes from elsewhere.
+
+Its own answers are errors of the API's one shape (schemas.Problem)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from anyio import fail_after, to_thread
 
 from . import tokens
 from .deps import BAD_TOKEN, BAD_TOKEN_CHALLENGE, CHALLENGE, NO_TOKEN
+from .schemas import Problem
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -31,12 +35,11 @@ Send = Callable[[Message], Awaitable[None]]
 
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; connect-src 'self'; "
        "object-src 'none'; base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
-# /docs and /redoc (FastAPI's pages) load their scripts and styles from jsDelivr and start them
-# with an inline script.
-DOCS_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; "
-            "style-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net https://fonts.googleapis.com; "
-            "font-src https://fonts.gstatic.com; img-src 'self' data: https://fastapi.tiangolo.com "
-            "https://cdn.redoc.ly; worker-src blob:; connect-src 'self'; object-src 'none'; frame-ancestors 'none'")
+# /docs and /redoc (FastAPI's pages) start their vendored scripts with an inline script; ReDoc
+# styles with inline styles and searches in a worker made from a blob.
+DOCS_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+            "img-src 'self' data: blob:; worker-src blob:; connect-src 'self'; object-src 'none'; "
+            "base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
 DOCS_PATHS = ("/docs", "/redoc")
 
 
@@ -126,7 +129,7 @@ def _with_headers(send: Send, csp: str) -> Send:
 async def _answer(send: Send, status: int, detail: str, challenge: bytes | None = None) -> None:
     """A JSON error answered without reading the request's body; the connection is closed after
     it (the unread body is not waited for)."""
-    body = json.dumps({"detail": detail}).encode()
+    body = json.dumps(Problem(detail=detail).model_dump()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]
     if challenge is not None:

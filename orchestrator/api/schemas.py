@@ -36,10 +36,19 @@ PLAIN = r"^[^\x00]*$"  # PostgreSQL refuses NUL in text
 Serial = Annotated[str, Field(min_length=1, max_length=255, pattern=PLAIN)]
 
 
-class Problem(BaseModel):
-    """Every error: what went wrong and, where there is one, what to do."""
+class FieldProblem(BaseModel):
+    """One bad field of a malformed request."""
 
-    detail: str
+    field: str = Field(description="Where: `body.max_rounds`, `query.limit`, `path.alert_id`.")
+    problem: str = Field(description="What is wrong with it, in one line.")
+
+
+class Problem(BaseModel):
+    """Every error, whatever its status: what went wrong and, where there is one, what to do."""
+
+    detail: str = Field(description="One line.")
+    errors: list[FieldProblem] = Field(default_factory=list,
+                                       description="Each bad field of a malformed request (422); else empty.")
 
 
 class Me(BaseModel):

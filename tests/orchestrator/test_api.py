@@ -11,6 +11,9 @@ latency jobs recorded as results, and b3's batch analysed (regression alerts on 
   when nothing runs its jobs, ends failed with exit code 4 saying so; revoked, unknown and
   missing tokens get 401 with a WWW-Authenticate challenge; a check left running by an earlier
   process is interrupted at start-up; no token is stored in plain text.
+- Every error has one shape, `{"detail": "one line", "errors": [...]}` (422s listed their
+  problems in `detail` where the README promised a string), and a server fault is a 500
+  without its traceback.
 - `farm api token create|list|revoke` through the CLI."""
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import pytest
 import schemathesis
 from asgi_server import serving
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from sqlalchemy import select
@@ -158,8 +162,9 @@ def test_each_scope_does_what_it_grants_and_nothing_more(farm, server):
         assert read.get(f"/v1/alerts/{alert_id}").json()["build"] == "b3"
         # Bad input is the client's error, never the server's.
         assert read.get("/v1/jobs", params={"device": "nope"}).json() == {
-            "detail": "no device 'nope'; `farm devices list` shows the known ones"}
-        assert read.get("/v1/jobs/999999").json() == {"detail": "no job 999999; `farm jobs list` shows the known ones"}
+            "detail": "no device 'nope'; `farm devices list` shows the known ones", "errors": []}
+        assert read.get("/v1/jobs/999999").json() == {
+            "detail": "no job 999999; `farm jobs list` shows the known ones", "errors": []}
         assert read.get("/v1/jobs/0").status_code == 422
         assert read.get("/v1/builds/x%00y").status_code == 422  # NUL: PostgreSQL would refuse it
         # What read may not do.
@@ -248,3 +253,62 @@ def test_farm_api_token_create_list_revoke(cli):
     assert bad.exit_code == 1 and "unknown scope 'admin'" in bad.output
     table = cli("api", "token", "list").output
     assert "ci bot" in table and token[:12] in table and token not in table
+
+
+# ---- one error shape ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def bare(tmp_path):
+    """The API over an empty store, with a read and a run token."""
+    settings = Settings(data_dir=tmp_path / "data", config_dir=tmp_path / "config", host_name="h",
+                        api_max_body_bytes=4096)
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    with make_session_factory(engine)() as s, s.begin():
+        made = {scope: tokens.create_token(s, scope, scope)[1] for scope in ("read", "run")}
+    engine.dispose()
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        yield client, {scope: {"Authorization": f"Bearer {t}"} for scope, t in made.items()}
+
+
+def test_every_error_has_one_shape(bare, monkeypatch):
+    client, auth = bare
+    run, as_json = auth["run"], auth["run"] | {"Content-Type": "application/json"}
+    answers = [
+        (401, client.get("/v1/builds")),
+        (401, client.post("/v1/checks", json={})),  # the guard's, before the body is read
+        (403, client.post("/v1/alerts/1/acknowledge", headers=auth["read"])),
+        (404, client.get("/v1/jobs/999", headers=run)),
+        (404, client.get("/v1/no-such-route", headers=run)),  # Starlette's own
+        (405, client.delete("/v1/builds", headers=run)),
+        (400, client.post("/v1/checks", content=b"{not json", headers=as_json)),
+        (413, client.post("/v1/checks", content=b"{}" + b" " * 8192, headers=as_json)),
+        (422, client.post("/v1/checks", json={"build": "b3", "devices": "all", "max_rounds": 99, "metrics": ["fps"]},
+                          headers=run)),
+    ]
+    monkeypatch.setattr(store, "recent_check_runs", lambda *a: (_ for _ in ()).throw(RuntimeError("secret in here")))
+    answers.append((500, client.get("/v1/checks", headers=run)))
+    for status, answer in answers:
+        assert answer.status_code == status, (status, answer.text)
+        body = answer.json()
+        assert set(body) == {"detail", "errors"} and isinstance(body["errors"], list), body
+        assert isinstance(body["detail"], str) and body["detail"] and "\n" not in body["detail"], body
+        assert body["errors"] == [] or status == 422
+    by_status = {status: answer.json() for status, answer in answers}
+    assert by_status[400]["detail"].startswith("the body is not JSON")
+    malformed = by_status[422]
+    assert {e["field"] for e in malformed["errors"]} == {"body.max_rounds", "body.metrics.0"}, malformed
+    assert malformed["detail"].startswith("body.") and malformed["detail"].endswith("(and 1 more: see errors)")
+    fault = by_status[500]["detail"]
+    assert "RuntimeError" in fault and "secret" not in fault and "Traceback" not in fault
+
+
+def test_the_openapi_documents_the_error_shape(bare):
+    client, _ = bare
+    spec = client.get("/openapi.json").json()
+    assert '"errors"' in spec["info"]["description"]
+    malformed = spec["paths"]["/v1/checks"]["post"]["responses"]["422"]["content"]["application/json"]["schema"]
+    assert malformed == {"$ref": "#/components/schemas/Problem"}
+    assert set(spec["components"]["schemas"]["Problem"]["properties"]) == {"detail", "errors"}
+    assert "HTTPValidationError" not in spec["components"]["schemas"]  # FastAPI's list-valued detail
