@@ -2,7 +2,8 @@
 agent (or those of another checkout, `--source`, or of a commit, `--commit`: a pull request's
 build) with a model folder (and optional extra profiles), signs the manifest with the farm key
 (<config_dir>/farm.key, made on first use), writes the bundle to <data_dir>/builds/<name> (where
-the deploy task reads it) and records it in the store; `list` and `show` read the store."""
+the deploy task reads it) and records it in the store, with a short label people call it by
+(`--label A`; later `farm builds label BUILD LABEL`); `list` and `show` read the store."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from agent.bundle import DEFAULT_EXCLUDE
 from orchestrator.infra.keys import PUBLIC_KEY, ensure_farm_key
 from orchestrator.store.models import Build
 
-from . import common, validate
-from .output import Table, console
+from . import common, completion, validate
+from .output import Table, console, escape
 
 app = typer.Typer(help="Create and inspect signed build bundles.", no_args_is_help=True)
 
@@ -98,6 +99,19 @@ def _export_commit(repo: Path, commit: str, into: Path) -> str:
     return rev.stdout.decode().strip()
 
 
+def _label_option(value: str | None) -> str | None:
+    """--label checked where it enters (a usage error naming what a label may be)."""
+    from orchestrator.store import StoreError
+    from orchestrator.store.builds import check_label
+
+    if value is None:
+        return None
+    try:
+        return check_label(value)
+    except StoreError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 def _default_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -111,6 +125,7 @@ def build_dict(build: Build, files: bool = False) -> dict[str, Any]:
     data: dict[str, Any] = {
         "id": build.id,
         "name": build.name,
+        "label": build.label,
         "version": build.version,
         "source_revision": build.source_revision,
         "manifest_sha256": build.manifest_sha256,
@@ -145,11 +160,15 @@ def create(
                                 "farm's own checkout."),
     commit: str = typer.Option(None, "--commit", help="Ship engine/, shaders/ and agent/ exactly as this commit "
                                "(any git revision) of --source has them, not the files on disk."),
+    label: str = typer.Option(None, "--label", help="A short name for tables, charts and commands (1-32 letters, "
+                              "digits and . _ + -, not all digits, unique): A, rc1.", callback=_label_option),
 ):
     """Pack, sign and register a build bundle."""
     data = make_build(common.cli_settings(), model, profiles, version, name, default_profile=default_profile, tuned=tuned,
-                      source=source, commit=commit)
-    console.print(f"created build [bold]{data['name']}[/] ({data['file_count']} files, {data['bytes'] / 1e6:.1f} MB, "
+                      source=source, commit=commit, label=label)
+    labelled = f" labelled [bold]{escape(data['label'])}[/]" if data["label"] else ""
+    console.print(f"created build [bold]{data['name']}[/]{labelled} ({data['file_count']} files, "
+                  f"{data['bytes'] / 1e6:.1f} MB, "
                   f"manifest {data['manifest_sha256'][:12]}) in {data['bundle']}", highlight=False, soft_wrap=True)
     if data["tuned_profiles"]:
         console.print(f"tuned profiles shipped: {', '.join(data['tuned_profiles'])}", highlight=False)
@@ -157,12 +176,13 @@ def create(
 
 def make_build(settings, model: Path, profiles: Path | None = None, version: str | None = None,
                name: str | None = None, *, default_profile: str | None = None, tuned: bool = True,
-               source: Path | None = None, commit: str | None = None) -> dict[str, Any]:
+               source: Path | None = None, commit: str | None = None, label: str | None = None) -> dict[str, Any]:
     """Pack the engine, shaders and agent of `source` (a checkout of this project; default the
     farm's own), or of its `commit`, with `model` into a signed bundle under
     <data_dir>/builds/<name> and record it with the revision it came from; returns the build's
     listing (plus `bundle`, its folder, and `tuned_profiles`, the promoted profiles it ships
-    when `tuned`). Nothing is left behind when it fails (one red line and exit 1)."""
+    when `tuned`), labelled `label` when given. Nothing is left behind when it fails (one red
+    line and exit 1)."""
     from agent.bundle import BundleError
     from agent.jobs import DEFAULT_PROFILE_FILE, TUNED_PROFILES_DIR
     from agent.packing import build_bundle
@@ -191,6 +211,9 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
     with common.open_store(settings) as sessions:
         if final.exists():
             common.fail(f"{final}: a build named {name!r} already exists; give another --name or --version")
+        if label is not None:  # refused before the packing, not after it
+            with sessions() as session:
+                common.get_or_fail(store.check_label_free, session, label)
         # Packed under a temporary name and renamed when complete, so a failure leaves nothing.
         staging = builds_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         profiles_dir = builds_dir / f".tmp-{name}-profiles-{uuid.uuid4().hex[:8]}"
@@ -229,7 +252,7 @@ def make_build(settings, model: Path, profiles: Path | None = None, version: str
                 manifest = build_bundle(sources, staging, name, version, key, source_revision=revision,
                                         exclude=BUILD_EXCLUDE, link_roots=link_roots)
             with sessions() as session:
-                build = store.create_build(session, manifest)
+                build = store.create_build(session, manifest, label)
                 staging.rename(final)
                 try:
                     session.commit()
@@ -266,22 +289,27 @@ def default_profile_choices(profiles: Path | None) -> list[str]:
 
 @app.command("list")
 def list_builds(as_json: bool = common.JSON_OPTION):
-    """List the builds, newest first."""
+    """List the builds, newest first, with the ids and labels that name them."""
+    from orchestrator import store
     from orchestrator.store import queries
 
     with common.open_store(common.cli_settings()) as sessions, sessions() as session:
-        rows = [build_dict(b) for b in queries.list_builds(session)]
+        builds = queries.list_builds(session)
+        shown = store.build_display_names(session, [b.name for b in builds])
+        rows = [build_dict(b) | {"display": shown[b.name]} for b in builds]
     if common.print_json_or_empty(rows, as_json, "no builds; create one with `farm builds create --model DIR`"):
         return
-    table = Table("name", "version", "files", "MB", "created", "revision")
+    table = Table("id", "label", "name", "version", "files", "MB", "created", "revision",
+                  drop_first=("revision", "files", "MB", "version"))
     for r in rows:
-        table.add_row(r["name"], r["version"], str(r["file_count"]), f"{r['bytes'] / 1e6:.1f}",
-                      r["created"][:19].replace("T", " "), r["source_revision"] or "-")
+        table.add_row(str(r["id"]), r["label"] or "-", r["name"], r["version"], str(r["file_count"]),
+                      f"{r['bytes'] / 1e6:.1f}", r["created"][:19].replace("T", " "), r["source_revision"] or "-")
     console.print(table)
 
 
 @app.command()
-def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = common.JSON_OPTION):
+def show(name: str = typer.Argument(..., help="Build id, label or name.", autocompletion=completion.builds),
+         as_json: bool = common.JSON_OPTION):
     """Show one build and its files."""
     from orchestrator import store
 
@@ -290,10 +318,32 @@ def show(name: str = typer.Argument(..., help="Build name."), as_json: bool = co
     if as_json:
         common.print_json(data)
         return
-    for key in ("name", "version", "source_revision", "manifest_sha256", "created"):
+    for key in ("id", "label", "name", "version", "source_revision", "manifest_sha256", "created"):
         console.print(f"{key}: {data[key] or '-'}", highlight=False)
-    console.print(f"bundle: {common.cli_settings().data_dir / 'builds' / name}", highlight=False, soft_wrap=True)
+    console.print(f"bundle: {common.cli_settings().data_dir / 'builds' / data['name']}", highlight=False,
+                  soft_wrap=True)
     table = Table("path", "bytes", "sha256")
     for f in data["files"]:
         table.add_row(f["path"], f"{f['size']:,}", f["sha256"][:12])
     console.print(table)
+
+
+@app.command("label")
+def label_command(
+    build: str = typer.Argument(..., help="Build id, label or name.", autocompletion=completion.builds),
+    label: str = typer.Argument(None, help="Its new label (1-32 letters, digits and . _ + -, not all digits, "
+                                "unique); leave it out with --clear.", callback=_label_option),
+    clear: bool = typer.Option(False, "--clear", help="Take the build's label away."),
+):
+    """Give a build a short label (or take it away with --clear)."""
+    from orchestrator import store
+
+    if (label is None) == (not clear):
+        common.fail("give a LABEL, or --clear to take the label away (not both)")
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
+        row = common.get_or_fail(store.get_build, session, build)
+        common.get_or_fail(lambda s, value: store.label_build(s, row, value), session, label)
+        session.commit()
+        name = row.name
+    console.print(f"build {escape(name)} " + (f"is now labelled [bold]{escape(label)}[/]" if label else
+                                              "has no label now"), highlight=False)

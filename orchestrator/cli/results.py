@@ -15,7 +15,7 @@ import typer
 
 from orchestrator.store.models import JobKind
 
-from . import validate
+from . import completion, labels, numbers, validate
 from .common import (
     JSON_OPTION,
     cli_settings,
@@ -25,13 +25,15 @@ from .common import (
     print_json,
     print_json_or_empty,
 )
-from .jobs import _fmt_metric, _state, _when
+from .jobs import _state, _when
 from .output import Table, console
 
 app = typer.Typer(help="Read and export what the runs measured.", no_args_is_help=True)
 
-DEVICE_OPTION = typer.Option(None, "--device", help="Only runs on this device (serial).")
-BUILD_OPTION = typer.Option(None, "--build", help="Only runs of this build (name).")
+DEVICE_OPTION = typer.Option(None, "--device", help="Only runs on this device (serial).",
+                             autocompletion=completion.devices)
+BUILD_OPTION = typer.Option(None, "--build", help="Only runs of this build (id, label or name).",
+                            autocompletion=completion.builds)
 METRIC_OPTION = typer.Option(None, "--metric", help="Only runs that measured this metric (e.g. unet_step_ms).")
 KIND_OPTION = typer.Option(None, "--kind", help="Only runs of jobs of this kind.")
 
@@ -64,6 +66,7 @@ def list_results(
         device_id, build_id = _resolve(session, device, build)
         runs = queries.list_runs(session, device_id=device_id, build_id=build_id, metric=metric, kind=kind,
                                  limit=limit)
+        shown = labels.build_names(session, [r.build for r in runs])
     rows = [{"run_id": r.id, "job_id": r.job_id, "attempt": r.attempt, "device": r.device, "build": r.build,
              "kind": r.kind, "status": r.status, "started_at": iso(r.started_at), "finished_at": iso(r.finished_at),
              "medians": r.medians} for r in runs]
@@ -73,11 +76,13 @@ def list_results(
     metrics = [m for m in queries.KEY_METRICS if any(m in r.medians for r in runs)]
     if metric and metric not in metrics:
         metrics.append(metric)
-    table = Table("run", "job", "device", "build", "kind", "status", "finished", *metrics)
+    table = Table("run", "job", "device", "build", "kind", "status", "finished", *metrics,
+                  drop_first=("job", "kind", "finished", "status"), keep=("device", *metrics[:1]))
     for r in runs:
-        table.add_row(str(r.id), str(r.job_id), r.device, r.build or "-", r.kind, _state(r.status),
-                      _when(r.finished_at), *(_fmt_metric(m, r.medians.get(m)) for m in metrics))
+        table.add_row(str(r.id), str(r.job_id), r.device, shown.get(r.build or "", "-"), r.kind, _state(r.status),
+                      _when(r.finished_at), *(numbers.metric_value(m, r.medians.get(m)) for m in metrics))
     console.print(table)
+    labels.legend(shown)
 
 
 def run_dict(session, run_id: int) -> dict[str, Any]:

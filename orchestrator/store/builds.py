@@ -1,11 +1,16 @@
 """Builds (a signed manifest's files, content-addressed) and deployments: created, started,
 progress, finished or requeued, each a conditional update on the attempt that owns it.
+A build is named by its id, its label (a short name people give it: "A", "rc1") or its full
+name, all three through `resolve_build`; where no label was given, tables and charts show
+the distinguishing end of its name among the builds shown (`short_names`).
 Every function takes a session and flushes; the caller commits."""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import func, or_, select, update
@@ -20,51 +25,162 @@ from .models import (
     DeploymentStatus,
     utcnow,
 )
-from .rows import StoreError, by_id_or_name, insert_or_get, made_before, redispatch_row, update_row
+from .rows import StoreError, insert_or_get, made_before, redispatch_row, update_row
 
 __all__ = [
-    "build_models", "builds_before", "builds_in_order", "create_build", "create_deployment", "default_model",
-    "deployments_of_batch", "find_due_deployments", "finish_deployment", "get_build",
-    "get_deployment", "heartbeat_deployment", "manifest_sha256", "pending_deployments",
+    "build_display_names", "build_models", "builds_before", "builds_in_order", "check_label", "check_label_free", "create_build",
+    "create_deployment", "default_model", "deployments_of_batch", "find_due_deployments", "finish_deployment",
+    "get_build", "get_deployment", "heartbeat_deployment", "label_build", "manifest_sha256", "pending_deployments",
     "record_deployment", "record_deployment_progress", "redispatch_deployment", "requeue_deployment",
-    "start_deployment",
+    "resolve_build", "short_names", "start_deployment",
 ]
+
+LABEL_MAX = 32
+_LABEL = re.compile(r"[A-Za-z0-9._+-]+")
+# Where a build name splits into the parts its distinguishing end is made of.
+_SEPARATORS = re.compile(r"(?<=[-_.+])")
 
 
 def manifest_sha256(manifest: Manifest) -> str:
     return hashlib.sha256(manifest.canonical_bytes()).hexdigest()
 
 
-def create_build(session: Session, manifest: Manifest) -> Build:
-    """Record a build and its files; the same manifest again returns the existing build."""
+def create_build(session: Session, manifest: Manifest, label: str | None = None) -> Build:
+    """Record a build and its files (with `label`, see label_build); the same manifest again
+    returns the existing build."""
     digest = manifest_sha256(manifest)
     query = select(Build).where(Build.manifest_sha256 == digest)
     build = session.scalar(query)
     if build is not None:
-        return build
+        return build if label is None or build.label == label else label_build(session, build, label)
+    if label is not None:
+        check_label(label)
+        check_label_free(session, label)
     clash = session.scalar(select(Build).where(Build.name == manifest.build))
     if clash is not None:
         raise StoreError(f"build {manifest.build!r} already exists with another manifest "
                          f"({clash.manifest_sha256[:12]} != {digest[:12]}): give the new build another id")
+    labelled = session.scalar(select(Build).where(Build.label == manifest.build))
+    if labelled is not None:
+        raise StoreError(f"build name {manifest.build!r} is the label of build {labelled.id} ({labelled.name}): "
+                         "give the new build another name")
     build = Build(
         name=manifest.build,
         version=manifest.version,
         source_revision=manifest.source_revision,
         manifest_sha256=digest,
         created=dt.datetime.fromtimestamp(manifest.created, dt.UTC),
+        label=label,
         files=[BuildFile(path=f.path, sha256=f.sha256, size=f.size, mode=f.mode) for f in manifest.files],
     )
     return insert_or_get(session, build, query)
 
 
+def check_label(label: str) -> str:
+    """A build label: 1-32 letters, digits and . _ + -, not all digits (it would read as an
+    id). StoreError saying what a label may be otherwise."""
+    if not (1 <= len(label) <= LABEL_MAX) or not _LABEL.fullmatch(label):
+        raise StoreError(f"build label {label!r} is not 1-{LABEL_MAX} letters, digits and . _ + - "
+                         "(no spaces): give a short one such as A or rc1")
+    if label.isdigit():
+        raise StoreError(f"build label {label!r} is all digits and would read as a build id: "
+                         "give one with a letter, such as B{label}")
+    return label
+
+
+def check_label_free(session: Session, label: str, build_id: int | None = None) -> None:
+    """StoreError when a build other than `build_id` has `label` as its label or its name
+    (labels and names share one namespace: a label equal to another build's name would make
+    that name mean two builds)."""
+    taken = session.scalar(select(Build).where(or_(Build.label == label, Build.name == label),
+                                               Build.id != (build_id if build_id is not None else -1)))
+    if taken is not None:
+        what = "labels" if taken.label == label else "is named"
+        raise StoreError(f"build label {label!r} is taken: build {taken.id} ({taken.name}) {what} {label!r}; "
+                         "give another label")
+
+
+def label_build(session: Session, build: Build, label: str | None) -> Build:
+    """Give `build` the label `label` (None: take its label away). StoreError when the label is
+    not one (check_label) or another build has it."""
+    if label is not None:
+        check_label(label)
+        check_label_free(session, label, build.id)
+    build.label = label
+    session.flush()
+    return build
+
+
+def resolve_build(session: Session, ref: int | str) -> Build:
+    """The build `ref` names: an id (an int or a string of digits), a label or a full name,
+    tried in that order. StoreError saying what was tried when none matches."""
+    if isinstance(ref, int):
+        build = session.get(Build, ref)
+        if build is None:
+            raise StoreError(f"no build with id {ref}; `farm builds list` shows the known ones")
+        return build
+    ref = ref.strip()
+    tried = []
+    if ref.isdigit():
+        tried.append("an id")
+        build = session.get(Build, int(ref))
+        if build is not None:
+            return build
+    else:
+        tried.append("a label")
+        build = session.scalar(select(Build).where(Build.label == ref))
+        if build is not None:
+            return build
+    tried.append("a name")
+    build = session.scalar(select(Build).where(Build.name == ref))
+    if build is not None:
+        return build
+    raise StoreError(f"no build {ref!r} (tried as {' and '.join(tried)}); `farm builds list` shows the builds "
+                     "with their ids, labels and names")
+
+
 def get_build(session: Session, ref: int | str | None = None) -> Build:
-    """A build by id or name; the newest one when `ref` is None. StoreError when unknown."""
+    """A build by id, label or name (resolve_build); the newest one when `ref` is None.
+    StoreError when unknown."""
     if ref is None:
         build = session.scalar(select(Build).order_by(Build.created.desc(), Build.id.desc()).limit(1))
         if build is None:
             raise StoreError("no builds yet; `farm builds create --model DIR` makes one")
         return build
-    return by_id_or_name(session, Build, Build.name, ref, "build")
+    return resolve_build(session, ref)
+
+
+def short_names(names: Sequence[str], taken: Iterable[str] = ()) -> list[str]:
+    """For each of `names`, the shortest end of it (whole parts split after - _ . +) that no
+    other of `names` ends with, is not all digits (an id) and is none of `taken` (labels
+    shown beside them): `demo-20261129T012011Z-a` and `...-b` give `a` and `b`. Never a cut
+    middle: a name with no such end, or alone, is shown whole."""
+    distinct = list(dict.fromkeys(names))
+    taken = set(taken)
+    shown = []
+    for name in names:
+        parts = _SEPARATORS.split(name)
+        short = name
+        if len(distinct) > 1:
+            for k in range(1, len(parts)):
+                end = "".join(parts[-k:])
+                if (not end.isdigit() and end not in taken and end.strip("-_.+")
+                        and not any(other != name and other.endswith(end) for other in distinct)):
+                    short = end
+                    break
+        shown.append(short)
+    return shown
+
+
+def build_display_names(session: Session, names: Sequence[str]) -> dict[str, str]:
+    """What tables and charts call each of the builds `names` shown together: its label, else
+    the distinguishing end of its name among them (short_names)."""
+    distinct = list(dict.fromkeys(n for n in names if n))
+    labels: dict[str, str] = dict(session.execute(
+        select(Build.name, Build.label).where(Build.name.in_(distinct), Build.label.is_not(None))).all()
+    ) if distinct else {}
+    derived = dict(zip(distinct, short_names(distinct, taken=labels.values()), strict=True))
+    return {name: labels.get(name) or derived[name] for name in distinct}
 
 
 def builds_in_order(session: Session) -> list[Build]:

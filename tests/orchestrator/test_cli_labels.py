@@ -1,0 +1,248 @@
+"""Builds people can tell apart (issue 41): a build's label given, set, refused and resolved
+(id, label, full name) wherever a build is named; tables and charts calling builds by label or
+by the distinguishing end of their names, the full names listed once; shell completion of
+builds, serials, alerts and schedules read from the store; numbers in human units. Through
+CliRunner on a migrated store filled with the store's own functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.protocol import JobResult, Manifest, ManifestFile, Sample
+from orchestrator import store
+from orchestrator.cli import completion, numbers
+from orchestrator.store.models import DeviceState, JobState
+
+STAMP = "demo-20261129T012011Z"
+
+
+def _manifest(name: str, created: float) -> Manifest:
+    return Manifest(build=name, version="0.1.0", created=created, files=[
+        ManifestFile("engine/__init__.py", name.encode().hex()[:64].ljust(64, "a"), 10),
+        ManifestFile("models/tiny/model_index.json", "b" * 64, 20)])
+
+
+def _one_error(result, *fragments: str) -> None:
+    assert result.exit_code == 3, result.output  # bad input
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+
+
+def _split(out: str) -> tuple[list[list[str]], list[str]]:
+    """A command's output off a terminal: its table's rows (tab-separated cells) and its other lines."""
+    lines = [line for line in out.splitlines() if line.strip() and not line.startswith("# ")]
+    return [line.split("\t") for line in lines if "\t" in line], [line for line in lines if "\t" not in line]
+
+
+def _latency(session, device, build, step_ms: list[float], peak_bytes: float, started: float) -> None:
+    job = store.create_job(session, "latency", {"model": "models/tiny", "precision": "fp32", "steps": 2},
+                           device.id, build.id)
+    store.transition_job(session, job.id, JobState.running, worker="w1@testhost")
+    store.record_result(session, job.id, JobResult(
+        job_id=f"job{job.id}-a1", kind="latency", status="succeeded", started_at=started, finished_at=started + 60,
+        device="Adreno (TM) 740", engine={"profile": "adreno", "precision": "fp32", "height": 64, "width": 64},
+        samples=[*(Sample("unet_step_ms", v, "ms", r) for r, v in enumerate(step_ms)),
+                 *(Sample("e2e_ms", 10 * v, "ms", r) for r, v in enumerate(step_ms)),
+                 *(Sample("peak_gpu_bytes", peak_bytes, "bytes", r) for r in range(len(step_ms)))]))
+    store.transition_job(session, job.id, JobState.succeeded)
+
+
+@pytest.fixture
+def demo(cli):
+    """The store a demo leaves: builds <stamp>-a (id 1) and <stamp>-b (id 2), no labels, on
+    phone-1 and phone-2, each with a latency run of each build."""
+    with cli.Session() as s, s.begin():
+        phones = [store.upsert_device(s, f"phone-{i}", "adb", f"127.0.0.1:555{i}", host="testhost") for i in (1, 2)]
+        for phone in phones:
+            store.set_device_state(s, phone.id, DeviceState.available)
+        a = store.create_build(s, _manifest(f"{STAMP}-a", 1_700_000_000.0))
+        b = store.create_build(s, _manifest(f"{STAMP}-b", 1_700_100_000.0))
+        for i, phone in enumerate(phones):
+            _latency(s, phone, a, [10.0, 10.2, 10.1, 9.9, 10.0, 10.1], 9_348_304.0, 1_700_000_100.0 + i)
+            _latency(s, phone, b, [10.0, 10.1, 10.2, 9.9, 10.0, 10.1], 9_348_304.0, 1_700_100_100.0 + i)
+        cli.ids = (a.id, b.id)
+    return cli
+
+
+# ---- the store: labels and the resolver ---------------------------------------------------
+
+
+def test_labels_are_checked_and_unique(demo):
+    with demo.Session() as s, s.begin():
+        a, b = (store.get_build(s, i) for i in demo.ids)
+        store.label_build(s, a, "A")
+        for bad, fragment in [("", "1-32"), ("x" * 33, "1-32"), ("has space", "no spaces"), ("123", "all digits"),
+                              ("A", "taken"), (f"{STAMP}-a", "taken")]:
+            with pytest.raises(store.StoreError, match=fragment):
+                store.label_build(s, b, bad)
+        store.label_build(s, a, "A")  # its own label again is no clash
+        with pytest.raises(store.StoreError, match="label of build"):
+            store.create_build(s, _manifest("A", 1_700_200_000.0))
+
+
+@pytest.mark.parametrize("ref", ["1", 1, "A", f"{STAMP}-a", " A "])
+def test_a_build_is_found_by_id_label_or_name(demo, ref):
+    with demo.Session() as s, s.begin():
+        store.label_build(s, store.get_build(s, demo.ids[0]), "A")
+        assert store.resolve_build(s, ref).name == f"{STAMP}-a"
+        assert store.get_build(s, ref).name == f"{STAMP}-a"
+
+
+def test_an_unknown_build_says_what_was_tried(demo):
+    with demo.Session() as s:
+        with pytest.raises(store.StoreError, match=r"no build 'C' \(tried as a label and a name\)"):
+            store.resolve_build(s, "C")
+        with pytest.raises(store.StoreError, match=r"no build '9' \(tried as an id and a name\)"):
+            store.resolve_build(s, "9")
+
+
+def test_short_names_are_the_distinguishing_end():
+    assert store.short_names([f"{STAMP}-a", f"{STAMP}-b"]) == ["a", "b"]
+    assert store.short_names(["demo-X-a", "demo-Y-a", "demo-Y-b"]) == ["X-a", "Y-a", "b"]
+    assert store.short_names(["run-1", "run-2"]) == ["run-1", "run-2"]  # never an id's digits
+    assert store.short_names([f"{STAMP}-a", f"{STAMP}-b"], taken=["a"]) == ["20261129T012011Z-a", "b"]
+    assert store.short_names([f"{STAMP}-a"]) == [f"{STAMP}-a"]  # alone: nothing to tell it from
+
+
+def test_display_names_prefer_labels(demo):
+    with demo.Session() as s, s.begin():
+        store.label_build(s, store.get_build(s, demo.ids[1]), "B")
+        assert store.build_display_names(s, [f"{STAMP}-a", f"{STAMP}-b", f"{STAMP}-a"]) == {
+            f"{STAMP}-a": "a", f"{STAMP}-b": "B"}
+
+
+# ---- farm builds --------------------------------------------------------------------------
+
+
+def test_builds_label_sets_shows_and_clears(demo):
+    out = demo("builds", "label", "1", "A").output
+    assert f"build {STAMP}-a is now labelled A" in out
+    rows, _ = _split(demo("builds", "list").output)
+    assert [r[:3] for r in rows] == [["id", "label", "name"], ["2", "-", f"{STAMP}-b"], ["1", "A", f"{STAMP}-a"]]
+    rows = json.loads(demo("builds", "list", "--json").output)
+    assert [(r["id"], r["label"], r["display"]) for r in rows] == [(2, None, "b"), (1, "A", "A")]
+    assert "label: A" in demo("builds", "show", "A").output
+    _one_error(demo("builds", "label", "2", "A", ok=False), "build label 'A' is taken", "give another label")
+    _one_error(demo("builds", "label", "2", "42", ok=False), "all digits")
+    _one_error(demo("builds", "label", "2", ok=False), "give a LABEL, or --clear")
+    assert "has no label now" in demo("builds", "label", "A", "--clear").output
+    _one_error(demo("builds", "show", "A", ok=False), "no build 'A'")
+
+
+def test_builds_create_refuses_a_bad_or_taken_label_before_packing(demo, tiny_model_dir):
+    _one_error(demo("builds", "create", "--model", str(tiny_model_dir), "--label", "two words", ok=False),
+               "--label", "no spaces")
+    demo("builds", "label", "1", "A")
+    _one_error(demo("builds", "create", "--model", str(tiny_model_dir), "--label", "A", ok=False),
+               "build label 'A' is taken")
+    assert not list((demo.tmp / "data" / "builds").glob("*")) if (demo.tmp / "data" / "builds").exists() else True
+
+
+# ---- builds named in commands -------------------------------------------------------------
+
+
+def test_results_take_a_build_by_id_label_or_name(demo):
+    demo("builds", "label", "2", "B")
+    for ref in ("2", "B", f"{STAMP}-b"):
+        rows = json.loads(demo("results", "list", "--build", ref, "--json").output)
+        assert {r["build"] for r in rows} == {f"{STAMP}-b"}, ref
+    _one_error(demo("results", "list", "--build", "C", ok=False), "no build 'C'", "tried as a label and a name")
+
+
+def test_check_takes_a_build_by_id(demo, monkeypatch):
+    """`farm check --build 1` (its help says name or id) finds build 1, and a label names the
+    baseline; the check stops where it would launch its first round."""
+    from orchestrator.services import check as gate
+
+    def launch(app, name, jobs, *, build, devices, **kwargs):
+        raise gate.CheckFailed(f"would launch {build} against {jobs[0].get('build')}")
+
+    monkeypatch.setattr(gate, "launch_suite", launch)
+    demo("builds", "label", "1", "A")
+    result = demo("check", "--build", "2", "--baseline", "A", "--all", ok=False)
+    assert f"would launch {STAMP}-b against {STAMP}-a" in result.output, result.output
+    result = demo("check", "--build", "1", "--baseline", "1", "--all", ok=False)
+    assert "no build '1'" not in result.output and f"would launch {STAMP}-a" in result.output, result.output
+
+
+def test_deploy_takes_a_build_by_label(demo):
+    demo("builds", "label", "1", "A")
+    result = demo("deploy", "A", "--all", ok=False)
+    assert "no build" not in result.output, result.output
+    assert f"{STAMP}-a" in result.output  # the bundle it looked for is build A's
+
+
+# ---- tables -------------------------------------------------------------------------------
+
+
+def test_results_list_shows_distinguishing_ends_and_full_names_once(demo):
+    rows, rest = _split(demo("results", "list").output)
+    build = rows[0].index("build")
+    assert [r[build] for r in rows[1:]] == ["b", "a", "b", "a"]
+    assert not any(STAMP in cell for r in rows for cell in r)  # no name, whole or cut, in the table
+    assert rest == [f"b = {STAMP}-b", f"a = {STAMP}-a"]
+    demo("builds", "label", "1", "A")
+    demo("builds", "label", "2", "B")
+    rows, rest = _split(demo("results", "list").output)
+    assert [r[build] for r in rows[1:]] == ["B", "A", "B", "A"]
+    assert rest == [f"B = {STAMP}-b", f"A = {STAMP}-a"]
+
+
+def test_compare_names_builds_short_and_numbers_in_human_units(demo):
+    demo("builds", "label", "1", "A")
+    out = demo("results", "compare", "--build", "1", "--build", f"{STAMP}-b").output
+    rows, rest = _split(out)
+    assert out.startswith("# b against A"), out
+    assert rows[0] == ["device", "metric", "A", "b", "ratio", "change", "95% CI", "p", "verdict"]
+    by_metric = {r[1]: r for r in rows[1:] if r[0] == "phone-1"}
+    assert by_metric["peak_gpu_bytes"][2:6] == ["8.92 MiB (n=6)", "8.92 MiB (n=6)", "1.000", "0.0%"]
+    assert by_metric["unet_step_ms"][2].endswith(" ms (n=6)")
+    assert "-0" not in out and "9,348,304" not in out, out
+    for r in rows[1:]:
+        assert r[7] == "-" or r[7] == "<0.001" or len(r[7]) == 5, r  # p as 0.xyz
+    assert rest == [f"A = {STAMP}-a", f"b = {STAMP}-b"]
+
+
+# ---- numbers ------------------------------------------------------------------------------
+
+
+def test_numbers_read_as_people_write_them():
+    assert numbers.byte_size(9_348_304.0) == "8.92 MiB"
+    assert numbers.byte_size(3 * 2**30) == "3.00 GiB"
+    assert numbers.byte_size(512) == "512 B"
+    assert numbers.ms(12.3456) == "12.35 ms" and numbers.ms(1234.5) == "1,234 ms" and numbers.ms(0.12345) == "0.123 ms"
+    assert numbers.metric_value("peak_gpu_bytes", 2**20) == "1.00 MiB"
+    assert numbers.metric_value("unet_step_ms", 101.26) == "101.3 ms"
+    assert numbers.ratio(1.0523456789012345) == "1.052"
+    assert numbers.change(0.99999) == "0.0%" and numbers.change(1.0523) == "+5.2%" and numbers.change(0.97) == "-3.0%"
+    assert numbers.p_value(0.00001) == "<0.001" and numbers.p_value(0.04213) == "0.042"
+    assert numbers.plain(-0.0001) == "0" and numbers.plain(None) == "-"
+
+
+# ---- completion ---------------------------------------------------------------------------
+
+
+def test_completion_reads_the_store(demo):
+    demo("builds", "label", "1", "A")
+    with demo.Session() as s, s.begin():
+        store.create_schedule(s, "nightly", "0 2 * * *", "UTC", {"build": None, "devices": "all", "jobs": []})
+    values = [v for v, _ in completion.builds("")]
+    assert values[:1] == ["A"] and {f"{STAMP}-a", f"{STAMP}-b", "1", "2"} <= set(values)
+    assert [v for v, _ in completion.builds("demo-")] == [f"{STAMP}-b", f"{STAMP}-a"]
+    assert [v for v, _ in completion.devices("phone-")] == ["phone-1", "phone-2"]
+    assert [v for v, _ in completion.schedules("n")] == ["nightly"]
+    assert completion.alerts("") == []
+
+
+def test_completion_without_a_store_suggests_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FARM_DATABASE_URL", f"sqlite:///{tmp_path / 'none' / 'farm.db'}")
+    assert completion.builds("") == [] and completion.devices("") == []
+    assert not (tmp_path / "none" / "farm.db").exists()  # looking made no store
+    monkeypatch.setenv("FARM_DATABASE_URL", "postgresql+psycopg://nobody@127.0.0.1:1/none")
+    assert completion.schedules("") == [] and completion.alerts("") == []
