@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from . import common, validate
+from . import common, completion, labels, numbers, validate
 from .output import Table, console, escape
 
 ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
@@ -203,8 +203,10 @@ def scan(
 
 
 def compare(
-    builds: list[str] = typer.Option(..., "--build", help="Baseline build, then candidate build (give it twice)."),
-    device: str = typer.Option(None, "--device", help="Device serial (default: every device that ran both)."),
+    builds: list[str] = typer.Option(..., "--build", help="Baseline build, then candidate build (give it twice; "
+                                     "id, label or name).", autocompletion=completion.builds),
+    device: str = typer.Option(None, "--device", help="Device serial (default: every device that ran both).",
+                               autocompletion=completion.devices),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Keep thermally flagged runs."),
     as_json: bool = common.JSON_OPTION,
 ):
@@ -222,6 +224,7 @@ def compare(
             devices = [store.get_device(session, device)] if device else store.all_devices(session)
         except store.StoreError as exc:
             common.fail(str(exc))
+        shown = labels.build_names(session, [base.name, cand.name])
         for dev in devices:
             specs = {regressions.SpecKey.of(spec) for spec in store.latency_specs(session, dev.id, cand.id)}
             for spec in sorted(specs, key=repr):
@@ -243,24 +246,23 @@ def compare(
     if as_json:
         common.print_json(rows)
         return
-    table = Table("device", "metric", builds[0], builds[1], "ratio", "95% CI", "p", "verdict",
-                  title=f"{builds[1]} against {builds[0]}")
+    base_shown, cand_shown = shown[base.name], shown[cand.name]
+    table = Table("device", "metric", base_shown, cand_shown, "ratio", "change", "95% CI", "p", "verdict",
+                  title=f"{cand_shown} against {base_shown}")
     for r in rows:
         if r["verdict"] == "refused":
-            table.add_row(r["device"], r["metric"], "-", "-", "-", "-", "-", f"refused: {r['reason']}")
+            table.add_row(r["device"], r["metric"], "-", "-", "-", "-", "-", "-", f"refused: {r['reason']}")
             continue
-
-        def num(v):
-            return "-" if v is None else f"{v:,.1f}"
-
         changes = r.get("environment_change") or []
         verdict = f"{r['verdict']} (environment changed: {'; '.join(changes)})" if changes else r["verdict"]
-        table.add_row(r["device"], r["metric"], f"{num(r['baseline_median'])} (n={r['n_baseline']})",
-                      f"{num(r['candidate_median'])} (n={r['n_candidate']})",
-                      "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
-                      "-" if r["ci_low"] is None else f"{r['ci_low']:.3f}-{r['ci_high']:.3f}",
-                      "-" if r["p_value"] is None else f"{r['p_value']:.2g}", verdict)
+        unit = r.get("unit")
+        table.add_row(r["device"], r["metric"],
+                      f"{numbers.metric_value(r['metric'], r['baseline_median'], unit)} (n={r['n_baseline']})",
+                      f"{numbers.metric_value(r['metric'], r['candidate_median'], unit)} (n={r['n_candidate']})",
+                      numbers.ratio(r["ratio"]), numbers.change(r["ratio"]), numbers.interval(r["ci_low"], r["ci_high"]),
+                      numbers.p_value(r["p_value"]), verdict)
     console.print(table)
+    labels.legend(shown)
 
 
 # ---- farm bisect --------------------------------------------------------------------------

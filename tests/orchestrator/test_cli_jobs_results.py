@@ -247,7 +247,7 @@ def test_results_list_filters_and_json(seeded):
     assert [(r["job_id"], r["medians"]["load_ms"]) for r in load] == [(ids[2], 41.0), (ids[1], 40.0)]
 
     text = cli("results", "list").output
-    assert "unet_step_ms" in text and "11.5" in text and "1,024 MiB" in text
+    assert "unet_step_ms" in text and "11.50 ms" in text and "1.00 GiB" in text  # orchestrator/cli/numbers.py
     assert "no runs match" in cli("results", "list", "--device", "phone-3").output
 
 
