@@ -135,13 +135,23 @@ def _kernels(session: Session, runs: list[Run]) -> dict[str, list[float]]:
     return out
 
 
-def kernel_moves(session: Session, baseline_runs: list[Run], candidate_runs: list[Run],
-                 top: int | None = 10) -> list[dict[str, Any]]:
-    """The kernels whose timings moved most between two builds' runs (rg.attribute), as dicts;
-    empty when the runs timed no kernels."""
-    moves = rg.attribute(_kernels(session, baseline_runs), _kernels(session, candidate_runs), top=top)
+KERNELS_MOVED = 10  # the kernels an alert and a series page name as the ones that moved
+
+
+def moves_of(baseline: dict[str, list[float]], candidate: dict[str, list[float]],
+             top: int | None = KERNELS_MOVED) -> list[dict[str, Any]]:
+    """The kernels whose timings moved most between two builds (kernel -> its total ms in each
+    repetition: rg.attribute), biggest absolute change first, as dicts: what an alert's
+    attribution and a series page's "kernels that moved" both show."""
     return [{"kernel": m.kernel, "baseline_ms": m.baseline_ms, "candidate_ms": m.candidate_ms,
-             "delta_ms": m.delta_ms, "share": m.share} for m in moves]
+             "delta_ms": m.delta_ms, "share": m.share} for m in rg.attribute(baseline, candidate, top=top)]
+
+
+def kernel_moves(session: Session, baseline_runs: list[Run], candidate_runs: list[Run],
+                 top: int | None = KERNELS_MOVED) -> list[dict[str, Any]]:
+    """The kernels whose timings moved most between two builds' runs (moves_of); empty when
+    the runs timed no kernels."""
+    return moves_of(_kernels(session, baseline_runs), _kernels(session, candidate_runs), top=top)
 
 
 def op_of(kernel: str) -> str:

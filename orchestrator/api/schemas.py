@@ -547,12 +547,33 @@ class KernelLine(BaseModel):
                                                "(None: the build did not run it).")
 
 
+class KernelMove(BaseModel):
+    """One kernel's change between two builds: the median over repetitions of its total time in
+    one repetition (0 where a build did not run it), as an alert's attribution has it."""
+
+    kernel: str
+    baseline_ms: float
+    candidate_ms: float
+    delta_ms: float = Field(description="candidate_ms - baseline_ms.")
+    share: float = Field(description="Its part of the net change (negative: it moved against it).")
+
+
+class ComparedBuilds(BaseModel):
+    baseline_build: str
+    build: str
+
+
 class SeriesKernels(BaseModel):
-    """Where a series' time goes, build by build."""
+    """Where a series' time goes, build by build, and which kernels moved between the two builds
+    its newest verdict compares."""
 
     unit: str
     builds: list[str] = Field(description="The series' builds that recorded kernel timings, oldest first.")
-    kernels: list[KernelLine] = Field(description="The kernels slowest in the newest build, then the rest summed.")
+    kernels: list[KernelLine] = Field(description="The kernels slowest in the newest build and every kernel in "
+                                                  "`moves`, then the rest summed as \"other\".")
+    compared: ComparedBuilds | None = Field(description="The builds `moves` compares: the newest verdict's when "
+                                                        "both timed kernels, else the two newest that did.")
+    moves: list[KernelMove] = Field(description="The kernels that moved most between them, biggest change first.")
 
 
 class AlertSide(BaseModel):
@@ -628,6 +649,7 @@ class DeviceHealth(BaseModel):
     state_reason: str
     infra_failures_in_row: int
     probe_failures: int
+    last_run_finished: dt.datetime | None = Field(description="When its newest run ended (the device's clock).")
     recent: list[RecentRun]
     stoppages: list[AlertRef] = Field(description="Data-stoppage alerts about the device.")
     history: list[StateChange] = Field(description="Its newest state changes, newest first (not its lease's busy "

@@ -156,7 +156,16 @@ def series_events(session: Session, series: farm_series.Series) -> dict[str, Any
     return {"alerts": [_alert_ref(a) for a in alerts], "annotations": annotations}
 
 
-KERNELS_SHOWN = 8  # the kernels a series' kernel trend draws; the rest are summed as "other"
+KERNELS_SHOWN = 8  # the slowest kernels a series' kernel trend names; the rest are summed as "other"
+
+
+def _compared(series: farm_series.Series, builds: list[str]) -> tuple[str, str] | None:
+    """(baseline, build) whose kernels a series page compares: those of the series' newest
+    verdict when both timed kernels, else its two newest builds that did; None with fewer."""
+    verdict = series.verdict or {}
+    if verdict.get("build") in builds and verdict.get("baseline_build") in builds:
+        return verdict["baseline_build"], verdict["build"]
+    return (builds[-2], builds[-1]) if len(builds) >= 2 else None
 
 
 def series_kernels(session: Session, series: farm_series.Series) -> dict[str, Any]:
@@ -164,12 +173,16 @@ def series_kernels(session: Session, series: farm_series.Series) -> dict[str, An
     kernel, the kernel's total time in one timed repetition (its calls summed), averaged over the
     repetitions of the series' runs of that build (the runs its points are made of: this
     device, workload and environment, no check's). The KERNELS_SHOWN kernels slowest in the
-    newest build are named, the rest summed as "other"; a kernel a build did not run is None."""
+    newest build are named, and so is every kernel that moved between the two builds compared
+    (_compared: its newest verdict's), which `moves` lists, biggest change first, as an alert's
+    attribution does (regressions.moves_of); the rest are summed as "other"; a kernel a build
+    did not run is None."""
     timings: dict[int, list[tuple[int, int, str, float]]] = {}
     for build_id, run_id, repetition, kernel, ms in store.series_kernel_timings(session, series.id):  # one query
         timings.setdefault(build_id, []).append((run_id, repetition, kernel, ms))
     builds: list[str] = []
     per_build: list[dict[str, float]] = []
+    repetition_totals: dict[str, dict[str, list[float]]] = {}  # build -> kernel -> its total in each repetition
     for point, name in store.series_points(session, series.id):
         totals: dict[tuple[int, int, str], float] = {}
         for run_id, repetition, kernel, ms in timings.get(point.build_id, []):
@@ -178,21 +191,29 @@ def series_kernels(session: Session, series: farm_series.Series) -> dict[str, An
         if not repetitions:
             continue
         means: dict[str, float] = {}
+        by_kernel: dict[str, list[float]] = {}
         for (_, _, kernel), ms in totals.items():
             means[kernel] = means.get(kernel, 0.0) + ms / len(repetitions)
+            by_kernel.setdefault(kernel, []).append(ms)
         builds.append(name)
         per_build.append(means)
+        repetition_totals[name] = by_kernel
     if not per_build:
-        return {"unit": "ms", "builds": [], "kernels": []}
+        return {"unit": "ms", "builds": [], "kernels": [], "compared": None, "moves": []}
+    compared = _compared(series, builds)
+    moves = regressions.moves_of(*(repetition_totals[b] for b in compared)) if compared else []
+    moved = {m["kernel"] for m in moves}
     newest = per_build[-1]
     every = {k for means in per_build for k in means}
     ranked = sorted(every, key=lambda k: (-newest.get(k, 0.0), k))
-    shown, rest = ranked[:KERNELS_SHOWN], ranked[KERNELS_SHOWN:]
+    shown = [k for i, k in enumerate(ranked) if i < KERNELS_SHOWN or k in moved]  # a kernel that moved is named
+    rest = [k for k in ranked if k not in set(shown)]
     kernels = [{"kernel": k, "ms": [means.get(k) for means in per_build]} for k in shown]
     if rest:
         kernels.append({"kernel": f"other ({len(rest)} kernels)",
                         "ms": [sum(means.get(k, 0.0) for k in rest) for means in per_build]})
-    return {"unit": "ms", "builds": builds, "kernels": kernels}
+    return {"unit": "ms", "builds": builds, "kernels": kernels, "moves": moves,
+            "compared": {"baseline_build": compared[0], "build": compared[1]} if compared else None}
 
 
 # ---- an alert's context ---------------------------------------------------------------------
@@ -294,6 +315,7 @@ def device_health(session: Session, device: Device) -> dict[str, Any]:
             "failure_rate": counts.get(RunStatus.failed, 0) / total if total else None,
             "state": str(device.state), "state_reason": device.state_reason,
             "infra_failures_in_row": device.infra_failures_in_row, "probe_failures": device.probe_failures,
+            "last_run_finished": max((r.finished_at for r in recent if r.finished_at), default=None),
             "recent": [{"run_id": r.id, "status": str(r.status), "error": r.error, "kind": str(r.kind),
                         "build": r.name, "started_at": r.started_at.isoformat() if r.started_at else None,
                         "finished_at": r.finished_at.isoformat() if r.finished_at else None} for r in recent],

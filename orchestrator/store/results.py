@@ -25,6 +25,7 @@ from .models import (
     RunStatus,
     Sample,
     ThermalReading,
+    utcnow,
 )
 from .rows import StoreError, bulk_insert, insert_or_get
 
@@ -39,7 +40,8 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
     attempt again (a redelivered task) returns the stored run and writes nothing. The job's
     state is left to transition_job, in the same transaction. The run keeps the environment
     the agent read (result.environment), or, from an agent that sent none, what the device's
-    record says now, marked source "device-record"."""
+    record says now, marked source "device-record". The device's last_seen is stamped: it
+    answered."""
     try:  # what no backend keeps the same way (SQLite stores NaN as NULL, PostgreSQL refuses NUL)
         check_plain(to_dict(result), "result")
     except BadValue as exc:
@@ -85,6 +87,9 @@ def record_result(session: Session, job_id: int, result: JobResult, attempt: int
                           for a in result.artifacts if a.kind == "image"))
     if result.log_tail:
         job.log_tail = result.log_tail
+    # The device answered with this result: it was seen now, at the end of its run (the health
+    # check's probes stamp it too, but a device busy with jobs is not probed).
+    job.device.last_seen = utcnow()
     session.flush()
     session.expire(run, ["samples", "kernel_timings", "thermal", "images"])
     return run

@@ -510,6 +510,7 @@ def test_the_offline_build_shows_the_same_numbers_from_file(farm, cli_env, brows
     _ready(browser)
     assert not browser.find_element(By.ID, "token-form").is_displayed()
     _overview_checks(browser, farm)
+    _verdict_checks(browser, farm)  # the offline copy's verdicts: the same, as unsettled
     browser.find_element(By.CSS_SELECTOR, 'td.metric-cell[data-device="p2"][data-metric="e2e_ms"] a.cell').click()
     _ready(browser)
     _series_checks(browser, farm, "p2", "e2e_ms")
@@ -521,6 +522,7 @@ def test_the_offline_build_shows_the_same_numbers_from_file(farm, cli_env, brows
     browser.get((out / "device.html").as_uri() + "?id=p2")
     _ready(browser)
     assert browser.find_element(By.ID, "run-counts").text == "3 succeeded, 0 failed"
+    _device_checks(browser)
     browser.get((out / "gallery.html").as_uri() + "?id=b2")
     _ready(browser)
     _gallery_checks(browser, farm, "b2")
@@ -670,4 +672,100 @@ def test_a_builds_gallery_shows_the_images_its_generate_jobs_made(farm, server, 
     browser.get(f"{server}/builds/b1")
     _ready(browser)
     _gallery_checks(browser, farm, "b1")
+    assert _severe(browser) == []
+
+
+# ---- verdicts, the device page's facts, the kernels that moved (issue 41) ---------------------
+
+
+def _api(farm, path: str):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(farm["settings"])) as client:
+        response = client.get(path, headers={"Authorization": f"Bearer {farm['tokens']['read']}"})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+GREEN = {"rgb(44, 160, 44)", "rgba(44, 160, 44, 1)"}  # .badge-ok, .verdict-improvement
+
+
+def _verdict_checks(browser, farm) -> None:
+    """Every overview cell shows its series' newest verdict as the API has it, by class and text;
+    an unsettled one (p1's peak GPU memory: 3 samples a run, too few to decide) is not green, and
+    no cell says "no alert" in green any more."""
+    from selenium.webdriver.common.by import By
+
+    cells = {(c["device"], c["metric"]): c["latest_verdict"] for c in _api(farm, "/v1/overview")["cells"]}
+    assert cells[("p1", "peak_gpu_bytes")]["verdict"] == "inconclusive" and cells[("p1", "unet_step_ms")][
+        "verdict"] == "regression"
+    for (serial, metric), want in cells.items():
+        badge = browser.find_element(By.CSS_SELECTOR, f'td.metric-cell[data-device="{serial}"][data-metric="{metric}"] '
+                                                      ".series-verdict")
+        assert badge.get_attribute("data-verdict") == want["verdict"]
+        assert f"verdict-{want['verdict']}" in badge.get_attribute("class").split()
+        label = want["verdict"].replace("_", " ")
+        assert badge.text.endswith(label) and badge.text.startswith(f"{want['ratio']:.3f}x"), badge.text
+        if want["ci_low"] is not None:
+            assert f"({want['ci_low']:.3f}-{want['ci_high']:.3f})" in badge.text
+        if not want["settled"]:
+            assert badge.value_of_css_property("background-color") not in GREEN, (serial, metric)
+    assert "no alert" not in browser.find_element(By.ID, "grid").text
+
+
+def test_the_overview_shows_each_verdict_and_an_unsettled_one_is_not_green(farm, server, browser):
+    _sign_in(browser, server, farm["tokens"]["read"])
+    _verdict_checks(browser, farm)
+    assert _severe(browser) == []
+
+
+def _device_checks(browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    content = browser.find_element(By.ID, "content").text
+    assert "null" not in content.split() and "undefined" not in content, content
+
+
+def test_a_device_page_shows_no_null_and_each_series_verdict(farm, server, browser):
+    from selenium.webdriver.common.by import By
+
+    _sign_in(browser, server, farm["tokens"]["read"])
+    for serial in ("p1", "p2"):  # neither is quarantined now
+        browser.get(f"{server}/devices/{serial}")
+        _ready(browser)
+        _device_checks(browser)
+        cells = {c["series_id"]: c["latest_verdict"]["verdict"] for c in _api(farm, "/v1/overview")["cells"]
+                 if c["device"] == serial}
+        shown = {r.get_attribute("data-series-id"): r.find_element(By.CSS_SELECTOR, ".series-verdict")
+                 .get_attribute("data-verdict") for r in browser.find_elements(By.CSS_SELECTOR, "#device-series tbody tr")}
+        assert shown == cells
+    assert _severe(browser) == []
+
+
+def test_a_series_page_names_the_kernels_that_moved(farm, server, browser):
+    """p1's UNet step: its verdict (b3 against b2, a regression), and the kernels that moved
+    between those builds as the API lists them, attention first, as bars and a table."""
+    from selenium.webdriver.common.by import By
+
+    ident = _series_id(farm, "p1", "unet_step_ms")
+    kernels = _api(farm, f"/v1/series/{ident}/kernels")
+    assert kernels["compared"] == {"baseline_build": "b2", "build": "b3"} and kernels["moves"][0]["kernel"] == "attention"
+    _sign_in(browser, server, farm["tokens"]["read"])
+    browser.get(f"{server}/series/{ident}")
+    _ready(browser)
+    verdict = browser.find_element(By.CSS_SELECTOR, "#latest-verdict .series-verdict")
+    assert verdict.get_attribute("data-verdict") == "regression"
+    assert browser.find_element(By.ID, "verdict-builds").text == "b3 against b2"
+    rows = browser.find_elements(By.CSS_SELECTOR, "#moves tbody tr")
+    assert [r.get_attribute("data-kernel") for r in rows] == [m["kernel"] for m in kernels["moves"]]
+    assert [_value(r.find_element(By.CSS_SELECTOR, "td.delta")) for r in rows] == [m["delta_ms"] for m in kernels["moves"]]
+    bars = browser.execute_script("return farm.charts['moves-chart'].data[1]")
+    assert bars == pytest.approx([m["delta_ms"] for m in kernels["moves"]], rel=1e-12)
+    named = {r.get_attribute("data-kernel") for r in browser.find_elements(By.CSS_SELECTOR, "#kernels tbody tr")}
+    assert {m["kernel"] for m in kernels["moves"]} <= named
+    browser.get(f"{server}/series/{_series_id(farm, 'p1', 'peak_gpu_bytes')}")  # unsettled
+    _ready(browser)
+    verdict = browser.find_element(By.CSS_SELECTOR, "#latest-verdict .series-verdict")
+    assert verdict.get_attribute("data-verdict") == "inconclusive" and verdict.text.endswith("inconclusive")
+    assert verdict.value_of_css_property("background-color") not in GREEN
     assert _severe(browser) == []

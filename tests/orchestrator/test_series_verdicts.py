@@ -11,12 +11,15 @@ decide (the tester's 0.744x, interval 0.564-0.982, on host-gpu); `one` ran b1 on
 
 from __future__ import annotations
 
+import datetime as dt
+import time
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from support import record_job, tiny_manifest
 
-from agent.protocol import JobResult, Sample
+from agent.protocol import JobResult, KernelTiming, Sample
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.api import tokens
@@ -36,12 +39,20 @@ BASE = {"unet_step_ms": 100.0, "e2e_ms": 2000.0, "peak_gpu_bytes": PEAK}
 UNITS = {"unet_step_ms": "ms", "e2e_ms": "ms", "peak_gpu_bytes": "bytes"}
 
 
+# The kernels a run timed (ms in one repetition): nine convolutions slower than any attention
+# kernel, and b1's flash attention replaced in b2 by the reference attention and its softmax.
+CONVS = {f"conv2d/{i}": 20.0 for i in range(9)}
+KERNELS = {"b1": CONVS | {"attention/flash": 10.67}, "b2": CONVS | {"attention": 15.0, "softmax": 5.0}}
+
+
 def _result(rng, levels: dict[str, tuple[float, float]], second: bool) -> JobResult:
     samples = []
     for metric, (level, noise) in levels.items():
         scale = BASE[metric] * (level if second else 1.0)
         samples += [Sample(metric, float(scale * rng.lognormal(0.0, noise)), UNITS[metric], r) for r in range(10)]
-    return JobResult(job_id="j", kind="latency", status="succeeded", samples=samples)
+    kernels = [KernelTiming(k, 4, float(ms * rng.lognormal(0.0, 0.01)), r)
+               for r in range(10) for k, ms in KERNELS["b2" if second else "b1"].items()]
+    return JobResult(job_id="j", kind="latency", status="succeeded", samples=samples, kernel_timings=kernels)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +121,41 @@ def test_a_series_and_the_listing_carry_the_same_verdict(farm):
     for key in WANT:
         one = client.get(f"/v1/series/{cells[key]['series_id']}").json()
         assert one["latest_verdict"] == cells[key]["latest_verdict"]
+
+
+def test_a_series_names_every_kernel_that_moved_between_the_builds_compared(farm):
+    """b1's flash attention is slower than none of b2's nine convolutions, yet it is the kernel
+    that moved (with the attention and softmax that replaced it): named in the kernel trend,
+    never summed into "other", and listed biggest change first, as an alert's attribution."""
+    client = farm["client"]
+    ident = _cells(client)[("reg", "unet_step_ms")]["series_id"]
+    kernels = client.get(f"/v1/series/{ident}/kernels").json()
+    assert kernels["builds"] == ["b1", "b2"] and kernels["compared"] == {"baseline_build": "b1", "build": "b2"}
+    moves = kernels["moves"]
+    assert [m["kernel"] for m in moves[:3]] == ["attention", "attention/flash", "softmax"]
+    assert [abs(m["delta_ms"]) for m in moves] == sorted((abs(m["delta_ms"]) for m in moves), reverse=True)
+    assert moves[1]["baseline_ms"] == pytest.approx(10.67, rel=0.05) and moves[1]["candidate_ms"] == 0
+    lines = {line["kernel"]: line["ms"] for line in kernels["kernels"]}
+    assert {m["kernel"] for m in moves} <= set(lines)  # every kernel that moved, by name
+    assert lines["attention/flash"][0] == pytest.approx(10.67, rel=0.05) and lines["attention/flash"][1] is None
+    assert lines["attention"][0] is None and lines["softmax"][1] == pytest.approx(5.0, rel=0.05)
+    assert not any(k.startswith("other") for k in lines)  # 12 kernels, each of them moved a little
+
+
+def test_a_device_is_seen_when_its_result_is_recorded(farm):
+    """The device page's "last seen" is never before its last run's end: a result recorded
+    stamps the device (it was last probed an hour before the run ended here)."""
+    now = time.time()
+    with farm["sessions"]() as s, s.begin():
+        device = store.get_device(s, "one")
+        device.last_seen = store.utcnow() - dt.timedelta(hours=1)
+        build = next(b for b in store.builds_in_order(s) if b.name == "b1")
+        result = JobResult(job_id="g", kind="generate", status="succeeded", started_at=now - 2, finished_at=now)
+        record_job(s, "generate", SPEC, device.id, build.id, result)
+    client = farm["client"]
+    seen = dt.datetime.fromisoformat(client.get("/v1/devices/one").json()["last_seen"])
+    ended = dt.datetime.fromisoformat(client.get("/v1/devices/one/health").json()["last_run_finished"])
+    assert ended == dt.datetime.fromtimestamp(now, dt.UTC) and seen >= ended
 
 
 def test_a_newer_build_not_analysed_yet_keeps_the_verdict_with_its_build(farm):

@@ -68,18 +68,11 @@
       el("td", { class: "values" }, s.values.map((v) => fmt.value(v, unit)).join(", ")));
   }
 
+  // The kernels that moved, drawn as a series page draws them (static/findings.js).
   function attribution(detail) {
-    const rows = (detail.attribution || []).filter((r) => r.delta_ms !== null && r.delta_ms !== undefined);
-    if (!rows.length) return [];
-    const chart = el("div", { id: "attribution-chart", class: "chart" });
-    const tableRows = rows.map((r) => el("tr", { dataset: { kernel: r.kernel } }, el("td", {}, r.kernel),
-      el("td", { class: "num" }, num(r.baseline_ms, "ms")), el("td", { class: "num" }, num(r.candidate_ms, "ms")),
-      el("td", { class: "num delta" }, num(r.delta_ms, "ms")),
-      el("td", { class: "num" }, r.share === null || r.share === undefined ? "—" : fmt.decimals(100 * r.share, 1) + " %")));
-    return [el("h2", {}, "Kernel attribution"), chart,
-      table("attribution", ["kernel", "baseline", "new", "change", "share of the change"], tableRows),
-      () => window.farm.chart.bars(chart, { title: "Change of each kernel's time per run (new − baseline)",
-        names: rows.map((r) => r.kernel), values: rows.map((r) => r.delta_ms), unit: "ms" })];
+    const moves = window.farm.kernelMoves(detail.attribution, { id: "attribution",
+      title: "Change of each kernel's time per run (new − baseline)" });
+    return moves.rows.length ? [el("h2", {}, "Kernel attribution"), ...moves.parts, moves.draw] : [];
   }
 
   async function images(context) {

@@ -17,7 +17,9 @@
       ["GPU", [gpu.vendor, gpu.architecture, gpu.device].filter(Boolean).join(" · ") || "—"],
       ["driver / backend", [gpu.driver, gpu.backend].filter(Boolean).join(" · ") || "—"],
       ["transport", `${device.transport} ${device.address}`], ["engine host", device.engine_host],
-      ["last seen", fmt.when(device.last_seen)],
+      ["last seen", el("span", { id: "last-seen" }, fmt.when(device.last_seen))],
+      ["last run ended", el("span", { id: "last-run-ended", title: "by the device's clock" },
+        fmt.when(health.last_run_finished))],
       ["runs", el("span", { id: "run-counts" }, Object.entries(health.runs).map(([s, n]) => `${n} ${s}`).join(", "))],
       ["failure rate", el("span", { id: "failure-rate" }, health.failure_rate === null ? "—"
         : num(health.failure_rate, "", (v) => fmt.decimals(100 * v, 1) + " %"))],
@@ -27,13 +29,14 @@
     document.getElementById("content").replaceChildren(
       el("h1", {}, `${device.serial}`),
       table("device-facts", ["", ""], facts.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v)))),
-      device.state === "quarantined" ? el("p", { id: "quarantine" }, badge("quarantined"), ` ${device.state_reason}`) : null,
+      ...(device.state === "quarantined" ? [el("p", { id: "quarantine" }, badge("quarantined"), ` ${device.state_reason}`)] : []),
       el("h2", {}, "Series"),
-      series.length ? table("device-series", ["metric", "workload", "latest", "build", "verdict"], series.map((c) =>
-        el("tr", {}, el("td", {}, el("a", { href: href("series", c.series_id) }, c.metric)), el("td", {}, c.spec),
-          el("td", { class: "num" }, num(c.latest.median, c.unit)), el("td", {}, c.latest.build),
+      series.length ? table("device-series", ["metric", "workload", "latest", "build", "verdict", "alert"], series.map((c) =>
+        el("tr", { dataset: { seriesId: c.series_id } }, el("td", {}, el("a", { href: href("series", c.series_id) }, c.metric)),
+          el("td", {}, c.spec), el("td", { class: "num" }, num(c.latest.median, c.unit)), el("td", {}, c.latest.build),
+          el("td", {}, window.farm.verdictBadge(c.latest_verdict)),
           el("td", {}, c.verdict ? el("a", { href: href("alert", c.verdict.id) }, badge(c.verdict.kind, c.verdict.kind),
-            " ", badge(c.verdict.state, c.verdict.state)) : badge("no alert", "ok")))))
+            " ", badge(c.verdict.state, c.verdict.state)) : el("span", { class: "muted" }, "none")))))
         : el("p", { class: "muted" }, "No series yet."),
       el("h2", {}, "State history"),
       health.history.length ? table("state-history", ["when", "from", "to", "event", "reason"], health.history.map((c) =>

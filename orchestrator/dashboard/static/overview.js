@@ -1,24 +1,26 @@
 /* The overview: a grid of devices by headline metric, each cell a series (keyed as the
-   analysis keys it) with its latest build's median and the verdict on it, linking to the
-   series' page; then the open alerts. Reads /v1/overview and /v1/alerts. */
+   analysis keys it) with its latest build's median, its newest verdict (static/findings.js: an
+   unsettled one is never green) and the alert on it, linking to the series' page; then the
+   open alerts. Reads /v1/overview and /v1/alerts. */
 (function () {
   "use strict";
   const { api, el, num, badge, table, href, fmt } = window.farm;
 
+  // The series' newest verdict as the analysis made it (never green unless settled), then the
+  // alert on it, if any: its kind and triage state.
   function verdict(cell) {
     const v = cell.verdict;
-    if (!v) return badge("no alert", "ok");
-    const where = cell.verdict_on_latest ? "" : ` (${v.build})`;
-    return el("span", { class: "verdict", dataset: { alertId: v.id, kind: v.kind, state: v.state } },
-      badge(v.kind, v.kind), " ", badge(v.state, v.state), ` ${fmt.change(v.ratio)}${where}`);
+    const alert = v ? el("span", { class: "verdict", dataset: { alertId: v.id, kind: v.kind, state: v.state } },
+      badge(v.kind, v.kind), " ", badge(v.state, v.state), ` ${fmt.change(v.ratio)}${cell.verdict_on_latest ? "" : ` (${v.build})`}`) : null;
+    return el("span", { class: "verdicts" }, window.farm.verdictBadge(cell.latest_verdict), alert ? [" ", alert] : null);
   }
 
   function cellLink(cell) {
     return el("a", { class: "cell", href: href("series", cell.series_id),
                      dataset: { seriesId: cell.series_id, device: cell.device, metric: cell.metric } },
       el("div", { class: "latest" }, num(cell.latest.median, cell.unit)),
-      el("div", {}, el("span", { class: "muted" }, `${cell.latest.build}, n=${cell.latest.n}, ${cell.builds} builds `),
-        verdict(cell)),
+      el("div", { class: "muted" }, `${cell.latest.build}, n=${cell.latest.n}, ${cell.builds} builds`),
+      el("div", {}, verdict(cell)),
       el("div", { class: "spec" }, `${cell.spec} · ${cell.environment || "environment not recorded"}`));
   }
 
@@ -50,7 +52,9 @@
     content.replaceChildren(
       el("h1", {}, "Devices by metric"),
       el("p", { class: "muted" }, "Each cell is one series as the analysis keys it (job kind latency, model, " +
-        "resolution, steps, precision, profile, environment): the latest build's median and the verdict on it."),
+        "resolution, steps, precision, profile, environment): the latest build's median and the newest verdict on it, " +
+        "new / baseline median with its 95% interval: regression and improvement (settled), no change (settled), " +
+        "inconclusive (not settled: more runs may decide it), not enough data; then the alert, if one was raised."),
       overview.devices.length ? grid(overview) : el("p", { class: "muted" }, "No devices yet."),
       el("h2", { id: "alerts" }, `Open alerts (${alerts.length})`),
       alerts.length ? table("open-alerts", ["alert", "kind", "state", "device", "metric", "build", "ratio", "change",
