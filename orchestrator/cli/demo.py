@@ -23,6 +23,7 @@ from rich.live import Live
 
 from engine.kernels import PRECISIONS
 
+from . import labels, numbers
 from .common import cli_settings, fail
 from .output import Table, console, escape, field
 
@@ -124,10 +125,11 @@ def demo(
         # what the demo's times follow: on software GPUs they differ 4.5x between machines
         console.print(describe(measure(model)), highlight=False, soft_wrap=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    builds = [make_build(settings, model, name=f"demo-{stamp}-a"),
-              make_build(settings, model, name=f"demo-{stamp}-b", default_profile="reference")]
+    label_a, label_b = demo_labels(settings)
+    builds = [make_build(settings, model, name=f"demo-{stamp}-a", label=label_a),
+              make_build(settings, model, name=f"demo-{stamp}-b", default_profile="reference", label=label_b)]
     for build, what in zip(builds, ("kernels chosen per GPU", "every reference kernel"), strict=True):
-        console.print(f"build [bold]{build['name']}[/] ({what}): {build['file_count']} files, "
+        console.print(f"build [bold]{build['label']}[/] = {build['name']} ({what}): {build['file_count']} files, "
                       f"{build['bytes'] / 1e6:.1f} MB", highlight=False)
     engine = make_engine(settings.database_url)
     sessions = make_session_factory(engine)
@@ -274,65 +276,57 @@ def final_verdicts(family) -> list[dict[str, Any]]:
     return [final[k] for k in sorted(final)]
 
 
-def build_label(name: str, current: list[str]) -> str:
-    """A short name a table can hold whole: A and B for this run's builds, A or B with the time
-    of its run for an earlier demo's ("A 10:15:00"), the name itself for any other build. The
-    full names are printed once, as a legend (_legend)."""
-    if name in current:
-        return "AB"[current.index(name)] if len(current) <= 2 else name
-    parts = name.split("-")
-    if len(parts) == 3 and parts[0] == "demo" and parts[2] in ("a", "b") and len(parts[1]) == 16:
-        stamp = parts[1]  # 20261127T101500Z
-        return f"{parts[2].upper()} {stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}"
-    return name
+def demo_labels(settings) -> tuple[str, str]:
+    """The labels of this run's two builds: A and B, or, where an earlier run's builds have
+    them, the first free of A2, A3... and B2, B3... (labels are unique)."""
+    from orchestrator import store
 
+    from .common import open_store
 
-def _legend(names: list[str], current: list[str]) -> None:
-    for name in dict.fromkeys(names):
-        label = build_label(name, current)
-        if label != name:
-            field(console, label, name)
+    with open_store(settings) as sessions, sessions() as session:
+        return store.free_label(session, "A"), store.free_label(session, "B")
 
 
 def _report(sessions, batch_ids: list[int]) -> None:
     """A table per build (a row per device) and the images' paths, then what each batch's
     analysis found, builds named by short labels with a legend of their full names."""
+    from orchestrator import store
     from orchestrator.store.models import Batch
 
-    failures, verdicts, current = [], [], []
+    failures, verdicts = [], []
     with sessions() as session:
         batches = [b for b in (session.get(Batch, i) for i in batch_ids) if b.summary is not None]
-        current = [b.summary["build"] for b in batches]
         for batch in batches:
-            label = build_label(batch.summary["build"], current)
-            console.print(_device_table(batch.summary, label))
-            for row in device_rows(batch.summary):
-                if row["image"]:
-                    field(console, f"{label} image, {row['device']}", row["image"])
             family, _ = batch_family(session, batch.id)
             for member in family:
                 failures += [r for r in (member.summary or {}).get("jobs", []) if r["state"] != "succeeded"]
             verdicts.append((batch.summary["build"], final_verdicts(family)))
+        names = [b.summary["build"] for b in batches]
+        names += [c["baseline_build"] for _, comparisons in verdicts for c in comparisons if c.get("baseline_build")]
+        shown = store.build_display_names(session, names)
+    for batch in batches:
+        label = shown[batch.summary["build"]]
+        console.print(_device_table(batch.summary, label))
+        for row in device_rows(batch.summary):
+            if row["image"]:
+                field(console, f"{label} image, {row['device']}", row["image"])
     for row in failures:
         console.print(f"[bold red]{escape(row['device'])}[/]: {row['kind']} job {row['job']} {row['state']}: "
                       f"{escape(row['error'] or '')}", highlight=False, soft_wrap=True)
     table = Table("build", "device", "metric", "baseline", "ratio", "95% CI", "verdict", "rounds",
                   title="analysis (against each series' last accepted build; rounds: the batch, then "
                         "its more-repetitions rounds)")
-    names, reasons = list(current), []
+    reasons = []
     for build, comparisons in verdicts:
         for c in comparisons:
-            ratio = f"{c['ratio']:.3f}" if c.get("ratio") is not None else "-"
-            ci = f"{c['ci_low']:.3f}-{c['ci_high']:.3f}" if c.get("ci_low") is not None else "-"
-            baseline = c.get("baseline_build", "-")
-            names += [baseline] if baseline != "-" else []
-            table.add_row(build_label(build, current), c["device"], c.get("metric", "-"),
-                          build_label(baseline, current) if baseline != "-" else "-", ratio, ci, c["verdict"],
-                          str(c["rounds"]))
+            baseline = c.get("baseline_build") or "-"
+            table.add_row(shown[build], c["device"], c.get("metric", "-"), shown.get(baseline, baseline),
+                          numbers.ratio(c.get("ratio")), numbers.interval(c.get("ci_low"), c.get("ci_high")),
+                          c["verdict"], str(c["rounds"]))
             if c["verdict"] == "inconclusive":
-                reasons.append((build_label(build, current), c["device"], c.get("metric", "-"), c["reason"]))
+                reasons.append((shown[build], c["device"], c.get("metric", "-"), c["reason"]))
     console.print(table)
-    _legend(names, current)
+    labels.legend(shown)
     for label, device, metric, reason in reasons:  # why each open verdict is open, whole
         console.print(f"inconclusive, {label} on {device}, {metric}: {reason}", highlight=False, soft_wrap=True)
     console.print("alerts: `farm regressions list`; details: `farm regressions show ID`")

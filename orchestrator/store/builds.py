@@ -29,7 +29,7 @@ from .rows import StoreError, insert_or_get, made_before, redispatch_row, update
 
 __all__ = [
     "build_display_names", "build_models", "builds_before", "builds_in_order", "check_label", "check_label_free", "create_build",
-    "create_deployment", "default_model", "deployments_of_batch", "find_due_deployments", "finish_deployment",
+    "create_deployment", "default_model", "deployments_of_batch", "find_due_deployments", "finish_deployment", "free_label",
     "get_build", "get_deployment", "heartbeat_deployment", "label_build", "manifest_sha256", "pending_deployments",
     "record_deployment", "record_deployment_progress", "redispatch_deployment", "requeue_deployment",
     "resolve_build", "short_names", "start_deployment",
@@ -98,6 +98,14 @@ def check_label_free(session: Session, label: str, build_id: int | None = None) 
         what = "labels" if taken.label == label else "is named"
         raise StoreError(f"build label {label!r} is taken: build {taken.id} ({taken.name}) {what} {label!r}; "
                          "give another label")
+
+
+def free_label(session: Session, base: str) -> str:
+    """`base` when no build has it as its label or name, else the first free of base2, base3...
+    (what `farm demo` labels a run's builds when an earlier run's builds are A and B)."""
+    taken = set(session.scalars(select(Build.label).where(Build.label.startswith(base, autoescape=True))))
+    taken |= set(session.scalars(select(Build.name).where(Build.name.startswith(base, autoescape=True))))
+    return next(label for label in (base, *(f"{base}{n}" for n in range(2, len(taken) + 3))) if label not in taken)
 
 
 def label_build(session: Session, build: Build, label: str | None) -> Build:

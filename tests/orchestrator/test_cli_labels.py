@@ -115,6 +115,19 @@ def test_display_names_prefer_labels(demo):
             f"{STAMP}-a": "a", f"{STAMP}-b": "B"}
 
 
+def test_a_second_demo_labels_its_builds_a2_and_b2(demo):
+    from orchestrator.cli.common import cli_settings
+    from orchestrator.cli.demo import demo_labels
+
+    assert demo_labels(cli_settings()) == ("A", "B")
+    demo("builds", "label", "1", "A")
+    demo("builds", "label", "2", "B")
+    assert demo_labels(cli_settings()) == ("A2", "B2")
+    with demo.Session() as s, s.begin():
+        store.create_build(s, _manifest("A2", 1_700_200_000.0))  # a build named A2 takes that label too
+        assert store.free_label(s, "A") == "A3"
+
+
 # ---- farm builds --------------------------------------------------------------------------
 
 

@@ -119,12 +119,14 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                       if row["kind"] == "generate"]
             assert len(images) == 4 + 1 and all(Path(p).is_file() for p in images)
             names = [b.build.name for b in batches]
+            # each run's builds are labelled; the second run's A and B are taken by the first's
+            assert [b.build.label for b in batches] == ["A", "B", "A2", "B2"]
             alert_ids = [a.id for a in alerts]
     finally:
         engine.dispose()
     # The second run's output: both of its builds' tables, the analysis, the dashboard.
-    for label, name in zip("AB", names[2:], strict=True):
-        assert f"build {label}: {name}" in outputs[1]
+    for label, name in zip(("A2", "B2"), names[2:], strict=True):
+        assert f"build {label}: {name}" in outputs[1] and f"{label} = {name}" in outputs[1]
         assert any(line.startswith(f"{label} image, host-gpu: ") for line in outputs[1].splitlines())
     for column in ("UNet step ms", "end-to-end ms", "peak GPU MiB", "cool-down s", "regression", "rounds"):
         assert column in outputs[1]
