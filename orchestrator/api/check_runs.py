@@ -1,7 +1,9 @@
 """Checks started through the API: each runs `orchestrator.services.check.run_check` (which blocks while
 its batches run) in a thread of the API process, with its state kept in the store (CheckRun):
-running, then done with the report's exit code and outcome, bad_input (3) or failed (4) with
-the error. The input is checked before the thread starts (check.builds_compared), so a request naming an
+running (its progress the watch's last line: jobs done, and a host no worker serves), then done
+with the report's exit code and outcome, bad_input (3) or failed (4) with the error and, when it
+had started, the report so far (outcome could_not_run; the service cancelled its jobs: a check
+with no worker ends after its request's no_worker_s, not at its timeout). The input is checked before the thread starts (check.builds_compared), so a request naming an
 unknown build or device, or a farm with no device to run on, is refused at once. A check that
 was running when the API process stopped cannot go on (its thread is gone, its batches may
 still finish): `CheckRunner` marks it interrupted when the next API process starts."""
@@ -60,8 +62,8 @@ class CheckRunner:
             report = gate.run_check(self.app, self.sessions, request, progress)
         except gate.CheckInput as exc:
             self._finish(check_id, CheckState.bad_input, gate.BAD_INPUT, "bad_input", error=str(exc))
-        except gate.CheckFailed as exc:
-            self._finish(check_id, CheckState.failed, gate.FAILED, "failed", error=str(exc))
+        except gate.CheckFailed as exc:  # its jobs cancelled by the service; the report says what it did
+            self._finish(check_id, CheckState.failed, gate.FAILED, "failed", error=str(exc), report=exc.report)
         except Exception as exc:  # noqa: BLE001  (whatever ends the thread is the check's outcome)
             log.exception("check %s", check_id)
             self._finish(check_id, CheckState.failed, gate.FAILED, "failed",
@@ -85,7 +87,8 @@ class CheckRunner:
 def _as_dict(request: gate.CheckRequest) -> dict[str, Any]:
     return {"candidate": request.candidate, "baseline": request.baseline, "devices": request.devices,
             "metrics": list(request.metrics), "spec": request.spec, "pairs": request.pairs,
-            "max_rounds": request.max_rounds, "images": request.images, "timeout_s": request.timeout_s}
+            "max_rounds": request.max_rounds, "images": request.images, "timeout_s": request.timeout_s,
+            "no_worker_s": request.no_worker_s}
 
 
 def _finite(value: Any) -> Any:

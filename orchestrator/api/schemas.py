@@ -406,15 +406,15 @@ class GroupUpdate(BaseModel):
     model_config = {"extra": "forbid"}
 
     owner: str | None = Field(None, max_length=255, pattern=PLAIN)
-    bug_url: str | None = Field(None, max_length=1024, pattern=PLAIN,
+    bug_url: str | None = Field(None, max_length=1024, pattern=store.BUG_URL_PATTERN,
                                 description="An http(s) link to the bug, or \"\" to clear it.")
     note: str | None = Field(None, max_length=10_000, pattern=PLAIN)
 
-    @field_validator("bug_url")
+    @field_validator("bug_url", mode="before")  # before the pattern: the store's one-line reason
     @classmethod
-    def _http_link(cls, url: str | None) -> str | None:
-        if url is None:
-            return None
+    def _http_link(cls, url: object) -> object:
+        if not isinstance(url, str):
+            return url
         try:
             return store.valid_bug_url(url)
         except store.StoreError as exc:

@@ -1,8 +1,11 @@
 """`farm check`: the CI gate. Parses, runs the check (orchestrator/services/check.py), prints one table,
 writes --json and --markdown, and exits 0 (no regression), 1 (a regression), 2 (undecided
 after the budget), 3 (bad input: unknown build, device or metric, a bad option) or 4 (the
-check could not run: a job failed, time ran out). Usage errors exit 3 here, not Click's 2,
-which would read as "undecided"."""
+check could not run: a job failed, time ran out, no worker took its jobs within
+--no-worker-timeout; its jobs are cancelled and --json and --markdown still say what it did).
+While it waits it shows each device's jobs (orchestrator/cli/watching.py: a live table, or a
+line per change when piped). Usage errors exit 3 here, not Click's 2, which would read as
+"undecided"."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typer.core import TyperCommand
 
 from .common import cli_settings, open_store
 from .output import Table, console, err_console, escape
+from .watching import Reporter
 
 
 class CheckCommand(TyperCommand):
@@ -55,6 +59,9 @@ def check(
     images: bool = typer.Option(True, "--images/--no-images", help="One generation of each build per device, "
                                 "compared for image fidelity."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Give up (exit 4) after this many seconds."),
+    no_worker_timeout: float = typer.Option(45.0, "--no-worker-timeout", min=0,
+                                            help="Give up (exit 4) when no worker has consumed a device's queue "
+                                            "for this many seconds."),
 ):
     """Gate a change: run CANDIDATE against a baseline, interleaved, on each device; exit 0 no
     regression, 1 regression, 2 undecided, 3 bad input, 4 could not run."""
@@ -67,19 +74,28 @@ def check(
                              unet_repetitions=unet_repetitions, timeout_s=timeout)
     request = gate.CheckRequest(candidate=build, baseline=baseline, devices="all" if every else list(devices),
                                 metrics=tuple(metrics or regressions.HEADLINE_METRICS), spec=spec, pairs=pairs,
-                                max_rounds=max_rounds, images=images, timeout_s=timeout)
+                                max_rounds=max_rounds, images=images, timeout_s=timeout,
+                                no_worker_s=no_worker_timeout)
     settings = cli_settings()
     try:
         report = _run(gate, settings, request, build)
     except typer.Exit as exc:
         # open_store's one red line (a store it cannot open) exits 1, which reads as a regression.
         raise typer.Exit(gate.FAILED if exc.exit_code == 1 else exc.exit_code) from None
+    except gate.CheckFailed as exc:
+        if exc.report is not None:  # what it did, for CI to attach: written before the error line
+            _write(gate, exc.report, json_path, markdown_path)
+        raise _bad(str(exc), gate.FAILED) from None
+    _write(gate, report, json_path, markdown_path)
+    _print(report)
+    raise typer.Exit(report["exit_code"])
+
+
+def _write(gate, report: dict, json_path: Path | None, markdown_path: Path | None) -> None:
     if json_path:
         json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     if markdown_path:
         markdown_path.write_text(gate.markdown(report))
-    _print(report)
-    raise typer.Exit(report["exit_code"])
 
 
 def _run(gate, settings, request, build: str) -> dict:
@@ -87,17 +103,13 @@ def _run(gate, settings, request, build: str) -> dict:
 
     with open_store(settings) as sessions:
         try:
-            with console.status(f"checking {build}") as status:
-                def progress(line: str) -> None:
-                    status.update(f"checking {build}: {line}")
-                    if line.startswith("round"):
-                        console.print(line, highlight=False)
+            def progress(line: str) -> None:  # the rounds; the watch's reports go to the Reporter
+                console.print(line, highlight=False, markup=False)
 
-                report = gate.run_check(make_celery(settings), sessions, request, progress)
+            with Reporter(f"checking {build}", summary=False) as reporter:
+                report = gate.run_check(make_celery(settings), sessions, request, progress, reporter)
         except gate.CheckInput as exc:
             raise _bad(str(exc), gate.BAD_INPUT) from None
-        except gate.CheckFailed as exc:
-            raise _bad(str(exc), gate.FAILED) from None
     return report
 
 

@@ -1,16 +1,18 @@
 """`farm deploy BUILD`: send a build to devices through their hosts' workers, in parallel,
-following each deployment's bytes as they are sent; only files a device lacks are pushed."""
+following each deployment's bytes as they are sent (a live table, or a line per change when
+piped: orchestrator/cli/watching.py); only files a device lacks are pushed. A host whose queue
+no worker consumes is named within seconds, with the command that starts one, and again with
+every reminder while the deploy waits; at --timeout it exits 4 (the deployments go on)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import typer
-from rich.live import Live
 
 from .common import JSON_OPTION, cli_settings, fail, open_store, print_json
 from .output import Table, console, escape
+from .watching import Reporter
 
 DEFAULT_TIMEOUT_S = 1800.0
 POLL_S = 0.25
@@ -63,8 +65,8 @@ def deploy(
             session.commit()
         deploy_build(make_celery(settings), build_id, [device_id for device_id, _, _ in plan], batch_id,
                      allow_downgrade=allow_downgrade)
-        rows = _follow(sessions, batch_id, {device_id: serial for device_id, serial, _ in plan},
-                       timeout, quiet=as_json, title=f"deploying {build_name}")
+        rows = _follow(sessions, settings, batch_id, {device_id: serial for device_id, serial, _ in plan},
+                       build_name, timeout, quiet=as_json, title=f"deploying {build_name}")
     if as_json:
         print_json(rows)
     for r in rows if not as_json else ():
@@ -78,34 +80,29 @@ def deploy(
         raise typer.Exit(1)
 
 
-def _follow(sessions, batch_id: int, devices: dict[int, str], timeout: float, *, quiet: bool,
-            title: str) -> list[dict[str, Any]]:
+def _follow(sessions, settings, batch_id: int, devices: dict[int, str], build: str, timeout: float, *,
+            quiet: bool, title: str) -> list[dict[str, Any]]:
     """Watch the deployments of batch `batch_id` to `devices` until all end (or `timeout`)."""
     from orchestrator import store
+    from orchestrator.services import progress as watched
 
-    deadline = time.monotonic() + timeout
-    rows: dict[int, dict[str, Any]] = {}
-    with Live(console=console, transient=False, auto_refresh=False) as live:
-        if quiet:
-            live.stop()
-        while True:
-            with sessions() as session:
-                for dep in store.deployments_of_batch(session, batch_id):
-                    rows[dep.device_id] = _row(dep, devices[dep.device_id])
-            for device_id, serial in devices.items():
-                rows.setdefault(device_id, {"device": serial, "status": "queued", "bytes_sent": 0,
-                                            "bytes_total": None, "files_sent": 0, "files_skipped": 0,
-                                            "duration_s": None, "error": None})
-            if not quiet:
-                live.update(_table(title, [rows[d] for d in devices]), refresh=True)
-            if all(r["status"] in ("succeeded", "failed") for r in rows.values()):
-                break
-            if time.monotonic() > deadline:
-                for r in rows.values():
-                    if r["status"] not in ("succeeded", "failed"):
-                        r["error"] = f"still {r['status']} after {timeout:g} s (it goes on in its worker)"
-                break
-            time.sleep(POLL_S)
+    rows: dict[int, dict[str, Any]] = {device_id: {"device": serial, "status": "queued", "bytes_sent": 0,
+                                                   "bytes_total": None, "files_sent": 0, "files_skipped": 0,
+                                                   "duration_s": None, "error": None}
+                                       for device_id, serial in devices.items()}
+
+    def read(session) -> list[watched.Step]:
+        deployments = store.deployments_of_batch(session, batch_id)
+        rows.update({dep.device_id: _row(dep, devices[dep.device_id]) for dep in deployments})
+        return watched.deployment_steps(deployments, devices, session, build)
+
+    with Reporter(title, quiet=quiet, view=lambda p: _table(title, list(rows.values()))) as reporter:
+        ending = watched.watch(sessions, settings, read, reporter, timeout_s=timeout, poll_s=POLL_S)
+    if ending.reason != "done":
+        silent = f"; {'; '.join(s.text(ending.now) for s in ending.silent)}" if ending.silent else ""
+        for r in rows.values():
+            if r["status"] not in ("succeeded", "failed"):
+                r["error"] = f"still {r['status']} after {timeout:g} s (it goes on in its worker){silent}"
     return [rows[d] for d in devices]
 
 
@@ -115,14 +112,12 @@ def _row(dep, serial: str) -> dict[str, Any]:
             "duration_s": dep.duration_s, "error": dep.error, "note": dep.note}
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f} MiB"
-
-
 def _table(title: str, rows: list[dict[str, Any]]) -> Table:
+    from orchestrator.services.progress import mib
+
     table = Table("device", "status", "sent", "files sent", "files already there", "seconds", title=title)
     for r in rows:
-        sent = _mib(r["bytes_sent"]) + (f" / {_mib(r['bytes_total'])}" if r["bytes_total"] else "")
+        sent = mib(r["bytes_sent"]) + (f" / {mib(r['bytes_total'])}" if r["bytes_total"] else "")
         seconds = f"{r['duration_s']:.1f}" if r["duration_s"] is not None else "-"
         table.add_row(r["device"], r["status"], sent, str(r["files_sent"]), str(r["files_skipped"]), seconds)
     return table

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.live import Live
 
 from orchestrator.store.models import Build, Job, JobKind, JobState
 
@@ -277,7 +276,7 @@ def submit(
             if as_json:
                 common.print_json(submitted)
             return
-        states, timed_out = _follow(sessions, job_ids, timeout, quiet=as_json)
+        states, timed_out = _follow(sessions, settings, job_ids, timeout, quiet=as_json)
 
     succeeded = all(s[2] == JobState.succeeded for s in states)
     if as_json:
@@ -298,18 +297,23 @@ def submit(
         raise typer.Exit(1)
 
 
-def _follow(sessions, job_ids: list[int], timeout: float | None, quiet: bool):
-    """Poll the jobs' states (a short transaction each time) and show them in a live table
-    until every job has ended or `timeout` passes; returns the last states and whether it
-    timed out."""
+def _follow(sessions, settings, job_ids: list[int], timeout: float | None, quiet: bool):
+    """Poll the jobs' states (a short transaction each time) until every job has ended or
+    `timeout` passes, through the shared watch (orchestrator/services/progress.py): a live table
+    on a terminal, a line per change when piped, a host no worker serves named within seconds
+    and with every reminder; returns the last states and whether it timed out."""
+    from orchestrator import store
+    from orchestrator.services import progress as watched
     from orchestrator.store import queries
 
-    started = time.monotonic()
-    deadline = None if timeout is None else started + timeout
+    from .watching import Reporter
 
-    def read():
-        with sessions() as session:
-            return queries.job_states(session, job_ids)
+    started = time.monotonic()
+    states: list = []
+
+    def read(session) -> list:
+        states[:] = queries.job_states(session, job_ids)
+        return watched.job_steps([store.get_job(session, job_id) for job_id in job_ids])
 
     def render(states) -> Table:
         done = sum(1 for s in states if s[2] in ENDED)
@@ -321,24 +325,10 @@ def _follow(sessions, job_ids: list[int], timeout: float | None, quiet: bool):
             table.add_row(str(job_id), serial, _state(state), str(attempts), note)
         return table
 
-    def ended(states) -> bool:
-        return all(s[2] in ENDED for s in states)
-
-    def timed_out() -> bool:
-        return deadline is not None and time.monotonic() >= deadline
-
-    states = read()
-    if quiet:  # --json: nothing but the document on stdout
-        while not ended(states) and not timed_out():
-            time.sleep(POLL_S)
-            states = read()
-        return states, not ended(states)
-    with Live(render(states), console=console, refresh_per_second=4) as live:
-        while not ended(states) and not timed_out():
-            time.sleep(POLL_S)
-            states = read()
-            live.update(render(states))
-    return states, not ended(states)
+    # --json: nothing but the document on stdout (the Reporter says a missing worker on stderr)
+    with Reporter("jobs", quiet=quiet, view=lambda p: render(states)) as reporter:
+        ending = watched.watch(sessions, settings, read, reporter, timeout_s=timeout, poll_s=POLL_S)
+    return states, ending.reason != "done"
 
 
 # ---- inspect ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from . import common, completion, labels, numbers, validate
 from .output import Table, console, escape
 
 ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
+GROUP_ID = typer.Argument(..., help="Alert group id (`farm regressions list` shows them).", parser=validate.record_id)
 
 app = typer.Typer(help="Regressions, improvements, image changes and data stoppages found by the analysis.",
                   no_args_is_help=True)
@@ -26,21 +27,39 @@ def alert_dict(alert) -> dict[str, Any]:
             "baseline_build": alert.baseline_build.name if alert.baseline_build else None,
             "metric": alert.metric, "ratio": alert.ratio, "ci_low": alert.ci_low, "ci_high": alert.ci_high,
             "p_value": alert.p_value, "summary": alert.summary, "note": alert.note, "series": alert.series,
-            "detail": alert.detail, "batch": alert.batch_id, "created_at": common.iso(alert.created_at),
-            "updated_at": common.iso(alert.updated_at)}
+            "detail": alert.detail, "batch": alert.batch_id, "group": alert.group_id,
+            "created_at": common.iso(alert.created_at), "updated_at": common.iso(alert.updated_at)}
+
+
+def group_dict(view) -> dict[str, Any]:
+    """An alert group as `--json` gives it (the fields of the API's /v1/alert-groups)."""
+    group, worst = view.group, view.worst
+    return {"id": group.id, "build": group.build.name if group.build else None,
+            "baseline_build": group.baseline_build.name if group.baseline_build else None,
+            "owner": group.owner, "bug_url": group.bug_url, "note": group.note, "devices": view.devices,
+            "metrics": view.metrics, "kinds": view.kinds, "states": view.states, "size": len(view.alerts),
+            "open": view.open, "worst_ratio": worst.ratio if worst else None, "worst_alert": worst.id if worst else None,
+            "created_at": common.iso(group.created_at), "updated_at": common.iso(group.updated_at),
+            "alerts": [alert_dict(a) for a in view.alerts]}
 
 
 @app.command("list")
 def list_alerts(
     state: str = typer.Option(None, "--state", help="new, acknowledged, invalid or fixed (default: new and "
-                              "acknowledged)."),
+                              "acknowledged): groups with an alert in it."),
     kind: str = typer.Option(None, "--kind", help="regression, improvement, fidelity or data_stoppage."),
     device: str = typer.Option(None, "--device", help="Device serial."),
-    build: str = typer.Option(None, "--build", help="Build name."),
+    build: str = typer.Option(None, "--build", help="Build (id, label or name): the candidate build."),
+    metric: str = typer.Option(None, "--metric", help="unet_step_ms, e2e_ms, peak_gpu_bytes, image_psnr_db."),
+    owner: str = typer.Option(None, "--owner", help="Groups this person owns (\"\" for unowned ones)."),
+    sort: str = typer.Option("created", "--sort", help="created (newest first), worst (the worst change first) "
+                             "or size (most alerts first)."),
     all_states: bool = typer.Option(False, "--all", help="Every state."),
+    flat: bool = typer.Option(False, "--alerts", help="One line per alert instead of one per group."),
     as_json: bool = common.JSON_OPTION,
 ):
-    """List alerts, newest first."""
+    """List regressions: one line per group (the alerts one build raised against one baseline),
+    newest first; --alerts lists the alerts themselves."""
     from orchestrator import store
     from orchestrator.store import queries
     from orchestrator.store.models import AlertKind, AlertState
@@ -48,115 +67,277 @@ def list_alerts(
     try:
         states = (list(AlertState) if all_states else [AlertState(state)] if state
                   else [AlertState.new, AlertState.acknowledged])
-        kinds = [AlertKind(kind)] if kind else list(AlertKind)
+        kinds = [AlertKind(kind)] if kind else None
     except ValueError as exc:
         common.fail(f"{exc}; states: {', '.join(AlertState)}; kinds: {', '.join(AlertKind)}")
+    if sort not in store.GROUP_SORTS:
+        common.fail(f"unknown sort {sort!r}; choose from {', '.join(store.GROUP_SORTS)}")
     with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         device_id = common.get_or_fail(store.get_device, session, device).id if device else None
         build_id = common.get_or_fail(store.get_build, session, build).id if build else None
-        rows = [alert_dict(a) for a in queries.list_alerts(session, states=states, kinds=kinds, device_id=device_id,
-                                                           build_id=build_id)]
-    if common.print_json_or_empty(rows, as_json, "no alerts"):
+        if flat:
+            rows = [alert_dict(a) for a in queries.list_alerts(session, states=states, kinds=kinds or list(AlertKind),
+                                                               device_id=device_id, build_id=build_id, metric=metric)]
+            shown = {}
+        else:
+            views = store.list_alert_groups(session, states=states, kinds=kinds, build_id=build_id,
+                                            device_id=device_id, metric=metric, owner=owner, sort=sort)
+            session.commit()  # alerts raised before groups existed were grouped just now
+            rows = [group_dict(v) for v in views]
+            shown = labels.build_names(session, [n for r in rows for n in (r["baseline_build"], r["build"])])
+    if common.print_json_or_empty(rows, as_json, "no alerts" if flat else "no open regressions" if not (
+            all_states or state) else "no alert groups"):
         return
-    table = Table()
+    if flat:
+        _alert_table(rows)
+    else:
+        _group_table(rows, shown)
+        labels.legend(shown)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """{"new": 4, "fixed": 2, "invalid": 0} -> "4 new, 2 fixed"."""
+    return ", ".join(f"{n} {name}" for name, n in counts.items() if n) or "-"
+
+
+def _group_table(rows: list[dict[str, Any]], shown: dict[str, str]) -> None:
+    table = Table(title=f"{len(rows)} alert group{'s' if len(rows) != 1 else ''} (`farm regressions group show ID`)")
+    for header in ("group", "builds"):
+        table.add_column(header, no_wrap=True)
+    for header in ("devices x metrics", "worst", "alerts", "kinds", "owner", "bug"):
+        table.add_column(header)
+    for r in rows:
+        builds = f"{shown.get(r['baseline_build'], r['baseline_build'] or '?')} -> {shown.get(r['build'], r['build'])}"
+        table.add_row(str(r["id"]), builds, f"{len(r['devices'])} x {len(r['metrics'])}",
+                      numbers.change(r["worst_ratio"]), _counts(r["states"]), _counts(r["kinds"]),
+                      r["owner"] or "-", r["bug_url"] or "-")
+    console.print(table)
+
+
+def _alert_table(rows: list[dict[str, Any]]) -> None:
+    # On a narrow terminal the change and what it is about stay; the detail goes first.
+    table = Table(drop_first=("top ops", "group", "environment changed", "CI", "state", "kind"),
+                  keep=("device", "metric", "change"))
     for header in ("id", "kind", "state"):
         table.add_column(header, no_wrap=True)
-    for header in ("device", "build", "metric", "change", "CI", "top ops"):
+    for header in ("device", "build", "metric", "change", "CI", "top ops", "group"):
         table.add_column(header)
     # A finding across an environment change (a phone update, a new driver) is not the build's alone.
     with_env = any((r["detail"] or {}).get("environment_change") for r in rows)
     if with_env:
         table.add_column("environment changed")
     for r in rows:
-        change = f"{(r['ratio'] - 1) * 100:+.1f}%" if r["ratio"] is not None else "-"
-        ci = f"{r['ci_low']:.3f}-{r['ci_high']:.3f}" if r["ci_low"] is not None else "-"
         detail = r["detail"] or {}
-        top = ", ".join(f"{m['op']} {m['share'] * 100:.0f}%" for m in detail.get("attribution_by_op", [])[:2])
+        top = ", ".join(f"{m['op']} {_share(m['share'])}" for m in detail.get("attribution_by_op", [])[:2])
         env = ["; ".join(detail.get("environment_change") or []) or "-"] if with_env else []
         table.add_row(str(r["id"]), r["kind"], r["state"], r["device"] or "-", r["build"] or "-", r["metric"] or "-",
-                      change, ci, top or "-", *env)
+                      numbers.change(r["ratio"]), numbers.interval(r["ci_low"], r["ci_high"]), top or "-",
+                      str(r["group"] or "-"), *env)
     console.print(table)
+
+
+def _share(share: float | None) -> str:
+    """A kernel's share of a change in whole percent, never -0%."""
+    if share is None:
+        return "-"
+    percent = round(share * 100)
+    return f"{percent:.0f}%" if percent else "0%"
+
+
+def _p(value: float | None) -> str:
+    """A p-value people read: 0.042, 1.8e-04 (the exponent where three decimals would say 0.000)."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value >= 0.001 else f"{value:.1e}"
+
+
+def _signed_ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    text = numbers.plain(value)
+    return f"+{text}" if value > 0 and text != "0" else text
 
 
 @app.command()
 def show(alert_id: int = ALERT_ID, as_json: bool = common.JSON_OPTION):
-    """Show one alert: the comparison, the kernels that moved, the images, the change points."""
+    """Show one alert: the comparison, the kernels that moved, the images, the change points, its group."""
+    from orchestrator import store
     from orchestrator.store.models import Alert
 
     with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         alert = session.get(Alert, alert_id)
         if alert is None:
-            common.fail(f"no alert {alert_id}; `farm regressions list --all` shows them")
+            common.fail(f"no alert {alert_id}; `farm regressions list --alerts --all` shows them")
+        if alert.group_id is None and store.group_ungrouped_alerts(session):
+            session.commit()  # raised before groups existed: grouped now
         data = alert_dict(alert)
+        group = group_dict(store.get_alert_group(session, alert.group_id)) if alert.group_id else None
     if as_json:
-        common.print_json(data)
+        common.print_json(data | {"group": group})
         return
     console.print(f"[bold]alert {data['id']}[/] {data['kind']} ({data['state']}): {escape(data['summary'] or '')}",
                   highlight=False)
     detail = data["detail"] or {}
+    metric, unit = data["metric"] or "", detail.get("unit")
+
+    def line(key: str, text: str) -> None:
+        console.print(f"{key}: {text}", highlight=False, markup=False)
+
+    if group is not None:
+        line("group", f"{group['id']}: {group['baseline_build'] or '?'} -> {group['build']}, "
+                      f"{len(group['devices'])} devices x {len(group['metrics'])} metrics, {group['size']} alerts "
+                      f"({_counts(group['states'])}); owner {group['owner'] or '-'}; bug {group['bug_url'] or '-'}")
     for change in detail.get("environment_change") or []:
-        console.print(f"environment changed: {change}", highlight=False, markup=False)
+        line("environment changed", change)
     if detail.get("environment"):
-        console.print(f"environment: {detail['environment']}", highlight=False, markup=False)
-    for key in ("baseline_build", "metric", "p_value", "batch", "note"):
-        if data[key] not in (None, ""):
-            console.print(f"{key}: {data[key]}", highlight=False, markup=False)
-    for key in ("baseline_median", "candidate_median", "n_baseline", "n_candidate", "unit", "reason", "psnr_db"):
+        line("environment", detail["environment"])
+    for key in ("baseline_build", "metric"):
+        if data[key]:
+            line(key, data[key])
+    if data["ratio"] is not None:
+        line("ratio", f"{numbers.ratio(data['ratio'])} ({numbers.change(data['ratio'])}), 95% CI "
+                      f"{numbers.interval(data['ci_low'], data['ci_high'])}, p={_p(data['p_value'])}")
+    for key, n_key in (("baseline_median", "n_baseline"), ("candidate_median", "n_candidate")):
         if key in detail:
-            console.print(f"{key}: {detail[key]}", highlight=False, markup=False)
+            n = f" (n={detail[n_key]})" if n_key in detail else ""
+            line(key, numbers.metric_value(metric, detail[key], unit) + n)
+    if "min_effect" in detail and detail["min_effect"] is not None:
+        line("minimum effect", f"{detail['min_effect'] * 100:.1f}%")
+    if detail.get("reason"):
+        line("reason", detail["reason"])
+    if "psnr_db" in detail:
+        line("PSNR", f"{detail['psnr_db']:.1f} dB")
+    for key in ("batch", "note"):
+        if data[key] not in (None, ""):
+            line(key, str(data[key]))
     for key, name, title in (("attribution_by_op", "op", "attribution by op"),
                              ("attribution", "kernel", "kernel attribution")):
         if detail.get(key):
             table = Table(name, "baseline ms", "candidate ms", "delta ms", "share", title=title)
             for m in detail[key]:
-                table.add_row(m[name], f"{m['baseline_ms']:.2f}", f"{m['candidate_ms']:.2f}",
-                              f"{m['delta_ms']:+.2f}", f"{m['share'] * 100:.0f}%")
+                table.add_row(m[name], numbers.plain(m["baseline_ms"]), numbers.plain(m["candidate_ms"]),
+                              _signed_ms(m["delta_ms"]), _share(m["share"]))
             console.print(table)
     if detail.get("images"):
         console.print(f"image before: {detail['images']['before']}\nimage after:  {detail['images']['after']}",
                       highlight=False)
     for point in detail.get("change_points", []):
-        console.print(f"change point at build {point['build']} (ratio {point['ratio']:.3f}, p={point['p_value']:.3g})",
-                      highlight=False)
+        console.print(f"change point at build {point['build']} (ratio {numbers.ratio(point['ratio'])}, "
+                      f"p={_p(point['p_value'])})", highlight=False)
 
 
-def _triage(alert_id: int, state, note: str | None) -> None:
+# ---- groups -------------------------------------------------------------------------------
+
+group_app = typer.Typer(help="Alert groups: the alerts one build raised against one baseline.", no_args_is_help=True)
+app.add_typer(group_app, name="group")
+
+
+@group_app.command("show")
+def group_show(group_id: int = GROUP_ID, as_json: bool = common.JSON_OPTION):
+    """Show one group: its builds, owner, bug and note, and every alert in it."""
     from orchestrator import store
 
     with common.open_store(common.cli_settings()) as sessions, sessions() as session:
+        data = group_dict(common.get_or_fail(store.get_alert_group, session, group_id))
+        shown = labels.build_names(session, [data["baseline_build"], data["build"]])
+    if as_json:
+        common.print_json(data)
+        return
+    base, cand = shown.get(data["baseline_build"], "?"), shown[data["build"]] if data["build"] else "?"
+    console.print(f"[bold]group {data['id']}[/]: {escape(cand)} against {escape(base)}, "
+                  f"{len(data['devices'])} devices x {len(data['metrics'])} metrics, worst "
+                  f"{numbers.change(data['worst_ratio'])} (alert {data['worst_alert'] or '-'})", highlight=False)
+    for key, text in (("alerts", _counts(data["states"])), ("kinds", _counts(data["kinds"])),
+                      ("owner", data["owner"] or "-"), ("bug", data["bug_url"] or "-"), ("note", data["note"] or "-")):
+        console.print(f"{key}: {text}", highlight=False, markup=False)
+    table = Table("alert", "kind", "state", "device", "metric", "ratio", "change", "95% CI", "p")
+    for a in data["alerts"]:
+        table.add_row(str(a["id"]), a["kind"], a["state"], a["device"] or "-", a["metric"] or "-",
+                      numbers.ratio(a["ratio"]), numbers.change(a["ratio"]), numbers.interval(a["ci_low"], a["ci_high"]),
+                      _p(a["p_value"]))
+    console.print(table)
+    labels.legend(shown)
+
+
+def _triage(alert_id: int | None, group_id: int | None, only: list[int] | None, state, note: str | None) -> None:
+    from orchestrator import store
+
+    if (alert_id is None) == (group_id is None):
+        common.fail("give an alert id or --group ID (one of them): `farm regressions list` shows groups, "
+                    "`farm regressions list --alerts` alerts")
+    if only and group_id is None:
+        common.fail("--only picks alerts of a group: give --group ID too")
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
         try:
-            store.triage_alert(session, alert_id, state, note)
+            if group_id is None:
+                store.triage_alert(session, alert_id, state, note)
+                said = f"alert {alert_id} {state}"
+            else:
+                view = store.triage_group(session, group_id, state, note, only or None)
+                count = len(only) if only else len(view.alerts)
+                said = f"group {group_id}: {count} alert{'s' if count != 1 else ''} {state} ({_counts(view.states)})"
         except store.StoreError as exc:
             common.fail(str(exc))
         session.commit()
-    console.print(f"alert {alert_id} {state}", highlight=False)
+    console.print(said, highlight=False)
 
 
 NOTE_OPTION = typer.Option(None, "--note", help="Why (kept on the alert).")
+OPTIONAL_ALERT_ID = typer.Argument(None, help="Alert id (or give --group).", parser=validate.record_id,
+                                   show_default=False)
+GROUP_OPTION = typer.Option(None, "--group", help="Every alert of this group (`farm regressions list`).",
+                            parser=validate.record_id)
+ONLY_OPTION = typer.Option(None, "--only", help="With --group: only this alert of it (repeat for several).",
+                           parser=validate.record_id)
 
 
 @app.command()
-def ack(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
-    """Acknowledge an alert: someone is on it."""
+def ack(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, only: list[int] = ONLY_OPTION,
+        note: str = NOTE_OPTION):
+    """Acknowledge an alert, or a group's alerts: someone is on it."""
     from orchestrator.store.models import AlertState
 
-    _triage(alert_id, AlertState.acknowledged, note)
+    _triage(alert_id, group, only, AlertState.acknowledged, note)
 
 
 @app.command()
-def invalidate(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
-    """Mark an alert invalid (noise, a broken device): its build becomes a baseline again."""
+def invalidate(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, only: list[int] = ONLY_OPTION,
+               note: str = NOTE_OPTION):
+    """Mark an alert, or a group's alerts, invalid (noise, a broken device): its build becomes a baseline again."""
     from orchestrator.store.models import AlertState
 
-    _triage(alert_id, AlertState.invalid, note)
+    _triage(alert_id, group, only, AlertState.invalid, note)
 
 
 @app.command()
-def fixed(alert_id: int = ALERT_ID, note: str = NOTE_OPTION):
-    """Mark an alert fixed."""
+def fixed(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, only: list[int] = ONLY_OPTION,
+          note: str = NOTE_OPTION):
+    """Mark an alert, or a group's alerts, fixed."""
     from orchestrator.store.models import AlertState
 
-    _triage(alert_id, AlertState.fixed, note)
+    _triage(alert_id, group, only, AlertState.fixed, note)
+
+
+@app.command()
+def assign(
+    group_id: int = GROUP_ID,
+    owner: str = typer.Option(None, "--owner", help="Who is on it (\"\" clears it)."),
+    bug: str = typer.Option(None, "--bug", help="The bug's http(s) link (\"\" clears it)."),
+    note: str = typer.Option(None, "--note", help="The group's note (\"\" clears it)."),
+):
+    """Give a group an owner, a bug link and a note."""
+    from orchestrator import store
+
+    if owner is None and bug is None and note is None:
+        common.fail("nothing to set: give --owner, --bug or --note")
+    with common.open_store(common.cli_settings()) as sessions, sessions() as session:
+        try:
+            view = store.update_alert_group(session, group_id, owner=owner, bug_url=bug, note=note)
+        except store.StoreError as exc:
+            common.fail(str(exc))
+        session.commit()
+        console.print(f"group {group_id}: owner {view.group.owner or '-'}, bug {view.group.bug_url or '-'}"
+                      + (f", note {view.group.note}" if view.group.note else ""), highlight=False, markup=False)
 
 
 # ---- farm regressions scan ---------------------------------------------------------------

@@ -7,7 +7,11 @@ can be checked against itself. A device with an undecided metric gets more-repet
 (orchestrator/jobs/batch_analysis.more_repetitions_jobs, a candidate and a baseline run each) until
 every verdict is decided or `max_rounds` are spent. The outcome is an exit code: 0 no
 regression, 1 a regression, 2 undecided after the budget; bad input raises CheckInput (3),
-a check that could not run raises CheckFailed (4)."""
+a check that could not run raises CheckFailed (4): a job failed, time ran out, or no worker
+consumed a device's queue within `no_worker_s` (orchestrator/services/progress.py watches the
+rounds and says so within seconds). Such a check cancels what it queued and its CheckFailed
+carries the report so far (outcome "could_not_run", why, the jobs done), so that CI still
+gets its JSON and Markdown."""
 
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ from orchestrator.analysis import regressions
 from orchestrator.analysis.stats import compare_images
 from orchestrator.infra.escape import md_code
 from orchestrator.jobs.batch_analysis import more_repetitions_jobs
+from orchestrator.jobs.celery_app import settings_of
+from orchestrator.jobs.dispatch import settle_batch
 from orchestrator.jobs.jobservice import launch_suite, target_devices
+from orchestrator.services import progress as watched
 from orchestrator.store import Session
 from orchestrator.store.models import (
     BATCH_CHECK,
@@ -38,6 +45,7 @@ from orchestrator.store.models import (
 
 PASS, REGRESSION, UNDECIDED, BAD_INPUT, FAILED = 0, 1, 2, 3, 4
 POLL_S = 1.0
+COULD_NOT_RUN = "could_not_run"  # the outcome of a report that ended without its verdicts
 
 
 class CheckInput(Exception):
@@ -45,7 +53,12 @@ class CheckInput(Exception):
 
 
 class CheckFailed(Exception):
-    """The check could not measure: a job failed, or time ran out."""
+    """The check could not measure: a job failed, time ran out, or no worker took its jobs.
+    `report`: what it had done by then (None when it failed before launching anything)."""
+
+    def __init__(self, message: str, report: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class CheckRequest:
     max_rounds: int = 2  # more-repetitions rounds after the first
     images: bool = True  # one generation of each build per device, for image fidelity
     timeout_s: float = 3600.0
+    no_worker_s: float | None = watched.NO_WORKER_S  # None: wait for a worker as long as the timeout
 
 
 def latency_spec(*, precision: str = "fp16", steps: int = 4, size: int | None = None, repetitions: int = 5,
@@ -127,8 +141,12 @@ def interleaved_jobs(spec: dict[str, Any], baseline: str, pairs: int, images: bo
 
 
 def run_check(app: Celery, sessions, request: CheckRequest,
-              progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Measure and judge (steps below); returns the report (see report_exit_code)."""
+              progress: Callable[[str], None] = lambda line: None,
+              report: Callable[[watched.Progress], None] | None = None) -> dict[str, Any]:
+    """Measure and judge (steps below); returns the report (see report_exit_code). `progress`
+    hears each round and, unless `report` takes the watch's reports itself (the CLI's live
+    table), a line per report of the watch (orchestrator/services/progress.py). A check that
+    cannot go on cancels what it queued, and its CheckFailed carries the report so far."""
     started, deadline = time.monotonic(), time.monotonic() + request.timeout_s
     token = uuid.uuid4().hex[:12]
     with sessions() as session:
@@ -140,6 +158,28 @@ def run_check(app: Celery, sessions, request: CheckRequest,
     # 1. The first round: every device, its builds interleaved.
     todo = {serial: interleaved_jobs(spec, base, request.pairs, request.images)
             for serial, base in names[1].items()}
+    try:
+        _rounds(app, sessions, request, token, todo, rounds, results, names, candidate.id,
+                {serial: b.id for serial, b in baselines.items()}, deadline, progress, report)
+    except CheckFailed as exc:
+        exc.report = _abandon(app, sessions, request, rounds, results, names, spec, started, str(exc))
+        raise
+    with sessions() as session:
+        fidelity = _fidelity(session, rounds) if request.images else []
+    out = {"candidate": names[0], "baselines": names[1], "metrics": list(request.metrics), "spec": spec,
+           "comparisons": [results[k] for k in sorted(results)], "fidelity": fidelity,
+           "batches": [b for r in rounds for b in r.batches], "seconds": round(time.monotonic() - started, 1)}
+    out["exit_code"], out["outcome"] = report_exit_code(out)
+    return out
+
+
+def _rounds(app: Celery, sessions, request: CheckRequest, token: str, todo: dict[str, list[dict[str, Any]]],
+            rounds: list[_Round], results: dict[tuple[str, str], dict[str, Any]],
+            names: tuple[str, dict[str, str]], candidate_id: int, baseline_ids: dict[str, int], deadline: float,
+            progress: Callable[[str], None], report: Callable[[watched.Progress], None] | None) -> None:
+    """The check's rounds, filling `rounds` and `results` as they go (what an abandoned check
+    reports)."""
+    spec = dict(request.spec)
     while todo:
         number = len(rounds)
         progress(f"round {number}: {len(todo)} device{'s' * (len(todo) != 1)}")
@@ -154,11 +194,11 @@ def run_check(app: Celery, sessions, request: CheckRequest,
             launched.batches.append(batch_id)
             launched.roles |= {(batch_id, i): j["role"] for i, j in enumerate(jobs)}
         rounds.append(launched)
-        _wait(sessions, launched.batches, deadline, progress)
+        _wait(app, sessions, request, launched.batches, deadline, progress, report)
         # 3. Judge every device this round ran on, on all of the check's runs so far.
         with sessions() as session:
             for serial in todo:
-                results |= _judge(session, rounds, serial, candidate.id, baselines[serial].id, request, number)
+                results |= _judge(session, rounds, serial, candidate_id, baseline_ids[serial], request, number)
         # 4. More repetitions where a verdict is open and rounds are left.
         entries = []
         for serial in todo:
@@ -170,13 +210,6 @@ def run_check(app: Celery, sessions, request: CheckRequest,
                                 "metrics": [r["metric"] for r in open_]})
         todo = {serial: [j | {"role": "baseline" if "build" in j else "candidate"} for j in jobs]
                 for serial, jobs in more_repetitions_jobs(entries).items()}
-    with sessions() as session:
-        fidelity = _fidelity(session, rounds) if request.images else []
-    report = {"candidate": names[0], "baselines": names[1], "metrics": list(request.metrics), "spec": spec,
-              "comparisons": [results[k] for k in sorted(results)], "fidelity": fidelity,
-              "batches": [b for r in rounds for b in r.batches], "seconds": round(time.monotonic() - started, 1)}
-    report["exit_code"], report["outcome"] = report_exit_code(report)
-    return report
 
 
 def report_exit_code(report: dict[str, Any]) -> tuple[int, str]:
@@ -189,27 +222,63 @@ def report_exit_code(report: dict[str, Any]) -> tuple[int, str]:
     return PASS, "pass"
 
 
-def _wait(sessions, batch_ids: list[int], deadline: float, progress: Callable[[str], None]) -> None:
-    """Until every batch has finished; CheckFailed for a job that did not succeed or time out."""
-    last = None
-    while True:
-        with sessions() as session:
-            jobs = store.jobs_of_batches(session, batch_ids)
-            finished = all(store.get_batch(session, b).finished_at is not None for b in batch_ids)
-            bad = [j for j in jobs if j.state in (JobState.failed, JobState.infra_failed, JobState.cancelled)]
-            if bad:
-                job = bad[0]
-                raise CheckFailed(f"{job.kind} job {job.id} on {job.device.serial} "
-                                  f"{job.state}: {job.error or 'no error recorded'}")
-            line = f"{sum(j.state == JobState.succeeded for j in jobs)}/{len(jobs)} jobs done"
-        if finished:
-            return
-        if line != last:
-            progress(line)
-            last = line
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"the check ran out of time ({line}); raise --timeout or look at `farm jobs list`")
-        time.sleep(POLL_S)
+def _wait(app: Celery, sessions, request: CheckRequest, batch_ids: list[int], deadline: float,
+          progress: Callable[[str], None], report: Callable[[watched.Progress], None] | None) -> None:
+    """Until every batch has finished; CheckFailed for a job that did not succeed, for time
+    running out, and for a device's host whose queue no worker consumed for no_worker_s."""
+    def read(session: Session) -> list[watched.Step]:
+        jobs = store.jobs_of_batches(session, batch_ids)
+        bad = [j for j in jobs if j.state in (JobState.failed, JobState.infra_failed, JobState.cancelled)]
+        if bad:
+            job = bad[0]
+            raise CheckFailed(f"{job.kind} job {job.id} on {job.device.serial} "
+                              f"{job.state}: {job.error or 'no error recorded'}")
+        return watched.job_steps(jobs)
+
+    def finished(session: Session, steps: list[watched.Step]) -> bool:
+        return all(store.get_batch(session, b).finished_at is not None for b in batch_ids)
+
+    def line(p: watched.Progress) -> None:  # one line per report: the API keeps the last
+        if p.why != "end":
+            progress("; ".join([f"{p.counts()} jobs"] + (p.silence_lines() if p.silent else [])))
+
+    ending = watched.watch(sessions, settings_of(app), read, report or line, done=finished,
+                           timeout_s=max(0.0, deadline - time.monotonic()), no_worker_s=request.no_worker_s,
+                           poll_s=POLL_S)
+    if ending.reason == "no_worker":
+        raise CheckFailed(f"the check could not run ({ending.done} jobs done): {ending.why()}")
+    if ending.reason == "timeout":
+        silent = f": {'; '.join(s.text(ending.now) for s in ending.silent)}" if ending.silent else ""
+        raise CheckFailed(f"the check ran out of time ({ending.done} jobs done){silent}; raise --timeout or "
+                          "look at `farm jobs list`")
+
+
+def _abandon(app: Celery, sessions, request: CheckRequest, rounds: list[_Round],
+             results: dict[tuple[str, str], dict[str, Any]], names: tuple[str, dict[str, str]],
+             spec: dict[str, Any], started: float, reason: str) -> dict[str, Any]:
+    """A check that cannot go on: cancel its queued and running jobs (a running one is stopped
+    by its worker, as `farm jobs cancel` does), settle its batches, and return the report so
+    far: outcome could_not_run, why, and how many of its jobs had succeeded."""
+    batches = [b for r in rounds for b in r.batches]
+    cancelled: list[int] = []
+    with sessions() as session:
+        jobs = store.jobs_of_batches(session, batches)
+        total, succeeded = len(jobs), sum(j.state == JobState.succeeded for j in jobs)
+        for job in jobs:
+            if job.state in (JobState.queued, JobState.running):
+                try:
+                    store.transition_job(session, job.id, JobState.cancelled,
+                                         error=f"cancelled: its check could not go on ({reason})")
+                    cancelled.append(job.id)
+                except store.InvalidTransition:
+                    pass  # it ended meanwhile
+        session.commit()
+    for batch_id in batches:  # each may have ended with its last job: its analysis follows
+        settle_batch(app, batch_id)
+    return {"candidate": names[0], "baselines": names[1], "metrics": list(request.metrics), "spec": spec,
+            "comparisons": [results[k] for k in sorted(results)], "fidelity": [], "batches": batches,
+            "seconds": round(time.monotonic() - started, 1), "exit_code": FAILED, "outcome": COULD_NOT_RUN,
+            "reason": reason, "jobs_done": succeeded, "jobs_total": total, "jobs_cancelled": cancelled}
 
 
 def _check_runs(session: Session, rounds: list[_Round], serial: str) -> dict[str, list[Run]]:
@@ -284,13 +353,17 @@ def markdown(report: dict[str, Any]) -> str:
     def cell(value: object) -> str:
         return md_code(value, table=True)
 
-    icon = {"pass": "✅ no regression", "regression": "❌ regression", "undecided": "⚠️ undecided"}
+    icon = {"pass": "✅ no regression", "regression": "❌ regression", "undecided": "⚠️ undecided",
+            COULD_NOT_RUN: "🛑 could not run"}
     lines = [f"## farm check: {icon[report['outcome']]}", "",
              f"Candidate {md_code(report['candidate'])} against "
              + ", ".join(f"{md_code(b)} on {md_code(d)}" for d, b in sorted(report["baselines"].items()))
-             + f" (exit code {report['exit_code']}, {report['seconds']:.0f} s).", "",
-             "| device | metric | baseline | candidate | ratio | 95% CI | verdict | rounds |",
-             "|---|---|---|---|---|---|---|---|"]
+             + f" (exit code {report['exit_code']}, {report['seconds']:.0f} s).", ""]
+    if report["outcome"] == COULD_NOT_RUN:
+        lines += [f"No verdict: {md_code(report['reason'])}. {report['jobs_done']} of its {report['jobs_total']} "
+                  f"jobs succeeded; {len(report['jobs_cancelled'])} were cancelled.", ""]
+    lines += ["| device | metric | baseline | candidate | ratio | 95% CI | verdict | rounds |",
+              "|---|---|---|---|---|---|---|---|"]
     for c in report["comparisons"]:
         lines.append(f"| {cell(c['device'])} | {cell(c['metric'])} | "
                      f"{_num(c.get('baseline_median'), c.get('unit'))} | "

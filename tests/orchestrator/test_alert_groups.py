@@ -11,6 +11,7 @@ The store is seeded the farm's way: devices p1-p3, builds b1 and b2 at 100 ms a 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import uuid
 
@@ -20,6 +21,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select, text, update
 from sqlalchemy.engine import make_url
 from support import seed_nightlies
+from typer.testing import CliRunner
 
 from agent.protocol import JobResult, Sample
 from orchestrator import store
@@ -254,7 +256,7 @@ def test_a_triage_token_triages_a_group_in_bulk_and_assigns_it(farm):
         done = triage.post(f"/v1/alert-groups/{group['id']}/fixed", json={"alert_ids": first}).json()
         assert done["states"] == {"new": 0, "acknowledged": 4, "invalid": 0, "fixed": 2}
         stranger = triage.post(f"/v1/alert-groups/{group['id']}/fixed", json={"alert_ids": [999999]})
-        assert stranger.status_code == 400 and "not in group" in stranger.json()["detail"]
+        assert stranger.status_code == 404 and "not in group" in stranger.json()["detail"]
         bad = triage.patch(f"/v1/alert-groups/{group['id']}", json={"bug_url": "javascript:alert(1)"})
         assert bad.status_code == 422 and "is not an http(s) URL" in json.dumps(bad.json())
         set_ = triage.patch(f"/v1/alert-groups/{group['id']}", json={"owner": "ana", "bug_url": "https://b.example/7"})
@@ -265,3 +267,82 @@ def test_a_triage_token_triages_a_group_in_bulk_and_assigns_it(farm):
         assert triage.get("/v1/alert-groups", params={"state": "invalid"}).json()[0]["size"] == 6
     with farm["sessions"]() as s:
         assert {a.state for a in s.scalars(select(Alert))} == {AlertState.invalid}
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def farm_cli(farm, monkeypatch):
+    """`farm_cli(*args, code=0)`: `farm` on the farm's copy, its output on one wide line."""
+    from orchestrator.cli import app
+
+    monkeypatch.setenv("FARM_DATABASE_URL", farm["url"])
+    monkeypatch.setenv("FARM_DATA_DIR", str(farm["settings"].data_dir))
+    monkeypatch.setenv("FARM_CONFIG_DIR", str(farm["settings"].config_dir))
+    monkeypatch.setenv("COLUMNS", "240")
+    monkeypatch.delenv("FARM_BROKER_URL", raising=False)
+    runner = CliRunner()
+
+    def invoke(*args: str, code: int = 0) -> str:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == code, result.output
+        return result.output
+
+    return invoke
+
+
+def _group_id(farm) -> int:
+    return _regressions(farm["sessions"])[0].group_id
+
+
+def test_farm_regressions_list_shows_one_line_per_group(farm, farm_cli):
+    group_id = _group_id(farm)
+    out = farm_cli("regressions", "list")
+    (row,) = [line for line in out.splitlines() if line.split("\t")[0] == str(group_id)]  # piped: tab-separated
+    worst = max(a.ratio for a in _regressions(farm["sessions"]))
+    assert "b2 -> b3" in row and "3 x 2" in row and f"+{(worst - 1) * 100:.1f}%" in row and "6 new" in row, out
+    listed = json.loads(farm_cli("regressions", "list", "--json"))
+    assert [(g["id"], g["size"], g["devices"], g["metrics"]) for g in listed] == [
+        (group_id, 6, list(SERIALS), list(METRICS))]
+    flat = json.loads(farm_cli("regressions", "list", "--alerts", "--json"))
+    assert len(flat) == 6 and {a["group"] for a in flat} == {group_id}
+    assert json.loads(farm_cli("regressions", "list", "--device", "p2", "--metric", "e2e_ms", "--sort", "worst",
+                               "--json"))[0]["id"] == group_id
+    assert "unknown sort 'name'; choose from created, worst, size" in farm_cli("regressions", "list", "--sort", "name",
+                                                                              code=3)
+
+
+def test_farm_regressions_ack_a_group_then_assign_it(farm, farm_cli):
+    group_id = _group_id(farm)
+    chosen = [a.id for a in _regressions(farm["sessions"])[:2]]
+    assert f"group {group_id}: 6 alerts acknowledged (6 acknowledged)" in farm_cli(
+        "regressions", "ack", "--group", str(group_id), "--note", "on it")
+    out = farm_cli("regressions", "fixed", "--group", str(group_id), "--only", str(chosen[0]), "--only", str(chosen[1]))
+    assert f"group {group_id}: 2 alerts fixed (4 acknowledged, 2 fixed)" in out
+    with farm["sessions"]() as s:
+        assert sorted(a.id for a in s.scalars(select(Alert).where(Alert.state == AlertState.fixed))) == chosen
+    assert "give an alert id or --group ID" in farm_cli("regressions", "ack", code=3)
+    assert "not in group" in farm_cli("regressions", "ack", "--group", str(group_id), "--only", "999999", code=3)
+    bad = farm_cli("regressions", "assign", str(group_id), "--bug", "ftp://x.example/1", code=3)
+    assert "is not an http(s) URL" in bad and "Traceback" not in bad
+    farm_cli("regressions", "assign", str(group_id), "--owner", "ana", "--bug", "https://bugs.example.com/41")
+    row = [line for line in farm_cli("regressions", "list").splitlines() if "b2 -> b3" in line][0]
+    assert "ana" in row and "https://bugs.example.com/41" in row and "4 acknowledged, 2 fixed" in row
+    shown = farm_cli("regressions", "group", "show", str(group_id))
+    assert f"group {group_id}: b3 against b2, 3 devices x 2 metrics" in shown and "owner: ana" in shown
+    assert "no alert group 999999" in farm_cli("regressions", "group", "show", "999999", code=3)
+
+
+def test_farm_regressions_show_prints_numbers_people_read(farm, farm_cli):
+    """Medians in ms with a few digits, ratio 1.302, p like 1.8e-04, no -0%; and its group."""
+    alert = [a for a in _regressions(farm["sessions"]) if a.metric == "unet_step_ms"][0]
+    out = farm_cli("regressions", "show", str(alert.id))
+    assert re.search(r"\.\d{7,}", out) is None, out  # no raw floats (161.74411000000077 before)
+    assert "-0%" not in out and "-0.0%" not in out
+    assert 100 <= alert.detail["baseline_median"] < 1000  # three significant digits: one decimal
+    assert f"baseline_median: {alert.detail['baseline_median']:.1f} ms (n=10)" in out
+    p = f"{alert.p_value:.3f}" if alert.p_value >= 0.001 else f"{alert.p_value:.1e}"
+    assert f"ratio: {alert.ratio:.3f} (+{(alert.ratio - 1) * 100:.1f}%), 95% CI {alert.ci_low:.3f}-" \
+           f"{alert.ci_high:.3f}, p={p}" in out
+    assert f"group: {alert.group_id}: b2 -> b3, 3 devices x 2 metrics, 6 alerts (6 new)" in out

@@ -337,17 +337,17 @@ def test_regressions_compare_and_bisect_cli(cli):
         report = regressions.analyze_batch(s, b4_batch)
     alert_id = report["alerts"][0]
 
-    listed = json.loads(cli("regressions", "list", "--json").output)
+    listed = json.loads(cli("regressions", "list", "--alerts", "--json").output)
     assert [a["id"] for a in listed] == [alert_id] and listed[0]["build"] == "b4"
     assert listed[0]["detail"]["attribution_by_op"][0]["op"] == "attention"
     assert "regression" in cli("regressions", "list").output
     shown = cli("regressions", "show", str(alert_id)).output
     assert "attention/flash" in shown and "b3" in shown
     cli("regressions", "ack", str(alert_id), "--note", "looking")
-    assert json.loads(cli("regressions", "list", "--json").output)[0]["state"] == "acknowledged"
+    assert json.loads(cli("regressions", "list", "--alerts", "--json").output)[0]["state"] == "acknowledged"
     cli("regressions", "invalidate", str(alert_id))
-    assert json.loads(cli("regressions", "list", "--json").output) == []
-    assert json.loads(cli("regressions", "list", "--all", "--json").output)[0]["note"] == "looking"
+    assert json.loads(cli("regressions", "list", "--alerts", "--json").output) == []
+    assert json.loads(cli("regressions", "list", "--alerts", "--all", "--json").output)[0]["note"] == "looking"
 
     rows = json.loads(cli("results", "compare", "--build", "b1", "--build", "b6", "--json").output)
     (step,) = [r for r in rows if r["metric"] == "unet_step_ms"]

@@ -243,7 +243,7 @@ def test_cli_shows_the_driver_change(cli_db):
         run_id = _record(s, device.id, b2.id, _latency(rng, 1.3, _env("530.1")), batch.id).id
         report = regressions.analyze_batch(s, batch.id)
     (alert_id,) = report["alerts"]
-    listing = cli_db("regressions", "list").output
+    listing = cli_db("regressions", "list", "--alerts").output
     assert "environment changed" in listing and "driver changed 512.3 -> 530.1" in listing
     shown = cli_db("regressions", "show", str(alert_id)).output
     assert "environment changed: driver changed 512.3 -> 530.1" in shown

@@ -30,7 +30,7 @@ from ..filters import DeviceAndBuild
 from ..schemas import PLAIN, AlertGroupDetail, AlertGroupOut, GroupTriage, GroupUpdate, Metric
 
 router = APIRouter(prefix="/alert-groups", tags=["alerts"], responses=AUTH_ERRORS)
-NOT_IN_GROUP = problem(400, "An alert named is not in the group.")
+NOT_IN_GROUP = problem(404, "No such group, or an alert named is not in it.")
 
 
 @router.get("", response_model=list[AlertGroupOut], responses=BAD_FILTER,
@@ -60,14 +60,13 @@ def get_group(_: Reader, db: Db, group_id: RecordId) -> AlertGroupDetail:
 
 
 def _triage(db, group_id: int, state: AlertState, body: GroupTriage | None) -> AlertGroupDetail:
-    found(store.get_alert_group, db, group_id)  # an unknown group is a 404, an alert not of it a 400
     view = found(store.triage_group, db, group_id, state, body.note if body else None,
-                 body.alert_ids if body else None, status=400)
+                 body.alert_ids if body else None)
     db.commit()
     return AlertGroupDetail.of(view)
 
 
-TRIAGE_ERRORS = NOT_FOUND | BAD_BODY | NOT_IN_GROUP
+TRIAGE_ERRORS = NOT_IN_GROUP | BAD_BODY
 
 
 @router.post("/{group_id}/acknowledge", response_model=AlertGroupDetail, responses=TRIAGE_ERRORS,
