@@ -71,16 +71,10 @@ def record_verdict(session: Session, result: dict[str, Any], candidate: Build, b
     state = store.get_series_state(session, keys.series_ident(rg.SeriesKey.from_dict(result["series"])))
     if state is None:  # no samples of the candidate in it: nothing to show the verdict on
         return
-    order = [candidate.created.isoformat(), candidate.id]
-    if state.verdict is not None and state.verdict.get("order", order) > order:
-        return
-    state.verdict = {"verdict": result["verdict"], "cause": result.get("cause"), "reason": result["reason"],
-                     "build_id": candidate.id, "build": candidate.name, "baseline_build_id": baseline.id,
-                     "baseline_build": baseline.name, "ratio": result["ratio"], "ci_low": result["ci_low"],
-                     "ci_high": result["ci_high"], "confidence": result.get("confidence"),
-                     "p_value": result["p_value"], "environment_change": bool(result.get("environment_change")),
-                     "order": order, "at": utcnow().isoformat()}
-    session.flush()
+    verdict = store.verdict_of(result, (candidate.id, candidate.name, candidate.created), (baseline.id, baseline.name))
+    if store.newer_verdict(state.verdict, verdict):
+        state.verdict = verdict | {"at": utcnow().isoformat()}
+        session.flush()
 
 
 def _run_rows(session: Session, pending: list) -> list[dict[str, Any]]:

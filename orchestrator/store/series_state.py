@@ -33,7 +33,7 @@ __all__ = [
     "samples_of_runs", "save_series_points", "save_series_runs", "series_builds_before", "series_kernel_timings",
     "series_of_device", "series_points", "series_progress", "series_run_stats",
     "get_series_state", "newest_run_id", "series_points_at", "series_run_values", "series_states", "set_series_progress",
-    "upsert_series_state",
+    "upsert_series_state", "newer_verdict", "verdict_of",
 ]
 
 PROGRESS_ID = 1
@@ -139,6 +139,24 @@ def point_values(session: Session, pairs: list[tuple[str, int]], metric_of: dict
             if metric_of[series_id] == metric:
                 out.setdefault((series_id, build_id), []).append(value)
     return out
+
+
+def verdict_of(result: dict[str, Any], candidate: tuple[int, str, dt.datetime],
+               baseline: tuple[int, str]) -> dict[str, Any]:
+    """What a series' row keeps as its verdict (series.verdict) of a comparison (the dict
+    analysis.regressions.compare_builds makes) of `candidate` (id, name, created) against
+    `baseline` (id, name); `order` ranks it among the series' verdicts."""
+    return {"verdict": result["verdict"], "cause": result.get("cause"), "reason": result["reason"],
+            "build_id": candidate[0], "build": candidate[1], "baseline_build_id": baseline[0],
+            "baseline_build": baseline[1], "ratio": result["ratio"], "ci_low": result["ci_low"],
+            "ci_high": result["ci_high"], "confidence": result.get("confidence"), "p_value": result["p_value"],
+            "environment_change": bool(result.get("environment_change")),
+            "order": [candidate[2].isoformat(), candidate[0]]}
+
+
+def newer_verdict(stored: dict[str, Any] | None, verdict: dict[str, Any]) -> bool:
+    """Whether `verdict` is about a build at least as new as the `stored` one's."""
+    return stored is None or stored.get("order", verdict["order"]) <= verdict["order"]
 
 
 # ---- reading it -------------------------------------------------------------------------------
