@@ -5,7 +5,6 @@ between a good and a bad one on a device and name the first bad one)."""
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import typer
@@ -463,7 +462,10 @@ def bisect(
     from orchestrator.analysis import regressions
     from orchestrator.jobs.celery_app import make_celery
     from orchestrator.jobs.jobservice import launch_suite
-    from orchestrator.store.models import Batch, Build, JobKind
+    from orchestrator.services import progress as watched
+    from orchestrator.store.models import Build, JobKind
+
+    from .watching import Reporter
 
     if metric not in regressions.HEADLINE_METRICS:
         common.fail(f"unknown metric {metric!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
@@ -500,15 +502,14 @@ def bisect(
                 # No more-repetitions rounds: bisect judges each step itself (--repetitions).
                 batch_id = launch_suite(app, f"bisect {good}..{bad} {name}", [{"kind": "latency", "spec": job_spec}],
                                         build=build_id, devices=[device], max_extra_rounds=0)
-                with console.status(f"running {name} on {device}"):
-                    deadline = time.monotonic() + timeout
-                    while True:
-                        with sessions() as session:
-                            if session.get(Batch, batch_id).finished_at is not None:
-                                break
-                        if time.monotonic() > deadline:
-                            common.fail(f"{name} did not finish on {device} within {timeout:g} s")
-                        time.sleep(1.0)
+                # Its jobs line by line (a live table on a terminal), a host no worker serves named.
+                with Reporter(f"running {name} on {device}", quiet=as_json, summary=False) as reporter:
+                    ending = watched.watch(sessions, settings, lambda s: watched.batch_steps(s, [batch_id]), reporter,
+                                           done=lambda s, _: store.get_batch(s, batch_id).finished_at is not None,
+                                           timeout_s=timeout, poll_s=1.0)
+                if ending.reason != "done":
+                    silent = "".join(f"; {s.text(ending.now)}" for s in ending.silent)
+                    common.fail(f"{name} did not finish on {device} within {timeout:g} s{silent}")
             with sessions() as session:
                 return regressions.runs_of(session, dev.id, build_id, JobKind.latency, spec)
 

@@ -118,6 +118,29 @@ def test_jobs_wait_with_no_worker_says_so(farm):
     assert "gave up waiting after 2 s" in result.output
 
 
+def test_bisect_with_no_worker_says_so_while_it_waits(farm):
+    """b3 regresses against b1 (their runs recorded); b2 in between has none, so bisect runs it,
+    and with no worker it names the silent queue and gives up at --timeout."""
+    import numpy as np
+    from support import latency_result, record_job
+
+    rng = np.random.default_rng(41)
+    spec = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
+    with farm.Session() as session:
+        b3 = store.create_build(session, tiny_manifest("b3", 1_700_000_000.0 + 86400 * 3))
+        device = store.get_device(session, "p1")
+        for build, slow in ((store.get_build(session, "b1"), 1.0), (b3, 1.3)):
+            record_job(session, "latency", spec, device.id, build.id, latency_result(rng, slow))
+        store.get_or_create_host(session, "h1").last_seen = store.utcnow() - dt.timedelta(hours=2)
+        session.commit()
+    result = farm("bisect", "--good", "b1", "--bad", "b3", "--device", "p1", "--timeout", "2", ok=False)
+    assert result.exit_code == 4, result.output
+    assert "b3: regression against b1" in result.output
+    assert "p1: latency job 3 queued" in result.output
+    assert "no worker is consuming queue 'host.h1' (last heard 2 h ago)" in result.output
+    assert "b2 did not finish on p1 within 2 s; no worker is consuming queue 'host.h1'" in result.output
+
+
 def test_api_check_with_no_worker_is_cancelled_with_its_report(farm):
     from orchestrator.api.check_runs import CheckRunner
     from orchestrator.jobs.celery_app import make_celery
