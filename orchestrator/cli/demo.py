@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 import typer
-from rich.live import Live
 
 from engine.kernels import PRECISIONS
 
@@ -145,7 +144,7 @@ def demo(
                                         demo_jobs(precision, steps), build=build["name"], devices=running.devices,
                                         max_extra_rounds=DEMO_EXTRA_ROUNDS, round_metrics=DEMO_ROUND_METRICS)
                 batches.append(batch_id)
-                ok = _follow(sessions, batch_id, running, started + timeout) and ok
+                ok = _follow(sessions, settings, batch_id, build["name"], running, started + timeout) and ok
                 console.print()
         _report(sessions, batches)
         _dashboard(settings)
@@ -224,42 +223,50 @@ def batch_family(session, root_id: int) -> tuple[list, bool]:
     return family, done
 
 
-def _follow(sessions, batch_id: int, running, deadline: float) -> bool:
-    """Live table of deployments and job states until the batch and its more-repetitions
-    rounds are analysed; False when a job did not succeed or time ran out."""
+def _follow(sessions, settings, batch_id: int, build: str, running, deadline: float) -> bool:
+    """Deployments and job states until the batch and its more-repetitions rounds are analysed,
+    through the shared watch (orchestrator/services/progress.py): this table live on a
+    terminal, a line per change when piped; False when a job did not succeed or time ran out."""
     from orchestrator import store
+    from orchestrator.services import progress as watched
     from orchestrator.store.batches import extra_round
 
-    with Live(console=console, auto_refresh=False) as live:
-        while True:
-            running.stack.check_alive()
-            with sessions() as session:
-                family, done = batch_family(session, batch_id)
-                devices = {d.id: d.serial for d in store.devices_named(session, running.devices)}
-                deployments = {d.device_id: d for d in store.deployments_of_batch(session, batch_id)}
-                jobs = store.jobs_of_batches(session, [b.id for b in family])
-                table = Table("device", "deploy", "sent", "files sent / already there", "latency", "generate",
-                              "more repetitions", title=f"batch {batch_id}")
-                for device_id, serial in sorted(devices.items(), key=lambda kv: kv[1]):
-                    dep = deployments.get(device_id)
-                    states = {str(j.kind): str(j.state) for j in jobs if j.device_id == device_id
-                              and j.batch_id == batch_id}
-                    extra = [f"round {extra_round(b.idempotency_key)}: "
-                             f"{sum(str(j.state) == 'succeeded' for j in jobs if j.batch_id == b.id)}/"
-                             f"{sum(j.batch_id == b.id for j in jobs)} done"
-                             for b in family[1:] if b.idempotency_key.endswith(f":{serial}")]
-                    table.add_row(serial, str(dep.status) if dep else "queued",
-                                  f"{dep.bytes_sent / 2**20:.1f} MiB" if dep else "-",
-                                  f"{dep.files_sent} / {dep.files_skipped}" if dep else "-",
-                                  states.get("latency", "-"), states.get("generate", "-"), ", ".join(extra) or "-")
-                live.update(table, refresh=True)
-                if done:
-                    return all(str(j.state) == "succeeded" for j in jobs)
-            if time.monotonic() > deadline:
-                console.print("[bold red]error:[/] the demo ran out of time; the stack's logs are in "
-                              f"{running.stack.log_dir}", highlight=False)
-                return False
-            time.sleep(POLL_S)
+    from .watching import Reporter
+
+    seen: dict[str, Any] = {"table": None, "done": False, "ok": False}
+
+    def read(session) -> list[watched.Step]:
+        running.stack.check_alive()
+        family, done = batch_family(session, batch_id)
+        devices = {d.id: d.serial for d in store.devices_named(session, running.devices)}
+        deployments = store.deployments_of_batch(session, batch_id)
+        by_device = {d.device_id: d for d in deployments}
+        jobs = store.jobs_of_batches(session, [b.id for b in family])
+        table = Table("device", "deploy", "sent", "files sent / already there", "latency", "generate",
+                      "more repetitions", title=f"batch {batch_id}")
+        for device_id, serial in sorted(devices.items(), key=lambda kv: kv[1]):
+            dep = by_device.get(device_id)
+            states = {str(j.kind): str(j.state) for j in jobs if j.device_id == device_id
+                      and j.batch_id == batch_id}
+            extra = [f"round {extra_round(b.idempotency_key)}: "
+                     f"{sum(str(j.state) == 'succeeded' for j in jobs if j.batch_id == b.id)}/"
+                     f"{sum(j.batch_id == b.id for j in jobs)} done"
+                     for b in family[1:] if b.idempotency_key.endswith(f":{serial}")]
+            table.add_row(serial, str(dep.status) if dep else "queued",
+                          f"{dep.bytes_sent / 2**20:.1f} MiB" if dep else "-",
+                          f"{dep.files_sent} / {dep.files_skipped}" if dep else "-",
+                          states.get("latency", "-"), states.get("generate", "-"), ", ".join(extra) or "-")
+        seen.update(table=table, done=done, ok=all(str(j.state) == "succeeded" for j in jobs))
+        return watched.deployment_steps(deployments, devices, session, build) + watched.job_steps(jobs)
+
+    with Reporter(f"batch {batch_id}", view=lambda p: seen["table"]) as reporter:
+        ending = watched.watch(sessions, settings, read, reporter, done=lambda s, _: seen["done"],
+                               timeout_s=max(0.0, deadline - time.monotonic()), poll_s=POLL_S)
+    if ending.reason != "done":
+        console.print("[bold red]error:[/] the demo ran out of time; the stack's logs are in "
+                      f"{running.stack.log_dir}", highlight=False)
+        return False
+    return seen["ok"]
 
 
 def final_verdicts(family) -> list[dict[str, Any]]:

@@ -141,6 +141,34 @@ def test_bisect_with_no_worker_says_so_while_it_waits(farm):
     assert "b2 did not finish on p1 within 2 s; no worker is consuming queue 'host.h1'" in result.output
 
 
+def test_demo_follow_prints_each_change_when_piped(farm, capsys):
+    """The demo's batch view through the shared watch: piped, a line per device's deployment and
+    job, then its table once (before, only the table, at the end)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from support import latency_result, record_job
+
+    from orchestrator.cli.demo import _follow
+    from orchestrator.store.models import DeploymentStatus
+
+    with farm.Session() as session:
+        build, device = store.get_build(session, "b2"), store.get_device(session, "p1")
+        batch = store.create_batch(session, "demo b2", build_id=build.id)
+        store.create_deployment(session, build.id, device.id, batch_id=batch.id).status = DeploymentStatus.succeeded
+        record_job(session, "latency", {"model": "models/tiny"}, device.id, build.id,
+                   latency_result(np.random.default_rng(0), 1.0), batch_id=batch.id)
+        batch.summary = {"analysis": {}}
+        session.commit()
+        batch_id = batch.id
+    running = SimpleNamespace(devices=["p1"], stack=SimpleNamespace(check_alive=lambda: None, log_dir="/logs"))
+    assert _follow(farm.Session, load_settings(), batch_id, "b2", running, time.monotonic() + 30)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[:2] == ["p1: deploy b2 succeeded", "p1: latency job 1 succeeded"], out
+    assert f"batch {batch_id}" in lines[2] and "more repetitions" in out  # then the table, once
+
+
 def test_api_check_with_no_worker_is_cancelled_with_its_report(farm):
     from orchestrator.api.check_runs import CheckRunner
     from orchestrator.jobs.celery_app import make_celery
