@@ -1,4 +1,4 @@
-"""The filters the API's list routes share: ?device= and ?build=, by serial and name, each
+"""The filters the API's list routes share: ?device= and ?build=, by serial and build id, label or name, each
 answered with 404 naming a device or build the farm does not know (deps.BAD_FILTER: an empty
 list would hide a typo)."""
 
@@ -17,7 +17,7 @@ from .schemas import PLAIN
 def device_and_build(
     db: Db,
     device: Annotated[str | None, Query(max_length=255, pattern=PLAIN, description="Device serial.")] = None,
-    build: Annotated[str | None, Query(max_length=128, pattern=PLAIN, description="Build name.")] = None,
+    build: Annotated[str | None, Query(max_length=128, pattern=PLAIN, description="Build id, label or name.")] = None,
 ) -> tuple[int | None, int | None]:
     """The ids of the device and the build a list is filtered by (None where not given)."""
     return (found(store.get_device, db, device).id if device else None,

@@ -73,6 +73,9 @@ class BuildFileOut(BaseModel):
 class BuildOut(BaseModel):
     id: int
     name: str
+    label: str | None = Field(description="The short name people gave it (`farm builds label`), if any.")
+    display: str = Field(description="What tables and charts call it: its label, else the distinguishing end of "
+                                     "its name among the builds listed with it.")
     version: str
     source_revision: str
     manifest_sha256: str
@@ -81,8 +84,9 @@ class BuildOut(BaseModel):
     bytes: int
 
     @classmethod
-    def of(cls, build: Build) -> BuildOut:
-        return cls(id=build.id, name=build.name, version=build.version, source_revision=build.source_revision,
+    def of(cls, build: Build, display: str | None = None) -> BuildOut:
+        return cls(id=build.id, name=build.name, label=build.label, display=display or build.label or build.name,
+                   version=build.version, source_revision=build.source_revision,
                    manifest_sha256=build.manifest_sha256, created=build.created, file_count=len(build.files),
                    bytes=sum(f.size for f in build.files))
 
@@ -273,6 +277,8 @@ class SeriesPoint(BaseModel):
 
     build: str
     build_id: int
+    display: str | None = Field(None, description="What charts call the build: its label, else the distinguishing "
+                                                  "end of its name among the series' builds.")
     n: int
     median: float
     min: float
@@ -431,7 +437,7 @@ class CheckIn(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    build: str = Field(min_length=1, max_length=128, pattern=PLAIN, description="The candidate build (name).")
+    build: str = Field(min_length=1, max_length=128, pattern=PLAIN, description="The candidate build (id, label or name).")
     baseline: str | None = Field(None, min_length=1, max_length=128, pattern=PLAIN)
     devices: list[Serial] | Literal["all"] = Field(min_length=1, description="Device serials, or \"all\".")
     metrics: list[Metric] | None = Field(None, min_length=1, description="Default: every headline metric.")

@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 from typer.core import TyperCommand
 
+from . import completion
 from .common import cli_settings, open_store
 from .output import Table, console, err_console, escape
 from .watching import Reporter
@@ -40,10 +41,12 @@ def _bad(message: str, code: int) -> typer.Exit:
 
 
 def check(
-    build: str = typer.Option(..., "--build", help="The candidate build (name or id)."),
+    build: str = typer.Option(..., "--build", help="The candidate build (id, label or name).",
+                              autocompletion=completion.builds),
     baseline: str = typer.Option(None, "--baseline", help="The build to compare with (default: each device's "
                                  "series' last accepted build, else the build made before the candidate)."),
-    devices: list[str] = typer.Option(None, "--device", help="Device serial (repeat for several)."),
+    devices: list[str] = typer.Option(None, "--device", help="Device serial (repeat for several).",
+                                      autocompletion=completion.devices),
     every: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
     metrics: list[str] = typer.Option(None, "--metric", help="Metric to gate on (repeat; default: unet_step_ms, "
                                       "e2e_ms, peak_gpu_bytes)."),

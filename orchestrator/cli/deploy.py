@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 
+from . import completion
 from .common import JSON_OPTION, cli_settings, fail, open_store, print_json
 from .output import Table, console, escape
 from .watching import Reporter
@@ -19,8 +20,10 @@ POLL_S = 0.25
 
 
 def deploy(
-    build: str = typer.Argument(..., help="Build name or id (`farm builds list`)."),
-    device: list[str] = typer.Option(None, "--device", "-d", help="Device serial (repeatable)."),
+    build: str = typer.Argument(..., help="Build id, label or name (`farm builds list`).",
+                                autocompletion=completion.builds),
+    device: list[str] = typer.Option(None, "--device", "-d", help="Device serial (repeatable).",
+                                     autocompletion=completion.devices),
     all_devices: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
     timeout: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Give up waiting after this many seconds "
                                   "(the deployments go on)."),

@@ -16,7 +16,7 @@ import typer
 
 from orchestrator.store.models import Build, Job, JobKind, JobState
 
-from . import common, validate
+from . import common, completion, validate
 from .output import Table, Text, console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
@@ -160,8 +160,10 @@ def _init_image_uri(path: Path) -> str:
 @app.command()
 def submit(
     kind: JobKind = typer.Argument(..., help="generate, latency or tune."),
-    build_name: str = typer.Option(None, "--build", help="Build to run (default: the newest build)."),
-    devices: list[str] = typer.Option(None, "--device", help="Device serial (repeatable)."),
+    build_name: str = typer.Option(None, "--build", help="Build to run: id, label or name (default: the newest "
+                                   "build).", autocompletion=completion.builds),
+    devices: list[str] = typer.Option(None, "--device", help="Device serial (repeatable).",
+                                      autocompletion=completion.devices),
     all_devices: bool = typer.Option(False, "--all", help="Every device that is not quarantined."),
     name: str = typer.Option(None, "--name", help="Batch name (default: <kind> <build> <UTC time>)."),
     model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only "
@@ -337,8 +339,10 @@ def _follow(sessions, settings, job_ids: list[int], timeout: float | None, quiet
 @app.command("list")
 def list_jobs(
     state: JobState = typer.Option(None, "--state", help="Only jobs in this state."),
-    device: str = typer.Option(None, "--device", help="Only jobs of this device (serial)."),
-    build: str = typer.Option(None, "--build", help="Only jobs of this build (name)."),
+    device: str = typer.Option(None, "--device", help="Only jobs of this device (serial).",
+                               autocompletion=completion.devices),
+    build: str = typer.Option(None, "--build", help="Only jobs of this build (id, label or name).",
+                              autocompletion=completion.builds),
     batch: int = typer.Option(None, "--batch", help="Only jobs of this batch (id).", parser=validate.record_id),
     limit: int = typer.Option(50, "--limit", min=1, help="At most this many, newest first."),
     as_json: bool = common.JSON_OPTION,

@@ -12,7 +12,7 @@ import typer
 from . import common, completion, labels, numbers, validate
 from .output import Table, console, escape
 
-ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id)
+ALERT_ID = typer.Argument(..., help="Alert id.", parser=validate.record_id, autocompletion=completion.alerts)
 GROUP_ID = typer.Argument(..., help="Alert group id (`farm regressions list` shows them).", parser=validate.record_id)
 
 app = typer.Typer(help="Regressions, improvements, image changes and data stoppages found by the analysis.",
@@ -449,9 +449,10 @@ def compare(
 
 
 def bisect(
-    good: str = typer.Option(..., "--good", help="A build without the regression."),
-    bad: str = typer.Option(..., "--bad", help="A build with it."),
-    device: str = typer.Option(..., "--device", help="Device serial to run on."),
+    good: str = typer.Option(..., "--good", help="A build without the regression (id, label or name).",
+                             autocompletion=completion.builds),
+    bad: str = typer.Option(..., "--bad", help="A build with it.", autocompletion=completion.builds),
+    device: str = typer.Option(..., "--device", help="Device serial to run on.", autocompletion=completion.devices),
     metric: str = typer.Option("unet_step_ms", "--metric", help="Metric that regressed."),
     repetitions: int = typer.Option(10, "--repetitions", min=5, help="Repetitions per build run."),
     timeout: float = typer.Option(3600.0, "--timeout", help="Seconds to wait for each build's run."),

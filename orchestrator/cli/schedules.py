@@ -12,7 +12,7 @@ import typer
 
 from engine.kernels import PRECISIONS
 
-from . import validate
+from . import completion, validate
 from .common import JSON_OPTION, cli_settings, fail, get_or_fail, iso, open_store, print_json
 from .output import Table, console
 
@@ -42,8 +42,10 @@ def add(
     name: str = typer.Argument(..., help="Schedule name."),
     cron: str = typer.Option(..., "--cron", help="Five-field cron expression, e.g. '0 2 * * *' (02:00 daily)."),
     timezone: str = typer.Option("UTC", "--tz", help="IANA time zone the cron expression is read in."),
-    build: str = typer.Option(None, "--build", help="Build to run (default: the newest build at firing time)."),
-    device: list[str] = typer.Option(None, "--device", "-d", help="Device serial (repeatable; default: all)."),
+    build: str = typer.Option(None, "--build", help="Build to run: id, label or name (default: the newest build "
+                              "at firing time).", autocompletion=completion.builds),
+    device: list[str] = typer.Option(None, "--device", "-d", help="Device serial (repeatable; default: all).",
+                                     autocompletion=completion.devices),
     job: list[str] = typer.Option(None, "--job", help="Job kind to run on each device, in order (repeatable; "
                                   "default: latency)."),
     model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only one).",
@@ -179,19 +181,19 @@ def _set_enabled(name: str, enabled: bool) -> None:
 
 
 @app.command()
-def enable(name: str = typer.Argument(..., help="Schedule name.")):
+def enable(name: str = typer.Argument(..., help="Schedule name.", autocompletion=completion.schedules)):
     """Enable a schedule (it fires from now on)."""
     _set_enabled(name, True)
 
 
 @app.command()
-def disable(name: str = typer.Argument(..., help="Schedule name.")):
+def disable(name: str = typer.Argument(..., help="Schedule name.", autocompletion=completion.schedules)):
     """Disable a schedule (kept, not fired)."""
     _set_enabled(name, False)
 
 
 @app.command()
-def remove(name: str = typer.Argument(..., help="Schedule name.")):
+def remove(name: str = typer.Argument(..., help="Schedule name.", autocompletion=completion.schedules)):
     """Remove a schedule (its past jobs and results stay)."""
     from orchestrator import store
 
@@ -206,7 +208,7 @@ def remove(name: str = typer.Argument(..., help="Schedule name.")):
 
 
 @app.command("run-now")
-def run_now(name: str = typer.Argument(..., help="Schedule name.")):
+def run_now(name: str = typer.Argument(..., help="Schedule name.", autocompletion=completion.schedules)):
     """Fire a schedule now (its regular firings are unchanged)."""
     from orchestrator import store
     from orchestrator.jobs.celery_app import make_celery

@@ -251,6 +251,40 @@ def test_completion_reads_the_store(demo):
     assert completion.alerts("") == []
 
 
+def _completions(demo, line: str) -> list[str]:
+    """What bash's Tab after `line` offers (Click's completion protocol, through CliRunner)."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    words = line.split(" ")
+    result = CliRunner().invoke(app, [], prog_name="farm", env={
+        "_FARM_COMPLETE": "complete_bash", "COMP_WORDS": line, "COMP_CWORD": str(len(words) - 1)})
+    assert result.exit_code == 0, result.output
+    return result.output.split()
+
+
+def test_commands_complete_builds_serials_alerts_and_schedules(demo):
+    from orchestrator.store.models import Alert
+
+    demo("builds", "label", "1", "A")
+    with demo.Session() as s, s.begin():
+        store.create_schedule(s, "nightly", "0 2 * * *", "UTC", {"build": None, "devices": "all", "jobs": []})
+        phone = store.get_device(s, "phone-1")
+        alert = store.save_alert(s, Alert(kind="regression", device_id=phone.id, build_id=demo.ids[1], metric="e2e_ms",
+                                          series={}, detail={}, summary="slower"))
+        alert_id = alert.id
+    assert _completions(demo, "farm deploy ")[:1] == ["A"]
+    assert _completions(demo, "farm deploy de") == [f"{STAMP}-b", f"{STAMP}-a"]
+    assert _completions(demo, "farm check --build A") == ["A"]
+    assert _completions(demo, "farm results compare --build 1 --build ") [:1] == ["A"]
+    assert _completions(demo, "farm jobs submit latency --device ph") == ["phone-1", "phone-2"]
+    assert _completions(demo, "farm results list --device phone-2") == ["phone-2"]
+    assert _completions(demo, "farm regressions show ") == [str(alert_id)]
+    assert _completions(demo, "farm schedules run-now n") == ["nightly"]
+    assert _completions(demo, "farm builds label ")[:1] == ["A"]
+
+
 def test_completion_without_a_store_suggests_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "none"))
     monkeypatch.setenv("FARM_CONFIG_DIR", str(tmp_path / "config"))
@@ -259,3 +293,73 @@ def test_completion_without_a_store_suggests_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "none" / "farm.db").exists()  # looking made no store
     monkeypatch.setenv("FARM_DATABASE_URL", "postgresql+psycopg://nobody@127.0.0.1:1/none")
     assert completion.schedules("") == [] and completion.alerts("") == []
+
+
+# ---- the API ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def api(demo):
+    """The farm API over the demo store, with a read token."""
+    from fastapi.testclient import TestClient
+
+    from orchestrator.analysis import series_state
+    from orchestrator.api import tokens
+    from orchestrator.api.app import create_app
+    from orchestrator.infra.settings import Settings
+
+    with demo.Session() as s, s.begin():
+        token = tokens.create_token(s, "read", "read")[1]
+        series_state.catch_up(s, thorough=True)
+    settings = Settings(data_dir=demo.tmp / "data", config_dir=demo.tmp / "config", host_name="testhost",
+                        database_url=f"sqlite:///{demo.tmp / 'farm.db'}")
+    with TestClient(create_app(settings), raise_server_exceptions=False,
+                    headers={"Authorization": f"Bearer {token}"}) as client:
+        yield client
+
+
+def test_api_builds_carry_label_and_display_and_take_any_ref(demo, api):
+    demo("builds", "label", "1", "A")
+    builds = api.get("/v1/builds").json()
+    assert [(b["id"], b["label"], b["display"]) for b in builds] == [(2, None, "b"), (1, "A", "A")]
+    for ref in ("1", "A", f"{STAMP}-a"):
+        shown = api.get(f"/v1/builds/{ref}").json()
+        assert (shown["name"], shown["label"]) == (f"{STAMP}-a", "A"), ref
+    missing = api.get("/v1/builds/C")
+    assert missing.status_code == 404 and "tried as a label and a name" in missing.text
+    for ref in ("2", f"{STAMP}-b"):
+        assert {r["build"] for r in api.get("/v1/results", params={"build": ref}).json()} == {f"{STAMP}-b"}
+    assert {r["build"] for r in api.get("/v1/results", params={"build": "A"}).json()} == {f"{STAMP}-a"}
+
+
+def test_api_series_points_carry_what_charts_call_their_builds(demo, api):
+    demo("builds", "label", "2", "B")
+    (series, *_) = api.get("/v1/series", params={"device": "phone-1", "metric": "unet_step_ms"}).json()
+    points = api.get(f"/v1/series/{series['id']}").json()["points"]
+    assert [(p["build"], p["display"]) for p in points] == [(f"{STAMP}-a", "a"), (f"{STAMP}-b", "B")]
+
+
+# ---- the dashboard's charts ---------------------------------------------------------------
+
+
+def test_chart_axes_call_builds_as_the_store_does():
+    """charts.js's shortNames (the x axis of a series' trend and kernel charts, where the API
+    gave no `display`) against the store's short_names, on the demo's names and others; a
+    given `display` (a label) wins."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cases = [[f"{STAMP}-a", f"{STAMP}-b"], ["b1", "b2", "b3"], ["demo-X-a", "demo-Y-a", "demo-Y-b"],
+             ["run-1", "run-2"], [f"{STAMP}-a"], ["tiny-0.1.0-20261129T012011Z", "tiny-0.1.0-20261130T012011Z"],
+             ["a", "x-a", "y.b+c"]]
+    charts = Path(store.__file__).parents[1] / "dashboard" / "static" / "charts.js"
+    script = (f"global.window = {{farm: {{el() {{}}, fmt: {{}}}}}}; require({json.dumps(str(charts))}); "
+              f"const c = window.farm.chart; console.log(JSON.stringify([{json.dumps(cases)}.map(c.shortNames), "
+              f"c.axisNames({json.dumps(cases[0])}, ['A', undefined])]));")
+    node = shutil.which("node")
+    assert node, "node runs the dashboard's chart code here: bash scripts/ensure-grafana-schema.sh installs it"
+    derived, given = json.loads(subprocess.run([node, "-e", script], capture_output=True, text=True, check=True,
+                                               timeout=30).stdout)
+    assert derived == [store.short_names(names) for names in cases]
+    assert given == ["A", "b"]

@@ -36,5 +36,7 @@ def list_series(
 def get_series(_: Reader, db: Db,
                series_id: SeriesId) -> SeriesDetail:
     found_series = found(farm_series.get_series, db, series_id)
+    points = farm_series.points(db, found_series)
+    shown = store.build_display_names(db, [p["build"] for p in points])
     return SeriesDetail(**_out(found_series).model_dump(),
-                        points=[SeriesPoint(**p) for p in farm_series.points(db, found_series)])
+                        points=[SeriesPoint(**p | {"display": shown[p["build"]]}) for p in points])

@@ -1,7 +1,9 @@
 /* The dashboard's charts, drawn with uPlot (vendor/uplot): a series' trend over builds, lines of
    several values over builds (the kernel trend) and a bar chart of values by name (a kernel
    attribution). Builds are versions, not times, so x is
-   the build's index and its axis labels are the build names, slanted when they would collide.
+   the build's index and its axis labels are what people call the builds (a build's label, else
+   the distinguishing end of its name: `a` and `b` for demo-20261129T012011Z-a and -b, never a
+   cut middle), slanted when they would collide; the legend shows the full name.
    Bytes are charted in MiB or GiB; the axis says which. Each chart is kept in farm.charts by
    its container's id, so a test can read what it plots. */
 (function () {
@@ -26,6 +28,30 @@
     return fmt.decimals(v, a >= 1000 ? 0 : a >= 100 ? 1 : a >= 1 ? 2 : 3);
   }
 
+  // The distinguishing end of each of `names` among them: the shortest end (whole parts split
+  // after - _ . +) no other name ends with and not all digits (it would read as an id); a name
+  // alone, or with no such end, whole. The same rule as the store's short_names.
+  function shortNames(names) {
+    const distinct = [...new Set(names)];
+    if (distinct.length < 2) return names.slice();
+    return names.map((name) => {
+      const parts = name.split(/(?<=[-_.+])/);
+      for (let k = 1; k < parts.length; k++) {
+        const end = parts.slice(-k).join("");
+        if (/^\d+$/.test(end) || !/[^-_.+]/.test(end)) continue;
+        if (!distinct.some((other) => other !== name && other.endsWith(end))) return end;
+      }
+      return name;
+    });
+  }
+
+  // What the x axis calls each build: `display[i]` where the API gave one (its label, else its
+  // distinguishing end among the series' builds), else its distinguishing end here.
+  function axisNames(names, display = []) {
+    const derived = shortNames(names);
+    return names.map((name, i) => display[i] || derived[i]);
+  }
+
   function xAxis(names) {
     const longest = Math.max(1, ...names.map((n) => n.length));
     const slant = names.length > 4 || longest > 10;
@@ -48,6 +74,7 @@
   // annotations (deploys, change points, environment changes) as dashed rules.
   function trend(container, { title, metric, unit, points, alerts = [], annotations = [], height = 320 }) {
     const names = points.map((p) => p.build);
+    const shown = axisNames(names, points.map((p) => p.display));
     const all = points.flatMap((p) => [p.min, p.max]);
     const d = display(unit, all);
     const xs = points.map((_, i) => i);
@@ -68,7 +95,7 @@
           value: legendValue },
       ],
       bands: [{ series: [3, 2], fill: "rgba(31,119,180,0.13)" }],
-      axes: [xAxis(names), { label: `${metric} (${d.label})`, values: (u, splits) => splits.map(tick), size: 70 }],
+      axes: [xAxis(shown), { label: `${metric} (${d.label})`, values: (u, splits) => splits.map(tick), size: 70 }],
       hooks: {
         draw: [(u) => drawAnnotations(u, annotations, index)],
         ready: [(u) => placeMarkers(u, alerts, index)],
@@ -146,8 +173,8 @@
   const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"];
 
   // One line per entry of `lines` ({label, values}: one value per build, null where none) over
-  // the builds `names`.
-  function lines(container, { title, names, lines: entries, unit, height = 320 }) {
+  // the builds `names` (`display`: what the axis calls them, as axisNames).
+  function lines(container, { title, names, display = [], lines: entries, unit, height = 320 }) {
     const xs = names.map((_, i) => i);
     const opts = {
       title, width: width(container), height,
@@ -160,7 +187,7 @@
           value: (u, v) => (v === null || v === undefined ? "—" : fmt.value(v, unit)),
         })),
       ],
-      axes: [xAxis(names), { label: unit, values: (u, splits) => splits.map(tick), size: 60 }],
+      axes: [xAxis(axisNames(names, display)), { label: unit, values: (u, splits) => splits.map(tick), size: 60 }],
     };
     container.replaceChildren();
     const chart = new uPlot(opts, [xs, ...entries.map((line) => line.values)], container);
@@ -169,5 +196,5 @@
     return chart;
   }
 
-  window.farm.chart = { trend, lines, bars, display };
+  window.farm.chart = { trend, lines, bars, display, shortNames, axisNames };
 })();

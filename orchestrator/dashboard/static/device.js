@@ -1,6 +1,7 @@
-/* One device's health: its GPU and state, its state history, runs by outcome and the failure
-   rate, its newest runs with their errors, data stoppages, and its series. Reads /v1/devices/{serial}, its
-   /health and /v1/overview. */
+/* One device's health: its GPU and state, when it was last seen and when its last run ended,
+   its state history, runs by outcome and the failure rate, its newest runs with their errors,
+   data stoppages, and its series with their newest verdicts (static/findings.js). Reads
+   /v1/devices/{serial}, its /health and /v1/overview. */
 (function () {
   "use strict";
   const { api, el, num, badge, table, href, fmt, pageId } = window.farm;

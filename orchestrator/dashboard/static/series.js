@@ -84,6 +84,7 @@
     if (kernels.builds.length) {
       window.farm.chart.lines(document.getElementById("kernel-trend"), {
         title: `Kernels over builds on ${key.device}`, names: kernels.builds, unit: kernels.unit,
+        display: kernels.builds.map((b) => series.points.find((p) => p.build === b)?.display),
         lines: kernels.kernels.map((k) => ({ label: k.kernel, values: k.ms })) });
     }
   });
