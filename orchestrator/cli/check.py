@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from typer.core import TyperCommand
 
-from . import completion
+from . import completion, labels, numbers
 from .common import cli_settings, open_store
 from .output import Table, console, err_console, escape
 from .watching import Reporter
@@ -119,17 +119,20 @@ def _run(gate, settings, request, build: str) -> dict:
 def _print(report: dict) -> None:
     from orchestrator.services.check import fidelity_text
 
+    display = report.get("display") or {}  # build name -> its label or distinguishing end
     table = Table("device", "metric", "baseline build", "baseline", "candidate", "ratio", "95% CI", "verdict",
                   "rounds",
-                  title=f"{report['candidate']} against its baseline: {report['outcome']}")
+                  title=f"{display.get(report['candidate'], report['candidate'])} against its baseline: "
+                        f"{report['outcome']}")
     for c in report["comparisons"]:
-        table.add_row(c["device"], c["metric"], c.get("baseline_build", "-"),
-                      "-" if c.get("baseline_median") is None else f"{c['baseline_median']:,.1f}",
-                      "-" if c.get("candidate_median") is None else f"{c['candidate_median']:,.1f}",
-                      "-" if c.get("ratio") is None else f"{c['ratio']:.3f}",
-                      "-" if c.get("ci_low") is None else f"{c['ci_low']:.3f}-{c['ci_high']:.3f}",
+        baseline = c.get("baseline_build", "-")
+        table.add_row(c["device"], c["metric"], display.get(baseline, baseline),
+                      numbers.metric_value(c["metric"], c.get("baseline_median")),
+                      numbers.metric_value(c["metric"], c.get("candidate_median")),
+                      numbers.ratio(c.get("ratio")), numbers.interval(c.get("ci_low"), c.get("ci_high")),
                       c["verdict"], str(c.get("rounds", "-")))
     console.print(table)
+    labels.legend(display)
     for f in report["fidelity"]:
         if "error" not in f:
             console.print(f"{f['device']}: image against the baseline: {fidelity_text(f)}", highlight=False)

@@ -16,7 +16,7 @@ import typer
 
 from orchestrator.store.models import Build, Job, JobKind, JobState
 
-from . import common, completion, validate
+from . import common, completion, labels, validate
 from .output import Table, Text, console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
@@ -357,14 +357,16 @@ def list_jobs(
         jobs = queries.list_jobs(session, state=state, device_id=device_id, build_id=build_id, batch_id=batch,
                                  limit=limit)
         rows = [job_dict(j) for j in jobs]
+        shown = labels.build_names(session, [r["build"] for r in rows])
     if common.print_json_or_empty(rows, as_json, "no jobs" + (" match" if any((state, device, build, batch)) else
                                                        "; submit some with `farm jobs submit KIND --all`")):
         return
     table = Table("id", "kind", "device", "build", "batch", "state", "attempts", "created", "finished")
     for j, r in zip(jobs, rows, strict=True):
-        table.add_row(str(r["id"]), r["kind"], r["device"], r["build"] or "-", str(r["batch_id"] or "-"),
+        table.add_row(str(r["id"]), r["kind"], r["device"], shown.get(r["build"] or "", "-"), str(r["batch_id"] or "-"),
                       _state(r["state"]), str(r["attempts"]), _when(j.created_at), _when(j.finished_at))
     console.print(table)
+    labels.legend(shown)
 
 
 @app.command()

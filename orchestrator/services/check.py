@@ -152,6 +152,8 @@ def run_check(app: Celery, sessions, request: CheckRequest,
     with sessions() as session:
         candidate, baselines = builds_compared(session, request)
         names = (candidate.name, {serial: b.name for serial, b in baselines.items()})
+        # what a report's reader calls them: labels, else the ends that tell them apart
+        display = store.build_display_names(session, [candidate.name, *names[1].values()])
     spec = dict(request.spec)
     rounds: list[_Round] = []
     results: dict[tuple[str, str], dict[str, Any]] = {}
@@ -168,7 +170,8 @@ def run_check(app: Celery, sessions, request: CheckRequest,
         fidelity = _fidelity(session, rounds) if request.images else []
     out = {"candidate": names[0], "baselines": names[1], "metrics": list(request.metrics), "spec": spec,
            "comparisons": [results[k] for k in sorted(results)], "fidelity": fidelity,
-           "batches": [b for r in rounds for b in r.batches], "seconds": round(time.monotonic() - started, 1)}
+           "batches": [b for r in rounds for b in r.batches], "seconds": round(time.monotonic() - started, 1),
+           "display": display}
     out["exit_code"], out["outcome"] = report_exit_code(out)
     return out
 

@@ -205,6 +205,27 @@ def test_results_list_shows_distinguishing_ends_and_full_names_once(demo):
     assert rest == [f"B = {STAMP}-b", f"A = {STAMP}-a"]
 
 
+def test_jobs_list_shows_labels_and_full_names_once(demo):
+    demo("builds", "label", "2", "B")
+    rows, rest = _split(demo("jobs", "list").output)
+    build = rows[0].index("build")
+    assert [r[build] for r in rows[1:]] == ["B", "a", "B", "a"]
+    assert rest == [f"B = {STAMP}-b", f"a = {STAMP}-a"]
+
+
+def test_a_check_report_names_builds_by_label_with_units(capsys):
+    from orchestrator.cli.check import _print
+
+    comparison = {"device": "phone-1", "metric": "peak_gpu_bytes", "baseline_build": f"{STAMP}-a",
+                  "baseline_median": 9_348_304.0, "candidate_median": 9_348_304.0, "ratio": 1.0, "ci_low": 0.99,
+                  "ci_high": 1.01, "verdict": "same", "rounds": 1}
+    _print({"candidate": f"{STAMP}-b", "outcome": "no regression", "exit_code": 0, "fidelity": [],
+            "comparisons": [comparison], "display": {f"{STAMP}-b": "B", f"{STAMP}-a": "A"}})
+    rows, rest = _split(capsys.readouterr().out)
+    assert rows[1][:7] == ["phone-1", "peak_gpu_bytes", "A", "8.92 MiB", "8.92 MiB", "1.000", "0.990-1.010"]
+    assert rest[:2] == [f"B = {STAMP}-b", f"A = {STAMP}-a"]
+
+
 def test_compare_names_builds_short_and_numbers_in_human_units(demo):
     demo("builds", "label", "1", "A")
     out = demo("results", "compare", "--build", "1", "--build", f"{STAMP}-b").output
