@@ -242,7 +242,7 @@ def _wait(app: Celery, sessions, request: CheckRequest, batch_ids: list[int], de
         return all(store.get_batch(session, b).finished_at is not None for b in batch_ids)
 
     def line(p: watched.Progress) -> None:  # one line per report: the API keeps the last
-        if p.why != "end":
+        if p.why not in ("end", "poll"):
             progress("; ".join([f"{p.counts()} jobs"] + (p.silence_lines() if p.silent else [])))
 
     ending = watched.watch(sessions, settings_of(app), read, report or line, done=finished,

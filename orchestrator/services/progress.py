@@ -77,7 +77,8 @@ class Silence:
 @dataclass
 class Progress:
     """What a watcher reports: every step, those that changed since the last report, the hosts
-    nobody serves, and why it reports now ("change", "remind", "silence", "end")."""
+    nobody serves, and why it reports now ("change", "remind", "silence", "end", or "poll":
+    nothing to say, but a live view may refresh its clock)."""
 
     steps: list[Step]
     changed: list[Step]
@@ -163,9 +164,9 @@ def watch(
 ) -> Ending:
     """Poll `read` (a short session each time) until every step has ended (or `done` says so),
     `timeout_s` passes, or, with `no_worker_s`, a host the work waits on has had no worker for
-    that long; `report` hears each change, a reminder every `remind_s` without one, and each
-    change in which hosts are silent (saying whether the watch waits on or will stop). `read`
-    may raise to end the watch (a check's failed job)."""
+    that long; `report` hears every poll: each change, a reminder every `remind_s` without one,
+    each change in which hosts are silent (saying whether the watch waits on or will stop), and
+    "poll" otherwise. `read` may raise to end the watch (a check's failed job)."""
     started = clock()
     marks: dict[tuple[str, str], tuple] = {}
     silent_since: dict[str, float] = {}
@@ -194,10 +195,10 @@ def watch(
             return Ending("timeout", steps, silent, elapsed, now)
         heard_now = frozenset(s.host for s in silent)
         why = ("silence" if heard_now - said_silent else "change" if changed
-               else "remind" if at - last_report >= remind_s else None)
+               else "remind" if at - last_report >= remind_s else "poll")
         said_silent = heard_now
-        if why is not None:
-            report(Progress(steps, changed, silent, elapsed, why, now, waiting))
+        report(Progress(steps, changed, silent, elapsed, why, now, waiting))
+        if why != "poll":
             last_report = at
         sleep(poll_s)
 
