@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from orchestrator.infra import inputs
 from orchestrator.store.models import Device, DeviceState, TransportKind
 
-from . import validate
+from . import completion, validate
 from .common import JSON_OPTION, cli_settings, fail, get_or_fail, iso, open_store, print_json
 from .output import Table, Text, console, styled
 
@@ -184,7 +184,8 @@ def list_devices(as_json: bool = JSON_OPTION):
 
 
 @app.command()
-def show(serial: str = typer.Argument(..., help="Device serial."), as_json: bool = JSON_OPTION):
+def show(serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
+         as_json: bool = JSON_OPTION):
     """Show one device: identity, GPU, health and lease."""
     from orchestrator import store
 
@@ -208,7 +209,7 @@ def show(serial: str = typer.Argument(..., help="Device serial."), as_json: bool
 
 @app.command()
 def remove(
-    serial: str = typer.Argument(..., help="Device serial."),
+    serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
     force: bool = typer.Option(False, "--force", help="Also delete its jobs, deployments and results."),
 ):
     """Forget a device. Refused while it has jobs or results, unless --force."""
@@ -238,7 +239,7 @@ def _revoke(serial: str) -> bool:
 
 @app.command()
 def quarantine(
-    serial: str = typer.Argument(..., help="Device serial."),
+    serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
     reason: str = typer.Option(..., "--reason", help="Why (shown in listings)."),
 ):
     """Take a device out of service until `farm devices release`; discovery will not bring it back.
@@ -251,7 +252,8 @@ def quarantine(
 
 
 @app.command("revoke-token")
-def revoke_token_command(serial: str = typer.Argument(..., help="Device serial.", callback=validate.serial)):
+def revoke_token_command(serial: str = typer.Argument(..., help="Device serial.", callback=validate.serial,
+                                                      autocompletion=completion.devices)):
     """Revoke a browser device's page token at once (a lost or shared phone): the hub refuses
     it from its next request on; `farm devices enrol SERIAL` prints a new one."""
     if not _revoke(serial):
@@ -262,7 +264,7 @@ def revoke_token_command(serial: str = typer.Argument(..., help="Device serial."
 
 @app.command()
 def release(
-    serial: str = typer.Argument(..., help="Device serial."),
+    serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
     reservation: bool | None = typer.Option(None, "--reservation/--quarantine", show_default=False,
                              help="Which hold to end (default: the reservation when one holds the device, "
                              "else the quarantine)."),
@@ -326,7 +328,7 @@ def reservation_dict(reservation, serial: str) -> dict[str, Any]:
 
 @app.command()
 def reserve(
-    serial: str = typer.Argument(..., help="Device serial."),
+    serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
     length: str = typer.Option(..., "--for", metavar="DURATION", help="How long: 30m, 2h, 1d, 1h30m (at most 30d)."),
     note: str = typer.Option("", "--note", help="Why (shown to whoever the reservation turns away)."),
     holder: str = typer.Option(None, "--as", metavar="NAME", help="Who holds it (default: $USER)."),
@@ -387,7 +389,7 @@ def _utc(stamp: str | None) -> str:
 
 @app.command("set-address")
 def set_address(
-    serial: str = typer.Argument(..., help="Device serial."),
+    serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
     address: str = typer.Argument(..., help=ADDRESS_HELP + " An empty string restores the default."),
 ):
     """Change how the farm reaches a device (its transport stays the same)."""

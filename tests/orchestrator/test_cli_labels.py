@@ -304,6 +304,7 @@ def test_commands_complete_builds_serials_alerts_and_schedules(demo):
     assert _completions(demo, "farm regressions show ") == [str(alert_id)]
     assert _completions(demo, "farm schedules run-now n") == ["nightly"]
     assert _completions(demo, "farm builds label ")[:1] == ["A"]
+    assert _completions(demo, "farm devices show phone-") == ["phone-1", "phone-2"]
 
 
 def test_completion_without_a_store_suggests_nothing(tmp_path, monkeypatch):
