@@ -145,6 +145,7 @@ def _write(app: FastAPI, out: Path) -> None:
     export = _Exporter(app, out)
     export.json("/v1/overview")
     export.json("/v1/alerts")
+    export.json("/v1/alert-groups")  # the open ones: the overview's alerts, a row per group
     with app.state.sessions() as session:
         series_ids = [s.id for s in farm_series.list_series(session)]
         alert_ids = store.alert_ids(session)

@@ -260,9 +260,57 @@ def _overview_checks(browser, farm) -> None:
     peak = browser.find_element(By.CSS_SELECTOR, 'td.metric-cell[data-device="p1"][data-metric="peak_gpu_bytes"] '
                                                  ".latest").text
     assert peak.endswith(" GiB") and peak.startswith("1.4"), peak
-    listed = {int(r.get_attribute("data-alert-id")) for r in browser.find_elements(By.CSS_SELECTOR,
-                                                                                  "#open-alerts tbody tr")}
-    assert listed == set(open_alerts)
+    # a row per alert group, each alert of it in a row under it (shown when the group is opened)
+    listed = {int(r.get_attribute("data-alert-id")): r.get_attribute("data-state")
+              for r in browser.find_elements(By.CSS_SELECTOR, "#open-alerts tbody tr[data-alert-id]")}
+    assert {a for a, state in listed.items() if state in ("new", "acknowledged")} == set(open_alerts)
+    _group_rows_checks(browser, farm)
+
+
+def _groups(farm) -> dict[int, list[int]]:
+    """{group id: its alerts' ids} of the groups with an open alert, as the store has them."""
+    with farm["sessions"]() as s:
+        return {view.group.id: [a.id for a in view.alerts] for view in store.list_alert_groups(s)}
+
+
+def _group_rows_checks(browser, farm) -> None:
+    """One row per open group, with its alert count, builds and devices x metrics; its alerts'
+    rows name the group."""
+    from selenium.webdriver.common.by import By
+
+    groups = _groups(farm)
+    rows = browser.find_elements(By.CSS_SELECTOR, "#open-alerts tr.group-row")
+    assert {int(r.get_attribute("data-group-id")) for r in rows} == set(groups)
+    for row in rows:
+        group_id = int(row.get_attribute("data-group-id"))
+        count = row.find_element(By.CSS_SELECTOR, ".group-count")
+        assert int(count.get_attribute("data-count")) == int(count.text) == len(groups[group_id])
+        assert sorted(int(r.get_attribute("data-alert-id")) for r in browser.find_elements(
+            By.CSS_SELECTOR, f'#open-alerts tr.group-alert[data-group-id="{group_id}"]')) == groups[group_id]
+    with farm["sessions"]() as s:
+        view = store.get_alert_group(s, int(rows[0].get_attribute("data-group-id")))
+        devices, metrics = len(view.devices), len(view.metrics)
+    assert rows[0].find_element(By.CSS_SELECTOR, ".builds").text == "b2 → b3"
+    assert rows[0].find_element(By.CSS_SELECTOR, ".cells").text == f"{devices} devices × {metrics} metrics"
+    assert devices == 2 and metrics >= 2
+
+
+def _open_group_of(browser, alert_id: int) -> None:
+    """Open the group row the alert is listed under (its row is hidden until then)."""
+    from selenium.webdriver.common.by import By
+
+    group_id = browser.find_element(By.CSS_SELECTOR, f'#open-alerts tr[data-alert-id="{alert_id}"]').get_attribute(
+        "data-group-id")
+    _open_group(browser, group_id)
+
+
+def _open_group(browser, group_id) -> None:
+    """Open a group's row (its alerts, owner, bug link and note show) unless it is open."""
+    from selenium.webdriver.common.by import By
+
+    row = browser.find_element(By.CSS_SELECTOR, f'#open-alerts tr.group-row[data-group-id="{group_id}"]')
+    if row.get_attribute("data-open") != "true":
+        row.find_element(By.CSS_SELECTOR, "button.expand").click()
 
 
 def test_the_overview_asks_for_a_token_then_shows_the_analysis_numbers(farm, server, browser):
@@ -394,6 +442,7 @@ def test_an_alert_page_shows_what_the_analysis_found(farm, server, browser):
 
     alert_id = farm["alerts"][("p1", "unet_step_ms")]
     _sign_in(browser, server, farm["tokens"]["read"])
+    _open_group_of(browser, alert_id)
     browser.find_element(By.CSS_SELECTOR, f'#open-alerts tr[data-alert-id="{alert_id}"] a.alert-link').click()
     _ready(browser)
     assert browser.current_url == f"{server}/alerts/{alert_id}"
@@ -510,6 +559,9 @@ def test_the_offline_build_shows_the_same_numbers_from_file(farm, cli_env, brows
     _ready(browser)
     assert not browser.find_element(By.ID, "token-form").is_displayed()
     _overview_checks(browser, farm)
+    buttons = browser.find_elements(By.CSS_SELECTOR, "#open-alerts button.group-action")
+    assert buttons and all(not b.is_enabled() and "offline copy cannot triage" in b.get_attribute("title")
+                           for b in buttons)
     _verdict_checks(browser, farm)  # the offline copy's verdicts: the same, as unsettled
     browser.find_element(By.CSS_SELECTOR, 'td.metric-cell[data-device="p2"][data-metric="e2e_ms"] a.cell').click()
     _ready(browser)
@@ -768,4 +820,73 @@ def test_a_series_page_names_the_kernels_that_moved(farm, server, browser):
     verdict = browser.find_element(By.CSS_SELECTOR, "#latest-verdict .series-verdict")
     assert verdict.get_attribute("data-verdict") == "inconclusive" and verdict.text.endswith("inconclusive")
     assert verdict.value_of_css_property("background-color") not in GREEN
+    assert _severe(browser) == []
+
+
+# ---- alert groups: triaged whole (issue 41) ---------------------------------------------------
+# Last in the file: the bulk acknowledge changes the alerts' states the tests above read.
+
+
+def _group_buttons(browser, group_id: int) -> list:
+    from selenium.webdriver.common.by import By
+
+    row = browser.find_element(By.CSS_SELECTOR, f'#open-alerts tr.group-row[data-group-id="{group_id}"]')
+    return row.find_elements(By.CSS_SELECTOR, "button.group-action")
+
+
+def test_a_group_row_triages_its_alerts_with_a_triage_token_only(farm, server, browser):
+    """A read token sees the group row with its count, and its triage buttons (and the owner,
+    bug and note fields) disabled, saying why; a triage token's Acknowledge acknowledges every
+    alert of the group in the store, its bug link is saved, and a change made elsewhere shows
+    by itself (the list is read again while the page is open)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    (group_id, alert_ids), *_ = _groups(farm).items()
+    _sign_in(browser, server, farm["tokens"]["read"])
+    _group_rows_checks(browser, farm)
+    buttons = _group_buttons(browser, group_id)
+    assert [b.text for b in buttons] == ["Acknowledge", "Invalidate", "Mark fixed"]
+    for button in buttons:
+        assert not button.is_enabled()
+        assert "scope (read) does not grant triage" in button.get_attribute("title")
+        assert "farm api token create --scope triage" in button.get_attribute("title")
+    _open_group(browser, group_id)
+    assert not browser.find_element(By.CSS_SELECTOR, f'tr.group-edit[data-group-id="{group_id}"] .group-save').is_enabled()
+    assert all(not box.is_enabled() for box in browser.find_elements(By.CSS_SELECTOR, "tr.group-alert input.pick"))
+
+    browser.find_element(By.ID, "sign-out").click()
+    browser.find_element(By.ID, "token-input").send_keys(farm["tokens"]["triage"])
+    browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+    _ready(browser)
+    acknowledge = _group_buttons(browser, group_id)[0]
+    assert acknowledge.is_enabled() and "else all" in acknowledge.get_attribute("title")
+    acknowledge.click()
+    message = browser.find_element(By.ID, "groups-message")
+    WebDriverWait(browser, WAIT_S).until(lambda d: message.get_attribute("data-kind") in ("done", "error", "refused"))
+    assert message.text == f"Group #{group_id}: {len(alert_ids)} alerts acknowledged.", message.text
+    with farm["sessions"]() as s:
+        assert {s.get(Alert, a).state for a in alert_ids} == {AlertState.acknowledged}
+    count = browser.find_element(By.CSS_SELECTOR, f'tr.group-row[data-group-id="{group_id}"] '
+                                                  '.state-count[data-state="acknowledged"]')
+    assert count.get_attribute("data-count") == str(len(alert_ids))
+    _open_group(browser, group_id)
+    bug = browser.find_element(By.CSS_SELECTOR, f'tr.group-edit[data-group-id="{group_id}"] input.edit-bug')
+    bug.send_keys("https://bugs.example.com/41")
+    browser.find_element(By.CSS_SELECTOR, f'tr.group-edit[data-group-id="{group_id}"] .group-save').click()
+    WebDriverWait(browser, WAIT_S).until(lambda d: message.text == f"Group #{group_id} saved.")
+    with farm["sessions"]() as s:
+        assert store.get_alert_group(s, group_id).group.bug_url == "https://bugs.example.com/41"
+
+    browser.execute_script("localStorage.setItem('farm.refresh.ms', '300')")  # read when the page starts
+    try:
+        browser.get(server + "/")
+        _ready(browser)
+        with farm["sessions"]() as s, s.begin():
+            store.update_alert_group(s, group_id, owner="ana")  # someone else, elsewhere
+        WebDriverWait(browser, WAIT_S, ignored_exceptions=[StaleElementReferenceException]).until(
+            lambda d: d.find_element(By.CSS_SELECTOR, f'tr.group-row[data-group-id="{group_id}"] td.owner').text == "ana")
+    finally:
+        browser.execute_script("localStorage.removeItem('farm.refresh.ms')")
     assert _severe(browser) == []
