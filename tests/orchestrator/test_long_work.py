@@ -40,14 +40,34 @@ def _jobs(Session) -> list[Job]:  # noqa: N803
         return list(session.query(Job).order_by(Job.id))
 
 
-def test_check_with_no_worker_ends_could_not_run_with_its_reports(farm):
+def _timed_lines(monkeypatch) -> list[tuple[float, str]]:
+    """When each watch line is printed (CliRunner keeps only the text)."""
+    said_at: list[tuple[float, str]] = []
+    lines = watched.lines
+
+    def timed(p):
+        out = lines(p)
+        said_at.extend((time.monotonic(), line) for line in out)
+        return out
+
+    monkeypatch.setattr(watched, "lines", timed)
+    return said_at
+
+
+def _first(said_at: list[tuple[float, str]], prefix: str) -> float:
+    return next(at for at, line in said_at if line.startswith(prefix))
+
+
+def test_check_with_no_worker_ends_could_not_run_with_its_reports(farm, monkeypatch):
     out_json, out_md = farm.tmp / "check.json", farm.tmp / "check.md"
+    said_at = _timed_lines(monkeypatch)
     started = time.monotonic()
     result = farm("check", "--build", "b2", "--baseline", "b1", "--device", "p1", "--timeout", "600",
                   "--no-worker-timeout", "2", "--json", str(out_json), "--markdown", str(out_md), ok=False)
     took = time.monotonic() - started
     assert result.exit_code == 4, result.output
-    assert took < 10, (took, result.output)
+    assert _first(said_at, "no worker is consuming") - started < 10, result.output
+    assert took < 30, (took, result.output)  # promptly, not at its --timeout of 600 s
     said = "no worker is consuming queue 'host.h1' (last heard 2 h ago): start one with `farm worker --host h1`"
     assert said in result.output
     assert "giving up in" in result.output  # said while it waited, before its error line
@@ -96,11 +116,12 @@ def _step(farm) -> watched.Step:
         return watched.Step("p1", "x", "queued", "h1", device.host.last_seen)
 
 
-def test_deploy_with_no_worker_says_so_when_piped(farm):
+def test_deploy_with_no_worker_says_so_when_piped(farm, monkeypatch):
     (load_settings().data_dir / "builds" / "b2").mkdir(parents=True)
+    said_at = _timed_lines(monkeypatch)
     started = time.monotonic()
     result = farm("deploy", "b2", "--device", "p1", "--timeout", "3", ok=False)
-    assert time.monotonic() - started < 10
+    assert _first(said_at, "no worker is consuming") - started < 10, result.output
     lines = result.output.splitlines()
     assert len(lines) > 1, (result.exit_code, result.output, result.exception)
     assert lines[0] == "p1: deploy b2 pending", result.output
@@ -180,9 +201,7 @@ def test_api_check_with_no_worker_is_cancelled_with_its_report(farm):
                                 no_worker_s=1)
     with farm.Session() as session:
         check_id = runner.start(session, request, None).id
-    started = time.monotonic()
-    assert wait_until(lambda: check_id not in runner.threads, timeout_s=15)
-    assert time.monotonic() - started < 10
+    assert wait_until(lambda: check_id not in runner.threads, timeout_s=30)  # not its 600 s
     with farm.Session() as session:
         row = session.get(CheckRun, check_id)
         assert (row.state, row.exit_code) == (CheckState.failed, 4)
