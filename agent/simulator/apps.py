@@ -30,6 +30,7 @@ ACTION_VIEW = "android.intent.action.VIEW"
 ACTION_MAIN = "android.intent.action.MAIN"
 FLAG_ACTIVITY_NEW_TASK = 0x10000000  # am adds it before starting
 WEB_SCHEMES = ("http", "https")
+DEVTOOLS_PORT_FILE = "DevToolsActivePort"  # in a Chromium profile: the DevTools port, then its path
 # `svc power stayon` values -> Settings.Global.STAY_ON_WHILE_PLUGGED_IN (BatteryManager plug bits)
 STAY_ON = {"false": 0, "ac": 1, "usb": 2, "wireless": 4, "true": 7}
 # am start options that take no value, and those that take one or two (which the phone ignores)
@@ -249,13 +250,19 @@ class PhoneApps:
         (folder / "profile").mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._stop_locked(package)
+            (folder / "profile" / DEVTOOLS_PORT_FILE).unlink(missing_ok=True)  # the last run's port
             # An enrolment URL carries the page's token: never on Chromium's command line (every
             # user of the machine reads those) nor whole in the log.
             with private_log(folder / "chromium.log") as log:
                 log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} am start {url.split('#', 1)[0]}\n".encode())
                 log.flush()
+                command = chromium_command(chromium, folder / "profile", launch_page(folder / "launch", url), adapter)
+                # DevTools on a free port of this host's loopback, which the phone's
+                # localabstract:chrome_devtools_remote relays to, as Chrome on a phone serves it
+                # on that abstract socket (agent/simulator/device.py).
                 self._processes[package] = subprocess.Popen(
-                    chromium_command(chromium, folder / "profile", launch_page(folder / "launch", url), adapter),
+                    [*command[:-1], "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
+                     command[-1]],
                     stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -268,6 +275,17 @@ class PhoneApps:
             self._adapter = default_webgpu_adapter()
             self._adapter_known = True
         return self._adapter
+
+    def devtools_port(self, package: str) -> int | None:
+        """The loopback port of the running browser's DevTools (Chromium writes it to its
+        profile's DevToolsActivePort once it listens), or None."""
+        if not self.running(package):
+            return None
+        try:
+            first = (self.app_dir(package) / "profile" / DEVTOOLS_PORT_FILE).read_text().split("\n", 1)[0]
+        except OSError:
+            return None
+        return int(first) if first.strip().isdigit() else None
 
     # ---- stopping ---------------------------------------------------------------------------------
 

@@ -379,6 +379,29 @@ class Builtins:
             await io.out(time.strftime("%a %b %e %H:%M:%S UTC %Y\n", time.gmtime()).encode())
         return 0
 
+    async def _screencap(self, args, io, s):
+        """`screencap -p [FILE]`: the screen as PNG (agent/simulator/screen.py), on stdout or
+        into FILE; the raw framebuffer dump (no -p) is not drawn."""
+        from agent.simulator import android, screen
+
+        flags, paths = _split_flags(args)
+        if flags != "p" or len(paths) > 1:
+            await io.err(b"screencap: the virtual phone draws PNGs only: screencap -p [FILE]\n")
+            return 1
+        apps = self.apps
+        data = screen.render(apps.awake if apps is not None else True, android.BATTERY_LEVEL,
+                             apps is not None and await asyncio.to_thread(apps.running, "com.android.chrome"))
+        if paths:
+            try:
+                with open(self.fs.writable_host_path(paths[0], s.cwd), "wb") as f:
+                    f.write(data)
+            except OSError as exc:
+                await io.err(f"screencap: {paths[0]}: {exc.strerror}\n".encode())
+                return 1
+        else:
+            await io.out(data)
+        return 0
+
     async def _chmod(self, args, io, s):
         if len(args) < 2 or not re.fullmatch(r"[0-7]{3,4}", args[0]):
             await io.err(b"chmod: the virtual phone takes octal modes only\n")

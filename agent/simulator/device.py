@@ -17,6 +17,7 @@ import socket
 import struct
 
 from agent.simulator import wire
+from agent.simulator.apps import CHROME
 from agent.simulator.auth import KeyFormatError
 from agent.simulator.shellio import IO, StreamStdin
 from agent.simulator.sync import SyncEnd, SyncService
@@ -25,6 +26,7 @@ log = logging.getLogger("agent.simulator")
 
 SHELL_STDIN, SHELL_STDOUT, SHELL_STDERR, SHELL_EXIT, SHELL_CLOSE_STDIN, SHELL_WINDOW = range(6)
 SHELL_PACKET = struct.Struct("<BI")
+DEVTOOLS_SOCKET = "chrome_devtools_remote"  # Chrome's DevTools, an abstract socket on a phone
 
 
 class StreamClosed(Exception):
@@ -267,6 +269,9 @@ class Connection:
             return self._root
         if kind == "reverse":
             return lambda s: self._reverse(s, arg)
+        if kind == "localabstract" and arg == DEVTOOLS_SOCKET:
+            port = self.phone.apps.devtools_port(CHROME) if self.phone.apps is not None else None
+            return None if port is None else (lambda s: self._relay(s, port))
         return None
 
     async def _run_service(self, stream: Stream, runner) -> None:
@@ -341,6 +346,27 @@ class Connection:
 
     async def _root(self, stream: Stream) -> None:
         await stream.write(b"adbd cannot run as root in production builds\n")
+
+    async def _relay(self, stream: Stream, port: int) -> None:
+        """Chrome's DevTools socket: the stream relayed both ways to the browser's loopback port."""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return  # Chrome went away: the stream closes
+
+        async def to_browser() -> None:
+            while (chunk := await stream.read()) is not None:
+                writer.write(chunk)
+                await writer.drain()
+            writer.close()
+
+        pump = asyncio.ensure_future(to_browser())
+        try:
+            while data := await reader.read(max(1, self.maxdata)):
+                await stream.write(data)
+        finally:
+            pump.cancel()
+            writer.close()
 
     async def _reverse(self, stream: Stream, command: str) -> None:
         await stream.write(await self.phone.reverse.handle(command, self))

@@ -84,7 +84,7 @@ class Shell(Builtins):
             "id": self._id, "whoami": self._whoami, "env": self._env, "export": self._export,
             "which": self._which, "grep": self._grep, "head": self._head, "tail": self._tail,
             "wc": self._wc, "sh": self._sh, "nproc": self._nproc, "date": self._date,
-            "chmod": self._chmod,
+            "chmod": self._chmod, "screencap": self._screencap,
         }
         if apps is not None:
             self.commands.update({"am": self._am, "pm": self._pm, "svc": self._svc, "input": self._input})

@@ -23,6 +23,8 @@ from orchestrator.store.models import (
     CheckRun,
     CheckState,
     Device,
+    DeviceReservation,
+    DeviceScreenshot,
     DeviceState,
     Job,
     JobKind,
@@ -108,6 +110,21 @@ class Gpu(BaseModel):
     backend: str
 
 
+class ScreenshotOut(BaseModel):
+    url: str = Field(description="Its PNG (GET, with the same token).")
+    taken_at: dt.datetime
+    width: int
+    height: int
+    size: int
+    sha256: str
+    source: Literal["adb", "devtools"] = Field(description="adb: screencap; devtools: the browser's page.")
+
+    @classmethod
+    def of(cls, serial: str, shot: DeviceScreenshot) -> ScreenshotOut:
+        return cls(url=f"/v1/devices/{serial}/screenshot", taken_at=shot.taken_at, width=shot.width,
+                   height=shot.height, size=shot.size, sha256=shot.sha256, source=shot.source)
+
+
 class DeviceOut(BaseModel):
     id: int
     serial: str
@@ -126,17 +143,27 @@ class DeviceOut(BaseModel):
     gpu: Gpu
     lease_holder: str | None
     lease_until: dt.datetime | None
+    reserved_by: str | None = Field(None, description="Who holds it (`farm devices reserve`): schedules skip it and "
+                                                      "checks are refused it until reserved_until.")
+    reserved_until: dt.datetime | None = None
+    reservation_note: str | None = None
+    screenshot: ScreenshotOut | None = Field(None, description="Its newest screenshot (`farm devices screenshot`).")
     created_at: dt.datetime
 
     @classmethod
-    def of(cls, d: Device) -> DeviceOut:
+    def of(cls, d: Device, reservation: DeviceReservation | None = None,
+           screenshot: DeviceScreenshot | None = None) -> DeviceOut:
         return cls(id=d.id, serial=d.serial, transport=d.transport, engine_host=d.engine_host, address=d.address,
                    host=d.host.name if d.host is not None else None, state=d.state, state_reason=d.state_reason,
                    last_seen=d.last_seen, model=d.model, manufacturer=d.manufacturer, os=d.os,
                    os_version=d.os_version, virtual=d.virtual,
                    gpu=Gpu(vendor=d.gpu_vendor, architecture=d.gpu_architecture, device=d.gpu_device,
                            driver=d.gpu_driver, backend=d.gpu_backend),
-                   lease_holder=d.lease_holder, lease_until=d.lease_until, created_at=d.created_at)
+                   lease_holder=d.lease_holder, lease_until=d.lease_until, created_at=d.created_at,
+                   reserved_by=reservation.holder if reservation is not None else None,
+                   reserved_until=reservation.until if reservation is not None else None,
+                   reservation_note=reservation.note if reservation is not None else None,
+                   screenshot=ScreenshotOut.of(d.serial, screenshot) if screenshot is not None else None)
 
 
 # ---- jobs and results ---------------------------------------------------------------------
@@ -498,6 +525,9 @@ class OverviewDevice(BaseModel):
     state: DeviceState
     state_reason: str
     gpu: str
+    reserved_by: str | None = Field(None, description="Who holds it (`farm devices reserve`), until reserved_until.")
+    reserved_until: dt.datetime | None = None
+    reservation_note: str | None = None
 
 
 class OverviewMetric(BaseModel):

@@ -13,6 +13,7 @@ import re
 import sys
 from contextlib import nullcontext
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -381,6 +382,38 @@ def list_reservations_command(
     for r in rows:
         table.add_row(r["device"], r["holder"], _utc(r["until"]), r["note"] or "-", _utc(r["released_at"]))
     console.print(table)
+
+
+@app.command()
+def screenshot(
+    serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
+    out: Path = typer.Option(None, "--out", help="Also write the PNG here.", dir_okay=False),
+    as_json: bool = JSON_OPTION,
+):
+    """Save the device's screen now as a PNG: an adb phone's through `screencap -p`, a browser
+    device's page through Chromium's DevTools protocol. Kept under the farm's data dir (the
+    newest is on the device's dashboard page and at GET /v1/devices/SERIAL/screenshot)."""
+    from orchestrator import store
+    from orchestrator.services.screenshots import take_screenshot
+    from orchestrator.transports import TransportError
+
+    settings = cli_settings()
+    with open_store(settings) as sessions:
+        try:
+            taken = take_screenshot(settings, sessions, serial)
+        except (store.StoreError, TransportError) as exc:
+            fail(str(exc))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(taken.path.read_bytes())
+    data = {"device": taken.serial, "path": str(taken.path), "out": str(out) if out is not None else None,
+            "sha256": taken.sha256, "size": taken.size, "width": taken.width, "height": taken.height,
+            "source": taken.source, "taken_at": taken.taken_at}
+    if as_json:
+        print_json(data)
+        return
+    console.print(f"{serial}'s screen ({taken.width}x{taken.height}, {taken.source}): {out or taken.path}",
+                  highlight=False, markup=False, soft_wrap=True)
 
 
 def _utc(stamp: str | None) -> str:

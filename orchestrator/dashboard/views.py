@@ -98,8 +98,12 @@ def overview(session: Session) -> dict[str, Any]:
                       "latest_verdict": series.verdict,
                       "verdict": _alert_ref(verdict) if verdict is not None else None,
                       "verdict_on_latest": verdict is not None and verdict.build_id == latest["build_id"]})
+    held = store.active_reservations(session)  # who holds which device (`farm devices reserve`)
     devices = [{"serial": d.serial, "model": d.model, "state": str(d.state), "state_reason": d.state_reason,
-                "gpu": " ".join(p for p in (d.gpu_vendor, d.gpu_device or d.gpu_architecture) if p)}
+                "gpu": " ".join(p for p in (d.gpu_vendor, d.gpu_device or d.gpu_architecture) if p),
+                "reserved_by": held[d.id].holder if d.id in held else None,
+                "reserved_until": held[d.id].until if d.id in held else None,
+                "reservation_note": held[d.id].note if d.id in held else None}
                for d in queries.list_devices(session)]
     metrics = [{"metric": m, "unit": unit_of(m)} for m in regressions.HEADLINE_METRICS]
     return {"devices": devices, "metrics": metrics, "cells": cells}

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from .models import Device, DeviceReservation, DeviceScreenshot, utcnow
 from .rows import StoreError
 
 __all__ = [
-    "DeviceReserved", "active_reservation", "active_reservations", "latest_screenshot", "record_screenshot",
+    "DeviceReserved", "active_reservation", "active_reservations", "latest_screenshot", "latest_screenshots",
+    "record_screenshot",
     "list_reservations", "release_reservation", "reservation_line", "reserve_device",
 ]
 
@@ -129,3 +130,12 @@ def record_screenshot(session: Session, device_id: int, path: str, sha256: str, 
 def latest_screenshot(session: Session, device_id: int) -> DeviceScreenshot | None:
     return session.scalar(select(DeviceScreenshot).where(DeviceScreenshot.device_id == device_id)
                           .order_by(DeviceScreenshot.taken_at.desc(), DeviceScreenshot.id.desc()).limit(1))
+
+
+def latest_screenshots(session: Session, device_ids=None) -> dict[int, DeviceScreenshot]:
+    """device id -> its newest screenshot, of `device_ids` (None: every device), in one query."""
+    newest = select(func.max(DeviceScreenshot.id)).group_by(DeviceScreenshot.device_id)
+    if device_ids is not None:
+        newest = newest.where(DeviceScreenshot.device_id.in_(list(device_ids)))
+    return {shot.device_id: shot for shot in session.scalars(select(DeviceScreenshot)
+                                                             .where(DeviceScreenshot.id.in_(newest)))}

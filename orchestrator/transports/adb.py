@@ -60,7 +60,7 @@ from agent.protocol import (
     from_json,
     to_json,
 )
-from orchestrator.transports.adb_shared import ServiceRefused, SharedAdbDevice
+from orchestrator.transports.adb_shared import HostStream, ServiceRefused, SharedAdbDevice
 from orchestrator.transports.adb_sync import SyncFailed
 from orchestrator.transports.base import (
     MAX_REPLY_BYTES,
@@ -72,6 +72,7 @@ from orchestrator.transports.base import (
     InfraFailure,
     ProgressFn,
     ProtocolMismatch,
+    Screenshot,
     Transport,
     TransportError,
     kept_current,
@@ -358,6 +359,34 @@ class AdbTransport(Transport):
             raise reply_too_large(self.name, f"the output of shell {command[:60]!r}")
         return out.decode(errors="replace"), err.decode(errors="replace"), code
 
+    def exec_out(self, command: str, timeout_s: float | None = None) -> bytes:
+        """`command`'s output as bytes, untranslated (`adb exec-out`: the exec service, no pty;
+        a shell v1 pty would turn its \\n into \\r\\n)."""
+        device = self._connect()
+        timeout = timeout_s or self.timeout_s
+        out = bytearray()
+        with self._errors(f"exec {command[:60]!r}", device), device.open("exec:" + command, timeout) as stream:
+            for chunk in stream.until_close(timeout):
+                out += chunk
+                if len(out) > MAX_REPLY_BYTES:
+                    raise reply_too_large(self.name, f"the output of {command[:60]!r}")
+        return bytes(out)
+
+    @contextlib.contextmanager
+    def service_stream(self, destination: str, what: str, refused: str = "") -> Iterator[HostStream]:
+        """A stream to the phone's service `destination` ("localabstract:chrome_devtools_remote")
+        for the caller to speak its protocol on; its errors come out as TransportErrors naming
+        `what`, a service nobody offers with `refused` as the fix."""
+        device = self._connect()
+        with self._errors(what, device):
+            try:
+                stream = device.open(destination, self.timeout_s)
+            except ServiceRefused:
+                raise TransportError(self.name, f"{what}: nothing answers at {destination} on the device"
+                                     + (f"; {refused}" if refused else "")) from None
+            with stream:
+                yield stream
+
     def push(self, source: Path | bytes, device_path: str, mode: int = 0o644,
              progress: Callable[[int], None] | None = None) -> None:
         device = self._connect()
@@ -553,6 +582,11 @@ class AdbTransport(Transport):
             raise BundleRefused(self.name, f"build {manifest.build}: {(err or out).strip().removeprefix('error: ')}")
         self._run_checked(f"rm -rf {shlex.quote(staging)} {shlex.quote(partial)}", "cleaning up")
         return kept_current(out)
+
+    def screenshot(self) -> Screenshot:
+        """The phone's screen through `screencap -p` (a few MiB at most on a real phone)."""
+        return self.checked_png(self.exec_out("screencap -p", timeout_s=max(self.timeout_s, 30.0)), "adb",
+                                "screencap -p")
 
     def stop_job(self, job_id: str, reason: str) -> bool:
         out, err, code = self.shell(f"{self.agent} stop {shlex.quote(job_id)} --root {shlex.quote(self.root)} "

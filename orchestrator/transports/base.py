@@ -19,6 +19,7 @@ import abc
 import json
 import os
 import re
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,6 +134,29 @@ class AgentExit:
     signal: int | None = None
 
 
+@dataclass
+class Screenshot:
+    """What a device's screen showed: a PNG (checked: its signature and IHDR), its size, and how
+    it was taken ("adb": screencap; "devtools": the browser's page through Chromium's DevTools
+    protocol)."""
+
+    png: bytes
+    width: int
+    height: int
+    source: Literal["adb", "devtools"]
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG's IHDR, or None when `data` is not a PNG."""
+    if len(data) < 33 or not data.startswith(PNG_SIGNATURE) or data[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", data[16:24])
+    return (width, height) if width and height else None
+
+
 # The most a device may answer in one piece that is read whole: a JobResult (result.json or a
 # job's stdout) or a JSON reply. Artifacts stream to files instead. A real result is kilobytes
 # (a tune job's kernel timings: a few MiB); past this, a device is broken or hostile.
@@ -221,6 +245,21 @@ class Transport(abc.ABC):
         return result
 
     # ---- what a transport supplies ---------------------------------------------------------------
+
+    def screenshot(self) -> Screenshot:
+        """The device's screen now, as a PNG (`farm devices screenshot`). A transport that cannot
+        see a screen says so in one line."""
+        kind = type(self).__name__.removesuffix("Transport").lower() or "its transport"
+        raise TransportError(self.name, f"no screenshot: the farm reaches it over {kind}, which shows no screen "
+                             "(screenshots are taken of adb phones and of browser pages)")
+
+    def checked_png(self, data: bytes, source: Literal["adb", "devtools"], what: str) -> Screenshot:
+        """`data` as a Screenshot; ProtocolMismatch naming `what` when it is not a PNG."""
+        size = png_size(data)
+        if size is None:
+            shown = data[:120].decode(errors="replace").strip() or f"{len(data)} bytes"
+            raise ProtocolMismatch(self.name, f"{what} did not answer with a PNG: {shown}")
+        return Screenshot(data, size[0], size[1], source)
 
     def stop_job(self, job_id: str, reason: str) -> bool:
         """Stop job `job_id` on the device if it runs there (`farm-agent stop`): it ends failed

@@ -30,6 +30,7 @@ import base64
 import dataclasses
 import shlex
 import threading
+import time
 from pathlib import Path
 
 from agent.link import (
@@ -46,9 +47,11 @@ from engine.errors import BrowserError
 from orchestrator.transports.base import (
     AgentExit,
     DeviceOffline,
+    DeviceTimeout,
     InfraFailure,
     ProgressFn,
     ProtocolMismatch,
+    Screenshot,
     SendReport,
     TransportError,
     emit,
@@ -60,6 +63,9 @@ from orchestrator.transports.local import LocalTransport
 PAGE_PORT = 8790  # the phone's localhost port the page is served on (its origin: keep it fixed)
 BROWSER_PACKAGE = "com.android.chrome"
 PAGE_PATH = "/web/index.html"
+DEVTOOLS_SOCKET = "chrome_devtools_remote"  # Chrome on Android's DevTools, an abstract unix socket
+SCREENSHOT_ANSWER_S = 5.0  # for each DevTools answer, before the page is asked again
+SCREENSHOT_WAIT_S = 40.0  # in all
 # Errors of the page or the hub that are the infrastructure's, not the job's
 LOST_KINDS = ("page-lost", "page-hidden", "timeout", "hub", "device-lost", "browser-exited")
 # The files of a build the page keeps: what plans run (the rest is the host-side agent's)
@@ -101,6 +107,11 @@ class PageLink(abc.ABC):
     def thermal(self, phase: str) -> list[ThermalReading]:
         """The device's thermal readings now; none where the link cannot read them."""
         return []
+
+    def screenshot(self) -> bytes:
+        """The browser's page as a PNG, through Chromium's DevTools protocol."""
+        raise TransportError(getattr(self, "name", "device"), "no screenshot: the farm has no DevTools reach "
+                             "into this browser (screenshots are taken of phones over adb)")
 
     def close(self) -> None:  # noqa: B027
         pass
@@ -157,6 +168,27 @@ class AdbPageLink(PageLink):
         if info.battery is not None and info.battery.celsius is not None:
             readings.append(ThermalReading(phase, "battery", float(info.battery.celsius)))
         return readings
+
+    def screenshot(self) -> bytes:
+        """Chrome's DevTools on the phone's abstract socket `chrome_devtools_remote` (USB
+        debugging opens it to ADB): the farm's page when it is open, else the first tab."""
+        from orchestrator.transports.devtools import DevToolsError, capture_screenshot
+
+        def channel():
+            return self.adb.service_stream(f"localabstract:{DEVTOOLS_SOCKET}", "screenshot",
+                                           refused=f"is {self.package} running? `farm devices discover` opens "
+                                           "the farm's page in it")
+        # A tab that is navigating to another process (the launch page opening the farm's) may
+        # never answer the session opened on it: asked again, it has its new renderer.
+        deadline = time.monotonic() + SCREENSHOT_WAIT_S
+        while True:
+            try:
+                return capture_screenshot(channel, timeout_s=SCREENSHOT_ANSWER_S, prefer=PAGE_PATH)
+            except DevToolsError as exc:
+                raise ProtocolMismatch(self.adb.name, f"screenshot through DevTools: {exc}") from None
+            except DeviceTimeout:
+                if time.monotonic() > deadline:
+                    raise
 
     def close(self) -> None:
         if self._tunnel is not None:
@@ -434,6 +466,10 @@ class BrowserTransport(LocalTransport):
                 env.os, env.os_version = device.os, device.os_version
                 env.os_build = device.properties.get("ro.build.fingerprint", "")
         return result
+
+    def screenshot(self) -> Screenshot:
+        """The device's page, as its browser shows it (the link's DevTools)."""
+        return self.checked_png(self.link.screenshot(), "devtools", "the page's DevTools")
 
     def close(self) -> None:
         self.link.close()

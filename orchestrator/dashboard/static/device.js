@@ -1,10 +1,27 @@
 /* One device's health: its GPU and state, when it was last seen and when its last run ended,
    its state history, runs by outcome and the failure rate, its newest runs with their errors,
-   data stoppages, and its series with their newest verdicts (static/findings.js). Reads
-   /v1/devices/{serial}, its /health and /v1/overview. */
+   data stoppages, and its series with their newest verdicts (static/findings.js); who holds it
+   (`farm devices reserve`) and its newest screenshot. Reads /v1/devices/{serial}, its /health,
+   its /screenshot and /v1/overview. */
 (function () {
   "use strict";
-  const { api, el, num, badge, table, href, fmt, pageId } = window.farm;
+  const { api, el, num, badge, table, href, fmt, pageId, imageSource } = window.farm;
+
+  // The newest screenshot (`farm devices screenshot`), fetched with the token; the offline copy
+  // holds none.
+  async function screen(device) {
+    const shot = device.screenshot;
+    if (!shot) return el("p", { class: "muted", id: "screenshot" }, `No screenshot yet: \`farm devices screenshot ${device.serial}\` takes one.`);
+    const caption = `${shot.width}×${shot.height}, ${shot.source}, taken ${fmt.when(shot.taken_at)}`;
+    if (window.farm.mode === "offline") return el("p", { class: "muted", id: "screenshot" }, `${caption}: not in the offline copy.`);
+    try {
+      const img = el("img", { class: "gallery-image", id: "screenshot", alt: `${device.serial}'s screen` });
+      img.src = await imageSource({ id: "screenshot", url: shot.url });
+      return el("figure", {}, img, el("figcaption", {}, caption));
+    } catch (err) {
+      return el("p", { class: "muted", id: "screenshot" }, `${caption}: could not be read (${err.message}).`);
+    }
+  }
 
   window.farm.start(async () => {
     const serial = pageId();
@@ -31,6 +48,12 @@
       el("h1", {}, `${device.serial}`),
       table("device-facts", ["", ""], facts.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v)))),
       ...(device.state === "quarantined" ? [el("p", { id: "quarantine" }, badge("quarantined"), ` ${device.state_reason}`)] : []),
+      ...(device.reserved_by ? [el("p", { id: "reservation", dataset: { reservedBy: device.reserved_by } },
+        el("span", { class: "badge badge-busy" }, "reserved"),
+        ` by ${device.reserved_by} until ${fmt.when(device.reserved_until)}`,
+        device.reservation_note ? ` (${device.reservation_note})` : "",
+        ": schedules skip it, checks are refused it; `farm devices release` ends it")] : []),
+      el("h2", {}, "Screen"), await screen(device),
       el("h2", {}, "Series"),
       series.length ? table("device-series", ["metric", "workload", "latest", "build", "verdict", "alert"], series.map((c) =>
         el("tr", { dataset: { seriesId: c.series_id } }, el("td", {}, el("a", { href: href("series", c.series_id) }, c.metric)),
