@@ -1,7 +1,8 @@
 /* The overview: a grid of devices by headline metric, each cell a series (keyed as the
    analysis keys it) with its latest build's median, its newest verdict (static/findings.js: an
    unsettled one is never green) and the alert on it, linking to the series' page; then the
-   open alerts. Reads /v1/overview and /v1/alerts. */
+   open alerts, a row per regression (alert group) triaged whole, read again while the page is
+   open. Reads /v1/overview, /v1/alert-groups, /v1/alerts and /v1/me. */
 (function () {
   "use strict";
   const { api, el, num, badge, table, href, fmt } = window.farm;
@@ -46,17 +47,236 @@
     return table("grid", headers, rows);
   }
 
-  function alertRows(alerts) {
-    return alerts.map((a) => el("tr", { dataset: { alertId: a.id } },
-      el("td", {}, el("a", { class: "alert-link", href: href("alert", a.id) }, `#${a.id}`)),
-      el("td", {}, badge(a.kind, a.kind)), el("td", {}, badge(a.state, a.state)),
-      el("td", {}, a.device || "—"), el("td", {}, a.metric || "—"), el("td", {}, a.build || "—"),
+  // ---- the open alerts, a row per regression (alert group) --------------------------------
+  // A group is every alert one build raised against one baseline: its row says which builds,
+  // how many devices x metrics, the worst change and the alerts by state, and is triaged whole
+  // (or the alerts ticked in it); it opens to its alerts and its owner, bug link and note. An
+  // alert of no build (a data stoppage) has a row of its own. Live, the list is read again every
+  // REFRESH_MS (not while a control has the focus or a triage is on its way; what is typed stays); offline, it is
+  // what the copy holds, read-only.
+
+  const GROUP_ACTIONS = [["acknowledge", "Acknowledge", "acknowledged"], ["invalidate", "Invalidate", "invalid"],
+    ["fixed", "Mark fixed", "fixed"]];
+  const ALL_STATES = ["new", "acknowledged", "invalid", "fixed"];
+  const REFRESH_MS = Number(localStorage.getItem("farm.refresh.ms")) || 15000;
+  const view = { groups: [], loose: [], me: null, state: "open", sort: "created", device: "", metric: "", kind: "",
+    owner: "", expanded: new Set(), chosen: new Set(), drafts: new Map(), busy: false, timer: null };
+
+  // Why this page cannot triage ("" when it can): the offline copy never can; live, the token's scope says.
+  function refusal() {
+    if (window.farm.mode === "offline") return "An offline copy cannot triage: open the live dashboard (`farm api serve`).";
+    if (view.me && !view.me.grants.includes("triage")) {
+      return `This token's scope (${view.me.scope}) does not grant triage: sign in with a triage token ` +
+        "(`farm api token create --scope triage`).";
+    }
+    return "";
+  }
+
+  function say(kind, text) {
+    const message = document.getElementById("groups-message");
+    if (!message) return;
+    message.dataset.kind = kind;
+    message.textContent = text;
+  }
+
+  function failed(err, what) {
+    const { ApiError } = window.farm;
+    const refused = err instanceof ApiError && (err.status === 401 || err.status === 403);
+    say(refused ? "refused" : "error", err instanceof ApiError && err.status === 403
+      ? `Not allowed: ${err.detail}.` : `${what} failed: ${window.farm.explain(err)}`);
+  }
+
+  async function fetchGroups() {
+    const states = view.state === "open" ? [] : view.state === "all" ? ALL_STATES : [view.state];
+    const query = states.length ? "?" + states.map((s) => `state=${s}`).join("&") : "";
+    const [groups, alerts] = await Promise.all([api("/v1/alert-groups" + query), api("/v1/alerts")]);
+    view.groups = groups;
+    view.loose = alerts.filter((a) => a.group_id === null);
+  }
+
+  function severity(g) {
+    return g.worst_ratio ? Math.abs(Math.log(g.worst_ratio)) : 0;
+  }
+
+  const ORDERS = { created: (a, b) => b.created_at.localeCompare(a.created_at) || b.id - a.id,
+    worst: (a, b) => severity(b) - severity(a), size: (a, b) => b.size - a.size };
+
+  function shownGroups() {
+    const fits = (a) => (!view.device || a.device === view.device) && (!view.metric || a.metric === view.metric)
+      && (!view.kind || a.kind === view.kind);
+    const owner = view.owner.trim().toLowerCase();
+    return view.groups.filter((g) => g.alerts.some(fits) && (!owner || g.owner.toLowerCase().includes(owner)))
+      .sort(ORDERS[view.sort]);
+  }
+
+  async function triageGroup(g, action, label, state) {
+    const picked = g.alerts.filter((a) => view.chosen.has(a.id)).map((a) => a.id);
+    say("working", `${label}: group #${g.id}…`);
+    view.busy = true;
+    try {
+      await api(`/v1/alert-groups/${g.id}/${action}`, { method: "POST", body: picked.length ? { alert_ids: picked } : {} });
+      picked.forEach((id) => view.chosen.delete(id));
+      const n = picked.length || g.size;
+      say("done", `Group #${g.id}: ${n} alert${n === 1 ? "" : "s"} ${state}.`);
+      await reload();
+    } catch (err) {
+      failed(err, label);
+    } finally {
+      view.busy = false;
+    }
+  }
+
+  async function saveGroup(g, fields) {
+    say("working", `Saving group #${g.id}…`);
+    view.busy = true;
+    try {
+      await api(`/v1/alert-groups/${g.id}`, { method: "PATCH", body: fields });
+      view.drafts.delete(g.id);
+      say("done", `Group #${g.id} saved.`);
+      await reload();
+    } catch (err) {
+      failed(err, "Saving");
+    } finally {
+      view.busy = false;
+    }
+  }
+
+  function stateCounts(states) {
+    return Object.entries(states).filter(([, n]) => n)
+      .map(([state, n]) => el("span", { class: "state-count", dataset: { state, count: n } }, badge(`${n} ${state}`, state), " "));
+  }
+
+  function groupRows(g, why) {
+    const open = view.expanded.has(g.id);
+    const toggle = el("button", { type: "button", class: "expand", "aria-expanded": String(open),
+      title: open ? "Hide its alerts" : "Show its devices and metrics",
+      onclick: () => { (open ? view.expanded.delete(g.id) : view.expanded.add(g.id)); draw(); } }, open ? "▾" : "▸");
+    const bug = /^https?:\/\//i.test(g.bug_url)
+      ? el("a", { class: "bug-link", href: g.bug_url, rel: "noopener noreferrer", target: "_blank" }, g.bug_url) : "—";
+    const actions = GROUP_ACTIONS.map(([action, label, state]) => el("button", { type: "button", class: "group-action",
+      dataset: { action, groupId: g.id }, disabled: Boolean(why),
+      title: why || `${label} the ticked alerts of this group, else all ${g.size}`,
+      onclick: () => triageGroup(g, action, label, state) }, label));
+    const head = el("tr", { class: "group-row", dataset: { groupId: g.id, open: String(open) } },
+      el("td", {}, toggle, ` #${g.id}`),
+      el("td", { class: "builds" }, `${g.baseline_label || "?"} → ${g.build_label || "?"}`),
+      el("td", { class: "cells" }, `${g.devices.length} device${g.devices.length === 1 ? "" : "s"} × ` +
+        `${g.metrics.length} metric${g.metrics.length === 1 ? "" : "s"}`),
+      el("td", { class: "num group-count", dataset: { count: g.size } }, String(g.size)),
+      el("td", { class: "num worst" }, num(g.worst_ratio, "", fmt.change)),
+      el("td", { class: "states" }, stateCounts(g.states)),
+      el("td", { class: "owner" }, g.owner || "—"), el("td", { class: "bug" }, bug),
+      el("td", { class: "group-actions" }, actions));
+    const alerts = g.alerts.map((a) => el("tr", { class: "group-alert", hidden: !open,
+      dataset: { alertId: a.id, groupId: g.id, state: a.state, device: a.device || "", metric: a.metric } },
+      el("td", {}, el("input", { type: "checkbox", class: "pick", checked: view.chosen.has(a.id), disabled: Boolean(why),
+        title: why || "Triage only the ticked alerts of the group",
+        onchange: (e) => { (e.target.checked ? view.chosen.add(a.id) : view.chosen.delete(a.id)); } }),
+        " ", el("a", { class: "alert-link", href: href("alert", a.id) }, `#${a.id}`)),
+      el("td", {}, badge(a.kind, a.kind)), el("td", {}, a.device || "—"), el("td", {}, a.metric || "—"),
       el("td", { class: "num" }, num(a.ratio, "", fmt.ratio)), el("td", {}, fmt.change(a.ratio)),
-      el("td", {}, a.summary), el("td", {}, fmt.when(a.created_at))));
+      el("td", {}, badge(a.state, a.state)),
+      el("td", { colspan: 2 }, a.series_id ? el("a", { class: "series-link", href: href("series", a.series_id) }, "series") : "")));
+    // What is typed survives the list being read again, until it is saved.
+    const draft = view.drafts.get(g.id) || { owner: g.owner, bug_url: g.bug_url, note: g.note };
+    const field = (name, key, size) => el("input", { type: "text", class: `edit-${name}`, value: draft[key], size,
+      disabled: Boolean(why), title: why || "",
+      oninput: (e) => { draft[key] = e.target.value; view.drafts.set(g.id, draft); } });
+    const owner = field("owner", "owner", 12), bugUrl = field("bug", "bug_url", 32), note = field("note", "note", 24);
+    const edit = el("tr", { class: "group-edit", hidden: !open, dataset: { groupId: g.id } }, el("td", { colspan: 9 },
+      el("label", {}, "owner ", owner), " ", el("label", {}, "bug link ", bugUrl), " ", el("label", {}, "note ", note), " ",
+      el("button", { type: "button", class: "group-save", disabled: Boolean(why), title: why || "Save owner, bug link and note",
+        onclick: () => saveGroup(g, { owner: owner.value.trim(), bug_url: bugUrl.value.trim(), note: note.value }) },
+      "Save")));
+    return [head, ...alerts, edit];
+  }
+
+  function looseRow(a) {
+    return el("tr", { class: "loose-alert", dataset: { alertId: a.id, state: a.state, device: a.device || "", metric: a.metric } },
+      el("td", {}, el("a", { class: "alert-link", href: href("alert", a.id) }, `#${a.id}`)),
+      el("td", {}, badge(a.kind, a.kind)), el("td", { colspan: 3 }, a.device || "—"), el("td", {}, ""),
+      el("td", {}, badge(a.state, a.state)), el("td", { colspan: 2 }, a.summary));
+  }
+
+  // The table and its heading, from what was read last (the controls stay as they are).
+  function draw() {
+    const holder = document.getElementById("groups-table");
+    if (!holder) return;
+    const groups = shownGroups(), why = refusal();
+    const alerts = groups.reduce((n, g) => n + g.size, 0) + view.loose.length;
+    document.getElementById("alerts").textContent =
+      `Open alerts: ${groups.length} regression${groups.length === 1 ? "" : "s"} (groups), ${alerts} alerts`;
+    holder.replaceChildren(groups.length || view.loose.length
+      ? table("open-alerts", ["group", "builds", "devices × metrics", "alerts", "worst", "states", "owner", "bug",
+        "triage"], [...groups.flatMap((g) => groupRows(g, why)), ...view.loose.map(looseRow)])
+      : el("p", { class: "muted" }, "No open alerts."));
+  }
+
+  async function reload() {
+    await fetchGroups();
+    fillChoices();
+    draw();
+  }
+
+  function fillChoices() {
+    for (const [name, values] of [["device", view.groups.flatMap((g) => g.devices)], ["metric", view.groups.flatMap((g) => g.metrics)]]) {
+      const select = document.getElementById(`groups-${name}`);
+      if (!select) continue;
+      const wanted = ["", ...new Set(values.sort())];
+      if (!wanted.includes(view[name])) wanted.push(view[name]);
+      select.replaceChildren(...wanted.map((v) => el("option", { value: v, selected: v === view[name] }, v || `every ${name}`)));
+    }
+  }
+
+  function controls() {
+    const offline = window.farm.mode === "offline";
+    const select = (name, options, onchange) => el("select", { id: `groups-${name}`,
+      onchange: (e) => { view[name] = e.target.value; onchange(); } },
+    options.map(([value, text]) => el("option", { value, selected: view[name] === value }, text)));
+    const state = select("state", [["open", "open (new, acknowledged)"], ...ALL_STATES.map((s) => [s, s]), ["all", "every state"]],
+      () => reload().catch((err) => failed(err, "Reading the groups")));
+    if (offline) {
+      state.disabled = true;
+      state.title = "An offline copy holds the open groups only.";
+    }
+    const owner = el("input", { id: "groups-owner", type: "search", placeholder: "owner", size: 10,
+      oninput: (e) => { view.owner = e.target.value; draw(); } });
+    return el("div", { class: "group-controls" },
+      el("label", {}, "state ", state), " ",
+      el("label", {}, "sort ", select("sort", [["created", "newest first"], ["worst", "worst change first"],
+        ["size", "most alerts first"]], draw)), " ",
+      el("label", {}, "device ", select("device", [], draw)), " ",
+      el("label", {}, "metric ", select("metric", [], draw)), " ",
+      el("label", {}, "kind ", select("kind", [["", "every kind"], ["regression", "regression"], ["improvement", "improvement"],
+        ["fidelity", "fidelity"]], draw)), " ",
+      el("label", {}, "owner ", owner),
+      offline ? "" : el("span", { class: "muted" }, ` · read again every ${Math.round(REFRESH_MS / 1000)} s`));
+  }
+
+  function keepFresh() {
+    if (window.farm.mode === "offline" || view.timer) return;
+    view.timer = setInterval(() => {
+      const section = document.getElementById("alert-groups");
+      const focus = document.activeElement;
+      if (!section || view.busy || (section.contains(focus) && focus.matches("input, select, button"))) return;
+      reload().catch((err) => failed(err, "Reading the groups again"));
+    }, REFRESH_MS);
+  }
+
+  async function alertSection() {
+    [view.me] = await Promise.all([window.farm.mode === "offline" ? null : api("/v1/me"), fetchGroups()]);
+    const why = refusal();
+    const section = el("section", { id: "alert-groups", dataset: { canTriage: String(!why) } },
+      el("h2", { id: "alerts" }, "Open alerts"), controls(),
+      why ? el("p", { class: "muted", id: "triage-refusal" }, why) : "",
+      el("p", { id: "groups-message", "aria-live": "polite" }), el("div", { id: "groups-table" }));
+    window.farm.alertGroups = { reload, view };
+    keepFresh();
+    return section;
   }
 
   window.farm.start(async () => {
-    const [overview, alerts] = await Promise.all([api("/v1/overview"), api("/v1/alerts")]);
+    const [overview, alerts] = await Promise.all([api("/v1/overview"), alertSection()]);
     const content = document.getElementById("content");
     content.replaceChildren(
       el("h1", {}, "Devices by metric"),
@@ -65,8 +285,8 @@
         "new / baseline median with its 95% interval: regression and improvement (settled), no change (settled), " +
         "inconclusive (not settled: more runs may decide it), not enough data; then the alert, if one was raised."),
       overview.devices.length ? grid(overview) : el("p", { class: "muted" }, "No devices yet."),
-      el("h2", { id: "alerts" }, `Open alerts (${alerts.length})`),
-      alerts.length ? table("open-alerts", ["alert", "kind", "state", "device", "metric", "build", "ratio", "change",
-        "summary", "created"], alertRows(alerts)) : el("p", { class: "muted" }, "No open alerts."));
+      alerts);
+    fillChoices();
+    draw();
   });
 })();
