@@ -1,8 +1,9 @@
-/* One alert's page: what it found (ratio, interval, p), its triage (Acknowledge, Invalidate,
-   Mark fixed: POSTs that need a triage token; a refusal is shown, never swallowed), the trend
-   of its series, the samples before and after, the kernel attribution as bars, the images of
-   both builds and the rest of what the analysis recorded. Reads /v1/alerts/{id}, its
-   /context and, when it is about a series, /v1/series/{id} and its /events. */
+/* One alert's page: what it found (ratio, interval, p), its group, its triage (Acknowledge,
+   Invalidate, Mark fixed: POSTs that need a triage token, disabled with why for a token without
+   it; a refusal is shown, never swallowed), the trend of its series, the samples before and
+   after, the kernel attribution as bars, the images of both builds and the rest of what the
+   analysis recorded. Reads /v1/alerts/{id}, its /context, /v1/me and, when it is about a
+   series, /v1/series/{id} and its /events. */
 (function () {
   "use strict";
   const { api, el, num, badge, table, href, fmt, pageId, unitOf, annotationList, imageSource, ApiError } = window.farm;
@@ -24,11 +25,24 @@
       ["p", el("span", { id: "p-value" }, num(alert.p_value, "", fmt.pValue))],
       ["created", fmt.when(alert.created_at)], ["updated", el("span", { id: "alert-updated" }, fmt.when(alert.updated_at))],
       ["note", el("span", { id: "alert-note" }, alert.note || "—")],
+      ["group", alert.group_id === null ? "— (no build: alone)" : el("a", { id: "alert-group", href: `${href("overview")}#alerts`,
+        title: "Its regression: every alert of this build against its baseline, triaged together on the overview" },
+      `#${alert.group_id}`)],
     ];
     return table("alert-facts", ["", ""], rows.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v))));
   }
 
-  function triage(alert) {
+  // Why this page cannot triage ("" when it can): never offline; live, the token's scope says (/v1/me).
+  function refusal(me) {
+    if (window.farm.mode === "offline") return "An offline copy cannot triage: open the live dashboard (`farm api serve`).";
+    if (me && !me.grants.includes("triage")) {
+      return `This token's scope (${me.scope}) does not grant triage: sign in with a triage token ` +
+        "(`farm api token create --scope triage`).";
+    }
+    return "";
+  }
+
+  function triage(alert, me) {
     const message = el("p", { id: "triage-message", "aria-live": "polite" });
     const note = el("input", { id: "triage-note", type: "text", placeholder: "note (optional)", size: 40 });
     const buttons = ACTIONS.map(([action, label]) => el("button", {
@@ -53,10 +67,9 @@
         }
       },
     }, label));
-    const offline = window.farm.mode === "offline";
-    buttons.forEach((b) => { b.disabled = offline; });
-    return el("div", { class: "triage" }, buttons, note, offline
-      ? el("p", { class: "muted" }, "An offline copy cannot triage: open the live dashboard (`farm api serve`).") : null,
+    const why = refusal(me);
+    [...buttons, note].forEach((b) => { b.disabled = Boolean(why); b.title = why; });
+    return el("div", { class: "triage" }, buttons, note, why ? el("p", { class: "muted", id: "triage-refusal" }, why) : null,
       message);
   }
 
@@ -107,14 +120,14 @@
 
   window.farm.start(async () => {
     const id = pageId();
-    const [alert, context] = await Promise.all([api(`/v1/alerts/${encodeURIComponent(id)}`),
-      api(`/v1/alerts/${encodeURIComponent(id)}/context`)]);
+    const [alert, context, me] = await Promise.all([api(`/v1/alerts/${encodeURIComponent(id)}`),
+      api(`/v1/alerts/${encodeURIComponent(id)}/context`), window.farm.mode === "offline" ? null : api("/v1/me")]);
     document.title = `Alert #${alert.id} · devicefarm`;
     const detail = alert.detail || {};
     const unit = context.unit;
     const later = [];
     const parts = [el("h1", {}, `Alert #${alert.id}: ${alert.kind} of ${alert.metric || "a device"} on ${alert.device || "—"}`),
-      el("p", { id: "alert-summary" }, alert.summary), facts(alert), el("h2", {}, "Triage"), triage(alert)];
+      el("p", { id: "alert-summary" }, alert.summary), facts(alert), el("h2", {}, "Triage"), triage(alert, me)];
     if (context.series_id) {
       const [series, events] = await Promise.all([api(`/v1/series/${context.series_id}`),
         api(`/v1/series/${context.series_id}/events`)]);
