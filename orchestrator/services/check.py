@@ -365,8 +365,9 @@ def markdown(report: dict[str, Any]) -> str:
     if report["outcome"] == COULD_NOT_RUN:
         lines += [f"No verdict: {md_code(report['reason'])}. {report['jobs_done']} of its {report['jobs_total']} "
                   f"jobs succeeded; {len(report['jobs_cancelled'])} were cancelled.", ""]
-    lines += ["| device | metric | baseline | candidate | ratio | 95% CI | verdict | rounds |",
-              "|---|---|---|---|---|---|---|---|"]
+    if report["comparisons"] or report["outcome"] != COULD_NOT_RUN:  # no empty table for a check that judged nothing
+        lines += ["| device | metric | baseline | candidate | ratio | 95% CI | verdict | rounds |",
+                  "|---|---|---|---|---|---|---|---|"]
     for c in report["comparisons"]:
         lines.append(f"| {cell(c['device'])} | {cell(c['metric'])} | "
                      f"{_num(c.get('baseline_median'), c.get('unit'))} | "

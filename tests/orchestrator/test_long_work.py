@@ -85,6 +85,7 @@ def test_check_with_no_worker_ends_could_not_run_with_its_reports(farm, monkeypa
     assert markdown.startswith("## farm check: 🛑 could not run")
     assert "No verdict: ``the check could not run (0/6 jobs done): no worker is consuming queue 'host.h1'" in markdown
     assert "0 of its 6 jobs succeeded; 6 were cancelled" in markdown
+    assert "| device |" not in markdown  # nothing was judged: no empty table
 
 
 def test_check_out_of_time_with_a_worker_heard_cancels_and_reports(farm):
