@@ -146,13 +146,17 @@ def test_builds_label_sets_shows_and_clears(demo):
     _one_error(demo("builds", "show", "A", ok=False), "no build 'A'")
 
 
-def test_builds_create_refuses_a_bad_or_taken_label_before_packing(demo, tiny_model_dir):
+def test_builds_create_takes_a_label_and_refuses_a_bad_or_taken_one_before_packing(demo, tiny_model_dir):
     _one_error(demo("builds", "create", "--model", str(tiny_model_dir), "--label", "two words", ok=False),
                "--label", "no spaces")
     demo("builds", "label", "1", "A")
     _one_error(demo("builds", "create", "--model", str(tiny_model_dir), "--label", "A", ok=False),
                "build label 'A' is taken")
-    assert not list((demo.tmp / "data" / "builds").glob("*")) if (demo.tmp / "data" / "builds").exists() else True
+    builds_dir = demo.tmp / "data" / "builds"
+    assert not builds_dir.exists() or not list(builds_dir.iterdir())  # nothing packed for a refused label
+    made = demo("builds", "create", "--model", str(tiny_model_dir), "--name", "rc-1", "--label", "rc1").output
+    assert "created build rc-1 labelled rc1" in made, made
+    assert json.loads(demo("builds", "show", "rc1", "--json").output)["name"] == "rc-1"
 
 
 # ---- builds named in commands -------------------------------------------------------------
