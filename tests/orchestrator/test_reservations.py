@@ -67,12 +67,12 @@ def test_reserve_list_extend_refuse_and_release(cli, monkeypatch):
         assert store.active_reservation(s, device.id).holder == "bob"  # --quarantine left it
 
 
-@pytest.mark.parametrize("bad", ["2x", "h", "0m", "-1h", "31d", "2 h", ""])
-def test_a_bad_duration_is_refused_naming_the_forms(cli, bad):
+def test_a_bad_duration_is_refused_naming_the_forms(cli):
     _add(cli, "vphone-1")
-    result = cli("devices", "reserve", "vphone-1", "--for", bad, "--as", "ana", ok=False)
-    assert result.exit_code != 0
-    assert "30m, 2h" in result.output or "at most 30 days" in result.output
+    for bad in ("2x", "h", "0m", "-1h", "31d", "2 h", "1.5h", ""):
+        result = cli("devices", "reserve", "vphone-1", "--for", bad, "--as", "ana", ok=False)
+        assert result.exit_code != 0, bad
+        assert "30m, 2h" in result.output or "at most 30 days" in result.output, result.output
     with cli.Session() as s:
         assert store.list_reservations(s) == []
 
