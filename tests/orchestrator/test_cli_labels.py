@@ -92,6 +92,20 @@ def test_a_build_is_found_by_id_label_or_name(demo, ref):
         assert store.get_build(s, ref).name == f"{STAMP}-a"
 
 
+def test_labels_and_the_resolver_on_both_stores(cli_db):
+    """The label's uniqueness, free_label's prefix match and the resolver, in SQL: SQLite and PostgreSQL."""
+    with cli_db.Session() as s, s.begin():
+        a = store.create_build(s, _manifest(f"{STAMP}-a", 1_700_000_000.0), label="A")
+        store.create_build(s, _manifest("A_b%", 1_700_100_000.0))  # LIKE's wildcards are plain text here
+        assert store.create_build(s, _manifest(f"{STAMP}-a", 1_700_000_000.0), label="A") is a
+        with pytest.raises(store.StoreError, match="taken"):
+            store.create_build(s, _manifest("other", 1_700_200_000.0), label="A")
+        assert store.free_label(s, "A") == "A2" and store.free_label(s, "A_b") == "A_b"
+        assert store.free_label(s, "A_b%") == "A_b%2"  # the name is taken (a label could not hold %)
+        assert [store.resolve_build(s, ref).id for ref in (str(a.id), "A", f"{STAMP}-a")] == [a.id] * 3
+        assert store.build_display_names(s, [f"{STAMP}-a", "A_b%"]) == {f"{STAMP}-a": "A", "A_b%": "b%"}
+
+
 def test_an_unknown_build_says_what_was_tried(demo):
     with demo.Session() as s:
         with pytest.raises(store.StoreError, match=r"no build 'C' \(tried as a label and a name\)"):
