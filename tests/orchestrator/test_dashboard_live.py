@@ -532,6 +532,38 @@ def test_a_device_page_shows_its_health(farm, server, browser):
     assert _severe(browser) == []
 
 
+def test_a_reserved_device_is_marked_and_its_page_shows_the_reservation_and_newest_screenshot(farm, server, browser):
+    import hashlib
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    shot = farm["settings"].data_dir / "screenshots" / "p1" / "newest.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    _png(shot, (10, 200, 30), size=24)
+    with farm["sessions"]() as s, s.begin():
+        device = store.get_device(s, "p1")
+        store.reserve_device(s, device, "ana", store.utcnow() + dt.timedelta(hours=2), "camera bug")
+        store.record_screenshot(s, device.id, "screenshots/p1/newest.png", hashlib.sha256(shot.read_bytes()).hexdigest(),
+                                shot.stat().st_size, 24, 24, "adb")
+    try:
+        _sign_in(browser, server, farm["tokens"]["read"])
+        mark = browser.find_element(By.CSS_SELECTOR, '#grid tr[data-device="p1"] th .reserved')
+        assert mark.text == "reserved by ana" and mark.get_attribute("title").endswith("UTC (camera bug)")
+        assert browser.find_elements(By.CSS_SELECTOR, '#grid tr[data-device="p2"] th .reserved') == []
+        browser.get(f"{server}/devices/p1")
+        _ready(browser)
+        held = browser.find_element(By.ID, "reservation").text
+        assert "reserved by ana until " in held and "(camera bug)" in held
+        image = browser.find_element(By.CSS_SELECTOR, "img#screenshot")  # fetched with the token
+        WebDriverWait(browser, WAIT_S).until(
+            lambda d: d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", image) == 24)
+        assert _severe(browser) == []
+    finally:
+        with farm["sessions"]() as s, s.begin():
+            store.release_reservation(s, store.get_device(s, "p1"))
+
+
 # ---- the offline copy ------------------------------------------------------------------------
 
 
