@@ -95,6 +95,7 @@ def run_dict(session, run_id: int) -> dict[str, Any]:
         "attempt": run.attempt,
         "device": run.job.device.serial,
         "build": run.job.build.name if run.job.build is not None else None,
+        "build_label": run.job.build.label if run.job.build is not None else None,
         "kind": str(run.job.kind),
         "status": str(run.status),
         "error": run.error,
@@ -135,6 +136,8 @@ def show(run_id: int = typer.Argument(..., help="Run id (`farm results list`).",
     for key in ("run_id", "job_id", "attempt", "device", "build", "kind", "status", "adapter", "started_at",
                 "finished_at", "error"):
         value = data[key]
+        if key == "build" and data["build_label"]:
+            value = f"{data['build_label']} = {value}"
         head.add_row(key, _state(value) if key == "status" else "-" if value in (None, "") else str(value))
     for key in ("profile", "precision", "height", "width"):
         if key in engine:

@@ -223,6 +223,12 @@ def test_results_list_shows_distinguishing_ends_and_full_names_once(demo):
     assert rest == [f"B = {STAMP}-b", f"A = {STAMP}-a"]
 
 
+def test_results_show_names_the_build_by_label_and_name(demo):
+    demo("builds", "label", "1", "A")
+    assert f"build\tA = {STAMP}-a" in demo("results", "show", "1").output
+    assert json.loads(demo("results", "show", "1", "--json").output)["build_label"] == "A"
+
+
 def test_jobs_list_shows_labels_and_full_names_once(demo):
     demo("builds", "label", "2", "B")
     rows, rest = _split(demo("jobs", "list").output)
