@@ -15,7 +15,7 @@ from orchestrator import store
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs.batch_analysis import analyze_in_store
 from orchestrator.jobs.celery_app import make_celery
-from orchestrator.jobs.jobservice import fire_due_schedules, target_devices
+from orchestrator.jobs.jobservice import fire_due_schedules, launch_suite, target_devices
 from orchestrator.store import make_engine, make_session_factory, upgrade
 from orchestrator.store.models import DeviceState, Job
 
@@ -149,11 +149,16 @@ def test_a_nightly_whose_every_device_is_reserved_launches_nothing_and_says_why(
         store.reserve_device(s, store.get_device(s, "vphone-1"), "ana", now + dt.timedelta(hours=2))
         schedule = store.create_schedule(s, "nightly", "* * * * *", "UTC", {"jobs": [{"kind": "latency"}]})
         schedule.last_run_at = now - dt.timedelta(minutes=3)
-    assert fire_due_schedules(make_celery(settings)) == []
+    app = make_celery(settings)
+    assert fire_due_schedules(app) == []
     with Session() as s:
         error = store.get_schedule(s, "nightly").last_error
         assert "launched nothing" in error and "vphone-1 is reserved by ana until" in error
         assert s.query(Job).count() == 0
+    # a more-repetitions round on it is refused the same way (the analysis leaves its verdict open)
+    with pytest.raises(store.StoreError, match="every device it runs on is reserved: vphone-1 is reserved by ana"):
+        launch_suite(app, "nightly (more repetitions, round 1)", [{"kind": "latency"}], build="b1",
+                     devices=["vphone-1"], idempotency_key="more:1:1:vphone-1")
 
 
 def test_a_check_or_a_submission_naming_a_reserved_device_is_refused(cli):
