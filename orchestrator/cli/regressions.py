@@ -19,6 +19,14 @@ app = typer.Typer(help="Regressions, improvements, image changes and data stoppa
                   no_args_is_help=True)
 
 
+def alert_series_id(alert) -> str | None:
+    """The id of the series an alert is about (the API's /v1/series/ID, the dashboard's series
+    page); None for a data stoppage."""
+    from orchestrator.dashboard.views import alert_series_id as series_id_of
+
+    return series_id_of(alert)
+
+
 def alert_dict(alert) -> dict[str, Any]:
     return {"id": alert.id, "kind": str(alert.kind), "state": str(alert.state),
             "device": alert.device.serial if alert.device else None,
@@ -27,6 +35,7 @@ def alert_dict(alert) -> dict[str, Any]:
             "metric": alert.metric, "ratio": alert.ratio, "ci_low": alert.ci_low, "ci_high": alert.ci_high,
             "p_value": alert.p_value, "summary": alert.summary, "note": alert.note, "series": alert.series,
             "detail": alert.detail, "batch": alert.batch_id, "group": alert.group_id,
+            "series_id": alert_series_id(alert),
             "created_at": common.iso(alert.created_at), "updated_at": common.iso(alert.updated_at)}
 
 

@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from agent.protocol import JobResult, Sample
 from orchestrator import store
+from orchestrator.analysis import series as farm_series
 from orchestrator.api import tokens
 from orchestrator.api.app import create_app
 from orchestrator.infra.settings import Settings
@@ -307,6 +308,9 @@ def test_farm_regressions_list_shows_one_line_per_group(farm, farm_cli):
         (group_id, 6, list(SERIALS), list(METRICS))]
     flat = json.loads(farm_cli("regressions", "list", "--alerts", "--json"))
     assert len(flat) == 6 and {a["group"] for a in flat} == {group_id}
+    with farm["sessions"]() as s:
+        series = {(x.key.device, x.key.metric): x.id for x in farm_series.list_series(s)}
+    assert {a["series_id"] for a in flat} == {series[(a["device"], a["metric"])] for a in flat}
     assert json.loads(farm_cli("regressions", "list", "--device", "p2", "--metric", "e2e_ms", "--sort", "worst",
                                "--json"))[0]["id"] == group_id
     assert "unknown sort 'name'; choose from created, worst, size" in farm_cli("regressions", "list", "--sort", "name",

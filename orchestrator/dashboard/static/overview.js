@@ -204,8 +204,8 @@
     if (!holder) return;
     const groups = shownGroups(), why = refusal();
     const alerts = groups.reduce((n, g) => n + g.size, 0) + view.loose.length;
-    document.getElementById("alerts").textContent =
-      `Open alerts: ${groups.length} regression${groups.length === 1 ? "" : "s"} (groups), ${alerts} alerts`;
+    document.getElementById("alerts").textContent = `Alerts by regression: ${alerts} in ${groups.length} ` +
+      `group${groups.length === 1 ? "" : "s"}${view.loose.length ? ` and ${view.loose.length} alone` : ""}`;
     holder.replaceChildren(groups.length || view.loose.length
       ? table("open-alerts", ["group", "builds", "devices × metrics", "alerts", "worst", "states", "owner", "bug",
         "triage"], [...groups.flatMap((g) => groupRows(g, why)), ...view.loose.map(looseRow)])
