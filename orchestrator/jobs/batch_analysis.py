@@ -96,8 +96,9 @@ def analyze_in_store(new_session: Callable[[], Session], batch_id: int,
         report["profile_gains"] = profiles.measure_gains(session, batch_id)
         report["change_points"] = changepoints.record_change_points(session, found)
         summary = batch_summary(session, batch_id) | {"analysis": report}
-        if (batch.summary or {}).get("skipped"):  # devices its suite skipped (reserved): kept
-            summary["skipped"] = batch.summary["skipped"]
+        skipped = store.skipped_by_reservation(session, batch)  # devices people held (reserved)
+        if skipped:
+            summary["skipped"] = skipped
         rounds = store.extra_round(batch.idempotency_key)  # 0: the original batch
         follow_up = FollowUp(report["more_repetitions"] if rounds < batch.max_extra_rounds else [], batch.name,
                              batch.build_id, _root_batch(batch), rounds, batch.max_extra_rounds,

@@ -80,9 +80,7 @@ def skip_reserved(session: Session, targets: list[Device], what: str) -> tuple[l
     with its holder, end, note and the line that says so, logged here). StoreError when every
     device is held: the suite would run nothing."""
     held = store.active_reservations(session, [d.id for d in targets])
-    skipped = [{"device": d.serial, "holder": held[d.id].holder, "until": held[d.id].until.isoformat(),
-                "note": held[d.id].note, "reason": store.reservation_line(d.serial, held[d.id])}
-               for d in targets if d.id in held]
+    skipped = [store.skip_entry(d.serial, held[d.id]) for d in targets if d.id in held]
     for entry in skipped:
         log.info("%s skips %s", what, entry["reason"])
     if skipped and len(skipped) == len(targets):
@@ -199,9 +197,10 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
                   idempotency_key: str | None, max_extra_rounds: int | None,
                   round_metrics: list[str] | None = None, purpose: str = BATCH_SERIES) -> int:
     build_row = store.get_build(session, build)
-    # A reserved device is skipped, and the batch says so (its summary's "skipped"): a schedule
-    # named its devices long before a person booked one. A person's check was refused it before.
-    targets, skipped = skip_reserved(session, target_devices(session, devices, refuse_quarantined=False), name)
+    # A reserved device is skipped, and the batch says so (store.skipped_by_reservation, and its
+    # analysis' summary): a schedule named its devices long before a person booked one. A
+    # person's check was refused it before (target_devices).
+    targets, _ = skip_reserved(session, target_devices(session, devices, refuse_quarantined=False), name)
     if not jobs:
         raise store.StoreError("a suite needs at least one job")
     for entry in jobs:
@@ -214,8 +213,6 @@ def _create_suite(session: Session, settings: Settings, sends: Sends, name: str,
                                round_metrics=round_metrics, purpose=purpose)
     if idempotency_key is not None and batch.jobs:
         return batch.id  # launched before: the reconciler sends whatever of it has not run
-    if skipped:
-        batch.summary = {"skipped": skipped}  # the analysis keeps it (batch_analysis.analyze_in_store)
     entry_builds = [build_row if entry.get("build") is None else store.get_build(session, entry["build"])
                     for entry in jobs]
     models: dict[int, str] = {}

@@ -14,13 +14,13 @@ import datetime as dt
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from .models import Device, DeviceReservation, DeviceScreenshot, utcnow
+from .models import Batch, Device, DeviceReservation, DeviceScreenshot, Job, Schedule, utcnow
 from .rows import StoreError
 
 __all__ = [
     "DeviceReserved", "active_reservation", "active_reservations", "latest_screenshot", "latest_screenshots",
-    "record_screenshot",
-    "list_reservations", "release_reservation", "reservation_line", "reserve_device",
+    "list_reservations", "record_screenshot", "release_reservation", "reservation_line", "reserve_device",
+    "skip_entry", "skipped_by_reservation",
 ]
 
 
@@ -42,6 +42,33 @@ def reservation_line(serial: str, reservation: DeviceReservation, now: dt.dateti
     """'vphone-1 is reserved by ana until 14:00 UTC (camera bug)'."""
     note = f" ({reservation.note})" if reservation.note else ""
     return f"{serial} is reserved by {reservation.holder} until {_at(reservation.until, now or utcnow())}{note}"
+
+
+def skip_entry(serial: str, reservation: DeviceReservation, now: dt.datetime | None = None) -> dict:
+    """What a batch says of a device it skipped because a person held it."""
+    return {"device": serial, "holder": reservation.holder, "until": reservation.until.isoformat(),
+            "note": reservation.note, "reason": reservation_line(serial, reservation, now)}
+
+
+def skipped_by_reservation(session: Session, batch: Batch) -> list[dict]:
+    """The devices a schedule's batch skipped because a person held them when it was made
+    (jobservice.skip_reserved): of the schedule's devices, those reserved at the batch's
+    creation that have no job in it. Read from the reservations, which are kept, so the batch
+    needs no record of its own and its summary stays None until its analysis (what `farm demo`
+    and the tests wait on). [] for a batch no schedule made."""
+    schedule = session.get(Schedule, batch.schedule_id) if batch.schedule_id is not None else None
+    if schedule is None:
+        return []
+    at = batch.created_at
+    rows = session.execute(
+        select(DeviceReservation, Device.serial).join(Device, Device.id == DeviceReservation.device_id)
+        .where(DeviceReservation.starts_at <= at, DeviceReservation.until > at,
+               or_(DeviceReservation.released_at.is_(None), DeviceReservation.released_at > at),
+               DeviceReservation.device_id.not_in(select(Job.device_id).where(Job.batch_id == batch.id)))
+        .order_by(Device.serial))
+    named = (schedule.suite or {}).get("devices")
+    return [skip_entry(serial, r, at) for r, serial in rows
+            if not isinstance(named, list) or serial in named]
 
 
 def _live(now: dt.datetime):
