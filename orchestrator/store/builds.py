@@ -182,13 +182,22 @@ def short_names(names: Sequence[str], taken: Iterable[str] = ()) -> list[str]:
 
 def build_display_names(session: Session, names: Sequence[str]) -> dict[str, str]:
     """What tables and charts call each of the builds `names` shown together: its label, else
-    the distinguishing end of its name among them (short_names)."""
+    the distinguishing end of its name among them (short_names) that is no other build's label
+    or name."""
     distinct = list(dict.fromkeys(n for n in names if n))
     labels: dict[str, str] = dict(session.execute(
         select(Build.name, Build.label).where(Build.name.in_(distinct), Build.label.is_not(None))).all()
     ) if distinct else {}
-    derived = dict(zip(distinct, short_names(distinct, taken=labels.values()), strict=True))
-    return {name: labels.get(name) or derived[name] for name in distinct}
+    # An end that is another build's label or name would name that build where it is typed.
+    taken = set(labels.values())
+    while True:
+        derived = dict(zip(distinct, short_names(distinct, taken=taken), strict=True))
+        ends = {end for name, end in derived.items() if end != name and name not in labels}
+        clash = set(session.scalars(select(Build.label).where(Build.label.in_(ends)))) if ends else set()
+        clash |= set(session.scalars(select(Build.name).where(Build.name.in_(ends)))) if ends else set()
+        if not clash - taken:
+            return {name: labels.get(name) or derived[name] for name in distinct}
+        taken |= clash
 
 
 def builds_in_order(session: Session) -> list[Build]:

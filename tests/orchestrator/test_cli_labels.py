@@ -127,6 +127,10 @@ def test_display_names_prefer_labels(demo):
         store.label_build(s, store.get_build(s, demo.ids[1]), "B")
         assert store.build_display_names(s, [f"{STAMP}-a", f"{STAMP}-b", f"{STAMP}-a"]) == {
             f"{STAMP}-a": "a", f"{STAMP}-b": "B"}
+        # an end that another build (not shown) is labelled or named would name that build
+        store.create_build(s, _manifest("a", 1_700_200_000.0))
+        assert store.build_display_names(s, [f"{STAMP}-a", f"{STAMP}-b"]) == {
+            f"{STAMP}-a": "20261129T012011Z-a", f"{STAMP}-b": "B"}
 
 
 def test_a_second_demo_labels_its_builds_a2_and_b2(demo):
