@@ -134,6 +134,9 @@ def list_schedules(as_json: bool = JSON_OPTION):
     with open_store(settings) as sessions, sessions() as session:
         now = store.utcnow()
         rows = [schedule_dict(s, now) for s in store.all_schedules(session)]
+        for r in rows:  # the devices its newest batch skipped: people held them (`farm devices reserve`)
+            newest = store.newest_batch_skips(session, r["id"])
+            r["last_batch"], r["last_batch_skipped"] = newest if newest is not None else (None, [])
     if as_json:
         print_json(rows)
         return
@@ -151,6 +154,9 @@ def list_schedules(as_json: bool = JSON_OPTION):
     for r in rows:  # whole, on lines of their own: a table cell would cut them
         if r["error"]:
             console.print(f"schedule {r['name']}: {r['error']}", highlight=False, soft_wrap=True, markup=False)
+        for skipped in r["last_batch_skipped"]:
+            console.print(f"schedule {r['name']}: batch {r['last_batch']} skipped {skipped['reason']}",
+                          highlight=False, soft_wrap=True, markup=False)
 
 
 def _job_text(entry: dict[str, Any]) -> str:
@@ -227,6 +233,8 @@ def run_now(name: str = typer.Argument(..., help="Schedule name.", autocompletio
     console.print(f"schedule {name} fired: batch {batch_id}; follow it with `farm jobs list --batch {batch_id}`",
                   highlight=False)
     with open_store(settings) as sessions, sessions() as session:
+        for skipped in store.skipped_by_reservation(session, store.get_batch(session, batch_id)):
+            console.print(f"skipped {skipped['reason']}", highlight=False, markup=False, soft_wrap=True)
         for job in store.get_batch(session, batch_id).jobs:
             if job.state == "failed" and job.attempts == 0:  # failed as it was made: it cannot fit its device
                 console.print(f"job {job.id} ({job.kind}) failed at once: {job.error}", highlight=False, markup=False)

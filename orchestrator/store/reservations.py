@@ -20,7 +20,7 @@ from .rows import StoreError
 __all__ = [
     "DeviceReserved", "active_reservation", "active_reservations", "latest_screenshot", "latest_screenshots",
     "list_reservations", "record_screenshot", "release_reservation", "reservation_line", "reserve_device",
-    "skip_entry", "skipped_by_reservation",
+    "newest_batch_skips", "skip_entry", "skipped_by_reservation",
 ]
 
 
@@ -69,6 +69,14 @@ def skipped_by_reservation(session: Session, batch: Batch) -> list[dict]:
     named = (schedule.suite or {}).get("devices")
     return [skip_entry(serial, r, at) for r, serial in rows
             if not isinstance(named, list) or serial in named]
+
+
+def newest_batch_skips(session: Session, schedule_id: int) -> tuple[int, list[dict]] | None:
+    """(the schedule's newest batch, the devices it skipped because people held them), or None
+    before its first firing."""
+    batch = session.scalar(select(Batch).where(Batch.schedule_id == schedule_id)
+                           .order_by(Batch.created_at.desc(), Batch.id.desc()).limit(1))
+    return None if batch is None else (batch.id, skipped_by_reservation(session, batch))
 
 
 def _live(now: dt.datetime):

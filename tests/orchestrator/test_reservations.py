@@ -182,3 +182,18 @@ def test_a_check_or_a_submission_naming_a_reserved_device_is_refused(cli):
         with pytest.raises(store.DeviceReserved, match="leave it out"):
             target_devices(s, "all", refuse_quarantined=True)
         assert [d.serial for d in target_devices(s, ["vphone-2"], refuse_quarantined=True)] == ["vphone-2"]
+
+
+def test_schedules_run_now_and_list_name_the_devices_a_batch_skipped(cli):
+    cli("devices", "add", "vphone-1", "--transport", "local")
+    cli("devices", "add", "vphone-2", "--transport", "local")
+    with cli.Session() as s, s.begin():
+        store.create_build(s, tiny_manifest("b1", 1_700_000_000.0))
+    cli("schedules", "add", "nightly", "--cron", "0 2 * * *")
+    cli("devices", "reserve", "vphone-1", "--for", "2h", "--as", "ana", "--note", "camera bug")
+    fired = cli("schedules", "run-now", "nightly").output
+    assert "skipped vphone-1 is reserved by ana until " in fired and "(camera bug)" in fired
+    listed = cli("schedules", "list").output
+    assert "skipped vphone-1 is reserved by ana until " in " ".join(listed.split())
+    [row] = json.loads(cli("schedules", "list", "--json").output)
+    assert [e["device"] for e in row["last_batch_skipped"]] == ["vphone-1"] and row["last_batch"]
