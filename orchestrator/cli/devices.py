@@ -187,7 +187,7 @@ def list_devices(as_json: bool = JSON_OPTION):
 @app.command()
 def show(serial: str = typer.Argument(..., help="Device serial.", autocompletion=completion.devices),
          as_json: bool = JSON_OPTION):
-    """Show one device: identity, GPU, health and lease."""
+    """Show one device: identity, GPU, health, lease and who has reserved it."""
     from orchestrator import store
 
     with open_store(cli_settings()) as sessions, sessions() as session:
