@@ -50,8 +50,8 @@ acknowledges, invalidates and fixes alerts, `run` also starts checks (not triage
 Every error is JSON of one shape, whatever its status:
 
 ```json
-{"detail": "one line saying what went wrong and, where there is one, the fix",
- "errors": [{"field": "body.max_rounds", "problem": "Input should be less than or equal to 20"}]}
+{"detail": "body.max_rounds: Input should be less than or equal to 10",
+ "errors": [{"field": "body.max_rounds", "problem": "Input should be less than or equal to 10"}]}
 ```
 
 `detail` is always a string; `errors` is a list, empty but for a malformed request (422),

@@ -4,11 +4,14 @@ its headers a byte at a time, open for ever (100 silent and 100 trickling connec
 still open after 90 s). Here a connection must send a whole request head within
 `api_request_deadline_s` of opening (or of its last answer), idle keep-alive connections close
 after 5 s, and at most `api_max_connections` connections and requests are served at once (503
-above it)."""
+above it). Before uvicorn starts, `check_listen` tries the address: a port in use is one
+line naming the fix (CannotListen), not uvicorn's bind error and shutdown logs."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -56,6 +59,30 @@ class _BoundedH11(H11Protocol):
 
 def bounded_protocol(deadline_s: float) -> type[H11Protocol]:
     return type("BoundedH11", (_BoundedH11,), {"deadline_s": deadline_s})
+
+
+class CannotListen(Exception):
+    """The address cannot be listened on; the message names it, why, and the fix."""
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind `host`:`port` as uvicorn will (SO_REUSEADDR) and let it go; CannotListen when it
+    cannot be bound (a port in use, an address this host does not have, a port below 1024)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise CannotListen(f"cannot listen on {host!r}: {exc.strerror}: pick another with --host") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CannotListen(f"port {port} is in use on {host} (another farm api serve?): "
+                                   "pick another with --port") from None
+            raise CannotListen(f"cannot listen on {host}:{port}: {exc.strerror or exc}: "
+                               "pick another with --host or --port") from None
 
 
 def serve(app, host: str, port: int, settings) -> None:

@@ -1,6 +1,9 @@
-"""`farm api ...`: the farm API (orchestrator/api). `serve` runs it under uvicorn; `token
-create|list|revoke` manage its bearer tokens, whose plain text is printed once, at creation,
-and stored nowhere (only its sha256 and first characters are kept)."""
+"""`farm api ...`: the farm API (orchestrator/api). `serve` runs it under uvicorn (the same
+server as `farm dashboard serve`: the dashboard at /, the API at /v1, its docs at /docs), on
+port 8090 by default; `token create|list|revoke` manage its bearer tokens, whose plain text is
+printed once, at creation, and stored nowhere (only its sha256 and first characters are kept):
+`create` prints the token alone on stdout (`T=$(farm api token create ...)`), what it is on
+stderr."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from .common import (
     open_store,
     print_json_or_empty,
 )
-from .output import Table, console, field
+from .output import Table, console, err_console, escape
 
 app = typer.Typer(help="The farm API: serve it, and manage its bearer tokens.", no_args_is_help=True)
 token_app = typer.Typer(help="Bearer tokens of the farm API: read, triage or run.", no_args_is_help=True)
@@ -46,8 +49,8 @@ def create(
         except store.StoreError as exc:
             fail(str(exc))
         session.commit()
-    console.print(f"API token {row.id} ({row.scope}{', ' + name if name else ''}); it is shown only now:",
-                  highlight=False, markup=False)
+    err_console.print(f"API token {row.id} ({row.scope}{', ' + name if name else ''}); it is shown only now:",
+                      highlight=False, markup=False)
     typer.echo(token)
 
 
@@ -87,20 +90,51 @@ def revoke(token_id: int = typer.Argument(..., help="Token id (`farm api token l
     console.print(f"API token {row.id} ({row.scope}, {row.prefix}…) revoked", highlight=False, markup=False)
 
 
+DEFAULT_PORT = 8090  # `farm api serve` and `farm dashboard serve`: one server
+COULD_NOT_RUN = 4  # the CLI's exit codes: 0 ok, 1 finding, 2 undecided, 3 bad input, 4 could not run
+
+HOST_OPTION = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface).",
+                           callback=validate.listen_host)
+PORT_OPTION = typer.Option(DEFAULT_PORT, "--port", parser=validate.listen_port, help="Port (0: any free one).")
+
+
 @app.command()
-def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
-    port: int = typer.Option(8090, "--port", parser=validate.listen_port, help="Port (0: any free one)."),
-):
-    """Run the farm API (OpenAPI at /openapi.json, interactive docs at /docs) until stopped."""
+def serve(host: str = HOST_OPTION, port: int = PORT_OPTION):
+    """Run the farm's server until stopped: the dashboard at /, the API at /v1 (OpenAPI at
+    /openapi.json), its interactive docs at /docs and /redoc."""
+    run_server(host, port)
+
+
+def run_server(host: str, port: int) -> None:
+    """`farm api serve` and `farm dashboard serve`: one line saying where everything is, then
+    the server; a port in use is one line and exit code 4."""
     from orchestrator.api import serving
     from orchestrator.api.app import create_app
     from orchestrator.store import migrate
 
     settings = cli_settings()
     try:
+        serving.check_listen(host, port)
+    except serving.CannotListen as exc:
+        _could_not_run(str(exc))
+    try:
         api = create_app(settings)
     except migrate.SchemaMismatch as exc:
-        fail(str(exc))
-    field(console, "farm API", f"http://{host}:{port}/v1  (OpenAPI: /openapi.json)")
+        _could_not_run(str(exc))
+    base = f"http://{_shown(host, settings.host_name)}:{port}"
+    console.print(f"dashboard {base}/  ·  API {base}/v1  ·  docs {base}/docs", highlight=False, soft_wrap=True)
+    console.print("a token for the dashboard and the API: farm api token create --scope read (or triage, run)",
+                  highlight=False, soft_wrap=True)
     serving.serve(api, host, port, settings)
+
+
+def _shown(host: str, host_name: str) -> str:
+    """How a browser reaches `host`: every interface is reached by this host's name."""
+    if host in ("0.0.0.0", "::", ""):
+        host = host_name
+    return f"[{host}]" if ":" in host else host
+
+
+def _could_not_run(message: str) -> None:
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(COULD_NOT_RUN)

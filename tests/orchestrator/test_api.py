@@ -14,11 +14,16 @@ latency jobs recorded as results, and b3's batch analysed (regression alerts on 
 - Every error has one shape, `{"detail": "one line", "errors": [...]}` (422s listed their
   problems in `detail` where the README promised a string), and a server fault is a 500
   without its traceback.
-- `farm api token create|list|revoke` through the CLI."""
+- `farm api token create|list|revoke` through the CLI; piped, `create` prints only the token on
+  stdout (`T=$(farm api token create ...)` caught a banner line too).
+- `farm api serve` and `farm dashboard serve` are one server on one default port, whose first
+  line says where the dashboard, API and docs are; on a port in use they print one line and
+  exit 4 (they printed the URL, then uvicorn's bind error and shutdown logs)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -30,7 +35,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from sqlalchemy import select
-from support import latency_result, seed_nightlies
+from support import free_port, latency_result, seed_nightlies
 
 from orchestrator import store
 from orchestrator.api import tokens
@@ -235,9 +240,10 @@ def test_tokens_are_stored_only_as_hashes(farm, server):
 
 
 def test_farm_api_token_create_list_revoke(cli):
-    out = cli("api", "token", "create", "--scope", "triage", "--name", "ci bot").output
-    token = out.strip().splitlines()[-1]
-    assert token.startswith("farm_") and len(token) > 40 and "shown only now" in out
+    created = cli("api", "token", "create", "--scope", "triage", "--name", "ci bot")
+    token = created.stdout.strip()
+    assert created.stdout == token + "\n"  # T=$(farm api token create ...) holds the token and nothing else
+    assert token.startswith("farm_") and len(token) > 40 and "shown only now" in created.stderr
     listed = cli("api", "token", "list", "--json").output
     (row,) = json.loads(listed)
     assert (row["name"], row["scope"], row["prefix"], row["revoked_at"]) == ("ci bot", "triage", token[:12], None)
@@ -253,6 +259,41 @@ def test_farm_api_token_create_list_revoke(cli):
     assert bad.exit_code == 1 and "unknown scope 'admin'" in bad.output
     table = cli("api", "token", "list").output
     assert "ci bot" in table and token[:12] in table and token not in table
+
+
+def test_farm_api_serve_and_farm_dashboard_serve_are_one_server_on_one_port(cli, monkeypatch):
+    import uvicorn
+
+    from orchestrator.api import serving as api_serving
+
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda api, **kw: served.append(kw))
+    port = free_port()
+    for command in (("api", "serve"), ("dashboard", "serve")):
+        first = cli(*command, "--port", str(port)).stdout.splitlines()[0]
+        base = f"http://127.0.0.1:{port}"
+        assert first == f"dashboard {base}/  ·  API {base}/v1  ·  docs {base}/docs", first
+    monkeypatch.setattr(api_serving, "check_listen", lambda host, port: None)  # the default may be taken here
+    for command in (("api", "serve"), ("dashboard", "serve")):
+        assert "http://127.0.0.1:8090/v1" in cli(*command).stdout
+    assert [kw["port"] for kw in served] == [port, port, 8090, 8090]
+    every = cli("api", "serve", "--host", "0.0.0.0", "--port", str(port)).stdout  # reached by the host's name
+    assert f"dashboard http://testhost:{port}/" in every and served[-1]["host"] == "0.0.0.0"
+
+
+def test_farm_api_serve_on_a_port_in_use_says_so_in_one_line(cli, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda api, **kw: pytest.fail("uvicorn was started on a port in use"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for command in (("api", "serve"), ("dashboard", "serve")):
+            result = cli(*command, "--port", str(port), ok=False)
+            assert result.exit_code == 4, result.output  # could not run
+            assert result.output.splitlines() == [
+                f"error: port {port} is in use on 127.0.0.1 (another farm api serve?): pick another with --port"]
 
 
 # ---- one error shape ----------------------------------------------------------------------
