@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from .models import Alert, AlertGroup, AlertKind, AlertState, Job, JobState, utcnow
+from .models import Alert, AlertGroup, AlertKind, AlertState, Build, Job, JobState, utcnow
 from .rows import StoreError, text_for_store
 
 __all__ = ["BUG_URL_PATTERN", "GROUP_SORTS", "OPEN_ALERT_STATES", "AlertGroupView", "find_alert", "get_alert_group",
@@ -46,12 +46,17 @@ def save_alert(session: Session, alert: Alert) -> Alert:
 
 
 def _group_of(session: Session, build_id: int, baseline_build_id: int | None) -> AlertGroup:
-    """The group of a build pair, made when there is none (the oldest when two were made at
-    once by concurrent analyses: every later alert joins that one)."""
-    group = session.scalar(select(AlertGroup).where(
+    """The group of a build pair, made when there is none. Two analyses of one build that
+    would make it at once take turns on the build's row (PostgreSQL; SQLite has one writer),
+    so the second finds the first's group; should two exist anyway, the oldest is the pair's."""
+    query = select(AlertGroup).where(
         AlertGroup.build_id == build_id,
         AlertGroup.baseline_build_id.is_(None) if baseline_build_id is None
-        else AlertGroup.baseline_build_id == baseline_build_id).order_by(AlertGroup.id).limit(1))
+        else AlertGroup.baseline_build_id == baseline_build_id).order_by(AlertGroup.id).limit(1)
+    group = session.scalar(query)
+    if group is None:
+        session.execute(select(Build.id).where(Build.id == build_id).with_for_update())
+        group = session.scalar(query)
     if group is None:
         group = AlertGroup(build_id=build_id, baseline_build_id=baseline_build_id)
         session.add(group)

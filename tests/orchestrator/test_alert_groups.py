@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 import uuid
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, select, text, update
+from sqlalchemy import create_engine, func, select, text, update
 from sqlalchemy.engine import make_url
 from support import seed_nightlies
 from typer.testing import CliRunner
@@ -350,3 +351,29 @@ def test_farm_regressions_show_prints_numbers_people_read(farm, farm_cli):
     assert f"ratio: {alert.ratio:.3f} (+{(alert.ratio - 1) * 100:.1f}%), 95% CI {alert.ci_low:.3f}-" \
            f"{alert.ci_high:.3f}, p={p}" in out
     assert f"group: {alert.group_id}: b2 -> b3, 3 devices x 2 metrics, 6 alerts (6 new)" in out
+
+
+def test_two_analyses_raising_a_new_pairs_first_alerts_at_once_make_one_group(farm):
+    """Two writers each raise the first alert of a new build pair (b3 against b1) at the same
+    time: the second waits for the first and joins its group instead of making another."""
+    def alert(s, serial: str) -> Alert:
+        return Alert(kind=AlertKind.regression, build_id=store.get_build(s, "b3").id,
+                     baseline_build_id=store.get_build(s, "b1").id, device_id=store.get_device(s, serial).id,
+                     metric="unet_step_ms", ratio=1.3, series={}, summary="slower", detail={})
+
+    second: dict[str, int] = {}
+
+    def raise_second() -> None:
+        with farm["sessions"]() as s, s.begin():
+            second["group"] = store.save_alert(s, alert(s, "p2")).group_id
+
+    with farm["sessions"]() as s, s.begin():
+        first = store.save_alert(s, alert(s, "p1")).group_id
+        writer = threading.Thread(target=raise_second)
+        writer.start()
+        writer.join(1.0)
+        assert writer.is_alive()  # waiting for the first writer
+    writer.join(20)
+    assert not writer.is_alive() and second["group"] == first
+    with farm["sessions"]() as s:
+        assert s.scalar(select(func.count()).select_from(AlertGroup)) == 2  # b3 against b2, and b3 against b1
