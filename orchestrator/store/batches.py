@@ -104,7 +104,7 @@ def alert_ids(session: Session) -> list[int]:
 def get_alert(session: Session, alert_id: int) -> Alert:
     alert = session.get(Alert, alert_id)
     if alert is None:
-        raise StoreError(f"no alert {alert_id}; `farm regressions list --all` shows them")
+        raise StoreError(f"no alert {alert_id}; `farm regressions list --alerts --all` shows them")
     return alert
 
 
