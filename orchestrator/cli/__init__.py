@@ -1,6 +1,7 @@
 """The `farm` command: one Typer sub-app per command group, joined here. Commands are thin:
 they parse, call a service, and print with rich (or JSON with --json). Every error a user can
-cause ends as one red line and a non-zero exit code, never a traceback."""
+cause ends as one red line and a non-zero exit code, never a traceback; every verb's exit codes
+are the one table of common.py (EXIT_CODES), shown under `farm --help` and in docs/cli.md."""
 
 from __future__ import annotations
 
@@ -30,12 +31,18 @@ from . import schedules as schedules_cmd
 from . import secrets as secrets_cmd
 from . import stack as stack_cmd
 from . import validate
-from .output import err_console, escape
+from .common import BAD_INPUT, COULD_NOT_RUN, EXIT_CODES
+from .output import err_console, escape, fit_help
+
+fit_help()
+
+EPILOG = "\b\nExit codes, every command:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
 
 app = typer.Typer(
     name="farm",
     cls=validate.FarmGroup,
     help="Ship Stable Diffusion to phones and GPU hosts, and prove every night it got faster.",
+    epilog=EPILOG,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
@@ -92,7 +99,14 @@ def main() -> None:
         app(standalone_mode=True)
     except EngineError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        sys.exit(_engine_exit_code(exc))
+
+
+def _engine_exit_code(exc: EngineError) -> int:
+    """A bad model or argument is bad input; no adapter, or a GPU that failed, could not run."""
+    from engine.errors import AdapterError, GPUError
+
+    return COULD_NOT_RUN if isinstance(exc, (AdapterError, GPUError)) else BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from typer.core import TyperCommand
 
-from . import completion, labels, numbers
+from . import completion, labels, numbers, validate
 from .common import cli_settings, open_store
 from .output import Table, console, err_console, escape
 from .watching import Reporter
@@ -54,11 +54,12 @@ def check(
     markdown_path: Path = typer.Option(None, "--markdown", help="Write a Markdown summary (a PR comment)."),
     max_rounds: int = typer.Option(2, "--max-rounds", min=0, help="More-repetitions rounds after the first."),
     pairs: int = typer.Option(2, "--pairs", min=1, help="Baseline/candidate runs per device, interleaved."),
-    precision: str = typer.Option("fp16", "--precision", help="fp32, fp16 or f16-storage."),
+    precision: str = validate.precision_option(),
     steps: int = typer.Option(4, "--steps", min=1, help="Denoising steps per generation."),
-    size: int = typer.Option(None, "--size", min=8, help="Image height and width (default: the model's)."),
-    repetitions: int = typer.Option(5, "--repetitions", min=5, help="Timed generations per run."),
-    unet_repetitions: int = typer.Option(10, "--unet-repetitions", min=5, help="Timed UNet steps per run."),
+    resolution: str = validate.resolution_option(),
+    size: int = typer.Option(None, "--size", min=8, hidden=True, help="Deprecated: --resolution."),
+    repetitions: int = validate.repetitions_option(),
+    unet_repetitions: int = validate.unet_repetitions_option(),
     images: bool = typer.Option(True, "--images/--no-images", help="One generation of each build per device, "
                                 "compared for image fidelity."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Give up (exit 4) after this many seconds."),
@@ -73,8 +74,13 @@ def check(
 
     if bool(devices) == every:
         raise _bad("name devices with --device, or give --all (not both)", gate.BAD_INPUT)
-    spec = gate.latency_spec(precision=precision, steps=steps, size=size, repetitions=repetitions,
+    if size is not None:  # the old name of --resolution, kept for CI scripts that pass it
+        err_console.print("warning: --size is deprecated; give --resolution", highlight=False, markup=False)
+        resolution = resolution or validate.resolution(str(size))
+    spec = gate.latency_spec(precision=precision, steps=steps, repetitions=repetitions,
                              unet_repetitions=unet_repetitions, timeout_s=timeout)
+    if resolution:
+        spec |= {"height": resolution[0], "width": resolution[1]}
     request = gate.CheckRequest(candidate=build, baseline=baseline, devices="all" if every else list(devices),
                                 metrics=tuple(metrics or regressions.HEADLINE_METRICS), spec=spec, pairs=pairs,
                                 max_rounds=max_rounds, images=images, timeout_s=timeout,
@@ -83,7 +89,8 @@ def check(
     try:
         report = _run(gate, settings, request, build)
     except typer.Exit as exc:
-        # open_store's one red line (a store it cannot open) exits 1, which reads as a regression.
+        # open_store's one red line (a store it cannot open) exits 4 already; nothing exits 1
+        # for an error, which would read as a regression.
         raise typer.Exit(gate.FAILED if exc.exit_code == 1 else exc.exit_code) from None
     except gate.CheckFailed as exc:
         if exc.report is not None:  # what it did, for CI to attach: written before the error line

@@ -1,4 +1,17 @@
-"""What the CLI's commands share: settings, the store, one way to fail, JSON output."""
+"""What the CLI's commands share: settings, the store, the exit codes and the two ways to fail,
+JSON output.
+
+Every `farm` verb ends with one of these exit codes (docs/cli.md; `farm --help` shows them):
+
+    0  ok
+    1  a finding: a regression, a failed check
+    2  undecided: `farm check` ran but its budget did not settle the question
+    3  bad input: an unknown build, device, alert or file, a bad value, a usage error
+       (a missing option, an unknown flag or command)
+    4  could not run: no worker, time ran out, a job failed, the store unreachable
+
+`fail(message)` ends a command for bad input, `could_not_run(message)` when the input was fine
+but the farm could not do the work; each prints one red line naming the fix."""
 
 from __future__ import annotations
 
@@ -15,6 +28,13 @@ from .output import console
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON.")
 
+OK, FINDING, UNDECIDED, BAD_INPUT, COULD_NOT_RUN = 0, 1, 2, 3, 4
+EXIT_CODES = {OK: "ok", FINDING: "a finding (a regression, a failed check)",
+              UNDECIDED: "undecided (farm check: the budget did not settle it)",
+              BAD_INPUT: "bad input (unknown build, device, alert or file; a bad value; a missing option or "
+                         "unknown flag)",
+              COULD_NOT_RUN: "could not run (no worker, time ran out, a job failed, the store unreachable)"}
+
 T = TypeVar("T")
 
 
@@ -22,9 +42,20 @@ T = TypeVar("T")
 
 
 def fail(message: str) -> NoReturn:
-    """One red line and exit code 1: how every error a user can cause ends."""
+    """Bad input: one red line and exit code 3, how every error a user can cause ends."""
+    error_line(message)
+    raise typer.Exit(BAD_INPUT)
+
+
+def could_not_run(message: str) -> NoReturn:
+    """The input was fine but the work could not be done (no worker, time ran out, a job
+    failed, the store unreachable): one red line and exit code 4."""
+    error_line(message)
+    raise typer.Exit(COULD_NOT_RUN)
+
+
+def error_line(message: str) -> None:
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
 
 
 @contextmanager
@@ -39,9 +70,9 @@ def open_store(settings) -> Iterator[Any]:
         try:
             migrate.check(engine)
         except migrate.SchemaMismatch as exc:
-            fail(str(exc))
+            could_not_run(str(exc))
         except DatabaseError as exc:
-            fail(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
+            could_not_run(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
         yield make_session_factory(engine)
     finally:
         engine.dispose()

@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from . import completion
-from .common import JSON_OPTION, cli_settings, fail, open_store, print_json
+from .common import COULD_NOT_RUN, JSON_OPTION, cli_settings, fail, open_store, print_json
 from .output import Table, console, escape
 from .watching import Reporter
 
@@ -32,7 +32,7 @@ def deploy(
                                               "(without it, an older build is installed beside the current one)."),
     as_json: bool = JSON_OPTION,
 ):
-    """Deploy a build to devices; exits non-zero when any deployment fails."""
+    """Deploy a build to devices; exits 4 (could not run) when any deployment fails or time runs out."""
 
     from orchestrator import store
     from orchestrator.jobs.celery_app import make_celery
@@ -80,7 +80,7 @@ def deploy(
         for r in failed if not as_json else ():  # the JSON carries each device's status and error
             console.print(f"[bold red]error:[/] {escape(r['device'])}: {escape(r['error'] or r['status'])}",
                           highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(COULD_NOT_RUN)  # a deployment failed, or time ran out: the farm could not do it
 
 
 def _follow(sessions, settings, batch_id: int, devices: dict[int, str], build: str, timeout: float, *,

@@ -24,7 +24,16 @@ from orchestrator.infra import inputs
 from orchestrator.store.models import Device, DeviceState, TransportKind
 
 from . import completion, validate
-from .common import JSON_OPTION, cli_settings, fail, get_or_fail, iso, open_store, print_json
+from .common import (
+    BAD_INPUT,
+    JSON_OPTION,
+    cli_settings,
+    fail,
+    get_or_fail,
+    iso,
+    open_store,
+    print_json,
+)
 from .output import Table, Text, console, styled
 
 app = typer.Typer(help="Manage the devices of the farm.", no_args_is_help=True)
@@ -175,7 +184,8 @@ def list_devices(as_json: bool = JSON_OPTION):
         if not devices:
             console.print("no devices; add one with `farm devices add SERIAL --transport ... --address ...`")
             return
-        table = Table("serial", "transport", "engine", "state", "gpu", "model", "last seen", "reserved")
+        table = Table("serial", "transport", "engine", "state", "gpu", "model", "last seen", "reserved",
+                      drop_first=("engine", "last seen", "transport", "model"), keep=("state",))
         for d in devices:
             gpu = d.gpu_device or d.gpu_vendor or "-"
             table.add_row(d.serial, str(d.transport), d.engine_host, _state(d), gpu, d.model or "-",
@@ -508,7 +518,7 @@ def discover(as_json: bool = JSON_OPTION):
         for message in bad:
             console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     if bad:
-        raise typer.Exit(1)
+        raise typer.Exit(BAD_INPUT)  # a stored serial or address to fix
 
 
 def _interactive() -> bool:

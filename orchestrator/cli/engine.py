@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import validate
+from . import common, validate
 from .output import console, escape
 
 app = typer.Typer(help="Run the Stable Diffusion engine on this machine's GPU.", no_args_is_help=True)
@@ -67,6 +67,9 @@ RESIDENCY_HELP = ("resident: all weights stay on the GPU; staged: each network's
 
 # Options the generating and planning commands share.
 PRECISION_HELP = "fp16: shader-f16 where the adapter has it, else f16-storage (packed halves, f32 arithmetic)."
+# A generation or benchmark on this machine is the reference the devices' runs are checked
+# against, so it runs in fp32 unless told otherwise; what is planned or sent to devices is fp16.
+LOCAL_PRECISION_HELP = PRECISION_HELP + " Default fp32 here: a local run is the full-precision reference."
 STEPS_OPTION = typer.Option(20, help="Denoising steps.")
 SCHEDULER_OPTION = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m.")
 PROFILE_OPTION = typer.Option("auto", help="Kernel profile: auto, reference, a shipped profile's name, or a JSON file.")
@@ -122,7 +125,7 @@ def generate(
     seed: int = typer.Option(0, help="Seed of the numpy noise generator."),
     height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     scheduler: str = SCHEDULER_OPTION,
-    precision: Precision = typer.Option(Precision.fp32, help=PRECISION_HELP),
+    precision: Precision = typer.Option(Precision.fp32, help=LOCAL_PRECISION_HELP),
     init_image: Path = typer.Option(None, help="Start from this image (img2img)."),
     strength: float = typer.Option(0.8, help="img2img: how much of the init image to repaint."),
     tokenizer: Path = typer.Option(None, help="CLIP tokenizer folder, for single-file checkpoints."),
@@ -320,7 +323,7 @@ def serve_plan(
     steps: int = STEPS_OPTION,
     scheduler: str = SCHEDULER_OPTION,
     seed: int = typer.Option(0, help="Seed of the numpy noise generator."),
-    precision: Precision = typer.Option(Precision.fp32, help=PRECISION_HELP),
+    precision: Precision = typer.Option(Precision.fp32, help=LOCAL_PRECISION_HELP),
     browser: str = typer.Option("manual", help=BROWSER_HELP),
 ):
     """Run a generation's engine plan in a browser on this machine: prints the page's URL (open it
@@ -337,7 +340,7 @@ def plan(
     out: Path = typer.Option(..., help="Plan JSON to write.", callback=validate.output_file),
     model: Path = typer.Option(None, help="diffusers model folder (the plan then says where each weight is)."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture: tensors and shapes only, no weights read."),
-    precision: Precision = typer.Option(Precision.fp32, help=PRECISION_HELP),
+    precision: Precision = typer.Option(Precision.fp16, help=PRECISION_HELP),
     height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     steps: int = STEPS_OPTION,
     scheduler: str = SCHEDULER_OPTION,
@@ -493,8 +496,9 @@ def tune(
 def bench(
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or make a random-weight model of this preset first."),
-    precision: Precision = typer.Option(Precision.fp32),
-    resolution: int = typer.Option(None, help="Image side in pixels (default: native)."),
+    precision: Precision = typer.Option(Precision.fp32, help=LOCAL_PRECISION_HELP),
+    resolution: str = validate.resolution_option("Image size, one number (512) or a square HEIGHTxWIDTH "
+                                                 "(default: the model's native size)."),
     ablation: bool = typer.Option(True, help="Run the ablation rows (reference -> optimized -> tuned)."),
     tuned: Path = typer.Option(None, help="A tuned profile for the last row."),
     reps: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
@@ -512,6 +516,9 @@ def bench(
     SIMT and bandwidth peaks)."""
     import tempfile
 
+    if resolution is not None and resolution[0] != resolution[1]:
+        common.fail(f"--resolution {resolution[0]}x{resolution[1]}: the ablation times square images; give one size")
+    resolution = resolution and resolution[0]
     if executor != Executor.native:
         return _bench_plan(model, preset, precision, resolution, reps, warmup, e2e_steps, executor, browser, json_out)
 

@@ -21,9 +21,9 @@ from .output import Table, Text, console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
 
-# What `submit --wait` ends with when a job is still not final at --timeout (1 means some job
-# did not succeed; 2 is a usage error).
-EXIT_TIMEOUT = 3
+# What `submit --wait` ends with when a job is still not final at --timeout, or one did not
+# succeed: the farm could not do the work (common.py's exit-code table).
+EXIT_TIMEOUT = common.COULD_NOT_RUN
 POLL_S = 0.5
 # A job seen infra_failed has used its attempts: a retry is queued in the same transaction.
 ENDED = frozenset({JobState.succeeded, JobState.failed, JobState.infra_failed, JobState.cancelled})
@@ -84,19 +84,6 @@ def job_dict(job: Job, runs: list[dict] | None = None) -> dict[str, Any]:
 # ---- submit -------------------------------------------------------------------------------
 
 
-def _resolution(value: str | None) -> tuple[int | None, int | None]:
-    if value is None:
-        return None, None
-    height, sep, width = value.lower().partition("x")
-    try:
-        h, w = int(height), int(width) if sep else int(height)
-    except ValueError:
-        common.fail(f"--resolution {value!r}: give HEIGHTxWIDTH (512x512) or one size (512)")
-    if h <= 0 or w <= 0 or h % 8 or w % 8:
-        common.fail(f"--resolution {value!r}: height and width must be positive multiples of 8")
-    return h, w
-
-
 def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -> dict[str, Any]:
     """The job's spec as stored (a JobSpec without job_id and kind, which the task fills in),
     read through the protocol the way the worker will read it, so a bad value fails here and
@@ -110,7 +97,7 @@ def _build_spec(kind: JobKind, build: Build, model: str | None, **fields: Any) -
     cooldown_c, cooldown_wait = fields.pop("cooldown_celsius"), fields.pop("cooldown_wait_s")
     if cooldown_wait is not None and cooldown_c is None:
         common.fail("--cooldown-wait needs --cooldown CELSIUS")
-    fields["height"], fields["width"] = _resolution(fields.pop("resolution"))
+    fields["height"], fields["width"] = fields.pop("resolution") or (None, None)
     if cooldown_c is not None:
         fields["cooldown"] = {"max_celsius": cooldown_c} | ({} if cooldown_wait is None else
                                                             {"max_wait_s": cooldown_wait})
@@ -174,14 +161,13 @@ def submit(
     steps: int = typer.Option(20, "--steps", help="Denoising steps."),
     scheduler: str = typer.Option("pndm", "--scheduler", help="pndm, ddim, euler, euler_ancestral, dpmpp_2m."),
     guidance_scale: float = typer.Option(7.5, "--guidance-scale"),
-    precision: str = typer.Option("fp16", "--precision", help="fp16, f16-storage or fp32 (fp16 runs as f16-storage where an adapter lacks shader-f16)."),
-    resolution: str = typer.Option(None, "--resolution", help="HEIGHTxWIDTH (default: the model's "
-                                   "native size)."),
+    precision: str = validate.precision_option(),
+    resolution: str = validate.resolution_option(),
     profile: str = typer.Option("auto", "--profile", help="auto, reference, a shipped profile name or "
                                 "a path in the build.", callback=validate.path_in_build),
     warmup: int = typer.Option(1, "--warmup", help="latency/tune: untimed warm-up runs."),
-    repetitions: int = typer.Option(5, "--repetitions", help="latency: timed end-to-end generations."),
-    unet_repetitions: int = typer.Option(10, "--unet-repetitions", help="latency: timed UNet steps."),
+    repetitions: int = validate.repetitions_option(),
+    unet_repetitions: int = validate.unet_repetitions_option(),
     kernel_timings: bool = typer.Option(True, "--kernel-timings/--no-kernel-timings",
                                         help="latency: per-kernel GPU times."),
     kernel_repetitions: int = typer.Option(None, "--kernel-repetitions",
@@ -201,8 +187,9 @@ def submit(
     strength: float = typer.Option(None, "--strength", help="generate with --init-image: how far the "
                                    "image is noised before denoising, in (0, 1] (default 0.8)."),
     wait: bool = typer.Option(False, "--wait", help="Follow the jobs until they end; exit 0 only if "
-                              f"all succeeded (1 otherwise, {EXIT_TIMEOUT} on --timeout)."),
-    timeout: float = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
+                              f"all succeeded ({common.COULD_NOT_RUN} when one did not or on --timeout)."),
+    timeout: float = typer.Option(None, "--timeout", min=1, help="With --wait: give up (exit 4) after this many "
+                                  "seconds; the jobs go on."),
     as_json: bool = common.JSON_OPTION,
 ):
     """Queue one job per device as one batch and send them to the workers."""
@@ -264,7 +251,7 @@ def submit(
                 cancelled, running = jobservice.cancel_unsent(session, job_ids, f"not sent: {exc}")
                 session.commit()
             went_on = f"; job(s) {', '.join(map(str, running))} had reached a worker and go on" if running else ""
-            common.fail(f"could not send the jobs to the workers ({type(exc).__name__}: {exc}); "
+            common.could_not_run(f"could not send the jobs to the workers ({type(exc).__name__}: {exc}); "
                  f"batch {batch_id}'s {len(cancelled)} unsent job(s) are cancelled{went_on}")
 
         submitted = {"batch_id": batch_id, "batch": batch_name, "build": build_label, "kind": str(kind),
@@ -293,10 +280,8 @@ def submit(
         failed = [f"{j} on {d}: {st}" + (f" ({e.splitlines()[0]})" if e else "") for j, d, st, _, e, _p in states
                   if st != JobState.succeeded]
         console.print("[bold red]error:[/] " + "; ".join(failed), highlight=False, soft_wrap=True)
-    if timed_out:
+    if timed_out or not succeeded:
         raise typer.Exit(EXIT_TIMEOUT)
-    if not succeeded:
-        raise typer.Exit(1)
 
 
 def _follow(sessions, settings, job_ids: list[int], timeout: float | None, quiet: bool):

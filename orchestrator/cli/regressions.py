@@ -463,7 +463,9 @@ def bisect(
     bad: str = typer.Option(..., "--bad", help="A build with it.", autocompletion=completion.builds),
     device: str = typer.Option(..., "--device", help="Device serial to run on.", autocompletion=completion.devices),
     metric: str = typer.Option("unet_step_ms", "--metric", help="Metric that regressed."),
-    repetitions: int = typer.Option(10, "--repetitions", min=5, help="Repetitions per build run."),
+    repetitions: int = typer.Option(10, "--repetitions", min=validate.REPETITIONS,
+                                    help="Timed generations and UNet steps per build run (at least 5; 10 by "
+                                    "default: each bisect step decides alone, with no more-repetitions rounds)."),
     timeout: float = typer.Option(3600.0, "--timeout", help="Seconds to wait for each build's run."),
     as_json: bool = common.JSON_OPTION,
 ):
@@ -519,7 +521,7 @@ def bisect(
                                            timeout_s=timeout, poll_s=1.0)
                 if ending.reason != "done":
                     silent = "".join(f"; {s.text(ending.now)}" for s in ending.silent)
-                    common.fail(f"{name} did not finish on {device} within {timeout:g} s{silent}")
+                    common.could_not_run(f"{name} did not finish on {device} within {timeout:g} s{silent}")
             with sessions() as session:
                 return regressions.runs_of(session, dev.id, build_id, JobKind.latency, spec)
 

@@ -10,8 +10,6 @@ from typing import Any
 
 import typer
 
-from engine.kernels import PRECISIONS
-
 from . import completion, validate
 from .common import JSON_OPTION, cli_settings, fail, get_or_fail, iso, open_store, print_json
 from .output import Table, console
@@ -50,10 +48,10 @@ def add(
                                   "default: latency)."),
     model: str = typer.Option(None, "--model", help="Model folder in the build (default: its only one).",
                               callback=validate.path_in_build),
-    precision: str = typer.Option(None, "--precision", help="fp16, f16-storage or fp32 (default: the agent's)."),
-    steps: int = typer.Option(None, "--steps", min=1, help="Denoising steps."),
-    resolution: int = typer.Option(None, "--resolution", min=8, help="Image height and width."),
-    repetitions: int = typer.Option(None, "--repetitions", min=1, help="Timed generations per latency job."),
+    precision: str = validate.precision_option(),
+    steps: int = typer.Option(None, "--steps", min=1, help="Denoising steps (default: the job's, 20)."),
+    resolution: str = validate.resolution_option(),
+    repetitions: int = validate.repetitions_option(),
     profile: str = typer.Option(None, "--profile", help="Kernel profile (auto, reference, a name or a path).",
                                 callback=validate.path_in_build),
     prompt: str = typer.Option(None, "--prompt", help="Prompt of generate and latency jobs."),
@@ -78,12 +76,11 @@ def add(
     bad = [k for k in kinds if k not in JOB_KINDS]
     if bad:
         fail(f"unknown job kind {bad[0]!r}; choose from {', '.join(JOB_KINDS)}")
-    if precision is not None and precision not in PRECISIONS:
-        fail(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     spec = {key: value for key, value in {
         "model": model, "precision": precision, "steps": steps, "repetitions": repetitions,
         "profile": profile, "prompt": prompt, "seed": seed,
-        "height": resolution, "width": resolution}.items() if value is not None}
+        "height": resolution and resolution[0], "width": resolution and resolution[1]}.items()
+        if value is not None}
     if cooldown_wait is not None and cooldown is None:
         fail("--cooldown-wait needs --cooldown CELSIUS")
     if cooldown is not None:

@@ -1,9 +1,10 @@
 """The `farm` CLI's checks on what a user types, as Typer callbacks and parsers: device
 addresses, serials, host and build names, ids, ports, database URLs and paths are each checked
 once, where the argument enters, by the parsers of orchestrator/infra/inputs.py. A bad value is a
-usage error (exit 2) shown as the CLI's one red line, `error: Invalid value for '--x': ...`,
-naming the value and the fix; `FarmGroup` makes every usage error Click finds (a missing
-option, an unknown command) end the same way instead of in a framed usage box."""
+usage error shown as the CLI's one red line, `error: Invalid value for '--x': ...`, naming the
+value and the fix; `FarmGroup` makes every usage error Click finds (a missing option, an
+unknown flag or command) end the same way instead of in a framed usage box, with the exit code
+of bad input (3) for every verb: Click's own 2 means "undecided" in this CLI's table (common.py)."""
 
 from __future__ import annotations
 
@@ -18,28 +19,40 @@ from typer.core import TyperGroup
 
 from orchestrator.infra import inputs
 
+from .common import BAD_INPUT
 from .output import err_console
 
-USAGE_ERROR = 2
+USAGE_ERROR = BAD_INPUT
 
 
 class FarmGroup(TyperGroup):
-    """The root command: any usage error below it (bad value, missing option, unknown command)
-    is printed as one red line and exits 2."""
+    """The root command: any usage error on it or below it (bad value, missing option, unknown
+    flag or command) is printed as one red line and exits 3, bad input."""
+
+    def make_context(self, *args, **kwargs) -> typer.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except typer.TyperException as exc:  # `farm --bogus`: before any command runs
+            _usage_error(exc)
 
     def invoke(self, ctx: typer.Context) -> Any:
         # TyperException is the base of Typer's (vendored) Click errors: usage errors and the rest.
         try:
             return super().invoke(ctx)
         except typer.TyperException as exc:
-            if type(exc).__name__ == "NoArgsIsHelpError":
-                raise  # `farm devices` alone prints its help, as before
-            message = " ".join(exc.format_message().split())  # Click lists choices on several lines
-            usage_ctx = getattr(exc, "ctx", None)
-            if not isinstance(exc, typer.BadParameter) and usage_ctx is not None:
-                message += f" (`{usage_ctx.command_path} --help` lists what it takes)"
-            err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-            raise typer.Exit(exc.exit_code or USAGE_ERROR) from None
+            _usage_error(exc)
+
+
+def _usage_error(exc: Exception) -> None:
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        exc.exit_code = USAGE_ERROR  # `farm devices` alone prints its help, as before: a command is missing
+        raise exc
+    message = " ".join(exc.format_message().split())  # Click lists choices on several lines
+    usage_ctx = getattr(exc, "ctx", None)
+    if not isinstance(exc, typer.BadParameter) and usage_ctx is not None:
+        message += f" (`{usage_ctx.command_path} --help` lists what it takes)"
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(USAGE_ERROR) from None
 
 
 def _checked(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -172,3 +185,59 @@ def _output_check(kind: str) -> Callable[[Path], Path]:
 
 output_file = _checked(_output_check("file"))
 output_dir = _checked(_output_check("dir"))
+
+
+# ---- the run settings every verb that runs the engine shares ------------------------------
+# One name, one default and one minimum for one idea, whichever verb takes it (check, jobs
+# submit, schedules add, engine fit/plan): tests/orchestrator/test_cli_fit.py holds them equal.
+
+# The check's analysis needs at least 5 timed generations per run to decide anything.
+REPETITIONS = 5
+UNET_REPETITIONS = 10
+PRECISION = "fp16"
+PRECISION_HELP = ("fp16, f16-storage or fp32 (fp16 runs as f16-storage where an adapter lacks "
+                  "shader-f16).")
+
+
+def _precision(value: str) -> str:
+    from engine.kernels import PRECISIONS
+
+    if value not in PRECISIONS:
+        raise inputs.BadInput(f"unknown precision {value!r}; choose {', '.join(PRECISIONS)}")
+    return value
+
+
+precision = _checked(_precision)
+
+
+def _resolution(value: str) -> tuple[int, int]:
+    """HEIGHTxWIDTH (512x512) or one size (512) as (height, width), multiples of 8."""
+    height, sep, width = str(value).strip().lower().partition("x")
+    try:
+        h, w = int(height), int(width) if sep else int(height)
+    except ValueError:
+        raise inputs.BadInput(f"{value!r}: give HEIGHTxWIDTH (512x512) or one size (512)") from None
+    if h <= 0 or w <= 0 or h % 8 or w % 8:
+        raise inputs.BadInput(f"{value!r}: height and width must be positive multiples of 8")
+    return h, w
+
+
+resolution = _checked(_resolution)
+
+
+def precision_option(default: str | None = PRECISION, help: str = PRECISION_HELP) -> Any:  # noqa: A002
+    return typer.Option(default, "--precision", callback=precision, help=help)
+
+
+def resolution_option(help: str = "Image size, HEIGHTxWIDTH (512x512) or one number for a square; "  # noqa: A002
+                      "multiples of 8 (default: the model's native size).") -> Any:
+    return typer.Option(None, "--resolution", metavar="HxW", callback=resolution, help=help)
+
+
+def repetitions_option(help: str = "Timed generations per run (at least 5: the regression analysis "  # noqa: A002
+                       "needs 5 to decide).") -> Any:
+    return typer.Option(REPETITIONS, "--repetitions", min=REPETITIONS, help=help)
+
+
+def unet_repetitions_option(help: str = "Timed UNet steps per run (at least 5).") -> Any:  # noqa: A002
+    return typer.Option(UNET_REPETITIONS, "--unet-repetitions", min=REPETITIONS, help=help)

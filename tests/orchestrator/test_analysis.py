@@ -370,7 +370,7 @@ def test_regressions_compare_and_bisect_cli(cli):
                           (["results", "compare", "--build", "b1", "--build", "nope"], "no build 'nope'"),
                           (["bisect", "--good", "b6", "--bad", "b1", "--device", "p1"], "must be older"),
                           (["bisect", "--good", "b1", "--bad", "b2", "--device", "p1"], "nothing to bisect")):
-        result = cli(*args, code=1)
+        result = cli(*args, code=3)
         assert message in result.output and "Traceback" not in result.output, result.output
 
 

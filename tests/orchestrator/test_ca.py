@@ -324,7 +324,7 @@ def farm(tmp_path, monkeypatch):
 
 def test_cli_before_init_says_to_run_farm_ca_init(farm, tmp_path):
     for args in (["show"], ["issue", "localhost"], ["export", str(tmp_path / "ca.pem")]):
-        out = farm("ca", *args, code=1).output
+        out = farm("ca", *args, code=3).output
         assert "no farm CA" in out and "farm ca init" in out and "Traceback" not in out
 
 
@@ -332,7 +332,7 @@ def test_cli_init_show_issue_export(farm, tmp_path):
     folder = tmp_path / "config" / "ca"
     out = farm("ca", "init").output
     assert "devicefarm CA testhost" in out and str(folder) in out
-    assert "already holds a CA" in farm("ca", "init", code=1).output
+    assert "already holds a CA" in farm("ca", "init", code=3).output
     out = farm("ca", "init", "--name", "lab CA", "--force", "--name-constraint", "farm.lan",
                "--name-constraint", "127.0.0.1").output
     assert "lab CA" in out and "may vouch for: farm.lan, 127.0.0.1" in out
@@ -344,7 +344,7 @@ def test_cli_init_show_issue_export(farm, tmp_path):
     assert "issued" in out and "farm.lan, 127.0.0.1" in out
     issued = json.loads(farm("ca", "issue", "127.0.0.1", "--json").output)
     assert issued["issued"] is False and issued["names"] == ["farm.lan", "127.0.0.1"]
-    assert "not a host name" in farm("ca", "issue", "https://farm.lan/", code=1).output
+    assert "not a host name" in farm("ca", "issue", "https://farm.lan/", code=3).output
 
     data = json.loads(farm("ca", "show", "--json").output)
     assert data["fingerprint"] == fp and data["folder"] == str(folder) and data["subject"].endswith("CN=lab CA")
@@ -356,10 +356,10 @@ def test_cli_init_show_issue_export(farm, tmp_path):
     assert x509.load_der_x509_certificate(payload) == ca.load_ca_cert(folder)
     farm("ca", "export", str(tmp_path / "farm.bin"), "--format", "der")
     assert x509.load_der_x509_certificate((tmp_path / "farm.bin").read_bytes()) == ca.load_ca_cert(folder)
-    assert "cannot tell the format" in farm("ca", "export", str(tmp_path / "farm.txt"), code=1).output
+    assert "cannot tell the format" in farm("ca", "export", str(tmp_path / "farm.txt"), code=3).output
 
     os.chmod(folder / ca.CA_KEY, 0o644)
-    assert "chmod 600" in farm("ca", "issue", "new.lan", code=1).output
+    assert "chmod 600" in farm("ca", "issue", "new.lan", code=3).output
 
 
 # ---- headless Chromium -------------------------------------------------------------------------
@@ -474,4 +474,4 @@ def test_cli_rotate_makes_a_new_constrained_ca(farm, tmp_path):
     assert ca.fingerprint(new) != old and ca.fingerprint(new) in out and "rotated" in out
     assert ca.permitted_names(new) == ["farm.lan", "10.0.0.5"]
     assert new.not_valid_after_utc - new.not_valid_before_utc <= dt.timedelta(days=730)
-    assert "may not vouch for accounts.google.com" in farm("ca", "issue", "accounts.google.com", code=1).output
+    assert "may not vouch for accounts.google.com" in farm("ca", "issue", "accounts.google.com", code=3).output

@@ -117,14 +117,14 @@ def test_scan_reports_usb_phones_it_cannot_reach(cli, monkeypatch):
 def test_scan_refuses_a_bad_address(cli):
     for bad, why in (("usb:R5CW1234", "not HOST:PORT"), ("10.0.0.7:99999", "port")):
         result = cli("devices", "scan", "--address", bad, ok=False)
-        assert result.exit_code == 2 and why in result.output, result.output
+        assert result.exit_code == 3 and why in result.output, result.output
 
 
 def test_state_machine_refusals_are_one_line(cli_db):
     cli = cli_db
     cli("devices", "add", "phone-1", "--transport", "adb", "--address", "127.0.0.1:9")
     refused = cli("devices", "release", "phone-1", ok=False)
-    assert refused.exit_code == 1
+    assert refused.exit_code == 3
     assert refused.output.strip() == ("error: device 'phone-1': release refused: it is offline, not quarantined, "
                                       "and only a quarantined device is released (docs/devices.md)")
     cli("devices", "quarantine", "phone-1", "--reason", "swollen battery")

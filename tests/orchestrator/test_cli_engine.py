@@ -76,14 +76,14 @@ def test_generate_bad_input_is_one_clear_error(monkeypatch, capsys, tiny_model_d
         monkeypatch, capsys, "engine", "generate", "--model", str(tiny_model_dir), "--prompt", "x",
         "--out", str(tmp_path / "x.png"), *extra,
     )
-    assert code == 1
+    assert code == 3
     assert message in text and "Traceback" not in text
     assert not (tmp_path / "x.png").exists()
 
 
 def test_generate_missing_model_is_one_clear_error(monkeypatch, capsys, tmp_path):
     code, text = run_main(monkeypatch, capsys, "engine", "generate", "--model", str(tmp_path / "none"), "--prompt", "x")
-    assert code == 1 and "does not exist" in text and "Traceback" not in text
+    assert code == 3 and "does not exist" in text and "Traceback" not in text
 
 
 def test_unsupported_model_family_is_named(monkeypatch, capsys, tiny_model_dir, tmp_path):
@@ -96,12 +96,12 @@ def test_unsupported_model_family_is_named(monkeypatch, capsys, tiny_model_dir, 
     cfg["prediction_type"] = "v_prediction"
     cfg_path.write_text(json.dumps(cfg))
     code, text = run_main(monkeypatch, capsys, "engine", "generate", "--model", str(model), "--prompt", "x")
-    assert code == 1 and "v-prediction" in text and "Traceback" not in text
+    assert code == 3 and "v-prediction" in text and "Traceback" not in text
 
 
 def test_unknown_preset_is_a_usage_error(tmp_path):
     r = runner.invoke(app, ["engine", "make-model", "--preset", "sdxl", "--out", str(tmp_path / "m")])
-    assert r.exit_code == 2
+    assert r.exit_code == 3
     assert "sdxl" in r.output
 
 
@@ -113,4 +113,4 @@ def test_no_adapter_is_one_clear_error(monkeypatch, capsys):
 
     monkeypatch.setattr(device, "get_gpu", no_adapter)
     code, text = run_main(monkeypatch, capsys, "engine", "info")
-    assert code == 1 and "mesa-vulkan-drivers" in text and "Traceback" not in text
+    assert code == 4 and "mesa-vulkan-drivers" in text and "Traceback" not in text

@@ -43,7 +43,7 @@ def farm_db(farm):
 def test_not_upgraded_database_is_one_clear_error(farm):
     for args in (["devices", "list"], ["builds", "list"], ["devices", "add", "p1", "--transport", "local"]):
         result = farm(*args, ok=False)
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == 4, result.output  # the store cannot be used: could not run
         assert "farm db upgrade" in result.output
         assert "Traceback" not in result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
@@ -55,7 +55,7 @@ def test_add_list_show_remove(farm_db):
     farm("devices", "add", "gpu-host", "--transport", "local", "--address", str(farm.tmp / "agent"))
 
     dup = farm("devices", "add", "phone-1", "--transport", "adb", ok=False)
-    assert dup.exit_code == 1 and "already exists" in dup.output
+    assert dup.exit_code == 3 and "already exists" in dup.output
 
     listing = json.loads(farm("devices", "list", "--json").output)
     assert [d["serial"] for d in listing] == ["gpu-host", "phone-1"]
@@ -72,20 +72,20 @@ def test_add_list_show_remove(farm_db):
     assert [d["serial"] for d in json.loads(farm("devices", "list", "--json").output)] == ["gpu-host"]
     for args in (["devices", "show", "phone-1"], ["devices", "remove", "phone-1"]):
         missing = farm(*args, ok=False)
-        assert missing.exit_code == 1 and "no device 'phone-1'" in missing.output
+        assert missing.exit_code == 3 and "no device 'phone-1'" in missing.output
         assert "Traceback" not in missing.output
 
 
 def test_bad_transport_is_a_usage_error(farm_db):
     result = farm_db("devices", "add", "x", "--transport", "carrier-pigeon", ok=False)
-    assert result.exit_code == 2
+    assert result.exit_code == 3
 
 
 def test_quarantine_and_release(farm_db):
     farm = farm_db
     farm("devices", "add", "phone-1", "--transport", "adb", "--address", "127.0.0.1:5555")
     not_quarantined = farm("devices", "release", "phone-1", ok=False)
-    assert not_quarantined.exit_code == 1 and "not quarantined" in not_quarantined.output
+    assert not_quarantined.exit_code == 3 and "not quarantined" in not_quarantined.output
 
     farm("devices", "quarantine", "phone-1", "--reason", "screen cracked, thermals flap")
     shown = json.loads(farm("devices", "show", "phone-1", "--json").output)
@@ -138,14 +138,14 @@ def test_builds_create_list_show(farm_db, tiny_model_dir):
     verify_bundle(farm.tmp / "data" / "builds" / json.loads(farm("builds", "list", "--json").output)[0]["name"],
                   config / "farm.pub")
     again = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "b1", ok=False)
-    assert again.exit_code == 1 and "already exists" in again.output
+    assert again.exit_code == 3 and "already exists" in again.output
 
 
 def test_builds_bad_input_is_one_error(farm_db, tmp_path):
     result = farm_db("builds", "create", "--model", str(tmp_path / "nope"), ok=False)
-    assert result.exit_code == 1 and "not a diffusers model folder" in result.output
+    assert result.exit_code == 3 and "not a diffusers model folder" in result.output
     result = farm_db("builds", "show", "nope", ok=False)
-    assert result.exit_code == 1 and "no build 'nope'" in result.output
+    assert result.exit_code == 3 and "no build 'nope'" in result.output
     assert not (tmp_path / "data" / "builds").exists()
 
 
@@ -203,11 +203,11 @@ def test_builds_create_from_another_checkout_or_a_commit(farm_db, tiny_model_dir
 
     bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "bad", "--source", str(checkout),
                "--commit", "no-such-rev", ok=False)
-    assert bad.exit_code == 1 and "'no-such-rev' is not a commit of" in bad.output
+    assert bad.exit_code == 3 and "'no-such-rev' is not a commit of" in bad.output
     assert len(bad.output.strip().splitlines()) == 1, bad.output
     bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "bad", "--source", str(tmp_path),
                ok=False)
-    assert bad.exit_code == 1 and "not a checkout of this project" in bad.output
+    assert bad.exit_code == 3 and "not a checkout of this project" in bad.output
     assert sorted(p.name for p in builds.iterdir()) == ["at-commit", "tree"]  # nothing staged is left
 
 
@@ -234,7 +234,7 @@ def test_a_pull_requests_links_never_bring_files_from_outside_its_tree(farm_db, 
         (checkout / link).symlink_to(target, target_is_directory=target.is_dir())
         bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "leaky", "--source", str(checkout),
                    ok=False)
-        assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+        assert bad.exit_code == 3 and "Traceback" not in bad.output, bad.output
         assert len(bad.output.strip().splitlines()) == 1, bad.output
         assert f"{link}: a link to {target.resolve()}, outside {checkout.resolve()}" in bad.output, bad.output
         (checkout / link).unlink()
@@ -255,7 +255,7 @@ def test_a_pull_requests_links_never_bring_files_from_outside_its_tree(farm_db, 
     subprocess.run([*git, "commit", "-q", "-m", "pr"], check=True)
     bad = farm("builds", "create", "--model", str(tiny_model_dir), "--name", "leaky", "--source", str(checkout),
                "--commit", "HEAD", ok=False)
-    assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+    assert bad.exit_code == 3 and "Traceback" not in bad.output, bad.output
     assert len(bad.output.strip().splitlines()) == 1, bad.output
     assert "engine/leak.txt is a link to ../../../../config/farm.key, outside the tree" in bad.output, bad.output
     assert sorted(p.name for p in builds.iterdir()) == ["first", "linked"]

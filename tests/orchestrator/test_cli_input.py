@@ -17,7 +17,7 @@ from orchestrator import store
 from orchestrator.infra import inputs
 from orchestrator.infra.settings import parse_device_entry
 
-USAGE = 2
+USAGE = 3  # bad input, usage errors included (docs/cli.md)
 
 
 @pytest.fixture
@@ -146,10 +146,10 @@ def test_path_in_a_build_that_climbs_out_is_refused(farm):
 def test_path_that_does_not_exist_is_one_line(farm, tiny_model_dir):
     # These commands check what they read themselves (and did before this module existed).
     missing = farm.tmp / "nope"
-    one_error(farm("builds", "create", "--model", str(missing), ok=False), str(missing), code=1)
+    one_error(farm("builds", "create", "--model", str(missing), ok=False), str(missing), code=3)
     one_error(farm("builds", "create", "--model", str(tiny_model_dir), "--profiles", str(missing), ok=False),
-              str(missing), code=1)
-    one_error(farm("results", "export", "--csv", str(missing / "x.csv"), ok=False), str(missing), code=1)
+              str(missing), code=3)
+    one_error(farm("results", "export", "--csv", str(missing / "x.csv"), ok=False), str(missing), code=3)
     assert not missing.exists()
 
 
@@ -189,7 +189,7 @@ def test_discover_names_a_device_whose_stored_address_is_bad_and_exits_non_zero(
     _store_device(farm, "p1", "adb", "host:abc")
     _store_device(farm, "p2", "adb", "127.0.0.1:1")  # valid, nobody there: offline, not an error
     result = farm("devices", "discover", ok=False)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 3, result.output
     assert "Traceback" not in result.output and "ValueError" not in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.output
@@ -208,7 +208,7 @@ def test_discover_names_a_device_whose_stored_address_is_bad_and_exits_non_zero(
 def test_discover_names_a_stored_serial_that_would_become_a_path(farm):
     _store_device(farm, "../x", "local", "")
     result = farm("devices", "discover", ok=False)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 3, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "'../x'" in errors[0] and "farm devices remove" in errors[0], result.output
     assert not (farm.tmp / "data" / "x").exists()
@@ -222,7 +222,7 @@ def test_deploy_refuses_a_device_whose_stored_address_is_bad(farm):
         store.create_build(session, manifest)
         session.commit()
     (farm.tmp / "data" / "builds" / "b1").mkdir(parents=True)
-    one_error(farm("deploy", "b1", "--device", "p1", "--timeout", "5", ok=False), "'p1'", "'host:abc'", code=1)
+    one_error(farm("deploy", "b1", "--device", "p1", "--timeout", "5", ok=False), "'p1'", "'host:abc'", code=3)
 
 
 # ---- the parsers ----------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_dashboard_build_writes_only_into_its_own_or_an_empty_folder(farm, tmp_p
     (project / "data" / "experiments" / "results.csv").write_text("run,ms\n1,10\n")
     (project / "static" / "site.css").write_text("body {}\n")
     one_error(farm("dashboard", "build", "--out", str(project), ok=False), str(project),
-              "not a dashboard this farm wrote", code=1)
+              "not a dashboard this farm wrote", code=3)
     assert (project / "data" / "experiments" / "results.csv").read_text() == "run,ms\n1,10\n"
     assert (project / "static" / "site.css").read_text() == "body {}\n"
     assert sorted(p.name for p in project.iterdir()) == ["data", "static"]

@@ -37,8 +37,8 @@ GIB = 2**30
 
 
 def _one_error(result, *fragments: str) -> None:
-    """Exit 1, one line, naming what was wrong."""
-    assert result.exit_code == 1, result.output
+    """Exit 3 (bad input), one line, naming what was wrong."""
+    assert result.exit_code == 3, result.output
     assert "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     for fragment in fragments:
@@ -217,7 +217,7 @@ def test_unknown_references_are_one_error_each(seeded):
     assert not (cli.tmp / "x.csv").exists()
     with cli.Session() as s:  # nothing was queued by the refused submits
         assert len(s.scalars(select(Job)).all()) == len(cli.ids)
-    assert cli("jobs", "list", "--state", "nope", ok=False).exit_code == 2  # a usage error
+    assert cli("jobs", "list", "--state", "nope", ok=False).exit_code == 3  # a usage error: bad input
 
 
 # ---- results ------------------------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
     monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", lambda app, job_ids, strict: sent.append(list(job_ids)))
 
     out = json.loads(cli("jobs", "submit", "latency", "--all", "--precision", "fp32", "--steps", "4",
-                         "--resolution", "64x96", "--repetitions", "3", "--warmup", "0", "--cooldown", "38",
+                         "--resolution", "64x96", "--repetitions", "6", "--warmup", "0", "--cooldown", "38",
                          "--no-kernel-timings", "--time-limit", "90", "--gpu-budget-mb", "2093", "--json").output)
     assert out["build"] == "b2" and out["kind"] == "latency"  # the newest build by default
     assert [j["device"] for j in out["jobs"]] == ["phone-1", "phone-2"]  # not the quarantined phone-3
@@ -354,7 +354,7 @@ def test_submit_makes_one_batch_and_one_job_per_device(seeded, monkeypatch):
             assert spec["model"] == "models/tiny" and spec["build"] == "b2"  # the build's only model
             assert (spec["precision"], spec["steps"], spec["height"], spec["width"]) == ("fp32", 4, 64, 96)
             assert (spec["repetitions"], spec["warmup"], spec["kernel_timings"], spec["time_limit_s"]) == \
-                (3, 0, False, 90.0)
+                (6, 0, False, 90.0)
             assert spec["cooldown"]["max_celsius"] == 38.0
             assert spec["gpu_budget_bytes"] == 2_093_000_000
             assert (spec["job_id"], spec["kind"], spec["executor"]) == (f"job{job.id}", "latency", "native")  # whole
@@ -407,10 +407,10 @@ def test_submit_refuses_a_job_a_browser_device_cannot_hold(cli, tiny_model_dir, 
               "--scheduler", "euler")
 
     over = cli(*submit, "--device", "page-1", "--gpu-budget-mb", "2", ok=False)
-    assert over.exit_code == 1 and "nothing queued: the job does not fit page-1 (peak GPU memory" in over.output
+    assert over.exit_code == 3 and "nothing queued: the job does not fit page-1 (peak GPU memory" in over.output
     assert "> the budget of 2,000,000" in over.output
     narrow_out = cli(*submit, "--device", "page-1", "--device", "page-2", ok=False)
-    assert narrow_out.exit_code == 1 and "page-2 (max binding bytes" in narrow_out.output
+    assert narrow_out.exit_code == 3 and "page-2 (max binding bytes" in narrow_out.output
     assert "page-1" not in narrow_out.output.split("does not fit")[1]  # page-1 can hold it
     assert sent == [] and json.loads(cli("jobs", "list", "--json").output) == []
     queued = json.loads(cli(*submit, "--device", "page-1", "--gpu-budget-mb", "100", "--json").output)
@@ -424,7 +424,9 @@ def test_submit_that_cannot_reach_the_workers_cancels_its_jobs(seeded, monkeypat
         raise ConnectionError("broker down")
 
     monkeypatch.setattr("orchestrator.jobs.jobservice.send_jobs", broker_down)
-    _one_error(cli("jobs", "submit", "latency", "--device", "phone-1", ok=False), "broker down", "cancelled")
+    unsent = cli("jobs", "submit", "latency", "--device", "phone-1", ok=False)
+    assert unsent.exit_code == 4, unsent.output  # the farm could not run it, the input was fine
+    assert "broker down" in unsent.output and "cancelled" in unsent.output and len(unsent.output.splitlines()) == 1
     (job,) = json.loads(cli("jobs", "list", "--json", "--limit", "1").output)
     assert job["state"] == "cancelled" and "not sent" in job["error"]
 
@@ -518,8 +520,8 @@ def test_submit_wait_on_a_real_worker(deployed, monkeypatch):  # noqa: F811  (th
     assert job["state"] == "succeeded" and job["batch_id"] is not None and job["spec"]["model"] == "models/tiny"
     assert farm_cli("jobs", "logs", str(row["job_id"])).exit_code == 0
 
-    # a job that fails on the device makes --wait exit 1, as JSON too
+    # a job that fails on the device makes --wait exit 4 (could not run), as JSON too
     failed = farm_cli("jobs", "submit", "generate", *common, "--model", "models/missing", "--json")
-    assert failed.exit_code == 1, failed.output
+    assert failed.exit_code == 4, failed.output
     (outcome,) = json.loads(failed.output)["jobs"]
     assert outcome["state"] == "failed" and outcome["error"]

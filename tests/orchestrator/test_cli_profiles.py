@@ -76,10 +76,10 @@ def test_profiles_list_show_promote_diff(cli_db):
     # Promotion: an unmeasured or slower profile needs --force; a measured one replaces the
     # one promoted for its GPU, and a profile of another GPU is left alone.
     result = cli("profiles", "promote", str(a), ok=False)
-    assert result.exit_code == 1 and "never measured" in result.output
+    assert result.exit_code == 3 and "never measured" in result.output
     _measure(cli, b, 0.8, 0.7, 0.9)
     result = cli("profiles", "promote", str(b), ok=False)
-    assert result.exit_code == 1 and "measured slower" in result.output
+    assert result.exit_code == 3 and "measured slower" in result.output
     _measure(cli, a, 1.25, 1.1, 1.4)
     cli("profiles", "promote", str(a))
     cli("profiles", "promote", str(c), "--force")
@@ -99,7 +99,7 @@ def test_profiles_list_show_promote_diff(cli_db):
     for args, message in [(["show", "999"], "no profile '999'"), (["promote", "nope"], "no profile 'nope'"),
                           (["diff", str(a), "nope"], "no profile 'nope'"), (["list", "--device", "x"], "no device")]:
         result = cli("profiles", *args, ok=False)
-        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+        assert result.exit_code == 3 and message in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.gpu

@@ -53,7 +53,7 @@ def test_scan_finds_and_records_each_series_change_point(cli_db):
     assert "1 change points (0 new)" in text and "b9" in text
     for args, message in [(["--metric", "fps"], "unknown metric 'fps'"), (["--device", "ghost"], "no device 'ghost'")]:
         result = cli("regressions", "scan", *args, ok=False)
-        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+        assert result.exit_code == 3 and message in result.output and "Traceback" not in result.output
 
 
 def test_a_short_history_has_no_change_point(Session):  # noqa: N803

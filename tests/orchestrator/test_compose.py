@@ -143,7 +143,7 @@ def test_farm_secrets_init_writes_random_private_secrets_once(tmp_path, secrets_
     assert env_values(path) != first, "a second farm gets other passwords"
     before = path.read_text()
     again = farm_cli("secrets", "init", "--env-file", str(path))
-    assert again.returncode == 1 and f"{path} exists" in again.stdout and "--force" in again.stdout, again.stdout
+    assert again.returncode == 3 and f"{path} exists" in again.stdout and "--force" in again.stdout, again.stdout
     assert path.read_text() == before
     forced = farm_cli("secrets", "init", "--env-file", str(path), "--force")
     assert forced.returncode == 0 and path.read_text() != before and path.stat().st_mode & 0o777 == 0o600

@@ -645,7 +645,7 @@ def test_farm_dashboard_build_on_an_unmigrated_store_is_one_error(tmp_path, monk
     monkeypatch.setenv("FARM_DATABASE_URL", f"sqlite:///{tmp_path / 'none.db'}")
     monkeypatch.setenv("FARM_DATA_DIR", str(tmp_path / "data"))
     result = CliRunner().invoke(app, ["dashboard", "build", "--out", str(tmp_path / "out")])
-    assert result.exit_code == 1
+    assert result.exit_code == 3
     assert "error:" in result.output and "farm db upgrade" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out" / "index.html").exists()
 
@@ -886,6 +886,13 @@ def test_a_group_row_triages_its_alerts_with_a_triage_token_only(farm, server, b
         assert "scope (read) does not grant triage" in button.get_attribute("title")
         assert "farm api token create --scope triage" in button.get_attribute("title")
     _open_group(browser, group_id)
+    for row in browser.find_elements(By.CSS_SELECTOR, f'tr.group-alert[data-group-id="{group_id}"]'):
+        links, metric = row.find_elements(By.CSS_SELECTOR, "a.series-link"), row.get_attribute("data-metric")
+        if metric in METRICS:  # a latency series' alert links to it; a fidelity alert's image has no chart
+            assert [a.get_attribute("href") for a in links] == [
+                f"{server}/series/{_series_id(farm, row.get_attribute('data-device'), metric)}"]
+        else:
+            assert links == []
     assert not browser.find_element(By.CSS_SELECTOR, f'tr.group-edit[data-group-id="{group_id}"] .group-save').is_enabled()
     assert all(not box.is_enabled() for box in browser.find_elements(By.CSS_SELECTOR, "tr.group-alert input.pick"))
 
@@ -911,6 +918,7 @@ def test_a_group_row_triages_its_alerts_with_a_triage_token_only(farm, server, b
     WebDriverWait(browser, WAIT_S).until(lambda d: message.text == f"Group #{group_id} saved.")
     with farm["sessions"]() as s:
         assert store.get_alert_group(s, group_id).group.bug_url == "https://bugs.example.com/41"
+    _artifact(browser, "dashboard-live-groups.png")
 
     browser.execute_script("localStorage.setItem('farm.refresh.ms', '300')")  # read when the page starts
     try:

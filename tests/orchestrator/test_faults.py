@@ -172,17 +172,17 @@ def test_farm_deploy_reports_each_device(farm, monkeypatch):
     ok = runner.invoke(app, ["deploy", "b1", "--device", "local-1"])
     assert ok.exit_code == 0 and "succeeded" in ok.output, ok.output
     mixed = runner.invoke(app, ["deploy", "b1", "--device", "local-1", "--device", "gone-phone", "--json"])
-    assert mixed.exit_code == 1, mixed.output
+    assert mixed.exit_code == 4, mixed.output  # a deployment failed: could not run
     rows = {r["device"]: r for r in json.loads(mixed.output)}
     assert rows["local-1"]["status"] == "succeeded" and rows["local-1"]["files_sent"] == 0  # already there
     assert rows["local-1"]["files_skipped"] > 0
     assert rows["gone-phone"]["status"] == "failed" and "gone-phone" in rows["gone-phone"]["error"]
     text = runner.invoke(app, ["deploy", "b1", "--device", "gone-phone"])
-    assert text.exit_code == 1 and "error: gone-phone" in text.output and "Traceback" not in text.output
+    assert text.exit_code == 4 and "error: gone-phone" in text.output and "Traceback" not in text.output
     bad = runner.invoke(app, ["deploy", "nope", "--all"])
-    assert bad.exit_code == 1 and "no build 'nope'" in bad.output
+    assert bad.exit_code == 3 and "no build 'nope'" in bad.output
     neither = runner.invoke(app, ["deploy", "b1"])
-    assert neither.exit_code == 1 and "--all" in neither.output
+    assert neither.exit_code == 3 and "--all" in neither.output
     # A newer build, then b1 again: the older build goes in beside, the newer stays current
     # until --allow-downgrade.
     newer = build_bundle({"models/tiny": farm["tiny_model_dir"]}, farm["settings"].data_dir / "builds" / "b2",

@@ -233,16 +233,16 @@ def test_notify_cli_adds_lists_tests_and_removes(cli, receivers, monkeypatch):
     hook = receivers()
     for local in (hook.url, "http://localhost:9/x", "https://10.1.2.3/hook", "http://[::1]:8080/", "http://169.254.169.254/"):
         refused = cli("notify", "add", "webhook", local, ok=False)  # off by default: the lab's own network
-        assert refused.exit_code == 1 and "FARM_NOTIFY_PRIVATE_TARGETS=true" in refused.output, refused.output
+        assert refused.exit_code == 3 and "FARM_NOTIFY_PRIVATE_TARGETS=true" in refused.output, refused.output
         assert len(refused.output.strip().splitlines()) == 1, refused.output
     monkeypatch.setenv("FARM_NOTIFY_PRIVATE_TARGETS", "true")
     out = cli("notify", "add", "webhook", hook.url, "--device", "p1", "--alert-kind", "regression").output
     assert "subscription 1" in out and "signing secret" in out
-    assert cli("notify", "add", "webhook", "ftp://x", ok=False).exit_code == 1
+    assert cli("notify", "add", "webhook", "ftp://x", ok=False).exit_code == 3
     for header in ("ops@example.com\r\nBcc: all@example.com", "a@b.c, evil@example.com", "Ops <ops@example.com>",
                    "ops @example.com"):
         refused = cli("notify", "add", "email", header, ok=False)  # one plain address: no header line added
-        assert refused.exit_code == 1 and "one plain address" in refused.output, refused.output
+        assert refused.exit_code == 3 and "one plain address" in refused.output, refused.output
     assert "unknown alert kind" in cli("notify", "add", "slack", hook.url, "--alert-kind", "x", ok=False).output
     listed = json.loads(cli("notify", "list", "--json").output)
     assert listed["subscriptions"][0]["devices"] == ["p1"] and listed["deliveries"] == []

@@ -346,16 +346,16 @@ def test_farm_retention_shows_dry_runs_and_applies_the_policy(cli):
     assert samples() == 24
     assert "downsampled 0 runs" in cli("retention", "apply").output
 
-    _one_error(cli("retention", "apply", "--raw-days", "-1", ok=False), "--raw-days", code=2)
-    _one_error(cli("retention", "show", "--log-days", "soon", ok=False), "--log-days", code=2)
-    _one_error(cli("retention", "apply", "--bogus", ok=False), "--bogus", code=2)
+    _one_error(cli("retention", "apply", "--raw-days", "-1", ok=False), "--raw-days", code=3)
+    _one_error(cli("retention", "show", "--log-days", "soon", ok=False), "--log-days", code=3)
+    _one_error(cli("retention", "apply", "--bogus", ok=False), "--bogus", code=3)
 
 
 def test_a_bad_retention_setting_is_one_line(cli, monkeypatch):
     monkeypatch.setenv("FARM_RETENTION_IMAGE_DAYS", "half a year")
-    _one_error(cli("retention", "show", ok=False), "FARM_RETENTION_IMAGE_DAYS", "half a year", code=1)
+    _one_error(cli("retention", "show", ok=False), "FARM_RETENTION_IMAGE_DAYS", "half a year", code=3)
     monkeypatch.setenv("FARM_RETENTION_IMAGE_DAYS", "-5")
-    _one_error(cli("retention", "apply", ok=False), "FARM_RETENTION_IMAGE_DAYS", code=1)
+    _one_error(cli("retention", "apply", ok=False), "FARM_RETENTION_IMAGE_DAYS", code=3)
 
 
 def test_beat_applies_retention_daily(cli):

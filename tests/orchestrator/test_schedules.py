@@ -152,7 +152,8 @@ def test_schedules_cli_lifecycle(farm):
     (row,) = json.loads(farm("schedules", "list", "--json").output)
     assert row["name"] == "nightly" and row["enabled"] and row["devices"] == ["p1"]
     assert [j["kind"] for j in row["jobs"]] == ["latency", "generate"]
-    assert row["jobs"][0]["spec"] == {"steps": 4, "precision": "fp32"}
+    # the repetitions' default (5, as in check and jobs submit) is written into the suite
+    assert row["jobs"][0]["spec"] == {"steps": 4, "precision": "fp32", "repetitions": 5}
     next_at = dt.datetime.fromisoformat(row["next_run_at"])
     assert next_at.astimezone(dt.timezone(dt.timedelta(hours=1))).hour == 2  # 02:00 Paris (winter)
     farm("schedules", "disable", "nightly")
@@ -178,7 +179,7 @@ def test_schedules_cli_lifecycle(farm):
     (["schedules", "run-now", "ghost"], "no schedule 'ghost'"),
 ])
 def test_schedules_bad_input_is_one_error(farm, args, message):
-    result = farm(*args, code=1)
+    result = farm(*args, code=3)
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert json.loads(farm("schedules", "list", "--json").output) == []  # nothing half-written
@@ -186,7 +187,7 @@ def test_schedules_bad_input_is_one_error(farm, args, message):
 
 def test_run_now_without_builds_is_one_error(farm):
     farm("schedules", "add", "nightly", "--cron", "0 2 * * *")
-    result = farm("schedules", "run-now", "nightly", code=1)
+    result = farm("schedules", "run-now", "nightly", code=3)
     assert "no builds yet" in result.output and "Traceback" not in result.output
 
 
@@ -247,7 +248,7 @@ def test_a_tuning_loop_schedule_times_the_tuned_profile_after_the_tune(cli_db):
     for args, message in [(["--tuning-loop", "--job", "latency"], "without --job"),
                           (["--tuning-loop", "--profile", "reference"], "without --profile")]:
         result = cli("schedules", "add", "x", "--cron", "0 2 * * *", *args, ok=False)
-        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+        assert result.exit_code == 3 and message in result.output and "Traceback" not in result.output
 
 
 def test_schedules_list_shows_a_broken_schedule_and_beat_fires_the_rest(farm, tmp_path):
@@ -270,7 +271,7 @@ def test_schedules_list_shows_a_broken_schedule_and_beat_fires_the_rest(farm, tm
     rows = {r["name"]: r for r in json.loads(farm("schedules", "list", "--json").output)}
     assert rows["nightly"]["next_run_at"] and rows["nightly"]["error"] is None
     assert rows["leap"]["next_run_at"] is None and "names no date" in rows["leap"]["error"]
-    result = farm("schedules", "add", "leap2", "--cron", "0 0 31 2 *", code=1)
+    result = farm("schedules", "add", "leap2", "--cron", "0 0 31 2 *", code=3)
     assert "names no date" in result.output and "Traceback" not in result.output
 
 

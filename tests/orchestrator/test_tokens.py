@@ -61,6 +61,6 @@ def test_remove_quarantine_and_revoke_token_revoke_the_page_token(cli, how):
 def test_revoke_token_of_a_device_without_one_is_one_error(cli):
     cli("devices", "add", "p1", "--transport", "local")
     result = cli("devices", "revoke-token", "p1", ok=False)
-    assert result.exit_code == 1 and "p1 has no page token" in result.output
+    assert result.exit_code == 3 and "p1 has no page token" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert json.loads(cli("devices", "list", "--json").output)[0]["serial"] == "p1"
