@@ -176,7 +176,9 @@
       el("td", {}, badge(a.kind, a.kind)), el("td", {}, a.device || "—"), el("td", {}, a.metric || "—"),
       el("td", { class: "num" }, num(a.ratio, "", fmt.ratio)), el("td", {}, fmt.change(a.ratio)),
       el("td", {}, badge(a.state, a.state)),
-      el("td", { colspan: 2 }, a.series_id ? el("a", { class: "series-link", href: href("series", a.series_id) }, "series") : "")));
+      // a regression or improvement sits on a latency series; a fidelity alert's image has no chart
+      el("td", { colspan: 2 }, a.series_id && ["regression", "improvement"].includes(a.kind)
+        ? el("a", { class: "series-link", href: href("series", a.series_id) }, "series") : "")));
     // What is typed survives the list being read again, until it is saved.
     const draft = view.drafts.get(g.id) || { owner: g.owner, bug_url: g.bug_url, note: g.note };
     const field = (name, key, size) => el("input", { type: "text", class: `edit-${name}`, value: draft[key], size,
