@@ -15,12 +15,13 @@ from . import validate
 from .common import (
     JSON_OPTION,
     cli_settings,
+    could_not_run,
     fail,
     iso,
     open_store,
     print_json_or_empty,
 )
-from .output import Table, console, err_console, escape
+from .output import Table, console, err_console
 
 app = typer.Typer(help="The farm API: serve it, and manage its bearer tokens.", no_args_is_help=True)
 token_app = typer.Typer(help="Bearer tokens of the farm API: read, triage or run.", no_args_is_help=True)
@@ -91,7 +92,6 @@ def revoke(token_id: int = typer.Argument(..., help="Token id (`farm api token l
 
 
 DEFAULT_PORT = 8090  # `farm api serve` and `farm dashboard serve`: one server
-COULD_NOT_RUN = 4  # the CLI's exit codes: 0 ok, 1 finding, 2 undecided, 3 bad input, 4 could not run
 
 HOST_OPTION = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface).",
                            callback=validate.listen_host)
@@ -116,11 +116,11 @@ def run_server(host: str, port: int) -> None:
     try:
         serving.check_listen(host, port)
     except serving.CannotListen as exc:
-        _could_not_run(str(exc))
+        could_not_run(str(exc))
     try:
         api = create_app(settings)
     except migrate.SchemaMismatch as exc:
-        _could_not_run(str(exc))
+        could_not_run(str(exc))
     base = f"http://{_shown(host, settings.host_name)}:{port}"
     console.print(f"dashboard {base}/  ·  API {base}/v1  ·  docs {base}/docs", highlight=False, soft_wrap=True)
     console.print("a token for the dashboard and the API: farm api token create --scope read (or triage, run)",
@@ -133,8 +133,3 @@ def _shown(host: str, host_name: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = host_name
     return f"[{host}]" if ":" in host else host
-
-
-def _could_not_run(message: str) -> None:
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(COULD_NOT_RUN)

@@ -254,9 +254,9 @@ def test_farm_api_token_create_list_revoke(cli):
     with cli.Session() as s:
         assert tokens.authenticate(s, token) is None
     again = cli("api", "token", "revoke", str(row["id"]), ok=False)
-    assert again.exit_code == 1 and "revoked already" in again.output
+    assert again.exit_code == 3 and "revoked already" in again.output
     bad = cli("api", "token", "create", "--scope", "admin", ok=False)
-    assert bad.exit_code == 1 and "unknown scope 'admin'" in bad.output
+    assert bad.exit_code == 3 and "unknown scope 'admin'" in bad.output
     table = cli("api", "token", "list").output
     assert "ci bot" in table and token[:12] in table and token not in table
 
