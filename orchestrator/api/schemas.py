@@ -317,6 +317,11 @@ class SeriesDetail(SeriesOut):
     points: list[SeriesPoint]
 
 
+def series_of(a: Alert) -> str | None:
+    """The id of the latency series an alert sits on (a regression's or an improvement's)."""
+    return views.alert_series_id(a) if a.kind in views.SERIES_KINDS else None
+
+
 class AlertOut(BaseModel):
     id: int
     kind: AlertKind
@@ -334,8 +339,8 @@ class AlertOut(BaseModel):
     series: dict[str, Any]
     detail: dict[str, Any]
     batch: int | None
-    series_id: str | None = Field(description="The series the alert is about (/v1/series/{id}); none for a "
-                                              "device's data stoppage.")
+    series_id: str | None = Field(description="The latency series a regression or improvement is about "
+                                              "(/v1/series/{id}); none for a fidelity alert or a data stoppage.")
     group_id: int | None = Field(description="The regression it belongs to (/v1/alert-groups/{id}): every alert "
                                              "of its build pair.")
     created_at: dt.datetime
@@ -348,7 +353,7 @@ class AlertOut(BaseModel):
                    baseline_build=a.baseline_build.name if a.baseline_build else None, metric=a.metric,
                    ratio=a.ratio, ci_low=a.ci_low, ci_high=a.ci_high, p_value=a.p_value, summary=a.summary,
                    note=a.note, series=a.series or {}, detail=a.detail or {}, batch=a.batch_id,
-                   series_id=views.alert_series_id(a), group_id=a.group_id,
+                   series_id=series_of(a), group_id=a.group_id,
                    created_at=a.created_at, updated_at=a.updated_at)
 
 
@@ -379,7 +384,7 @@ class AlertInGroup(BaseModel):
     @classmethod
     def of(cls, a: Alert) -> AlertInGroup:
         return cls(id=a.id, kind=a.kind, state=a.state, device=a.device.serial if a.device else None,
-                   metric=a.metric, ratio=a.ratio, series_id=views.alert_series_id(a), summary=a.summary)
+                   metric=a.metric, ratio=a.ratio, series_id=series_of(a), summary=a.summary)
 
 
 class AlertGroupOut(BaseModel):

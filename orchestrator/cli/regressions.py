@@ -20,11 +20,11 @@ app = typer.Typer(help="Regressions, improvements, image changes and data stoppa
 
 
 def alert_series_id(alert) -> str | None:
-    """The id of the series an alert is about (the API's /v1/series/ID, the dashboard's series
-    page); None for a data stoppage."""
-    from orchestrator.dashboard.views import alert_series_id as series_id_of
+    """The id of the latency series a regression or improvement is about (the API's
+    /v1/series/ID, the dashboard's series page); None for a fidelity alert or a data stoppage."""
+    from orchestrator.dashboard import views
 
-    return series_id_of(alert)
+    return views.alert_series_id(alert) if alert.kind in views.SERIES_KINDS else None
 
 
 def alert_dict(alert) -> dict[str, Any]:

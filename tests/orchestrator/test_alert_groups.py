@@ -237,9 +237,23 @@ def test_the_api_lists_groups_and_a_read_token_cannot_triage_them(farm):
 
 
 def test_alerts_carry_their_series_and_group(farm):
+    """A regression names its latency series and its group; a fidelity alert (an image, no
+    chart) only its group; a data stoppage neither."""
+    with farm["sessions"]() as s, s.begin():
+        b2, b3, p1 = store.get_build(s, "b2"), store.get_build(s, "b3"), store.get_device(s, "p1")
+        key = s.scalar(select(Alert.series).where(Alert.kind == AlertKind.regression).limit(1))
+        image = store.save_alert(s, Alert(kind=AlertKind.fidelity, build_id=b3.id, baseline_build_id=b2.id,
+                                          device_id=p1.id, metric="image_psnr_db", summary="image", detail={},
+                                          series=key | {"metric": "image_psnr_db", "prompt": "a cat", "seed": 0}))
+        quiet = store.save_alert(s, Alert(kind=AlertKind.data_stoppage, device_id=p1.id, metric="",
+                                          series={"device": "p1"}, summary="quiet", detail={}))
+        ids = {"fidelity": image.id, "stoppage": quiet.id}
     with _client(farm, "read") as read:
-        alerts = read.get("/v1/alerts").json()
+        everything = read.get("/v1/alerts").json()
+        others = {a["id"]: (a["series_id"], a["group_id"]) for a in everything if a["kind"] != "regression"}
+        alerts = [a for a in everything if a["kind"] == "regression"]
         assert len(alerts) == 6
+        assert others == {ids["fidelity"]: (None, alerts[0]["group_id"]), ids["stoppage"]: (None, None)}
         for alert in alerts:
             series = read.get(f"/v1/series/{alert['series_id']}")
             assert series.status_code == 200, alert
