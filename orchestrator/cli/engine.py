@@ -73,8 +73,15 @@ LOCAL_PRECISION_HELP = PRECISION_HELP + " Default fp32 here: a local run is the 
 STEPS_OPTION = typer.Option(20, help="Denoising steps.")
 SCHEDULER_OPTION = typer.Option("pndm", help="pndm, ddim, euler, euler_ancestral or dpmpp_2m.")
 PROFILE_OPTION = typer.Option("auto", help="Kernel profile: auto, reference, a shipped profile's name, or a JSON file.")
-HEIGHT_OPTION = typer.Option(None, help="Image height (default: the model's native size).")
-WIDTH_OPTION = typer.Option(None, help="Image width (default: the model's native size).")
+RESOLUTION_OPTION = validate.resolution_option()
+# The old names of --resolution's two halves, kept working for scripts that pass them.
+HEIGHT_OPTION = typer.Option(None, hidden=True, help="Deprecated: --resolution HxW.")
+WIDTH_OPTION = typer.Option(None, hidden=True, help="Deprecated: --resolution HxW.")
+
+
+def _size(resolution: tuple[int, int] | None, height: int | None, width: int | None) -> tuple[int | None, int | None]:
+    """--resolution, or the deprecated --height and --width (None: the model's native size)."""
+    return resolution or (height, width)
 
 
 @app.command()
@@ -123,7 +130,7 @@ def generate(
     steps: int = STEPS_OPTION,
     guidance: float = typer.Option(7.5, help="Classifier-free guidance scale (<= 1 turns it off)."),
     seed: int = typer.Option(0, help="Seed of the numpy noise generator."),
-    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    resolution: str = RESOLUTION_OPTION, height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     scheduler: str = SCHEDULER_OPTION,
     precision: Precision = typer.Option(Precision.fp32, help=LOCAL_PRECISION_HELP),
     init_image: Path = typer.Option(None, help="Start from this image (img2img)."),
@@ -153,8 +160,8 @@ def generate(
                              residency=residency and residency.value, executor=executor.value,
                              budget_bytes=None if budget_mb is None else int(budget_mb * 1e6), **options)
     try:
-        _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, height, width, scheduler, init_image,
-                  strength, as_json)
+        _generate(pipe, out, prompt, negative_prompt, steps, guidance, seed, *_size(resolution, height, width),
+                  scheduler, init_image, strength, as_json)
     finally:
         if hasattr(pipe, "close"):
             pipe.close()
@@ -286,7 +293,7 @@ def explain(
     preset: Preset = typer.Option(None, help="Or a preset's architecture (no weights needed)."),
     profile: str = PROFILE_OPTION,
     precision: Precision = typer.Option(Precision.fp16, help="Element type the kernels would run in."),
-    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    resolution: str = RESOLUTION_OPTION, height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
 ):
     """Show which kernel variant each op of the model uses on this adapter, and why."""
@@ -299,7 +306,7 @@ def explain(
     config = _config_for(model, preset)
     caps = get_gpu().caps
     prof = resolve_profile(profile, caps)
-    height, width = _native(config, height, width)
+    height, width = _native(config, *_size(resolution, height, width))
     dtype = "f16" if precision == Precision.fp16 and caps.has_f16 else "f32"
     rows = run_explain(config, prof.selection(caps), caps, dtype, height, width)
     if as_json:
@@ -341,7 +348,7 @@ def plan(
     model: Path = typer.Option(None, help="diffusers model folder (the plan then says where each weight is)."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture: tensors and shapes only, no weights read."),
     precision: Precision = typer.Option(Precision.fp16, help=PRECISION_HELP),
-    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    resolution: str = RESOLUTION_OPTION, height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     steps: int = STEPS_OPTION,
     scheduler: str = SCHEDULER_OPTION,
     guidance: float = typer.Option(7.5, help="Classifier-free guidance scale (<= 1 turns it off)."),
@@ -356,7 +363,7 @@ def plan(
     from engine.fit import fit_plan
     from engine.plan import write_plan
 
-    caps, prof, height, width, record = _planning(model, preset, adapter, profile, height, width)
+    caps, prof, height, width, record = _planning(model, preset, adapter, profile, *_size(resolution, height, width))
     doc = record(precision=precision.value, steps=steps, scheduler=scheduler, guidance_scale=guidance,
                  strength=strength)
     write_plan(doc, out)
@@ -381,7 +388,7 @@ def fit(
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture (sd14: the real model's sizes)."),
     precision: Precision = typer.Option(Precision.fp16, help=PRECISION_HELP),
-    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    resolution: str = RESOLUTION_OPTION, height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     steps: int = STEPS_OPTION,
     scheduler: str = SCHEDULER_OPTION,
     profile: str = PROFILE_OPTION,
@@ -398,7 +405,7 @@ def fit(
 
     from .output import Table
 
-    caps, prof, height, width, record = _planning(model, preset, adapter, profile, height, width)
+    caps, prof, height, width, record = _planning(model, preset, adapter, profile, *_size(resolution, height, width))
     budget = None if budget_mb is None else int(budget_mb * 1e6)
     try:
         doc = record(budget, precision=precision.value, steps=steps, scheduler=scheduler, guidance_scale=7.5)
@@ -470,7 +477,7 @@ def tune(
     model: Path = typer.Option(None, help="diffusers model folder."),
     preset: Preset = typer.Option(None, help="Or a preset's architecture."),
     precision: Precision = typer.Option(Precision.fp16),
-    height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
+    resolution: str = RESOLUTION_OPTION, height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     repeats: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
     time_budget: float = typer.Option(600.0, help="Seconds; past it only reference variants are timed."),
 ):
@@ -480,7 +487,7 @@ def tune(
 
     config = _config_for(model, preset)
     gpu = get_gpu()
-    height, width = _native(config, height, width)
+    height, width = _native(config, *_size(resolution, height, width))
     dtype = "f16" if precision == Precision.fp16 and gpu.caps.has_f16 else "f32"
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console) as bar:

@@ -87,7 +87,10 @@ class Table(rich_table.Table):
 
     def _fitting_columns(self, console: Console, options: ConsoleOptions) -> tuple[list, list[str]]:
         """The columns whose narrowest widths (each cell's longest word) fit the width, and the
-        headers of those left out."""
+        headers of those left out. A table without headers (a record's fields, one a row) keeps
+        every column: there would be no name to say what was left out."""
+        if not self.show_header:
+            return list(self.columns), []
         wide = options.update_width(UNBOUNDED_WIDTH)
         need = {id(c): self._measure_column(console, wide, c).minimum for c in self.columns}
         headers = [_plain(console, c.header) for c in self.columns]

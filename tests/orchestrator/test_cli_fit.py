@@ -241,8 +241,10 @@ def _options(name: str):
 
 def test_one_idea_has_one_name_default_and_minimum_in_every_verb():
     resolution = dict(_options("--resolution"))
-    assert {("check",), ("jobs", "submit"), ("schedules", "add")} <= set(resolution)
-    assert not list(_options("--size")) or all(p.hidden for _, p in _options("--size"))
+    assert {("check",), ("jobs", "submit"), ("schedules", "add"), ("engine", "generate"), ("engine", "plan"),
+            ("engine", "fit"), ("engine", "bench")} <= set(resolution)
+    for old in ("--size", "--height", "--width"):  # deprecated names that still work, unlisted
+        assert all(p.hidden for _, p in _options(old)), old
     assert {(p.default, p.metavar) for p in resolution.values()} == {(None, "HxW")}
 
     repetitions = dict(_options("--repetitions"))
