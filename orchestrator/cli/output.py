@@ -17,6 +17,7 @@ operator's terminal. A table's text cells are plain text (`Table`; a styled cell
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable
 
 from rich import table as rich_table
@@ -79,7 +80,7 @@ class Table(rich_table.Table):
             return
         shown, dropped = self._fitting_columns(console, options)
         table = copy.copy(self)
-        table.columns = shown
+        table.columns = self._narrowed(console, options, shown)
         yield from rich_table.Table.__rich_console__(table, console, options)
         if dropped:
             yield Text(f"not shown at {options.max_width} columns: {', '.join(dropped)} (a wider terminal, "
@@ -91,8 +92,7 @@ class Table(rich_table.Table):
         every column: there would be no name to say what was left out."""
         if not self.show_header:
             return list(self.columns), []
-        wide = options.update_width(UNBOUNDED_WIDTH)
-        need = {id(c): self._measure_column(console, wide, c).minimum for c in self.columns}
+        need = {id(c): self._narrowest(console, options, c)[0] for c in self.columns}
         headers = [_plain(console, c.header) for c in self.columns]
         order = [headers.index(h) for h in self.drop_first if h in headers]
         order += [i for i in range(len(self.columns) - 1, 0, -1) if i not in order]
@@ -105,6 +105,33 @@ class Table(rich_table.Table):
             shown.remove(self.columns[index])
             dropped.append(headers[index])
         return shown, dropped
+
+    def _narrowed(self, console: Console, options: ConsoleOptions, columns: list) -> list:
+        """`columns`, each given a width when together they are wider than the terminal: the
+        widest are narrowed first, none below its longest word. (rich narrows the widest
+        columns without that floor, so a header such as "devices x metrics" broke mid-word.)"""
+        floors, widths = map(list, zip(*(self._narrowest(console, options, c) for c in columns), strict=True))
+        excess = sum(widths) + self._extra_width_of(len(columns)) - options.max_width
+        if excess <= 0:
+            return columns
+        while excess > 0:
+            narrowable = [i for i, w in enumerate(widths) if w > floors[i]]
+            if not narrowable:
+                break  # the columns kept are wider than the terminal even so: rich folds them
+            top = max(widths[i] for i in narrowable)
+            below = [widths[i] for i in narrowable if widths[i] < top]
+            for i in (i for i in narrowable if widths[i] == top):
+                cut = min(widths[i] - max(floors[i], max(below, default=0)), excess)
+                widths[i] -= cut
+                excess -= cut
+        return [dataclasses.replace(c, width=w - self._get_padding_width(c._index))
+                for c, w in zip(columns, widths, strict=True)]
+
+    def _narrowest(self, console: Console, options: ConsoleOptions, column: rich_table.Column) -> tuple[int, int]:
+        """A column's narrowest width (its longest word; all of its text when it must not wrap)
+        and its natural width, padding included."""
+        measured = self._measure_column(console, options.update_width(UNBOUNDED_WIDTH), column)
+        return measured.maximum if column.no_wrap else measured.minimum, measured.maximum
 
     def _extra_width_of(self, columns: int) -> int:
         """What the box's edges and separators take around `columns` columns."""

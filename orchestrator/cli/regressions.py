@@ -109,7 +109,8 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _group_table(rows: list[dict[str, Any]], shown: dict[str, str]) -> None:
-    table = Table(title=f"{len(rows)} alert group{'s' if len(rows) != 1 else ''} (`farm regressions group show ID`)")
+    table = Table(title=f"{len(rows)} alert group{'s' if len(rows) != 1 else ''} (`farm regressions group show ID`)",
+                  drop_first=("bug", "kinds", "owner", "devices x metrics", "alerts"), keep=("worst",))
     for header in ("group", "builds"):
         table.add_column(header, no_wrap=True)
     for header in ("devices x metrics", "worst", "alerts", "kinds", "owner", "bug"):

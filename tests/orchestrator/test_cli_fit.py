@@ -63,6 +63,7 @@ def terminal(monkeypatch):
 LISTS = {
     ("results", "list"): ("run", "job", "device", "build", "kind", "status", "finished", "unet_step_ms"),
     ("regressions", "list", "--alerts"): ("id", "kind", "state", "device", "build", "metric", "change", "CI"),
+    ("regressions", "list"): ("group", "builds", "devices x metrics", "worst", "alerts", "kinds", "owner", "bug"),
     ("devices", "list"): ("serial", "transport", "engine", "state", "gpu", "model", "last seen", "reserved"),
 }
 
@@ -91,11 +92,12 @@ def _fits(args: tuple[str, ...], width: int, text: str) -> None:
         assert dropped == [], text
     for header in LISTS[args]:
         assert header in dropped or all(word in text for word in header.split()), (header, text)
-    assert LONG_SERIAL in text  # the first column stays, whole
-    if "build" not in dropped and args[0] != "devices":
+    if args != ("regressions", "list"):  # a group's row names its builds, not a device
+        assert LONG_SERIAL in text  # the device stays, whole
+    if "build" not in dropped and args[0] != "devices" and args != ("regressions", "list"):
         assert LONG_BUILD in text, text
     if args[0] == "regressions":
-        assert "change" not in dropped and "+31" in text, text  # what the row is about stays
+        assert not {"change", "worst"} & set(dropped) and "+31" in text, text  # what the row is about stays
     if args[0] == "results" and "unet_step_ms" not in dropped:
         assert re.search(r"3,1\d\d\b", text), text  # the median, whole
 
@@ -108,7 +110,7 @@ def _piped(args: tuple[str, ...], text: str) -> None:
     assert set(LISTS[args]) <= set(header), lines
     rows = [line.split("\t") for line in lines[lines.index("\t".join(header)) + 1:] if "\t" in line]
     assert rows and all(len(row) == len(header) for row in rows), lines
-    assert any(LONG_SERIAL in row for row in rows)
+    assert any(LONG_SERIAL in row or "+31.0%" in row for row in rows), rows  # a device's row, or the group's
 
 
 def test_a_table_wider_than_the_terminal_keeps_numbers_and_names_whole(terminal):
