@@ -16,7 +16,7 @@ import typer
 from typer.core import TyperCommand
 
 from . import completion, labels, numbers, validate
-from .common import cli_settings, open_store
+from .common import cli_settings, current_user, open_store
 from .output import Table, console, err_console, escape
 from .watching import Reporter
 
@@ -82,6 +82,7 @@ def check(
     if resolution:
         spec |= {"height": resolution[0], "width": resolution[1]}
     request = gate.CheckRequest(candidate=build, baseline=baseline, devices="all" if every else list(devices),
+                                holder=current_user(),
                                 metrics=tuple(metrics or regressions.HEADLINE_METRICS), spec=spec, pairs=pairs,
                                 max_rounds=max_rounds, images=images, timeout_s=timeout,
                                 no_worker_s=no_worker_timeout)

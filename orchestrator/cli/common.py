@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
@@ -45,6 +46,11 @@ def fail(message: str) -> NoReturn:
     """Bad input: one red line and exit code 3, how every error a user can cause ends."""
     error_line(message)
     raise typer.Exit(BAD_INPUT)
+
+
+def current_user() -> str:
+    """Who runs this command, as a reservation names its holder ($USER; "" when unknown)."""
+    return os.environ.get("USER") or os.environ.get("USERNAME") or ""
 
 
 def could_not_run(message: str) -> NoReturn:

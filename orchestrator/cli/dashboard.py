@@ -12,7 +12,7 @@ import typer
 
 from . import validate
 from .api import HOST_OPTION, PORT_OPTION, run_server
-from .common import cli_settings, fail
+from .common import cli_settings, could_not_run, fail
 from .output import console
 
 app = typer.Typer(help="The live dashboard (served by the farm API) and its offline copy.", no_args_is_help=True)
@@ -33,9 +33,9 @@ def build(out: Path = OUT_OPTION):
     try:
         index = export_site(settings, target)
     except migrate.SchemaMismatch as exc:
-        fail(str(exc))
+        could_not_run(str(exc))
     except DatabaseError as exc:
-        fail(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
+        could_not_run(f"cannot open the database: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
     except (OSError, ExportError) as exc:
         fail(f"cannot write the dashboard into {target}: {exc}")
     console.print(f"dashboard written: {index}", highlight=False, soft_wrap=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from . import validate
+from .common import COULD_NOT_RUN
 from .output import console
 
 app = typer.Typer(help="Manage the farm's SQL database.", no_args_is_help=True)
@@ -26,7 +27,7 @@ def upgrade(
     except Exception as exc:  # a bad URL, an unreachable server, a revision unknown here
         console.print(f"[bold red]error:[/] database upgrade failed for {_safe(settings.database_url)}: "
                       f"{exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(COULD_NOT_RUN) from None
     console.print(f"database {_safe(settings.database_url)} is at revision {migrate.head_revision()}",
                   highlight=False, soft_wrap=True)
 

@@ -23,7 +23,7 @@ import typer
 from engine.kernels import PRECISIONS
 
 from . import labels, numbers
-from .common import cli_settings, fail
+from .common import COULD_NOT_RUN, cli_settings, fail
 from .output import Table, console, escape, field
 
 DEMO_PREFIX = "demo "
@@ -152,8 +152,8 @@ def demo(
         engine.dispose()
     console.print(f"demo finished in {time.monotonic() - started:.0f} s; every process it started has stopped",
                   highlight=False)
-    if not ok:
-        raise typer.Exit(1)
+    if not ok:  # a job or deployment failed: the demo could not run to its end
+        raise typer.Exit(COULD_NOT_RUN)
 
 
 def _browser_devices(browser_phones: int, tablets: int) -> tuple[int, int]:

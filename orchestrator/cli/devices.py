@@ -8,7 +8,6 @@ reaches the database: settings read here, schema checked at head."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
 import sys
 from contextlib import nullcontext
@@ -28,6 +27,7 @@ from .common import (
     BAD_INPUT,
     JSON_OPTION,
     cli_settings,
+    current_user,
     fail,
     get_or_fail,
     iso,
@@ -111,7 +111,7 @@ def add(
     engine_host: EngineHost = typer.Option(EngineHost.python, "--engine-host",
                                            help="python: farm-agent runs the engine on the device; browser: the "
                                            "device's web browser does (an Android phone's Chrome over adb: README, "
-                                           "Real phones)."),
+                                           "Connect an Android phone)."),
 ):
     """Register a device; it stays offline until `farm devices discover` reaches it."""
     from orchestrator import store
@@ -147,7 +147,7 @@ def _print_enrolment(settings, serial: str) -> None:
     try:
         ca = load_ca_cert(default_dir(settings.config_dir))
         console.print(f"the device must trust the farm's CA first (fingerprint {fingerprint(ca)}): `farm ca export "
-                      "farm-ca.mobileconfig` for iPhones and iPads, farm-ca.cer for Android; README: Real phones",
+                      "farm-ca.mobileconfig` for iPhones and iPads, farm-ca.cer for Android; README, Connect an iPhone",
                       highlight=False)
     except Exception:  # noqa: BLE001  (no CA yet: `farm hub` makes it)
         console.print("the farm's CA does not exist yet: `farm hub` makes it (or `farm ca init`); then install it "
@@ -327,10 +327,6 @@ def parse_duration(value: str) -> dt.timedelta:
     return length
 
 
-def _user() -> str:
-    return os.environ.get("USER") or os.environ.get("USERNAME") or ""
-
-
 def reservation_dict(reservation, serial: str) -> dict[str, Any]:
     return {"device": serial, "holder": reservation.holder, "note": reservation.note,
             "starts_at": iso(reservation.starts_at), "until": iso(reservation.until),
@@ -352,7 +348,7 @@ def reserve(
     from orchestrator import store
 
     duration = parse_duration(length)
-    holder = (holder if holder is not None else _user()).strip()
+    holder = (holder if holder is not None else current_user()).strip()
     if not holder:
         fail("who holds it? $USER is not set: pass --as NAME")
     with open_store(cli_settings()) as sessions, sessions() as session:

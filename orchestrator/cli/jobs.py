@@ -213,7 +213,7 @@ def submit(
                 build = store.get_build(session, build_name)
                 model = model or store.default_model(build)
                 targets = jobservice.target_devices(session, "all" if all_devices else devices,
-                                                    refuse_quarantined=True)
+                                                    refuse_quarantined=True, holder=common.current_user())
             except store.StoreError as exc:
                 common.fail(str(exc))
             spec = _build_spec(kind, build, model, prompt=prompt, negative_prompt=negative_prompt, seed=seed,

@@ -14,7 +14,7 @@ import time
 import typer
 
 from . import validate
-from .common import cli_settings, fail, open_store
+from .common import COULD_NOT_RUN, cli_settings, could_not_run, fail, open_store
 from .output import console, escape
 
 HOST_OPTION = typer.Option(None, "--host", help="This host's name (default: FARM_HOST_NAME, else the OS host name).",
@@ -93,7 +93,7 @@ def notifier(
 
     settings = cli_settings()
     if beside is not None and not die_with_parent(beside):
-        fail(f"the worker that started this notifier (pid {beside}) is gone")
+        could_not_run(f"the worker that started this notifier (pid {beside}) is gone")
     app = make_celery(settings)
     app.worker_main(["worker", "-Q", ",".join(notifier_queues()), "-P", "threads", "-c", str(concurrency),
                      "-n", f"notify@{settings.host_name}", "--without-gossip", "--without-mingle", "-l", loglevel])
@@ -137,7 +137,7 @@ def hub(
         running = BrowserHub("127.0.0.1", port, https=tls, tokens_dir=settings.browser_tokens_dir,
                              stores=settings.data_dir / "devices")
     except OSError as exc:
-        fail(f"cannot listen: {exc} (is another `farm hub` running? set hub_port / hub_https_port)")
+        could_not_run(f"cannot listen: {exc} (is another `farm hub` running? set hub_port / hub_https_port)")
     public = f"https://{settings.hub_public_host or settings.host_name}:{running.https_port}" if tls else None
     settings.config_dir.mkdir(parents=True, exist_ok=True)
     hub_file = settings.hub_file
@@ -199,7 +199,7 @@ def up(
             console.print("stopping the stack")
         except Exception as exc:  # noqa: BLE001  (a child died: say which, then stop the rest)
             console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-            raise typer.Exit(1) from None
+            raise typer.Exit(COULD_NOT_RUN) from None
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -322,7 +322,7 @@ def start_stack(settings, *, phones: int, host_gpu: bool, concurrency: int | Non
         _probe_all(settings, [entry[0] for entry in entries])
     except (StackError, TransportError) as exc:
         _stop(stack, handlers)
-        fail(str(exc))
+        could_not_run(str(exc))
     except BaseException:
         _stop(stack, handlers)
         raise

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 # ---- targeting and limits -----------------------------------------------------------------
 
 
-def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_quarantined: bool) -> list[Device]:
+def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_quarantined: bool,
+                   holder: str = "") -> list[Device]:
     """The devices a submission runs on: "all" is every device that is not quarantined;
     otherwise the serials named, each once, in order. StoreError names an unknown serial, or
     says that no device is left.
@@ -51,7 +52,8 @@ def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_qua
     The reservation rule (`farm devices reserve`): a person asking now (`refuse_quarantined`:
     `farm jobs submit`, `farm check`) is refused a reserved device, named or among "all", with
     its holder and end, so the holder's debugging is not disturbed and the asker hears why at
-    once; a suite skips it (_create_suite)."""
+    once; a suite skips it (_create_suite). The holder asking (`holder`: who asks, as the CLI
+    knows them) runs on what they hold: that is what they reserved it for."""
     if devices == "all":
         targets = store.in_service_devices(session)
         if not targets:
@@ -69,7 +71,7 @@ def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_qua
     if refuse_quarantined:
         held = store.active_reservations(session, [d.id for d in targets])
         for device in targets:
-            if device.id in held:
+            if device.id in held and not (holder and held[device.id].holder == holder):
                 raise store.DeviceReserved(device.serial, held[device.id],
                                            "leave it out (name the other devices), or wait until it ends")
     return targets

@@ -73,6 +73,7 @@ class CheckRequest:
     images: bool = True  # one generation of each build per device, for image fidelity
     timeout_s: float = 3600.0
     no_worker_s: float | None = watched.NO_WORKER_S  # None: wait for a worker as long as the timeout
+    holder: str = ""  # who asks: a device they reserved is theirs to check on (jobservice.target_devices)
 
 
 def latency_spec(*, precision: str = "fp16", steps: int = 4, size: int | None = None, repetitions: int = 5,
@@ -104,7 +105,7 @@ def builds_compared(session: Session, request: CheckRequest) -> tuple[Build, dic
     try:
         candidate = store.get_build(session, request.candidate)
         named = store.get_build(session, request.baseline) if request.baseline else None
-        devices = target_devices(session, request.devices, refuse_quarantined=True)
+        devices = target_devices(session, request.devices, refuse_quarantined=True, holder=request.holder)
         model = store.default_model(candidate)
     except store.StoreError as exc:
         raise CheckInput(str(exc)) from None

@@ -182,6 +182,26 @@ def test_a_check_or_a_submission_naming_a_reserved_device_is_refused(cli):
         with pytest.raises(store.DeviceReserved, match="leave it out"):
             target_devices(s, "all", refuse_quarantined=True)
         assert [d.serial for d in target_devices(s, ["vphone-2"], refuse_quarantined=True)] == ["vphone-2"]
+        # the holder runs on what they hold: that is what they reserved it for
+        assert [d.serial for d in target_devices(s, "all", refuse_quarantined=True, holder="ana")] == [
+            "vphone-1", "vphone-2"]
+        with pytest.raises(store.DeviceReserved):
+            target_devices(s, ["vphone-1"], refuse_quarantined=True, holder="bob")
+
+
+def test_the_holder_submits_jobs_to_the_device_they_hold(cli, monkeypatch):
+    _add(cli, "vphone-1")
+    with cli.Session() as s, s.begin():
+        store.create_build(s, tiny_manifest("b1", 1_700_000_000.0))
+    monkeypatch.setenv("USER", "ana")
+    cli("devices", "reserve", "vphone-1", "--for", "2h")
+    monkeypatch.setenv("USER", "bob")
+    refused = cli("jobs", "submit", "latency", "--build", "b1", "--device", "vphone-1", ok=False)
+    assert refused.exit_code == 3 and "reserved by ana" in refused.output
+    monkeypatch.setenv("USER", "ana")
+    cli("jobs", "submit", "latency", "--build", "b1", "--device", "vphone-1")
+    with cli.Session() as s:
+        assert [j.device.serial for j in s.query(Job)] == ["vphone-1"]
 
 
 def test_schedules_run_now_and_list_name_the_devices_a_batch_skipped(cli):
