@@ -542,6 +542,8 @@ class OverviewMetric(BaseModel):
 
 class LatestPoint(BaseModel):
     build: str
+    display: str = Field(description="What people call the build: its label, else the end of its name that "
+                                     "tells it from the other builds shown.")
     median: float
     n: int
 

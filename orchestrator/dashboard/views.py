@@ -84,7 +84,9 @@ def overview(session: Session) -> dict[str, Any]:
     and the alert on it (the alert on its latest build, else its newest open alert, else none)."""
     alerts = _series_alerts(session)
     cells = []
-    for series in farm_series.list_series(session):  # one query: each series carries its newest point
+    every = farm_series.list_series(session)  # one query: each series carries its newest point
+    shown = store.build_display_names(session, [s.latest["build"] for s in every if s.latest is not None])
+    for series in every:
         latest = series.latest
         if latest is None:
             continue
@@ -94,7 +96,8 @@ def overview(session: Session) -> dict[str, Any]:
         cells.append({"series_id": series.id, "device": series.key.device, "metric": series.key.metric,
                       "unit": unit_of(series.key.metric), "spec": spec_label(series.spec),
                       "environment": series.key.os_driver, "builds": series.builds, "runs": series.runs,
-                      "latest": {"build": latest["build"], "median": latest["median"], "n": latest["n"]},
+                      "latest": {"build": latest["build"], "display": shown.get(latest["build"], latest["build"]),
+                                 "median": latest["median"], "n": latest["n"]},
                       "latest_verdict": series.verdict,
                       "verdict": _alert_ref(verdict) if verdict is not None else None,
                       "verdict_on_latest": verdict is not None and verdict.build_id == latest["build_id"]})

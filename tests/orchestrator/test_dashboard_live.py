@@ -324,6 +324,9 @@ def test_the_overview_asks_for_a_token_then_shows_the_analysis_numbers(farm, ser
     with farm["sessions"]() as s:
         ratio = s.get(Alert, farm["alerts"][("p1", "unet_step_ms")]).ratio
     assert 1.2 < ratio < 1.4 and f"regression new +{(ratio - 1) * 100:.1f} %" in regression.text
+    # the build by what people call it (its label, else the end of its name), the full name on hover
+    build = regression.find_element(By.CSS_SELECTOR, ".muted")
+    assert build.text.startswith("build b3, n=") and build.get_attribute("title") == "b3"
     assert _severe(browser) == []
     _artifact(browser, "dashboard-live-overview.png")
 

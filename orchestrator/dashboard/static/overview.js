@@ -20,7 +20,8 @@
     return el("a", { class: "cell", href: href("series", cell.series_id),
                      dataset: { seriesId: cell.series_id, device: cell.device, metric: cell.metric } },
       el("div", { class: "latest" }, num(cell.latest.median, cell.unit)),
-      el("div", { class: "muted" }, `${cell.latest.build}, n=${cell.latest.n}, ${cell.builds} builds`),
+      el("div", { class: "muted", title: cell.latest.build },
+        `build ${cell.latest.display || cell.latest.build}, n=${cell.latest.n}, ${cell.builds} builds`),
       el("div", {}, verdict(cell)),
       el("div", { class: "spec" }, `${cell.spec} · ${cell.environment || "environment not recorded"}`));
   }
