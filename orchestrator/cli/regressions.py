@@ -177,8 +177,6 @@ def show(alert_id: int = ALERT_ID, as_json: bool = common.JSON_OPTION):
         alert = session.get(Alert, alert_id)
         if alert is None:
             common.fail(f"no alert {alert_id}; `farm regressions list --alerts --all` shows them")
-        if alert.group_id is None and store.group_ungrouped_alerts(session):
-            session.commit()  # raised before groups existed: grouped now
         data = alert_dict(alert)
         group = group_dict(store.get_alert_group(session, alert.group_id)) if alert.group_id else None
     if as_json:

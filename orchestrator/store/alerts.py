@@ -23,7 +23,7 @@ from .models import Alert, AlertGroup, AlertKind, AlertState, Build, Job, JobSta
 from .rows import StoreError, text_for_store
 
 __all__ = ["BUG_URL_PATTERN", "GROUP_SORTS", "OPEN_ALERT_STATES", "AlertGroupView", "find_alert", "get_alert_group",
-           "group_ungrouped_alerts", "has_open_alert", "last_reports", "list_alert_groups", "save_alert",
+           "has_open_alert", "last_reports", "list_alert_groups", "save_alert",
            "triage_group", "update_alert_group", "valid_bug_url"]
 
 OPEN_ALERT_STATES = (AlertState.new, AlertState.acknowledged)
@@ -62,17 +62,6 @@ def _group_of(session: Session, build_id: int, baseline_build_id: int | None) ->
         session.add(group)
         session.flush()
     return group
-
-
-def group_ungrouped_alerts(session: Session) -> int:
-    """Put every alert of a build that has no group yet (raised before groups existed) into its
-    build pair's group; how many were placed. Cheap when there are none: one indexed query."""
-    ungrouped = list(session.scalars(select(Alert).where(
-        Alert.group_id.is_(None), Alert.build_id.is_not(None), Alert.kind.in_(GROUPED_KINDS)).order_by(Alert.id)))
-    for alert in ungrouped:
-        alert.group_id = _group_of(session, alert.build_id, alert.baseline_build_id).id
-    session.flush()
-    return len(ungrouped)
 
 
 def find_alert(session: Session, build_id: int, device_id: int, kind: AlertKind, metric: str) -> Alert | None:
@@ -173,10 +162,10 @@ def list_alert_groups(
     """Groups with at least one alert in `states` that matches every alert filter given (kind,
     device, metric), of the candidate build `build_id` and the owner `owner` ("" for none),
     sorted by `sort` (GROUP_SORTS). Each comes with all its alerts, whatever their state:
-    a group is triaged whole. Alerts raised before groups existed are grouped first."""
+    a group is triaged whole. (Alerts raised before groups existed were grouped by migration
+    0025.)"""
     if sort not in GROUP_SORTS:
         raise StoreError(f"unknown sort {sort!r}; choose from {', '.join(GROUP_SORTS)}")
-    group_ungrouped_alerts(session)
     inside = [Alert.group_id == AlertGroup.id, Alert.state.in_(list(states))]
     if kinds is not None:
         inside.append(Alert.kind.in_(list(kinds)))

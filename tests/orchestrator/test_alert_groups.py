@@ -18,8 +18,9 @@ import uuid
 
 import numpy as np
 import pytest
+from alembic import command
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, func, select, text, update
+from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 from support import seed_nightlies
 from typer.testing import CliRunner
@@ -31,6 +32,7 @@ from orchestrator.api import tokens
 from orchestrator.api.app import create_app
 from orchestrator.infra.settings import Settings
 from orchestrator.jobs import batch_analysis
+from orchestrator.store import migrate, upgrade
 from orchestrator.store.models import Alert, AlertGroup, AlertKind, AlertState
 
 SPEC = {"model": "models/tiny", "precision": "fp32", "steps": 2, "prompt": "a red bicycle", "seed": 0}
@@ -164,16 +166,16 @@ def test_a_group_takes_an_owner_an_http_bug_link_and_a_note(farm):
         assert store.get_alert_group(s, group_id).group.bug_url == ""
 
 
-def test_alerts_raised_before_groups_are_grouped_when_groups_are_listed(farm):
-    """An alert the migration found ungrouped joins its pair's group on the first listing; a
-    data stoppage, a device's with no build, stays alone."""
+def test_alerts_raised_before_groups_are_grouped_by_the_migration(farm):
+    """A store whose alerts were raised before groups existed: upgrading to 0025 puts each in
+    its build pair's group; a data stoppage, a device's with no build, stays alone."""
     with farm["sessions"]() as s, s.begin():
-        s.execute(update(Alert).values(group_id=None))
-        s.execute(AlertGroup.__table__.delete())
         device = store.get_device(s, "p1")
         s.add(Alert(kind=AlertKind.data_stoppage, device_id=device.id, metric="", series={"device": "p1"},
                     summary="p1 has not reported", detail={}))
-    with farm["sessions"]() as s, s.begin():
+    command.downgrade(migrate.alembic_config(farm["url"]), "0024")
+    upgrade(farm["url"])
+    with farm["sessions"]() as s:
         (view,) = store.list_alert_groups(s, states=tuple(AlertState))
         assert len(view.alerts) == 6 and view.devices == list(SERIALS)
     with farm["sessions"]() as s:

@@ -1,6 +1,9 @@
 """triage for people: a build's short label; alert groups (one regression: the alerts of one
 build pair, with an owner, a bug link and a note) and each alert's group; device reservations
-(who holds a device until when); device screenshots (the newest a device page shows)
+(who holds a device until when); device screenshots (the newest a device page shows). The
+alerts already stored join their build pair's group here, as the analysis puts new ones
+(orchestrator/store/alerts.py save_alert): one group per (build, baseline) of a regression,
+improvement or fidelity alert; a data stoppage has no build and stays alone.
 
 Create Date: 2026-12-06 11:00:00
 """
@@ -37,6 +40,7 @@ def upgrade() -> None:
         batch_op.create_foreign_key(batch_op.f('fk_alerts_group_id_alert_groups'), 'alert_groups',
                                     ['group_id'], ['id'], ondelete='SET NULL')
         batch_op.create_index(batch_op.f('ix_alerts_group_id'), ['group_id'], unique=False)
+    _group_stored_alerts()
     op.create_table(
         'device_reservations',
         sa.Column('id', sa.Integer(), nullable=False),
@@ -68,6 +72,30 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint('id', name=op.f('pk_device_screenshots')),
     )
     op.create_index('ix_device_screenshots_device_taken', 'device_screenshots', ['device_id', 'taken_at'])
+
+
+GROUPED_KINDS = ('regression', 'improvement', 'fidelity')
+
+
+def _group_stored_alerts() -> None:
+    conn = op.get_bind()
+    alerts = sa.table('alerts', sa.column('id'), sa.column('kind'), sa.column('build_id'),
+                      sa.column('baseline_build_id'), sa.column('group_id'), sa.column('created_at'))
+    groups = sa.table('alert_groups', sa.column('id'), sa.column('build_id'), sa.column('baseline_build_id'),
+                      sa.column('owner'), sa.column('bug_url'), sa.column('note'), sa.column('created_at'),
+                      sa.column('updated_at'))
+    grouped = sa.and_(alerts.c.build_id.is_not(None), alerts.c.kind.in_(GROUPED_KINDS))
+    pairs = conn.execute(sa.select(alerts.c.build_id, alerts.c.baseline_build_id, sa.func.min(alerts.c.created_at))
+                         .where(grouped).group_by(alerts.c.build_id, alerts.c.baseline_build_id)
+                         .order_by(sa.func.min(alerts.c.id))).all()
+    for build_id, baseline_build_id, first in pairs:
+        group_id = conn.execute(groups.insert().values(
+            build_id=build_id, baseline_build_id=baseline_build_id, owner='', bug_url='', note='',
+            created_at=first, updated_at=first).returning(groups.c.id)).scalar_one()
+        same_baseline = (alerts.c.baseline_build_id.is_(None) if baseline_build_id is None
+                         else alerts.c.baseline_build_id == baseline_build_id)
+        conn.execute(alerts.update().where(grouped, alerts.c.build_id == build_id, same_baseline)
+                     .values(group_id=group_id))
 
 
 def downgrade() -> None:
