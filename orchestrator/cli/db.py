@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from . import validate
-from .common import COULD_NOT_RUN
+from .common import BAD_INPUT, COULD_NOT_RUN
 from .output import console
 
 app = typer.Typer(help="Manage the farm's SQL database.", no_args_is_help=True)
@@ -21,13 +21,15 @@ def upgrade(
     from orchestrator.infra.settings import load_settings
     from orchestrator.store import migrate
 
+    from alembic.util import CommandError
+
     settings = load_settings(database_url=url)
     try:
         migrate.upgrade(settings.database_url, revision)
-    except Exception as exc:  # a bad URL, an unreachable server, a revision unknown here
+    except Exception as exc:  # a revision unknown here (bad input); an unreachable server (could not run)
         console.print(f"[bold red]error:[/] database upgrade failed for {_safe(settings.database_url)}: "
                       f"{exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(COULD_NOT_RUN) from None
+        raise typer.Exit(BAD_INPUT if isinstance(exc, CommandError) else COULD_NOT_RUN) from None
     console.print(f"database {_safe(settings.database_url)} is at revision {migrate.head_revision()}",
                   highlight=False, soft_wrap=True)
 

@@ -379,7 +379,7 @@ def test_browser_option_needs_the_browser_executor(tiny_model_dir, tmp_path, mon
                                      "--browser", "manual", "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit) as exit_:
         main()
-    assert exit_.value.code == 1 and "--browser is for --executor browser" in "".join(capsys.readouterr())
+    assert exit_.value.code == 3 and "--browser is for --executor browser" in "".join(capsys.readouterr())  # bad input
 
 
 def test_a_browser_never_closed_goes_when_its_process_exits(tmp_path):

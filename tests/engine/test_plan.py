@@ -282,7 +282,7 @@ def test_farm_engine_plan_for_the_presets_and_a_model(tmp_path, tiny_model_dir, 
     with pytest.raises(SystemExit) as exit_:
         main()
     text = "".join(capsys.readouterr())
-    assert exit_.value.code == 1 and "unknown scheduler 'lms'" in text and "Traceback" not in text
+    assert exit_.value.code == 3 and "unknown scheduler 'lms'" in text and "Traceback" not in text  # bad input
 
 
 @pytest.mark.gpu

@@ -28,5 +28,11 @@ def test_db_upgrade_reads_the_environment(tmp_path, monkeypatch):
 def test_db_upgrade_bad_revision_is_one_error_line(tmp_path):
     result = CliRunner().invoke(app, ["db", "upgrade", "--url", f"sqlite:///{tmp_path / 'f.db'}",
                                       "--revision", "nope"])
-    assert result.exit_code == 1
+    assert result.exit_code == 3  # bad input: a revision unknown here
+    assert "error:" in result.output and "Traceback" not in result.output
+
+
+def test_db_upgrade_of_a_server_not_there_could_not_run(tmp_path):
+    result = CliRunner().invoke(app, ["db", "upgrade", "--url", "postgresql+psycopg://farm@127.0.0.1:1/farm"])
+    assert result.exit_code == 4  # could not run: nothing answers there
     assert "error:" in result.output and "Traceback" not in result.output

@@ -91,8 +91,11 @@
     const states = view.state === "open" ? [] : view.state === "all" ? ALL_STATES : [view.state];
     const query = states.length ? "?" + states.map((s) => `state=${s}`).join("&") : "";
     const [groups, alerts] = await Promise.all([api("/v1/alert-groups" + query), api("/v1/alerts")]);
-    view.groups = groups;
-    view.loose = alerts.filter((a) => a.group_id === null);
+    const loose = alerts.filter((a) => a.group_id === null);
+    const read = JSON.stringify([groups, loose]);
+    const changed = read !== view.read;
+    [view.groups, view.loose, view.read] = [groups, loose, read];
+    return changed;
   }
 
   function severity(g) {
@@ -118,8 +121,8 @@
       await api(`/v1/alert-groups/${g.id}/${action}`, { method: "POST", body: picked.length ? { alert_ids: picked } : {} });
       picked.forEach((id) => view.chosen.delete(id));
       const n = picked.length || g.size;
+      await reload();  // the table shows the new states before the line says done
       say("done", `Group #${g.id}: ${n} alert${n === 1 ? "" : "s"} ${state}.`);
-      await reload();
     } catch (err) {
       failed(err, label);
     } finally {
@@ -133,8 +136,8 @@
     try {
       await api(`/v1/alert-groups/${g.id}`, { method: "PATCH", body: fields });
       view.drafts.delete(g.id);
-      say("done", `Group #${g.id} saved.`);
       await reload();
+      say("done", `Group #${g.id} saved.`);
     } catch (err) {
       failed(err, "Saving");
     } finally {
@@ -215,8 +218,11 @@
       : el("p", { class: "muted" }, "No open alerts."));
   }
 
-  async function reload() {
-    await fetchGroups();
+  // Read the groups again and draw them; `onlyChanged` (the periodic re-read): draw only when
+  // something changed, so an open row, a hovered button or a reader's place stays as it was.
+  async function reload(onlyChanged = false) {
+    const changed = await fetchGroups();
+    if (onlyChanged && !changed) return;
     fillChoices();
     draw();
   }
@@ -262,7 +268,7 @@
       const section = document.getElementById("alert-groups");
       const focus = document.activeElement;
       if (!section || view.busy || (section.contains(focus) && focus.matches("input, select, button"))) return;
-      reload().catch((err) => failed(err, "Reading the groups again"));
+      reload(true).catch((err) => failed(err, "Reading the groups again"));
     }, REFRESH_MS);
   }
 
