@@ -18,10 +18,10 @@ def upgrade(
     revision: str = typer.Option("head", help="Target revision."),
 ):
     """Create or migrate the database schema to the newest revision."""
+    from alembic.util import CommandError
+
     from orchestrator.infra.settings import load_settings
     from orchestrator.store import migrate
-
-    from alembic.util import CommandError
 
     settings = load_settings(database_url=url)
     try:
