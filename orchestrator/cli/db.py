@@ -18,8 +18,6 @@ def upgrade(
     revision: str = typer.Option("head", help="Target revision."),
 ):
     """Create or migrate the database schema to the newest revision."""
-    from alembic.util import CommandError
-
     from orchestrator.infra.settings import load_settings
     from orchestrator.store import migrate
 
@@ -29,7 +27,7 @@ def upgrade(
     except Exception as exc:  # a revision unknown here (bad input); an unreachable server (could not run)
         console.print(f"[bold red]error:[/] database upgrade failed for {_safe(settings.database_url)}: "
                       f"{exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(BAD_INPUT if isinstance(exc, CommandError) else COULD_NOT_RUN) from None
+        raise typer.Exit(BAD_INPUT if isinstance(exc, migrate.UnknownRevision) else COULD_NOT_RUN) from None
     console.print(f"database {_safe(settings.database_url)} is at revision {migrate.head_revision()}",
                   highlight=False, soft_wrap=True)
 

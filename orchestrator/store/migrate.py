@@ -10,6 +10,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Engine
 
 from .session import make_engine
@@ -29,9 +30,17 @@ def alembic_config(url: str | None = None) -> Config:
     return cfg
 
 
+class UnknownRevision(ValueError):
+    """A revision this code's migrations do not have (`farm db upgrade --revision`)."""
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    """Migrate the database at `url` to `revision` (the newest by default)."""
-    command.upgrade(alembic_config(url), revision)
+    """Migrate the database at `url` to `revision` (the newest by default); UnknownRevision
+    when the migrations have no such revision."""
+    try:
+        command.upgrade(alembic_config(url), revision)
+    except CommandError as exc:
+        raise UnknownRevision(str(exc)) from exc
 
 
 def head_revision() -> str:
