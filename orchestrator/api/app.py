@@ -66,7 +66,7 @@ than `api_max_connections` at once) is the server's plain text, answered before 
 def create_app(settings: Settings) -> FastAPI:
     from orchestrator.jobs.celery_app import make_celery
 
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, idle_transaction_s=settings.idle_transaction_s)
     migrate.check(engine)  # SchemaMismatch names the fix: `farm db upgrade`
     sessions = make_session_factory(engine)
     checks = CheckRunner(sessions, make_celery(settings))

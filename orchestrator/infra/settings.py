@@ -26,7 +26,7 @@ The reliability knobs (docs/reliability.md says what they promise):
 | field            | default | meaning |
 |------------------|---------|---------|
 | reconcile_every_s | 10     | beat runs the reconciler this often |
-| stale_after_s    | 60      | a running job or deployment silent this long has lost its worker |
+| stale_after_s    | 60      | a running job or deployment silent this long has lost its worker; on PostgreSQL a worker's or the API's session idle inside a transaction this long (at least 30 s) is ended by the server, releasing its row locks (a host cut off mid-transaction) |
 | message_grace_s  | 60      | a queued job's (or pending deployment's) message must start it within this, or it is sent again |
 | max_queue_wait_s | 86400   | a job still waiting for a busy device after this ends as infra_failed, saying why |
 | max_job_time_s   | 3600    | the longest time limit a job may ask for; Redis redelivers an unacknowledged message after this plus a margin |
@@ -96,6 +96,9 @@ from pydantic_settings import (
 )
 
 CONFIG_FILE_NAME = "farm.toml"
+# The shortest idle-in-transaction limit (Settings.idle_transaction_s): an analysis may compute for
+# a while between two reads of one snapshot.
+IDLE_TRANSACTION_MIN_S = 30.0
 
 
 def _xdg(var: str, fallback: str) -> Path:
@@ -172,6 +175,15 @@ class Settings(BaseSettings):
     @property
     def config_file(self) -> Path:
         return self.config_dir / CONFIG_FILE_NAME
+
+    @property
+    def idle_transaction_s(self) -> float:
+        """How long a worker's or the API's PostgreSQL session may sit idle inside a transaction
+        before the server ends it (store.make_engine): the farm's transactions are short, so one
+        idle this long belongs to a process cut off from the database, whose row locks would
+        otherwise hold up every other worker until the server's TCP keepalive notices, hours
+        later. stale_after_s, at least IDLE_TRANSACTION_MIN_S."""
+        return max(IDLE_TRANSACTION_MIN_S, self.stale_after_s)
 
     @property
     def adb_key(self) -> Path:

@@ -141,14 +141,15 @@ def settings_of(app: Celery) -> Settings:
 
 
 @cache
-def _sessions(database_url: str) -> SessionFactory:
+def _sessions(database_url: str, idle_transaction_s: float) -> SessionFactory:
     # One engine per process (created lazily, so after the prefork fork).
-    return make_session_factory(make_engine(database_url))
+    return make_session_factory(make_engine(database_url, idle_transaction_s=idle_transaction_s))
 
 
 def session_for(app: Celery) -> Session:
     """A new session on the store of `app`'s settings (the process's one engine)."""
-    return _sessions(settings_of(app).database_url)()
+    settings = settings_of(app)
+    return _sessions(settings.database_url, settings.idle_transaction_s)()
 
 
 _app: Celery | None = None

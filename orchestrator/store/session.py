@@ -67,11 +67,22 @@ def make_unpooled_engine(url: str, timeout_s: float) -> Engine:
     return make_engine(url, **kwargs)
 
 
-def make_engine(url: str, **kwargs) -> Engine:
-    """An engine for `url`; a SQLite file's folder is created when missing."""
+def make_engine(url: str, *, idle_transaction_s: float | None = None, **kwargs) -> Engine:
+    """An engine for `url`; a SQLite file's folder is created when missing. With
+    `idle_transaction_s`, on PostgreSQL, the server ends any session of this engine that sits
+    idle inside a transaction that long (idle_in_transaction_session_timeout), releasing its row
+    locks: a process cut off from the database between two statements of a transaction (a host's
+    link down after its COMMIT left and before the answer came back) otherwise keeps the rows
+    it wrote locked until the server's TCP keepalive gives up, hours later, and every other
+    worker's reconciler and health check waits on them meanwhile. On SQLite a dead process's
+    lock goes with the process."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         kwargs.setdefault("pool_pre_ping", True)
+        if idle_transaction_s is not None:
+            connect_args = kwargs.setdefault("connect_args", {})
+            timeout = f"-c idle_in_transaction_session_timeout={max(1, round(idle_transaction_s * 1000))}"
+            connect_args["options"] = f"{connect_args.get('options', '')} {timeout}".strip()
         return create_engine(parsed, **kwargs)
 
     database = parsed.database or ""

@@ -583,6 +583,66 @@ def test_sqlite_engine_settings(tmp_path):
     assert make_session_factory(engine).kw["expire_on_commit"] is False
 
 
+def test_a_session_gone_quiet_inside_a_transaction_releases_its_row_locks(pg_server_url):
+    """A worker cut off from PostgreSQL between two statements of a transaction (its link down
+    after its UPDATE's answer left the server) leaves the server holding that transaction's row
+    locks: every other worker's reconciler and health check that touches those rows waits on them
+    (a CI run of the two-host partition test saw both of the other host's pool slots stuck so).
+    The worker's and the API's engines have the server end such a session after
+    Settings.idle_transaction_s, and the other writer gets the row. An engine without the limit
+    (what they had) keeps the lock past 3 s."""
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    from orchestrator.infra.settings import IDLE_TRANSACTION_MIN_S, Settings
+
+    assert Settings(stale_after_s=6.0).idle_transaction_s == IDLE_TRANSACTION_MIN_S
+    assert Settings(stale_after_s=120.0).idle_transaction_s == 120.0
+
+    def held_past(holder_engine, wait_s: float) -> bool:
+        """Whether another session still finds a row locked `wait_s` after its holder went quiet."""
+        other = make_engine(pg_server_url)
+        table = f"quiet_{time.monotonic_ns()}"
+        try:
+            with other.begin() as conn:
+                conn.exec_driver_sql(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+                conn.exec_driver_sql(f"INSERT INTO {table} VALUES (1, 0)")
+            holder = holder_engine.connect()
+            try:
+                holder.begin()
+                holder.exec_driver_sql(f"UPDATE {table} SET v = 1 WHERE id = 1")  # and then nothing
+                time.sleep(wait_s)
+                with other.begin() as conn:
+                    conn.exec_driver_sql("SET LOCAL lock_timeout = '1s'")
+                    conn.exec_driver_sql(f"UPDATE {table} SET v = 2 WHERE id = 1")
+                return False
+            except OperationalError as exc:
+                assert "lock timeout" in str(exc), exc
+                return True
+            finally:
+                try:
+                    holder.close()
+                except DBAPIError:  # the server ended it
+                    pass
+        finally:
+            with other.begin() as conn:
+                conn.exec_driver_sql(f"DROP TABLE {table}")
+            other.dispose()
+
+    quiet = make_engine(pg_server_url, idle_transaction_s=1.0)
+    plain = make_engine(pg_server_url)
+    try:
+        assert held_past(plain, 3.0)
+        assert not held_past(quiet, 3.0)
+        with pytest.raises(DBAPIError, match="idle-in-transaction"), quiet.connect() as conn:
+            conn.begin()
+            conn.exec_driver_sql("SELECT 1")
+            time.sleep(2.0)
+            conn.exec_driver_sql("SELECT 1")  # the server ended this session
+    finally:
+        quiet.dispose()
+        plain.dispose()
+
+
 def _write_without_waiting(url: str) -> None:
     """A write transaction that gives up after 0.2 s instead of the store's 30 s busy timeout."""
     engine = make_engine(url)
