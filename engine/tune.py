@@ -26,7 +26,7 @@ from .explain import distinct_calls, random_like
 from .gpu import GpuContext, Tensor, time_gpu_work
 from .kernels import PipelineCache, Selection, variants
 from .ops import Ops
-from .profiles import SCHEMA_ID
+from .profiles import SCHEMA_ID, gpu_architecture
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
@@ -135,6 +135,7 @@ def tune(
         f"{dtype}, {height}x{width}, {time.strftime('%Y-%m-%d')}",
         "priority": 100,
         "match": {"vendor_id": [caps.vendor_id], "device": f"^{re.escape(caps.device)}$"},
+        **({"architecture": gpu_architecture(caps)} if gpu_architecture(caps) else {}),
         "rules": rules,
         "measurements": measurements,
     }

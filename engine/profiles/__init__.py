@@ -16,7 +16,10 @@ adapter's device name). Rules are tried in order, the first whose
 {"min": a, "max": b}. Ops no rule covers use their reference variant.
 
 The shipped profiles live beside this file; `auto` picks the matching one of highest
-priority. The built-in `reference` profile has no rules (every reference kernel).
+priority, except that a GPU with no profile tuned for it gets one tuned for another GPU of its
+architecture (an H200 the H100's) over its family's: `architecture`, written by `farm engine
+tune`, names the one a tuned profile was measured on (gpu_architecture). The built-in
+`reference` profile has no rules (every reference kernel).
 """
 
 from __future__ import annotations
@@ -59,9 +62,17 @@ class Profile:
     description: str = ""
     measurements: list = field(default_factory=list)
     source: str = "<built-in>"
+    architecture: str = ""  # a tuned profile's: the architecture of the GPU it was measured on
 
     def matches(self, caps) -> bool:
         return any(_holds(m, caps) for m in _alternatives(self.match))
+
+    def kin_of(self, caps) -> bool:
+        """Whether this profile was tuned on another GPU of `caps`' vendor and architecture: it
+        matches `caps` once its device name condition is dropped, and its architecture is theirs."""
+        return bool(self.measurements and self.architecture and self.architecture == gpu_architecture(caps)
+                    and any(_holds({k: v for k, v in m.items() if k != "device"}, caps)
+                            for m in _alternatives(self.match)))
 
     def selection(self, caps) -> Selection:
         return Selection(frozenset(caps.features), list(self.rules), profile_name=self.name)
@@ -73,6 +84,7 @@ class Profile:
             "description": self.description,
             "priority": self.priority,
             "match": self.match,
+            **({"architecture": self.architecture} if self.architecture else {}),
             "rules": [
                 {
                     "op": r.op,
@@ -162,7 +174,8 @@ def parse_profile(doc, source: str = "<dict>") -> Profile:
         raise ProfileError(f"profile {source}: must be a JSON object")
     if doc.get("schema") != SCHEMA_ID:
         _fail(source, "schema", f"{doc.get('schema')!r} is not supported; expected {SCHEMA_ID!r}")
-    unknown = set(doc) - {"schema", "name", "description", "priority", "match", "rules", "measurements"}
+    unknown = set(doc) - {"schema", "name", "description", "priority", "match", "rules", "measurements",
+                          "architecture"}
     if unknown:
         _fail(source, "top level", f"unknown key(s) {sorted(unknown)}")
     name = doc.get("name")
@@ -179,6 +192,9 @@ def parse_profile(doc, source: str = "<dict>") -> Profile:
     priority = doc.get("priority", 0)
     if not isinstance(priority, int):
         _fail(source, "priority", "must be an integer")
+    architecture = doc.get("architecture", "")
+    if not isinstance(architecture, str):
+        _fail(source, "architecture", "must be a string (the architecture of the GPU it was tuned on)")
     return Profile(
         name=name,
         rules=[_rule(source, i, r) for i, r in enumerate(rules)],
@@ -187,6 +203,7 @@ def parse_profile(doc, source: str = "<dict>") -> Profile:
         description=str(doc.get("description", "")),
         measurements=list(doc.get("measurements", [])),
         source=source,
+        architecture=architecture.lower(),
     )
 
 
@@ -221,14 +238,60 @@ def _check_match(source: str, where: str, match) -> None:
             _fail(source, f"{where}.device", f"not a regular expression: {exc}")
 
 
+# The architecture of a GPU whose driver names none (native drivers: Vulkan, D3D12, Metal report
+# a device name and PCI ids; browsers report an architecture themselves, in Dawn's gpu_info
+# names), from its device name, per PCI vendor id. Data-center and workstation names as well
+# as GeForce/Radeon ones; a name no pattern knows has no architecture (its family's profile).
+ARCHITECTURES: dict[int, list[tuple[str, str]]] = {
+    0x10DE: [  # NVIDIA
+        (r"\b(GB\d{3}|B\d{3}|RTX 50\d0|RTX PRO \d+ Blackwell)\b", "blackwell"),
+        (r"\b(GH\d{3}|H\d{3}|H20)\b", "hopper"),
+        (r"\b(L4|L40S?|L20|RTX 40\d0|RTX \d+ Ada)\b", "lovelace"),
+        (r"\b(A\d{1,3}G?|RTX A\d{4}|RTX 30\d0)\b", "ampere"),
+        (r"\b(T4|RTX 20\d0|GTX 16\d0|Quadro RTX \d+)\b", "turing"),
+        (r"\b(V100|TITAN V)\b", "volta"),
+    ],
+    0x1002: [  # AMD
+        (r"\bMI3\d{2}", "cdna-3"),
+        (r"\bMI2\d{2}", "cdna-2"),
+        (r"\bRX 9\d{3}", "rdna-4"),
+        (r"\bRX 7\d{3}", "rdna-3"),
+        (r"\bRX 6\d{3}", "rdna-2"),
+    ],
+    0x8086: [  # Intel
+        (r"\bArc\b.*\bB\d{3}", "xe2"),
+        (r"\bArc\b.*\bA\d{3}", "xe-hpg"),
+    ],
+}
+
+
+def gpu_architecture(caps) -> str:
+    """The adapter's architecture as a lower-case name: what its driver or browser reports,
+    else what ARCHITECTURES says of its device name; "" when neither knows."""
+    if caps.architecture:
+        return caps.architecture.lower()
+    for pattern, name in ARCHITECTURES.get(caps.vendor_id, ()):
+        if re.search(pattern, caps.device):
+            return name
+    return ""
+
+
 def auto_profile(caps, tuned: bool = True, extra: list[Profile] | tuple = ()) -> Profile:
     """The profile that matches the adapter, highest priority first, among the shipped ones
     and `extra` (a build's tuned profiles, which win a tie); else reference. A profile tuned
-    on one exact GPU (priority 100) beats its family's; tuned=False skips profiles measured
-    for one exact GPU (to get the family's profile)."""
+    on one exact GPU (priority 100) beats its family's. A GPU with none of its own gets one
+    tuned on another GPU of its vendor and architecture (Profile.kin_of; the highest priority,
+    then a build's, then by name) over its family's: on an H200 the H100's profile runs SD 1.4's
+    UNet step in 58.6 ms where the family's takes 67.9 (docs/benchmarks.md). tuned=False skips
+    profiles measured for one exact GPU (to get the family's profile)."""
     candidates = [(p, 0) for p in shipped_profiles()] + [(p, 1) for p in extra]
     matching = [(p, rank) for p, rank in candidates if p.matches(caps) and (tuned or not p.measurements)]
-    return max(matching, key=lambda pr: (pr[0].priority, pr[1]))[0] if matching else REFERENCE
+    best = max(matching, key=lambda pr: (pr[0].priority, pr[1]))[0] if matching else REFERENCE
+    if tuned and not best.measurements:
+        kin = [(p, rank) for p, rank in candidates if p.kin_of(caps) and p.priority >= best.priority]
+        if kin:
+            return max(kin, key=lambda pr: (pr[0].priority, pr[1], pr[0].name))[0]
+    return best
 
 
 def profile_sha256(doc: dict) -> str:

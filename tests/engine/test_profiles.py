@@ -296,3 +296,63 @@ def test_the_tuner_times_each_call_with_its_networks_scratch_bounds(tiny_model_d
     assert scales == {1, VAE_SCRATCH_SCALE}
     vae_convs = [s for op, s, _, scale in calls if op == "conv2d" and scale == VAE_SCRATCH_SCALE]
     assert vae_convs and all(s["b"] == 1 for s in vae_convs)  # the decoder runs one image
+
+
+@pytest.mark.parametrize(
+    "vendor_id,device,architecture",
+    [
+        (4318, "NVIDIA H200", "hopper"),
+        (4318, "NVIDIA H100 80GB HBM3", "hopper"),
+        (4318, "NVIDIA H100 PCIe", "hopper"),
+        (4318, "NVIDIA GH200 480GB", "hopper"),
+        (4318, "NVIDIA A100-SXM4-80GB", "ampere"),
+        (4318, "NVIDIA A10G", "ampere"),
+        (4318, "NVIDIA GeForce RTX 3090", "ampere"),
+        (4318, "NVIDIA L40S", "lovelace"),
+        (4318, "NVIDIA GeForce RTX 4090", "lovelace"),
+        (4318, "NVIDIA B200", "blackwell"),
+        (4318, "NVIDIA GeForce RTX 5090", "blackwell"),
+        (4318, "Tesla T4", "turing"),
+        (4098, "AMD Radeon RX 7900 XTX", "rdna-3"),
+        (4098, "AMD Instinct MI300X", "cdna-3"),
+        (32902, "Intel(R) Arc(TM) A770 Graphics", "xe-hpg"),
+        (4318, "NVIDIA Some Future GPU", ""),
+        (5045, "Mali-G715", ""),  # a native Mali driver names no architecture; its family decides
+    ],
+)
+def test_a_gpus_architecture_comes_from_its_name_when_its_driver_names_none(vendor_id, device, architecture):
+    from engine.profiles import gpu_architecture
+
+    assert gpu_architecture(caps(vendor_id=vendor_id, device=device)) == architecture
+    # what a browser reports wins
+    assert gpu_architecture(caps(vendor_id=vendor_id, device=device, architecture="Valhall")) == "valhall"
+
+
+def test_a_gpu_without_its_own_tuned_profile_gets_one_tuned_on_its_architecture():
+    """An H200 (no profile tuned for it shipped) gets the H100's (same vendor, Hopper) rather than
+    the nvidia family's; an A100 and a GPU of no known architecture get the family's; a profile
+    tuned for the H200 itself (a build's, or shipped) wins over its kin; tuned=False and "family"
+    still give the family's; the same rule for another vendor's tuned profiles."""
+    h100 = next(p for p in shipped_profiles() if p.name == "tuned-nvidia-h100-80gb-hbm3")
+    assert h100.architecture == "hopper" and h100.measurements
+    h200 = caps(vendor_id=4318, device="NVIDIA H200", adapter_type="DiscreteGPU")
+    assert auto_profile(h200).name == "tuned-nvidia-h100-80gb-hbm3"
+    assert auto_profile(h200, tuned=False).name == resolve_profile("family", h200).name == "nvidia"
+    for other in ("NVIDIA A100-SXM4-80GB", "NVIDIA Some Future GPU"):
+        assert auto_profile(caps(vendor_id=4318, device=other, adapter_type="DiscreteGPU")).name == "nvidia", other
+    not_nvidia = caps(vendor_id=4098, device="AMD Instinct MI300X", adapter_type="DiscreteGPU")
+    assert auto_profile(not_nvidia).name == "amd"  # a Hopper profile is not kin to an AMD GPU
+
+    own = parse_profile(doc(name="tuned-nvidia-h200", priority=100, measurements=[{"op": "linear"}],
+                            architecture="hopper", match={"vendor_id": [4318], "device": r"^NVIDIA\ H200$"}))
+    assert auto_profile(h200, extra=[own]).name == "tuned-nvidia-h200"
+    gh200 = caps(vendor_id=4318, device="NVIDIA GH200 480GB", adapter_type="DiscreteGPU")
+    assert auto_profile(gh200, extra=[own]).name == "tuned-nvidia-h200"  # a build's kin wins a tie
+    assert parse_profile(own.to_json()).architecture == "hopper"  # round trip
+
+    rdna = parse_profile(doc(name="tuned-rx-7900-xtx", priority=100, measurements=[{"op": "linear"}],
+                             architecture="rdna-3", match={"vendor_id": [4098], "device": r"^AMD Radeon RX 7900 XTX$"}))
+    assert auto_profile(caps(vendor_id=4098, device="AMD Radeon RX 7800 XT"), extra=[rdna]).name == "tuned-rx-7900-xtx"
+    assert auto_profile(caps(vendor_id=4098, device="AMD Radeon RX 6800"), extra=[rdna]).name == "amd"
+    with pytest.raises(ProfileError, match="architecture"):
+        parse_profile(doc(name="x", architecture=7))
