@@ -71,9 +71,9 @@ def pack_params(values: tuple) -> bytes:
 def write_array(device, buffer, data: np.ndarray) -> None:
     """Queue a write of a host array's bytes to the start of `buffer` (padded to 4 bytes, as
     WebGPU requires)."""
-    raw = np.ascontiguousarray(data).tobytes()
-    if len(raw) % 4:
-        raw += b"\0" * (4 - len(raw) % 4)
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # the array's own bytes: no copy
+    if raw.nbytes % 4:
+        raw = np.concatenate([raw, np.zeros(4 - raw.nbytes % 4, np.uint8)])
     device.queue.write_buffer(buffer, 0, raw)
 
 

@@ -146,6 +146,7 @@ class PlanExecutor:
         self.buffers: list[Any] = [None] * len(plan["buffers"])
         self.live_bytes = self.peak_bytes = 0
         self.upload_ms = 0.0  # spent on staged buffers (outside every stage's time)
+        self._host: dict[tuple, np.ndarray] = {}  # staged: each weight's values, read and checked once
         self.uniforms = [self.device.create_buffer_with_data(data=_unb64(u), usage=wgpu.BufferUsage.UNIFORM)
                          for u in plan["uniforms"]]
         self._hold(sum(len(_unb64(u)) for u in plan["uniforms"]))
@@ -190,7 +191,7 @@ class PlanExecutor:
                 if key not in self.weights:
                     buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
                                    usage=self._usage)
-                    self._write(buf, read_weight(self.model_dir, b))
+                    self._write(buf, self._host_weight(b))
                     self.weights[key] = buf
                 buf = self.weights[key]
             else:
@@ -200,6 +201,19 @@ class PlanExecutor:
                     self._write(buf, np.frombuffer(_unb64(b["data"]), np.uint8))
             self.buffers[i] = buf
             self._hold(b["size"])
+
+    def _host_weight(self, b: dict) -> np.ndarray:
+        """A weight's values in the GPU's element type. Staged, they are read from the model
+        folder and checked once, then kept in host memory (as the native pipeline keeps its
+        staged weights), so each later stage's upload is a copy to the GPU alone, not a read,
+        a hash and a conversion of the whole network again."""
+        if self.residency != "staged":
+            return read_weight(self.model_dir, b)
+        key = (b["component"], b["name"], b["dtype"])
+        values = self._host.get(key)
+        if values is None:
+            values = self._host[key] = read_weight(self.model_dir, b)
+        return values
 
     def _release(self, ids) -> None:
         for i in ids:

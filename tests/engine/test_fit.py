@@ -155,13 +155,25 @@ def test_plan_memory_gives_each_stage_the_weights_and_scratch_only_it_uses():
 
 
 @pytest.mark.gpu
-def test_staged_buffers_give_the_same_image_within_the_budget_fit_names(tiny_model_dir, gpu):
+def test_staged_buffers_give_the_same_image_within_the_budget_fit_names(tiny_model_dir, gpu, monkeypatch):
     """A generation whose plan only fits its budget with staged weights: the executor stages
     them, holds at most what fit says (to the byte), and makes the same image, bit for bit, as
-    with every weight resident; a budget below that is refused before anything is allocated."""
+    with every weight resident; a budget below that is refused before anything is allocated.
+    Each weight is read from the model folder and checked once: a second generation uploads
+    what host memory holds."""
+    from engine import plan_exec
     from engine.errors import FitError
     from engine.models.config import load_model_config
     from engine.plan_exec import PlanExecutor
+
+    reads = []
+
+    def counted(model_dir, buffer):
+        reads.append((buffer["component"], buffer["name"], buffer["dtype"]))
+        return read_weight(model_dir, buffer)
+
+    read_weight = plan_exec.read_weight
+    monkeypatch.setattr(plan_exec, "read_weight", counted)
 
     plan = record_plan(load_model_config(tiny_model_dir), gpu.caps, model_dir=tiny_model_dir, height=64, width=64,
                        steps=2, scheduler="euler")
@@ -178,13 +190,16 @@ def test_staged_buffers_give_the_same_image_within_the_budget_fit_names(tiny_mod
     assert resident.peak_bytes == fit.resident_gpu_bytes
     staged = PlanExecutor(plan, tiny_model_dir, gpu, budget_bytes=fit.staged_gpu_bytes)
     assert staged.residency == "staged"
+    reads.clear()
     got = staged.generate(ids, latents, noise)
+    weights = {(b["component"], b["name"], b["dtype"]) for b in plan["buffers"] if b["kind"] == "weight"}
     assert staged.peak_bytes == fit.staged_gpu_bytes < fit.resident_gpu_bytes
     assert staged.upload_ms > 0
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
     again = staged.generate(ids, latents, noise)  # the weights go up again, stage by stage
     np.testing.assert_array_equal(again["image"], want["image"])
+    assert sorted(reads) == sorted(weights)  # each read once over both generations
     assert staged.peak_bytes == fit.staged_gpu_bytes
     with pytest.raises(FitError, match=r"\(staged\) > the budget") as refused:
         PlanExecutor(plan, tiny_model_dir, gpu, budget_bytes=fit.staged_gpu_bytes - 1)
