@@ -46,14 +46,15 @@ def eager_unet_ms(pipe, height: int, width: int, reps: int, warmup: int) -> list
     ctx = rt.upload(rng.standard_normal((2, 77, pipe.config.unet.cross_attention_dim)).astype(np.float32),
                     pipe.dtype)
     times = []
-    for r in range(warmup + reps):
-        rt.sync()
-        t0 = time.perf_counter()
-        eps = pipe.unet_model(x, temb, ctx)
-        rt.sync()
-        del eps
-        if r >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+    with pipe.weights_on_gpu("unet"):  # (staged: up for the whole measurement)
+        for r in range(warmup + reps):
+            rt.sync()
+            t0 = time.perf_counter()
+            eps = pipe.unet_model(x, temb, ctx)
+            rt.sync()
+            del eps
+            if r >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--e2e-steps", type=int, default=20)
     parser.add_argument("--e2e-reps", type=int, default=3)
+    parser.add_argument("--residency", default="resident", choices=["resident", "staged"],
+                        help="staged: each network's weights go up when its stage starts (what fits a phone)")
     parser.add_argument("--backend", default="wgpu-native", choices=["wgpu-native", "dawn"])
     parser.add_argument("--executor", default="plan", choices=["plan", "browser"])
     parser.add_argument("--json", type=Path)
@@ -82,10 +85,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_model(args.preset, 0, Path(tmp) / args.preset, dtype=args.precision)
         t0 = time.perf_counter()
-        native = engine.load_pipeline(model, precision=args.precision)
+        native = engine.load_pipeline(model, precision=args.precision, residency=args.residency)
         load_native = time.perf_counter() - t0
         t0 = time.perf_counter()
-        planned = engine.load_pipeline(model, precision=args.precision, executor=args.executor)
+        planned = engine.load_pipeline(model, precision=args.precision, executor=args.executor,
+                                       residency=args.residency)
         caps = native.caps
         size = args.size or native.native_size[0]
         kw = {"steps": 2, "seed": 3, "height": size, "width": size, "scheduler": "pndm"}
@@ -96,13 +100,17 @@ def main() -> None:
         ex = planned.plan_executor(size, size)
         eager = eager_unet_ms(native, size, size, args.reps, args.warmup)
         replay = ex.time_stage("unet_step", args.reps, args.warmup)
-        e2e = {"eager": [], "plan": []}
+        e2e, uploads = {"eager": [], "plan": []}, {"eager": [], "plan": []}
         kw = {"steps": args.e2e_steps, "seed": 5, "height": size, "width": size, "scheduler": "pndm"}
         if args.e2e_steps:
             for name, pipe in (("eager", native), ("plan", planned)):
                 pipe.generate("warm-up", **kw)
                 for _ in range(args.e2e_reps):
-                    e2e[name].append(pipe.generate("a red bicycle leaning on a wall", **kw).timings["total_ms"])
+                    timings = pipe.generate("a red bicycle leaning on a wall", **kw).timings
+                    e2e[name].append(timings["total_ms"])
+                    upload = timings.get("weights_upload_ms", timings.get("weight_upload_ms"))  # native, plan
+                    if upload is not None:
+                        uploads[name].append(upload)
         plan = ex.plan
         planned_adapter = planned.caps.device
         if hasattr(planned, "close"):
@@ -117,6 +125,7 @@ def main() -> None:
         "unet_step_ms": {"eager": eager, "plan": replay},
         "unet_step_median_ms": {"eager": statistics.median(eager), "plan": statistics.median(replay)},
         "e2e_ms": e2e, "e2e_median_ms": {k: statistics.median(v) for k, v in e2e.items() if v},
+        "residency": args.residency, "e2e_weights_upload_ms": uploads,
         "load_s": {"eager": load_native, "plan_and_check": load_plan},
     }
     me, mp = result["unet_step_median_ms"]["eager"], result["unet_step_median_ms"]["plan"]
@@ -128,6 +137,9 @@ def main() -> None:
     if args.e2e_steps:
         ee, ep = result["e2e_median_ms"]["eager"], result["e2e_median_ms"]["plan"]
         print(f"| {args.e2e_steps}-step generation ms (median of {args.e2e_reps}) | {ee:.0f} | {ep:.0f} | {ep / ee:.3f} |")
+        if uploads["plan"] or uploads["eager"]:
+            ue, up = (statistics.median(uploads[k]) if uploads[k] else float("nan") for k in ("eager", "plan"))
+            print(f"| of which weight uploads ms ({args.residency}) | {ue:.0f} | {up:.0f} | |")
     if args.executor == "browser":
         print(f"the plan ran in a Chromium page on {planned_adapter}: another adapter than the eager side's, so "
               f"equal bits are not expected (largest latent difference {max_diff:.3g})")

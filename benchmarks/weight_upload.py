@@ -11,6 +11,8 @@ to completion on the GPU (a readback of the last buffer waits for the queue):
   copy+write      the array's bytes copied (tobytes), then queue.write_buffer: what the engine did
   write           queue.write_buffer straight from the array (no host copy of ours)
   mapped          create_buffer(mapped_at_creation) and the array written into the mapping
+  ring            engine.gpu.StagingRing: two 64 MiB mapped staging buffers reused in turn,
+                  copied to the weights' buffers by one submission each
   one-write       every weight's bytes in one host buffer and one write_buffer into one GPU buffer:
                   the ceiling of one call (not a layout the engine binds)
 
@@ -18,7 +20,8 @@ Every way's bytes are read back for three weights and compared. Prints a table (
 --reps after one warm-up) and writes JSON.
 
 With --generation MODEL it also runs staged 20-step 512x512 generations of that model (fp16, the
-native pipeline, one warm-up) and profiles one: where a staged generation's time goes.
+native pipeline, one warm-up, then two timed, the last profiled) with each way the engine can
+upload weights (GpuContext.upload_way): where a staged generation's time goes.
 """
 
 from __future__ import annotations
@@ -63,6 +66,17 @@ def upload(device, way: str, arrays: list[np.ndarray]) -> list:
         buf = device.create_buffer(size=blob.nbytes, usage=usage)
         device.queue.write_buffer(buf, 0, blob)
         return [buf]
+    if way == "ring":
+        from engine.gpu import StagingRing
+
+        ring = StagingRing(device)
+        for a in arrays:
+            buf = device.create_buffer(size=_padded(a.nbytes), usage=usage)
+            ring.write(buf, a)
+            out.append(buf)
+        ring.flush()
+        ring.destroy()
+        return out
     for a in arrays:
         size = _padded(a.nbytes)
         if way == "mapped":
@@ -80,6 +94,16 @@ def upload(device, way: str, arrays: list[np.ndarray]) -> list:
 
 
 def profile_generation(model: Path, steps: int) -> dict:
+    from engine.gpu import GpuContext
+
+    out = {}
+    for way in ("write", "ring"):
+        GpuContext.upload_way = way
+        out[way] = _profile_generation(model, steps, way)
+    return out
+
+
+def _profile_generation(model: Path, steps: int, way: str) -> dict:
     import cProfile
     import io
     import pstats
@@ -96,11 +120,11 @@ def profile_generation(model: Path, steps: int) -> dict:
         if profiler:
             profiler.disable()
         runs.append({k: v for k, v in r.timings.items() if isinstance(v, float | int)})
-        print(f"staged generation {i}: total {r.timings['total_ms']:.0f} ms, uploads "
+        print(f"staged generation {i} ({way}): total {r.timings['total_ms']:.0f} ms, uploads "
               f"{r.timings.get('weights_upload_ms', 0):.0f} ms", flush=True)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    print(text.getvalue()[-6000:], flush=True)
+    print(text.getvalue()[-4000:], flush=True)
     return {"runs": runs, "profile_top": text.getvalue()[-12000:]}
 
 
@@ -109,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--component", choices=["unet", "vae", "text_encoder"], default="unet")
     ap.add_argument("--dtype", choices=["f16", "f32"], default="f16")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--ways", default="copy+write,write,mapped,one-write")
+    ap.add_argument("--ways", default="copy+write,write,mapped,ring,one-write")
     ap.add_argument("--generation", type=Path, help="also profile staged generations of this model folder")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", type=Path)

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,75 @@ def write_array(device, buffer, data: np.ndarray) -> None:
     if raw.nbytes % 4:
         raw = np.concatenate([raw, np.zeros(4 - raw.nbytes % 4, np.uint8)])
     device.queue.write_buffer(buffer, 0, raw)
+
+
+class StagingRing:
+    """Host-to-GPU copies through `slots` staging buffers of `chunk` bytes, mapped for writing
+    and reused in turn: each is filled, unmapped, copied to its destinations by one submission,
+    and mapped again (waiting for that copy) when its turn comes back, so filling one overlaps
+    the other's copy. queue.write_buffer instead allocates a staging buffer for every write.
+    Destinations must be COPY_DST buffers with room for the data padded to 4 bytes."""
+
+    def __init__(self, device, chunk: int = 64 << 20, slots: int = 2):
+        import wgpu
+
+        if chunk % 8:
+            raise ValueError(f"a staging chunk is a multiple of 8 bytes, not {chunk}")
+        self.device, self.chunk, self._wgpu = device, chunk, wgpu
+        usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
+        self.slots = [gpu_call("allocating a staging buffer", device.create_buffer, size=chunk, usage=usage,
+                               mapped_at_creation=True) for _ in range(slots)]
+        self.mapped = [True] * slots
+        self.turn = self.used = 0
+        self.copies: list[tuple[int, Any, int, int]] = []  # (staging offset, destination, its offset, bytes)
+
+    CHUNK = 64 << 20
+
+    @classmethod
+    def sized(cls, device, nbytes: int) -> StagingRing:
+        """A ring for about `nbytes` of uploads: chunks no larger than they need be."""
+        return cls(device, chunk=max(8, min(cls.CHUNK, (nbytes + 7) & ~7)))
+
+    def write(self, buffer, data: np.ndarray) -> None:
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if raw.nbytes % 4:
+            raw = np.concatenate([raw, np.zeros(4 - raw.nbytes % 4, np.uint8)])
+        done = 0
+        while done < raw.nbytes:
+            if self.used == self.chunk:
+                self.flush()
+            slot = self._slot()
+            n = min(raw.nbytes - done, self.chunk - self.used)
+            slot.write_mapped(raw[done:done + n], self.used)
+            self.copies.append((self.used, buffer, done, n))
+            self.used = (self.used + n + 7) & ~7  # a mapped write starts at a multiple of 8
+            done += n
+
+    def _slot(self):
+        if not self.mapped[self.turn]:  # its last copy must be done before it is written again
+            self.slots[self.turn].map_sync(self._wgpu.MapMode.WRITE)
+            self.mapped[self.turn] = True
+        return self.slots[self.turn]
+
+    def flush(self) -> None:
+        """Submit the copies of what was written since the last flush."""
+        if not self.copies:
+            return
+        slot = self.slots[self.turn]
+        slot.unmap()
+        self.mapped[self.turn] = False
+        encoder = self.device.create_command_encoder()
+        for at, buffer, offset, n in self.copies:
+            encoder.copy_buffer_to_buffer(slot, at, buffer, offset, n)
+        self.device.queue.submit([encoder.finish()])
+        self.copies, self.used = [], 0
+        self.turn = (self.turn + 1) % len(self.slots)
+
+    def destroy(self) -> None:
+        """Free the staging buffers (the copies submitted still complete)."""
+        for slot in self.slots:
+            slot.destroy()
+        self.slots = []
 
 
 def read_array(device, buffer, dtype: str, shape) -> np.ndarray:
@@ -282,6 +352,10 @@ class _Memory:
         self._note_peak()
         return Tensor(_Storage(buffer, nbytes, None), shape, dtype)
 
+    def upload_weights(self, arrays: dict[str, np.ndarray], dtype: str) -> dict[str, Tensor]:
+        """Upload a network's weights (static tensors, by name) in element type `dtype`."""
+        return {name: self.upload(a, dtype, static=True) for name, a in arrays.items()}
+
     def release_weights(self, tensors) -> None:
         """Destroy the buffers of weights (tensors made by upload(static=True)) now. Any
         tensor still viewing them must not be used again."""
@@ -448,6 +522,32 @@ class GpuContext(_Memory):
 
     def queue_write(self, buffer, data: np.ndarray):
         write_array(self.device, buffer, data)
+
+    # How upload_weights (and a plan executor) copies a network's weights to the GPU: "ring",
+    # through StagingRing's few mapped staging buffers reused in turn, or "write", one
+    # queue.write_buffer per weight (wgpu-native allocates a staging buffer for each). SD 1.4's
+    # UNet (686 weights, 1.72 GB f16) on an H100: ring 212 ms, write 487 ms, and 823 ms with the
+    # host copy the engine made before (benchmarks/weight_upload.py, docs/benchmarks.md).
+    upload_way = "ring"
+
+    def upload_weights(self, arrays: dict[str, np.ndarray], dtype: str) -> dict[str, Tensor]:
+        if self.upload_way != "ring":
+            return super().upload_weights(arrays, dtype)
+        out = {}
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        ring = StagingRing.sized(self.device, sum(np.size(a) * itemsize + 8 for a in arrays.values()))
+        try:
+            for name, array in arrays.items():
+                data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
+                self._check_binding(data.nbytes, data.shape, "a weight")
+                nbytes = _align(max(data.nbytes, 4))
+                buf = self._create_buffer(nbytes, "a weight")
+                ring.write(buf, data)
+                out[name] = self._static(buf, nbytes, data.shape, dtype)
+            ring.flush()
+        finally:
+            ring.destroy()
+        return out
 
     def read(self, t: Tensor) -> np.ndarray:
         """Copy a tensor back to the host (waits for the GPU)."""

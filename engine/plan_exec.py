@@ -19,7 +19,7 @@ import numpy as np
 
 from .device import GPU, JS_LIMIT_NAMES, gpu_call
 from .errors import EngineError, FitError, GPUError, InputError, ModelError
-from .gpu import DTYPES, Fence, read_array, write_array
+from .gpu import DTYPES, Fence, GpuContext, StagingRing, read_array, write_array
 from .kernels import storage_dtype
 from .pipeline import (
     BasePipeline,
@@ -181,7 +181,22 @@ class PlanExecutor:
 
     def _allocate(self, ids) -> None:
         """Create the buffers `ids` that are not on the GPU: weights uploaded (or taken from the
-        shared `weights`), constants written, the rest empty."""
+        shared `weights`), constants written, the rest empty. Weights go up as
+        GpuContext.upload_way says (through a StagingRing, or a write_buffer each)."""
+        ids = list(ids)
+        pending = [self.plan["buffers"][i]["size"] for i in ids if self.buffers[i] is None
+                   and self.plan["buffers"][i]["kind"] == "weight"]
+        ring = StagingRing.sized(self.device, sum(pending) + 8 * len(pending)) \
+            if GpuContext.upload_way == "ring" and pending else None
+        try:
+            self._allocate_with(ids, ring)
+            if ring is not None:
+                ring.flush()
+        finally:
+            if ring is not None:
+                ring.destroy()
+
+    def _allocate_with(self, ids, ring) -> None:
         for i in ids:
             if self.buffers[i] is not None:
                 continue
@@ -191,7 +206,10 @@ class PlanExecutor:
                 if key not in self.weights:
                     buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
                                    usage=self._usage)
-                    self._write(buf, self._host_weight(b))
+                    if ring is None:
+                        self._write(buf, self._host_weight(b))
+                    else:
+                        ring.write(buf, self._host_weight(b))
                     self.weights[key] = buf
                 buf = self.weights[key]
             else:

@@ -25,9 +25,7 @@ class GPUWeights:
 
     def load(self, rt: GpuContext, state: dict[str, np.ndarray]) -> None:
         """Upload the parameters of `state` that are not on the GPU yet."""
-        for name, arr in state.items():
-            if name not in self.tensors:
-                self.tensors[name] = rt.upload(arr, self.dtype, static=True)
+        self.tensors.update(rt.upload_weights({n: a for n, a in state.items() if n not in self.tensors}, self.dtype))
 
     def release(self, rt: GpuContext, names=None) -> None:
         """Free the GPU copies of `names` (default: all) now."""

@@ -163,6 +163,7 @@ def test_staged_buffers_give_the_same_image_within_the_budget_fit_names(tiny_mod
     what host memory holds."""
     from engine import plan_exec
     from engine.errors import FitError
+    from engine.gpu import GpuContext
     from engine.models.config import load_model_config
     from engine.plan_exec import PlanExecutor
 
@@ -197,6 +198,8 @@ def test_staged_buffers_give_the_same_image_within_the_budget_fit_names(tiny_mod
     assert staged.upload_ms > 0
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+    assert GpuContext.upload_way == "ring"
+    monkeypatch.setattr(GpuContext, "upload_way", "write")  # the other way weights go up: the same image
     again = staged.generate(ids, latents, noise)  # the weights go up again, stage by stage
     np.testing.assert_array_equal(again["image"], want["image"])
     assert sorted(reads) == sorted(weights)  # each read once over both generations

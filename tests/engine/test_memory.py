@@ -110,6 +110,44 @@ def test_released_weights_leave_the_accounting(rt):
         rt.release_weights([rt.empty((4,))])
 
 
+@pytest.mark.gpu
+def test_a_staging_ring_delivers_every_byte_across_its_chunks(gpu):
+    """engine.gpu.StagingRing with 64-byte chunks in 2 slots (so slots are reused, waiting for
+    their copies): weights of odd sizes (padded to 4 bytes), one spanning many chunks, and one
+    of 0 bytes, arrive exactly; then upload_weights over a ring equals one over write_buffer."""
+    from engine.gpu import GpuContext, StagingRing
+
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in (3, 100, 64, 1001, 0, 17)]
+    usage = wgpu_usage()
+    buffers = [gpu.device.create_buffer(size=max(4, (a.nbytes + 3) & ~3), usage=usage) for a in arrays]
+    ring = StagingRing(gpu.device, chunk=64, slots=2)
+    for buf, a in zip(buffers, arrays, strict=True):
+        ring.write(buf, a)
+    ring.flush()
+    ring.destroy()
+    for buf, a in zip(buffers, arrays, strict=True):
+        got = np.frombuffer(gpu.device.queue.read_buffer(buf), np.uint8)
+        np.testing.assert_array_equal(got[:a.nbytes], a)
+    weights = {f"w{i}": rng.standard_normal(shape).astype(np.float32) for i, shape in enumerate([(3,), (40, 33), (7, 5, 3)])}
+    rt = GpuContext(gpu)
+    rt.upload_way = "write"
+    by_write = rt.upload_weights(weights, "f16")
+    written = rt.static_bytes
+    rt.upload_way = "ring"
+    by_ring = rt.upload_weights(weights, "f16")
+    for name, a in weights.items():
+        np.testing.assert_array_equal(rt.read(by_ring[name]), a.astype(np.float16))
+        np.testing.assert_array_equal(rt.read(by_ring[name]), rt.read(by_write[name]))
+    assert rt.static_bytes == 2 * written  # accounted alike
+
+
+def wgpu_usage():
+    import wgpu
+
+    return wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+
+
 @pytest.fixture(scope="module")
 def pipes(tiny_model_dir, gpu):
     return {r: engine.load_pipeline(tiny_model_dir, residency=r, profile="reference") for r in ("resident", "staged")}
