@@ -19,7 +19,7 @@ import numpy as np
 from .gpu import GpuContext, time_gpu_work
 from .kernels import SHADER_ROOT
 
-ITEM = {"f32": 4, "f16": 2}
+ITEM = {"f32": 4, "f16": 2, "f16s": 2}  # f16s: halves in memory, f32 arithmetic
 
 
 def op_work(op: str, shape: dict, dtype: str) -> tuple[float, float]:

@@ -19,6 +19,9 @@ def test_op_work_counts_the_direct_algorithm():
     flops, _ = op_work("attention", {"b": 2, "heads": 8, "tq": 64, "tk": 77, "dh": 40, "causal": 0}, "f16")
     assert flops == 4 * 2 * 8 * 64 * 77 * 40
     assert op_work("transpose", {}, "f16") == (0.0, 0.0)
+    # f16-storage (halves in memory, f32 arithmetic: what a phone's browser without shader-f16
+    # runs) moves the bytes f16 does; a profiled f16s run used to stop at a KeyError
+    assert op_work("linear", {"m": 8, "n": 4, "k": 16}, "f16s") == op_work("linear", {"m": 8, "n": 4, "k": 16}, "f16")
 
 
 def test_roofline_rows_rates_and_fractions():
