@@ -70,23 +70,24 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
 def explain(config, selection: Selection, caps, dtype: str, height: int, width: int) -> list[ExplainRow]:
     rows = []
     for network, calls in trace_calls(config, selection, caps, dtype, height, width):
-        counts = Counter((op, tuple(sorted(shape.items()))) for op, shape, _ in calls)
+        counts = Counter((op, tuple(sorted(shape.items()))) for op, shape, *_ in calls)
         for (op, key), n in counts.items():
             d = selection.decisions[(op, key)]
             rows.append(ExplainRow(network, op, dict(key), d.variant, n, d.why))
     return rows
 
 
-def distinct_calls(config, caps, dtype: str, height: int, width: int) -> list[tuple[str, dict, tuple, int]]:
-    """One example (op, shape, args, scratch scale) per distinct (op, shape) of the whole model:
-    the scale is the Ops scratch_scale of the network the call is from, which decides how a
-    Winograd or im2col convolution is chunked (so the tuner times the chunks a pipeline runs)."""
+def distinct_calls(config, caps, dtype: str, height: int, width: int) -> list[tuple[str, dict, tuple, int, dict]]:
+    """One example (op, shape, args, scratch scale, epilogue) per distinct (op, shape) of the
+    whole model: the scale is the Ops scratch_scale of the network the call is from, which
+    decides how a Winograd or im2col convolution is chunked (so the tuner times the chunks a
+    pipeline runs); the epilogue what the product's caller has done after it (Ops.calls)."""
     from .pipeline import scratch_scale
 
     seen = {}
     for network, calls in trace_calls(config, Selection(frozenset(caps.features)), caps, dtype, height, width):
-        for op, shape, args in calls:
-            seen.setdefault((op, tuple(sorted(shape.items()))), (op, shape, args, scratch_scale(network)))
+        for op, shape, args, epilogue in calls:
+            seen.setdefault((op, tuple(sorted(shape.items()))), (op, shape, args, scratch_scale(network), epilogue))
     return list(seen.values())
 
 

@@ -45,7 +45,10 @@ class Ops:
         # VAE decoder, VAE_SCRATCH_SCALE) takes larger chunks: fewer, larger products; a plan made
         # for a tight memory budget smaller ones (a fraction).
         self.scratch_scale = scratch_scale
-        self.calls: list | None = None  # (op, shape, args) of every variant-op call, when recording
+        # (op, shape, args, epilogue) of every variant-op call, when recording; epilogue: what the
+        # caller asked to be done after the product ({"geglu": True}, {"residual": tensor}, {}),
+        # in its epilogue or by a kernel after it, so a tuner times each candidate doing it too
+        self.calls: list | None = None
         self.pipelines = pipelines
         self.selection = selection
         self.dtype = dtype
@@ -68,12 +71,12 @@ class Ops:
             return None
         return self.pipelines.get(variant, self.dtype, constants or None, entry)
 
-    def _launch(self, op: str, shape: dict, *args, **fused):
+    def _launch(self, op: str, shape: dict, *args, epilogue: dict | None = None, **fused):
         """Launch the chosen variant of `op`. `fused` are extra inputs only some variants take
-        (the caller has checked that this one does); they are not part of the recorded call."""
+        (the caller has checked that this one does); `epilogue` is recorded with the call."""
         variant, constants = self.selection.choose(op, shape)
         if self.calls is not None:
-            self.calls.append((op, shape, args))
+            self.calls.append((op, shape, args, epilogue or {}))
         rt = self.rt
         if getattr(rt, "profiling", False):
             from .roofline import op_work
@@ -127,9 +130,10 @@ class Ops:
             return self._launch("linear", shape, x, w, b)
         if residual.shape != (*x.shape[:-1], n_out):
             raise ValueError(f"linear: residual {residual.shape} does not match the output {(*x.shape[:-1], n_out)}")
+        epilogue = {"residual": residual}
         if getattr(self.selection.variant("linear", shape).launch, "fuses_residual", False):
-            return self._launch("linear", shape, x, w, b, residual=residual)
-        return self.add(self._launch("linear", shape, x, w, b), residual)
+            return self._launch("linear", shape, x, w, b, epilogue=epilogue, residual=residual)
+        return self.add(self._launch("linear", shape, x, w, b, epilogue=epilogue), residual)
 
     def linear_geglu(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """GEGLU of the projection: x (..., K) @ w (2F, K)^T + b (2F) -> (..., F), the first F
@@ -139,8 +143,8 @@ class Ops:
         variant, consts = self.selection.choose("linear", shape)
         fuses = getattr(variant.launch, "fuses_geglu", None)
         if fuses is not None and fuses(consts, shape["n"], shape["k"]):
-            return self._launch("linear", shape, x, w, b, geglu=True)
-        return self.geglu(self._launch("linear", shape, x, w, b))
+            return self._launch("linear", shape, x, w, b, epilogue={"geglu": True}, geglu=True)
+        return self.geglu(self._launch("linear", shape, x, w, b, epilogue={"geglu": True}))
 
     def conv2d(
         self,

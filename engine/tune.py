@@ -2,9 +2,12 @@
 constant setting) the adapter can run, and write a profile for this exact GPU that picks the
 fastest, with the measurements inside.
 
-Timing: warm-up runs, then the median of `repeats` runs, each measured with GPU timestamp
-queries around every dispatch (ticks times the queue's timestamp period) when the adapter
-has timestamp-query and is not a CPU adapter, else wall-clock to GPU completion. The profile is written to a temporary
+Timing: warm-up runs, then the median of `repeats` rounds in which every candidate runs once
+(interleaved, in a rotating order, with the reference kernel as the control that tells a slow
+spell of the GPU: `interleaved`), each measured with GPU timestamp queries around every dispatch
+(ticks times the queue's timestamp period) when the adapter has timestamp-query and is not a CPU
+adapter, else wall-clock to GPU completion. A product is timed with what its caller does after
+it (GEGLU, a residual add), fused or not as the candidate can (`_as_called`). The profile is written to a temporary
 file and renamed into place at the end, so an interrupted tune leaves no half-written profile.
 """
 
@@ -42,6 +45,59 @@ def _settings(variant) -> list[dict]:
     combos = list(itertools.product(*(variant.constants[n] for n in names)))
     step = max(1, len(combos) // (MAX_CONSTANT_SETTINGS - 1))
     return [{}] + [dict(zip(names, c, strict=True)) for c in combos[step // 2 :: step][: MAX_CONSTANT_SETTINGS - 1]]
+
+
+# A round whose control (the reference kernel, timed in every round) took this much more than its
+# median was a slow spell of the GPU: its samples are dropped (while most rounds remain).
+SLOW_SPELL = 1.25
+
+
+def interleaved(rt: GpuContext, fns: list[Callable], warmup: int, repeats: int,
+                control: int | None) -> tuple[list[list[float]], int]:
+    """Time every candidate in `repeats` rounds, one sample each per round, in an order that
+    rotates from round to round, so a slow spell of the GPU (the H100's made whole shapes 2-6x
+    slow for seconds: docs/benchmarks.md) falls on every candidate alike instead of on the
+    ones measured while it lasted. fns[control] (the reference kernel) is the control: rounds
+    whose control sample is above SLOW_SPELL times its median are dropped, unless that would
+    leave fewer than half. Returns each candidate's samples and the rounds dropped."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    rt.sync()
+    n = len(fns)
+    rounds = []
+    for r in range(repeats):
+        row = [0.0] * n
+        for j in range(n):
+            i = (j + r) % n
+            row[i] = time_gpu_work(rt, fns[i], 0, 1)[0]
+        rounds.append(row)
+    kept = rounds
+    if control is not None and rounds:
+        calm = statistics.median(row[control] for row in rounds) * SLOW_SPELL
+        kept = [row for row in rounds if row[control] <= calm]
+        if 2 * len(kept) < len(rounds):
+            kept = rounds
+    return [[row[i] for row in kept] for i in range(n)], len(rounds) - len(kept)
+
+
+def _as_called(op: str, shape: dict, v, consts: dict, ops: Ops, args: tuple, after: dict) -> Callable:
+    """The call of variant `v` with `consts` as a pipeline makes it: with the work its caller
+    has done after the product (`after`: Ops.calls' epilogue) in the product's epilogue where
+    this variant and setting can take it, else by the kernel that does it alone, so a product
+    that fuses GEGLU (the UNet's FF1) or a residual add is timed against one that does not with
+    that kernel counted."""
+    if op == "linear" and after.get("geglu"):
+        fuses = getattr(v.launch, "fuses_geglu", None)
+        if fuses is not None and fuses(consts, shape["n"], shape["k"]):
+            return lambda: v.launch(ops, v, consts, *args, geglu=True)
+        return lambda: ops.geglu(v.launch(ops, v, consts, *args))
+    if op == "linear" and "residual" in after:
+        residual = after["residual"]
+        if getattr(v.launch, "fuses_residual", False):
+            return lambda: v.launch(ops, v, consts, *args, residual=residual)
+        return lambda: ops.add(v.launch(ops, v, consts, *args), residual)
+    return lambda: v.launch(ops, v, consts, *args)
 
 
 def _call_dtype(args: tuple, dtype: str) -> str:
@@ -93,17 +149,18 @@ def tune(
     deadline = time.monotonic() + time_budget_s
     selection = Selection(frozenset(caps.features))  # every variant's own defaults, no profile
     if calls and rt.caps.adapter_type.lower() != "cpu":
-        op, shape, args, scale = calls[0]
+        op, shape, args, scale, _ = calls[0]
         first, v = random_like(rt, args, rng), variants(op)["reference"]
         ops0 = Ops(rt, pipelines, selection, _call_dtype(first, dtype), scratch_scale=scale)
         warm_up(rt, lambda: v.launch(ops0, v, {}, *first))
-    for i, (op, shape, args, scale) in enumerate(calls):
+    for i, (op, shape, args, scale, epilogue) in enumerate(calls):
         if progress:
             progress(i, len(calls), f"{op} {shape}")
         real = random_like(rt, args, rng)
+        done_after = {k: random_like(rt, (v,), rng)[0] if isinstance(v, Tensor) else v for k, v in epilogue.items()}
         # the call's own element type: a force_upcast VAE runs (and is timed) in f32
         call_dtype = _call_dtype(real, dtype)
-        results = []
+        candidates = []  # (variant name, constants, the call as a pipeline would make it)
         for v in variants(op).values():
             if v.requires - caps.features or (v.applies and v.applies(shape)):
                 continue
@@ -111,16 +168,24 @@ def tune(
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
                 ops = Ops(rt, pipelines, selection, call_dtype, scratch_scale=scale)
+                fn = _as_called(op, shape, v, consts, ops, real, done_after)
                 try:
-                    samples = time_gpu_work(rt, lambda v=v, c=consts, o=ops, a=real: v.launch(o, v, c, *a), warmup, repeats)
+                    fn()  # a setting this shape or adapter cannot take raises here (e.g. a head dim above MAX_DH)
+                    rt.sync()
                 except EngineError:
-                    continue  # a setting this shape or adapter cannot take (e.g. a head dim above MAX_DH)
-                results.append({"variant": v.name, "constants": consts, "median_ms": statistics.median(samples),
-                                "min_ms": min(samples), "max_ms": max(samples)})
+                    continue
+                candidates.append((v.name, consts, fn))
+        control = next((j for j, (name, consts, _) in enumerate(candidates) if name == "reference" and not consts), None)
+        samples, dropped = interleaved(rt, [fn for *_, fn in candidates], warmup, repeats, control)
+        results = [{"variant": name, "constants": consts, "median_ms": statistics.median(times),
+                    "min_ms": min(times), "max_ms": max(times)}
+                   for (name, consts, _), times in zip(candidates, samples, strict=True)]
         if not results:
             raise EngineError(f"no variant of {op} could run {shape} in {dtype} on {caps.device}")
         best = min(results, key=lambda r: r["median_ms"])
-        measurements.append({"op": op, "shape": shape, "results": results, "chosen": best["variant"]})
+        measurements.append({"op": op, "shape": shape, "results": results, "chosen": best["variant"],
+                             **({"epilogue": sorted(epilogue)} if epilogue else {}),
+                             **({"slow_rounds_dropped": dropped} if dropped else {})})
         if best["variant"] != "reference" or best["constants"]:
             rule = {"op": op, "variant": best["variant"], "when": shape}
             if best["constants"]:

@@ -292,9 +292,9 @@ def test_the_tuner_times_each_call_with_its_networks_scratch_bounds(tiny_model_d
     from engine.pipeline import VAE_SCRATCH_SCALE
 
     calls = distinct_calls(load_model_config(tiny_model_dir), gpu.caps, "f32", 64, 64)
-    scales = {scale for *_, scale in calls}
+    scales = {scale for _, _, _, scale, _ in calls}
     assert scales == {1, VAE_SCRATCH_SCALE}
-    vae_convs = [s for op, s, _, scale in calls if op == "conv2d" and scale == VAE_SCRATCH_SCALE]
+    vae_convs = [s for op, s, _, scale, _ in calls if op == "conv2d" and scale == VAE_SCRATCH_SCALE]
     assert vae_convs and all(s["b"] == 1 for s in vae_convs)  # the decoder runs one image
 
 
@@ -356,3 +356,81 @@ def test_a_gpu_without_its_own_tuned_profile_gets_one_tuned_on_its_architecture(
     assert auto_profile(caps(vendor_id=4098, device="AMD Radeon RX 6800"), extra=[rdna]).name == "amd"
     with pytest.raises(ProfileError, match="architecture"):
         parse_profile(doc(name="x", architecture=7))
+
+
+@pytest.mark.gpu
+def test_the_tuner_times_a_product_with_what_its_caller_does_after_it(tiny_model_dir, gpu):
+    """The UNet's FF1 is recorded with its GEGLU and the attention output with its residual
+    (Ops.calls' epilogue), and the tuner calls each candidate as a pipeline would: the GEMM core
+    with GEGLU (or the residual) in its epilogue, the reference product with the GEGLU (or add)
+    kernel after it. Both give numpy's GEGLU and residual sum of fresh random inputs (f32, within
+    1e-4 relative)."""
+    from engine.explain import distinct_calls, random_like
+    from engine.gpu import GpuContext
+    from engine.kernels import PipelineCache, variants
+    from engine.models.config import load_model_config
+    from engine.ops import Ops
+    from engine.tune import _as_called
+
+    calls = distinct_calls(load_model_config(tiny_model_dir), gpu.caps, "f32", 64, 64)
+    ff1 = [c for c in calls if c[0] == "linear" and c[4].get("geglu")]
+    residual = [c for c in calls if c[0] == "linear" and "residual" in c[4]]
+    assert ff1 and residual
+    assert variants("linear")["gemm"].launch.fuses_geglu({}, ff1[0][1]["n"], ff1[0][1]["k"])  # the fused path runs
+    rt, rng = GpuContext(gpu), np.random.default_rng(11)
+    pipelines = PipelineCache(gpu)
+    for op, shape, args, scale, after in (ff1[0], residual[0]):
+        x, w, b = random_like(rt, args, rng)
+        done_after = {k: random_like(rt, (v,), rng)[0] if k == "residual" else v for k, v in after.items()}
+        xs, ws, bs = (rt.read(t).astype(np.float64) for t in (x, w, b))
+        y = xs.reshape(-1, ws.shape[1]) @ ws.T + bs
+        if after.get("geglu"):
+            import math
+
+            erf = np.vectorize(math.erf)
+            value, gate = np.split(y, 2, axis=-1)
+            want = value * 0.5 * gate * (1 + erf(gate / np.sqrt(2)))
+        else:
+            want = y + rt.read(done_after["residual"]).reshape(y.shape)
+        ops = Ops(rt, pipelines, Selection(frozenset(gpu.caps.features)), "f32", scratch_scale=scale)
+        for name in ("reference", "gemm"):
+            v = variants("linear")[name]
+            got = rt.read(_as_called(op, shape, v, {}, ops, (x, w, b), done_after)()).reshape(want.shape)
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4, (name, after)
+
+
+def test_interleaved_rounds_drop_a_slow_spell_and_rotate_the_order(monkeypatch):
+    """Three candidates, five rounds: each round runs every candidate once in an order rotated
+    by one, so no candidate is always first; a round whose control (index 0) took 3x its median
+    (a slow spell) is dropped, its samples with it; a spell over most rounds drops nothing."""
+    from engine import tune
+
+    order, script = [], iter([])
+
+    class Rt:
+        def sync(self):
+            pass
+
+    def fake_time(rt, fn, warmup, repeats):
+        order.append(fn.__name__)
+        return [next(script)]
+
+    monkeypatch.setattr(tune, "time_gpu_work", fake_time)
+
+    def named(name):
+        def fn():
+            pass
+        fn.__name__ = name
+        return fn
+
+    fns = [named("ref"), named("a"), named("b")]
+    rounds = [[1.0, 2.0, 3.0], [1.1, 2.1, 3.1], [3.0, 6.0, 9.0], [1.0, 2.0, 3.0], [0.9, 1.9, 2.9]]
+    script = iter([row[(j + r) % 3] for r, row in enumerate(rounds) for j in range(3)])
+    samples, dropped = tune.interleaved(Rt(), fns, 0, 5, control=0)
+    assert dropped == 1 and samples == [[1.0, 1.1, 1.0, 0.9], [2.0, 2.1, 2.0, 1.9], [3.0, 3.1, 3.0, 2.9]]
+    assert order[:6] == ["ref", "a", "b", "a", "b", "ref"]  # the second round starts one later
+    order.clear()
+    slow = [[1.0, 2, 3], [5.0, 2, 3], [5.0, 2, 3], [5.0, 2, 3], [1.0, 2, 3]]
+    script = iter([row[(j + r) % 3] for r, row in enumerate(slow) for j in range(3)])
+    samples, dropped = tune.interleaved(Rt(), fns, 0, 5, control=0)
+    assert dropped == 0 and samples[0] == [1.0, 5.0, 5.0, 5.0, 1.0]  # no calm majority: every round kept
