@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--e2e-steps", type=int, default=20)
     parser.add_argument("--e2e-reps", type=int, default=3)
+    parser.add_argument("--profile", help="a kernel-selection profile (a shipped name or a file; default auto)")
     parser.add_argument("--residency", default="resident", choices=["resident", "staged"],
                         help="staged: each network's weights go up when its stage starts (what fits a phone)")
     parser.add_argument("--backend", default="wgpu-native", choices=["wgpu-native", "dawn"])
@@ -85,11 +86,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_model(args.preset, 0, Path(tmp) / args.preset, dtype=args.precision)
         t0 = time.perf_counter()
-        native = engine.load_pipeline(model, precision=args.precision, residency=args.residency)
+        native = engine.load_pipeline(model, precision=args.precision, residency=args.residency, profile=args.profile)
         load_native = time.perf_counter() - t0
         t0 = time.perf_counter()
         planned = engine.load_pipeline(model, precision=args.precision, executor=args.executor,
-                                       residency=args.residency)
+                                       residency=args.residency, profile=args.profile)
         caps = native.caps
         size = args.size or native.native_size[0]
         kw = {"steps": 2, "seed": 3, "height": size, "width": size, "scheduler": "pndm"}

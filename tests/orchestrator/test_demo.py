@@ -100,8 +100,13 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                 for alert in (a for a in alerts if a.build_id == batch.build_id and a.metric == "unet_step_ms"):
                     assert alert.ratio > 1.1 and alert.ci_low > 1.03
                     top = [m["op"] for m in alert.detail["attribution_by_op"][:2]]
-                    if alert.device.serial in browser_devices:  # SwiftShader: the reference layer norm
-                        assert "layer_norm" in top, alert.detail["attribution_by_op"]
+                    if alert.device.serial in browser_devices:
+                        # SwiftShader: the reference attention first (48.8 -> 1,931.7 ms on a clean
+                        # clone of 2026-12-06), then the reference layer norm and the direct
+                        # convolutions within a few percent of each other (vtablet-1: conv2d +723.0,
+                        # layer_norm +704.7; vphone-chrome-1 the other way), so either may be second
+                        top3 = [m["op"] for m in alert.detail["attribution_by_op"][:3]]
+                        assert top[0] == "attention" and "layer_norm" in top3, alert.detail["attribution_by_op"]
                     else:  # lavapipe: attention moves most, but how far ahead depends on the CPU. On
                         # the machine of 93b3a05's clean clones it moved ~100 ms and the next movers
                         # (conv2d, linear, geglu) lay within a millisecond of each other, so an
