@@ -4,8 +4,8 @@ after the budget), 3 (bad input: unknown build, device or metric, a bad option) 
 check could not run: a job failed, time ran out, no worker took its jobs within
 --no-worker-timeout; its jobs are cancelled and --json and --markdown still say what it did).
 While it waits it shows each device's jobs (orchestrator/cli/watching.py: a live table, or a
-line per change when piped). Usage errors exit 3 here, not Click's 2, which would read as
-"undecided"."""
+line per change when piped). Usage errors exit 3, as in every verb (cli/validate.py's FarmGroup),
+not Click's 2, which would read as "undecided"."""
 
 from __future__ import annotations
 
@@ -13,26 +13,11 @@ import json
 from pathlib import Path
 
 import typer
-from typer.core import TyperCommand
 
 from . import completion, labels, numbers, validate
 from .common import cli_settings, current_user, open_store
 from .output import Table, console, err_console, escape
 from .watching import Reporter
-
-
-class CheckCommand(TyperCommand):
-    """A usage error (missing option, bad value) exits BAD_INPUT: 2 means undecided here."""
-
-    def make_context(self, *args, **kwargs):
-        from orchestrator.services.check import BAD_INPUT
-
-        try:
-            return super().make_context(*args, **kwargs)
-        except typer.TyperException as exc:
-            if type(exc).__name__ != "NoArgsIsHelpError":
-                exc.exit_code = BAD_INPUT
-            raise
 
 
 def _bad(message: str, code: int) -> typer.Exit:
