@@ -77,11 +77,14 @@ def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_qua
     return targets
 
 
-def skip_reserved(session: Session, targets: list[Device], what: str) -> tuple[list[Device], list[dict[str, Any]]]:
-    """A suite's devices less those a person holds now: (the rest, one entry per device skipped
-    with its holder, end, note and the line that says so, logged here). StoreError when every
-    device is held: the suite would run nothing."""
-    held = store.active_reservations(session, [d.id for d in targets])
+def skip_reserved(session: Session, targets: list[Device], what: str,
+                  holder: str = "") -> tuple[list[Device], list[dict[str, Any]]]:
+    """A suite's devices less those a person other than `holder` holds now: (the rest, one entry
+    per device skipped with its holder, end, note and the line that says so, logged here): the
+    holder's own suite (their `farm check`) runs on what they hold. StoreError when every device
+    is held: the suite would run nothing."""
+    held = {device_id: r for device_id, r in store.active_reservations(session, [d.id for d in targets]).items()
+            if not (holder and r.holder == holder)}
     skipped = [store.skip_entry(d.serial, held[d.id]) for d in targets if d.id in held]
     for entry in skipped:
         log.info("%s skips %s", what, entry["reason"])
@@ -197,12 +200,12 @@ def deploy_build(app: Celery, build_id: int, device_ids: list[int], batch_id: in
 def _create_suite(session: Session, settings: Settings, sends: Sends, name: str, jobs: list[dict], *,
                   build: int | str | None, devices: list[str] | str, schedule_id: int | None,
                   idempotency_key: str | None, max_extra_rounds: int | None,
-                  round_metrics: list[str] | None = None, purpose: str = BATCH_SERIES) -> int:
+                  round_metrics: list[str] | None = None, purpose: str = BATCH_SERIES, holder: str = "") -> int:
     build_row = store.get_build(session, build)
     # A reserved device is skipped, and the batch says so (store.skipped_by_reservation, and its
     # analysis' summary): a schedule named its devices long before a person booked one. A
     # person's check was refused it before (target_devices).
-    targets, _ = skip_reserved(session, target_devices(session, devices, refuse_quarantined=False), name)
+    targets, _ = skip_reserved(session, target_devices(session, devices, refuse_quarantined=False), name, holder)
     if not jobs:
         raise store.StoreError("a suite needs at least one job")
     for entry in jobs:
@@ -271,6 +274,7 @@ def launch_suite(
     max_extra_rounds: int | None = None,
     round_metrics: list[str] | None = None,
     purpose: str = BATCH_SERIES,
+    holder: str = "",
 ) -> int:
     """Start a batch (`purpose`: Batch.purpose, a check's or the series'): for each device (serials, or "all" devices not quarantined), deploy the
     build (newest when None) and then run every job of `jobs` ({"kind": ..., "spec": {...}},
@@ -282,12 +286,14 @@ def launch_suite(
     A job entry may name its own "build" (id or name): the follow-up batches rerun the baseline
     build that way, next to the candidate. An entry with an "engine_host" (python, browser) runs
     on the devices whose engine that hosts only. Everything is written in one transaction and sent
-    after it. Returns the batch id."""
+    after it. A device someone reserved is skipped, unless `holder` holds it (their own check).
+Returns the batch id."""
     settings, sends = settings_of(app), Sends()
     with session_for(app) as session, session.begin():
         batch_id = _create_suite(session, settings, sends, name, jobs, build=build, devices=devices,
                                  schedule_id=schedule_id, idempotency_key=idempotency_key,
-                                 max_extra_rounds=max_extra_rounds, round_metrics=round_metrics, purpose=purpose)
+                                 max_extra_rounds=max_extra_rounds, round_metrics=round_metrics, purpose=purpose,
+                                 holder=holder)
     sends.send(app)
     return batch_id
 

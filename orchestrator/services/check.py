@@ -124,7 +124,7 @@ def builds_compared(session: Session, request: CheckRequest) -> tuple[Build, dic
     return candidate, baselines
 
 
-def interleaved_jobs(spec: dict[str, Any], baseline: str, pairs: int, images: bool) -> list[dict[str, Any]]:
+def interleaved_jobs(spec: dict[str, Any], baseline: int | str, pairs: int, images: bool) -> list[dict[str, Any]]:
     """A B B A A B ...: the baseline's and the candidate's latency runs alternating on one
     device, each pair in the other order than the last, so a slow drift of the device falls
     on both, and so does anything that alternates run by run (in A B A B, b1 against itself
@@ -159,8 +159,8 @@ def run_check(app: Celery, sessions, request: CheckRequest,
     rounds: list[_Round] = []
     results: dict[tuple[str, str], dict[str, Any]] = {}
     # 1. The first round: every device, its builds interleaved.
-    todo = {serial: interleaved_jobs(spec, base, request.pairs, request.images)
-            for serial, base in names[1].items()}
+    todo = {serial: interleaved_jobs(spec, baselines[serial].id, request.pairs, request.images)
+            for serial in names[1]}
     try:
         _rounds(app, sessions, request, token, todo, rounds, results, names, candidate.id,
                 {serial: b.id for serial, b in baselines.items()}, deadline, progress, report)
@@ -189,15 +189,18 @@ def _rounds(app: Celery, sessions, request: CheckRequest, token: str, todo: dict
         progress(f"round {number}: {len(todo)} device{'s' * (len(todo) != 1)}")
         # 2. Launch the round (one suite per device: each has its own baseline) and wait for it.
         launched = _Round()
+        rounds.append(launched)  # before any launch: what an abandoned check cancels
         for serial, jobs in todo.items():
             key = f"check:{token}:{number}:{serial}"
-            batch_id = launch_suite(app, f"check {names[0]} round {number} on {serial}",
-                                    [{k: v for k, v in j.items() if k != "role"} for j in jobs],
-                                    build=names[0], devices=[serial], idempotency_key=key, max_extra_rounds=0,
-                                    purpose=BATCH_CHECK)
+            try:
+                batch_id = launch_suite(app, f"check {names[0]} round {number} on {serial}",
+                                        [{k: v for k, v in j.items() if k != "role"} for j in jobs],
+                                        build=candidate_id, devices=[serial], idempotency_key=key,
+                                        max_extra_rounds=0, purpose=BATCH_CHECK, holder=request.holder)
+            except store.StoreError as exc:  # (someone reserved the device since, say): what ran is cancelled
+                raise CheckFailed(f"round {number} could not start on {serial}: {exc}") from None
             launched.batches.append(batch_id)
             launched.roles |= {(batch_id, i): j["role"] for i, j in enumerate(jobs)}
-        rounds.append(launched)
         _wait(app, sessions, request, launched.batches, deadline, progress, report)
         # 3. Judge every device this round ran on, on all of the check's runs so far.
         with sessions() as session:
@@ -209,7 +212,7 @@ def _rounds(app: Celery, sessions, request: CheckRequest, token: str, todo: dict
             open_ = [r for (s, _), r in results.items() if s == serial and r["verdict"] == "inconclusive"
                      and r.get("more_repetitions_suggested")]
             if open_ and number < request.max_rounds:
-                entries.append({"device": serial, "spec": spec, "baseline_build": names[1][serial],
+                entries.append({"device": serial, "spec": spec, "baseline_build": baseline_ids[serial],
                                 "repetitions": max(r["more_repetitions_suggested"] for r in open_),
                                 "metrics": [r["metric"] for r in open_]})
         todo = {serial: [j | {"role": "baseline" if "build" in j else "candidate"} for j in jobs]

@@ -120,19 +120,27 @@ def label_build(session: Session, build: Build, label: str | None) -> Build:
 
 
 def resolve_build(session: Session, ref: int | str) -> Build:
-    """The build `ref` names: an id (an int or a string of digits), a label or a full name,
-    tried in that order. StoreError saying what was tried when none matches."""
+    """The build `ref` names: an id (an int, a string of digits, or `id:N`), a label or a full
+    name, tried in that order. StoreError saying what was tried when none matches, and when a string
+    of digits is both one build's id and another's name (names may be all digits: a CI
+    pipeline's number), naming both ids, which are never ambiguous."""
     if isinstance(ref, int):
         build = session.get(Build, ref)
         if build is None:
             raise StoreError(f"no build with id {ref}; `farm builds list` shows the known ones")
         return build
     ref = ref.strip()
+    if ref.startswith("id:") and ref[3:].isdigit():  # always an id (no name or label has a colon)
+        return resolve_build(session, int(ref[3:]))
     tried = []
     if ref.isdigit():
         tried.append("an id")
         build = session.get(Build, int(ref))
         if build is not None:
+            named = session.scalar(select(Build).where(Build.name == ref, Build.id != build.id))
+            if named is not None:
+                raise StoreError(f"{ref!r} is the id of build {build.name} and the name of build id {named.id}; "
+                                 f"give {build.id} or {named.id} as `id:N`, or a label")
             return build
     else:
         tried.append("a label")

@@ -106,6 +106,25 @@ def test_labels_and_the_resolver_on_both_stores(cli_db):
         assert store.build_display_names(s, [f"{STAMP}-a", "A_b%"]) == {f"{STAMP}-a": "A", "A_b%": "b%"}
 
 
+def test_a_build_named_by_digits_is_never_taken_for_another_by_id(cli_db):
+    """Build names may be all digits (a CI pipeline's number). "2" that is one build's id and
+    another's name is refused naming both ids; `id:N` is always an id; a name of digits that is
+    no id still finds its build."""
+    with cli_db.Session() as s, s.begin():
+        first = store.create_build(s, _manifest("first", 1_700_000_000.0))
+        second = store.create_build(s, _manifest(str(first.id + 1), 1_700_100_000.0))  # named as the next id...
+        third = store.create_build(s, _manifest(str(first.id), 1_700_200_000.0))  # ...and one named as first's id
+        assert second.id == first.id + 1
+        with pytest.raises(store.StoreError, match=rf"'{first.id}' is the id of build first and the name of build id "
+                                                   rf"{third.id}; give {first.id} or {third.id} as `id:N`"):
+            store.resolve_build(s, str(first.id))
+        assert store.resolve_build(s, f"id:{first.id}") is first
+        assert store.resolve_build(s, f"id:{third.id}") is third
+        assert store.resolve_build(s, first.id) is first  # an int is an id
+        # second is named as its own id: not ambiguous
+        assert store.resolve_build(s, str(second.id)) is second
+
+
 def test_an_unknown_build_says_what_was_tried(demo):
     with demo.Session() as s:
         with pytest.raises(store.StoreError, match=r"no build 'C' \(tried as a label and a name\)"):
@@ -198,10 +217,14 @@ def test_check_takes_a_build_by_id(demo, monkeypatch):
 
     monkeypatch.setattr(gate, "launch_suite", launch)
     demo("builds", "label", "1", "A")
+    with demo.Session() as s:
+        ids = {b.name: b.id for b in (store.get_build(s, f"{STAMP}-a"), store.get_build(s, f"{STAMP}-b"))}
+    # the check hands its suites the builds' ids, never a name that could read as another's id
     result = demo("check", "--build", "2", "--baseline", "A", "--all", ok=False)
-    assert f"would launch {STAMP}-b against {STAMP}-a" in result.output, result.output
+    assert f"would launch {ids[STAMP + '-b']} against {ids[STAMP + '-a']}" in result.output, result.output
     result = demo("check", "--build", "1", "--baseline", "1", "--all", ok=False)
-    assert "no build '1'" not in result.output and f"would launch {STAMP}-a" in result.output, result.output
+    assert "no build '1'" not in result.output and f"would launch {ids[STAMP + '-a']} against" in result.output, \
+        result.output
 
 
 def test_deploy_takes_a_build_by_label(demo):

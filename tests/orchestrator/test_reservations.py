@@ -165,6 +165,49 @@ def test_a_nightly_whose_every_device_is_reserved_launches_nothing_and_says_why(
     with pytest.raises(store.StoreError, match="every device it runs on is reserved: vphone-1 is reserved by ana"):
         launch_suite(app, "nightly (more repetitions, round 1)", [{"kind": "latency"}], build="b1",
                      devices=["vphone-1"], idempotency_key="more:1:1:vphone-1")
+    # the holder's own suite (their `farm check`'s rounds) runs on it
+    batch_id = launch_suite(app, "check b1 round 0 on vphone-1", [{"kind": "latency"}], build="b1",
+                            devices=["vphone-1"], holder="ana")
+    with Session() as s:
+        assert [j.device.serial for j in s.query(Job).filter(Job.batch_id == batch_id)] == ["vphone-1"]
+    with pytest.raises(store.StoreError, match="reserved by ana"):
+        launch_suite(app, "check b1 round 0 on vphone-1", [{"kind": "latency"}], build="b1",
+                     devices=["vphone-1"], holder="bob")
+
+
+def test_a_check_whose_round_cannot_start_cancels_what_it_queued_and_says_why(farm, monkeypatch):
+    """A check's round refused by the store (here: someone reserved the second device after the
+    check began) ends the check as could-not-run (exit 4) with one line, its first device's
+    queued jobs cancelled, instead of a traceback with jobs left behind."""
+    from orchestrator.services import check as check_service
+
+    settings, Session = farm  # noqa: N806
+    now = store.utcnow()
+    with Session() as s, s.begin():
+        for serial in ("vphone-1", "vphone-2"):
+            store.upsert_device(s, serial, "local", "", host="h")
+        store.create_build(s, tiny_manifest("b1", 1_700_000_000.0))
+        store.create_build(s, tiny_manifest("b2", 1_700_086_400.0))
+    app = make_celery(settings)
+    launched = []
+
+    def launch_then_reserve(*args, **kwargs):
+        if launched:  # the second device: booked by bob since the check began
+            with Session() as s, s.begin():
+                store.reserve_device(s, store.get_device(s, "vphone-2"), "bob", now + dt.timedelta(hours=1))
+        launched.append(kwargs["devices"])
+        return launch_suite(*args, **kwargs)
+
+    monkeypatch.setattr(check_service, "launch_suite", launch_then_reserve)
+    request = check_service.CheckRequest(candidate="b2", baseline="b1", devices=["vphone-1", "vphone-2"],
+                                         holder="ana", timeout_s=60)
+    with pytest.raises(check_service.CheckFailed, match="round 0 could not start on vphone-2: .*reserved by bob") as failed:
+        check_service.run_check(app, Session, request)
+    assert failed.value.report["exit_code"] == 4
+    with Session() as s:
+        jobs = s.query(Job).all()
+        assert jobs and {j.device.serial for j in jobs} == {"vphone-1"}
+        assert {str(j.state) for j in jobs} == {"cancelled"}, [(j.id, j.state) for j in jobs]
 
 
 def test_a_check_or_a_submission_naming_a_reserved_device_is_refused(cli):
