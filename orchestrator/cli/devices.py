@@ -27,6 +27,7 @@ from .common import (
     BAD_INPUT,
     JSON_OPTION,
     cli_settings,
+    could_not_run,
     current_user,
     fail,
     get_or_fail,
@@ -401,17 +402,22 @@ def screenshot(
     newest is on the device's dashboard page and at GET /v1/devices/SERIAL/screenshot)."""
     from orchestrator import store
     from orchestrator.services.screenshots import take_screenshot
-    from orchestrator.transports import TransportError
+    from orchestrator.transports import NoScreen, TransportError
 
     settings = cli_settings()
     with open_store(settings) as sessions:
         try:
             taken = take_screenshot(settings, sessions, serial)
-        except (store.StoreError, TransportError) as exc:
+        except (store.StoreError, NoScreen) as exc:  # an unknown device, or one whose transport has no screen
             fail(str(exc))
+        except TransportError as exc:  # the device did not answer, or answered nonsense
+            could_not_run(str(exc))
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(taken.path.read_bytes())
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(taken.path.read_bytes())
+        except OSError as exc:
+            fail(f"cannot write {out}: {exc.strerror or exc}; the screenshot is kept at {taken.path}")
     data = {"device": taken.serial, "path": str(taken.path), "out": str(out) if out is not None else None,
             "sha256": taken.sha256, "size": taken.size, "width": taken.width, "height": taken.height,
             "source": taken.source, "taken_at": taken.taken_at}

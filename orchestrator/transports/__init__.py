@@ -9,6 +9,7 @@ from orchestrator.transports.base import (
     DeviceTimeout,
     DeviceUnauthorized,
     InfraFailure,
+    NoScreen,
     ProtocolMismatch,
     SendReport,
     Transport,
@@ -16,4 +17,4 @@ from orchestrator.transports.base import (
 )
 
 __all__ = ["BundleRefused", "DeviceBusy", "DeviceOffline", "DeviceTimeout", "DeviceUnauthorized", "InfraFailure",
-           "ProtocolMismatch", "SendReport", "Transport", "TransportError"]
+           "NoScreen", "ProtocolMismatch", "SendReport", "Transport", "TransportError"]

@@ -86,6 +86,13 @@ class ProtocolMismatch(TransportError):
     state = "incompatible"
 
 
+class NoScreen(TransportError):
+    """The way the farm reaches this device shows no screen (a GPU host, an agent over HTTP):
+    asking for a screenshot of it is the asker's mistake; the device is fine."""
+
+    state = "ready"
+
+
 class DeviceBusy(TransportError):
     """Another job holds the device lock (the agent's exit code 75); retry later."""
 
@@ -250,7 +257,7 @@ class Transport(abc.ABC):
         """The device's screen now, as a PNG (`farm devices screenshot`). A transport that cannot
         see a screen says so in one line."""
         kind = type(self).__name__.removesuffix("Transport").lower() or "its transport"
-        raise TransportError(self.name, f"no screenshot: the farm reaches it over {kind}, which shows no screen "
+        raise NoScreen(self.name, f"no screenshot: the farm reaches it over {kind}, which shows no screen "
                              "(screenshots are taken of adb phones and of browser pages)")
 
     def checked_png(self, data: bytes, source: Literal["adb", "devtools"], what: str) -> Screenshot:

@@ -52,12 +52,20 @@ def capture_screenshot(open_channel: OpenChannel, timeout_s: float = 30.0, prefe
         socket = WebSocket.open(channel, path, timeout_s)
         socket.send_text(json.dumps({"id": 1, "method": "Page.captureScreenshot", "params": {"format": "png"}}))
         while True:
-            reply = json.loads(socket.receive_text())
-            if reply.get("id") == 1:
+            try:
+                reply = json.loads(socket.receive_text())
+            except ValueError as exc:  # (UnicodeDecodeError is one too)
+                raise DevToolsError(f"Page.captureScreenshot: the browser answered something that is not JSON ({exc})") from None
+            if isinstance(reply, dict) and reply.get("id") == 1:
                 break
-    if "error" in reply:
-        raise DevToolsError(f"Page.captureScreenshot: {reply['error'].get('message', reply['error'])}")
-    return base64.b64decode(reply["result"]["data"])
+    error = reply.get("error")
+    if error is not None:
+        message = error.get("message", error) if isinstance(error, dict) else error
+        raise DevToolsError(f"Page.captureScreenshot: {message}")
+    try:
+        return base64.b64decode(reply["result"]["data"], validate=True)
+    except (KeyError, TypeError, ValueError) as exc:  # (binascii.Error is a ValueError)
+        raise DevToolsError(f"Page.captureScreenshot answered no base64 image ({type(exc).__name__}: {exc})") from None
 
 
 def _send(channel: Channel, data: bytes, timeout_s: float) -> None:

@@ -106,7 +106,7 @@ def test_a_browser_device_screenshot_is_its_page_through_devtools(cli, phone):
     cli("devices", "add", "vphone-1", "--transport", "adb", "--address", f"127.0.0.1:{phone.port}",
         "--engine-host", "browser")
     refused = cli("devices", "screenshot", "vphone-1", ok=False)  # Chrome not running: no DevTools socket
-    assert refused.exit_code != 0 and "is com.android.chrome running?" in refused.output
+    assert refused.exit_code == 4 and "is com.android.chrome running?" in refused.output
     assert "\n" not in refused.output.strip()
     phone.adb.shell("am start -a android.intent.action.MAIN com.android.chrome")
     assert wait_until(lambda: phone.apps.devtools_port("com.android.chrome"), 60.0)  # Chrome listens
@@ -122,7 +122,7 @@ def test_a_browser_device_screenshot_is_its_page_through_devtools(cli, phone):
 def test_a_device_without_a_screen_is_refused_in_one_line(cli):
     cli("devices", "add", "gpu-1", "--transport", "local")
     result = cli("devices", "screenshot", "gpu-1", ok=False)
-    assert result.exit_code != 0
+    assert result.exit_code == 3  # bad input: this device has no screen to take
     assert result.output.strip().startswith("error: gpu-1: no screenshot: the farm reaches it over local")
     assert "\n" not in result.output.strip()
 
@@ -131,3 +131,42 @@ def test_an_answer_that_is_not_a_png_is_named(tmp_path):
     assert png_size(b"\x89PNG\r\n\x1a\n" + b"\0" * 8) is None
     with pytest.raises(ProtocolMismatch, match="screencap -p did not answer with a PNG: /system/bin/sh: screencap"):
         LocalTransport(tmp_path, name="p1").checked_png(b"/system/bin/sh: screencap: not found\n", "adb", "screencap -p")
+
+
+@pytest.mark.parametrize("answer,message", [
+    ("<html>", "not JSON"),
+    ('{"id": 1, "error": "boom"}', "Page.captureScreenshot: boom"),
+    ('{"id": 1, "error": {"message": "no page"}}', "Page.captureScreenshot: no page"),
+    ('{"id": 1, "result": {}}', "no base64 image"),
+    ('{"id": 1, "result": {"data": "!!not base64!!"}}', "no base64 image"),
+    ('{"id": 1, "result": "x"}', "no base64 image"),
+])
+def test_a_browser_answering_nonsense_is_one_devtools_error(monkeypatch, answer, message):
+    """Whatever a confused or hostile browser answers to Page.captureScreenshot (not JSON, an
+    error that is a string, no image, no base64) is a DevToolsError naming it, which the browser
+    transport reports as the device's fault in one line, never a traceback."""
+    import contextlib
+
+    from orchestrator.transports import devtools
+
+    class Socket:
+        def __init__(self, texts):
+            self.texts = list(texts)
+
+        def send_text(self, text):
+            pass
+
+        def receive_text(self):
+            return self.texts.pop(0)
+
+    pages = json.dumps([{"type": "page", "url": "https://h/web/", "webSocketDebuggerUrl": "ws://h/devtools/page/1"}])
+    monkeypatch.setattr(devtools, "_send", lambda channel, data, timeout_s: None)
+    monkeypatch.setattr(devtools, "_http_response", lambda channel, timeout_s: (200, pages.encode()))
+    monkeypatch.setattr(devtools.WebSocket, "open", classmethod(
+        lambda cls, channel, path, timeout_s: Socket(['{"method": "Page.frameNavigated"}', answer])))
+    with pytest.raises(devtools.DevToolsError, match=message):
+        devtools.capture_screenshot(lambda: contextlib.nullcontext(None))
+    png = b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setattr(devtools.WebSocket, "open", classmethod(lambda cls, channel, path, timeout_s: Socket(
+        [json.dumps({"id": 1, "result": {"data": __import__("base64").b64encode(png).decode()}})])))
+    assert devtools.capture_screenshot(lambda: contextlib.nullcontext(None)) == png
