@@ -283,13 +283,17 @@ def release(
 ):
     """End a hold on a device: its reservation (`farm devices reserve`) when one is active, else
     its quarantine (back in service, available until a probe says otherwise). --reservation or
-    --quarantine picks one; the command says which it ended."""
+    --quarantine picks one, and must when the device has both; the command says which it ended."""
     from orchestrator import store
 
     if reservation is None:
         with open_store(cli_settings()) as sessions, sessions() as session:
             device = get_or_fail(store.get_device, session, serial)
-            reservation = store.active_reservation(session, device.id) is not None
+            held = store.active_reservation(session, device.id)
+            if held is not None and device.state == DeviceState.quarantined:
+                fail(f"{serial} is both reserved by {held.holder} and quarantined; say which hold to end: "
+                     f"`farm devices release {serial} --reservation` or `--quarantine`")
+            reservation = held is not None
     if reservation:
         _unreserve(serial)
     else:

@@ -60,6 +60,9 @@ def test_reserve_list_extend_refuse_and_release(cli, monkeypatch):
     # with none, release is the quarantine's, as before
     cli("devices", "quarantine", "vphone-2", "--reason", "flaky usb")
     cli("devices", "reserve", "vphone-2", "--for", "1h", "--as", "bob")
+    # both holds: which one to end is asked, not guessed (the quarantine's meaning came first)
+    both = cli("devices", "release", "vphone-2", ok=False)
+    assert both.exit_code == 3 and "both reserved by bob and quarantined" in both.output
     cli("devices", "release", "vphone-2", "--quarantine")
     with cli.Session() as s:
         device = store.get_device(s, "vphone-2")
