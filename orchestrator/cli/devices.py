@@ -238,6 +238,9 @@ def remove(
                  "`farm devices quarantine` it, or pass --force to delete them too")
         store.remove_device(session, device)
         session.commit()
+    from orchestrator.services.screenshots import forget_device_screenshots
+
+    forget_device_screenshots(cli_settings(), serial)  # its rows went with the device
     revoked = _revoke(serial)
     console.print(f"removed device {serial}" + (" and revoked its page token" if revoked else ""), highlight=False)
 

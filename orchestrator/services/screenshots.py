@@ -2,7 +2,8 @@
 `screencap -p`; a browser device: its page through Chromium's DevTools protocol;
 orchestrator/transports), the farm keeps it under <data_dir>/screenshots/<serial>/ and records it
 in the store, where the API and the dashboard find the newest. No transaction is held while the
-device is asked."""
+device is asked. A device keeps its newest KEPT; the screenshots of a device removed from the
+farm go with its rows (`farm devices remove`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from orchestrator.infra.settings import Settings
 from orchestrator.transports.base import Screenshot
 
 SCREENSHOTS = "screenshots"  # under the data dir
+KEPT = 20  # screenshots kept per device: taking one more forgets the oldest, its file too
 
 
 @dataclass
@@ -32,6 +34,15 @@ class Taken:
     height: int
     source: str
     taken_at: str
+
+
+def forget_device_screenshots(settings: Settings, serial: str) -> None:
+    """Delete a removed device's screenshot files (its rows went with it)."""
+    import shutil
+
+    folder = settings.data_dir / SCREENSHOTS / serial
+    if folder.is_dir() and folder.parent == settings.data_dir / SCREENSHOTS:  # (a serial is one plain name)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def screenshot_file(settings: Settings, stored_path: str) -> Path:
@@ -64,6 +75,9 @@ def take_screenshot(settings: Settings, sessions, serial: str) -> Taken:
         row = store.record_screenshot(session, device_id, relative.as_posix(), sha256, len(shot.png), shot.width,
                                       shot.height, shot.source, taken_at)
         row_id = row.id
+        forgotten = store.prune_screenshots(session, device_id, KEPT)
+    for old in forgotten:  # after the commit: a file whose row is gone is never served
+        (settings.data_dir / old).unlink(missing_ok=True)
     return Taken(row_id, serial, path, sha256, len(shot.png), shot.width, shot.height, shot.source,
                  taken_at.isoformat())
 

@@ -20,7 +20,7 @@ from .rows import StoreError
 __all__ = [
     "DeviceReserved", "active_reservation", "active_reservations", "latest_screenshot", "latest_screenshots",
     "list_reservations", "record_screenshot", "release_reservation", "reservation_line", "reserve_device",
-    "newest_batch_skips", "skip_entry", "skipped_by_reservation",
+    "newest_batch_skips", "prune_screenshots", "skip_entry", "skipped_by_reservation",
 ]
 
 
@@ -160,6 +160,17 @@ def record_screenshot(session: Session, device_id: int, path: str, sha256: str, 
     session.add(shot)
     session.flush()
     return shot
+
+
+def prune_screenshots(session: Session, device_id: int, keep: int) -> list[str]:
+    """Forget a device's screenshots but its newest `keep`; returns the paths of those forgotten
+    (relative to the data dir), for the caller to delete once this transaction commits."""
+    old = list(session.scalars(select(DeviceScreenshot).where(DeviceScreenshot.device_id == device_id)
+                               .order_by(DeviceScreenshot.taken_at.desc(), DeviceScreenshot.id.desc()).offset(keep)))
+    for shot in old:
+        session.delete(shot)
+    session.flush()
+    return [shot.path for shot in old]
 
 
 def latest_screenshot(session: Session, device_id: int) -> DeviceScreenshot | None:

@@ -170,3 +170,31 @@ def test_a_browser_answering_nonsense_is_one_devtools_error(monkeypatch, answer,
     monkeypatch.setattr(devtools.WebSocket, "open", classmethod(lambda cls, channel, path, timeout_s: Socket(
         [json.dumps({"id": 1, "result": {"data": __import__("base64").b64encode(png).decode()}})])))
     assert devtools.capture_screenshot(lambda: contextlib.nullcontext(None)) == png
+
+
+def test_a_device_keeps_its_newest_screenshots_and_a_removed_one_none(cli, monkeypatch):
+    """Taking a screenshot past screenshots.KEPT forgets the oldest, its row and its file; `farm
+    devices remove` deletes the device's files with its rows (they grew without bound before)."""
+    import contextlib
+
+    from orchestrator.services import screenshots
+    from orchestrator.transports import factory
+    from orchestrator.transports.base import Screenshot
+
+    png = bytes.fromhex("89504e470d0a1a0a0000000d49484452000000010000000108020000009077"
+                        "53de0000000c4944415478da63f8cfc0000003010100c9fe92ef0000000049454e44ae426082")
+
+    class Camera(contextlib.nullcontext):
+        def screenshot(self):
+            return Screenshot(png, 1, 1, "adb")
+
+    monkeypatch.setattr(factory, "make_transport", lambda device, settings: Camera())
+    monkeypatch.setattr(screenshots, "KEPT", 2)
+    cli("devices", "add", "vphone-1", "--transport", "adb", "--address", "127.0.0.1:5555")
+    taken = [json.loads(cli("devices", "screenshot", "vphone-1", "--json").output)["path"] for _ in range(3)]
+    folder = cli.tmp / "data" / "screenshots" / "vphone-1"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.rsplit("/", 1)[1] for p in taken[1:])
+    with cli.Session() as s:
+        assert store.latest_screenshot(s, store.get_device(s, "vphone-1").id).path.endswith(taken[2].rsplit("/", 1)[1])
+    cli("devices", "remove", "vphone-1")
+    assert not folder.exists()
