@@ -17,7 +17,7 @@ import typer
 from orchestrator.store.models import Build, Job, JobKind, JobState
 
 from . import common, completion, labels, validate
-from .output import Table, Text, console, escape, styled
+from .output import Table, Text, console, err_console, escape, styled
 
 app = typer.Typer(help="Submit, follow and inspect jobs.", no_args_is_help=True)
 
@@ -212,10 +212,14 @@ def submit(
             try:
                 build = store.get_build(session, build_name)
                 model = model or store.default_model(build)
+                skipped: list[dict] = []
                 targets = jobservice.target_devices(session, "all" if all_devices else devices,
-                                                    refuse_quarantined=True, holder=common.current_user())
+                                                    refuse_quarantined=True, holder=common.current_user(),
+                                                    skipped=skipped)
             except store.StoreError as exc:
                 common.fail(str(exc))
+            for entry in skipped:
+                err_console.print(f"left out: {entry['reason']}", highlight=False, markup=False)
             spec = _build_spec(kind, build, model, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                                steps=steps, scheduler=scheduler, guidance_scale=guidance_scale,
                                precision=precision, resolution=resolution, profile=profile, warmup=warmup,

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_quarantined: bool,
-                   holder: str = "") -> list[Device]:
+                   holder: str = "", skipped: list[dict[str, Any]] | None = None) -> list[Device]:
     """The devices a submission runs on: "all" is every device that is not quarantined;
     otherwise the serials named, each once, in order. StoreError names an unknown serial, or
     says that no device is left.
@@ -50,10 +50,13 @@ def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_qua
     to run (orchestrator/jobs/worker.py).
 
     The reservation rule (`farm devices reserve`): a person asking now (`refuse_quarantined`:
-    `farm jobs submit`, `farm check`) is refused a reserved device, named or among "all", with
-    its holder and end, so the holder's debugging is not disturbed and the asker hears why at
-    once; a suite skips it (_create_suite). The holder asking (`holder`: who asks, as the CLI
-    knows them) runs on what they hold: that is what they reserved it for."""
+    `farm jobs submit`, `farm check`) is refused a reserved device they name, with its holder and
+    end, so the holder's debugging is not disturbed and the asker hears why at once. "all" leaves
+    reserved devices out, each one's line appended to `skipped` (a CI gate runs `farm check
+    --all`: one person's booking must not fail everyone's pipeline), and is refused only when
+    every device is reserved. A suite skips them too (_create_suite). The holder asking
+    (`holder`: who asks, as the CLI knows them) runs on what they hold: that is what they
+    reserved it for."""
     if devices == "all":
         targets = store.in_service_devices(session)
         if not targets:
@@ -68,7 +71,11 @@ def target_devices(session: Session, devices: Sequence[str] | str, *, refuse_qua
             reason = device.state_reason or "no reason given"
             raise store.StoreError(f"device {device.serial!r} is quarantined ({reason}); "
                                    f"`farm devices release {device.serial}` first")
-    if refuse_quarantined:
+    if refuse_quarantined and devices == "all":
+        targets, left_out = skip_reserved(session, targets, "a request for all devices", holder)
+        if skipped is not None:
+            skipped.extend(left_out)
+    elif refuse_quarantined:
         held = store.active_reservations(session, [d.id for d in targets])
         for device in targets:
             if device.id in held and not (holder and held[device.id].holder == holder):

@@ -96,16 +96,19 @@ class _Round:
     roles: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
-def builds_compared(session: Session, request: CheckRequest) -> tuple[Build, dict[str, Build]]:
-    """The candidate and each device's baseline (serial -> build). CheckInput names what is
-    unknown or missing."""
+def builds_compared(session: Session, request: CheckRequest,
+                    skipped: list[dict[str, Any]] | None = None) -> tuple[Build, dict[str, Build]]:
+    """The candidate and each device's baseline (serial -> build); `skipped` gets a line for
+    each device "all" left out because someone reserved it. CheckInput names what is unknown
+    or missing."""
     unknown = [m for m in request.metrics if m not in regressions.HEADLINE_METRICS]
     if unknown:
         raise CheckInput(f"unknown metric {unknown[0]!r}; choose from {', '.join(regressions.HEADLINE_METRICS)}")
     try:
         candidate = store.get_build(session, request.candidate)
         named = store.get_build(session, request.baseline) if request.baseline else None
-        devices = target_devices(session, request.devices, refuse_quarantined=True, holder=request.holder)
+        devices = target_devices(session, request.devices, refuse_quarantined=True, holder=request.holder,
+                                 skipped=skipped)
         model = store.default_model(candidate)
     except store.StoreError as exc:
         raise CheckInput(str(exc)) from None
@@ -150,11 +153,14 @@ def run_check(app: Celery, sessions, request: CheckRequest,
     cannot go on cancels what it queued, and its CheckFailed carries the report so far."""
     started, deadline = time.monotonic(), time.monotonic() + request.timeout_s
     token = uuid.uuid4().hex[:12]
+    skipped: list[dict[str, Any]] = []
     with sessions() as session:
-        candidate, baselines = builds_compared(session, request)
+        candidate, baselines = builds_compared(session, request, skipped)
         names = (candidate.name, {serial: b.name for serial, b in baselines.items()})
         # what a report's reader calls them: labels, else the ends that tell them apart
         display = store.build_display_names(session, [candidate.name, *names[1].values()])
+    for entry in skipped:
+        progress(f"left out: {entry['reason']}")
     spec = dict(request.spec)
     rounds: list[_Round] = []
     results: dict[tuple[str, str], dict[str, Any]] = {}
@@ -166,13 +172,14 @@ def run_check(app: Celery, sessions, request: CheckRequest,
                 {serial: b.id for serial, b in baselines.items()}, deadline, progress, report)
     except CheckFailed as exc:
         exc.report = _abandon(app, sessions, request, rounds, results, names, spec, started, str(exc))
+        exc.report["skipped"] = skipped
         raise
     with sessions() as session:
         fidelity = _fidelity(session, rounds) if request.images else []
     out = {"candidate": names[0], "baselines": names[1], "metrics": list(request.metrics), "spec": spec,
            "comparisons": [results[k] for k in sorted(results)], "fidelity": fidelity,
            "batches": [b for r in rounds for b in r.batches], "seconds": round(time.monotonic() - started, 1),
-           "display": display}
+           "display": display, "skipped": skipped}
     out["exit_code"], out["outcome"] = report_exit_code(out)
     return out
 
@@ -388,6 +395,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"- {md_code(f['device'])}: " + (f"error: {md_code(f['error'])}" if "error" in f else
                                                    fidelity_text(f))
                   for f in report["fidelity"]]
+    if report.get("skipped"):
+        lines += ["", "Left out (reserved by a person; not judged):", ""]
+        lines += [f"- {md_code(e['reason'])}" for e in report["skipped"]]
     open_ = [c for c in report["comparisons"] if c["verdict"] not in ("same", "improvement", "regression")]
     if open_:
         lines += ["", "Undecided:", ""] + [f"- {md_code(c['device'])}, {md_code(c['metric'])}: {md_code(c['reason'])}"

@@ -224,15 +224,50 @@ def test_a_check_or_a_submission_naming_a_reserved_device_is_refused(cli):
     assert "vphone-1 is reserved by ana until" in result.output and "(camera bug)" in result.output
     with cli.Session() as s:
         assert s.query(Job).count() == 0
-        # "all" is refused too, naming the device to leave out; the free one alone is accepted
-        with pytest.raises(store.DeviceReserved, match="leave it out"):
-            target_devices(s, "all", refuse_quarantined=True)
+        # "all" leaves it out, saying so (a CI gate's `farm check --all` runs on the rest); the
+        # free one named alone is accepted
+        skipped = []
+        assert [d.serial for d in target_devices(s, "all", refuse_quarantined=True, skipped=skipped)] == ["vphone-2"]
+        assert [e["device"] for e in skipped] == ["vphone-1"] and "reserved by ana" in skipped[0]["reason"]
         assert [d.serial for d in target_devices(s, ["vphone-2"], refuse_quarantined=True)] == ["vphone-2"]
         # the holder runs on what they hold: that is what they reserved it for
         assert [d.serial for d in target_devices(s, "all", refuse_quarantined=True, holder="ana")] == [
             "vphone-1", "vphone-2"]
         with pytest.raises(store.DeviceReserved):
             target_devices(s, ["vphone-1"], refuse_quarantined=True, holder="bob")
+    # every device reserved: "all" has nothing to run on, and says who holds them
+    cli("devices", "reserve", "vphone-2", "--for", "1h", "--as", "bob")
+    with cli.Session() as s:
+        with pytest.raises(store.StoreError, match="every device it runs on is reserved: vphone-1 is reserved by ana"):
+            target_devices(s, "all", refuse_quarantined=True)
+
+
+def test_a_ci_gate_over_all_devices_runs_on_those_nobody_holds(cli, monkeypatch, tmp_path):
+    """`farm check --all` (the CI gate's command) while someone debugs a phone: the check runs on
+    the other devices, and its output and report name the one left out and who holds it."""
+    from orchestrator.services import check as gate
+
+    _add(cli, "vphone-1", "vphone-2")
+    with cli.Session() as s, s.begin():
+        store.create_build(s, tiny_manifest("b1", 1_700_000_000.0))
+        store.create_build(s, tiny_manifest("b2", 1_700_086_400.0))
+    cli("devices", "reserve", "vphone-1", "--for", "2h", "--as", "ana", "--note", "camera bug")
+    launched = []
+
+    def launch(app, name, jobs, *, devices, **kwargs):
+        launched.extend(devices)
+        raise gate.CheckFailed("stopped here: the test needs no worker")
+
+    monkeypatch.setattr(gate, "launch_suite", launch)
+    monkeypatch.setenv("USER", "bob")
+    report = tmp_path / "check.json"
+    result = cli("check", "--build", "b2", "--baseline", "b1", "--all", "--json", str(report),
+                 "--markdown", str(tmp_path / "check.md"), ok=False)
+    assert launched == ["vphone-2"], result.output
+    assert "left out: vphone-1 is reserved by ana until" in result.output
+    skipped = json.loads(report.read_text())["skipped"]
+    assert [(e["device"], e["holder"], e["note"]) for e in skipped] == [("vphone-1", "ana", "camera bug")]
+    assert "Left out (reserved by a person" in (tmp_path / "check.md").read_text()
 
 
 def test_the_holder_submits_jobs_to_the_device_they_hold(cli, monkeypatch):
