@@ -281,7 +281,7 @@ def _triage(alert_id: int | None, group_id: int | None, only: list[int] | None, 
                 said = f"alert {alert_id} {state}"
             else:
                 view = store.triage_group(session, group_id, state, note, only or None)
-                count = len(only) if only else len(view.alerts)
+                count = len(view.triaged)
                 said = f"group {group_id}: {count} alert{'s' if count != 1 else ''} {state} ({_counts(view.states)})"
         except store.StoreError as exc:
             common.fail(str(exc))
@@ -292,16 +292,16 @@ def _triage(alert_id: int | None, group_id: int | None, only: list[int] | None, 
 NOTE_OPTION = typer.Option(None, "--note", help="Why (kept on the alert).")
 OPTIONAL_ALERT_ID = typer.Argument(None, help="Alert id (or give --group).", parser=validate.record_id,
                                    show_default=False)
-GROUP_OPTION = typer.Option(None, "--group", help="Every alert of this group (`farm regressions list`).",
-                            parser=validate.record_id)
-ONLY_OPTION = typer.Option(None, "--only", help="With --group: only this alert of it (repeat for several).",
-                           parser=validate.record_id)
+GROUP_OPTION = typer.Option(None, "--group", help="The open alerts of this group (`farm regressions list`); "
+                            "a closed one only with --only.", parser=validate.record_id)
+ONLY_OPTION = typer.Option(None, "--only", help="With --group: only this alert of it, whatever its state "
+                           "(repeat for several).", parser=validate.record_id)
 
 
 @app.command()
 def ack(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, only: list[int] = ONLY_OPTION,
         note: str = NOTE_OPTION):
-    """Acknowledge an alert, or a group's alerts: someone is on it."""
+    """Acknowledge an alert, or the group's open alerts: someone is on it."""
     from orchestrator.store.models import AlertState
 
     _triage(alert_id, group, only, AlertState.acknowledged, note)
@@ -310,7 +310,7 @@ def ack(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, only: list
 @app.command()
 def invalidate(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, only: list[int] = ONLY_OPTION,
                note: str = NOTE_OPTION):
-    """Mark an alert, or a group's alerts, invalid (noise, a broken device): its build becomes a baseline again."""
+    """Mark an alert, or the group's open alerts, invalid (noise, a broken device): its build becomes a baseline again."""
     from orchestrator.store.models import AlertState
 
     _triage(alert_id, group, only, AlertState.invalid, note)
@@ -319,7 +319,7 @@ def invalidate(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, onl
 @app.command()
 def fixed(alert_id: int = OPTIONAL_ALERT_ID, group: int = GROUP_OPTION, only: list[int] = ONLY_OPTION,
           note: str = NOTE_OPTION):
-    """Mark an alert, or a group's alerts, fixed."""
+    """Mark an alert, or the group's open alerts, fixed."""
     from orchestrator.store.models import AlertState
 
     _triage(alert_id, group, only, AlertState.fixed, note)

@@ -20,7 +20,7 @@ from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from .models import Alert, AlertGroup, AlertKind, AlertState, Build, Job, JobState, utcnow
-from .rows import StoreError, text_for_store
+from .rows import InvalidTransition, StoreError, text_for_store
 
 __all__ = ["BUG_URL_PATTERN", "GROUP_SORTS", "OPEN_ALERT_STATES", "AlertGroupView", "find_alert", "get_alert_group",
            "has_open_alert", "last_reports", "list_alert_groups", "save_alert",
@@ -93,6 +93,7 @@ class AlertGroupView:
 
     group: AlertGroup
     alerts: list[Alert]
+    triaged: tuple[int, ...] = ()  # the alerts the triage that returned this view set, by id
 
     @property
     def devices(self) -> list[str]:
@@ -191,11 +192,19 @@ def list_alert_groups(
 
 def triage_group(session: Session, group_id: int, state: AlertState | str, note: str | None = None,
                  alert_ids: Iterable[int] | None = None) -> AlertGroupView:
-    """A person's word on a whole regression: every alert of the group (or the `alert_ids` of
-    it) in `state`, with `note` kept on each when given."""
+    """A person's word on a whole regression: the group's open alerts (new or acknowledged), or
+    exactly the `alert_ids` of it whatever their state, in `state`, with `note` kept on each
+    when given. A closed alert (invalid, fixed) is left alone by the bulk action: reopening it
+    would also make an invalid alert's build a candidate again instead of a baseline.
+    InvalidTransition when no alert is open and none is named."""
     view = get_alert_group(session, group_id)
-    chosen = view.alerts
-    if alert_ids is not None:
+    if alert_ids is None:
+        chosen = [a for a in view.alerts if a.state in OPEN_ALERT_STATES]
+        if not chosen:
+            raise InvalidTransition(
+                f"group {group_id} has no open alert ({_states_said(view)}): name the ones to change with "
+                f"--only ID (API: alert_ids); `farm regressions group show {group_id}` lists them")
+    else:
         wanted = set(alert_ids)
         strangers = sorted(wanted - {a.id for a in view.alerts})
         if strangers:
@@ -208,8 +217,13 @@ def triage_group(session: Session, group_id: int, state: AlertState | str, note:
         if note:
             alert.note = text_for_store(note)
     view.group.updated_at = now
+    view.triaged = tuple(a.id for a in chosen)
     session.flush()
     return view
+
+
+def _states_said(view: AlertGroupView) -> str:
+    return ", ".join(f"{n} {state}" for state, n in view.states.items() if n) or "no alerts"
 
 
 # An http(s) link to a named host, or "" (no link): what a bug link may be (the API states it in

@@ -10,6 +10,7 @@ The store is seeded the farm's way: devices p1-p3, builds b1 and b2 at 100 ms a 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import shutil
@@ -150,6 +151,36 @@ def test_a_group_is_triaged_in_bulk_or_by_the_alerts_chosen(farm):
         assert [v.group.id for v in store.list_alert_groups(s, states=tuple(AlertState))] == [group_id]
 
 
+def test_a_bulk_triage_changes_only_the_groups_open_alerts(farm):
+    """A group of 6, one invalid and one fixed: Acknowledge with no alert named changes the 4
+    open ones and leaves the closed ones as they are (an invalid alert's build stays a
+    baseline); named, a closed one changes too. With nothing open, the bulk action says so."""
+    alerts = _regressions(farm["sessions"])
+    group_id, invalid, fixed, rest = alerts[0].group_id, alerts[0].id, alerts[1].id, [a.id for a in alerts[2:]]
+    with farm["sessions"]() as s, s.begin():
+        store.triage_group(s, group_id, AlertState.invalid, "noise", alert_ids=[invalid])
+        store.triage_group(s, group_id, AlertState.fixed, alert_ids=[fixed])
+        store.triage_group(s, group_id, AlertState.acknowledged, alert_ids=rest[:1])  # open, acknowledged already
+    with farm["sessions"]() as s, s.begin():
+        view = store.triage_group(s, group_id, AlertState.acknowledged, "on it")
+        assert view.states == {"new": 0, "acknowledged": 4, "invalid": 1, "fixed": 1}
+        assert sorted(view.triaged) == rest
+    with farm["sessions"]() as s:
+        states = {a.id: (a.state, a.note) for a in s.scalars(select(Alert).where(Alert.group_id == group_id))}
+    assert states[invalid] == (AlertState.invalid, "noise") and states[fixed] == (AlertState.fixed, "")
+    assert {states[a] for a in rest} == {(AlertState.acknowledged, "on it")}
+    with farm["sessions"]() as s, s.begin():  # named, a closed alert is reopened
+        view = store.triage_group(s, group_id, AlertState.acknowledged, alert_ids=[invalid])
+        assert view.triaged == (invalid,) and view.states["invalid"] == 0
+    with farm["sessions"]() as s, s.begin():
+        store.triage_group(s, group_id, AlertState.fixed)
+    with farm["sessions"]() as s, pytest.raises(
+            store.InvalidTransition, match=rf"^group {group_id} has no open alert \(6 fixed\): name the ones to "
+                                           rf"change with --only ID \(API: alert_ids\); `farm regressions group show "
+                                           rf"{group_id}` lists them$"):
+        store.triage_group(s, group_id, AlertState.invalid)
+
+
 def test_a_group_takes_an_owner_an_http_bug_link_and_a_note(farm):
     group_id = _regressions(farm["sessions"])[0].group_id
     with farm["sessions"]() as s, s.begin():
@@ -283,8 +314,52 @@ def test_a_triage_token_triages_a_group_in_bulk_and_assigns_it(farm):
         triage.post(f"/v1/alert-groups/{group['id']}/invalidate")
         assert triage.get("/v1/alert-groups").json() == []
         assert triage.get("/v1/alert-groups", params={"state": "invalid"}).json()[0]["size"] == 6
-    with farm["sessions"]() as s:
-        assert {a.state for a in s.scalars(select(Alert))} == {AlertState.invalid}
+    with farm["sessions"]() as s:  # the bulk invalidate left the 2 fixed ones fixed
+        assert sorted(str(a.state) for a in s.scalars(select(Alert))) == ["fixed"] * 2 + ["invalid"] * 4
+
+
+def test_the_api_and_the_cli_leave_a_groups_closed_alerts_to_a_bulk_triage(farm, farm_cli):
+    """POST /v1/alert-groups/{id}/acknowledge with {} (the dashboard's button) and `farm
+    regressions ack --group` change the open alerts only, and answer 409 / exit 3 when none is."""
+    alerts = _regressions(farm["sessions"])
+    group_id, invalid = alerts[0].group_id, alerts[0].id
+    with _client(farm, "triage") as triage:
+        triage.post(f"/v1/alert-groups/{group_id}/invalidate", json={"alert_ids": [invalid]})
+        done = triage.post(f"/v1/alert-groups/{group_id}/acknowledge", json={}).json()
+        assert done["states"] == {"new": 0, "acknowledged": 5, "invalid": 1, "fixed": 0}
+        assert f"group {group_id}: 5 alerts fixed (1 invalid, 5 fixed)" in farm_cli(
+            "regressions", "fixed", "--group", str(group_id))
+        refused = triage.post(f"/v1/alert-groups/{group_id}/acknowledge", json={})
+        assert refused.status_code == 409 and f"group {group_id} has no open alert (1 invalid, 5 fixed)" in \
+            refused.json()["detail"]
+        out = farm_cli("regressions", "ack", "--group", str(group_id), code=3)
+        assert "has no open alert" in out and "Traceback" not in out
+        again = triage.post(f"/v1/alert-groups/{group_id}/acknowledge", json={"alert_ids": [invalid]}).json()
+        assert again["states"] == {"new": 0, "acknowledged": 1, "invalid": 0, "fixed": 5}
+
+
+def test_the_api_filters_a_data_stoppage_older_than_the_newest_50_alerts(farm):
+    """The overview asks /v1/alerts for kind=data_stoppage (with its state and limit=500), and
+    /v1/alert-groups with limit=500: 60 regressions newer than a stoppage crowd it out of the
+    unfiltered list (the newest 50), not out of the filtered one."""
+    with farm["sessions"]() as s, s.begin():
+        b1, b3, p1 = store.get_build(s, "b1"), store.get_build(s, "b3"), store.get_device(s, "p1")
+        quiet = store.save_alert(s, Alert(kind=AlertKind.data_stoppage, device_id=p1.id, metric="",
+                                          series={"device": "p1"}, summary="p1 has not reported", detail={},
+                                          created_at=store.utcnow() - dt.timedelta(hours=1))).id
+        for i in range(60):
+            store.save_alert(s, Alert(kind=AlertKind.regression, build_id=b3.id, baseline_build_id=b1.id,
+                                      device_id=p1.id, metric=f"m{i}_ms", ratio=1.3, series={}, summary="slower",
+                                      detail={}))
+    with _client(farm, "read") as read:
+        assert quiet not in [a["id"] for a in read.get("/v1/alerts").json()]
+        open_ = {"kind": "data_stoppage", "limit": 500}
+        assert [a["id"] for a in read.get("/v1/alerts", params=open_).json()] == [quiet]
+        every = read.get("/v1/alerts", params=open_ | {"state": ["new", "acknowledged", "invalid", "fixed"]})
+        assert [a["id"] for a in every.json()] == [quiet]
+        assert read.get("/v1/alerts", params=open_ | {"state": "fixed"}).json() == []
+        groups = read.get("/v1/alert-groups", params={"limit": 500}).json()
+        assert sorted(g["size"] for g in groups) == [6, 60]
 
 
 # ---- the CLI ------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """Alert groups: one regression as people triage it, every alert one build raised against one
 baseline (`farm regressions list`, `group show`, `ack|invalidate|fixed --group`, `assign`).
 GET /v1/alert-groups (filters and sort), /v1/alert-groups/{id}; POST /v1/alert-groups/{id}/
-acknowledge, /invalidate and /fixed (every alert of it, or the ones named, with an optional
-note) and PATCH /v1/alert-groups/{id} (owner, bug link, note) with a triage-scoped token."""
+acknowledge, /invalidate and /fixed (the group's open alerts, or exactly the ones named, with
+an optional note; 409 when none is open and none is named) and PATCH /v1/alert-groups/{id}
+(owner, bug link, note) with a triage-scoped token."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, HTTPException, Query
 
 from orchestrator import store
 from orchestrator.store.models import AlertKind, AlertState
@@ -31,6 +32,7 @@ from ..schemas import PLAIN, AlertGroupDetail, AlertGroupOut, GroupTriage, Group
 
 router = APIRouter(prefix="/alert-groups", tags=["alerts"], responses=AUTH_ERRORS)
 NOT_IN_GROUP = problem(404, "No such group, or an alert named is not in it.")
+NOTHING_OPEN = problem(409, "No alert of the group is open (new or acknowledged) and none is named in alert_ids.")
 
 
 @router.get("", response_model=list[AlertGroupOut], responses=BAD_FILTER,
@@ -60,29 +62,33 @@ def get_group(_: Reader, db: Db, group_id: RecordId) -> AlertGroupDetail:
 
 
 def _triage(db, group_id: int, state: AlertState, body: GroupTriage | None) -> AlertGroupDetail:
-    view = found(store.triage_group, db, group_id, state, body.note if body else None,
-                 body.alert_ids if body else None)
+    try:
+        view = store.triage_group(db, group_id, state, body.note if body else None, body.alert_ids if body else None)
+    except store.InvalidTransition as exc:  # nothing open: the request is sound, the group's state refuses it
+        raise HTTPException(409, str(exc)) from None
+    except store.StoreError as exc:
+        raise HTTPException(404, str(exc)) from None
     db.commit()
     return AlertGroupDetail.of(view)
 
 
-TRIAGE_ERRORS = NOT_IN_GROUP | BAD_BODY
+TRIAGE_ERRORS = NOT_IN_GROUP | NOTHING_OPEN | BAD_BODY
 
 
 @router.post("/{group_id}/acknowledge", response_model=AlertGroupDetail, responses=TRIAGE_ERRORS,
-             summary="Acknowledge a group's alerts: someone is on it")
+             summary="Acknowledge the group's open alerts (or the ones named): someone is on it")
 def acknowledge(_: Triager, db: Db, group_id: RecordId, body: GroupTriage | None = None) -> AlertGroupDetail:
     return _triage(db, group_id, AlertState.acknowledged, body)
 
 
 @router.post("/{group_id}/invalidate", response_model=AlertGroupDetail, responses=TRIAGE_ERRORS,
-             summary="Mark a group's alerts invalid (noise, a broken device)")
+             summary="Mark the group's open alerts (or the ones named) invalid (noise, a broken device)")
 def invalidate(_: Triager, db: Db, group_id: RecordId, body: GroupTriage | None = None) -> AlertGroupDetail:
     return _triage(db, group_id, AlertState.invalid, body)
 
 
 @router.post("/{group_id}/fixed", response_model=AlertGroupDetail, responses=TRIAGE_ERRORS,
-             summary="Mark a group's alerts fixed")
+             summary="Mark the group's open alerts (or the ones named) fixed")
 def fixed(_: Triager, db: Db, group_id: RecordId, body: GroupTriage | None = None) -> AlertGroupDetail:
     return _triage(db, group_id, AlertState.fixed, body)
 
