@@ -59,8 +59,12 @@
   const GROUP_ACTIONS = [["acknowledge", "Acknowledge", "acknowledged"], ["invalidate", "Invalidate", "invalid"],
     ["fixed", "Mark fixed", "fixed"]];
   const ALL_STATES = ["new", "acknowledged", "invalid", "fixed"];
+  // The most a list route gives at once (deps.Limit): a list that comes back this long was cut,
+  // and the page says so. An offline copy holds what `farm dashboard build` read, with the
+  // routes' default limit (50) and no filters.
+  const LIST_LIMIT = 500, OFFLINE_LIMIT = 50;
   const REFRESH_MS = Number(localStorage.getItem("farm.refresh.ms")) || 15000;
-  const view = { groups: [], loose: [], me: null, state: "open", sort: "created", device: "", metric: "", kind: "",
+  const view = { groups: [], loose: [], cut: { groups: 0, loose: 0 }, me: null, state: "open", sort: "created", device: "", metric: "", kind: "",
     owner: "", expanded: new Set(), chosen: new Set(), drafts: new Map(), busy: false, timer: null };
 
   // Why this page cannot triage ("" when it can): the offline copy never can; live, the token's scope says.
@@ -87,14 +91,30 @@
       ? `Not allowed: ${err.detail}.` : `${what} failed: ${window.farm.explain(err)}`);
   }
 
-  async function fetchGroups() {
+  // The groups, and the alerts of no group (data stoppages: a device's, not a build pair's),
+  // both in the state chosen, each asked for by the route's own filters: /v1/alerts unfiltered is
+  // the newest 50 open alerts of every kind, where grouped ones crowd an older stoppage out.
+  function listPaths() {
+    if (window.farm.mode === "offline") {
+      return { groups: "/v1/alert-groups", loose: "/v1/alerts", limit: OFFLINE_LIMIT,
+        looseOf: "the data stoppages among the newest %n open alerts" };
+    }
     const states = view.state === "open" ? [] : view.state === "all" ? ALL_STATES : [view.state];
-    const query = states.length ? "?" + states.map((s) => `state=${s}`).join("&") : "";
-    const [groups, alerts] = await Promise.all([api("/v1/alert-groups" + query), api("/v1/alerts")]);
-    const loose = alerts.filter((a) => a.group_id === null);
-    const read = JSON.stringify([groups, loose]);
+    const query = (extra) => "?" + new URLSearchParams([...states.map((s) => ["state", s]), ...extra,
+      ["limit", String(LIST_LIMIT)]]).toString();
+    return { groups: "/v1/alert-groups" + query([]), loose: "/v1/alerts" + query([["kind", "data_stoppage"]]),
+      limit: LIST_LIMIT, looseOf: "the newest %n data stoppages" };
+  }
+
+  async function fetchGroups() {
+    const paths = listPaths();
+    const [groups, alerts] = await Promise.all([api(paths.groups), api(paths.loose)]);
+    const loose = alerts.filter((a) => a.group_id === null && a.kind === "data_stoppage");
+    const cut = { groups: groups.length >= paths.limit ? paths.limit : 0,
+      loose: alerts.length >= paths.limit ? paths.limit : 0, looseOf: paths.looseOf };
+    const read = JSON.stringify([groups, loose, cut]);
     const changed = read !== view.read;
-    [view.groups, view.loose, view.read] = [groups, loose, read];
+    [view.groups, view.loose, view.cut, view.read] = [groups, loose, cut, read];
     return changed;
   }
 
@@ -113,6 +133,15 @@
       .sort(ORDERS[view.sort]);
   }
 
+  // A data stoppage has a device but no metric and is no group's kind: a metric or kind chosen hides it.
+  function shownLoose() {
+    return view.loose.filter((a) => (!view.device || a.device === view.device) && !view.metric && !view.kind);
+  }
+
+  function openCount(g) {
+    return (g.states.new || 0) + (g.states.acknowledged || 0);
+  }
+
   async function triageGroup(g, action, label, state) {
     const picked = g.alerts.filter((a) => view.chosen.has(a.id)).map((a) => a.id);
     say("working", `${label}: group #${g.id}…`);
@@ -120,7 +149,7 @@
     try {
       await api(`/v1/alert-groups/${g.id}/${action}`, { method: "POST", body: picked.length ? { alert_ids: picked } : {} });
       picked.forEach((id) => view.chosen.delete(id));
-      const n = picked.length || g.size;
+      const n = picked.length || openCount(g);  // no alert ticked: the group's open alerts, no closed one
       await reload();  // the table shows the new states before the line says done
       say("done", `Group #${g.id}: ${n} alert${n === 1 ? "" : "s"} ${state}.`);
     } catch (err) {
@@ -159,7 +188,8 @@
       ? el("a", { class: "bug-link", href: g.bug_url, rel: "noopener noreferrer", target: "_blank" }, g.bug_url) : "—";
     const actions = GROUP_ACTIONS.map(([action, label, state]) => el("button", { type: "button", class: "group-action",
       dataset: { action, groupId: g.id }, disabled: Boolean(why),
-      title: why || `${label} the ticked alerts of this group, else all ${g.size}`,
+      title: why || `${label} the ticked alerts of this group (whatever their state), else all its ${openCount(g)} ` +
+        `open one${openCount(g) === 1 ? "" : "s"} (an invalid or fixed one stays as it is)`,
       onclick: () => triageGroup(g, action, label, state) }, label));
     const head = el("tr", { class: "group-row", dataset: { groupId: g.id, open: String(open) } },
       el("td", {}, toggle, ` #${g.id}`),
@@ -208,13 +238,22 @@
   function draw() {
     const holder = document.getElementById("groups-table");
     if (!holder) return;
-    const groups = shownGroups(), why = refusal();
-    const alerts = groups.reduce((n, g) => n + g.size, 0) + view.loose.length;
-    document.getElementById("alerts").textContent = `Alerts by regression: ${alerts} in ${groups.length} ` +
-      `group${groups.length === 1 ? "" : "s"}${view.loose.length ? ` and ${view.loose.length} alone` : ""}`;
-    holder.replaceChildren(groups.length || view.loose.length
+    const groups = shownGroups(), loose = shownLoose(), why = refusal();
+    const alerts = groups.reduce((n, g) => n + g.size, 0) + loose.length;
+    // "+": a list was cut, so there are more than counted
+    const [more, moreGroups, moreLoose] = [view.cut.groups || view.cut.loose, view.cut.groups, view.cut.loose]
+      .map((cut) => (cut ? "+" : ""));
+    document.getElementById("alerts").textContent = `Alerts by regression: ${alerts}${more} in ${groups.length}` +
+      `${moreGroups} group${groups.length === 1 ? "" : "s"}${loose.length ? ` and ${loose.length}${moreLoose} alone` : ""}`;
+    // A list cut at its limit says so, and where the whole of it is.
+    const cut = [view.cut.groups ? el("p", { class: "muted list-cut", dataset: { list: "groups", limit: view.cut.groups } },
+      `Showing the newest ${view.cut.groups} groups; \`farm regressions list\` lists every one.`) : "",
+    view.cut.loose ? el("p", { class: "muted list-cut", dataset: { list: "loose", limit: view.cut.loose } },
+      `Showing ${view.cut.looseOf.replace("%n", view.cut.loose)}; \`farm regressions list --alerts --kind data_stoppage\` ` +
+      "lists every one.") : ""].filter(Boolean);
+    holder.replaceChildren(...cut, groups.length || loose.length
       ? table("open-alerts", ["group", "builds", "devices × metrics", "alerts", "worst", "states", "owner", "bug",
-        "triage"], [...groups.flatMap((g) => groupRows(g, why)), ...view.loose.map(looseRow)])
+        "triage"], [...groups.flatMap((g) => groupRows(g, why)), ...loose.map(looseRow)])
       : el("p", { class: "muted" }, "No open alerts."));
   }
 
