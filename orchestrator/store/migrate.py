@@ -34,13 +34,30 @@ class UnknownRevision(ValueError):
     """A revision this code's migrations do not have (`farm db upgrade --revision`)."""
 
 
+class UnknownStoreRevision(RuntimeError):
+    """The database is at a revision this code's migrations do not have: a newer devicefarm
+    migrated it. Not the asker's mistake: this farm's code is older than its store."""
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     """Migrate the database at `url` to `revision` (the newest by default); UnknownRevision
-    when the migrations have no such revision."""
+    when the migrations have no such revision, UnknownStoreRevision when the database is at one
+    they do not have."""
+    cfg = alembic_config(url)
+    if revision not in ("head", "heads"):
+        try:
+            known = ScriptDirectory.from_config(cfg).get_revision(revision) is not None
+        except Exception:  # noqa: BLE001  (alembic's CommandError or ResolutionError: not a revision here)
+            known = False
+        if not known:
+            raise UnknownRevision(f"no revision {revision!r} in this devicefarm's migrations (its newest is "
+                                  f"{head_revision()})")
     try:
-        command.upgrade(alembic_config(url), revision)
+        command.upgrade(cfg, revision)
     except CommandError as exc:
-        raise UnknownRevision(str(exc)) from exc
+        raise UnknownStoreRevision(f"{exc}: the database was migrated by a newer devicefarm than this one "
+                                   f"(whose newest revision is {head_revision()}); run this farm's newer "
+                                   "code against it") from exc
 
 
 def head_revision() -> str:

@@ -36,3 +36,19 @@ def test_db_upgrade_of_a_server_not_there_could_not_run(tmp_path):
     result = CliRunner().invoke(app, ["db", "upgrade", "--url", "postgresql+psycopg://farm@127.0.0.1:1/farm"])
     assert result.exit_code == 4  # could not run: nothing answers there
     assert "error:" in result.output and "Traceback" not in result.output
+
+
+def test_db_upgrade_of_a_store_a_newer_farm_migrated_could_not_run(tmp_path):
+    """A database at a revision this code does not have (a newer devicefarm migrated it) is the
+    farm's trouble, not the asker's: exit 4, one line saying so."""
+    from sqlalchemy import create_engine, text
+
+    url = f"sqlite:///{tmp_path / 'farm.db'}"
+    assert CliRunner().invoke(app, ["db", "upgrade", "--url", url]).exit_code == 0
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
+    engine.dispose()
+    result = CliRunner().invoke(app, ["db", "upgrade", "--url", url])
+    assert result.exit_code == 4, result.output
+    assert "migrated by a newer devicefarm" in " ".join(result.output.split()) and "Traceback" not in result.output
