@@ -435,7 +435,7 @@ class GroupTriage(BaseModel):
 
     note: str | None = Field(None, max_length=10_000, description="Why (kept on each alert triaged).")
     alert_ids: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] | None = Field(
-        None, max_length=10_000, description="Only these alerts of the group (default: every one).")
+        None, max_length=10_000, description="Only these alerts of the group (default: the group's open ones: new or acknowledged).")
 
 
 class GroupUpdate(BaseModel):
