@@ -69,13 +69,18 @@ def pack_params(values: tuple) -> bytes:
     return raw + b"\0" * (_align(max(len(raw), 16)) - len(raw))
 
 
-def write_array(device, buffer, data: np.ndarray) -> None:
-    """Queue a write of a host array's bytes to the start of `buffer` (padded to 4 bytes, as
-    WebGPU requires)."""
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # the array's own bytes: no copy
+def padded_bytes(data: np.ndarray) -> np.ndarray:
+    """A host array's bytes, padded to a multiple of 4 as WebGPU's copies require: the array's
+    own memory (no copy) when it is contiguous and already a multiple of 4."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if raw.nbytes % 4:
         raw = np.concatenate([raw, np.zeros(4 - raw.nbytes % 4, np.uint8)])
-    device.queue.write_buffer(buffer, 0, raw)
+    return raw
+
+
+def write_array(device, buffer, data: np.ndarray) -> None:
+    """Queue a write of a host array's bytes to the start of `buffer` (padded_bytes)."""
+    device.queue.write_buffer(buffer, 0, padded_bytes(data))
 
 
 class StagingRing:
@@ -85,7 +90,9 @@ class StagingRing:
     the other's copy. queue.write_buffer instead allocates a staging buffer for every write.
     Destinations must be COPY_DST buffers with room for the data padded to 4 bytes."""
 
-    def __init__(self, device, chunk: int = 64 << 20, slots: int = 2):
+    CHUNK = 64 << 20
+
+    def __init__(self, device, chunk: int = CHUNK, slots: int = 2):
         import wgpu
 
         if chunk % 8:
@@ -98,17 +105,13 @@ class StagingRing:
         self.turn = self.used = 0
         self.copies: list[tuple[int, Any, int, int]] = []  # (staging offset, destination, its offset, bytes)
 
-    CHUNK = 64 << 20
-
     @classmethod
     def sized(cls, device, nbytes: int) -> StagingRing:
         """A ring for about `nbytes` of uploads: chunks no larger than they need be."""
         return cls(device, chunk=max(8, min(cls.CHUNK, (nbytes + 7) & ~7)))
 
     def write(self, buffer, data: np.ndarray) -> None:
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if raw.nbytes % 4:
-            raw = np.concatenate([raw, np.zeros(4 - raw.nbytes % 4, np.uint8)])
+        raw = padded_bytes(data)
         done = 0
         while done < raw.nbytes:
             if self.used == self.chunk:
@@ -510,11 +513,7 @@ class GpuContext(_Memory):
         dtype = dtype or dtype_of(array)
         data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
         if static:
-            self._check_binding(data.nbytes, data.shape, "a weight")
-            nbytes = _align(max(data.nbytes, 4))
-            buf = self._create_buffer(nbytes, "a weight")
-            self.queue_write(buf, data)
-            return self._static(buf, nbytes, data.shape, dtype)
+            return self._weight(data, dtype, self.queue_write)
         t = self.empty(data.shape, dtype)
         self.flush()  # a pooled buffer may still be read by recorded, unsubmitted commands
         self.queue_write(t.buffer, data)
@@ -533,21 +532,23 @@ class GpuContext(_Memory):
     def upload_weights(self, arrays: dict[str, np.ndarray], dtype: str) -> dict[str, Tensor]:
         if self.upload_way != "ring":
             return super().upload_weights(arrays, dtype)
-        out = {}
         itemsize = np.dtype(DTYPES[dtype]).itemsize
         ring = StagingRing.sized(self.device, sum(np.size(a) * itemsize + 8 for a in arrays.values()))
         try:
-            for name, array in arrays.items():
-                data = np.ascontiguousarray(array, dtype=DTYPES[dtype])
-                self._check_binding(data.nbytes, data.shape, "a weight")
-                nbytes = _align(max(data.nbytes, 4))
-                buf = self._create_buffer(nbytes, "a weight")
-                ring.write(buf, data)
-                out[name] = self._static(buf, nbytes, data.shape, dtype)
+            out = {name: self._weight(np.ascontiguousarray(a, dtype=DTYPES[dtype]), dtype, ring.write)
+                   for name, a in arrays.items()}
             ring.flush()
         finally:
             ring.destroy()
         return out
+
+    def _weight(self, data: np.ndarray, dtype: str, write) -> Tensor:
+        """A static tensor (a weight, outside the pool) holding `data`, written by `write(buffer, data)`."""
+        self._check_binding(data.nbytes, data.shape, "a weight")
+        nbytes = _align(max(data.nbytes, 4))
+        buf = self._create_buffer(nbytes, "a weight")
+        write(buf, data)
+        return self._static(buf, nbytes, data.shape, dtype)
 
     def read(self, t: Tensor) -> np.ndarray:
         """Copy a tensor back to the host (waits for the GPU)."""

@@ -206,10 +206,7 @@ class PlanExecutor:
                 if key not in self.weights:
                     buf = gpu_call(f"allocating weight {b['name']}", self.device.create_buffer, size=b["size"],
                                    usage=self._usage)
-                    if ring is None:
-                        self._write(buf, self._host_weight(b))
-                    else:
-                        ring.write(buf, self._host_weight(b))
+                    (self._write if ring is None else ring.write)(buf, self._host_weight(b))
                     self.weights[key] = buf
                 buf = self.weights[key]
             else:

@@ -27,7 +27,7 @@ import numpy as np
 from .errors import EngineError
 from .explain import distinct_calls, random_like
 from .gpu import GpuContext, Tensor, time_gpu_work
-from .kernels import PipelineCache, Selection, variants
+from .kernels import PipelineCache, Rule, Selection, variants
 from .ops import Ops
 from .profiles import SCHEMA_ID, gpu_architecture
 
@@ -82,22 +82,19 @@ def interleaved(rt: GpuContext, fns: list[Callable], warmup: int, repeats: int,
 
 
 def _as_called(op: str, shape: dict, v, consts: dict, ops: Ops, args: tuple, after: dict) -> Callable:
-    """The call of variant `v` with `consts` as a pipeline makes it: with the work its caller
-    has done after the product (`after`: Ops.calls' epilogue) in the product's epilogue where
-    this variant and setting can take it, else by the kernel that does it alone, so a product
-    that fuses GEGLU (the UNet's FF1) or a residual add is timed against one that does not with
-    that kernel counted."""
-    if op == "linear" and after.get("geglu"):
-        fuses = getattr(v.launch, "fuses_geglu", None)
-        if fuses is not None and fuses(consts, shape["n"], shape["k"]):
-            return lambda: v.launch(ops, v, consts, *args, geglu=True)
-        return lambda: ops.geglu(v.launch(ops, v, consts, *args))
-    if op == "linear" and "residual" in after:
-        residual = after["residual"]
-        if getattr(v.launch, "fuses_residual", False):
-            return lambda: v.launch(ops, v, consts, *args, residual=residual)
-        return lambda: ops.add(v.launch(ops, v, consts, *args), residual)
-    return lambda: v.launch(ops, v, consts, *args)
+    """The call of variant `v` with `consts` as a pipeline makes it: a product whose caller does
+    work after it (`after`: Ops.calls' epilogue, a GEGLU or a residual add) goes through the same
+    Ops method the pipeline called, on a selection that picks `v` with `consts`, so the work is
+    in the product's epilogue where this variant and setting can take it and a kernel after it
+    where not, exactly as Ops decides."""
+    if op != "linear" or not after:
+        return lambda: v.launch(ops, v, consts, *args)
+    rule = Rule("linear", v.name, constants=tuple(sorted(consts.items())))
+    as_chosen = Ops(ops.rt, ops.pipelines, Selection(ops.selection.features, [rule], profile_name="tuning"),
+                    ops.dtype, scratch_scale=ops.scratch_scale)
+    if after.get("geglu"):
+        return lambda: as_chosen.linear_geglu(*args)
+    return lambda: as_chosen.linear(*args, residual=after["residual"])
 
 
 def _call_dtype(args: tuple, dtype: str) -> str:
@@ -193,6 +190,7 @@ def tune(
             rules.append(rule)
     if progress:
         progress(len(calls), len(calls), "done")
+    architecture = gpu_architecture(caps)
     doc = {
         "schema": SCHEMA_ID,
         "name": f"tuned-{re.sub(r'[^a-z0-9]+', '-', caps.device.lower()).strip('-')}",
@@ -200,7 +198,7 @@ def tune(
         f"{dtype}, {height}x{width}, {time.strftime('%Y-%m-%d')}",
         "priority": 100,
         "match": {"vendor_id": [caps.vendor_id], "device": f"^{re.escape(caps.device)}$"},
-        **({"architecture": gpu_architecture(caps)} if gpu_architecture(caps) else {}),
+        **({"architecture": architecture} if architecture else {}),
         "rules": rules,
         "measurements": measurements,
     }
