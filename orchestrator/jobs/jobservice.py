@@ -294,7 +294,7 @@ def launch_suite(
     build that way, next to the candidate. An entry with an "engine_host" (python, browser) runs
     on the devices whose engine that hosts only. Everything is written in one transaction and sent
     after it. A device someone reserved is skipped, unless `holder` holds it (their own check).
-Returns the batch id."""
+    Returns the batch id."""
     settings, sends = settings_of(app), Sends()
     with session_for(app) as session, session.begin():
         batch_id = _create_suite(session, settings, sends, name, jobs, build=build, devices=devices,

@@ -113,13 +113,19 @@ def farm(tmp_path):
     engine.dispose()
 
 
+def _devices_and_builds(s, serials=("vphone-1", "vphone-2"), builds=("b1",)) -> None:
+    """Phones on host h and builds a day apart, in a farm's store session."""
+    for serial in serials:
+        store.upsert_device(s, serial, "local", "", host="h")
+    for day, name in enumerate(builds):
+        store.create_build(s, tiny_manifest(name, 1_700_000_000.0 + 86_400 * day))
+
+
 def test_a_nightly_skips_a_reserved_device_and_its_batch_says_so(farm, caplog):
     settings, Session = farm  # noqa: N806
     now = store.utcnow()
     with Session() as s, s.begin():
-        for serial in ("vphone-1", "vphone-2"):
-            store.upsert_device(s, serial, "local", "", host="h")
-        store.create_build(s, tiny_manifest("b1", 1_700_000_000.0))
+        _devices_and_builds(s)
         store.reserve_device(s, store.get_device(s, "vphone-1"), "ana", now + dt.timedelta(hours=2), "camera bug")
         schedule = store.create_schedule(s, "nightly", "* * * * *", "UTC",
                                          {"jobs": [{"kind": "latency", "spec": {"model": "models/tiny"}}]})
@@ -187,10 +193,7 @@ def test_a_check_whose_round_cannot_start_cancels_what_it_queued_and_says_why(fa
     settings, Session = farm  # noqa: N806
     now = store.utcnow()
     with Session() as s, s.begin():
-        for serial in ("vphone-1", "vphone-2"):
-            store.upsert_device(s, serial, "local", "", host="h")
-        store.create_build(s, tiny_manifest("b1", 1_700_000_000.0))
-        store.create_build(s, tiny_manifest("b2", 1_700_086_400.0))
+        _devices_and_builds(s, builds=("b1", "b2"))
     app = make_celery(settings)
     launched = []
 
