@@ -281,8 +281,9 @@ def auto_profile(caps, tuned: bool = True, extra: list[Profile] | tuple = ()) ->
     and `extra` (a build's tuned profiles, which win a tie); else reference. A profile tuned
     on one exact GPU (priority 100) beats its family's. A GPU with none of its own gets one
     tuned on another GPU of its vendor and architecture (Profile.kin_of; the highest priority,
-    then a build's, then by name) over its family's: on an H200 the H100's profile runs SD 1.4's
-    UNet step in 58.6 ms where the family's takes 67.9 (docs/benchmarks.md). tuned=False skips
+    then a build's, then by name) over its family's: on an H200 the H100's profile ran SD 1.4's
+    UNet step in 58.6 ms where the family's took 67.9 (as issue 42 reports it; no run of the
+    H200 is in docs/benchmarks.md yet). tuned=False skips
     profiles measured for one exact GPU (to get the family's profile)."""
     candidates = [(p, 0) for p in shipped_profiles()] + [(p, 1) for p in extra]
     matching = [(p, rank) for p, rank in candidates if p.matches(caps) and (tuned or not p.measurements)]
