@@ -171,15 +171,17 @@ GEMM_MAX_DH = 160
 GEMM_BQ = (64, 32, 16, 8, 4)
 
 
-def gemm_workgroup_bytes(bq: int, tx: int, co: int, operand_bytes: int = 16) -> int:
-    """Workgroup memory of flash_gemm.wgsl (and flash_packed.wgsl): qs, kv and pt, rows of
-    `operand_bytes` vec4s (16 for f32, 8 for flash_packed's f16), and red, vec4<f32>; odd pitches."""
-    dvp, typ, bk = (co * tx) | 1, (bq // 4) | 1, 4 * tx
+def gemm_workgroup_bytes(bq: int, tx: int, co: int, operand_bytes: int = 16, kpi: int = 4) -> int:
+    """Workgroup memory of flash_gemm.wgsl (and flash_packed.wgsl, `kpi` keys per invocation):
+    qs, kv and pt, rows of `operand_bytes` vec4s (16 for f32, 8 for flash_packed's f16), and red,
+    vec4<f32>; odd pitches."""
+    dvp, typ, bk = (co * tx) | 1, (bq // 4) | 1, kpi * tx
     return operand_bytes * (bq * dvp + bk * dvp + bk * typ) + 16 * tx * typ
 
 
 def gemm_config(
-    dh: int, consts: dict, storage_limit: int, invocation_limit: int, operand_bytes: int = 16, name: str = "flash_gemm"
+    dh: int, consts: dict, storage_limit: int, invocation_limit: int, operand_bytes: int = 16, name: str = "flash_gemm",
+    kpi: int = 4,
 ) -> dict[str, int]:
     """The override constants flash_gemm.wgsl (or flash_packed.wgsl) runs with for head dim `dh`. The profile's BQ and
     TX win; what it leaves open is chosen to give the most invocations per workgroup within the
@@ -199,7 +201,7 @@ def gemm_config(
         for bq in bqs:
             if bq < 4 or bq % 4:
                 raise EngineError(f"attention/{name}: BQ={bq}; use a multiple of 4")
-            need = gemm_workgroup_bytes(bq, tx, co, operand_bytes)
+            need = gemm_workgroup_bytes(bq, tx, co, operand_bytes, kpi)
             if need > storage_limit:
                 why = why or (f"BQ={bq}, TX={tx} need {need} bytes of workgroup memory for head dim {dh}, above "
                               f"this adapter's max-compute-workgroup-storage-size of {storage_limit}; choose smaller blocks")
@@ -247,17 +249,21 @@ def attention_flash_gemm(
     "lanes per FMA) before they reach the f32 scores and accumulators; softmax statistics in f32; vec4 "
     "loads of Q, K and V, the next block's K and V in flight during the FMAs; head dims divisible by 4 "
     "(flash_gemm otherwise)",
-    constants={"BQ": (16, 32, 64, 128), "TX": (4, 5, 8, 10, 20)},
-    # As flash_gemm's; its halved workgroup memory also admits 128 rows at the default TX.
-    candidates=({"BQ": 32}, {"BQ": 16}, {"TX": 5}, {"BQ": 32, "TX": 5}, {"BQ": 128, "TX": 5}, {"BQ": 128}),
+    constants={"BQ": (16, 32, 64, 128), "TX": (4, 5, 8, 10, 20), "KPI": (4, 8)},
+    # As flash_gemm's; its halved workgroup memory also admits 128 rows at the default TX; and 8
+    # keys of S per invocation (blocks of 8 TX keys: half the barriers and Q loads per key).
+    candidates=({"BQ": 32}, {"BQ": 16}, {"TX": 5}, {"BQ": 32, "TX": 5}, {"BQ": 128, "TX": 5}, {"BQ": 128},
+                {"KPI": 8}, {"KPI": 8, "BQ": 128}, {"KPI": 8, "BQ": 32}, {"KPI": 8, "TX": 5}),
     applies=gemm_applies,
 )
 def attention_flash_packed(
     ops, v: Variant, consts: dict, q: Tensor, k: Tensor, vv: Tensor, heads: int, causal: bool, scale: float
 ) -> Tensor:
+    if int(consts.get("KPI", 4)) not in (4, 8):  # the shader has code for 4 and 8 keys of S per invocation
+        raise EngineError(f"attention/flash_packed: KPI={consts['KPI']}; use 4 or 8")
     aligned = (q.shape[2] // heads) % 4 == 0
     if not aligned:  # its vec4 loads need the head dim (and so the rows) in vec4s
-        v, consts = variants("attention")["flash_gemm"], {c: x for c, x in consts.items() if c != "FLUSH_DV"}
+        v, consts = variants("attention")["flash_gemm"], {c: x for c, x in consts.items() if c not in ("FLUSH_DV", "KPI")}
     if ops.dtype == "f16":
         return _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, 8 if aligned else 16)
     # An f32 model stages vec4<f32> operands, twice the workgroup memory of the f16 blocks a
@@ -279,7 +285,10 @@ def _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, operand_b
         int(lim.get("max-compute-invocations-per-workgroup", 256)), int(lim.get("max-compute-workgroup-size-x", 256))
     )
     storage = int(lim.get("max-compute-workgroup-storage-size", WEBGPU_MIN_WORKGROUP_STORAGE))
-    cfg = gemm_config(dh, consts, storage, invocations, operand_bytes, v.name)
+    kpi = int(consts.get("KPI", 4))
+    cfg = gemm_config(dh, consts, storage, invocations, operand_bytes, v.name, kpi)
+    if "KPI" in consts:  # flash_packed's keys of S per invocation
+        cfg["KPI"] = kpi
     if "FLUSH_DV" in consts:  # flash_packed's summation length in T (benchmarks; not tuned: it trades accuracy)
         cfg["FLUSH_DV"] = int(consts["FLUSH_DV"])
     o = ops.rt.empty((bsz, tq, width), ops.dtype)

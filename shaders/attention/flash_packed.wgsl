@@ -1,10 +1,11 @@
 // Flash attention as flash_gemm.wgsl computes it (the same workgroup, invocation and key-block
 // layout, the same online softmax), with Q, K, V and P staged in the model's type T and both
 // products summed in T before they reach the f32 scores and accumulators, as the GEMM core does:
-//   S: each invocation's 4 rows x 4 keys are 16 vec2<T> partial dot products, two T FMAs per
-//      4 head-dim elements (packed, two lanes per f32 lane where T = f16); every FLUSH_DV vec4
-//      columns they are summed into the f32 scores s0..s3, so T rounding is confined to sums of
-//      2 * FLUSH_DV terms (5: on the H100 3% slower than 10 at half its error for large logits);
+//   S: each invocation's 4 rows x KPI keys (4 or 8) are 4 KPI vec2<T> partial dot products, two
+//      T FMAs per 4 head-dim elements (packed, two lanes per f32 lane where T = f16); every
+//      FLUSH_DV vec4 columns they are summed into the f32 scores s0..s7, so T rounding is confined
+//      to sums of 2 * FLUSH_DV terms (5: on the H100 3% slower than 10 at half its error for large
+//      logits); the loop over those columns is unrolled (scores_step), as P V's by 4 keys;
 //   P V: the block's P (in (0, 1]) times V is summed over the BK keys in vec4<T> and then added
 //      to the f32 accumulator, after its rescale by exp2(m_old - m).
 // The row max, the exponentials and the row sums stay in f32. With T = f32 this is flash_gemm
@@ -33,7 +34,8 @@ override BQ: u32 = 64u;  // query rows per workgroup, a multiple of 4
 override TX: u32 = 10u;  // invocations across the keys (S) and the head-dim columns (O)
 override CO: u32 = 1u;   // vec4 head-dim columns per invocation, 1..4
 override TY: u32 = BQ / 4u;
-override BK: u32 = 4u * TX;  // keys per block
+override KPI: u32 = 4u;  // keys of S per invocation: 4 or 8 (twice the FMAs per Q load, half the barriers per key)
+override BK: u32 = KPI * TX;  // keys per block
 override DV: u32 = CO * TX;  // vec4 columns of the padded head dim
 override DVP: u32 = DV | 1u; // odd row pitches (vec4s)
 override TYP: u32 = TY | 1u;
@@ -64,11 +66,32 @@ fn stage(e: u32, x: vec4<T>) {
 // The partial dot products of one key with the invocation's rows r = 0..3 (two T lanes each).
 struct Dots { r0: vec2<T>, r1: vec2<T>, r2: vec2<T>, r3: vec2<T> }
 
-fn dots(h: ptr<function, Dots>, q0: vec4<T>, q1: vec4<T>, q2: vec4<T>, q3: vec4<T>, kx: vec4<T>) {
-    (*h).r0 = fma(q0.zw, kx.zw, fma(q0.xy, kx.xy, (*h).r0));
-    (*h).r1 = fma(q1.zw, kx.zw, fma(q1.xy, kx.xy, (*h).r1));
-    (*h).r2 = fma(q2.zw, kx.zw, fma(q2.xy, kx.xy, (*h).r2));
-    (*h).r3 = fma(q3.zw, kx.zw, fma(q3.xy, kx.xy, (*h).r3));
+fn dots(q0: vec4<T>, q1: vec4<T>, q2: vec4<T>, q3: vec4<T>, kx: vec4<T>, h: Dots) -> Dots {
+    return Dots(fma(q0.zw, kx.zw, fma(q0.xy, kx.xy, h.r0)), fma(q1.zw, kx.zw, fma(q1.xy, kx.xy, h.r1)),
+                fma(q2.zw, kx.zw, fma(q2.xy, kx.xy, h.r2)), fma(q3.zw, kx.zw, fma(q3.xy, kx.xy, h.r3)));
+}
+
+// The partial dot products of the invocation's KPI keys (tx + TX * c) with its 4 rows.
+struct Block { k0: Dots, k1: Dots, k2: Dots, k3: Dots, k4: Dots, k5: Dots, k6: Dots, k7: Dots }
+
+// S's step for head-dim vec4 column dv: 4 Q and KPI K vec4s from workgroup memory, 8 KPI T FMAs
+// (4 KPI packed pairs where T = f16). The S loop calls it FLUSH_DV times per trip (unrolled: the
+// packing of the partial sums and the loop's counting are paid once per trip, not per column).
+fn scores_step(s: ptr<function, Block>, tx: u32, ty: u32, dv: u32) {
+    let q0 = qs[ty * DVP + dv];
+    let q1 = qs[(ty + TY) * DVP + dv];
+    let q2 = qs[(ty + 2u * TY) * DVP + dv];
+    let q3 = qs[(ty + 3u * TY) * DVP + dv];
+    (*s).k0 = dots(q0, q1, q2, q3, kv[tx * DVP + dv], (*s).k0);
+    (*s).k1 = dots(q0, q1, q2, q3, kv[(tx + TX) * DVP + dv], (*s).k1);
+    (*s).k2 = dots(q0, q1, q2, q3, kv[(tx + 2u * TX) * DVP + dv], (*s).k2);
+    (*s).k3 = dots(q0, q1, q2, q3, kv[(tx + 3u * TX) * DVP + dv], (*s).k3);
+    if (KPI > 4u) {
+        (*s).k4 = dots(q0, q1, q2, q3, kv[(tx + 4u * TX) * DVP + dv], (*s).k4);
+        (*s).k5 = dots(q0, q1, q2, q3, kv[(tx + 5u * TX) * DVP + dv], (*s).k5);
+        (*s).k6 = dots(q0, q1, q2, q3, kv[(tx + 6u * TX) * DVP + dv], (*s).k6);
+        (*s).k7 = dots(q0, q1, q2, q3, kv[(tx + 7u * TX) * DVP + dv], (*s).k7);
+    }
 }
 
 fn total(h: Dots) -> vec4<f32> {
@@ -90,11 +113,22 @@ fn rescale(a: ptr<function, Rows>, alpha: vec4<f32>) {
     (*a).r3 *= alpha.w;
 }
 
-fn accumulate(g: ptr<function, RowsT>, pr: vec4<T>, vx: vec4<T>) {
-    (*g).r0 = fma(vec4<T>(pr.x), vx, (*g).r0);
-    (*g).r1 = fma(vec4<T>(pr.y), vx, (*g).r1);
-    (*g).r2 = fma(vec4<T>(pr.z), vx, (*g).r2);
-    (*g).r3 = fma(vec4<T>(pr.w), vx, (*g).r3);
+fn accumulate(pr: vec4<T>, vx: vec4<T>, g: RowsT) -> RowsT {
+    return RowsT(fma(vec4<T>(pr.x), vx, g.r0), fma(vec4<T>(pr.y), vx, g.r1), fma(vec4<T>(pr.z), vx, g.r2),
+                 fma(vec4<T>(pr.w), vx, g.r3));
+}
+
+// The block's P V partial sums in T, head-dim columns tx + TX * c.
+struct Sums { g0: RowsT, g1: RowsT, g2: RowsT, g3: RowsT }
+
+// P V's step for key jj of the block: its 4 rows' P and the CO columns of V (4 calls a trip).
+fn pv_step(g: ptr<function, Sums>, tx: u32, ty: u32, jj: u32) {
+    let pr = pt[jj * TYP + ty];
+    let vrow = jj * DVP + tx;
+    (*g).g0 = accumulate(pr, kv[vrow], (*g).g0);
+    if (CO > 1u) { (*g).g1 = accumulate(pr, kv[vrow + TX], (*g).g1); }
+    if (CO > 2u) { (*g).g2 = accumulate(pr, kv[vrow + 2u * TX], (*g).g2); }
+    if (CO > 3u) { (*g).g3 = accumulate(pr, kv[vrow + 3u * TX], (*g).g3); }
 }
 
 fn flush(a: ptr<function, Rows>, g: RowsT) {
@@ -177,32 +211,40 @@ fn main(
         r2 = fetch(2u, b, h, j0, e2);
         r3 = fetch(2u, b, h, j0, e3);
 
-        // S = Q K^T: s_e holds key tx + TX*e for the 4 rows.
+        // S = Q K^T: s_e holds key tx + TX*e for the 4 rows (s4..s7 where KPI = 8).
         var s0 = vec4<f32>(0.0);
         var s1 = vec4<f32>(0.0);
         var s2 = vec4<f32>(0.0);
         var s3 = vec4<f32>(0.0);
+        var s4 = vec4<f32>(0.0);
+        var s5 = vec4<f32>(0.0);
+        var s6 = vec4<f32>(0.0);
+        var s7 = vec4<f32>(0.0);
         for (var d0 = 0u; d0 < DV; d0 += FLUSH_DV) {
             // Initialised explicitly (zero) so that every key block and flush starts anew.
-            var h0 = Dots();
-            var h1 = Dots();
-            var h2 = Dots();
-            var h3 = Dots();
+            var hs = Block();
             let d1 = min(d0 + FLUSH_DV, DV);
-            for (var dv = d0; dv < d1; dv++) {
-                let q0 = qs[ty * DVP + dv];
-                let q1 = qs[(ty + TY) * DVP + dv];
-                let q2 = qs[(ty + 2u * TY) * DVP + dv];
-                let q3 = qs[(ty + 3u * TY) * DVP + dv];
-                dots(&h0, q0, q1, q2, q3, kv[tx * DVP + dv]);
-                dots(&h1, q0, q1, q2, q3, kv[(tx + TX) * DVP + dv]);
-                dots(&h2, q0, q1, q2, q3, kv[(tx + 2u * TX) * DVP + dv]);
-                dots(&h3, q0, q1, q2, q3, kv[(tx + 3u * TX) * DVP + dv]);
+            var dv = d0;
+            if (FLUSH_DV == 5u) {  // the shipped summation length, unrolled (SD's 10 / 20 / 40 columns)
+                for (; dv + 5u <= d1; dv += 5u) {
+                    scores_step(&hs, tx, ty, dv);
+                    scores_step(&hs, tx, ty, dv + 1u);
+                    scores_step(&hs, tx, ty, dv + 2u);
+                    scores_step(&hs, tx, ty, dv + 3u);
+                    scores_step(&hs, tx, ty, dv + 4u);
+                }
             }
-            s0 += total(h0);
-            s1 += total(h1);
-            s2 += total(h2);
-            s3 += total(h3);
+            for (; dv < d1; dv++) { scores_step(&hs, tx, ty, dv); }  // a shorter last flush, other lengths
+            s0 += total(hs.k0);
+            s1 += total(hs.k1);
+            s2 += total(hs.k2);
+            s3 += total(hs.k3);
+            if (KPI > 4u) {
+                s4 += total(hs.k4);
+                s5 += total(hs.k5);
+                s6 += total(hs.k6);
+                s7 += total(hs.k7);
+            }
         }
         // Masked keys score NEG_BIG. Key 0 is in every row's first block, so m is finite
         // from then on and exp2(NEG_BIG - m) is exactly 0.
@@ -210,7 +252,15 @@ fn main(
         s1 = masked(s1, j0 + tx + TX, rows);
         s2 = masked(s2, j0 + tx + 2u * TX, rows);
         s3 = masked(s3, j0 + tx + 3u * TX, rows);
-        red[tx * TYP + ty] = max(max(s0, s1), max(s2, s3));
+        var smax = max(max(s0, s1), max(s2, s3));
+        if (KPI > 4u) {
+            s4 = masked(s4, j0 + tx + 4u * TX, rows);
+            s5 = masked(s5, j0 + tx + 5u * TX, rows);
+            s6 = masked(s6, j0 + tx + 6u * TX, rows);
+            s7 = masked(s7, j0 + tx + 7u * TX, rows);
+            smax = max(smax, max(max(s4, s5), max(s6, s7)));
+        }
+        red[tx * TYP + ty] = smax;
         workgroupBarrier();  // every S is computed (kv is free) and every row max posted
 
         stage(li, r0); stage(e1, r1); stage(e2, r2); stage(e3, r3);
@@ -232,7 +282,19 @@ fn main(
         pt[(tx + TX) * TYP + ty] = vec4<T>(p1);
         pt[(tx + 2u * TX) * TYP + ty] = vec4<T>(p2);
         pt[(tx + 3u * TX) * TYP + ty] = vec4<T>(p3);
-        l = l * alpha + ((p0 + p1) + (p2 + p3));
+        var psum = (p0 + p1) + (p2 + p3);
+        if (KPI > 4u) {
+            let p4 = exp2(s4 - m_new);
+            let p5 = exp2(s5 - m_new);
+            let p6 = exp2(s6 - m_new);
+            let p7 = exp2(s7 - m_new);
+            pt[(tx + 4u * TX) * TYP + ty] = vec4<T>(p4);
+            pt[(tx + 5u * TX) * TYP + ty] = vec4<T>(p5);
+            pt[(tx + 6u * TX) * TYP + ty] = vec4<T>(p6);
+            pt[(tx + 7u * TX) * TYP + ty] = vec4<T>(p7);
+            psum += (p4 + p5) + (p6 + p7);
+        }
+        l = l * alpha + psum;
         rescale(&a0, alpha);
         if (CO > 1u) { rescale(&a1, alpha); }
         if (CO > 2u) { rescale(&a2, alpha); }
@@ -240,22 +302,17 @@ fn main(
         workgroupBarrier();  // P and V are in place
 
         // acc += P V for the rows and columns tx + TX*c, summed over the block in T.
-        var g0 = RowsT();
-        var g1 = RowsT();
-        var g2 = RowsT();
-        var g3 = RowsT();
-        for (var jj = 0u; jj < BK; jj++) {
-            let pr = pt[jj * TYP + ty];
-            let vrow = jj * DVP + tx;
-            accumulate(&g0, pr, kv[vrow]);
-            if (CO > 1u) { accumulate(&g1, pr, kv[vrow + TX]); }
-            if (CO > 2u) { accumulate(&g2, pr, kv[vrow + 2u * TX]); }
-            if (CO > 3u) { accumulate(&g3, pr, kv[vrow + 3u * TX]); }
+        var g = Sums();
+        for (var jj = 0u; jj < BK; jj += 4u) {  // BK = KPI TX: unrolled by 4 keys
+            pv_step(&g, tx, ty, jj);
+            pv_step(&g, tx, ty, jj + 1u);
+            pv_step(&g, tx, ty, jj + 2u);
+            pv_step(&g, tx, ty, jj + 3u);
         }
-        flush(&a0, g0);
-        if (CO > 1u) { flush(&a1, g1); }
-        if (CO > 2u) { flush(&a2, g2); }
-        if (CO > 3u) { flush(&a3, g3); }
+        flush(&a0, g.g0);
+        if (CO > 1u) { flush(&a1, g.g1); }
+        if (CO > 2u) { flush(&a2, g.g2); }
+        if (CO > 3u) { flush(&a3, g.g3); }
     }
 
     workgroupBarrier();  // the last block's reads of red are done

@@ -115,6 +115,42 @@ def test_flash_packed_head_dim_not_in_vec4s(rt, gpu, fresh_rng, dtype):
     assert err <= TOL[dtype], f"flash_packed (head dim 6) vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
 
 
+# flash_packed.wgsl's own paths: 8 keys of S per invocation (blocks of 8 TX keys, masked past Tk
+# and causally), the unrolled S loop's shorter last flush (16 vec4 columns: 5 + 5 + 5 + 1) and
+# another summation length (the remainder loop alone), 1 to 4 accumulator columns.
+PACKED_SETTINGS = [
+    ((2, 64, 64, 2, 40, False), {"KPI": 8}),
+    ((1, 77, 77, 2, 64, True), {"KPI": 8}),
+    ((1, 77, 77, 2, 64, True), {}),
+    ((1, 45, 37, 1, 80, False), {"KPI": 8, "TX": 5, "BQ": 16}),
+    ((1, 33, 50, 1, 96, False), {"KPI": 8, "TX": 8, "BQ": 4}),
+    ((1, 70, 90, 2, 40, False), {"FLUSH_DV": 3}),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
+@pytest.mark.parametrize("shape,consts", PACKED_SETTINGS)
+def test_flash_packed_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
+    b, tq, tk, heads, dh, causal = shape
+    ops = make_ops(rt, gpu, dtype)
+    variant = variants("attention")["flash_packed"]
+    qx, kx, vx = (fresh_rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
+    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
+    got = rt.read(variant.launch(ops, variant, consts, *tensors, heads, causal, dh**-0.5)).astype(np.float64)
+    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
+    err = rel_err(got, np_attention(*seen, heads, causal))
+    assert err <= TOL[dtype], f"flash_packed {consts} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+
+
+def test_flash_packed_refuses_keys_per_invocation_it_has_no_code_for(rt, gpu, fresh_rng):
+    ops = make_ops(rt, gpu, "f32")
+    variant = variants("attention")["flash_packed"]
+    tensors = [rt.upload(fresh_rng.standard_normal((1, 8, 16)).astype(np.float32), "f32") for _ in range(3)]
+    with pytest.raises(EngineError, match="KPI=6; use 4 or 8"):
+        variant.launch(ops, variant, {"KPI": 6}, *tensors, 1, False, 0.25)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_flash_packed_blocks_too_large_for_the_adapter(rt, gpu, fresh_rng, monkeypatch, dtype):
     """Profiles tune flash_packed's blocks in f16, whose staged operands take half the workgroup
