@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     if args.command == "tune":
         from engine.models.config import load_model_config
-        from engine.tune import tune
+        from engine.tune import merge_tune, tune
 
         config = load_model_config(args.model)
         gpu = get_gpu()
@@ -57,10 +57,7 @@ def main(argv=None) -> int:
         ops = set(args.ops.split(",")) if args.ops else None
         doc = tune(config, gpu, dtype, h, w, args.out, repeats=args.repeats, time_budget_s=args.time_budget, ops=ops)
         if args.merge_into:
-            base = json.loads(args.merge_into.read_text())
-            doc["rules"] += [r for r in base["rules"] if ops and r["op"] not in ops]
-            doc["measurements"] += [m for m in base.get("measurements", []) if ops and m["op"] not in ops]
-            doc["description"] += f"; {', '.join(sorted(ops or []))} re-tuned, the rest from {base['name']}"
+            merge_tune(doc, json.loads(args.merge_into.read_text()), ops)
             args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         print(f"wrote {args.out}: {len(doc['measurements'])} (op, shape) pairs in {time.perf_counter() - t0:.0f} s")
         return 0

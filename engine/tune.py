@@ -236,3 +236,35 @@ def estimated_gain(doc: dict, baseline, caps) -> dict:
         total_base, total_tuned, pairs = total_base + picks[0], total_tuned + picks[1], pairs + 1
     return {"baseline": baseline.name, "gain": total_base / total_tuned if total_tuned > 0 else None,
             "calls": pairs, "calls_not_comparable": skipped}
+
+
+def merge_tune(doc: dict, base: dict, ops: set[str] | None) -> dict:
+    """`doc` (a tune of `ops`, or of every op when None) completed from `base`, another profile
+    of the same model: the rules and measurements of the ops not tuned, and for every shape the
+    tune measured only with the reference kernel (its time budget ran out before the variants:
+    a reference-only result is no verdict), base's rules and measurement of that shape instead.
+    Returns doc, changed in place."""
+    def key(op: str, shape: dict) -> tuple:
+        return op, json.dumps(shape, sort_keys=True)
+
+    cut = {key(m["op"], m["shape"]) for m in doc["measurements"]
+           if all(r["variant"] == "reference" for r in m["results"])
+           and any(name != "reference" for name in variants(m["op"]))}
+    kept = {key(m["op"], m["shape"]) for m in doc["measurements"]} - cut
+
+    def from_base(op: str, shape: dict | None) -> bool:
+        if ops is not None and op not in ops:
+            return True
+        return shape is not None and key(op, shape) in cut
+
+    doc["measurements"] = [m for m in doc["measurements"] if key(m["op"], m["shape"]) not in cut]
+    doc["measurements"] += [m for m in base.get("measurements", []) if from_base(m["op"], m["shape"])
+                            and key(m["op"], m["shape"]) not in kept]
+    doc["rules"] += [r for r in base["rules"] if from_base(r["op"], r.get("when"))]
+    what = f"{', '.join(sorted(ops))} re-tuned" if ops else "re-tuned"
+    doc["description"] += f"; {what}, the rest from {base['name']}"
+    if cut:
+        shapes = f"{len(cut)} shape the time budget cut short keeps" if len(cut) == 1 else \
+            f"{len(cut)} shapes the time budget cut short keep"
+        doc["description"] += f" ({shapes} {base['name']}'s rules)"
+    return doc

@@ -434,3 +434,29 @@ def test_interleaved_rounds_drop_a_slow_spell_and_rotate_the_order(monkeypatch):
     script = iter([row[(j + r) % 3] for r, row in enumerate(slow) for j in range(3)])
     samples, dropped = tune.interleaved(Rt(), fns, 0, 5, control=0)
     assert dropped == 0 and samples[0] == [1.0, 5.0, 5.0, 5.0, 1.0]  # no calm majority: every round kept
+
+
+def test_a_tune_cut_short_by_its_time_budget_keeps_the_base_profiles_rules_for_those_shapes():
+    """engine_ablation's --merge-into: the ops not tuned come from the base profile, and so does
+    every shape the tune could time only with the reference kernel (out of time), instead of
+    falling back to the reference kernel in the profile it ships."""
+    from engine.tune import merge_tune
+
+    def meas(op, shape, *variants):
+        return {"op": op, "shape": shape, "results": [{"variant": v, "constants": {}, "median_ms": 1.0}
+                                                      for v in variants], "chosen": variants[0]}
+
+    a, b, c = {"m": 1, "n": 8, "k": 8}, {"m": 2, "n": 8, "k": 8}, {"tq": 4, "tk": 4, "dh": 8, "heads": 1, "b": 1, "causal": 0}
+    base = {"name": "tuned-h100", "rules": [{"op": "linear", "variant": "tiled", "when": a},
+                                            {"op": "linear", "variant": "gemm", "when": b},
+                                            {"op": "attention", "variant": "flash_packed", "when": c}],
+            "measurements": [meas("linear", a, "tiled"), meas("linear", b, "gemm"), meas("attention", c, "flash_packed")]}
+    doc = {"name": "tuned-h200", "description": "measured", "rules": [{"op": "linear", "variant": "gemm", "when": a}],
+           "measurements": [meas("linear", a, "gemm", "reference"), meas("linear", b, "reference")]}
+    merge_tune(doc, base, {"linear"})
+    assert doc["rules"] == [{"op": "linear", "variant": "gemm", "when": a},  # tuned: its own verdict
+                            {"op": "linear", "variant": "gemm", "when": b},  # cut short: the base's
+                            {"op": "attention", "variant": "flash_packed", "when": c}]  # not tuned
+    assert [(m["op"], m["chosen"]) for m in doc["measurements"]] == [("linear", "gemm"), ("linear", "gemm"),
+                                                                      ("attention", "flash_packed")]
+    assert "1 shape the time budget cut short keeps tuned-h100's rules" in doc["description"]
