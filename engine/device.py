@@ -118,6 +118,51 @@ class GPU:
         # what every PipelineCache of this device compiled: modules by WGSL source, pipelines by
         # (source, constants, entry point)
         self.compiled: tuple[dict[str, object], dict[tuple, object]] = ({}, {})
+        # whether the engine's own kernels compile without WebGPU's run-time checks: wherever
+        # wgpu-native runs them (not Dawn, not a browser), unless FARM_SHADER_CHECKS=1 keeps the
+        # checks (docs/engine.md, "Run-time checks")
+        self.unchecked = os.environ.get("FARM_SHADER_CHECKS") != "1" and _native_trusted_call() is not None
+
+    def shader_module(self, code: str, label: str):
+        """The module of one of the engine's kernels. WebGPU's run-time checks clamp every index
+        into its array and bound every loop, for code a browser cannot trust; the engine's
+        kernels guard their own indices (every variant is tested against numpy on partial tiles
+        with poisoned outputs), so where wgpu-native runs them they compile without: on the H100
+        SD 1.4's UNet step went from 56.5 to 48.5 ms (docs/benchmarks.md)."""
+        if not self.unchecked:
+            return self.device.create_shader_module(label=label, code=code)
+        return _unchecked_module(self.device, code, label)
+
+
+# wgpu-native's wgpuDeviceCreateShaderModuleTrusted, where the wgpu in use is wgpu-native's
+def _native_trusted_call():
+    try:
+        import wgpu
+        from wgpu.backends.wgpu_native import _ffi
+    except ImportError:
+        return None
+    if not type(wgpu.gpu).__module__.startswith("wgpu.backends.wgpu_native"):
+        return None  # another implementation (Dawn's) installed as wgpu
+    return getattr(_ffi.lib, "wgpuDeviceCreateShaderModuleTrusted", None)
+
+
+def _unchecked_module(device, code: str, label: str):
+    """A WGSL module compiled with no run-time checks (WGPUShaderRuntimeChecks none): the
+    kernel's own guards are all that keep its indices in bounds. Built as wgpu-py builds a
+    checked one."""
+    from wgpu.backends.wgpu_native import _api
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+    source = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(code))
+    source[0].chain.next = ffi.NULL
+    source[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
+    descriptor = _api.new_struct_p("WGPUShaderModuleDescriptor *",
+                                   nextInChain=ffi.cast("WGPUChainedStruct *", source),
+                                   label=_api.to_c_string_view(label))
+    handle = lib.wgpuDeviceCreateShaderModuleTrusted(device._internal, descriptor, 0)
+    if handle == ffi.NULL:
+        raise GPUError(f"compiling {label} unchecked failed")
+    return _api.GPUShaderModule(label, handle, device)
 
 
 def _timestamp_period(queue) -> float:

@@ -171,9 +171,9 @@ class PipelineCache:
         if module is None:
             module = gpu_call(
                 f"compiling shaders/{variant.op}/{variant.name}.wgsl ({dtype})",
-                self.gpu.device.create_shader_module,
-                label=f"{variant.op}/{variant.name}/{dtype}",
-                code=code,
+                self.gpu.shader_module,
+                code,
+                f"{variant.op}/{variant.name}/{dtype}",
             )
             self._modules[code] = module
         stage = {"module": module, "entry_point": entry}

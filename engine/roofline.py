@@ -63,7 +63,7 @@ class Peaks:
 
 def _pipeline(gpu, file: str, entry: str):
     code = (SHADER_ROOT / "roofline" / file).read_text()
-    module = gpu.device.create_shader_module(label=f"roofline/{file}", code=code)
+    module = gpu.shader_module(code, f"roofline/{file}")  # as the engine's kernels are compiled
     return gpu.device.create_compute_pipeline(label=f"roofline/{entry}", layout="auto",
                                               compute={"module": module, "entry_point": entry})
 

@@ -251,3 +251,36 @@ def test_chained_kernels_across_submit_batches(ops, fresh_rng, monkeypatch):
     for _ in range(10):
         y = ops.add(y, bt)
     check(ops, y, q(ops, a) + 10 * q(ops, b))
+
+
+def test_kernels_compiled_without_run_time_checks_compute_the_checked_bits(gpu, fresh_rng, monkeypatch):
+    """wgpu-native compiles the engine's kernels without WebGPU's run-time checks (index clamps,
+    loop bounds); FARM_SHADER_CHECKS=1 keeps them. Where every index is in bounds the two give
+    the same bits: the GEMM core, Winograd, flash attention and group norm on partial tiles,
+    unchecked (the default device) against a second device with the checks."""
+    from engine.device import create_gpu
+
+    if not gpu.caps.has_f16:
+        missing("adapter lacks shader-f16", F16_HINT)
+    assert gpu.unchecked, "wgpu-native should compile the engine's kernels unchecked"
+    monkeypatch.setenv("FARM_SHADER_CHECKS", "1")
+    checked = create_gpu()
+    assert not checked.unchecked
+    choice = {"linear": "gemm", "conv2d": "winograd_2x2", "attention": "flash_packed", "group_norm": "fused"}
+    x = fresh_rng.standard_normal((1, 8, 13, 11)).astype(np.float32)
+    gamma, beta = fresh_rng.standard_normal(8).astype(np.float32), fresh_rng.standard_normal(8).astype(np.float32)
+    w = 0.2 * fresh_rng.standard_normal((12, 8, 3, 3)).astype(np.float32)
+    q, k, v = (fresh_rng.standard_normal((2, t, 2 * 40)).astype(np.float32) for t in (70, 45, 45))
+    a, wl = fresh_rng.standard_normal((37, 64)).astype(np.float32), fresh_rng.standard_normal((52, 64)).astype(np.float32)
+    outs = []
+    for device in (gpu, checked):
+        rt = GpuContext(device, poison=True)
+        ops = Ops(rt, PipelineCache(device), Selection.forcing(device.caps.features, choice), "f16")
+        t = {name: rt.upload(arr, "f16") for name, arr in dict(a=a, wl=wl, x=x, w=w, q=q, k=k, v=v, gamma=gamma,
+                                                                  beta=beta).items()}
+        y = [ops.linear(t["a"], t["wl"]), ops.conv2d(t["x"], t["w"], None, padding=1),
+             ops.attention(t["q"], t["k"], t["v"], 2), ops.group_norm(t["x"], t["gamma"], t["beta"], 4, 1e-6, silu=True)]
+        assert {d.variant for d in ops.selection.decisions.values()} == set(choice.values())
+        outs.append([rt.read(t) for t in y])
+    for name, got, want in zip(choice, *outs, strict=True):
+        assert np.isfinite(got).all() and np.array_equal(got, want), f"{name}: unchecked and checked differ"
