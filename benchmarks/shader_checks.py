@@ -4,8 +4,12 @@ wgpu-native compiles the engine's kernels without them: engine.device.GPU.shader
 
     python3 benchmarks/shader_checks.py --model /tmp/sd14 --steps 2 --json checks.json
 
-Prints the largest difference of the final latents and of the images, and each run's stage
-times; exit 1 when the two differ.
+Prints the largest difference of the final latents (relative to their largest magnitude) and
+of the images, and each run's stage times; exit 1 when the latents differ by more than the
+kernel tests' tolerance (fp32 2e-5, fp16 1e-2). Where every index is in bounds only rounding can
+differ: the compiler may contract or reorder a loop's arithmetic once its index clamps are gone
+(on lavapipe the `flash` kernel moves in its last bit; the GEMM core, Winograd, flash_packed
+and group norm give the same bits).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = {"fp32": 2e-5, "fp16": 1e-2}  # the kernel tests' (relative to the largest magnitude)
 
 
 def child(args) -> int:
@@ -65,6 +70,8 @@ def main(argv=None) -> int:
         "model": str(args.model), "precision": args.precision, "steps": args.steps, "size": args.size,
         "unchecked_flags": [a["unchecked"], b["unchecked"]],
         "latents_max_abs_diff": float(np.abs(a["latents"] - b["latents"]).max()),
+        "latents_max_rel_diff": float(np.abs(a["latents"] - b["latents"]).max() / max(np.abs(a["latents"]).max(), 1e-6)),
+        "tolerance": TOLERANCE[args.precision],
         "image_max_abs_diff": int(np.abs(a["image"].astype(int) - b["image"].astype(int)).max()),
         "timings": {"checked": a["timings"], "unchecked": b["timings"]},
     }
@@ -72,7 +79,7 @@ def main(argv=None) -> int:
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 0 if report["bit_equal"] else 1
+    return 0 if report["latents_max_rel_diff"] <= report["tolerance"] else 1
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ class GPU:
         into its array and bound every loop, for code a browser cannot trust; the engine's
         kernels guard their own indices (every variant is tested against numpy on partial tiles
         with poisoned outputs), so where wgpu-native runs them they compile without: on the H100
-        SD 1.4's UNet step went from 56.5 to 48.5 ms (docs/benchmarks.md)."""
+        SD 1.4's UNet step went from 56.5 to 48.5 ms (docs/benchmarks.md). Results may move by
+        rounding only (a loop contracted differently once its clamps are gone)."""
         if not self.unchecked:
             return self.device.create_shader_module(label=label, code=code)
         return _unchecked_module(self.device, code, label)
