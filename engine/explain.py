@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .gpu import Tensor, TraceContext
-from .kernels import Selection
+from .kernels import Selection, decision_key
 from .models import params
 from .models.clip import CLIPTextEncoder
 from .models.common import GPUWeights
@@ -67,13 +67,18 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
     return out
 
 
+def call_dtype(args: tuple, dtype: str) -> str:
+    """A call's own element type (its first float tensor's): a force_upcast VAE runs in f32."""
+    return next((a.dtype for a in args if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
+
+
 def explain(config, selection: Selection, caps, dtype: str, height: int, width: int) -> list[ExplainRow]:
     rows = []
     for network, calls in trace_calls(config, selection, caps, dtype, height, width):
-        counts = Counter((op, tuple(sorted(shape.items()))) for op, shape, *_ in calls)
-        for (op, key), n in counts.items():
-            d = selection.decisions[(op, key)]
-            rows.append(ExplainRow(network, op, dict(key), d.variant, n, d.why))
+        counts = Counter(decision_key(op, shape, call_dtype(args, dtype)) for op, shape, args, _ in calls)
+        for key, n in counts.items():
+            d = selection.decisions[key]
+            rows.append(ExplainRow(network, d.op, d.shape, d.variant, n, d.why))
     return rows
 
 

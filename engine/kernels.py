@@ -224,13 +224,21 @@ class Decision:
     variant: str
     constants: dict
     why: str
+    dtype: str | None = None  # the element type the call ran in, where the caller said
+
+
+def decision_key(op: str, shape: dict, dtype: str | None = None) -> tuple:
+    """Selection.decisions' key of a call: its op, shape and element type."""
+    return op, tuple(sorted(shape.items())), dtype
 
 
 @dataclass
 class Selection:
     """Which variant each op uses on this adapter: the data every dispatch consults.
 
-    `rules` come from a profile, first match wins; an op no rule matches uses "reference".
+    `rules` come from a profile, first match wins; an op no rule matches uses "reference". A
+    rule may name the element type it holds for ("dtype": "f32", "f16" or "f16s"), matched
+    against the type the call runs in; rules without one hold for every type.
     A matched variant the adapter cannot run (missing feature) or that does not apply to the
     shape falls back to "reference", and the reason is kept in `warnings`. Every distinct
     (op, shape) decision is kept in `decisions` for `farm engine explain`.
@@ -242,16 +250,19 @@ class Selection:
     decisions: dict[tuple, Decision] = field(default_factory=dict)
     profile_name: str = "reference"
 
-    def choose(self, op: str, shape: dict | None = None) -> tuple[Variant, dict]:
+    def choose(self, op: str, shape: dict | None = None, dtype: str | None = None) -> tuple[Variant, dict]:
+        """The variant and constants of `op` on `shape`, run in element type `dtype` (what a
+        rule's "dtype" condition is matched against; None matches no such rule)."""
         shape = shape or {}
-        key = (op, tuple(sorted(shape.items())))
+        key = decision_key(op, shape, dtype)
+        matched = shape if dtype is None else {**shape, "dtype": dtype}
         known = self.decisions.get(key)
         table = variants(op)
         if known is not None:
             return table[known.variant], known.constants
         v, consts, why = table["reference"], {}, "no profile rule matches"
         for rule in self.rules:
-            if rule.op != op or not rule.matches(shape):
+            if rule.op != op or not rule.matches(matched):
                 continue
             cand = table.get(rule.variant)
             if cand is None:
@@ -274,11 +285,11 @@ class Selection:
             v, consts = cand, dict(rule.constants)
             why = f"profile {self.profile_name!r}: {rule.why or dict(rule.when) or 'any shape'}"
             break
-        self.decisions[key] = Decision(op, dict(shape), v.name, consts, why)
+        self.decisions[key] = Decision(op, dict(shape), v.name, consts, why, dtype)
         return v, consts
 
-    def variant(self, op: str, shape: dict | None = None) -> Variant:
-        return self.choose(op, shape)[0]
+    def variant(self, op: str, shape: dict | None = None, dtype: str | None = None) -> Variant:
+        return self.choose(op, shape, dtype)[0]
 
     @classmethod
     def forcing(cls, features, choices: dict[str, str], name: str = "custom") -> Selection:

@@ -74,7 +74,7 @@ class Ops:
     def _launch(self, op: str, shape: dict, *args, epilogue: dict | None = None, **fused):
         """Launch the chosen variant of `op`. `fused` are extra inputs only some variants take
         (the caller has checked that this one does); `epilogue` is recorded with the call."""
-        variant, constants = self.selection.choose(op, shape)
+        variant, constants = self.selection.choose(op, shape, self.dtype)
         if self.calls is not None:
             self.calls.append((op, shape, args, epilogue or {}))
         rt = self.rt
@@ -131,7 +131,7 @@ class Ops:
         if residual.shape != (*x.shape[:-1], n_out):
             raise ValueError(f"linear: residual {residual.shape} does not match the output {(*x.shape[:-1], n_out)}")
         epilogue = {"residual": residual}
-        if getattr(self.selection.variant("linear", shape).launch, "fuses_residual", False):
+        if getattr(self.selection.variant("linear", shape, self.dtype).launch, "fuses_residual", False):
             return self._launch("linear", shape, x, w, b, epilogue=epilogue, residual=residual)
         return self.add(self._launch("linear", shape, x, w, b, epilogue=epilogue), residual)
 
@@ -140,7 +140,7 @@ class Ops:
         outputs times GELU of the last F. In the product's epilogue where the chosen variant and
         setting can take it (`fuses_geglu`), else by `geglu` after it."""
         shape = self._linear_shape(x, w)
-        variant, consts = self.selection.choose("linear", shape)
+        variant, consts = self.selection.choose("linear", shape, self.dtype)
         fuses = getattr(variant.launch, "fuses_geglu", None)
         if fuses is not None and fuses(consts, shape["n"], shape["k"]):
             return self._launch("linear", shape, x, w, b, epilogue={"geglu": True}, geglu=True)

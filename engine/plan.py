@@ -508,7 +508,8 @@ class _RecordedLoop(DenoisingLoop):
 
 
 def _decisions(selection) -> list[dict[str, Any]]:
-    return [{"op": d.op, "shape": d.shape, "variant": d.variant, "constants": d.constants}
+    return [{"op": d.op, "shape": d.shape, "variant": d.variant, "constants": d.constants,
+             **({"dtype": d.dtype} if d.dtype else {})}
             for d in selection.decisions.values()]
 
 

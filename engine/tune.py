@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EngineError
-from .explain import distinct_calls, random_like
+from .explain import call_dtype, distinct_calls, random_like
 from .gpu import GpuContext, Tensor, time_gpu_work
 from .kernels import PipelineCache, Rule, Selection, variants
 from .ops import Ops
@@ -97,11 +97,6 @@ def _as_called(op: str, shape: dict, v, consts: dict, ops: Ops, args: tuple, aft
     return lambda: as_chosen.linear(*args, residual=after["residual"])
 
 
-def _call_dtype(args: tuple, dtype: str) -> str:
-    """A call's own element type (its first float tensor's): a force_upcast VAE runs in f32."""
-    return next((a.dtype for a in args if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
-
-
 WARM_UP_S = 2.0  # GPU work before the first measurement
 
 
@@ -148,7 +143,7 @@ def tune(
     if calls and rt.caps.adapter_type.lower() != "cpu":
         op, shape, args, scale, _ = calls[0]
         first, v = random_like(rt, args, rng), variants(op)["reference"]
-        ops0 = Ops(rt, pipelines, selection, _call_dtype(first, dtype), scratch_scale=scale)
+        ops0 = Ops(rt, pipelines, selection, call_dtype(first, dtype), scratch_scale=scale)
         warm_up(rt, lambda: v.launch(ops0, v, {}, *first))
     for i, (op, shape, args, scale, epilogue) in enumerate(calls):
         if progress:
@@ -156,7 +151,7 @@ def tune(
         real = random_like(rt, args, rng)
         done_after = {k: random_like(rt, (v,), rng)[0] if isinstance(v, Tensor) else v for k, v in epilogue.items()}
         # the call's own element type: a force_upcast VAE runs (and is timed) in f32
-        call_dtype = _call_dtype(real, dtype)
+        dtype_of_call = call_dtype(real, dtype)
         candidates = []  # (variant name, constants, the call as a pipeline would make it)
         for v in variants(op).values():
             if v.requires - caps.features or (v.applies and v.applies(shape)):
@@ -164,7 +159,7 @@ def tune(
             for consts in _settings(v):
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
-                ops = Ops(rt, pipelines, selection, call_dtype, scratch_scale=scale)
+                ops = Ops(rt, pipelines, selection, dtype_of_call, scratch_scale=scale)
                 fn = _as_called(op, shape, v, consts, ops, real, done_after)
                 try:
                     fn()  # a setting this shape or adapter cannot take raises here (e.g. a head dim above MAX_DH)

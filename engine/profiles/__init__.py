@@ -13,7 +13,9 @@ hold): vendor, architecture, backend, adapter_type (lists of accepted values,
 case-insensitive), vendor_id (list of ints), device (a regular expression searched in the
 adapter's device name). Rules are tried in order, the first whose
 `when` holds for the call's shape wins; `when` maps a shape field to a value or to
-{"min": a, "max": b}. Ops no rule covers use their reference variant.
+{"min": a, "max": b}, and may name the element type the call runs in ("dtype": "f32", "f16" or
+"f16s"; `farm engine tune` writes none, so its rules hold for f16 and f16-storage alike). Ops no
+rule covers use their reference variant.
 
 The shipped profiles live beside this file; `auto` picks the matching one of highest
 priority, except that a GPU with no profile tuned for it gets one tuned for another GPU of its
@@ -47,6 +49,11 @@ SHAPE_FIELDS = {
     "attention": ("tq", "tk", "dh", "heads", "b", "causal"),
     "layer_norm": ("rows", "d"),
 }
+
+
+# what a rule's "dtype" condition may name: the element type a call runs in (engine.kernels'
+# SHADER_HEADERS: f16-storage is "f16s")
+DTYPES = ("f32", "f16", "f16s")
 
 
 class ProfileError(EngineError):
@@ -145,8 +152,14 @@ def _rule(source: str, i: int, r) -> Rule:
         _fail(source, f"{where}.when", "must be an object mapping shape fields to values or {min, max}")
     conds = []
     for key, cond in when.items():
+        if key == "dtype":  # the element type the call runs in, not a shape field
+            if cond not in DTYPES:
+                _fail(source, f"{where}.when.dtype", f"{cond!r} is not an element type; choose from {', '.join(DTYPES)}")
+            conds.append((key, cond))
+            continue
         if key not in SHAPE_FIELDS[op]:
-            _fail(source, f"{where}.when.{key}", f"not a shape field of {op}; choose from {', '.join(SHAPE_FIELDS[op])}")
+            _fail(source, f"{where}.when.{key}", f"not a shape field of {op}; choose from "
+                  f"{', '.join(SHAPE_FIELDS[op])} (or dtype)")
         if isinstance(cond, dict):
             bad = set(cond) - {"min", "max"}
             if bad or not cond or not all(isinstance(v, int) for v in cond.values()):

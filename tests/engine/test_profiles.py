@@ -135,6 +135,8 @@ def doc(**rules_or_top):
         (doc(match=[{"vendor": "arm"}]), r"match\[0\]\.vendor: must be a list of strings"),
         (doc(match=[]), "needs at least one"),
         (doc(extra=1), "unknown key"),
+        (doc(rules=[{"op": "attention", "variant": "reference", "when": {"dtype": "fp16"}}]),
+         r"when\.dtype: 'fp16' is not an element type; choose from f32, f16, f16s"),
     ],
 )
 def test_invalid_profiles_are_refused_with_the_choices(bad, message):
@@ -175,7 +177,7 @@ def test_missing_feature_falls_back_with_a_warning(monkeypatch):
     sel = Selection.forcing(frozenset({"shader-f16"}), {"attention": "probe"})
     with pytest.warns(UserWarning, match="needs no-such-feature; using 'reference'"):
         assert sel.variant("attention", {"dh": 40}).name == "reference"
-    assert sel.warnings and "probe" in sel.decisions[("attention", (("dh", 40),))].why
+    assert sel.warnings and "probe" in sel.decisions[("attention", (("dh", 40),), None)].why
 
 
 # ---- the whole UNet under every variant ------------------------------------------------------
@@ -460,3 +462,40 @@ def test_a_tune_cut_short_by_its_time_budget_keeps_the_base_profiles_rules_for_t
     assert [(m["op"], m["chosen"]) for m in doc["measurements"]] == [("linear", "gemm"), ("linear", "gemm"),
                                                                       ("attention", "flash_packed")]
     assert "1 shape the time budget cut short keeps tuned-h100's rules" in doc["description"]
+
+
+def test_a_rule_may_hold_for_one_element_type_only():
+    """A rule naming "dtype" holds for calls in that element type only (an f16 tune's rules can
+    then differ from f16-storage's or an f32 VAE's on the same shape); rules naming none hold
+    for every type, and the decisions of one shape in two types are kept apart."""
+    shape = {"tq": 64, "tk": 64, "dh": 40, "heads": 2, "b": 1, "causal": 0}
+    profile = parse_profile(doc(rules=[
+        {"op": "attention", "variant": "flash_packed", "when": {"dh": 40, "dtype": "f16"}, "constants": {"KPI": 8}},
+        {"op": "attention", "variant": "flash_gemm", "when": {"dh": 40}},
+    ]))
+    assert parse_profile(profile.to_json()).rules == profile.rules  # round trip
+    sel = profile.selection(caps())
+    assert sel.choose("attention", shape, "f16") == (REGISTRY["attention"]["flash_packed"], {"KPI": 8})
+    assert sel.choose("attention", shape, "f16s")[0].name == "flash_gemm"
+    assert sel.choose("attention", shape, "f32")[0].name == "flash_gemm"
+    assert sel.choose("attention", shape)[0].name == "flash_gemm"  # a caller naming no type
+    assert sorted((d.dtype or "", d.variant) for d in sel.decisions.values()) == [
+        ("", "flash_gemm"), ("f16", "flash_packed"), ("f16s", "flash_gemm"), ("f32", "flash_gemm")]
+
+
+@pytest.mark.gpu
+def test_ops_choose_by_their_own_element_type(gpu, fresh_rng):
+    """Ops ask the selection with the type they run in: one Selection serving an f16 UNet and an
+    f32 VAE (as a pipeline's does) gives each its own rule."""
+    from engine.gpu import GpuContext
+    from engine.kernels import PipelineCache
+    from engine.ops import Ops
+
+    profile = parse_profile(doc(rules=[{"op": "linear", "variant": "tiled", "when": {"dtype": "f32"}}]))
+    sel = profile.selection(gpu.caps)
+    rt = GpuContext(gpu)
+    for dtype in ("f32", "f16s"):
+        ops = Ops(rt, PipelineCache(gpu), sel, dtype)
+        x, w = (rt.upload(fresh_rng.standard_normal(s).astype(np.float32), dtype) for s in ((3, 8), (4, 8)))
+        ops.linear(x, w)
+    assert {d.dtype: d.variant for d in sel.decisions.values() if d.op == "linear"} == {"f32": "tiled", "f16s": "reference"}
