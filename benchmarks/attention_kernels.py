@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], help="extra constant setting tried on every variant, e.g. BQ=128,TX=5")
     ap.add_argument("--candidates", action="store_true", help="also time each variant's tuner candidates")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warm-up-s", type=float, default=2.0,
+                    help="seconds of the reference kernel before each shape's timings (clocks up from idle; "
+                    "without it runs of one session differed up to 5x on an H100)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -48,6 +51,7 @@ def main(argv=None) -> int:
     from engine.gpu import GpuContext, time_gpu_work
     from engine.kernels import PipelineCache, Selection, variants
     from engine.ops import Ops
+    from engine.tune import warm_up
 
     gpu = get_gpu()
     dtype = "f16" if args.precision == "fp16" else "f32"
@@ -58,10 +62,13 @@ def main(argv=None) -> int:
     rng = np.random.default_rng()
     print(f"{gpu.caps.device} ({gpu.caps.backend}, {gpu.caps.description}), {dtype}")
     rows = []
+    ref_v = table["reference"]
     for b, tq, tk, heads, dh in SD14_SHAPES:
         x = [rt.upload(rng.standard_normal((b, t, heads * dh)).astype(np.float32), dtype) for t in (tq, tk, tk)]
-        ref_v = table["reference"]
         ref = rt.read(ref_v.launch(ops, ref_v, {}, *x, heads, False, dh**-0.5)).astype(np.float64)
+        if args.warm_up_s > 0:  # a GPU fresh from idle runs slow until its clocks ramp up
+            warm_up(rt, lambda x=x, n=heads, sc=dh**-0.5: ref_v.launch(ops, ref_v, {}, *x, n, False, sc),
+                    args.warm_up_s)
         flops = 4.0 * b * heads * tq * tk * dh
         for name in args.variants.split(","):
             v = table[name]
