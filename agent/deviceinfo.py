@@ -441,7 +441,8 @@ def android_properties() -> dict[str, str]:
 
 def webgpu_runtime(kind: str = "wgpu-native") -> dict[str, str]:
     """The WebGPU runtime the engine's GPU work goes through: wgpu-native's version as loaded (the
-    driver's partner in every timing), and the Python binding's. `kind` "plan": the engine's
+    driver's partner in every timing), the Python binding's, and whether the engine's kernels
+    keep WebGPU's run-time checks. `kind` "plan": the engine's
     plans replayed through it (engine/plan_exec.py), a series apart from the eager engine's."""
     runtime = {"kind": kind}
     try:
@@ -449,8 +450,13 @@ def webgpu_runtime(kind: str = "wgpu-native") -> dict[str, str]:
 
         import wgpu.backends.wgpu_native as native
 
+        from engine.device import kernels_unchecked
+
         runtime["version"] = ".".join(str(n) for n in native.lib_version_info)
         runtime["binding"] = f"wgpu-py {version('wgpu')}"
+        # WebGPU's run-time checks in the engine's kernels (off by default: 14% of SD 1.4's UNet
+        # step on an H100), so a run with them is a series apart and a comparison names the change
+        runtime["shader_checks"] = "off" if kernels_unchecked() else "on"
     except Exception:  # no wgpu here, or not installed as a distribution: say only what is known
         pass
     return runtime

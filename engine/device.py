@@ -121,7 +121,7 @@ class GPU:
         # whether the engine's own kernels compile without WebGPU's run-time checks: wherever
         # wgpu-native runs them (not Dawn, not a browser), unless FARM_SHADER_CHECKS=1 keeps the
         # checks (docs/engine.md, "Run-time checks")
-        self.unchecked = os.environ.get("FARM_SHADER_CHECKS") != "1" and _native_trusted_call() is not None
+        self.unchecked = kernels_unchecked()
 
     def shader_module(self, code: str, label: str):
         """The module of one of the engine's kernels. WebGPU's run-time checks clamp every index
@@ -133,6 +133,12 @@ class GPU:
         if not self.unchecked:
             return self.device.create_shader_module(label=label, code=code)
         return _unchecked_module(self.device, code, label)
+
+
+def kernels_unchecked() -> bool:
+    """Whether a device of this process compiles the engine's kernels without WebGPU's run-time
+    checks: wgpu-native is the wgpu in use and FARM_SHADER_CHECKS is not 1."""
+    return os.environ.get("FARM_SHADER_CHECKS") != "1" and _native_trusted_call() is not None
 
 
 # wgpu-native's wgpuDeviceCreateShaderModuleTrusted, where the wgpu in use is wgpu-native's

@@ -53,6 +53,7 @@ def test_a_latency_run_records_the_environment_it_ran_in(tiny_model_dir, tmp_pat
 
     assert env.runtime["kind"] == "wgpu-native"
     assert env.runtime["version"] == ".".join(map(str, native.lib_version_info))
+    assert env.runtime["shader_checks"] == "off"  # the engine's kernels compiled unchecked (FARM_SHADER_CHECKS unset)
     # The profile the engine ran: the shipped one the auto rule picked, by name and content
     # (the hash the farm registers tuned profiles under).
     from engine.profiles import auto_profile
