@@ -145,11 +145,14 @@ def kernels_unchecked() -> bool:
 def _native_trusted_call():
     try:
         import wgpu
+
+        if not type(wgpu.gpu).__module__.startswith(("wgpu.backends.wgpu_native", "wgpu._classes")):
+            return None  # another implementation (Dawn's) is installed as wgpu: never load wgpu-native beside it
         from wgpu.backends.wgpu_native import _ffi
-    except ImportError:
+    except Exception:  # no wgpu, or a backend that cannot load here
         return None
     if not type(wgpu.gpu).__module__.startswith("wgpu.backends.wgpu_native"):
-        return None  # another implementation (Dawn's) installed as wgpu
+        return None
     return getattr(_ffi.lib, "wgpuDeviceCreateShaderModuleTrusted", None)
 
 
