@@ -255,11 +255,11 @@ class Selection:
         rule's "dtype" condition is matched against; None matches no such rule)."""
         shape = shape or {}
         key = decision_key(op, shape, dtype)
-        matched = shape if dtype is None else {**shape, "dtype": dtype}
         known = self.decisions.get(key)
         table = variants(op)
         if known is not None:
             return table[known.variant], known.constants
+        matched = shape if dtype is None else {**shape, "dtype": dtype}
         v, consts, why = table["reference"], {}, "no profile rule matches"
         for rule in self.rules:
             if rule.op != op or not rule.matches(matched):

@@ -245,7 +245,6 @@ def merge_tune(doc: dict, base: dict, ops: set[str] | None) -> dict:
     cut = {key(m["op"], m["shape"]) for m in doc["measurements"]
            if all(r["variant"] == "reference" for r in m["results"])
            and any(name != "reference" for name in variants(m["op"]))}
-    kept = {key(m["op"], m["shape"]) for m in doc["measurements"]} - cut
 
     def from_base(op: str, shape: dict | None) -> bool:
         if ops is not None and op not in ops:
@@ -253,8 +252,7 @@ def merge_tune(doc: dict, base: dict, ops: set[str] | None) -> dict:
         return shape is not None and key(op, shape) in cut
 
     doc["measurements"] = [m for m in doc["measurements"] if key(m["op"], m["shape"]) not in cut]
-    doc["measurements"] += [m for m in base.get("measurements", []) if from_base(m["op"], m["shape"])
-                            and key(m["op"], m["shape"]) not in kept]
+    doc["measurements"] += [m for m in base.get("measurements", []) if from_base(m["op"], m["shape"])]
     doc["rules"] += [r for r in base["rules"] if from_base(r["op"], r.get("when"))]
     what = f"{', '.join(sorted(ops))} re-tuned" if ops else "re-tuned"
     doc["description"] += f"; {what}, the rest from {base['name']}"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .. import ops as _ops  # noqa: F401  (registers every variant a profile may name)
 from ..errors import EngineError
-from ..kernels import REGISTRY, Rule, Selection
+from ..kernels import REGISTRY, SHADER_HEADERS, Rule, Selection
 
 SCHEMA_ID = "devicefarm.profile/1"
 PROFILE_DIR = Path(__file__).resolve().parent
@@ -51,9 +51,8 @@ SHAPE_FIELDS = {
 }
 
 
-# what a rule's "dtype" condition may name: the element type a call runs in (engine.kernels'
-# SHADER_HEADERS: f16-storage is "f16s")
-DTYPES = ("f32", "f16", "f16s")
+# what a rule's "dtype" condition may name: the element types a kernel is specialised for
+DTYPES = tuple(SHADER_HEADERS)
 
 
 class ProfileError(EngineError):

@@ -180,14 +180,14 @@ def gemm_workgroup_bytes(bq: int, tx: int, co: int, operand_bytes: int = 16, kpi
 
 
 def gemm_config(
-    dh: int, consts: dict, storage_limit: int, invocation_limit: int, operand_bytes: int = 16, name: str = "flash_gemm",
-    kpi: int = 4,
+    dh: int, consts: dict, storage_limit: int, invocation_limit: int, operand_bytes: int = 16, name: str = "flash_gemm"
 ) -> dict[str, int]:
     """The override constants flash_gemm.wgsl (or flash_packed.wgsl) runs with for head dim `dh`. The profile's BQ and
     TX win; what it leaves open is chosen to give the most invocations per workgroup within the
     adapter's limits (TX defaults to the head dim's vec4 count, capped at 10, so that SD's
     40 / 80 / 160 pad nothing). Raises EngineError naming the bad constant or the limit."""
     dv = -(-dh // 4)
+    kpi = int(consts.get("KPI", 4))  # flash_packed's keys of S per invocation
     tx0 = min(dv, 10)
     txs = [int(consts["TX"])] if "TX" in consts else sorted({tx0, -(-tx0 // 2), -(-tx0 // 4), 1}, reverse=True)
     bqs = [int(consts["BQ"])] if "BQ" in consts else list(GEMM_BQ)
@@ -285,12 +285,10 @@ def _launch_flash_gemm(ops, v, consts, q, k, vv, heads, causal, scale, operand_b
         int(lim.get("max-compute-invocations-per-workgroup", 256)), int(lim.get("max-compute-workgroup-size-x", 256))
     )
     storage = int(lim.get("max-compute-workgroup-storage-size", WEBGPU_MIN_WORKGROUP_STORAGE))
-    kpi = int(consts.get("KPI", 4))
-    cfg = gemm_config(dh, consts, storage, invocations, operand_bytes, v.name, kpi)
-    if "KPI" in consts:  # flash_packed's keys of S per invocation
-        cfg["KPI"] = kpi
-    if "FLUSH_DV" in consts:  # flash_packed's summation length in T (benchmarks; not tuned: it trades accuracy)
-        cfg["FLUSH_DV"] = int(consts["FLUSH_DV"])
+    cfg = gemm_config(dh, consts, storage, invocations, operand_bytes, v.name)
+    # flash_packed's keys of S per invocation, and its summation length in T (benchmarks; not
+    # tuned: it trades accuracy)
+    cfg |= {c: int(consts[c]) for c in ("KPI", "FLUSH_DV") if c in consts}
     o = ops.rt.empty((bsz, tq, width), ops.dtype)
     params = (heads, tq, tk, dh, width, width, int(causal), scale)
     ops.rt.dispatch(

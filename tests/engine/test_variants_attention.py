@@ -60,6 +60,21 @@ def run(ops, arrays, heads, causal):
     return got
 
 
+def check_setting(rt, gpu, rng, name, dtype, shape, consts):
+    """Variant `name` with override constants `consts` on fresh random inputs of `shape` (b, tq,
+    tk, heads, dh, causal), against numpy on what the element type holds of them."""
+    b, tq, tk, heads, dh, causal = shape
+    ops = make_ops(rt, gpu, dtype)
+    variant = variants("attention")[name]
+    qx, kx, vx = (rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
+    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
+    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
+    got = rt.read(variant.launch(ops, variant, consts, *tensors, heads, causal, dh**-0.5)).astype(np.float64)
+    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
+    err = rel_err(got, np_attention(*seen, heads, causal))
+    assert err <= TOL[dtype], f"{name} {consts} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
@@ -131,16 +146,7 @@ PACKED_SETTINGS = [
 @pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize("shape,consts", PACKED_SETTINGS)
 def test_flash_packed_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
-    b, tq, tk, heads, dh, causal = shape
-    ops = make_ops(rt, gpu, dtype)
-    variant = variants("attention")["flash_packed"]
-    qx, kx, vx = (fresh_rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
-    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
-    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
-    got = rt.read(variant.launch(ops, variant, consts, *tensors, heads, causal, dh**-0.5)).astype(np.float64)
-    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
-    err = rel_err(got, np_attention(*seen, heads, causal))
-    assert err <= TOL[dtype], f"flash_packed {consts} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+    check_setting(rt, gpu, fresh_rng, "flash_packed", dtype, shape, consts)
 
 
 def test_flash_packed_refuses_keys_per_invocation_it_has_no_code_for(rt, gpu, fresh_rng):
@@ -249,17 +255,7 @@ FLASH_SETTINGS = [
 @pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize("shape,consts", FLASH_SETTINGS)
 def test_flash_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
-    b, tq, tk, heads, dh, causal = shape
-    ops = make_ops(rt, gpu, dtype)
-    variant = variants("attention")["flash"]
-    qx, kx, vx = (fresh_rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
-    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
-    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
-    y = variant.launch(ops, variant, consts, *tensors, heads, causal, dh**-0.5)
-    got = rt.read(y).astype(np.float64)
-    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
-    err = rel_err(got, np_attention(*seen, heads, causal))
-    assert err <= TOL[dtype], f"flash {consts} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+    check_setting(rt, gpu, fresh_rng, "flash", dtype, shape, consts)
 
 
 def test_flash_default_blocks_fit_every_webgpu_adapter():
@@ -348,17 +344,7 @@ GEMM_SETTINGS = [
 @pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
 @pytest.mark.parametrize("shape,consts", GEMM_SETTINGS)
 def test_flash_gemm_settings_against_numpy(rt, gpu, fresh_rng, dtype, shape, consts):
-    b, tq, tk, heads, dh, causal = shape
-    ops = make_ops(rt, gpu, dtype)
-    variant = variants("attention")["flash_gemm"]
-    qx, kx, vx = (fresh_rng.standard_normal((b, t, heads * dh)).astype(np.float32) for t in (tq, tk, tk))
-    seen = [np.asarray(a, NP[dtype]).astype(np.float64) for a in (qx, kx, vx)]
-    tensors = [rt.upload(a, dtype) for a in (qx, kx, vx)]
-    y = variant.launch(ops, variant, consts, *tensors, heads, causal, dh**-0.5)
-    got = rt.read(y).astype(np.float64)
-    assert np.isfinite(got).all(), "kernel left poisoned (NaN) elements or overflowed"
-    err = rel_err(got, np_attention(*seen, heads, causal))
-    assert err <= TOL[dtype], f"flash_gemm {consts} vs numpy: max relative error {err:.3g} > {TOL[dtype]}"
+    check_setting(rt, gpu, fresh_rng, "flash_gemm", dtype, shape, consts)
 
 
 def test_flash_gemm_defaults_fit_the_adapter_limits():
