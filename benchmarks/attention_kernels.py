@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--warm-up-s", type=float, default=2.0,
                     help="seconds of the reference kernel before each shape's timings (clocks up from idle; "
-                    "without it runs of one session differed up to 5x on an H100)")
+                    "without it two runs in one H100 session differed up to 2.9x)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
