@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", help="tune: only these ops, comma-separated (e.g. linear,conv2d)")
     ap.add_argument("--merge-into", type=Path,
                     help="tune: keep this profile's rules and measurements for the ops not tuned")
+    ap.add_argument("--networks", help="tune: only these networks' calls (text_encoder, unet, vae_decoder)")
+    ap.add_argument("--vae-dtype", choices=["f32", "f16"],
+                    help="tune: time the VAE decoder in this element type (its rules then name it)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--time-budget", type=float, default=600.0)
     ap.add_argument("--tuned", type=Path, help="bench: a tuned profile for the last row")
@@ -55,7 +58,9 @@ def main(argv=None) -> int:
         h, w = config.native_size
         t0 = time.perf_counter()
         ops = set(args.ops.split(",")) if args.ops else None
-        doc = tune(config, gpu, dtype, h, w, args.out, repeats=args.repeats, time_budget_s=args.time_budget, ops=ops)
+        networks = set(args.networks.split(",")) if args.networks else None
+        doc = tune(config, gpu, dtype, h, w, args.out, repeats=args.repeats, time_budget_s=args.time_budget, ops=ops,
+                   networks=networks, vae_dtype=args.vae_dtype)
         if args.merge_into:
             merge_tune(doc, json.loads(args.merge_into.read_text()), ops)
             args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")

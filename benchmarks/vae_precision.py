@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def decode_in(model: Path, vae_dtype: str, scale: int, latent, reps: int, warmup: int) -> dict:
+def decode_in(model: Path, vae_dtype: str, scale: int, latent, reps: int, warmup: int, profile=None) -> dict:
     import numpy as np
 
     import engine
@@ -35,7 +35,7 @@ def decode_in(model: Path, vae_dtype: str, scale: int, latent, reps: int, warmup
     pipeline_module._vae_dtype = lambda config, dtype: vae_dtype  # the experiment: this element type
     pipeline_module.VAE_SCRATCH_SCALE = scale  # and these scratch bounds
     try:
-        pipe = engine.load_pipeline(model, precision="fp16", residency="staged")
+        pipe = engine.load_pipeline(model, precision="fp16", residency="staged", profile=profile)
     finally:
         pipeline_module._vae_dtype, pipeline_module.VAE_SCRATCH_SCALE = rule, shipped
     rt = pipe.rt
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", default="f32:4,f16:4", help="VAE element type:scratch scale, comma-separated; "
                     "the first is the reference image")
+    ap.add_argument("--profile", help="a kernel-selection profile (a shipped name or a file; default auto)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -81,7 +82,7 @@ def main() -> None:
     runs = []
     for spec in args.runs.split(","):
         dtype, scale = spec.split(":")
-        runs.append(decode_in(args.model, dtype, int(scale), latent, args.reps, args.warmup))
+        runs.append(decode_in(args.model, dtype, int(scale), latent, args.reps, args.warmup, args.profile))
     ref = runs[0]["image"]
     for r in runs:
         got = r.pop("image")

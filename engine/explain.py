@@ -34,9 +34,11 @@ def _shape_weights(rt: TraceContext, shapes: dict[str, tuple], dtype: str) -> GP
     return GPUWeights.of_tensors({k: rt.empty(s, dtype) for k, s in shapes.items()}, dtype)
 
 
-def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2):
+def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2,
+                vae_dtype: str | None = None):
     """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone, each on Ops with
-    the scratch bounds a pipeline gives it. Returns [(network, [(op, shape, args), ...])]."""
+    the scratch bounds a pipeline gives it, the VAE in `vae_dtype` (default: the pipeline's rule).
+    Returns [(network, [(op, shape, args), ...])]."""
     f = config.vae.vae_scale_factor
     h, w = height // f, width // f
     from .pipeline import _vae_dtype, scratch_scale
@@ -45,7 +47,7 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
     out = []
     for network in ("text_encoder", "unet", "vae_decoder"):
         # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)
-        net_dtype = _vae_dtype(config, dtype) if network == "vae_decoder" else dtype
+        net_dtype = (vae_dtype or _vae_dtype(config, dtype)) if network == "vae_decoder" else dtype
         ops = Ops(rt, None, selection, net_dtype, scratch_scale=scratch_scale(network))
         ops.calls = []
         if network == "text_encoder":
@@ -82,15 +84,20 @@ def explain(config, selection: Selection, caps, dtype: str, height: int, width: 
     return rows
 
 
-def distinct_calls(config, caps, dtype: str, height: int, width: int) -> list[tuple[str, dict, tuple, int, dict]]:
+def distinct_calls(config, caps, dtype: str, height: int, width: int, networks: set[str] | None = None,
+                   vae_dtype: str | None = None) -> list[tuple[str, dict, tuple, int, dict]]:
     """One example (op, shape, args, scratch scale, epilogue) per distinct (op, shape) of the
-    whole model: the scale is the Ops scratch_scale of the network the call is from, which
+    whole model (or of `networks` among text_encoder, unet and vae_decoder; the VAE in
+    `vae_dtype`, default the pipeline's rule): the scale is the Ops scratch_scale of the network the call is from, which
     decides how a Winograd or im2col convolution is chunked (so the tuner times the chunks a
     pipeline runs); the epilogue what the product's caller has done after it (Ops.calls)."""
     from .pipeline import scratch_scale
 
     seen = {}
-    for network, calls in trace_calls(config, Selection(frozenset(caps.features)), caps, dtype, height, width):
+    for network, calls in trace_calls(config, Selection(frozenset(caps.features)), caps, dtype, height, width,
+                                      vae_dtype=vae_dtype):
+        if networks and network not in networks:
+            continue
         for op, shape, args, epilogue in calls:
             seen.setdefault((op, tuple(sorted(shape.items()))), (op, shape, args, scratch_scale(network), epilogue))
     return list(seen.values())

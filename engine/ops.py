@@ -292,6 +292,34 @@ class Ops:
         self._step("prepare", x.numel, batch=repeat, g=scale, inputs=[x], y=y)
         return y
 
+    def to_f32(self, x: Tensor) -> Tensor:
+        """A copy of x (this element type) in f32, for a part of a model of halves that must not
+        round or overflow in them (the VAE's one-head attention scores)."""
+        self._check(x, "to_f32's input")
+        if self.dtype == "f32":
+            return x
+        y = self.rt.empty(x.shape, "f32")
+        self._step("guide", x.numel, batch=1, eps=x, dst=y)
+        return y
+
+    def from_f32(self, x: Tensor) -> Tensor:
+        """A copy of the f32 tensor x in this element type (to_f32's way back)."""
+        if x.dtype != "f32":
+            raise TypeError(f"from_f32's input is {x.dtype}, not f32")
+        if self.dtype == "f32":
+            return x
+        return self.step_prepare(x, 1.0)
+
+    def twin(self, dtype: str) -> Ops:
+        """Ops of the same context, pipelines, selection and scratch bounds in element type `dtype`
+        (made once)."""
+        if dtype == self.dtype:
+            return self
+        twins = self.__dict__.setdefault("_twins", {})
+        if dtype not in twins:
+            twins[dtype] = Ops(self.rt, self.pipelines, self.selection, dtype, self.scratch_scale)
+        return twins[dtype]
+
     def step_posterior(self, moments: Tensor, noise: Tensor, scaling: float, out: Tensor | None = None) -> Tensor:
         """img2img's encoded image: (mean + exp(logvar / 2) * noise) * scaling, f32 (1, C, h, w),
         from the VAE encoder's moments (1, 2C, h, w) in this element type (logvar clamped to

@@ -124,11 +124,20 @@ def tune(
     time_budget_s: float = 600.0,
     progress: Callable[[int, int, str], None] | None = None,
     ops: set[str] | None = None,
+    networks: set[str] | None = None,
+    vae_dtype: str | None = None,
 ) -> dict:
     """Measure, choose, and write the profile document to `out` (atomically). Returns it.
-    `ops` limits the tuning to those ops (the profile then has rules for them only)."""
+    `ops` limits the tuning to those ops, `networks` to those networks' calls (text_encoder,
+    unet, vae_decoder); the profile then has rules for them only. `vae_dtype` times the VAE
+    decoder in that element type instead of the pipeline's (an f16 VAE where SD 1.x's runs in
+    f32): its rules then name it (`when.dtype`), so a VAE in another type keeps its own."""
     caps = gpu.caps
-    calls = distinct_calls(config, caps, dtype, height, width)
+    calls = distinct_calls(config, caps, dtype, height, width, networks, vae_dtype)
+    vae_keys = set()
+    if vae_dtype:
+        vae_keys = {(op, json.dumps(shape, sort_keys=True))
+                    for op, shape, *_ in distinct_calls(config, caps, dtype, height, width, {"vae_decoder"}, vae_dtype)}
     if ops:
         unknown = set(ops) - {c[0] for c in calls}
         if unknown:
@@ -175,11 +184,15 @@ def tune(
         if not results:
             raise EngineError(f"no variant of {op} could run {shape} in {dtype} on {caps.device}")
         best = min(results, key=lambda r: r["median_ms"])
-        measurements.append({"op": op, "shape": shape, "results": results, "chosen": best["variant"],
+        tagged = (op, json.dumps(shape, sort_keys=True)) in vae_keys
+        measurements.append({"op": op, "shape": shape, **({"dtype": vae_dtype} if tagged else {}),
+                             "results": results, "chosen": best["variant"],
                              **({"epilogue": sorted(epilogue)} if epilogue else {}),
                              **({"slow_rounds_dropped": dropped} if dropped else {})})
         if best["variant"] != "reference" or best["constants"]:
             rule = {"op": op, "variant": best["variant"], "when": shape}
+            if tagged:
+                rule["when"] = {**shape, "dtype": vae_dtype}
             if best["constants"]:
                 rule["constants"] = best["constants"]
             rules.append(rule)
@@ -235,25 +248,32 @@ def estimated_gain(doc: dict, baseline, caps) -> dict:
 
 def merge_tune(doc: dict, base: dict, ops: set[str] | None) -> dict:
     """`doc` (a tune of `ops`, or of every op when None) completed from `base`, another profile
-    of the same model: the rules and measurements of the ops not tuned, and for every shape the
-    tune measured only with the reference kernel (its time budget ran out before the variants:
-    a reference-only result is no verdict), base's rules and measurement of that shape instead.
-    Returns doc, changed in place."""
-    def key(op: str, shape: dict) -> tuple:
-        return op, json.dumps(shape, sort_keys=True)
+    of the same model: the rules and measurements of the ops not tuned and of the shapes the tune
+    did not measure (another network, or another element type: a VAE tuned in f16 keeps base's
+    f32 rules), and for every shape the tune measured only with the reference kernel (its time
+    budget ran out before the variants: a reference-only result is no verdict), base's rules and
+    measurement of that shape instead. Returns doc, changed in place."""
+    def key(op: str, when: dict) -> tuple:
+        return op, json.dumps(when, sort_keys=True)
 
-    cut = {key(m["op"], m["shape"]) for m in doc["measurements"]
+    def mkey(m: dict) -> tuple:  # a measurement's shape, with the element type it names
+        return key(m["op"], {**m["shape"], **({"dtype": m["dtype"]} if "dtype" in m else {})})
+
+    cut = {mkey(m) for m in doc["measurements"]
            if all(r["variant"] == "reference" for r in m["results"])
            and any(name != "reference" for name in variants(m["op"]))}
+    measured = {mkey(m) for m in doc["measurements"]}
 
-    def from_base(op: str, shape: dict | None) -> bool:
-        if ops is not None and op not in ops:
+    def from_base(k: tuple) -> bool:
+        if ops is not None and k[0] not in ops:
             return True
-        return shape is not None and key(op, shape) in cut
+        # a shape the tune cut, or did not measure at all (a tune of some networks, or of another
+        # element type): base's rule stays
+        return k[1] != "null" and (k in cut or k not in measured)
 
-    doc["measurements"] = [m for m in doc["measurements"] if key(m["op"], m["shape"]) not in cut]
-    doc["measurements"] += [m for m in base.get("measurements", []) if from_base(m["op"], m["shape"])]
-    doc["rules"] += [r for r in base["rules"] if from_base(r["op"], r.get("when"))]
+    doc["measurements"] = [m for m in doc["measurements"] if mkey(m) not in cut]
+    doc["measurements"] += [m for m in base.get("measurements", []) if from_base(mkey(m))]
+    doc["rules"] += [r for r in base["rules"] if from_base(key(r["op"], r.get("when")))]
     what = f"{', '.join(sorted(ops))} re-tuned" if ops else "re-tuned"
     doc["description"] += f"; {what}, the rest from {base['name']}"
     if cut:

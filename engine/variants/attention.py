@@ -308,8 +308,8 @@ def gemm_softmax_applies(shape: dict) -> str | None:
     "gemm_softmax",
     entry="softmax_main",
     doc="one-head attention (the VAE's, head dim 512) in f32 as two products of the GEMM core with the "
-    "score matrix stored between them and a row softmax in place; f32 models, head dim and key count "
-    "divisible by 4 (partial_softmax otherwise)",
+    "score matrix stored between them and a row softmax in place; a model of halves converts Q, K and V "
+    "to f32 and O back; head dim and key count divisible by 4 (partial_softmax otherwise)",
     constants=CORE_CONSTANTS,
     candidates=({"TILE_M": 128, "TILE_N": 128, "TILE_K": 16}, {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16}),
     applies=gemm_softmax_applies,
@@ -321,11 +321,17 @@ def attention_gemm_softmax(
     tk = k.shape[1]
     if heads != 1:
         raise EngineError(f"attention/gemm_softmax: {heads} heads; it runs one-head attention only")
-    # f16 would store the unscaled scores in f16: at head dim 512 their rounding reaches the
-    # logits (and large ones overflow); partial_softmax keeps them in f32. The core needs vec4 rows.
-    if ops.dtype != "f32" or unsupported(dh, tk) or unsupported(tk, dh):
+    # The core needs vec4 rows.
+    if unsupported(dh, tk) or unsupported(tk, dh):
         fallback = variants("attention")["partial_softmax"]
         return attention_partial_softmax(ops, fallback, {}, q, k, vv, heads, causal, scale)
+    if ops.dtype != "f32":
+        # Halves would hold the unscaled scores: at head dim 512 their rounding reaches the logits
+        # and large ones overflow. Q, K and V go to f32 (three element-wise copies, 8 MiB each at
+        # the VAE's 4,096 tokens), both products and the softmax run in f32, O comes back.
+        f32 = ops.twin("f32")
+        o = attention_gemm_softmax(f32, v, consts, *(ops.to_f32(t) for t in (q, k, vv)), heads, causal, scale)
+        return ops.from_f32(o)
     # S (bsz, Tq, Tk) = Q K^T, rows of Q and K contiguous (one head: no stride between heads)
     s = gemm(ops, consts, q, k, tq, tk, dh, batch=bsz, strides=(tq * dh, tk * dh, tq * tk),
              out_shape=(bsz, tq, tk), label="attention/scores_gemm")

@@ -464,6 +464,51 @@ def test_a_tune_cut_short_by_its_time_budget_keeps_the_base_profiles_rules_for_t
     assert "1 shape the time budget cut short keeps tuned-h100's rules" in doc["description"]
 
 
+def test_merging_a_tune_of_one_network_in_another_element_type_keeps_the_rest_of_the_base():
+    """A tune of the VAE decoder in f16 (its rules and measurements name the type) merged into a
+    profile whose VAE rules were tuned in f32: the f16 rule comes first and holds for f16; base's
+    f32 rule of the same shape and its UNet rules of the same op stay."""
+    from engine.tune import merge_tune
+
+    def meas(op, shape, variant, **extra):
+        return {"op": op, "shape": shape, **extra, "chosen": variant,
+                "results": [{"variant": variant, "constants": {}, "median_ms": 1.0}]}
+
+    vae = {"cin": 128, "cout": 128, "h": 512, "w": 512, "k": 3, "stride": 1, "b": 1, "tiles": 16384}
+    unet = {**vae, "h": 64, "w": 64, "b": 2, "tiles": 256, "cin": 320, "cout": 320}
+    base = {"name": "tuned-h100",
+            "rules": [{"op": "conv2d", "variant": "winograd_2x2", "when": vae, "constants": {"TILE_K": 8}},
+                      {"op": "conv2d", "variant": "winograd", "when": unet}],
+            "measurements": [meas("conv2d", vae, "winograd_2x2"), meas("conv2d", unet, "winograd")]}
+    tuned = {"name": "tuned-h100", "description": "measured",
+           "rules": [{"op": "conv2d", "variant": "im2col", "when": {**vae, "dtype": "f16"}}],
+           "measurements": [meas("conv2d", vae, "im2col", dtype="f16")]}
+    merge_tune(tuned, base, {"conv2d"})
+    assert [(r["variant"], r["when"].get("dtype")) for r in tuned["rules"]] == [
+        ("im2col", "f16"), ("winograd_2x2", None), ("winograd", None)]
+    assert [(m["chosen"], m.get("dtype")) for m in tuned["measurements"]] == [
+        ("im2col", "f16"), ("winograd_2x2", None), ("winograd", None)]
+    sel = parse_profile(doc(rules=tuned["rules"])).selection(caps())
+    assert sel.choose("conv2d", vae, "f16")[0].name == "im2col"
+    assert sel.choose("conv2d", vae, "f32") == (REGISTRY["conv2d"]["winograd_2x2"], {"TILE_K": 8})
+
+
+def test_a_tune_of_the_vae_in_another_element_type_names_it(tiny_model_dir, tmp_path, gpu):
+    """tune(networks={"vae_decoder"}, vae_dtype=...) times the decoder's calls alone, in that
+    type, and every rule and measurement it writes names the type."""
+    from engine.models.config import load_model_config
+    from engine.tune import tune
+
+    doc = tune(load_model_config(tiny_model_dir), gpu, "f32", 64, 64, tmp_path / "t.json", warmup=0, repeats=1,
+               ops={"group_norm"}, networks={"vae_decoder"}, vae_dtype="f16s")
+    assert doc["measurements"] and {m["dtype"] for m in doc["measurements"]} == {"f16s"}
+    assert all(m["shape"]["b"] == 1 for m in doc["measurements"])  # the decoder runs one image, the UNet two
+    assert all(r["when"]["dtype"] == "f16s" for r in doc["rules"])
+    # a rule for each shape a variant won (the reference's own defaults need none)
+    best = [min(m["results"], key=lambda r: r["median_ms"]) for m in doc["measurements"]]
+    assert len(doc["rules"]) == sum(b["variant"] != "reference" or bool(b["constants"]) for b in best)
+
+
 def test_a_rule_may_hold_for_one_element_type_only():
     """A rule naming "dtype" holds for calls in that element type only (an f16 tune's rules can
     then differ from f16-storage's or an f32 VAE's on the same shape); rules naming none hold
