@@ -304,6 +304,7 @@ class Pipeline(BasePipeline):
         } if residency == "staged" else {}
         self._holds: Counter = Counter()
         self.upload_ms = 0.0  # staged: time spent uploading weights, since the last generate
+        self.decode_notes: list[str] = []  # what decoding did beyond the plain decode, since the last generate
         self.text_encoder = CLIPTextEncoder(config.text_encoder, self.weights["text_encoder"], self.ops)
         self.unet_model = UNet2DCondition(config.unet, self.weights["unet"], self.ops)
         vae_ops = Ops(self.rt, self.ops.pipelines, selection, self.vae_dtype,
@@ -418,9 +419,23 @@ class Pipeline(BasePipeline):
 
     def _decode(self, latents) -> np.ndarray:
         """f32 latents on the GPU -> the decoded image, float32 on the host: the VAE's input is
-        latents / scaling_factor in its element type (shaders/step prepare)."""
+        latents / scaling_factor in its element type (shaders/step prepare). A decoder in halves
+        whose image comes back with an inf or NaN (an activation beyond f16's 65,504) decodes
+        again in f32, on f32 copies of its weights, and says so in the generation's warnings."""
         z = self.vae.ops.step_prepare(latents, vae_input_scale(self.config), 1)
-        return self.rt.read(self.vae.decode(z)).astype(np.float32)
+        image = self.rt.read(self.vae.decode(z)).astype(np.float32)
+        del z
+        if self.vae_dtype == "f32" or np.isfinite(image).all():
+            return image
+        self.decode_notes.append(f"the VAE decoder overflowed {self.vae_dtype} (inf or NaN in its image): "
+                                 "decoded again in f32")
+        ops = self.vae.ops
+        f32 = ops.twin("f32")
+        prefixes = STAGE_WEIGHTS["vae_decoder"][1]
+        weights = GPUWeights.of_tensors(
+            {n: ops.to_f32(t) for n, t in self.weights["vae"].tensors.items() if n.startswith(prefixes)}, "f32")
+        z = f32.step_prepare(latents, vae_input_scale(self.config), 1)
+        return self.rt.read(AutoencoderKL(self.config.vae, weights, f32).decode(z)).astype(np.float32)
 
     def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(B, 3, H, W) in [-1, 1] -> (mean, logvar) of the latent distribution, unscaled."""
@@ -436,6 +451,7 @@ class Pipeline(BasePipeline):
         t_start = time.perf_counter()
         self.rt.trim()  # what earlier calls left in the pool is not this generation's
         self.upload_ms = 0.0
+        self.decode_notes = []
         with self.rt.watch_peak() as total:
             result = self._run_stages(prompt, negative_prompt, steps, guidance_scale, seed, height, width,
                                       scheduler, latents, progress, init_image, strength)
@@ -501,7 +517,7 @@ class Pipeline(BasePipeline):
             latents=latents,
             timings=timings,
             peak_gpu_bytes=0,  # _generate() fills in the whole generation's
-            warnings=self.notes + self.selection.warnings,
+            warnings=self.notes + self.selection.warnings + self.decode_notes,
             stage_peak_gpu_bytes=peaks,
         )
 

@@ -190,6 +190,99 @@ def test_fp16_pipeline_runs_a_force_upcast_vae_in_fp32(tiny_model_dir, gpu, tmp_
     assert p.vae_dtype == "f16" and p.decode(np.zeros((1, 4, 8, 8), np.float32)).dtype == np.float32
 
 
+def test_a_vae_in_halves_that_overflows_decodes_again_in_f32(tiny_model_dir, gpu, tmp_path, fresh_rng):
+    """Latents far beyond a real model's put activations past f16's 65,504: the decoder in halves
+    gives inf or NaN, and the pipeline decodes again in f32 on f32 copies of the same (f16)
+    weights. The image then matches an f32 decoder's within fp16's weight rounding, and the
+    generation's warnings say what happened. Ordinary latents decode once, in halves."""
+    import json
+    import shutil
+
+    if not gpu.caps.has_f16:
+        missing("adapter lacks shader-f16", F16_HINT)
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    cfg_path = model / "vae" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "force_upcast": False}))
+    # staged, as on a phone: the decoder's weights are on the GPU only while it decodes
+    half, full = engine.load_pipeline(model, precision="fp16", residency="staged"), engine.load_pipeline(model)
+    assert half.vae_dtype == "f16"
+    ordinary = fresh_rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    assert np.isfinite(half.decode(ordinary)).all() and half.decode_notes == []
+    huge = ordinary * 3e4
+    got, want = half.decode(huge), full.decode(huge)
+    assert np.isfinite(got).all()
+    assert half.decode_notes == ["the VAE decoder overflowed f16 (inf or NaN in its image): decoded again in f32"]
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= 1e-2, f"f32 decode on f16 weights vs the f32 pipeline: {err:.2e}"
+    r = half.generate("a dog", steps=1, height=64, width=64)
+    assert not any("overflowed" in w for w in r.warnings)  # each generation says only its own
+
+
+LAYER_OPS = ("conv2d", "group_norm", "linear", "attention", "add", "upsample_nearest")
+
+
+def _recording_ops(ops):
+    """`ops` keeping a host copy (float64) of each output of LAYER_OPS, in call order."""
+    from engine.ops import Ops
+
+    class Recording(Ops):
+        pass
+
+    def keeping(name):
+        def call(self, *a, **k):
+            y = getattr(Ops, name)(self, *a, **k)
+            self.outputs.append((name, self.rt.read(y).astype(np.float64)))
+            return y
+        return call
+
+    for name in LAYER_OPS:
+        setattr(Recording, name, keeping(name))
+    rec = Recording(ops.rt, ops.pipelines, ops.selection, ops.dtype, ops.scratch_scale)
+    rec.outputs = []
+    return rec
+
+
+def test_the_vae_decoder_in_halves_layer_by_layer_at_large_activations(tiny_model_dir, gpu, fresh_rng):
+    """The tiny decoder in f16 against the same decoder in f32, layer by layer, with latents
+    scaled until its residual stream reaches 1e4 (within 6.5x of f16's largest, 65,504): every
+    layer's output stays within fp16's 1e-2 of the f32 one's largest magnitude, none non-finite.
+    The table is printed (pytest -s)."""
+    from engine.models.common import GPUWeights
+    from engine.models.vae import AutoencoderKL
+    from engine.pipeline import _load_components
+
+    if not gpu.caps.has_f16:
+        missing("adapter lacks shader-f16", F16_HINT)
+    config, _, states = _load_components(tiny_model_dir, None)
+    pipe = engine.load_pipeline(tiny_model_dir)
+    rt = pipe.rt
+    latents = fresh_rng.standard_normal((1, config.vae.latent_channels, 8, 8)).astype(np.float32)
+
+    def decode(dtype, scale):
+        ops = _recording_ops(pipe.vae.ops.twin(dtype))
+        AutoencoderKL(config.vae, GPUWeights(rt, states["vae"], dtype), ops).decode(rt.upload(latents * scale, dtype))
+        return ops.outputs
+
+    scale, ref = 1.0, decode("f32", 1.0)
+    for _ in range(4):  # group norms make the largest activation a sublinear function of the scale
+        scale *= 1e4 / max(np.abs(y).max() for _, y in ref)
+        ref = decode("f32", scale)
+    assert 0.8e4 <= max(np.abs(y).max() for _, y in ref) <= 1.25e4
+    half = decode("f16", scale)
+    assert [n for n, _ in ref] == [n for n, _ in half] and len(ref) > 20
+    rows = []
+    for i, ((name, want), (_, got)) in enumerate(zip(ref, half, strict=True)):
+        top = np.abs(want).max()
+        rows.append((i, name, top, np.abs(got - want).max() / max(top, 1e-30), bool(np.isfinite(got).all())))
+    print("layer | op | largest |activation| (f32) | f16 error relative to it | finite")
+    for r in rows:
+        print(f"{r[0]:3d} | {r[1]} | {r[2]:.3g} | {r[3]:.2e} | {r[4]}")
+    assert all(r[4] for r in rows)
+    worst = max(rows, key=lambda r: r[3])
+    assert worst[3] <= 1e-2, f"layer {worst[0]} ({worst[1]}): f16 error {worst[3]:.2e} of its largest magnitude"
+
+
 def test_unknown_residency_is_refused_naming_the_choices(tiny_model_dir, gpu):
     with pytest.raises(InputError, match="resident, staged"):
         engine.load_pipeline(tiny_model_dir, residency="lazy")
