@@ -11,6 +11,7 @@ import base64
 import json
 import os
 import struct
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -32,9 +33,28 @@ class DevToolsError(Exception):
 OpenChannel = Callable[[], AbstractContextManager[Channel]]
 
 
+# What Chromium answers while a page it has just opened is not attached to a renderer yet (a
+# browser started a moment before): asked again, every RETRY_S, for at most SETTLE_S.
+NOT_ATTACHED = "Not attached to an active page"
+SETTLE_S = 10.0
+RETRY_S = 0.25
+
+
 def capture_screenshot(open_channel: OpenChannel, timeout_s: float = 30.0, prefer: str = "/web/") -> bytes:
     """The PNG of the browser's page (the first whose URL holds `prefer`, else the first page):
-    its targets through GET /json/list, then Page.captureScreenshot on its WebSocket."""
+    its targets through GET /json/list, then Page.captureScreenshot on its WebSocket; a page not
+    attached yet is asked again (targets listed anew) for up to SETTLE_S."""
+    deadline = time.monotonic() + min(SETTLE_S, timeout_s)
+    while True:
+        try:
+            return _capture_once(open_channel, timeout_s, prefer)
+        except DevToolsError as exc:
+            if NOT_ATTACHED not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(RETRY_S)
+
+
+def _capture_once(open_channel: OpenChannel, timeout_s: float, prefer: str) -> bytes:
     with open_channel() as channel:
         _send(channel, b"GET /json/list HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n", timeout_s)
         status, body = _http_response(channel, timeout_s)

@@ -172,6 +172,45 @@ def test_a_browser_answering_nonsense_is_one_devtools_error(monkeypatch, answer,
     assert devtools.capture_screenshot(lambda: contextlib.nullcontext(None)) == png
 
 
+def test_a_page_not_attached_yet_is_asked_again_and_a_page_that_stays_so_is_named(monkeypatch):
+    """Chromium answers "Not attached to an active page" while a page it has just opened has no
+    renderer yet (a browser started a moment before: CI saw it). The capture lists the targets
+    and asks again until the page answers, for at most SETTLE_S; past that, the error is the
+    browser's own, in one line. Other errors are not retried."""
+    import contextlib
+
+    from orchestrator.transports import devtools
+
+    png = b"\x89PNG\r\n\x1a\n"
+    not_attached = json.dumps({"id": 1, "error": {"code": -32000, "message": "Not attached to an active page"}})
+    image = json.dumps({"id": 1, "result": {"data": __import__("base64").b64encode(png).decode()}})
+    answers, listed = [], []
+
+    class Socket:
+        def send_text(self, text):
+            pass
+
+        def receive_text(self):
+            return answers.pop(0)
+
+    pages = json.dumps([{"type": "page", "url": "https://h/web/", "webSocketDebuggerUrl": "ws://h/devtools/page/1"}])
+    monkeypatch.setattr(devtools, "_send", lambda channel, data, timeout_s: None)
+    monkeypatch.setattr(devtools, "_http_response", lambda channel, timeout_s: listed.append(1) or (200, pages.encode()))
+    monkeypatch.setattr(devtools.WebSocket, "open", classmethod(lambda cls, channel, path, timeout_s: Socket()))
+    monkeypatch.setattr(devtools, "RETRY_S", 0.01)
+    answers[:] = [not_attached, not_attached, image]
+    assert devtools.capture_screenshot(lambda: contextlib.nullcontext(None)) == png
+    assert len(listed) == 3 and not answers
+    monkeypatch.setattr(devtools, "SETTLE_S", 0.2)
+    answers[:] = [not_attached] * 1000
+    with pytest.raises(devtools.DevToolsError, match="^Page.captureScreenshot: Not attached to an active page$"):
+        devtools.capture_screenshot(lambda: contextlib.nullcontext(None))
+    answers[:] = [json.dumps({"id": 1, "error": {"message": "no page"}}), image]
+    with pytest.raises(devtools.DevToolsError, match="no page"):
+        devtools.capture_screenshot(lambda: contextlib.nullcontext(None))
+    assert len(answers) == 1  # asked once
+
+
 def test_a_device_keeps_its_newest_screenshots_and_a_removed_one_none(cli, monkeypatch):
     """Taking a screenshot past screenshots.KEPT forgets the oldest, its row and its file; `farm
     devices remove` deletes the device's files with its rows (they grew without bound before)."""
