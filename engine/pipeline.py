@@ -200,6 +200,20 @@ def prepare_image(init_image, height: int, width: int) -> np.ndarray:
     return (arr.transpose(2, 0, 1)[None] * 2.0 - 1.0).astype(np.float32)
 
 
+def non_finite_warnings(latents: np.ndarray, decoded: np.ndarray, dtype: str, vae_dtype: str) -> list[str]:
+    """What a generation says when its latents or image hold an inf or NaN (an activation beyond
+    its element type's range: f16 holds at most 65,504): the 8-bit image of such values is not
+    the model's."""
+    out = []
+    for what, values, net in (("latents", latents, f"the UNet ({dtype})"), ("image", decoded, f"the VAE decoder ({vae_dtype})")):
+        bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+        if bad:
+            out.append(f"the generated {what} hold {bad} inf or NaN values of {values.size}: an activation of "
+                       f"{net} or before it went beyond its element type's range")
+            break  # the image of non-finite latents is so too
+    return out
+
+
 def image_from_decoded(decoded: np.ndarray) -> np.ndarray:
     """The VAE's (1, 3, H, W) output in [-1, 1] -> (H, W, 3) uint8."""
     image = np.clip(decoded[0] / 2.0 + 0.5, 0.0, 1.0).transpose(1, 2, 0)
@@ -517,7 +531,8 @@ class Pipeline(BasePipeline):
             latents=latents,
             timings=timings,
             peak_gpu_bytes=0,  # _generate() fills in the whole generation's
-            warnings=self.notes + self.selection.warnings + self.decode_notes,
+            warnings=self.notes + self.selection.warnings + self.decode_notes
+            + non_finite_warnings(latents, decoded, self.dtype, self.vae_dtype),
             stage_peak_gpu_bytes=peaks,
         )
 

@@ -26,6 +26,7 @@ from .pipeline import (
     GenerationResult,
     first_sample,
     image_from_decoded,
+    non_finite_warnings,
     prepare_image,
 )
 from .plan import check_plan, stage_inputs
@@ -634,6 +635,8 @@ class PlanPipeline(BasePipeline):
         # the working buffers live through the whole generation: each stage's peak is the plan's
         peak = plan_gpu_bytes(ex)
         return GenerationResult(image=image_from_decoded(out["image"]), latents=out["latents"], timings=timings,
-                                peak_gpu_bytes=peak, warnings=list(plan.get("warnings", [])),
+                                peak_gpu_bytes=peak,
+                                warnings=list(plan.get("warnings", [])) + non_finite_warnings(
+                                    out["latents"], out["image"], plan["dtype"], plan["vae_dtype"]),
                                 stage_peak_gpu_bytes={name: stage_peak_bytes(ex, s) for s, name in PEAK_STAGES.items()
                                                       if s in plan["stages"]})

@@ -149,6 +149,7 @@ def test_a_replayed_plan_equals_generate_bit_for_bit(native, planned, scheduler)
     b = planned.generate("a red bicycle", negative_prompt="blurry", **kwargs)
     np.testing.assert_array_equal(b.latents, a.latents)
     np.testing.assert_array_equal(b.image, a.image)
+    assert not any("inf or NaN" in w for w in a.warnings + b.warnings)
     assert set(b.timings) >= {"text_encoder_ms", "unet_step_ms", "vae_decode_ms", "total_ms"}
     # the denoising loop ran back to back and was timed whole: its steps are the UNet runs
     ex = planned.plan_executor(64, 64, 3, scheduler)
@@ -158,6 +159,19 @@ def test_a_replayed_plan_equals_generate_bit_for_bit(native, planned, scheduler)
     assert 0 < t["unet_total_ms"] < t["total_ms"]
     assert t["unet_step_ms"] == pytest.approx(t["unet_total_ms"] / runs)
     assert t["text_encoder_ms"] + t["unet_total_ms"] + t["vae_decode_ms"] <= t["total_ms"]
+
+
+@pytest.mark.gpu
+def test_a_generation_whose_values_went_non_finite_says_so(native, planned):
+    """Latents with a NaN (as an overflowed activation leaves them) give an image that is not the
+    model's: each executor's result says so, naming the latents (an ordinary generation does not:
+    test_a_replayed_plan_equals_generate_bit_for_bit)."""
+    kwargs = {"steps": 3, "seed": 11, "height": 64, "width": 64, "scheduler": "euler"}  # the plan above's
+    latents = np.zeros((1, 4, 8, 8), np.float32)
+    latents[0, 0, 0, 0] = np.nan
+    for pipe in (native, planned):
+        said = [w for w in pipe.generate("a dog", latents=latents, **kwargs).warnings if "inf or NaN" in w]
+        assert len(said) == 1 and said[0].startswith("the generated latents hold 256 inf or NaN values of 256"), said
 
 
 @pytest.mark.gpu
