@@ -52,6 +52,7 @@ class Ops:
         self.pipelines = pipelines
         self.selection = selection
         self.dtype = dtype
+        self._twins: dict[str, Ops] = {}  # twin(): this Ops in other element types
         self.dummy = rt.upload(__import__("numpy").zeros(4, dtype="float32"), dtype, static=True)
         # an unused f32 input of a step kernel
         self.dummy_f32 = self.dummy if dtype == "f32" else rt.upload(__import__("numpy").zeros(4, dtype="float32"),
@@ -315,10 +316,9 @@ class Ops:
         (made once)."""
         if dtype == self.dtype:
             return self
-        twins = self.__dict__.setdefault("_twins", {})
-        if dtype not in twins:
-            twins[dtype] = Ops(self.rt, self.pipelines, self.selection, dtype, self.scratch_scale)
-        return twins[dtype]
+        if dtype not in self._twins:
+            self._twins[dtype] = Ops(self.rt, self.pipelines, self.selection, dtype, self.scratch_scale)
+        return self._twins[dtype]
 
     def step_posterior(self, moments: Tensor, noise: Tensor, scaling: float, out: Tensor | None = None) -> Tensor:
         """img2img's encoded image: (mean + exp(logvar / 2) * noise) * scaling, f32 (1, C, h, w),
