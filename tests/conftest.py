@@ -48,6 +48,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -cost(item))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With FARM_TEST_CPU=FILE: each test's CPU seconds (setup, call and teardown), its own
+    process's and its reaped children's (workers, browsers, servers it started and waited for),
+    appended to FILE as JSON lines: where the suite's CPU goes (docs/testing.md)."""
+    path = os.environ.get("FARM_TEST_CPU")
+    if not path:
+        return (yield)
+    before = os.times()
+    try:
+        return (yield)
+    finally:
+        after = os.times()
+        row = {"test": item.nodeid, "self_s": round(after.user + after.system - before.user - before.system, 3),
+               "children_s": round(after.children_user + after.children_system
+                                   - before.children_user - before.children_system, 3),
+               "wall_s": round(after.elapsed - before.elapsed, 3)}
+        with open(path, "a") as out:
+            out.write(json.dumps(row) + "\n")
+
+
 @cache
 def _adapter_problem() -> str | None:
     try:

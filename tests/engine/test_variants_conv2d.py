@@ -271,27 +271,32 @@ def test_winograd_pays_follows_tflite():
 
 
 def test_winograd_error_is_bounded(rt, pipelines, fresh_rng, capsys):
-    """Measure Winograd's error: max relative error against float64 numpy on the same
-    fp32-representable inputs, next to the direct (reference) kernel's. F(4x4, 3x3) adds
-    rounding in its transforms (coefficients up to 8 in A^T, 5 in B^T); we assert it stays
-    within 10x the direct error and 1e-4 (measured on lavapipe: 3-6x, below 1.2e-5)."""
+    """Measure Winograd's error against float64 numpy on the same fp32-representable inputs,
+    next to the direct (reference) kernel's. F(4x4, 3x3) adds rounding in its transforms
+    (coefficients up to 8 in A^T, 5 in B^T). Its largest error stays within 1e-4 of the
+    largest output; its RMS error within 10x the direct kernel's. The ratio is of RMS errors:
+    a ratio of the two largest errors is a ratio of two extremes, 3-7x on 41 seeds but 10.4x
+    on one (FARM_TEST_SEED=308736329: the direct kernel's largest error happened to be small);
+    RMS ratios were 2.1-2.8 on the same 41 seeds and 2.5-2.9 on that one (lavapipe)."""
     ops = make_ops(rt, pipelines, "f32", "winograd")
     ref_ops = make_ops(rt, pipelines, "f32", "reference")
+
+    def rms_err(got, exact) -> float:
+        return float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+
     for cin, hw in ((64, (16, 16)), (320, (8, 8))):
         x, w, b = conv_inputs(fresh_rng, 1, cin, cin, hw, 3)
         xt, wt, bt = rt.upload(x), rt.upload(w), rt.upload(b)
         exact = np_conv(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), 1, (1, 1, 1, 1))
-        err_wino = rel_err(rt.read(ops.conv2d(xt, wt, bt, padding=1)).astype(np.float64), exact)
-        err_direct = rel_err(rt.read(ref_ops.conv2d(xt, wt, bt, padding=1)).astype(np.float64), exact)
+        wino = rt.read(ops.conv2d(xt, wt, bt, padding=1)).astype(np.float64)
+        direct = rt.read(ref_ops.conv2d(xt, wt, bt, padding=1)).astype(np.float64)
+        err_wino, ratio = rel_err(wino, exact), rms_err(wino, exact) / max(rms_err(direct, exact), 1e-12)
         with capsys.disabled():
-            print(
-                f"\nwinograd error, {cin} ch {hw[0]}x{hw[1]} fp32: winograd {err_wino:.3g}, "
-                f"direct {err_direct:.3g}, ratio {err_wino / max(err_direct, 1e-12):.2f}"
-            )
+            print(f"\nwinograd error, {cin} ch {hw[0]}x{hw[1]} fp32: largest {err_wino:.3g} (direct "
+                  f"{rel_err(direct, exact):.3g}), RMS {rms_err(wino, exact):.3g} (direct {rms_err(direct, exact):.3g}), "
+                  f"RMS ratio {ratio:.2f}")
         assert err_wino <= 1e-4, f"winograd fp32 error {err_wino:.3g} > 1e-4"
-        assert err_wino <= 10 * max(err_direct, 1e-7), (
-            f"winograd error {err_wino:.3g} is more than 10x the direct kernel's {err_direct:.3g}"
-        )
+        assert ratio <= 10, f"winograd's RMS error is {ratio:.1f}x the direct kernel's"
 
 
 def test_a_fractional_scratch_scale_shrinks_every_scratch_bound():
