@@ -15,10 +15,20 @@ from pathlib import Path
 
 import pytest
 from processes import processes_with
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 
-from orchestrator.store.models import Alert, AlertKind, Batch, Deployment, Device, Job, JobState
+from orchestrator.store.models import (
+    Alert,
+    AlertKind,
+    Batch,
+    Deployment,
+    Device,
+    Job,
+    JobState,
+    KernelTiming,
+    Run,
+)
 
 # `alone`: scripts/test.sh runs this file with no other test beside it: it times build A against build B on devices that share this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]
@@ -76,6 +86,12 @@ def test_demo_twice_on_a_fresh_machine(tmp_path):
                 assert sorted(j.kind for j in jobs) == ["generate"] * devices + ["latency"] * devices
                 assert {j.state for j in jobs} == {JobState.succeeded}, [j.error for j in jobs]
                 assert batch.summary is not None and batch.finished_at is not None
+                # per-kernel times come from the latency jobs (the verdicts' attribution); a
+                # generation profiles nothing after it (two more UNet calls in a page)
+                for job in jobs:
+                    timed = session.scalar(select(func.count()).select_from(KernelTiming).join(Run)
+                                           .where(Run.job_id == job.id))
+                    assert (timed > 0) if job.kind == "latency" else (timed == 0), (job.kind, job.device_id, timed)
             for index, batch in enumerate(batches):
                 for dep in session.scalars(select(Deployment).where(Deployment.batch_id == batch.id)):
                     if session.get(Device, dep.device_id).engine_host == "browser":
