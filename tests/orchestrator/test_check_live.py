@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from orchestrator import store
 from orchestrator.analysis import regressions
 from orchestrator.cli import app as farm_cli
-from orchestrator.store.models import Alert, Batch, Build, Job
+from orchestrator.store.models import Alert, Batch, Build, Job, KernelTiming, Run
 
 # `alone`: it times builds against each other on this machine's CPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.alone]
@@ -81,6 +81,8 @@ def test_slower_candidate_exits_1_with_a_regression(farm, monkeypatch, env, tmp_
     verdicts = {c["metric"]: c for c in report["comparisons"]}
     assert report["outcome"] == "regression" and report["exit_code"] == 1
     assert verdicts["unet_step_ms"]["verdict"] == "regression" and verdicts["unet_step_ms"]["ratio"] > 1.3, verdicts
+    moved = verdicts["unet_step_ms"]["kernels"]  # from each build's two profiled steps
+    assert moved and moved[0]["delta_ms"] > 0 and moved[0]["candidate_ms"] > moved[0]["baseline_ms"], moved
     assert report["baselines"] == {"local-1": "b1"}
     markdown = out_md.read_text()
     assert "❌ regression" in markdown and "| `local-1` | `unet_step_ms` |" in markdown and "**regression**" in markdown
@@ -90,6 +92,10 @@ def test_slower_candidate_exits_1_with_a_regression(farm, monkeypatch, env, tmp_
         jobs = session.scalars(select(Job).where(Job.batch_id == batch.id).order_by(Job.id)).all()
         names = [session.get(Build, j.build_id).name for j in jobs if j.kind == "latency"]
         assert names == ["b1", "slow", "slow", "b1"], names
+        # one profiled UNet step a latency job (the kernels that moved), none after a generation
+        for job in jobs:
+            reps = session.scalars(select(KernelTiming.repetition).join(Run).where(Run.job_id == job.id)).all()
+            assert set(reps) == ({0} if job.kind == "latency" else set()), (job.kind, sorted(set(reps)))
         # the check's runs are its own: no alert on the series, however slow the candidate
         assert {session.get(Batch, b).purpose for b in report["batches"]} == {"check"}
         slow = session.scalar(select(Build).where(Build.name == "slow"))
