@@ -215,8 +215,9 @@ def non_finite_warnings(latents: np.ndarray, decoded: np.ndarray, dtype: str, va
 
 
 def image_from_decoded(decoded: np.ndarray) -> np.ndarray:
-    """The VAE's (1, 3, H, W) output in [-1, 1] -> (H, W, 3) uint8."""
-    image = np.clip(decoded[0] / 2.0 + 0.5, 0.0, 1.0).transpose(1, 2, 0)
+    """The VAE's (1, 3, H, W) output in [-1, 1] -> (H, W, 3) uint8, scaled in f32 whatever the
+    decoder's element type (f16's spacing near 255 is 0.125: scaled in halves, pixels move by one)."""
+    image = np.clip(np.asarray(decoded[0], np.float32) / 2.0 + 0.5, 0.0, 1.0).transpose(1, 2, 0)
     return np.round(image * 255.0).astype(np.uint8)
 
 

@@ -286,3 +286,14 @@ def test_the_vae_decoder_in_halves_layer_by_layer_at_large_activations(tiny_mode
 def test_unknown_residency_is_refused_naming_the_choices(tiny_model_dir, gpu):
     with pytest.raises(InputError, match="resident, staged"):
         engine.load_pipeline(tiny_model_dir, residency="lazy")
+
+
+def test_an_image_in_halves_is_rounded_to_pixels_in_f32(fresh_rng):
+    """A decoder in halves hands back f16 values (the plan executor reads its output buffer as
+    it is): scaling them to 0..255 in f16, whose spacing near 255 is 0.125, moved pixels by one
+    against the same values scaled in f32 (the eager decode upcasts first), so the two
+    executors' images differed. Both now scale in f32."""
+    from engine.pipeline import image_from_decoded
+
+    decoded = fresh_rng.uniform(-1.1, 1.1, (1, 3, 64, 64)).astype(np.float16)
+    np.testing.assert_array_equal(image_from_decoded(decoded), image_from_decoded(decoded.astype(np.float32)))
