@@ -102,6 +102,7 @@ def main() -> None:
         eager = eager_unet_ms(native, size, size, args.reps, args.warmup)
         replay = ex.time_stage("unet_step", args.reps, args.warmup)
         e2e, uploads = {"eager": [], "plan": []}, {"eager": [], "plan": []}
+        stages = {"eager": [], "plan": []}  # each generation's timings: text encoder, UNet loop, VAE, total
         kw = {"steps": args.e2e_steps, "seed": 5, "height": size, "width": size, "scheduler": "pndm"}
         if args.e2e_steps:
             for name, pipe in (("eager", native), ("plan", planned)):
@@ -109,6 +110,7 @@ def main() -> None:
                 for _ in range(args.e2e_reps):
                     timings = pipe.generate("a red bicycle leaning on a wall", **kw).timings
                     e2e[name].append(timings["total_ms"])
+                    stages[name].append(timings)
                     upload = timings.get("weights_upload_ms", timings.get("weight_upload_ms"))  # native, plan
                     if upload is not None:
                         uploads[name].append(upload)
@@ -126,7 +128,7 @@ def main() -> None:
         "unet_step_ms": {"eager": eager, "plan": replay},
         "unet_step_median_ms": {"eager": statistics.median(eager), "plan": statistics.median(replay)},
         "e2e_ms": e2e, "e2e_median_ms": {k: statistics.median(v) for k, v in e2e.items() if v},
-        "residency": args.residency, "e2e_weights_upload_ms": uploads,
+        "residency": args.residency, "e2e_weights_upload_ms": uploads, "e2e_timings": stages,
         "load_s": {"eager": load_native, "plan_and_check": load_plan},
     }
     me, mp = result["unet_step_median_ms"]["eager"], result["unet_step_median_ms"]["plan"]
@@ -138,6 +140,10 @@ def main() -> None:
     if args.e2e_steps:
         ee, ep = result["e2e_median_ms"]["eager"], result["e2e_median_ms"]["plan"]
         print(f"| {args.e2e_steps}-step generation ms (median of {args.e2e_reps}) | {ee:.0f} | {ep:.0f} | {ep / ee:.3f} |")
+        for key in ("text_encoder_ms", "unet_total_ms", "vae_decode_ms"):
+            se, sp = (statistics.median(t[key] for t in stages[k]) if stages[k] and key in stages[k][0] else float("nan")
+                      for k in ("eager", "plan"))
+            print(f"| of which {key[:-3].replace('_', ' ')} ms | {se:.1f} | {sp:.1f} | |")
         if uploads["plan"] or uploads["eager"]:
             ue, up = (statistics.median(uploads[k]) if uploads[k] else float("nan") for k in ("eager", "plan"))
             print(f"| of which weight uploads ms ({args.residency}) | {ue:.0f} | {up:.0f} | |")

@@ -1,8 +1,9 @@
 """Optimized group normalisation: the single-dispatch "fused" variant (statistics, normalise,
 affine and optional SiLU in one workgroup per (batch, group), no intermediate tensor), after
-"Speed Is All You Need" (Chen et al., 2023), and the "split" variant for groups too large for
+"Speed Is All You Need" (Chen et al., 2023), the "split" variant for groups too large for
 one workgroup (statistics of CHUNK-element runs in workgroups of their own, merged per group,
-then the reference's element-wise apply)."""
+then the reference's element-wise apply), and "split4", split with every access four elements
+wide (vec4 loads and stores) where H*W is divisible by 4."""
 
 from __future__ import annotations
 
@@ -61,4 +62,33 @@ def group_norm_split(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps,
     apply = variants("group_norm")["reference"]
     ops.rt.dispatch(ops.pipeline(apply, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y],
                     ops.grid_1d(x.numel))
+    return y
+
+
+@register(
+    "group_norm",
+    "split4",
+    doc="split's three dispatches with vec4 loads and stores (four consecutive elements per access, the "
+    "apply's channel arithmetic once per four); H*W divisible by 4 (split otherwise)",
+    constants={"CHUNK": SPLIT_CHUNKS},
+    candidates=({"CHUNK": 1024}, {"CHUNK": 16384}),
+)
+def group_norm_split4(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu) -> Tensor:
+    bsz, c = x.shape[:2]
+    s = x.numel // (bsz * c)
+    if s % 4:
+        return group_norm_split(ops, variants("group_norm")["split"], consts, x, gamma, beta, groups, eps, silu)
+    chunk = int(consts.get("CHUNK", 4096))
+    n_groups = bsz * groups
+    n_chunks = -(-(c // groups * s) // chunk)
+    params = (bsz, c, s, groups, float(eps), int(silu))
+    part = ops.rt.empty((n_groups, n_chunks, 3), "f32")
+    stats = ops.rt.empty((n_groups, 2), "f32")
+    ops.rt.dispatch(ops.pipeline(v, "partial_main", CHUNK=chunk), "group_norm", params, [x, part],
+                    (n_chunks, n_groups, 1))
+    ops.rt.dispatch(ops.pipeline(v, "finalize_main", CHUNK=chunk), "group_norm", params, [None, part, stats],
+                    (math.ceil(n_groups / 64), 1, 1))
+    y = ops.rt.empty(x.shape, ops.dtype)
+    ops.rt.dispatch(ops.pipeline(v, "apply_main"), "group_norm", params, [x, None, stats, gamma, beta, y],
+                    ops.grid_1d(x.numel // 4))
     return y

@@ -97,7 +97,7 @@ def run_both(rt, gpu, dtype, op, variant, call):
         (64, 32, (1, 1), False),  # 2 elements per group
     ],
 )
-@pytest.mark.parametrize("variant", ["fused", "split"])
+@pytest.mark.parametrize("variant", ["fused", "split", "split4"])
 def test_group_norm_variant(rt, gpu, dtype, fresh_rng, variant, c, groups, hw, silu):
     eps = 1e-5 if c > 64 else 1e-6
     x = rand(fresh_rng, 2, c, *hw, scale=3.0) + 1.5
@@ -117,7 +117,7 @@ def test_group_norm_variant(rt, gpu, dtype, fresh_rng, variant, c, groups, hw, s
     assert rel_err(got, ref_gpu) <= TOL[dtype], f"{variant} vs reference variant"
 
 
-@pytest.mark.parametrize("variant", ["fused", "split"])
+@pytest.mark.parametrize("variant", ["fused", "split", "split4"])
 def test_group_norm_large_offset(rt, gpu, fresh_rng, variant):
     """A group whose mean dwarfs its spread: one-pass E[x^2] - E[x]^2 would lose it in f32."""
     x = rand(fresh_rng, 1, 32, 16, 16) + 300.0
@@ -128,14 +128,17 @@ def test_group_norm_large_offset(rt, gpu, fresh_rng, variant):
     assert rel_err(rt.read(y).astype(np.float64), ref) <= 1e-4  # the inputs themselves carry f32 rounding of ~300 * 6e-8
 
 
+@pytest.mark.parametrize("variant", ["split", "split4"])
 @pytest.mark.parametrize("chunk", [1024, 16384])
-@pytest.mark.parametrize("c,groups,hw", [(128, 32, (48, 48)), (6, 3, (5, 7)), (64, 4, (33, 35))])
-def test_group_norm_split_chunks(rt, gpu, fresh_rng, chunk, c, groups, hw):
-    """split's statistics merged over many chunks, a partial last chunk, and one chunk."""
+@pytest.mark.parametrize("c,groups,hw", [(128, 32, (48, 48)), (6, 3, (5, 7)), (64, 4, (33, 35)), (64, 4, (36, 35))])
+def test_group_norm_split_chunks(rt, gpu, fresh_rng, variant, chunk, c, groups, hw):
+    """split's statistics merged over many chunks, a partial last chunk (at 36x35 and CHUNK 1024
+    split4's last chunk has 176 vec4s: invocations with none), and one chunk; split4 runs split
+    where H*W is not divisible by 4 (5x7, 33x35)."""
     x = rand(fresh_rng, 2, c, *hw, scale=2.0) - 0.7
     g, b = rand(fresh_rng, c) + 1, rand(fresh_rng, c)
     ops = make_ops(rt, gpu, "f32", {})
-    v = variants("group_norm")["split"]
+    v = variants("group_norm")[variant]
     y = v.launch(ops, v, {"CHUNK": chunk}, *(rt.upload(a, "f32") for a in (x, g, b)), groups, 1e-5, False)
     ref = np_group_norm(x.astype(np.float64), groups, 1e-5) * g[None, :, None, None] + b[None, :, None, None]
     assert rel_err(rt.read(y).astype(np.float64), ref) <= TOL["f32"]
