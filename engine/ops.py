@@ -154,8 +154,12 @@ class Ops:
         b: Tensor | None,
         stride: int = 1,
         padding: int | tuple[int, int, int, int] = 0,
+        residual: Tensor | None = None,
     ) -> Tensor:
-        """x (B, Cin, H, W) * w (Cout, Cin, KH, KW). padding: p, or (top, bottom, left, right)."""
+        """x (B, Cin, H, W) * w (Cout, Cin, KH, KW) [+ residual (B, Cout, OH, OW)]. padding: p, or
+        (top, bottom, left, right). The residual (a ResNet block's shortcut) is added in the
+        convolution's epilogue where the chosen variant has one (`fuses_residual`), else by `add`
+        after it."""
         bsz, cin, h, wd = x.shape
         cout, cin_w, kh, kw = w.shape
         if cin != cin_w:
@@ -164,7 +168,14 @@ class Ops:
         oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
         tiles = math.ceil(oh / 4) * math.ceil(ow / 4)  # 4x4 output tiles of one image (Winograd's rule)
         shape = {"cin": cin, "cout": cout, "h": h, "w": wd, "k": kh, "stride": stride, "b": bsz, "tiles": tiles}
-        return self._launch("conv2d", shape, x, w, b, stride, pads)
+        if residual is None:
+            return self._launch("conv2d", shape, x, w, b, stride, pads)
+        if residual.shape != (bsz, cout, oh, ow):
+            raise ValueError(f"conv2d: residual {residual.shape} does not match the output {(bsz, cout, oh, ow)}")
+        epilogue = {"residual": residual}
+        if getattr(self.selection.variant("conv2d", shape, self.dtype).launch, "fuses_residual", False):
+            return self._launch("conv2d", shape, x, w, b, stride, pads, epilogue=epilogue, residual=residual)
+        return self.add(self._launch("conv2d", shape, x, w, b, stride, pads, epilogue=epilogue), residual)
 
     # ---- normalisation ----------------------------------------------------------------
 

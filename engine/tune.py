@@ -87,13 +87,15 @@ def _as_called(op: str, shape: dict, v, consts: dict, ops: Ops, args: tuple, aft
     Ops method the pipeline called, on a selection that picks `v` with `consts`, so the work is
     in the product's epilogue where this variant and setting can take it and a kernel after it
     where not, exactly as Ops decides."""
-    if op != "linear" or not after:
+    if op not in ("linear", "conv2d") or not after:
         return lambda: v.launch(ops, v, consts, *args)
-    rule = Rule("linear", v.name, constants=tuple(sorted(consts.items())))
+    rule = Rule(op, v.name, constants=tuple(sorted(consts.items())))
     as_chosen = Ops(ops.rt, ops.pipelines, Selection(ops.selection.features, [rule], profile_name="tuning"),
                     ops.dtype, scratch_scale=ops.scratch_scale)
     if after.get("geglu"):
         return lambda: as_chosen.linear_geglu(*args)
+    if op == "conv2d":
+        return lambda: as_chosen.conv2d(*args, residual=after["residual"])
     return lambda: as_chosen.linear(*args, residual=after["residual"])
 
 

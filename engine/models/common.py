@@ -61,10 +61,10 @@ def resnet_block(
     if temb is not None:  # temb is already SiLU'd; one value per (batch, channel)
         h = ops.add(h, ops.linear(temb, w[p + "time_emb_proj.weight"], w[p + "time_emb_proj.bias"]))
     h = ops.group_norm(h, w[p + "norm2.weight"], w[p + "norm2.bias"], groups, eps, silu=True)
-    h = ops.conv2d(h, w[p + "conv2.weight"], w[p + "conv2.bias"], padding=1)
     if p + "conv_shortcut.weight" in w:
         x = ops.conv2d(x, w[p + "conv_shortcut.weight"], w.get(p + "conv_shortcut.bias"))
-    return ops.add(x, h)
+    # the shortcut added in conv2's epilogue where its variant has one (Ops.conv2d)
+    return ops.conv2d(h, w[p + "conv2.weight"], w[p + "conv2.bias"], padding=1, residual=x)
 
 
 def attention_block(

@@ -208,12 +208,13 @@ def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale
     candidates=CORE_CANDIDATES,
     applies=winograd_applies,
 )
-def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads,
+                        residual: Tensor | None = None) -> Tensor:
     bsz, cin, h, wd = x.shape
     cout, _, kh, kw = w.shape
     _require_3x3_stride1(kh, kw, stride)
     if cin % 4:
-        return conv2d_winograd(ops, variants("conv2d")["winograd"], {}, x, w, b, stride, pads)
+        return _plus(ops, conv2d_winograd(ops, variants("conv2d")["winograd"], {}, x, w, b, stride, pads), residual)
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     th, tw = math.ceil(oh / W2_TILE), math.ceil(ow / W2_TILE)
     n_tiles = bsz * th * tw
@@ -223,10 +224,11 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     filter_p, input_p, output_p = (ops.pipeline(v, e) for e in ("filter_main", "input_main", "output_main"))
     bias = b if b is not None else ops.dummy
     base = (bsz, cin, h, wd, cout, oh, ow, pads[0], pads[2], th, tw, n_tiles, int(b is not None))
+    has_res = int(residual is not None)
 
     def transformed_filters(co0: int, cc: int) -> Tensor:
         u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=int(WINOGRAD_CORE_FILTER_BYTES * scale))
-        ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc),
+        ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc, 0),
                         [None, w, None, u], ops.grid_1d(cc * cin))
         return u
 
@@ -239,18 +241,27 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
         pc = min(tc_max, n_tiles - t0)
         pcp = -(-pc // 4) * 4
         vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=int(WINOGRAD_CORE_INPUT_BYTES * scale))
-        ops.rt.dispatch(input_p, "conv2d_winograd_input", (*base, t0, pc, pcp, 0, cout),
+        ops.rt.dispatch(input_p, "conv2d_winograd_input", (*base, t0, pc, pcp, 0, cout, 0),
                         [x, None, None, None, vt], ops.grid_1d(cin * pcp))
         for co0, cc in channel_chunks:
             u = u_all if u_all is not None else transformed_filters(co0, cc)
             mx = gemm(ops, consts, u, vt, cc, pcp, cin, batch=W2_POSITIONS, b_kn=True,
                       out=ops.rt.empty((W2_POSITIONS, cc, pcp), ops.dtype, at_least=int(WINOGRAD_CORE_TILE_BYTES * scale)),
                       label="conv2d_winograd_gemm")
-            ops.rt.dispatch(output_p, "conv2d_winograd_output", (*base, t0, pc, pcp, co0, cc),
-                            [None, None, bias, None, None, mx, y], ops.grid_1d(cc * pc))
+            ops.rt.dispatch(output_p, "conv2d_winograd_output", (*base, t0, pc, pcp, co0, cc, has_res),
+                            [None, None, bias, None, None, mx, y, residual if has_res else ops.dummy],
+                            ops.grid_1d(cc * pc))
             del mx, u
         del vt
     return y
+
+
+conv2d_winograd_2x2.fuses_residual = True  # Ops.conv2d hands it the residual to add in the output transform
+
+
+def _plus(ops: Ops, y: Tensor, residual: Tensor | None) -> Tensor:
+    """y, or y + residual by `add` (a fallback path without the fused epilogue)."""
+    return y if residual is None else ops.add(y, residual)
 
 
 # ---- 1x1 convolutions through the GEMM core ------------------------------------------------
@@ -271,14 +282,19 @@ def pointwise_applies(shape: dict) -> str | None:
     candidates=CORE_CANDIDATES,
     applies=pointwise_applies,
 )
-def conv2d_pointwise(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+def conv2d_pointwise(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads,
+                     residual: Tensor | None = None) -> Tensor:
     bsz, cin, h, wd = x.shape
     cout = w.shape[0]
     hw = h * wd
     if w.shape[2:] != (1, 1) or stride != 1 or any(pads) or cin % 4 or hw % 4:
-        return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
-    return gemm(ops, consts, w, x, cout, hw, cin, batch=bsz, b_kn=True, bias=b, bias_on_m=True,
+        return _plus(ops, conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads),
+                     residual)
+    return gemm(ops, consts, w, x, cout, hw, cin, batch=bsz, b_kn=True, bias=b, bias_on_m=True, residual=residual,
                 strides=(0, cin * hw, cout * hw), out_shape=(bsz, cout, h, wd), label="conv2d")
+
+
+conv2d_pointwise.fuses_residual = True
 
 
 # ---- any convolution through the GEMM core (im2col) ----------------------------------------
@@ -294,7 +310,8 @@ def conv2d_pointwise(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, p
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
 )
-def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads,
+                  residual: Tensor | None = None) -> Tensor:
     bsz, cin, h, wd = x.shape
     cout, _, kh, kw = w.shape
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
@@ -302,10 +319,14 @@ def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads
     budget = scratch_bytes(ops)
     nbytes = bsz * kk * npix * DTYPES[ops.dtype]().itemsize
     if kk % 4 or npix % 4 or nbytes > budget:
-        return conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads)
+        return _plus(ops, conv2d_implicit_gemm(ops, variants("conv2d")["implicit_gemm"], {}, x, w, b, stride, pads),
+                     residual)
     col = ops.rt.empty((bsz, kk, npix), ops.dtype, at_least=budget)
     ops.rt.dispatch(ops.pipeline(v, "main"), "conv2d_im2col",
                     (cin, h, wd, kh, kw, stride, pads[0], pads[2], oh, ow, bsz * kk * npix),
                     [x, col], ops.grid_1d(bsz * kk * npix))
-    return gemm(ops, consts, w, col, cout, npix, kk, batch=bsz, b_kn=True, bias=b, bias_on_m=True,
+    return gemm(ops, consts, w, col, cout, npix, kk, batch=bsz, b_kn=True, bias=b, bias_on_m=True, residual=residual,
                 strides=(0, kk * npix, cout * npix), out_shape=(bsz, cout, oh, ow), label="conv2d")
+
+
+conv2d_im2col.fuses_residual = True

@@ -10,7 +10,9 @@
 //   V        B^T d B, the transformed input tiles T0 ..        v (16, Cin, PCP): B of the core,
 //            T0 + PC - 1, zero past the chunk                 stored K x N, N = PCP
 //   Mx       U V, per position xi of 16                       mx (16, CC, PCP): C of the core
-//   Y        A^T Mx A + b, the 2x2 output tiles               y (B, Cout, OH, OW)
+//   Y        A^T Mx A + b (+ r), the 2x2 output tiles          y (B, Cout, OH, OW)
+//   r        a residual added in the output transform          r (B, Cout, OH, OW), if HAS_RES
+//            (a ResNet block's shortcut), before Y's rounding
 //   PCP      PC rounded up to a multiple of 4 (the core's vec4 rows)
 //
 // Entry points, in the order the launcher runs them: filter_main (once per channel chunk),
@@ -23,7 +25,7 @@ struct Params {
     Cout: u32, OH: u32, OW: u32, pad_t: u32,
     pad_l: u32, TH: u32, TW: u32, P: u32,
     has_bias: u32, T0: u32, PC: u32, PCP: u32,
-    CO0: u32, CC: u32,
+    CO0: u32, CC: u32, has_res: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<T>;
@@ -33,6 +35,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> v: array<T>;
 @group(0) @binding(6) var<storage, read> mx: array<T>;
 @group(0) @binding(7) var<storage, read_write> y: array<T>;
+@group(0) @binding(8) var<storage, read> r: array<T>;
 
 fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + lid;
@@ -134,10 +137,17 @@ fn input_main(
     v[at + 15u * xs] = T(e31 - e33);
 }
 
-// ---- Y = A^T Mx A + b, one invocation per (co in the chunk, tile of the chunk) ---------------
+// ---- Y = A^T Mx A + b (+ r), one invocation per (co in the chunk, tile of the chunk) ---------
 
 fn put(out: u32, oy: u32, ox: u32, val: f32) {
-    if (oy < p.OH && ox < p.OW) { y[out + oy * p.OW + ox] = T(val); }
+    if (oy < p.OH && ox < p.OW) {
+        let at = out + oy * p.OW + ox;
+        if (p.has_res != 0u) {
+            y[at] = T(val + f32(r[at]));
+        } else {
+            y[at] = T(val);
+        }
+    }
 }
 
 @compute @workgroup_size(256)

@@ -75,29 +75,60 @@ def rel_err(got, ref) -> float:
 
 
 def run_and_compare(rt, pipelines, rng, variant, dtype, bsz, cin, cout, hw, k, stride, pads, bias=True, constants=None,
-                    scratch_scale=1):
-    """Run `variant` and the reference on the same inputs; check both agreements."""
+                    scratch_scale=1, residual=False):
+    """Run `variant` and the reference on the same inputs; check both agreements. `residual`:
+    with a residual of the output's shape added (Ops.conv2d's residual=); returns how many
+    `add` kernels the variant's call launched for it (0 where its epilogue adds it)."""
     ops = make_ops(rt, pipelines, dtype, variant, constants)
     ops.scratch_scale = scratch_scale
     ref_ops = make_ops(rt, pipelines, dtype, "reference")
     x, w, b = conv_inputs(rng, bsz, cin, cout, hw, k, bias)
     xt, wt = rt.upload(x, dtype), rt.upload(w, dtype)
     bt = rt.upload(b, dtype) if bias else None
-    y = rt.read(ops.conv2d(xt, wt, bt, stride=stride, padding=pads)).astype(np.float64)
+    oh, ow = ((hw[0] + pads[0] + pads[1] - k) // stride + 1, (hw[1] + pads[2] + pads[3] - k) // stride + 1)
+    r = (rng.standard_normal((bsz, cout, oh, ow)) * 2).astype(np.float32) if residual else None
+    rt_r = rt.upload(r, dtype) if residual else None
+    adds = []
+    plain_add = ops.add
+    ops.add = lambda *a: adds.append(a) or plain_add(*a)
+    y = rt.read(ops.conv2d(xt, wt, bt, stride=stride, padding=pads, residual=rt_r)).astype(np.float64)
     assert ops.selection.decisions, "the op did not go through the selection"
     assert next(iter(ops.selection.decisions.values())).variant == variant
-    y_ref = rt.read(ref_ops.conv2d(xt, wt, bt, stride=stride, padding=pads)).astype(np.float64)
+    y_ref = rt.read(ref_ops.conv2d(xt, wt, bt, stride=stride, padding=pads, residual=rt_r)).astype(np.float64)
 
     def q(a):
         return None if a is None else np.asarray(a, dtype=NP[dtype]).astype(np.float64)
 
-    expect = np_conv(q(x), q(w), q(b), stride, pads)
+    expect = np_conv(q(x), q(w), q(b), stride, pads) + (q(r) if residual else 0)
     tol = TOL[(variant, dtype)]
     assert y.shape == expect.shape
     assert np.isfinite(y).all(), "kernel left poisoned (NaN) elements or overflowed"
     err_np, err_ref = rel_err(y, expect), rel_err(y, y_ref)
     assert err_np <= tol, f"{variant} vs numpy: max relative error {err_np:.3g} > {tol}"
     assert err_ref <= tol, f"{variant} vs reference variant: max relative error {err_ref:.3g} > {tol}"
+    return len(adds)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32", "f16s"])
+@pytest.mark.parametrize(
+    "variant,bsz,cin,cout,hw,k,stride,pads,adds",
+    [
+        # in the epilogue: Winograd's output transform, the GEMM core's for 1x1 and im2col
+        pytest.param("winograd_2x2", 2, 32, 20, (9, 7), 3, 1, (1, 1, 1, 1), 0, id="winograd_2x2"),
+        pytest.param("pointwise", 2, 64, 40, (8, 12), 1, 1, (0, 0, 0, 0), 0, id="pointwise"),
+        pytest.param("im2col", 2, 64, 64, (16, 16), 3, 2, (0, 1, 0, 1), 0, id="im2col-stride2"),
+        # by an add kernel after it: the fallbacks and the variants without such an epilogue
+        pytest.param("winograd_2x2", 1, 5, 7, (9, 7), 3, 1, (1, 1, 1, 1), 1, id="winograd_2x2-cin5-falls-back"),
+        pytest.param("pointwise", 1, 6, 5, (5, 5), 1, 1, (0, 0, 0, 0), 1, id="pointwise-odd-falls-back"),
+        pytest.param("implicit_gemm", 1, 8, 12, (6, 6), 3, 1, (1, 1, 1, 1), 1, id="implicit_gemm"),
+    ],
+)
+def test_a_residual_is_added_in_the_epilogue_where_the_variant_has_one(rt, pipelines, fresh_rng, dtype, variant, bsz,
+                                                                       cin, cout, hw, k, stride, pads, adds):
+    """A ResNet block's shortcut: conv(x) + b + r against numpy and the reference (which adds r
+    by a kernel after it); the fusing variants launch no add of their own."""
+    assert run_and_compare(rt, pipelines, fresh_rng, variant, dtype, bsz, cin, cout, hw, k, stride, pads,
+                           residual=True) == adds
 
 
 # (batch, cin, cout, (h, w), k, stride, pads)

@@ -13,7 +13,9 @@
 //   V        B^T d B, the transformed input tiles T0 ..        v (16, Cin, PCP): B of the core,
 //            T0 + PC - 1, zero past the chunk                 stored K x N, N = PCP
 //   Mx       U V, per position xi of 16                       mx (16, CC, PCP): C of the core
-//   Y        A^T Mx A + b, the 2x2 output tiles               y (B, Cout, OH, OW)
+//   Y        A^T Mx A + b (+ r), the 2x2 output tiles          y (B, Cout, OH, OW)
+//   r        a residual added in the output transform          r (B, Cout, OH, OW), if HAS_RES
+//            (a ResNet block's shortcut), before Y's rounding
 //   PCP      PC rounded up to a multiple of 4 (the core's vec4 rows)
 //
 // Entry points, in the order the launcher runs them: filter_main (once per channel chunk),
@@ -26,7 +28,7 @@ struct Params {
     Cout: u32, OH: u32, OW: u32, pad_t: u32,
     pad_l: u32, TH: u32, TW: u32, P: u32,
     has_bias: u32, T0: u32, PC: u32, PCP: u32,
-    CO0: u32, CC: u32,
+    CO0: u32, CC: u32, has_res: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<u32>;
@@ -36,6 +38,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> v: array<atomic<u32>>;
 @group(0) @binding(6) var<storage, read> mx: array<u32>;
 @group(0) @binding(7) var<storage, read_write> y: array<atomic<u32>>;
+@group(0) @binding(8) var<storage, read> r: array<u32>;
 
 fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + lid;
@@ -137,10 +140,17 @@ fn input_main(
     v_st(u32(at + 15u * xs), f32(T(e31 - e33)));
 }
 
-// ---- Y = A^T Mx A + b, one invocation per (co in the chunk, tile of the chunk) ---------------
+// ---- Y = A^T Mx A + b (+ r), one invocation per (co in the chunk, tile of the chunk) ---------
 
 fn put(out: u32, oy: u32, ox: u32, val: f32) {
-    if (oy < p.OH && ox < p.OW) { y_st(u32(out + oy * p.OW + ox), f32(T(val))); }
+    if (oy < p.OH && ox < p.OW) {
+        let at = out + oy * p.OW + ox;
+        if (p.has_res != 0u) {
+            y_st(u32(at), f32(T(val + f32(r_ld(u32(at))))));
+        } else {
+            y_st(u32(at), f32(T(val)));
+        }
+    }
 }
 
 @compute @workgroup_size(256)
@@ -213,4 +223,7 @@ fn y_st(pk_i: u32, pk_v: f32) {
     let pk_shift = (pk_i & 1u) * 16u;
     atomicAnd(&y[pk_i >> 1u], ~(0xffffu << pk_shift));
     atomicOr(&y[pk_i >> 1u], (pack2x16float(vec2<f32>(pk_v, 0.0)) & 0xffffu) << pk_shift);
+}
+fn r_ld(pk_i: u32) -> f32 {
+    return unpack2x16float(r[pk_i >> 1u])[pk_i & 1u];
 }
