@@ -37,15 +37,10 @@ def group_norm_fused(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps,
 SPLIT_CHUNKS = (1024, 2048, 4096, 8192, 16384)
 
 
-@register(
-    "group_norm",
-    "split",
-    doc="three dispatches: per CHUNK-element run of a group (count, mean, M2) in its own workgroup, a "
-    "Chan merge per group, the reference's element-wise apply; for groups far larger than a workgroup",
-    constants={"CHUNK": SPLIT_CHUNKS},
-    candidates=({"CHUNK": 1024}, {"CHUNK": 16384}),
-)
-def group_norm_split(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu) -> Tensor:
+def _split_passes(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu, width: int) -> Tensor:
+    """split's (width 1) or split4's (width 4) three dispatches: each CHUNK-element run's
+    statistics, their merge per group, the apply (the reference's one element an invocation, or
+    split4's own four)."""
     bsz, c = x.shape[:2]
     s = x.numel // (bsz * c)
     chunk = int(consts.get("CHUNK", 4096))
@@ -59,10 +54,24 @@ def group_norm_split(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps,
     ops.rt.dispatch(ops.pipeline(v, "finalize_main", CHUNK=chunk), "group_norm", params, [None, part, stats],
                     (math.ceil(n_groups / 64), 1, 1))
     y = ops.rt.empty(x.shape, ops.dtype)
-    apply = variants("group_norm")["reference"]
-    ops.rt.dispatch(ops.pipeline(apply, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y],
-                    ops.grid_1d(x.numel))
+    if width == 4:  # split4.wgsl's bindings: x, part, stats, gamma, beta, y
+        apply, buffers = v, [x, None, stats, gamma, beta, y]
+    else:  # reference.wgsl's: x, stats, gamma, beta, y
+        apply, buffers = variants("group_norm")["reference"], [x, stats, gamma, beta, y]
+    ops.rt.dispatch(ops.pipeline(apply, "apply_main"), "group_norm", params, buffers, ops.grid_1d(x.numel // width))
     return y
+
+
+@register(
+    "group_norm",
+    "split",
+    doc="three dispatches: per CHUNK-element run of a group (count, mean, M2) in its own workgroup, a "
+    "Chan merge per group, the reference's element-wise apply; for groups far larger than a workgroup",
+    constants={"CHUNK": SPLIT_CHUNKS},
+    candidates=({"CHUNK": 1024}, {"CHUNK": 16384}),
+)
+def group_norm_split(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu) -> Tensor:
+    return _split_passes(ops, v, consts, x, gamma, beta, groups, eps, silu, 1)
 
 
 @register(
@@ -74,21 +83,6 @@ def group_norm_split(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps,
     candidates=({"CHUNK": 1024}, {"CHUNK": 16384}),
 )
 def group_norm_split4(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu) -> Tensor:
-    bsz, c = x.shape[:2]
-    s = x.numel // (bsz * c)
-    if s % 4:
+    if (x.numel // (x.shape[0] * x.shape[1])) % 4:
         return group_norm_split(ops, variants("group_norm")["split"], consts, x, gamma, beta, groups, eps, silu)
-    chunk = int(consts.get("CHUNK", 4096))
-    n_groups = bsz * groups
-    n_chunks = -(-(c // groups * s) // chunk)
-    params = (bsz, c, s, groups, float(eps), int(silu))
-    part = ops.rt.empty((n_groups, n_chunks, 3), "f32")
-    stats = ops.rt.empty((n_groups, 2), "f32")
-    ops.rt.dispatch(ops.pipeline(v, "partial_main", CHUNK=chunk), "group_norm", params, [x, part],
-                    (n_chunks, n_groups, 1))
-    ops.rt.dispatch(ops.pipeline(v, "finalize_main", CHUNK=chunk), "group_norm", params, [None, part, stats],
-                    (math.ceil(n_groups / 64), 1, 1))
-    y = ops.rt.empty(x.shape, ops.dtype)
-    ops.rt.dispatch(ops.pipeline(v, "apply_main"), "group_norm", params, [x, None, stats, gamma, beta, y],
-                    ops.grid_1d(x.numel // 4))
-    return y
+    return _split_passes(ops, v, consts, x, gamma, beta, groups, eps, silu, 4)
