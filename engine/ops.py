@@ -155,11 +155,14 @@ class Ops:
         stride: int = 1,
         padding: int | tuple[int, int, int, int] = 0,
         residual: Tensor | None = None,
+        last_use: bool = False,
     ) -> Tensor:
         """x (B, Cin, H, W) * w (Cout, Cin, KH, KW) [+ residual (B, Cout, OH, OW)]. padding: p, or
         (top, bottom, left, right). The residual (a ResNet block's shortcut) is added in the
         convolution's epilogue where the chosen variant has one (`fuses_residual`), else by `add`
-        after it."""
+        after it. `last_use`: the caller never reads x again, so before that add x's view lets its
+        buffer go back to the pool, as the caller's own reference would have between a convolution
+        and an add of its own (x must not be used afterwards)."""
         bsz, cin, h, wd = x.shape
         cout, cin_w, kh, kw = w.shape
         if cin != cin_w:
@@ -175,7 +178,10 @@ class Ops:
         epilogue = {"residual": residual}
         if getattr(self.selection.variant("conv2d", shape, self.dtype).launch, "fuses_residual", False):
             return self._launch("conv2d", shape, x, w, b, stride, pads, epilogue=epilogue, residual=residual)
-        return self.add(self._launch("conv2d", shape, x, w, b, stride, pads, epilogue=epilogue), residual)
+        y = self._launch("conv2d", shape, x, w, b, stride, pads, epilogue=epilogue)
+        if last_use:
+            x.storage = None  # this view's hold on the buffer; other views keep theirs
+        return self.add(y, residual)
 
     # ---- normalisation ----------------------------------------------------------------
 

@@ -61,10 +61,16 @@ def resnet_block(
     if temb is not None:  # temb is already SiLU'd; one value per (batch, channel)
         h = ops.add(h, ops.linear(temb, w[p + "time_emb_proj.weight"], w[p + "time_emb_proj.bias"]))
     h = ops.group_norm(h, w[p + "norm2.weight"], w[p + "norm2.bias"], groups, eps, silu=True)
-    if p + "conv_shortcut.weight" in w:
-        x = ops.conv2d(x, w[p + "conv_shortcut.weight"], w.get(p + "conv_shortcut.bias"))
-    # the shortcut added in conv2's epilogue where its variant has one (Ops.conv2d)
-    return ops.conv2d(h, w[p + "conv2.weight"], w[p + "conv2.bias"], padding=1, residual=x)
+    # The sum in the epilogue of the block's last convolution, where its variant has one
+    # (Ops.conv2d): conv2's with the input as the shortcut, else the 1x1 shortcut convolution's
+    # with conv2's output, so that no tensor more is alive during conv2 than unfused (the
+    # shortcut computed first would be, beside Winograd's scratch at the VAE's 512x512 level),
+    # and, where the variant adds by a kernel after it, conv2's input is let go before that add
+    # (last_use), as the unfused block let it go.
+    if p + "conv_shortcut.weight" not in w:
+        return ops.conv2d(h, w[p + "conv2.weight"], w[p + "conv2.bias"], padding=1, residual=x, last_use=True)
+    h = ops.conv2d(h, w[p + "conv2.weight"], w[p + "conv2.bias"], padding=1)
+    return ops.conv2d(x, w[p + "conv_shortcut.weight"], w.get(p + "conv_shortcut.bias"), residual=h)
 
 
 def attention_block(

@@ -403,10 +403,11 @@ def test_the_tuner_times_a_product_with_what_its_caller_does_after_it(tiny_model
 
 @pytest.mark.gpu
 def test_the_tuner_times_a_convolution_with_the_shortcut_its_caller_adds(tiny_model_dir, gpu):
-    """A ResNet block's conv2 is recorded with its shortcut (Ops.calls' epilogue), and the tuner
-    calls each candidate as a pipeline would: Winograd through the core adds it in its output
-    transform, the reference by an add kernel after it. Both give numpy's convolution plus the
-    shortcut on fresh random inputs (f32, within 1e-4 relative)."""
+    """A ResNet block's last convolution is recorded with the shortcut sum (Ops.calls'
+    epilogue: the 1x1 shortcut convolution's, in a block that has one), and the tuner calls each
+    candidate as a pipeline would: the GEMM core's 1x1 variant adds it in its epilogue, the
+    reference by an add kernel after it. Both give numpy's convolution plus the residual on
+    fresh random inputs (f32, within 1e-4 relative)."""
     from engine.explain import distinct_calls, random_like
     from engine.gpu import GpuContext
     from engine.kernels import PipelineCache, variants
@@ -415,22 +416,17 @@ def test_the_tuner_times_a_convolution_with_the_shortcut_its_caller_adds(tiny_mo
     from engine.tune import _as_called
 
     calls = distinct_calls(load_model_config(tiny_model_dir), gpu.caps, "f32", 64, 64)
-    conv2 = [c for c in calls if c[0] == "conv2d" and "residual" in c[4] and c[1]["k"] == 3 and c[1]["cin"] % 4 == 0]
-    assert conv2, "no 3x3 convolution recorded with a residual"
-    op, shape, args, scale, after = conv2[0]
+    summed = [c for c in calls if c[0] == "conv2d" and "residual" in c[4] and c[1]["k"] == 1 and c[1]["cin"] % 4 == 0]
+    assert summed, "no 1x1 convolution recorded with a residual"
+    op, shape, args, scale, after = summed[0]
     rt, rng = GpuContext(gpu), np.random.default_rng(12)
     x, w, b = random_like(rt, args[:3], rng)
     stride, pads = args[3], args[4]
     r = random_like(rt, (after["residual"],), rng)[0]
     xs, ws, bs, rs = (rt.read(t).astype(np.float64) for t in (x, w, b, r))
-    xp = np.pad(xs, ((0, 0), (0, 0), (pads[0], pads[1]), (pads[2], pads[3])))
-    oh, ow = rs.shape[2:]
-    want = rs + bs[None, :, None, None]
-    for ky in range(3):
-        for kx in range(3):
-            want = want + np.einsum("bchw,oc->bohw", xp[:, :, ky:ky + oh, kx:kx + ow], ws[:, :, ky, kx])
+    want = np.einsum("bchw,oc->bohw", xs, ws[:, :, 0, 0]) + bs[None, :, None, None] + rs
     ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f32", scratch_scale=scale)
-    for name in ("reference", "winograd_2x2"):
+    for name in ("reference", "pointwise"):
         v = variants("conv2d")[name]
         got = rt.read(_as_called(op, shape, v, {}, ops, (x, w, b, stride, pads), {"residual": r})())
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4, name
