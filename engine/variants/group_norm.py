@@ -51,7 +51,8 @@ def _split_passes(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, si
     stats = ops.rt.empty((n_groups, 2), "f32")
     ops.rt.dispatch(ops.pipeline(v, "partial_main", CHUNK=chunk), "group_norm", params, [x, part],
                     (n_chunks, n_groups, 1))
-    ops.rt.dispatch(ops.pipeline(v, "finalize_main", CHUNK=chunk), "group_norm", params, [None, part, stats],
+    merge = variants("group_norm")["split"]  # split4's partial runs are split's: one merge for both
+    ops.rt.dispatch(ops.pipeline(merge, "finalize_main", CHUNK=chunk), "group_norm", params, [None, part, stats],
                     (math.ceil(n_groups / 64), 1, 1))
     y = ops.rt.empty(x.shape, ops.dtype)
     if width == 4:  # split4.wgsl's bindings: x, part, stats, gamma, beta, y

@@ -1,5 +1,6 @@
 // Group normalisation as split.wgsl (statistics of CHUNK-element runs in workgroups of their
-// own, merged per group, then an element-wise apply), with every access four consecutive
+// own, merged per group by split.wgsl's finalize_main, which reads `part` as written here, then an
+// element-wise apply), with every access four consecutive
 // elements wide: vec4 loads and stores (8 bytes of halves, 16 of f32) where split.wgsl moves one
 // element, and the apply's channel arithmetic once per four elements. The H100's f16 VAE ran
 // split.wgsl's three passes at 0.6-0.8 TB/s of its 3.35 at 512x512. Needs S = H*W divisible
@@ -79,29 +80,6 @@ fn partial_main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         part[at + 1u] = mu[0];
         part[at + 2u] = m2[0];
     }
-}
-
-// One invocation per group merges its chunks in order (as split.wgsl).
-@compute @workgroup_size(64)
-fn finalize_main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let grp = gid.x;
-    if (grp >= p.B * p.G) { return; }
-    let nch = chunks();
-    var na = 0.0;
-    var mean = 0.0;
-    var q = 0.0;
-    for (var j = 0u; j < nch; j++) {
-        let at = 3u * (grp * nch + j);
-        let nb = part[at];
-        let nt = na + nb;
-        let delta = part[at + 1u] - mean;
-        let f = nb / nt;
-        mean = mean + delta * f;
-        q = q + part[at + 2u] + delta * delta * na * f;
-        na = nt;
-    }
-    stats[2u * grp] = mean;
-    stats[2u * grp + 1u] = inverseSqrt(q / f32(group_size()) + p.eps);
 }
 
 // Four consecutive elements of one channel per invocation: (x - mean) * (1/std * gamma) + beta,
