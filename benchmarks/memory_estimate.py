@@ -95,8 +95,8 @@ def _stage_shapes(pipe) -> dict[str, list[tuple]]:
               "unet": params.unet_param_shapes(pipe.config.unet),
               "vae": params.vae_param_shapes(pipe.config.vae)}
     out = {}
-    for stage, (network, prefixes) in STAGE_WEIGHTS.items():
-        out[stage] = [s for k, s in shapes[network].items() if prefixes is None or k.startswith(prefixes)]
+    for stage, (network, wanted) in STAGE_WEIGHTS.items():
+        out[stage] = [s for k, s in shapes[network].items() if wanted(k)]
     return out
 
 

@@ -10,8 +10,9 @@ noise; then one draw per step for ancestral samplers.
 Weight residency (`load_pipeline(residency=...)`): "resident" uploads all three networks'
 weights at load and keeps them on the GPU, so peak GPU memory is every weight plus the
 largest stage's activations. "staged" keeps the weights in host memory (already converted to
-their GPU element type) and uploads each network's for its stage only: text encoder, then
-UNet for the whole denoising loop, then the VAE decoder; the peak is then the largest stage
+their GPU element type) and uploads each network's for its stage only: text encoder, the
+UNet's projections of the text to cross-attention keys and values (once a generation), the rest
+of the UNet for the whole denoising loop, then the VAE decoder; the peak is then the largest stage
 alone, for one upload of each network per generation. Either way the free activation buffers
 are destroyed between stages, and each stage's peak is reported in
 `GenerationResult.stage_peak_gpu_bytes`.
@@ -35,7 +36,7 @@ from .gpu import DTYPES, GpuContext, StageTimer, TraceContext
 from .kernels import Selection, precision_notes, precision_of, storage_dtype
 from .models.clip import ACTIVATIONS, CLIPTextEncoder
 from .models.common import GPUWeights
-from .models.unet import UNet2DCondition, timestep_embedding
+from .models.unet import ContextKV, UNet2DCondition, is_context_projection, timestep_embedding
 from .models.vae import AutoencoderKL
 from .ops import Ops
 from .schedulers import SCHEDULERS
@@ -228,12 +229,19 @@ class _PaddingTokenizer:
         return np.zeros((len(texts), 77), np.int64)
 
 
-# The weights each stage needs: (network, parameter-name prefixes, None for all of them).
-STAGE_WEIGHTS = {
-    "text_encoder": ("text_encoder", None),
-    "unet": ("unet", None),
-    "vae_encoder": ("vae", ("encoder.", "quant_conv.")),
-    "vae_decoder": ("vae", ("decoder.", "post_quant_conv.")),
+def _prefixed(*prefixes: str) -> Callable[[str], bool]:
+    return lambda name: name.startswith(prefixes)
+
+
+# The weights each stage needs: (network, which of its parameters). The UNet's projections of the
+# text context to cross-attention keys and values run once a generation, in their own stage
+# (unet_context), so the denoising loop's stage does without them.
+STAGE_WEIGHTS: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "text_encoder": ("text_encoder", lambda name: True),
+    "unet_context": ("unet", is_context_projection),
+    "unet": ("unet", lambda name: not is_context_projection(name)),
+    "vae_encoder": ("vae", _prefixed("encoder.", "quant_conv.")),
+    "vae_decoder": ("vae", _prefixed("decoder.", "post_quant_conv.")),
 }
 
 
@@ -314,8 +322,7 @@ class Pipeline(BasePipeline):
         }
         # staged: the host parameters of each stage, and how many callers hold them on the GPU
         self._stage_states = {
-            part: {k: a for k, a in states[c].items() if prefixes is None or k.startswith(prefixes)}
-            for part, (c, prefixes) in STAGE_WEIGHTS.items()
+            part: {k: a for k, a in states[c].items() if wanted(k)} for part, (c, wanted) in STAGE_WEIGHTS.items()
         } if residency == "staged" else {}
         self._holds: Counter = Counter()
         self.upload_ms = 0.0  # staged: time spent uploading weights, since the last generate
@@ -416,6 +423,8 @@ class Pipeline(BasePipeline):
         return self.rt.upload(self._temb_array(timestep, batch), self.dtype)
 
     def _unet(self, sample: np.ndarray, timestep, ctx):
+        """One UNet evaluation; ctx the context on the GPU or its keys and values (context_kv),
+        as a denoising loop passes them: projected once for every step."""
         x = self.rt.upload(np.asarray(sample, dtype=np.float32), self.dtype)
         eps = self.unet_model(x, self._temb(timestep, sample.shape[0]), ctx)
         return self.rt.read(eps).astype(np.float32)
@@ -423,7 +432,7 @@ class Pipeline(BasePipeline):
     def unet(self, sample: np.ndarray, timestep, encoder_hidden_states: np.ndarray) -> np.ndarray:
         """(B, 4, h, w), scalar or (B,), (B, 77, hidden) -> (B, 4, h, w) noise prediction."""
         ctx = self.rt.upload(np.asarray(encoder_hidden_states, dtype=np.float32), self.dtype)
-        with self.weights_on_gpu("unet"):
+        with self.weights_on_gpu("unet", "unet_context"):
             return self._unet(np.asarray(sample, dtype=np.float32), timestep, ctx)
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
@@ -446,9 +455,9 @@ class Pipeline(BasePipeline):
                                  "decoded again in f32")
         ops = self.vae.ops
         f32 = ops.twin("f32")
-        prefixes = STAGE_WEIGHTS["vae_decoder"][1]
+        wanted = STAGE_WEIGHTS["vae_decoder"][1]
         weights = GPUWeights.of_tensors(
-            {n: ops.to_f32(t) for n, t in self.weights["vae"].tensors.items() if n.startswith(prefixes)}, "f32")
+            {n: ops.to_f32(t) for n, t in self.weights["vae"].tensors.items() if wanted(n)}, "f32")
         z = f32.step_prepare(latents, vae_input_scale(self.config), 1)
         return self.rt.read(AutoencoderKL(self.config.vae, weights, f32).decode(z)).astype(np.float32)
 
@@ -490,6 +499,10 @@ class Pipeline(BasePipeline):
         with timer("text_encoder_ms"), self._stage("text_encoder", peaks, "text_encoder"):
             texts = [negative_prompt, prompt] if cfg_on else [prompt]
             ctx = self.text_encoder(self._ids_tensor(self.tokenize(texts)))  # (B, 77, D) on GPU
+        # the cross-attentions' keys and values of the context, once for every step
+        with timer("unet_context_ms"), self._stage("unet_context", peaks, "unet_context"):
+            kv = self.unet_model.context_kv(ctx)
+            del ctx
 
         # 2. the loop as data (one program per scheduler, steps and strength) and its first sample
         program = loop_program(scheduler, self.config.scheduler, steps, shape,
@@ -509,14 +522,14 @@ class Pipeline(BasePipeline):
 
         # 3. denoising loop with classifier-free guidance, on the GPU: the program's
         # combinations step the f32 latents, which come back to the host once, at the end
-        loop = _EagerLoop(self, program, float(guidance_scale) if cfg_on else None, ctx, shape, rng, progress)
+        loop = _EagerLoop(self, program, float(guidance_scale) if cfg_on else None, kv, shape, rng, progress)
         with self._stage("unet", peaks, "unet"):
             env = {k: v if not isinstance(v, np.ndarray) else self.rt.upload(v, "f32") for k, v in first.items()}
             del first
             final = loop.run(env)
             latents = self.rt.read(final)
         step_ms = loop.step_ms
-        del ctx, loop  # their buffers go back to the pool, and are trimmed with the UNet's
+        del kv, loop  # their buffers go back to the pool, and are trimmed with the UNet's
 
         # 4. decode to an 8-bit image
         with timer("vae_decode_ms"), self._stage("vae_decode", peaks, "vae_decoder"):
@@ -543,16 +556,16 @@ class _EagerLoop(DenoisingLoop):
     step that reads it; the UNet called on the GPU; noise drawn from the generation's
     generator; each step timed to GPU completion."""
 
-    def __init__(self, pipe: Pipeline, program, guidance_scale: float | None, ctx, shape: tuple,
+    def __init__(self, pipe: Pipeline, program, guidance_scale: float | None, kv: ContextKV, shape: tuple,
                  rng: np.random.Generator, progress: ProgressFn | None):
         super().__init__(pipe.ops, program, guidance_scale)
-        self.pipe, self.ctx, self.shape, self.rng, self.progress = pipe, ctx, shape, rng, progress
+        self.pipe, self.kv, self.shape, self.rng, self.progress = pipe, kv, shape, rng, progress
         self.last_use = program.last_use()
         self.step_ms: list[float] = []
         self._t0 = 0.0
 
     def unet(self, sample, timestep: float):
-        return self.pipe.unet_model(sample, self.pipe._temb(timestep, sample.shape[0]), self.ctx)
+        return self.pipe.unet_model(sample, self.pipe._temb(timestep, sample.shape[0]), self.kv)
 
     def draw(self, name: str):
         return self.pipe.rt.upload(self.rng.standard_normal(self.shape, dtype=np.float32), "f32")

@@ -290,6 +290,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     give 128): then its tensors are stored as halves too (`vae_dtype` f16s, arithmetic still f32),
     and the plan says so in its warnings."""
     from .kernels import PRECISIONS
+    from .models.unet import ContextKV
     from .pipeline import (
         STAGE_WEIGHTS,
         Pipeline,
@@ -316,7 +317,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     refs = weight_refs(config, model_dir, hashes=hashes)
     if strength is None:  # text to image binds no VAE encoder weight: the plan holds none (130 MiB in SD 1.4)
         encoder = STAGE_WEIGHTS["vae_encoder"][1]
-        refs = {**refs, "vae": {k: r for k, r in refs["vae"].items() if not k.startswith(encoder)}}
+        refs = {**refs, "vae": {k: r for k, r in refs["vae"].items() if not encoder(k)}}
     rec = PlanRecorder(caps)
     pipe = Pipeline(config, _PaddingTokenizer(), refs, None, dtype, selection, [], "resident", rt=rec,
                     scratch_divisor=scratch_divisor, vae_dtype=vae_dtype)
@@ -335,10 +336,19 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
 
     ids = rec.empty((batch, 77), "u32")
     ctx = stage("text_encoder", {"input_ids": ids}, lambda: {"context": pipe.text_encoder(ids)})["context"]
+    # the cross-attentions' keys and values of the context: once a generation, in buffers of the
+    # plan's that unet_step reads (not outputs: no caller reads them back)
+    kv = ContextKV()
+
+    def project_context():
+        kv.update(pipe.unet_model.context_kv(ctx))
+        return {}
+
+    stage("unet_context", {"context": ctx}, project_context)
     sample = rec.empty((batch, *latent[1:]), dtype)
     temb = rec.empty((batch, config.unet.block_out_channels[0]), dtype)
-    eps = stage("unet_step", {"sample": sample, "timestep_embedding": temb, "context": ctx},
-                lambda: {"noise_pred": pipe.unet_model(sample, temb, ctx)})["noise_pred"]
+    eps = stage("unet_step", {"sample": sample, "timestep_embedding": temb},
+                lambda: {"noise_pred": pipe.unet_model(sample, temb, kv)})["noise_pred"]
     latents_in = rec.empty(latent, "f32")
     scale = vae_input_scale(config)
     image = stage("vae_decode", {"latents": latents_in},
@@ -354,6 +364,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     with rec.commands_into(generate):
         rec.emit("input", name="input_ids", buffer=ids.storage.buffer.id)
         rec.emit("run", stage="text_encoder")
+        rec.emit("run", stage="unet_context")
         if strength is None:
             first = {"x0": loop.out("x0")}
             rec.emit("input", name="latents", buffer=first["x0"].storage.buffer.id)

@@ -490,8 +490,8 @@ def stage_peak_bytes(executor, stage: str) -> int:
 
 
 # A plan's stages under the names GenerationResult.stage_peak_gpu_bytes gives them.
-PEAK_STAGES = {"text_encoder": "text_encoder", "vae_encode": "vae_encode", "unet_step": "unet",
-               "vae_decode": "vae_decode"}
+PEAK_STAGES = {"text_encoder": "text_encoder", "unet_context": "unet_context", "vae_encode": "vae_encode",
+               "unet_step": "unet", "vae_decode": "vae_decode"}
 
 
 def _unb64(text: str) -> bytes:
@@ -586,9 +586,8 @@ class PlanPipeline(BasePipeline):
         sample = np.asarray(sample, np.float32)
         temb = self._temb_array(timestep, sample.shape[0])
         ex = self._stage_executor(sample.shape[0], sample.shape[2:])
-        return ex.run("unet_step", {"sample": sample, "timestep_embedding": temb,
-                                    "context": np.asarray(encoder_hidden_states, np.float32)})["noise_pred"] \
-            .astype(np.float32)
+        ex.run("unet_context", {"context": np.asarray(encoder_hidden_states, np.float32)})
+        return ex.run("unet_step", {"sample": sample, "timestep_embedding": temb})["noise_pred"].astype(np.float32)
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         latents = np.asarray(latents, np.float32)

@@ -74,13 +74,21 @@ def resnet_block(
 
 
 def attention_block(
-    ops: Ops, w: GPUWeights, p: str, x: Tensor, context: Tensor | None, heads: int, residual: Tensor | None = None
+    ops: Ops, w: GPUWeights, p: str, x: Tensor, context: Tensor | None, heads: int, residual: Tensor | None = None,
+    kv: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """diffusers Attention on tokens: x (B, T, C), context (B, Tk, Cctx) or None (self), plus
-    `residual` when given (added in the output projection's epilogue where it can be)."""
-    ctx = x if context is None else context
+    `residual` when given (added in the output projection's epilogue where it can be). `kv`:
+    the keys and values already projected (key_value's of the same context), instead of
+    `context`."""
     q = ops.linear(x, w[p + "to_q.weight"], w.get(p + "to_q.bias"))
-    k = ops.linear(ctx, w[p + "to_k.weight"], w.get(p + "to_k.bias"))
-    v = ops.linear(ctx, w[p + "to_v.weight"], w.get(p + "to_v.bias"))
+    k, v = kv if kv is not None else key_value(ops, w, p, x if context is None else context)
     a = ops.attention(q, k, v, heads)
     return ops.linear(a, w[p + "to_out.0.weight"], w.get(p + "to_out.0.bias"), residual=residual)
+
+
+def key_value(ops: Ops, w: GPUWeights, p: str, context: Tensor) -> tuple[Tensor, Tensor]:
+    """An attention's keys and values of `context` (B, Tk, Cctx) -> two (B, Tk, C)."""
+    k = ops.linear(context, w[p + "to_k.weight"], w.get(p + "to_k.bias"))
+    v = ops.linear(context, w[p + "to_v.weight"], w.get(p + "to_v.bias"))
+    return k, v

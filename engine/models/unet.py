@@ -13,7 +13,7 @@ import numpy as np
 
 from ..gpu import Tensor
 from ..ops import Ops
-from .common import GPUWeights, attention_block, resnet_block
+from .common import GPUWeights, attention_block, key_value, resnet_block
 
 TRANSFORMER_NORM_EPS = 1e-6  # Transformer2DModel's GroupNorm; the ResNets use cfg.norm_eps
 BLOCK_LN_EPS = 1e-5  # BasicTransformerBlock's LayerNorms
@@ -39,14 +39,51 @@ def timestep_embedding(t: np.ndarray, dim: int, flip_sin_to_cos: bool, shift: fl
     return emb
 
 
+def is_context_projection(name: str) -> bool:
+    """Whether a UNet parameter projects the text context to a cross-attention's keys or values
+    (what UNet2DCondition.context_kv reads, and a denoising step does not)."""
+    return ".attn2.to_k." in name or ".attn2.to_v." in name
+
+
+class ContextKV(dict):
+    """Every cross-attention's keys and values of one text context, by the attention's parameter
+    prefix: (k, v), each (B, Tc, C). The context is the same at every denoising step, so a
+    generation projects it once (UNet2DCondition.context_kv) instead of once a step (SD 1.4: 32
+    products of 154 rows, about 1.1 ms of a 48 ms step on an H100)."""
+
+
 class UNet2DCondition:
     def __init__(self, cfg, weights: GPUWeights, ops: Ops):
         self.cfg = cfg
         self.w = weights
         self.ops = ops
 
-    def _transformer(self, p: str, x: Tensor, ctx: Tensor, heads: int, layers: int) -> Tensor:
-        """Transformer2DModel: x (B, C, H, W), ctx (B, Tc, Cctx) -> (B, C, H, W)."""
+    def _transformers(self):
+        """(parameter prefix, layers) of each Transformer2DModel, in the order a step runs them."""
+        cfg = self.cfg
+        for i, kind in enumerate(cfg.down_block_types):
+            if kind.startswith("CrossAttn"):
+                for layer in range(cfg.layers_per_block[i]):
+                    yield f"down_blocks.{i}.attentions.{layer}.", cfg.transformer_layers_per_block[i]
+        yield "mid_block.attentions.0.", cfg.transformer_layers_per_block[-1]
+        layers_up = list(reversed(cfg.transformer_layers_per_block))
+        resnets_up = [n + 1 for n in reversed(cfg.layers_per_block)]
+        for i, kind in enumerate(cfg.up_block_types):
+            if kind.startswith("CrossAttn"):
+                for layer in range(resnets_up[i]):
+                    yield f"up_blocks.{i}.attentions.{layer}.", layers_up[i]
+
+    def context_kv(self, ctx: Tensor) -> ContextKV:
+        """The keys and values of every cross-attention for the text context ctx (B, Tc, Cctx)."""
+        kv = ContextKV()
+        for p, layers in self._transformers():
+            for j in range(layers):
+                a = f"{p}transformer_blocks.{j}.attn2."
+                kv[a] = key_value(self.ops, self.w, a, ctx)
+        return kv
+
+    def _transformer(self, p: str, x: Tensor, kv: ContextKV, heads: int, layers: int) -> Tensor:
+        """Transformer2DModel: x (B, C, H, W), the context's keys and values -> (B, C, H, W)."""
         ops, w = self.ops, self.w
         b, c, hh, ww = x.shape
         h = ops.group_norm(x, w[p + "norm.weight"], w[p + "norm.bias"], self.cfg.norm_num_groups, TRANSFORMER_NORM_EPS)
@@ -58,7 +95,7 @@ class UNet2DCondition:
             n = ops.layer_norm(h, w[bp + "norm1.weight"], w[bp + "norm1.bias"], BLOCK_LN_EPS)
             h = attention_block(ops, w, bp + "attn1.", n, None, heads, residual=h)
             n = ops.layer_norm(h, w[bp + "norm2.weight"], w[bp + "norm2.bias"], BLOCK_LN_EPS)
-            h = attention_block(ops, w, bp + "attn2.", n, ctx, heads, residual=h)
+            h = attention_block(ops, w, bp + "attn2.", n, None, heads, residual=h, kv=kv[bp + "attn2."])
             n = ops.layer_norm(h, w[bp + "norm3.weight"], w[bp + "norm3.bias"], BLOCK_LN_EPS)
             f = ops.linear_geglu(n, w[bp + "ff.net.0.proj.weight"], w[bp + "ff.net.0.proj.bias"])
             h = ops.linear(f, w[bp + "ff.net.2.weight"], w[bp + "ff.net.2.bias"], residual=h)
@@ -66,9 +103,11 @@ class UNet2DCondition:
         h = ops.transpose(h).reshape(b, c, hh, ww)  # (B, C, H, W)
         return ops.add(h, x)
 
-    def __call__(self, sample: Tensor, temb_sin: Tensor, ctx: Tensor) -> Tensor:
-        """sample (B, Cin, H, W), temb_sin (B, C0) sinusoidal embedding, ctx (B, Tc, Cctx)."""
+    def __call__(self, sample: Tensor, temb_sin: Tensor, ctx: Tensor | ContextKV) -> Tensor:
+        """sample (B, Cin, H, W), temb_sin (B, C0) sinusoidal embedding, ctx (B, Tc, Cctx) or its
+        context_kv (what a denoising loop passes: projected once for all its steps)."""
         cfg, ops, w = self.cfg, self.ops, self.w
+        kv = ctx if isinstance(ctx, ContextKV) else self.context_kv(ctx)
         groups, eps = cfg.norm_num_groups, cfg.norm_eps
         n_blocks = len(cfg.block_out_channels)
 
@@ -85,7 +124,7 @@ class UNet2DCondition:
                 x = resnet_block(ops, w, f"down_blocks.{i}.resnets.{layer}.", x, temb, groups, eps)
                 if kind.startswith("CrossAttn"):
                     x = self._transformer(
-                        f"down_blocks.{i}.attentions.{layer}.", x, ctx,
+                        f"down_blocks.{i}.attentions.{layer}.", x, kv,
                         cfg.num_attention_heads[i], cfg.transformer_layers_per_block[i],
                     )
                 skips.append(x)
@@ -97,7 +136,7 @@ class UNet2DCondition:
         # 3. mid block
         x = resnet_block(ops, w, "mid_block.resnets.0.", x, temb, groups, eps)
         x = self._transformer(
-            "mid_block.attentions.0.", x, ctx, cfg.num_attention_heads[-1], cfg.transformer_layers_per_block[-1]
+            "mid_block.attentions.0.", x, kv, cfg.num_attention_heads[-1], cfg.transformer_layers_per_block[-1]
         )
         x = resnet_block(ops, w, "mid_block.resnets.1.", x, temb, groups, eps)
 
@@ -110,7 +149,7 @@ class UNet2DCondition:
                 x = ops.concat_channels(x, skips.pop())
                 x = resnet_block(ops, w, f"up_blocks.{i}.resnets.{layer}.", x, temb, groups, eps)
                 if kind.startswith("CrossAttn"):
-                    x = self._transformer(f"up_blocks.{i}.attentions.{layer}.", x, ctx, heads_up[i], layers_up[i])
+                    x = self._transformer(f"up_blocks.{i}.attentions.{layer}.", x, kv, heads_up[i], layers_up[i])
             if i < n_blocks - 1:
                 x = ops.upsample_nearest(x, skips[-1].shape[2:])
                 p = f"up_blocks.{i}.upsamplers.0.conv."

@@ -93,7 +93,8 @@ def test_sd14_at_512_does_not_fit_safari_on_an_iphone_and_says_what(sd14_fits):
     assert fit.budget_bytes == 1_500_000_000  # the web process's kill level, below the given 2,093 MB
     (reason,) = fit.reasons
     assert reason.startswith(f"peak GPU memory {fit.peak_gpu_bytes:,} bytes (staged) > the budget of "
-                             "1,500,000,000 (the adapter's own): unet_step's weights 1,719,041,936")
+                             "1,500,000,000 (the adapter's own): unet_step's weights 1,680,703,376")
+    # (the UNet's 1,719,041,936 bytes of halves less the context's projections, unet_context's)
     assert plan["scratch_divisor"] == 4  # every divisor was tried
     # packed halves hold what shader-f16's halves hold: the Adreno plan's weights are the same bytes
     adreno = sd14_fits["adreno-640-chrome.json"][0]
@@ -137,13 +138,24 @@ def test_plan_memory_gives_each_stage_the_weights_and_scratch_only_it_uses():
     # each network's weights belong to the one stage that runs it, and every weight to some stage
     owned_weights = {name: {buffers[i]["component"] for i in ids if buffers[i]["kind"] == "weight"}
                      for name, ids in memory.stage_buffers.items()}
-    assert owned_weights == {"text_encoder": {"text_encoder"}, "unet_step": {"unet"}, "vae_decode": {"vae"}}
+    assert owned_weights == {"text_encoder": {"text_encoder"}, "unet_context": {"unet"}, "unet_step": {"unet"},
+                             "vae_decode": {"vae"}}
+    # the context's projections are unet_context's alone: a step reads their keys and values
+    context = {buffers[i]["name"] for i in memory.stage_buffers["unet_context"] if buffers[i]["kind"] == "weight"}
+    assert context and all(".attn2.to_k." in n or ".attn2.to_v." in n for n in context)
+    assert not any(".attn2.to_k." in buffers[i]["name"] for i in memory.stage_buffers["unet_step"]
+                   if buffers[i]["kind"] == "weight")
     assert all(i not in memory.persistent for i, b in buffers.items() if b["kind"] == "weight")
     # a stage owns scratch too; what crosses stages (the context, the latents, the loop's state,
     # what generate's own commands touch) and every constant stays the plan's
     for name, ids in memory.stage_buffers.items():
-        assert any(buffers[i]["kind"] == "activation" for i in ids), name
+        # (unet_context's products keep no scratch: their keys and values are what steps read)
+        assert name == "unet_context" or any(buffers[i]["kind"] == "activation" for i in ids), name
         assert all(users[i] == {name} for i in ids)
+    kv = {b[1] for c in plan["stages"]["unet_context"]["commands"] if c["op"] == "dispatch" for b in c["bindings"]
+          if buffers[b[1]]["kind"] == "activation"} - {plan["stages"]["unet_context"]["inputs"]["context"]["buffer"]}
+    # (pooled: a buffer the text encoder's scratch used before may hold them)
+    assert kv and all(i in memory.persistent and {"unet_context", "unet_step"} <= users[i] for i in kv)
     for stage in plan["stages"].values():
         for io in (*stage["inputs"].values(), *stage["outputs"].values()):
             assert (io["buffer"] in memory.persistent) == (len(users[io["buffer"]]) > 1)

@@ -15,7 +15,7 @@ from engine.gpu import CLASSES_PER_DOUBLING, MIN_CLASS_BYTES, GpuContext, size_c
 from engine.models.config import load_model_config
 from engine.pipeline import Pipeline
 
-STAGES = {"text_encoder", "unet", "vae_decode"}
+STAGES = {"text_encoder", "unet_context", "unet", "vae_decode"}
 
 
 def test_size_classes_round_up_by_at_most_one_class_step():
@@ -183,7 +183,8 @@ def test_staged_network_calls_upload_and_release_their_weights(pipes):
     np.testing.assert_array_equal(p.decode(z), q.decode(z))
     idle = p.rt.static_bytes
     unet = sum(t.nbytes for t in q.weights["unet"].tensors.values())
-    with p.weights_on_gpu("unet"), p.weights_on_gpu("unet"):  # nested holds upload once
+    # the loop's weights and the context's projections: the whole UNet; nested holds upload once
+    with p.weights_on_gpu("unet", "unet_context"), p.weights_on_gpu("unet_context", "unet"):
         assert unet <= p.rt.static_bytes - idle < unet + 16 * len(q.weights["unet"].tensors)
     assert p.rt.static_bytes == idle
 

@@ -232,7 +232,10 @@ def test_plan_describes_itself(tiny_plan, tiny_model_dir):
     assert plan["sha256"] == plan_hash(plan)
     weights = [b for b in plan["buffers"] if b["kind"] == "weight"]
     assert weights and all(b["file"].endswith(".safetensors") and len(b["sha256"]) == 64 for b in weights)
-    assert {"text_encoder", "unet_step", "vae_decode"} == set(plan["stages"])
+    assert {"text_encoder", "unet_context", "unet_step", "vae_decode"} == set(plan["stages"])
+    # the context's cross-attention keys and values are projected once, before the loop
+    runs = [c["stage"] for c in plan["generate"] if c["op"] == "run"]
+    assert runs[:2] == ["text_encoder", "unet_context"] and runs.count("unet_context") == 1
     # the denoising loop is unrolled: two steps, each running the UNet stage once
     assert sum(c["op"] == "run" and c["stage"] == "unet_step" for c in plan["generate"]) == 2
     assert plan["requires"]["limits"]["maxStorageBuffersPerShaderStage"] <= 8

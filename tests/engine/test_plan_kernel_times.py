@@ -35,15 +35,17 @@ def test_kernel_times_count_every_dispatch_of_the_stage(planned, native, gpu, fr
     assert {k: t["calls"] for k, t in times.items()} == {k: 2 * n for k, n in dispatches.items()}
     assert all(t["total_ms"] >= 0 for t in times.values()) and sum(t["total_ms"] for t in times.values()) > 0
 
-    # the eager UNet's profiled step runs the same kernels as often
+    # the eager UNet's profiled step runs the same kernels as often, on the context's keys and
+    # values projected before it, as a generation's loop does (the plan: stage unet_context)
     ids = native.tokenize(["", "a small house"])
     ctx_np = native.encode_text(ids)
     sample = fresh_rng.standard_normal((2, 4, 8, 8), dtype=np.float32)
     rt = native.rt
+    kv = native.unet_model.context_kv(rt.upload(ctx_np, native.dtype))
     rt.set_profiling(True)
     try:
         rt.take_kernel_times()
-        native.unet(sample, 501, ctx_np)
+        native._unet(sample, 501, kv)
         eager = {k: kt.calls for k, kt in rt.take_kernel_times().items()}
     finally:
         rt.set_profiling(False)

@@ -190,16 +190,42 @@ def test_layer_norm_row(rt, gpu, dtype, fresh_rng, rows, d, wg):
 )
 def test_linear_tiled(rt, gpu, fresh_rng, dtype, m, k, n, bias):
     need_f16(gpu, dtype)
-    x, w, b = rand(fresh_rng, m, k), rand(fresh_rng, n, k, scale=k**-0.5), rand(fresh_rng, n)
+    check_linear(rt, gpu, fresh_rng, dtype, "tiled", m, k, n, bias)
+
+
+def check_linear(rt, gpu, rng, dtype, variant, m, k, n, bias):
+    """`variant` of linear on (m, k) x (n, k)^T [+ b] against numpy and the reference variant."""
+    x, w, b = rand(rng, m, k), rand(rng, n, k, scale=k**-0.5), rand(rng, n)
 
     def call(ops):
         bt = rt.upload(b, dtype) if bias else None
         return ops.linear(rt.upload(x, dtype), rt.upload(w, dtype), bt)
 
-    got, ref_gpu = run_both(rt, gpu, dtype, "linear", "tiled", call)
+    got, ref_gpu = run_both(rt, gpu, dtype, "linear", variant, call)
     ref = q(dtype, x) @ q(dtype, w).T + (q(dtype, b) if bias else 0)
-    assert rel_err(got, ref) <= TOL[dtype], "tiled vs numpy"
-    assert rel_err(got, ref_gpu) <= TOL[dtype], "tiled vs reference variant"
+    assert rel_err(got, ref) <= TOL[dtype], f"{variant} vs numpy"
+    assert rel_err(got, ref_gpu) <= TOL[dtype], f"{variant} vs reference variant"
+
+
+@pytest.mark.parametrize(
+    "m,k,n,bias",
+    [
+        (2, 1280, 640, True),  # SD's time-embedding projections: batch rows, many columns
+        (1, 320, 1280, True),
+        (8, 96, 40, False),  # as many rows as a workgroup keeps sums for
+        (3, 37, 45, True),  # K past a multiple of the 32 invocations per column; a partial workgroup of columns
+    ],
+)
+def test_linear_rows(rt, gpu, fresh_rng, dtype, m, k, n, bias):
+    check_linear(rt, gpu, fresh_rng, dtype, "rows", m, k, n, bias)
+
+
+def test_linear_rows_refuses_more_rows_than_it_keeps_sums_for(rt, gpu):
+    ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features), [Rule("linear", "rows")]), "f32")
+    with pytest.warns(UserWarning, match="at most 8 rows"):
+        y = ops.linear(rt.upload(np.ones((9, 8), np.float32), "f32"), rt.upload(np.ones((4, 8), np.float32), "f32"))
+    assert np.array_equal(rt.read(y), np.full((9, 4), 8.0, np.float32))  # the reference ran it
+    assert [d.variant for d in ops.selection.decisions.values()] == ["reference"]
 
 
 def test_linear_tiled_rows_below_a_tile_run_tiles_of_their_height(rt, gpu, fresh_rng, monkeypatch):
