@@ -59,15 +59,17 @@ def _dispatch_tiled(ops, v: Variant, entry: str, consts: dict, x: Tensor, w: Ten
     return y
 
 
-ROWS = 8  # shaders/linear/rows.wgsl: the most rows of x one of its workgroups keeps sums for
+ROWS = 4  # shaders/linear/rows.wgsl: the most rows of x one of its workgroups keeps sums for
+COLS_PER_GROUP = 4
 
 
 @register(
     "linear",
     "rows",
-    doc="a few rows of x (at most 8: the UNet's time-embedding projections, M = the batch): each "
-    "output column's K split over 32 invocations reading W's row in order, f32 sums added in "
-    "workgroup memory; bound by reading W once, where a tiled product would be mostly padding",
+    doc="a few rows of x (at most 4: the UNet's time-embedding projections, M = the batch): each "
+    "output column's K split over 64 invocations reading W's row in order, 4 loads in flight each, "
+    "f32 sums added in workgroup memory; bound by reading W once, where a tiled product would be "
+    "mostly padding",
     applies=lambda shape: None if shape.get("m", 0) <= ROWS else f"takes at most {ROWS} rows (M={shape.get('m')})",
 )
 def linear_rows(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -77,7 +79,7 @@ def linear_rows(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor |
         raise ValueError(f"linear rows: {m} rows, at most {ROWS}")
     y = ops.rt.empty((*x.shape[:-1], n_out), ops.dtype)
     ops.rt.dispatch(ops.pipeline(v, "main"), "linear", (m, n_out, k, int(b is not None)),
-                    [x, w, b if b is not None else ops.dummy, y], (math.ceil(n_out / 8), 1, 1))
+                    [x, w, b if b is not None else ops.dummy, y], (math.ceil(n_out / COLS_PER_GROUP), 1, 1))
     return y
 
 
