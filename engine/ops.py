@@ -79,7 +79,8 @@ class Ops:
         if self.calls is not None:
             self.calls.append((op, shape, args, epilogue or {}))
         rt = self.rt
-        if getattr(rt, "profiling", False):
+        # (a variant composed of other ops leaves the work to theirs: counted once)
+        if getattr(rt, "profiling", False) and not getattr(variant.launch, "composed", False):
             from .roofline import op_work
 
             rt.note_work(op, *op_work(op, shape, self.dtype))
@@ -135,6 +136,17 @@ class Ops:
         if getattr(self.selection.variant("linear", shape, self.dtype).launch, "fuses_residual", False):
             return self._launch("linear", shape, x, w, b, epilogue=epilogue, residual=residual)
         return self.add(self._launch("linear", shape, x, w, b, epilogue=epilogue), residual)
+
+    def linear_to_channels(self, x: Tensor, w: Tensor, b: Tensor | None, residual: Tensor) -> Tensor:
+        """A transformer's output projection back to the image layout: tokens x (B, T, K) @
+        w (N, K)^T + b, written channel-major and added to residual (B, N, H, W), H * W = T. The
+        chosen variant of op linear_nchw runs it as one product that writes the layout and adds
+        the residual in its epilogue ("gemm") or as a linear, a transpose and an add."""
+        bsz, t, k = x.shape
+        n_out = w.shape[0]
+        if residual.shape[:2] != (bsz, n_out) or math.prod(residual.shape[2:]) != t or math.prod(w.shape[1:]) != k:
+            raise ValueError(f"linear_to_channels: x {x.shape}, w {w.shape} and residual {residual.shape} disagree")
+        return self._launch("linear_nchw", {"b": bsz, "t": t, "n": n_out, "k": k}, x, w, b, residual)
 
     def linear_geglu(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """GEGLU of the projection: x (..., K) @ w (2F, K)^T + b (2F) -> (..., F), the first F

@@ -28,6 +28,9 @@ def op_work(op: str, shape: dict, dtype: str) -> tuple[float, float]:
     if op == "linear":
         m, n, k = shape["m"], shape["n"], shape["k"]
         return 2.0 * m * n * k, float(e * (m * k + n * k + m * n))
+    if op == "linear_nchw":
+        m, n, k = shape["b"] * shape["t"], shape["n"], shape["k"]
+        return 2.0 * m * n * k, float(e * (m * k + n * k + 2 * m * n))
     if op == "conv2d":
         b, cin, cout, h, w, k, s = (shape[x] for x in ("b", "cin", "cout", "h", "w", "k", "stride"))
         oh, ow = math.ceil(h / s), math.ceil(w / s)

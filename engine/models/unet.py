@@ -99,9 +99,7 @@ class UNet2DCondition:
             n = ops.layer_norm(h, w[bp + "norm3.weight"], w[bp + "norm3.bias"], BLOCK_LN_EPS)
             f = ops.linear_geglu(n, w[bp + "ff.net.0.proj.weight"], w[bp + "ff.net.0.proj.bias"])
             h = ops.linear(f, w[bp + "ff.net.2.weight"], w[bp + "ff.net.2.bias"], residual=h)
-        h = ops.linear(h, w[p + "proj_out.weight"], w[p + "proj_out.bias"])
-        h = ops.transpose(h).reshape(b, c, hh, ww)  # (B, C, H, W)
-        return ops.add(h, x)
+        return ops.linear_to_channels(h, w[p + "proj_out.weight"], w[p + "proj_out.bias"], x)  # (B, C, H, W)
 
     def __call__(self, sample: Tensor, temb_sin: Tensor, ctx: Tensor | ContextKV) -> Tensor:
         """sample (B, Cin, H, W), temb_sin (B, C0) sinusoidal embedding, ctx (B, Tc, Cctx) or its

@@ -112,6 +112,36 @@ linear_gemm.fuses_geglu = lambda consts, n, k: unsupported(k, n) is None and \
     gated_unsupported(consts, n, False, None, None) is None
 
 
+# ---- a transformer's output projection, written channel-major (op linear_nchw) ----------------
+
+
+@register("linear_nchw", "reference", doc="the linear layer's own selection, then a transpose to (B, N, T) and an add")
+def linear_nchw_reference(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None,
+                          residual: Tensor) -> Tensor:
+    y = ops.transpose(ops.linear(x, w, b)).reshape(residual.shape)
+    return ops.add(y, residual)
+
+
+linear_nchw_reference.composed = True  # it runs other ops' kernels (as they are chosen), none of its own
+
+
+@register(
+    "linear_nchw",
+    "gemm",
+    doc="one product of the GEMM core per image, W (N x K) by the tokens x[b] (T x K), so that C[b] is "
+    "N x T, the image layout; bias and the residual in the epilogue. No transpose and no add kernel",
+    constants=CORE_CONSTANTS,
+    candidates=CORE_CANDIDATES,
+    applies=lambda shape: unsupported(shape["k"], shape["t"]),
+)
+def linear_nchw_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None,
+                     residual: Tensor) -> Tensor:
+    bsz, t, k = x.shape
+    n_out = w.shape[0]
+    return gemm(ops, consts, w, x, n_out, t, k, batch=bsz, bias=b, bias_on_m=True, residual=residual,
+                strides=(0, t * k, n_out * t), out_shape=residual.shape, label="linear")
+
+
 # The f32 core's own entry in the registry: its shader file, for gemm() to compile when the
 # model is f32 (a profile selects "gemm" for both element types).
 register(

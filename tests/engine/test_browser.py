@@ -93,7 +93,8 @@ def _case(op: str, rng, variant: str = ""):
         x, w, b = rng.standard_normal((2, 8, 6, 6)), rng.standard_normal((16, 8, 1, 1)) / 3, rng.standard_normal(16)
         return {"x": x, "w": w, "b": b}, lambda o, t: o.conv2d(t["x"], t["w"], t["b"]), _np_conv(x, w, b, 1, 0)
     if op == "linear":
-        x, w, b = rng.standard_normal((2, 77, 96)), rng.standard_normal((40, 96)) / 10, rng.standard_normal(40)
+        rows = (1, 3) if variant == "rows" else (2, 77)  # rows: products of at most 4 rows
+        x, w, b = rng.standard_normal((*rows, 96)), rng.standard_normal((40, 96)) / 10, rng.standard_normal(40)
         return {"x": x, "w": w, "b": b}, lambda o, t: o.linear(t["x"], t["w"], t["b"]), x @ w.T + b
     if op == "conv2d":
         x, w, b = rng.standard_normal((1, 8, 12, 12)), rng.standard_normal((16, 8, 3, 3)) / 8, rng.standard_normal(16)

@@ -221,6 +221,31 @@ def test_linear_rows(rt, gpu, fresh_rng, dtype, m, k, n, bias):
     check_linear(rt, gpu, fresh_rng, dtype, "rows", m, k, n, bias)
 
 
+@pytest.mark.parametrize("b,c,hw,n,bias", [(2, 32, (8, 8), 32, True), (1, 40, (4, 6), 24, False), (2, 20, (5, 4), 12, True)])
+def test_linear_to_channels_gemm(rt, gpu, fresh_rng, dtype, b, c, hw, n, bias):
+    """A transformer's output projection written channel-major with the residual added, by the
+    GEMM core in one product, against numpy and against a linear, a transpose and an add."""
+    if dtype != "f32" and not gpu.caps.has_f16:
+        missing("the GEMM core computes in f16", F16_HINT)
+    t = hw[0] * hw[1]
+    x, w, bv, r = rand(fresh_rng, b, t, c), rand(fresh_rng, n, c, 1, 1, scale=c**-0.5), rand(fresh_rng, n), \
+        rand(fresh_rng, b, n, *hw)
+
+    def call(ops):
+        return ops.linear_to_channels(rt.upload(x, dtype), rt.upload(w, dtype), rt.upload(bv, dtype) if bias else None,
+                                      rt.upload(r, dtype))
+
+    fused, unfused = (make_ops(rt, gpu, dtype, {"linear_nchw": name}) for name in ("gemm", "reference"))
+    got, ref_gpu = (rt.read(call(ops)).astype(np.float64) for ops in (fused, unfused))
+    assert np.isfinite(got).all(), "gemm left poisoned (NaN) elements"
+    assert [d.variant for d in fused.selection.decisions.values()] == ["gemm"]  # one product, nothing after
+    y = q(dtype, x) @ q(dtype, w).reshape(n, c).T + (q(dtype, bv) if bias else 0)  # (B, T, N)
+    ref = y.transpose(0, 2, 1).reshape(b, n, *hw) + q(dtype, r)
+    assert got.shape == (b, n, *hw)
+    assert rel_err(got, ref) <= TOL[dtype], "gemm vs numpy"
+    assert rel_err(got, ref_gpu) <= TOL[dtype], "gemm vs linear, transpose and add"
+
+
 def test_linear_rows_refuses_more_rows_than_it_keeps_sums_for(rt, gpu):
     ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features), [Rule("linear", "rows")]), "f32")
     with pytest.warns(UserWarning, match="at most 4 rows"):
