@@ -264,6 +264,32 @@ def _plus(ops: Ops, y: Tensor, residual: Tensor | None) -> Tensor:
     return y if residual is None else ops.add(y, residual)
 
 
+# ---- a few output channels: one invocation per pixel ------------------------------------------
+
+NARROW_OUTS = 4  # shaders/conv2d/narrow.wgsl: the most output channels an invocation computes
+
+
+@register(
+    "conv2d",
+    "narrow",
+    doc="a direct convolution to at most 4 output channels (the UNet's and the VAE decoder's conv_out): "
+    "one invocation per output pixel computes every channel, each input element read once a tap",
+    applies=lambda shape: None if shape.get("cout", 0) <= NARROW_OUTS
+    else f"computes at most {NARROW_OUTS} output channels (Cout={shape.get('cout')})",
+)
+def conv2d_narrow(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads) -> Tensor:
+    bsz, cin, h, wd = x.shape
+    cout, _, kh, kw = w.shape
+    if cout > NARROW_OUTS:  # (a profile rule matching more: Selection refuses it before this)
+        raise EngineError(f"conv2d narrow: {cout} output channels, at most {NARROW_OUTS}")
+    oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
+    y = ops.rt.empty((bsz, cout, oh, ow), ops.dtype)
+    params = (bsz, cin, h, wd, cout, oh, ow, kh, kw, stride, pads[0], pads[2], int(b is not None))
+    ops.rt.dispatch(ops.pipeline(v), "conv2d", params, [x, w, b if b is not None else ops.dummy, y],
+                    (math.ceil(oh * ow / 64), 1, bsz))
+    return y
+
+
 # ---- 1x1 convolutions through the GEMM core ------------------------------------------------
 
 

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.gpu
 
 TOL = {("implicit_gemm", "f32"): 2e-5, ("winograd", "f32"): 1e-4, ("implicit_gemm", "f16"): 1e-2, ("winograd", "f16"): 1e-2,
        ("winograd_2x2", "f16"): 1e-2, ("winograd_2x2", "f32"): 1e-4,
-       ("pointwise", "f16"): 1e-2, ("pointwise", "f32"): 2e-5, ("im2col", "f16"): 1e-2, ("im2col", "f32"): 2e-5}
+       ("pointwise", "f16"): 1e-2, ("pointwise", "f32"): 2e-5, ("im2col", "f16"): 1e-2, ("im2col", "f32"): 2e-5,
+       ("narrow", "f32"): 2e-5, ("narrow", "f16"): 1e-2}
 TOL.update({(v, "f16s"): 1e-2 for v, _ in list(TOL)})  # f16-storage: f16 rounding, f32 arithmetic
 NP = {"f32": np.float32, "f16": np.float16, "f16s": np.float16}
 
@@ -151,6 +152,33 @@ SD_LIKE = [
 )
 def test_implicit_gemm(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride, pads):
     run_and_compare(rt, pipelines, fresh_rng, "implicit_gemm", dtype, bsz, cin, cout, hw, k, stride, pads)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
+@pytest.mark.parametrize(
+    "bsz,cin,cout,hw,k,stride,pads",
+    [
+        pytest.param(2, 32, 4, (8, 8), 3, 1, (1, 1, 1, 1), id="unet-conv_out"),
+        pytest.param(1, 16, 3, (12, 10), 3, 1, (1, 1, 1, 1), id="vae-conv_out"),
+        pytest.param(1, 6, 1, (9, 7), 5, 1, (2, 2, 2, 2), id="5x5-one-channel"),
+        pytest.param(2, 8, 2, (9, 8), 3, 2, (0, 1, 0, 1), id="stride2-vae-pad"),
+        pytest.param(1, 5, 3, (7, 6), 1, 1, (0, 0, 0, 0), id="1x1"),
+    ],
+)
+def test_narrow(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride, pads):
+    run_and_compare(rt, pipelines, fresh_rng, "narrow", dtype, bsz, cin, cout, hw, k, stride, pads)
+
+
+def test_narrow_refuses_more_output_channels_than_it_computes(rt, pipelines):
+    from engine.kernels import Rule, Selection
+
+    sel = Selection(frozenset(rt.caps.features), [Rule("conv2d", "narrow")])
+    ops = Ops(rt, pipelines, sel, "f32")
+    x, w = rt.upload(np.ones((1, 2, 4, 4), np.float32), "f32"), rt.upload(np.ones((5, 2, 1, 1), np.float32), "f32")
+    with pytest.warns(UserWarning, match="at most 4 output channels"):
+        y = ops.conv2d(x, w, None)
+    assert np.array_equal(rt.read(y), np.full((1, 5, 4, 4), 2.0, np.float32))  # the reference ran it
+    assert [d.variant for d in sel.decisions.values()] == ["reference"]
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "f16s"])
