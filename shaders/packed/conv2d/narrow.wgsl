@@ -3,10 +3,11 @@
 // and written through the functions at the end; T is f32, so all arithmetic is f32.
 // Direct 2-D convolution for a few output channels (Cout <= OUTS: the UNet's conv_out to the 4
 // latent channels, the VAE decoder's conv_out to 3 colours), NCHW, f32 accumulation: one
-// invocation per output pixel computes all Cout channels, so each input element is read once
-// per tap instead of once per output channel, and no GEMM tile is mostly padding. Weights are
-// the same address across the workgroup (broadcast reads). Unrolled over OUTS with clamped
-// channel indices: what a channel past Cout computes is never written.
+// invocation per output pixel computes all Cout channels (one vec4 of f32 sums, a register block
+// as in the GEMM core: no array indexed in a loop), so each input element is read once per tap
+// instead of once per output channel, and no GEMM tile is mostly padding. Weights are the same
+// address across the workgroup (broadcast reads); channels past Cout read channel Cout - 1's and
+// are never written.
 // x: (B, Cin, H, W), w: (Cout, Cin, KH, KW), b: (Cout), y: (B, Cout, OH, OW); zero padding as the
 // reference kernel (pad_t/pad_l before, whatever the output size implies after).
 struct Params {
@@ -21,7 +22,6 @@ struct Params {
 @group(0) @binding(3) var<storage, read> b: array<u32>;
 @group(0) @binding(4) var<storage, read_write> y: array<atomic<u32>>;
 
-const OUTS = 4u;
 
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) g: vec3<u32>) {
@@ -30,8 +30,10 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>) {
     if (pix >= p.OH * p.OW) { return; }
     let oy = pix / p.OW;
     let ox = pix % p.OW;
-    var acc: array<f32, OUTS>;
+    var acc = vec4<f32>(0.0);
     let taps = p.KH * p.KW;
+    let last = p.Cout - 1u;
+    let wstride = p.Cin * taps;  // one output channel's weights
     for (var ci = 0u; ci < p.Cin; ci++) {
         let xbase = (bi * p.Cin + ci) * p.H * p.W;
         for (var ky = 0u; ky < p.KH; ky++) {
@@ -42,18 +44,15 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>) {
                 let at = xbase + u32(clamp(iy, 0, i32(p.H) - 1)) * p.W + u32(clamp(ix, 0, i32(p.W) - 1));
                 let v = select(0.0, f32(x_ld(u32(at))), inside);
                 let tap = ci * taps + ky * p.KW + kx;
-                for (var o = 0u; o < OUTS; o++) {
-                    acc[o] += v * f32(w_ld(u32(min(o, p.Cout - 1u) * p.Cin * taps + tap)));
-                }
+                acc += v * vec4<f32>(f32(w_ld(u32(tap))), f32(w_ld(u32(min(1u, last) * wstride + tap))),
+                                     f32(w_ld(u32(min(2u, last) * wstride + tap))), f32(w_ld(u32(min(3u, last) * wstride + tap))));
             }
         }
     }
-    for (var o = 0u; o < OUTS; o++) {
-        if (o < p.Cout) {
-            var v = acc[o];
-            if (p.has_bias != 0u) { v += f32(b_ld(u32(o))); }
-            y_st(u32(((bi * p.Cout + o) * p.OH + oy) * p.OW + ox), f32(T(v)));
-        }
+    for (var o = 0u; o < p.Cout; o++) {
+        var v = acc[o];
+        if (p.has_bias != 0u) { v += f32(b_ld(u32(o))); }
+        y_st(u32(((bi * p.Cout + o) * p.OH + oy) * p.OW + ox), f32(T(v)));
     }
 }
 
