@@ -48,6 +48,7 @@ SHAPE_FIELDS = {
     "geglu": ("m", "f"),
     "attention": ("tq", "tk", "dh", "heads", "b", "causal"),
     "layer_norm": ("rows", "d"),
+    "linear_nchw": ("b", "t", "n", "k"),  # a transformer's proj_out written channel-major (Ops.linear_to_channels)
 }
 
 
