@@ -170,10 +170,8 @@ def test_narrow(rt, pipelines, fresh_rng, dtype, bsz, cin, cout, hw, k, stride, 
 
 
 def test_narrow_refuses_more_output_channels_than_it_computes(rt, pipelines):
-    from engine.kernels import Rule, Selection
-
-    sel = Selection(frozenset(rt.caps.features), [Rule("conv2d", "narrow")])
-    ops = Ops(rt, pipelines, sel, "f32")
+    ops = make_ops(rt, pipelines, "f32", "narrow")
+    sel = ops.selection
     x, w = rt.upload(np.ones((1, 2, 4, 4), np.float32), "f32"), rt.upload(np.ones((5, 2, 1, 1), np.float32), "f32")
     with pytest.warns(UserWarning, match="at most 4 output channels"):
         y = ops.conv2d(x, w, None)

@@ -247,7 +247,7 @@ def test_linear_to_channels_gemm(rt, gpu, fresh_rng, dtype, b, c, hw, n, bias):
 
 
 def test_linear_rows_refuses_more_rows_than_it_keeps_sums_for(rt, gpu):
-    ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features), [Rule("linear", "rows")]), "f32")
+    ops = make_ops(rt, gpu, "f32", {"linear": "rows"})
     with pytest.warns(UserWarning, match="at most 4 rows"):
         y = ops.linear(rt.upload(np.ones((5, 8), np.float32), "f32"), rt.upload(np.ones((4, 8), np.float32), "f32"))
     assert np.array_equal(rt.read(y), np.full((5, 4), 8.0, np.float32))  # the reference ran it
