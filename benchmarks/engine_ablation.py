@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--networks", help="tune: only these networks' calls (text_encoder, unet, vae_decoder)")
     ap.add_argument("--vae-dtype", choices=["f32", "f16"],
                     help="tune: time the VAE decoder in this element type (its rules then name it)")
+    ap.add_argument("--where", type=json.loads,
+                    help='tune: only the shapes this rule condition holds for, e.g. \'{"cout": {"max": 4}}\'')
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--time-budget", type=float, default=600.0)
     ap.add_argument("--tuned", type=Path, help="bench: a tuned profile for the last row")
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
         ops = set(args.ops.split(",")) if args.ops else None
         networks = set(args.networks.split(",")) if args.networks else None
         doc = tune(config, gpu, dtype, h, w, args.out, repeats=args.repeats, time_budget_s=args.time_budget, ops=ops,
-                   networks=networks, vae_dtype=args.vae_dtype)
+                   networks=networks, vae_dtype=args.vae_dtype, where=args.where)
         if args.merge_into:
             merge_tune(doc, json.loads(args.merge_into.read_text()), ops)
             args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")

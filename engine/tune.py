@@ -29,7 +29,7 @@ from .explain import call_dtype, distinct_calls, random_like
 from .gpu import GpuContext, Tensor, time_gpu_work
 from .kernels import PipelineCache, Rule, Selection, variants
 from .ops import Ops
-from .profiles import SCHEMA_ID, gpu_architecture
+from .profiles import SCHEMA_ID, SHAPE_FIELDS, gpu_architecture
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
@@ -114,6 +114,29 @@ def warm_up(rt: GpuContext, fn: Callable, seconds: float = WARM_UP_S) -> int:
     return calls
 
 
+def shape_filter(where: dict, ops: set[str] | None) -> Rule:
+    """A profile rule's `when` ({field: value or {"min": a, "max": b}}) as a filter of the calls a
+    tune measures: `tune(where=...)` re-times only the shapes it holds for (a new variant's few
+    shapes, without re-timing every other). Its fields must be shape fields of at
+    least one op tuned; a call whose op lacks a field named is not measured."""
+    if not isinstance(where, dict) or not where:
+        raise EngineError('a shape filter is a non-empty object such as {"cout": {"max": 4}}')
+    fields = {f for op, fs in SHAPE_FIELDS.items() if ops is None or op in ops for f in fs}
+    conds = []
+    for key, cond in where.items():
+        if key not in fields:
+            raise EngineError(f"shape filter: {key!r} is not a shape field of "
+                              f"{', '.join(sorted(ops)) if ops else 'any op'}; choose from {', '.join(sorted(fields))}")
+        if isinstance(cond, dict) and cond and set(cond) <= {"min", "max"} and all(
+                isinstance(v, int) for v in cond.values()):
+            conds.append((key, (cond.get("min"), cond.get("max"))))
+        elif isinstance(cond, int) and not isinstance(cond, bool):
+            conds.append((key, cond))
+        else:
+            raise EngineError(f'shape filter: {key}={cond!r} is neither an integer nor a range {{"min": a, "max": b}}')
+    return Rule("*", "*", tuple(conds))
+
+
 def tune(
     config,
     gpu,
@@ -128,12 +151,14 @@ def tune(
     ops: set[str] | None = None,
     networks: set[str] | None = None,
     vae_dtype: str | None = None,
+    where: dict | None = None,
 ) -> dict:
     """Measure, choose, and write the profile document to `out` (atomically). Returns it.
     `ops` limits the tuning to those ops, `networks` to those networks' calls (text_encoder,
     unet, vae_decoder); the profile then has rules for them only. `vae_dtype` times the VAE
     decoder in that element type instead of the pipeline's (an f16 VAE where SD 1.x's runs in
-    f32): its rules then name it (`when.dtype`), so a VAE in another type keeps its own."""
+    f32): its rules then name it (`when.dtype`), so a VAE in another type keeps its own.
+    `where` (shape_filter) limits it to the shapes a rule's `when` would hold for."""
     caps = gpu.caps
     calls = distinct_calls(config, caps, dtype, height, width, networks, vae_dtype)
     vae_keys = set()
@@ -145,6 +170,11 @@ def tune(
         if unknown:
             raise EngineError(f"the model has no {', '.join(sorted(unknown))} calls to tune")
         calls = [c for c in calls if c[0] in ops]
+    if where is not None:
+        keep = shape_filter(where, ops)
+        calls = [c for c in calls if keep.matches(c[1])]
+        if not calls:
+            raise EngineError(f"no call of the model has a shape {json.dumps(where)} holds for")
     rt = GpuContext(gpu)
     pipelines = PipelineCache(gpu)
     rng = np.random.default_rng(0)

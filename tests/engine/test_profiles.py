@@ -12,6 +12,7 @@ import pytest
 from ci_support import F16_HINT, missing
 
 from engine.device import DeviceCaps
+from engine.errors import EngineError
 from engine.kernels import REGISTRY, Selection
 from engine.profiles import (
     REFERENCE,
@@ -538,6 +539,27 @@ def test_a_tune_of_the_vae_in_another_element_type_names_it(tiny_model_dir, tmp_
     # a rule for each shape a variant won (the reference's own defaults need none)
     best = [min(m["results"], key=lambda r: r["median_ms"]) for m in doc["measurements"]]
     assert len(doc["rules"]) == sum(b["variant"] != "reference" or bool(b["constants"]) for b in best)
+
+
+def test_a_tune_limited_by_a_shape_filter_times_only_the_shapes_it_holds_for(tiny_model_dir, tmp_path, gpu):
+    """tune(where=...) measures the calls whose shape a rule's `when` would hold for (here the
+    convolutions to at most 4 channels: the UNet's and the decoder's conv_out), and refuses a
+    field no op tuned has, or a filter no call matches, by name."""
+    from engine.models.config import load_model_config
+    from engine.tune import tune
+
+    config = load_model_config(tiny_model_dir)
+    doc = tune(config, gpu, "f32", 64, 64, tmp_path / "t.json", warmup=0, repeats=1, ops={"conv2d"},
+               where={"cout": {"max": 4}})
+    couts = sorted(m["shape"]["cout"] for m in doc["measurements"])
+    assert couts and max(couts) <= 4 and 3 in couts and 4 in couts, couts  # the decoder's RGB, the UNet's latents
+    assert {"narrow", "reference"} <= {r["variant"] for m in doc["measurements"] for r in m["results"]}
+    with pytest.raises(EngineError, match="'tq' is not a shape field of conv2d"):
+        tune(config, gpu, "f32", 64, 64, tmp_path / "u.json", ops={"conv2d"}, where={"tq": 4})
+    with pytest.raises(EngineError, match="no call of the model"):
+        tune(config, gpu, "f32", 64, 64, tmp_path / "u.json", ops={"conv2d"}, where={"cout": {"min": 100000}})
+    with pytest.raises(EngineError, match="neither an integer nor a range"):
+        tune(config, gpu, "f32", 64, 64, tmp_path / "u.json", ops={"conv2d"}, where={"cout": {"below": 4}})
 
 
 def test_a_rule_may_hold_for_one_element_type_only():
