@@ -13,6 +13,8 @@ per op.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import contextmanager
 
 from .gpu import WG_1D, GpuContext, Tensor
 from .kernels import PipelineCache, Selection, Variant, conv_out_size, register
@@ -30,6 +32,19 @@ ACT = {"silu": 0, "gelu": 1, "quick_gelu": 2}
 # computed in chunks of (batch, head) pairs of at most this many bytes: a phone's page cannot
 # hold SD's 1 GiB of 512x512 scores beside the UNet's weights.
 SCORE_SCRATCH_BYTES = 64 << 20
+
+
+class Prepared(dict):
+    """Tensors derived from weights once and reused by every call after (Winograd's transformed
+    filters, conv2d winograd_2x2 with PRETRANSFORM): (tag, weight) -> (weight, derived). A
+    generation holds one (ContextKV.prepared), so a derived tensor costs its work once a
+    generation instead of once a step, and its memory for the generation.
+
+    `sink`: a command list of a recording context (engine.plan) that the work of filling goes
+    to instead of the list being recorded: a plan records it into the stage that runs once a
+    generation (unet_context), not into the step it replays 20 times."""
+
+    sink: list | None = None
 
 
 class Ops:
@@ -53,6 +68,7 @@ class Ops:
         self.selection = selection
         self.dtype = dtype
         self._twins: dict[str, Ops] = {}  # twin(): this Ops in other element types
+        self.prepared: Prepared | None = None  # where prepare() keeps derived weights (None: nowhere)
         self.dummy = rt.upload(__import__("numpy").zeros(4, dtype="float32"), dtype, static=True)
         # an unused f32 input of a step kernel
         self.dummy_f32 = self.dummy if dtype == "f32" else rt.upload(__import__("numpy").zeros(4, dtype="float32"),
@@ -89,6 +105,32 @@ class Ops:
             return variant.launch(self, variant, constants, *args, **fused)
         finally:
             rt.op_family = outer
+
+    @contextmanager
+    def preparing(self, prepared: Prepared | None):
+        """Calls inside the block keep what prepare() derives in `prepared`."""
+        outer, self.prepared = self.prepared, prepared
+        try:
+            yield prepared
+        finally:
+            self.prepared = outer
+
+    def prepare(self, tag: tuple, w: Tensor, make: Callable[[], Tensor]) -> Tensor:
+        """make(), a tensor derived from the weight `w` alone, once per `self.prepared` (made
+        again on every call where there is none)."""
+        cache = self.prepared
+        if cache is None:
+            return make()
+        key = (*tag, id(w.storage))
+        if key in cache:
+            return cache[key][1]
+        if cache.sink is not None:
+            with self.rt.commands_into(cache.sink):
+                t = make()
+        else:
+            t = make()
+        cache[key] = (w, t)  # the weight held beside it: its id is not reused while the entry lives
+        return t
 
     def score_chunks(self, pairs: int, tq: int, tk: int):
         """(first, count) ranges of (batch, head) pairs whose f32 score matrices fit one storage

@@ -339,14 +339,22 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     # the cross-attentions' keys and values of the context: once a generation, in buffers of the
     # plan's that unet_step reads (not outputs: no caller reads them back)
     kv = ContextKV()
+    sample = rec.empty((batch, *latent[1:]), dtype)
+    temb = rec.empty((batch, config.unet.block_out_channels[0]), dtype)
 
     def project_context():
         kv.update(pipe.unet_model.context_kv(ctx))
+        if _prepares(selection):
+            # what the step derives from its weights once (Ops.prepare) is made here, once a
+            # generation: a step recorded and thrown away, whose fills go to this stage's list
+            kv.prepared.sink, kept, counted = rec.commands, len(rec.commands), rec.dispatches
+            with rec.commands_into([]):
+                pipe.unet_model(sample, temb, kv)
+            kv.prepared.sink = None
+            rec.dispatches = counted + sum(c["op"] == "dispatch" for c in rec.commands[kept:])
         return {}
 
     stage("unet_context", {"context": ctx}, project_context)
-    sample = rec.empty((batch, *latent[1:]), dtype)
-    temb = rec.empty((batch, config.unet.block_out_channels[0]), dtype)
     eps = stage("unet_step", {"sample": sample, "timestep_embedding": temb},
                 lambda: {"noise_pred": pipe.unet_model(sample, temb, kv)})["noise_pred"]
     latents_in = rec.empty(latent, "f32")
@@ -408,6 +416,11 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
                            model_name=model_name, hashes=hashes, strength=strength, scratch_divisor=scratch_divisor,
                            vae_dtype="f16s")
     return plan
+
+
+def _prepares(selection) -> bool:
+    """Whether a profile's rules keep anything a step derives from its weights (PRETRANSFORM)."""
+    return any(dict(r.constants).get("PRETRANSFORM") for r in selection.rules)
 
 
 # Divisors of the chunked kernels' scratch bounds a plan for a memory budget tries, in order: each

@@ -28,7 +28,7 @@ from .errors import EngineError
 from .explain import call_dtype, distinct_calls, random_like
 from .gpu import GpuContext, Tensor, time_gpu_work
 from .kernels import PipelineCache, Rule, Selection, variants
-from .ops import Ops
+from .ops import Ops, Prepared
 from .profiles import SCHEMA_ID, SHAPE_FIELDS, gpu_architecture
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
@@ -201,6 +201,7 @@ def tune(
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
                 ops = Ops(rt, pipelines, selection, dtype_of_call, scratch_scale=scale)
+                ops.prepared = Prepared()  # what a setting derives from the weights once (PRETRANSFORM): as a generation keeps it
                 fn = _as_called(op, shape, v, consts, ops, real, done_after)
                 try:
                     fn()  # a setting this shape or adapter cannot take raises here (e.g. a head dim above MAX_DH)

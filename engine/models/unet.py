@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..gpu import Tensor
-from ..ops import Ops
+from ..ops import Ops, Prepared
 from .common import GPUWeights, attention_block, key_value, resnet_block
 
 TRANSFORMER_NORM_EPS = 1e-6  # Transformer2DModel's GroupNorm; the ResNets use cfg.norm_eps
@@ -49,7 +49,14 @@ class ContextKV(dict):
     """Every cross-attention's keys and values of one text context, by the attention's parameter
     prefix: (k, v), each (B, Tc, C). The context is the same at every denoising step, so a
     generation projects it once (UNet2DCondition.context_kv) instead of once a step (SD 1.4: 32
-    products of 154 rows, about 1.1 ms of a 48 ms step on an H100)."""
+    products of 154 rows, about 1.1 ms of a 48 ms step on an H100).
+
+    `prepared`: what the generation's steps derive from the weights once (Ops.prepare: the
+    transformed filters of convolutions a profile runs as winograd_2x2 with PRETRANSFORM)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prepared = Prepared()
 
 
 class UNet2DCondition:
@@ -104,8 +111,12 @@ class UNet2DCondition:
     def __call__(self, sample: Tensor, temb_sin: Tensor, ctx: Tensor | ContextKV) -> Tensor:
         """sample (B, Cin, H, W), temb_sin (B, C0) sinusoidal embedding, ctx (B, Tc, Cctx) or its
         context_kv (what a denoising loop passes: projected once for all its steps)."""
-        cfg, ops, w = self.cfg, self.ops, self.w
         kv = ctx if isinstance(ctx, ContextKV) else self.context_kv(ctx)
+        with self.ops.preparing(kv.prepared):
+            return self._forward(sample, temb_sin, kv)
+
+    def _forward(self, sample: Tensor, temb_sin: Tensor, kv: ContextKV) -> Tensor:
+        cfg, ops, w = self.cfg, self.ops, self.w
         groups, eps = cfg.norm_num_groups, cfg.norm_eps
         n_blocks = len(cfg.block_out_channels)
 

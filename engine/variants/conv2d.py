@@ -197,15 +197,23 @@ def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale
     return cc, tc
 
 
+# PRETRANSFORM 1: the transformed filters are kept once made (Ops.prepare: once a generation in
+# a UNet, whose ContextKV holds them) instead of being made again on every call. They take 16/9
+# of the weights' memory beside them (SD 1.4's UNet on an H100: about 1 ms of a step's filter
+# transforms for about 1.3 GB); a profile chooses it where the GPU has the memory.
+W2_CONSTANTS = {**CORE_CONSTANTS, "PRETRANSFORM": (0, 1)}
+W2_CANDIDATES = (*CORE_CANDIDATES, {"PRETRANSFORM": 1}, *({**c, "PRETRANSFORM": 1} for c in CORE_CANDIDATES))
+
+
 @register(
     "conv2d",
     "winograd_2x2",
     entry="input_main",
     doc="Winograd F(2x2,3x3) through the GEMM core: filters and input tiles transformed into scratch of "
     "the model's element type (f32 arithmetic), 16 products by the core, output transform; Cin % 4 == 0 "
-    "(the Winograd F(4x4) kernel otherwise)",
-    constants=CORE_CONSTANTS,
-    candidates=CORE_CANDIDATES,
+    "(the Winograd F(4x4) kernel otherwise); PRETRANSFORM 1 keeps the transformed filters once made",
+    constants=W2_CONSTANTS,
+    candidates=W2_CANDIDATES,
     applies=winograd_applies,
 )
 def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads,
@@ -215,6 +223,8 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     _require_3x3_stride1(kh, kw, stride)
     if cin % 4:
         return _plus(ops, conv2d_winograd(ops, variants("conv2d")["winograd"], {}, x, w, b, stride, pads), residual)
+    keep = bool(consts.get("PRETRANSFORM", 0))
+    consts = {k: v for k, v in consts.items() if k != "PRETRANSFORM"}  # the core's own constants
     oh, ow = conv_out_size(h, wd, kh, kw, stride, pads)
     th, tw = math.ceil(oh / W2_TILE), math.ceil(ow / W2_TILE)
     n_tiles = bsz * th * tw
@@ -227,10 +237,14 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
     has_res = int(residual is not None)
 
     def transformed_filters(co0: int, cc: int) -> Tensor:
-        u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=int(WINOGRAD_CORE_FILTER_BYTES * scale))
-        ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc, 0),
-                        [None, w, None, u], ops.grid_1d(cc * cin))
-        return u
+        def make() -> Tensor:  # kept: its own size; else the scratch size class every call shares
+            bound = 0 if keep else int(WINOGRAD_CORE_FILTER_BYTES * scale)
+            u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=bound)
+            ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc, 0),
+                            [None, w, None, u], ops.grid_1d(cc * cin))
+            return u
+
+        return ops.prepare(("winograd_2x2", co0, cc), w, make) if keep else make()
 
     # Tiles outside, channel chunks inside: each chunk of tiles is transformed once; the filters
     # of a channel chunk are transformed once per tile chunk (once in all when one chunk holds

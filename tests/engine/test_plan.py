@@ -199,6 +199,41 @@ def test_an_f16_storage_plan_equals_generate_and_holds_what_fit_says(tiny_model_
 
 
 @pytest.mark.gpu
+def test_filters_kept_once_a_generation_are_made_in_the_context_stage(tiny_model_dir, gpu):
+    """A profile that keeps Winograd's transformed filters (winograd_2x2, PRETRANSFORM 1): the
+    plan makes them in unet_context, once a generation, and its replayed step runs no filter
+    kernel; the image is the eager engine's to the bit, resident and staged (where the
+    convolutions' weights go up for the context stage and the kept filters stay for the loop)."""
+    from engine.fit import fit_plan
+    from engine.profiles import SCHEMA_ID
+
+    if not gpu.caps.has_f16:
+        missing("adapter lacks shader-f16", F16_HINT)
+    doc = {"schema": SCHEMA_ID, "name": "test-pretransform", "rules": [
+        {"op": "conv2d", "variant": "winograd_2x2", "when": {"k": 3, "stride": 1}, "constants": {"PRETRANSFORM": 1}}]}
+    kwargs = {"steps": 2, "seed": 5, "height": 64, "width": 64, "scheduler": "euler"}
+    eager = engine.load_pipeline(tiny_model_dir, precision="fp16", profile=doc)
+    a = eager.generate("a red bicycle", **kwargs)
+    planned16 = engine.load_pipeline(tiny_model_dir, precision="fp16", executor="plan", profile=doc)
+    b = planned16.generate("a red bicycle", **kwargs)
+    np.testing.assert_array_equal(b.image, a.image)
+    plan = planned16.plans[(64, 64, 2, "euler", 7.5, None)]
+
+    def filters(stage: str) -> int:
+        return sum(c.get("label") == "conv2d_winograd_filter" for c in plan["stages"][stage]["commands"])
+
+    kept = sum(d["variant"] == "winograd_2x2" and d["constants"].get("PRETRANSFORM") == 1
+               for d in plan["profile"]["decisions"] if d["op"] == "conv2d" and d.get("dtype") != "f32")
+    assert kept and filters("unet_step") == 0 and filters("unet_context") >= kept
+    fit = fit_plan(plan, gpu.caps)
+    tight = engine.load_pipeline(tiny_model_dir, precision="fp16", executor="plan", profile=doc,
+                                 budget_bytes=fit.resident_gpu_bytes - 1)
+    c = tight.generate("a red bicycle", **kwargs)
+    assert tight.residency == "staged"
+    np.testing.assert_array_equal(c.image, a.image)
+
+
+@pytest.mark.gpu
 def test_a_plan_without_guidance_equals_generate(native, planned, fresh_rng):
     latents = fresh_rng.standard_normal((1, 4, 8, 8), dtype=np.float32)
     kwargs = {"steps": 2, "guidance_scale": 1.0, "height": 64, "width": 64, "scheduler": "ddim", "latents": latents}

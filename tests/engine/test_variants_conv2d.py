@@ -252,6 +252,50 @@ def test_winograd_2x2_in_chunks(rt, pipelines, fresh_rng, monkeypatch):
     run_and_compare(rt, pipelines, fresh_rng, "winograd_2x2", "f16", 2, 48, 150, (10, 9), 3, 1, (1, 1, 1, 1))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "channel-chunks"])
+def test_winograd_2x2_pretransform_keeps_the_filters_once_made(rt, pipelines, fresh_rng, monkeypatch, chunked):
+    """PRETRANSFORM 1 with somewhere to keep them (Ops.prepared, a generation's): the first call
+    transforms the filters, the later ones run without the filter kernel and give the same
+    bits; without a Prepared (or with PRETRANSFORM 0) every call transforms them again; a
+    second weight tensor gets its own."""
+    from engine.ops import Prepared
+    from engine.variants import conv2d
+
+    if chunked:  # 64 output channels per chunk: two kept chunks of filters
+        monkeypatch.setattr(conv2d, "WINOGRAD_CORE_FILTER_BYTES", 16 * 32 * 2 * 64)
+    ops = make_ops(rt, pipelines, "f16", "winograd_2x2", {"PRETRANSFORM": 1})
+    x, w, b = conv_inputs(fresh_rng, 2, 32, 96, (10, 8), 3)
+    xt, wt, bt = rt.upload(x, "f16"), rt.upload(w, "f16"), rt.upload(b, "f16")
+    filters = []
+    plain_dispatch = rt.dispatch
+    monkeypatch.setattr(rt, "dispatch", lambda p, label, *a: (filters.append(label) if label ==
+                        "conv2d_winograd_filter" else None) or plain_dispatch(p, label, *a))
+
+    def run(w_t=wt):
+        before = len(filters)
+        y = rt.read(ops.conv2d(xt, w_t, bt, padding=1))
+        return y, len(filters) - before
+
+    y0, n0 = run()  # nowhere to keep them: made on every call
+    assert n0 == (2 if chunked else 1) and run()[1] == n0
+    ops.prepared = Prepared()
+    y1, n1 = run()
+    y2, n2 = run()
+    assert (n1, n2) == (n0, 0)
+    assert np.array_equal(y0, y1) and np.array_equal(y1, y2)
+    assert len(ops.prepared) == n0
+    expect = np_conv(x.astype(np.float16).astype(np.float64), w.astype(np.float16).astype(np.float64),
+                     b.astype(np.float16).astype(np.float64), 1, (1, 1, 1, 1))
+    assert rel_err(y2.astype(np.float64), expect) <= TOL[("winograd_2x2", "f16")]
+    w_neg = rt.upload(-w, "f16")
+    y3, n3 = run(w_neg)
+    assert n3 == n0 and rel_err(y3.astype(np.float64), -expect + 2 * b.astype(np.float16)[None, :, None, None]) \
+        <= TOL[("winograd_2x2", "f16")]
+    plain = make_ops(rt, pipelines, "f16", "winograd_2x2")  # PRETRANSFORM 0 keeps nothing
+    plain.prepared = Prepared()
+    assert np.array_equal(rt.read(plain.conv2d(xt, wt, bt, padding=1)), y0) and not plain.prepared
+
+
 @pytest.mark.parametrize("variant", ["implicit_gemm", "winograd"])
 def test_320_channels_8x8_f32(rt, pipelines, fresh_rng, variant):
     run_and_compare(rt, pipelines, fresh_rng, variant, "f32", 1, 320, 320, (8, 8), 3, 1, (1, 1, 1, 1))
