@@ -24,7 +24,7 @@ import hashlib
 import json
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -275,7 +275,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
                 width: int | None = None, steps: int = 20, scheduler: str = "pndm", guidance_scale: float = 7.5,
                 profile=None, model_name: str = "", hashes: bool = True,
                 strength: float | None = None, scratch_divisor: int = 1,
-                vae_dtype: str | None = None) -> dict[str, Any]:
+                vae_dtype: str | None = None, keep_derived: bool = True) -> dict[str, Any]:
     """The plan of one generation configuration on an adapter with `caps` (its features decide
     shader-f16 and which variants may run, its limits the chunking and grids), recorded from the
     denoising loop `Pipeline.generate` runs (engine/denoise.py). Needs the
@@ -288,7 +288,9 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     in halves (fp16, f16-storage) and an f32 decoder would bind a tensor over the adapter's
     max-storage-buffer-binding-size (SD 1.4 at 512x512: 256 MiB, where some Qualcomm drivers
     give 128): then its tensors are stored as halves too (`vae_dtype` f16s, arithmetic still f32),
-    and the plan says so in its warnings."""
+    and the plan says so in its warnings. `keep_derived=False` makes what a profile would keep for a
+    generation (Winograd's transformed filters, PRETRANSFORM) at every step instead: less memory
+    (record_plan_within's first step down for a budget)."""
     from .kernels import PRECISIONS
     from .models.unet import ContextKV
     from .pipeline import (
@@ -314,6 +316,11 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
         notes.append("the VAE decoder's f32 tensors exceed the adapter's max-storage-buffer-binding-size: it "
                      "stores them as halves (f16-storage, f32 arithmetic) although the model asks for f32")
     selection = _selection(caps, profile)
+    if not keep_derived and _prepares(selection):
+        selection.rules = [replace(r, constants=tuple((k, v) for k, v in r.constants if k != "PRETRANSFORM"))
+                           for r in selection.rules]
+        notes.append("Winograd's transformed filters are made at every step, not kept for the generation: "
+                     "the plan fits its memory budget only so")
     refs = weight_refs(config, model_dir, hashes=hashes)
     if strength is None:  # text to image binds no VAE encoder weight: the plan holds none (130 MiB in SD 1.4)
         encoder = STAGE_WEIGHTS["vae_encoder"][1]
@@ -414,7 +421,7 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
         return record_plan(config, caps, model_dir=model_dir, precision=precision, height=height, width=width,
                            steps=steps, scheduler=scheduler, guidance_scale=guidance_scale, profile=profile,
                            model_name=model_name, hashes=hashes, strength=strength, scratch_divisor=scratch_divisor,
-                           vae_dtype="f16s")
+                           vae_dtype="f16s", keep_derived=keep_derived)
     return plan
 
 
@@ -430,18 +437,23 @@ SCRATCH_DIVISORS = (1, 2, 4)
 
 
 def record_plan_within(config, caps, budget_bytes: int | None, residency: str = "auto", **kwargs) -> dict[str, Any]:
-    """record_plan, with the scratch bounds divided (SCRATCH_DIVISORS) until the plan's peak
-    fits `budget_bytes` in `residency` (engine.fit): the first plan that fits, or the last
-    one tried (whose fit says what does not fit). No budget: record_plan's plan."""
+    """record_plan, within `budget_bytes` in `residency` (engine.fit): first without what the
+    profile keeps for a generation (keep_derived=False: about 1 GB in SD 1.4 where a profile keeps
+    Winograd's filters), then with the scratch bounds divided (SCRATCH_DIVISORS), until the plan's
+    peak fits: the first plan that fits, or the last one tried (whose fit says what does not fit).
+    No budget: record_plan's plan."""
     from .fit import effective_budget, plan_memory
+    from .pipeline import _selection
 
     plan = record_plan(config, caps, **kwargs)
     budget_bytes = effective_budget(caps, budget_bytes)
-    if budget_bytes is None:
+    if budget_bytes is None or plan_memory(plan).peak(residency) <= budget_bytes:
         return plan
-    for divisor in SCRATCH_DIVISORS:
-        if divisor > 1:
-            plan = record_plan(config, caps, scratch_divisor=divisor, **kwargs)
+    keeps = _prepares(_selection(caps, kwargs.get("profile")))  # else keep_derived changes nothing
+    smaller = [d for d in SCRATCH_DIVISORS if d > 1]
+    tries = [(1, False)] * keeps + [(d, False) for d in smaller] + [(d, True) for d in smaller] * keeps
+    for divisor, keep in tries:
+        plan = record_plan(config, caps, scratch_divisor=divisor, keep_derived=keep, **kwargs)
         if plan_memory(plan).peak(residency) <= budget_bytes:
             break
     return plan

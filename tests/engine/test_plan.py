@@ -199,12 +199,14 @@ def test_an_f16_storage_plan_equals_generate_and_holds_what_fit_says(tiny_model_
 
 
 @pytest.mark.gpu
-def test_filters_kept_once_a_generation_are_made_in_the_context_stage(tiny_model_dir, gpu):
+def test_filters_kept_once_a_generation_are_made_in_the_context_stage(tiny_model_dir, gpu, monkeypatch):
     """A profile that keeps Winograd's transformed filters (winograd_2x2, PRETRANSFORM 1): the
     plan makes them in unet_context, once a generation, and its replayed step runs no filter
     kernel; the image is the eager engine's to the bit, resident and staged (where the
     convolutions' weights go up for the context stage and the kept filters stay for the loop)."""
-    from engine.fit import fit_plan
+    from engine.fit import fit_plan, plan_memory
+    from engine.models.config import load_model_config
+    from engine.plan import record_plan_within
     from engine.profiles import SCHEMA_ID
 
     if not gpu.caps.has_f16:
@@ -231,6 +233,25 @@ def test_filters_kept_once_a_generation_are_made_in_the_context_stage(tiny_model
     c = tight.generate("a red bicycle", **kwargs)
     assert tight.residency == "staged"
     np.testing.assert_array_equal(c.image, a.image)
+    # a budget the kept filters do not fit, resident, and making them at every step does: the
+    # plan makes them at every step, and says so. (The tiny model's weights are small beside
+    # the 16 MiB scratch every step's filters take: smaller scratch here, as SD 1.4's 1 GB of
+    # kept filters is beside it.)
+    from engine.variants import conv2d
+
+    monkeypatch.setattr(conv2d, "WINOGRAD_CORE_FILTER_BYTES", 1 << 16)
+    config = load_model_config(tiny_model_dir)
+    args = {"model_dir": tiny_model_dir, "precision": "fp16", "height": 64, "width": 64, "steps": 2,
+            "scheduler": "euler", "profile": doc}
+    kept_plan = record_plan(config, gpu.caps, **args)
+    lean = plan_memory(record_plan(config, gpu.caps, keep_derived=False, **args)).resident_bytes
+    assert lean < plan_memory(kept_plan).resident_bytes
+    fitted = record_plan_within(config, gpu.caps, lean, "resident", **args)
+    steps = fitted["stages"]["unet_step"]["commands"]
+    assert sum(c.get("label") == "conv2d_winograd_filter" for c in steps) >= kept
+    assert plan_memory(fitted).resident_bytes == lean
+    assert any("made at every step" in w for w in fitted["warnings"])
+    assert record_plan_within(config, gpu.caps, None, "resident", **args)["sha256"] == kept_plan["sha256"]
 
 
 @pytest.mark.gpu
