@@ -14,8 +14,9 @@ A probe is the shipped shader (shaders/linear/gemm.wgsl) with one textual change
              are its first ones, lanes reversed (same FMAs, same kind of values)
   loop       noglobal + nostore + nobarrier: only the workgroup-memory reads and the FMAs
   loop+...   the loop with one more part out
+  flush2     no edit: the shipped core with FLUSH 2 (the slabs in pairs, one flush per pair)
 
-Every probe but the shipped one computes a wrong product: this is a measurement of cost, and
+Every probe but the shipped one and flush2 computes a wrong product: this is a measurement of cost, and
 its outputs are not checked. Prints a table of medians (GPU timestamps) and writes JSON.
 """
 
@@ -73,7 +74,9 @@ PROBES = {
     "loop+nosplat": ("noglobal", "nostore", "nobarrier", "nosplat"),
     "halflds": ("halflds",),
     "loop+halflds": ("noglobal", "nostore", "nobarrier", "halflds"),
+    "flush2": (),
 }
+PROBE_CONSTANTS = {"flush2": {"FLUSH": 2}}  # probes that set constants rather than edit the source
 # (label, batch, m, n, k, B is K x N, tile settings)
 SHAPES = (
     ("linear FF1 64x64", 1, 8192, 2560, 320, False, {"TILE_M": 64, "TILE_N": 128, "TILE_K": 16, "PREFETCH": 0}),
@@ -163,8 +166,9 @@ def main(argv=None) -> int:
             kernels.REGISTRY["linear"]["gemm"] = probe
             try:
                 ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f16")
+                consts = {**tiles, **PROBE_CONSTANTS.get(name, {})}
                 times[key] = statistics.median(time_gpu_work(
-                    rt, lambda o=ops: core.gemm(o, tiles, a, b, m, n, k, batch=batch, b_kn=b_kn),  # noqa: B023 (timed at once)
+                    rt, lambda o=ops, c=consts: core.gemm(o, c, a, b, m, n, k, batch=batch, b_kn=b_kn),  # noqa: B023 (timed at once)
                     args.warmup, args.reps))
             finally:
                 kernels.REGISTRY["linear"]["gemm"] = shipped

@@ -33,7 +33,13 @@ def f32_core(source: str) -> str:
         raise SystemExit("gemm.wgsl no longer has the shape this script rewrites; update the script")
     s = s[: flush.start()] + "\n" + s[flush.end():]
     s = s[: sums.start()] + s[sums.end():]
+    pair = re.search(r"// FLUSH 2's add of a pair's sums to the f32 accumulators\.\nfn flush_pair(?:.*\n)*?\}\n\n", s)
+    if pair is None or "            flush_pair(&c, h);\n" not in s:
+        raise SystemExit("gemm.wgsl no longer has the shape this script rewrites; update the script")
+    s = s[: pair.start()] + s[pair.end():]
+    s = s.replace("            flush_pair(&c, h);\n", "")
     s = s.replace("    var h = Sums();  // this slab's f16 sums\n", "")
+    s = s.replace("            var h = Sums();  // this pair's sums\n", "")
     s = s.replace("fn mac(acc: ptr<function, Sums>,", "fn mac(acc: ptr<function, Acc>,").replace("mac(&h,", "mac(&c,")
     if re.search(r"\bh\.|\bSums\b|&h\b", s):
         raise SystemExit("gemm.wgsl no longer has the shape this script rewrites; update the script")

@@ -100,6 +100,22 @@ def test_linear_gemm(rt, gpu, fresh_rng, dtype, m, k, n, bias, tiles):
     assert rel_err(got, ref_gpu) <= TOL[dtype], "gemm vs the reference variant"
 
 
+@pytest.mark.parametrize("tiles", [{"FLUSH": 2}, {"FLUSH": 2, "PREFETCH": 0}, {"FLUSH": 2, "SPLIT_K": 2},
+                                   {"FLUSH": 2, "SPLIT_K": 4, "COLS": 4, "TILE_M": 32}],
+                         ids=["pairs", "pairs-no-prefetch", "pairs-split-K-2", "pairs-split-K-4-8x4"])
+@pytest.mark.parametrize("m,k,n", [(130, 80, 68), (3, 12, 4)], ids=["5-slabs", "one-short-slab"])
+def test_flush_2_sums_the_slabs_in_pairs(rt, gpu, fresh_rng, dtype, m, k, n, tiles):
+    """FLUSH 2 runs the slabs two at a time: an odd number of slabs (a pair's second staged as
+    zeros), splits of K whose shares are odd (5 slabs in 2 splits: 3 and 2; in 4: 2, 2, 1, 0),
+    fewer slabs than a pair; against numpy, outputs poisoned."""
+    x, w, b = rand(fresh_rng, m, k), rand(fresh_rng, n, k, scale=k**-0.5), rand(fresh_rng, n)
+    ops = ops_for(rt, gpu, [Rule("linear", "gemm", constants=tuple(tiles.items()))], dtype)
+    got = rt.read(ops.linear(rt.upload(x, dtype), rt.upload(w, dtype), rt.upload(b, dtype))).astype(np.float64)
+    assert np.isfinite(got).all(), "gemm left poisoned (NaN) elements or overflowed"
+    assert [d.variant for d in ops.selection.decisions.values()] == ["gemm"]
+    assert rel_err(got, h(x, dtype) @ h(w, dtype).T + h(b, dtype)) <= TOL[dtype]
+
+
 def test_linear_gemm_falls_back_where_the_core_cannot_run(rt, gpu, fresh_rng, dtype):
     """K % 4 != 0: the tiled kernels serve the call, still correct."""
     x, w = rand(fresh_rng, 77, 37), rand(fresh_rng, 45, 37, scale=37**-0.5)
