@@ -562,6 +562,32 @@ def test_a_tune_limited_by_a_shape_filter_times_only_the_shapes_it_holds_for(tin
         tune(config, gpu, "f32", 64, 64, tmp_path / "u.json", ops={"conv2d"}, where={"cout": {"below": 4}})
 
 
+def test_a_composed_variant_is_tuned_with_the_kernels_this_adapters_profile_chooses(tiny_model_dir, tmp_path, gpu,
+                                                                                    monkeypatch):
+    """linear_nchw's reference (a linear, a transpose and an add) is timed running the linear
+    this adapter's own profile picks, not the linear's reference kernel; its rivals run as tuned."""
+    from engine import tune as tuner
+    from engine.models.config import load_model_config
+
+    made = []
+
+    class Recording(tuner.Ops):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    forced = parse_profile(doc(rules=[{"op": "linear", "variant": "tiled"}]))
+    monkeypatch.setattr(tuner, "Ops", Recording)
+    monkeypatch.setattr(tuner, "auto_profile", lambda caps: forced)
+    tuner.tune(load_model_config(tiny_model_dir), gpu, "f32", 64, 64, tmp_path / "t.json", warmup=0, repeats=1,
+               ops={"linear_nchw"}, networks={"unet"})
+    composed = [o for o in made if o.selection.profile_name == forced.name]
+    assert composed and all(d.variant == "tiled" for o in composed for d in o.selection.decisions.values()
+                            if d.op == "linear")
+    assert any(d.op == "linear" for o in composed for d in o.selection.decisions.values())
+    assert all(o.selection.profile_name == "reference" for o in made if o not in composed)
+
+
 def test_a_rule_may_hold_for_one_element_type_only():
     """A rule naming "dtype" holds for calls in that element type only (an f16 tune's rules can
     then differ from f16-storage's or an f32 VAE's on the same shape); rules naming none hold
