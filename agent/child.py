@@ -272,7 +272,7 @@ class ChildJob:
         timed_kernels = s.kernel_timings and self.caps.has_timestamps
         with pipe.weights_on_gpu("unet", "unet_context"):
             # projected once, as a generation does: a timed step is one of its loop's steps
-            ctx = pipe.unet_model.context_kv(rt.upload(ctx_np, pipe.dtype))
+            ctx = pipe.context_kv(rt.upload(ctx_np, pipe.dtype))
             self.phase("unet_warmup", repetitions=s.warmup)
             for _ in range(s.warmup):
                 pipe._unet(sample, t, ctx)
@@ -393,7 +393,7 @@ class ChildJob:
             return clock + f", one UNet step after the {self.spec.kind}" if clock.startswith("gpu") else clock
         sample, t, ctx_np = self.unet_inputs(pipe, height, width)
         with pipe.weights_on_gpu("unet", "unet_context"):
-            ctx = pipe.unet_model.context_kv(pipe.rt.upload(ctx_np, pipe.dtype))  # once, as a generation does
+            ctx = pipe.context_kv(pipe.rt.upload(ctx_np, pipe.dtype))  # once, as a generation does
             self.time_kernels(pipe, sample, t, ctx, 1)
             del ctx
         return "gpu timestamp queries, one UNet step after the " + str(self.spec.kind)

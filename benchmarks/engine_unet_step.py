@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     cross = pipe.config.unet.cross_attention_dim
     sample = rng.standard_normal((2, pipe.latent_channels, h, w), dtype=np.float32)
     # the context's keys and values projected once, as a generation does for all its steps
-    ctx = pipe.unet_model.context_kv(rt.upload(rng.standard_normal((2, 77, cross), dtype=np.float32), pipe.dtype))
+    ctx = pipe.context_kv(rt.upload(rng.standard_normal((2, 77, cross), dtype=np.float32), pipe.dtype))
     ids = pipe.tokenize(["", "a photograph of an astronaut riding a horse"])
 
     rows = {}

@@ -124,11 +124,12 @@ def main(argv=None) -> None:
           f"on {caps.device}; MiB")
     w = rows[0]["weights_bytes"]
     print("weights: " + ", ".join(f"{k} {v / MIB:.0f}" for k, v in w.items()))
-    print(f"{'residency':<10} {'text encoder':>13} {'UNet loop':>10} {'VAE decode':>11} {'peak':>8}")
+    print(f"{'residency':<10} {'text encoder':>13} {'UNet context':>13} {'UNet loop':>10} {'VAE decode':>11} "
+          f"{'peak':>8}")
     for r in rows:
         s = r["stage_peak_gpu_bytes"]
-        print(f"{r['residency']:<10} {s['text_encoder'] / MIB:>13.1f} {s['unet'] / MIB:>10.1f} "
-              f"{s['vae_decode'] / MIB:>11.1f} {r['peak_gpu_bytes'] / MIB:>8.1f}")
+        print(f"{r['residency']:<10} {s['text_encoder'] / MIB:>13.1f} {s.get('unet_context', 0) / MIB:>13.1f} "
+              f"{s['unet'] / MIB:>10.1f} {s['vae_decode'] / MIB:>11.1f} {r['peak_gpu_bytes'] / MIB:>8.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -47,7 +47,7 @@ def eager_unet_ms(pipe, height: int, width: int, reps: int, warmup: int) -> list
                     pipe.dtype)
     times = []
     with pipe.weights_on_gpu("unet", "unet_context"):  # (staged: up for the whole measurement)
-        ctx = pipe.unet_model.context_kv(ctx)  # once, as a generation does (plan replay: stage unet_context)
+        ctx = pipe.context_kv(ctx)  # once, as a generation does (plan replay: stage unet_context)
         for r in range(warmup + reps):
             rt.sync()
             t0 = time.perf_counter()

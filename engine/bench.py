@@ -100,7 +100,7 @@ def run_ablation(pipe, height: int, width: int, reps: int = 5, warmup: int = 1, 
         samples, kernel_ms = [], {}
         with pipe.weights_on_gpu("unet", "unet_context"):  # a staged pipeline uploads the UNet once per row
             # the context's keys and values projected once, as a generation does
-            ctx = pipe.unet_model.context_kv(rt.upload(ctx_np, pipe.dtype))
+            ctx = pipe.context_kv(rt.upload(ctx_np, pipe.dtype))
             for _ in range(warmup):
                 pipe._unet(sample, 981, ctx)
             for _ in range(reps):

@@ -32,7 +32,7 @@ import numpy as np
 from .denoise import DenoisingLoop
 from .device import GPU, get_gpu
 from .errors import InputError, ModelError
-from .gpu import DTYPES, GpuContext, StageTimer, TraceContext
+from .gpu import DTYPES, GpuContext, StageTimer, Tensor, TraceContext
 from .kernels import Selection, precision_notes, precision_of, storage_dtype
 from .models.clip import ACTIVATIONS, CLIPTextEncoder
 from .models.common import GPUWeights
@@ -422,6 +422,16 @@ class Pipeline(BasePipeline):
     def _temb(self, timestep, batch: int):
         return self.rt.upload(self._temb_array(timestep, batch), self.dtype)
 
+    def context_kv(self, ctx: Tensor) -> ContextKV:
+        """The cross-attentions' keys and values of the context ctx (on the GPU), for every step
+        of a denoising loop (the UNet's and the unet_context stage's weights on the GPU). A staged
+        pipeline, the one kept within a memory budget, keeps nothing else for the loop: a profile's
+        kept Winograd filters (PRETRANSFORM) are made at every step there."""
+        kv = self.unet_model.context_kv(ctx)
+        if self.residency == "staged":
+            kv.prepared = None
+        return kv
+
     def _unet(self, sample: np.ndarray, timestep, ctx):
         """One UNet evaluation; ctx the context on the GPU or its keys and values (context_kv),
         as a denoising loop passes them: projected once for every step."""
@@ -501,7 +511,7 @@ class Pipeline(BasePipeline):
             ctx = self.text_encoder(self._ids_tensor(self.tokenize(texts)))  # (B, 77, D) on GPU
         # the cross-attentions' keys and values of the context, once for every step
         with timer("unet_context_ms"), self._stage("unet_context", peaks, "unet_context"):
-            kv = self.unet_model.context_kv(ctx)
+            kv = self.context_kv(ctx)
             del ctx
 
         # 2. the loop as data (one program per scheduler, steps and strength) and its first sample

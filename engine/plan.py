@@ -437,19 +437,21 @@ SCRATCH_DIVISORS = (1, 2, 4)
 
 
 def record_plan_within(config, caps, budget_bytes: int | None, residency: str = "auto", **kwargs) -> dict[str, Any]:
-    """record_plan, within `budget_bytes` in `residency` (engine.fit): first without what the
-    profile keeps for a generation (keep_derived=False: about 1 GB in SD 1.4 where a profile keeps
+    """record_plan, within `budget_bytes` in `residency` (engine.fit; staged keeps nothing derived
+    for a generation): first without what the profile keeps for a generation (keep_derived=False: about 1 GB in SD 1.4 where a profile keeps
     Winograd's filters), then with the scratch bounds divided (SCRATCH_DIVISORS), until the plan's
     peak fits: the first plan that fits, or the last one tried (whose fit says what does not fit).
     No budget: record_plan's plan."""
     from .fit import effective_budget, plan_memory
     from .pipeline import _selection
 
-    plan = record_plan(config, caps, **kwargs)
+    # staged residency is the one kept within a memory budget: it keeps nothing derived (as a
+    # staged Pipeline's context_kv)
+    plan = record_plan(config, caps, keep_derived=residency != "staged", **kwargs)
     budget_bytes = effective_budget(caps, budget_bytes)
     if budget_bytes is None or plan_memory(plan).peak(residency) <= budget_bytes:
         return plan
-    keeps = _prepares(_selection(caps, kwargs.get("profile")))  # else keep_derived changes nothing
+    keeps = residency != "staged" and _prepares(_selection(caps, kwargs.get("profile")))
     smaller = [d for d in SCRATCH_DIVISORS if d > 1]
     tries = [(1, False)] * keeps + [(d, False) for d in smaller] + [(d, True) for d in smaller] * keeps
     for divisor, keep in tries:

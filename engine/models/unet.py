@@ -56,7 +56,7 @@ class ContextKV(dict):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.prepared = Prepared()
+        self.prepared: Prepared | None = Prepared()  # None: nothing kept (a staged pipeline's)
 
 
 class UNet2DCondition:

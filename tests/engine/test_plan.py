@@ -252,6 +252,15 @@ def test_filters_kept_once_a_generation_are_made_in_the_context_stage(tiny_model
     assert plan_memory(fitted).resident_bytes == lean
     assert any("made at every step" in w for w in fitted["warnings"])
     assert record_plan_within(config, gpu.caps, None, "resident", **args)["sha256"] == kept_plan["sha256"]
+    # staged residency, the one kept within a budget, keeps nothing derived: plans and pipelines
+    staged_plan = record_plan_within(config, gpu.caps, None, "staged", **args)
+    assert sum(c.get("label") == "conv2d_winograd_filter" for c in staged_plan["stages"]["unet_step"]["commands"]) \
+        >= kept
+    staged_eager = engine.load_pipeline(tiny_model_dir, precision="fp16", profile=doc, residency="staged")
+    for pipe, keeps in ((staged_eager, False), (eager, True)):
+        with pipe.weights_on_gpu("unet", "unet_context"):
+            ctx = pipe.rt.upload(np.zeros((2, 77, pipe.config.unet.cross_attention_dim), np.float32), pipe.dtype)
+            assert (pipe.context_kv(ctx).prepared is not None) == keeps
 
 
 @pytest.mark.gpu
