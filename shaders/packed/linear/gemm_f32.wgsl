@@ -22,7 +22,7 @@ override TILE_M: u32 = 64;   // multiple of 16
 override TILE_N: u32 = 64;   // multiple of 16
 override TILE_K: u32 = 16;   // multiple of 8
 override B_KN: bool = false;  // B is K x N (N contiguous) instead of N x K
-override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 accumulators
+override FLUSH: u32 = 1u;     // slabs summed in f16 before each add to the f32 accumulators (2: in pairs, below)
 override SPLIT_K: u32 = 1u;   // splits of K (1: none)
 override PREFETCH: bool = true;  // next slab's global loads in flight during the FMAs (more registers)
 override COLS: u32 = 8u;      // columns of an invocation's register block: 8 (two vec4 groups) or 4
@@ -244,7 +244,86 @@ fn main(
     workgroupBarrier();
 
     var c = Acc();   // f32 sums
-    for (var t = first; t < slabs; t++) {
+    if (FLUSH == 2u) {
+        // FLUSH 2: the slabs in pairs, the first from stage 0 and the second from stage 1, and the
+        // pair's partial sums added to the accumulators once after it, with no branch around the
+        // FMAs (a pair's second slab past this split's last is staged as zeros). The loop below
+        // with FLUSH 2 tested the slab's parity before each flush, and NVIDIA's compiler then
+        // re-packed the partial sums at every FMA (1.4-1.7x slower than FLUSH 1).
+        for (var t = first; t < slabs; t += 2u) {
+            let k1 = (t + 1u) * TILE_K;
+            let second = t + 1u < slabs;
+            if (PREFETCH) {
+                pa0 = Quad(); pa1 = Quad(); pb0 = Quad(); pb1 = Quad();
+                if (second) {
+                    if (li < qa) { pa0 = load_a(z, m0, k1, li); }
+                    if (li + nt < qa) { pa1 = load_a(z, m0, k1, li + nt); }
+                    if (li < qb) { pb0 = load_b(z, n0, k1, li); }
+                    if (li + nt < qb) { pb1 = load_b(z, n0, k1, li + nt); }
+                }
+            }
+            for (var kk = 0u; kk < TILE_K; kk += 8u) {  // stage 0
+                let at = lid.y + kk * sa();
+                let bt = lid.x + kk * sb();
+                mac(&c, at, bt);
+                mac(&c, at + sa(), bt + sb());
+                mac(&c, at + 2u * sa(), bt + 2u * sb());
+                mac(&c, at + 3u * sa(), bt + 3u * sb());
+                mac(&c, at + 4u * sa(), bt + 4u * sb());
+                mac(&c, at + 5u * sa(), bt + 5u * sb());
+                mac(&c, at + 6u * sa(), bt + 6u * sb());
+                mac(&c, at + 7u * sa(), bt + 7u * sb());
+            }
+            if (!PREFETCH) {
+                pa0 = Quad(); pa1 = Quad(); pb0 = Quad(); pb1 = Quad();
+                if (second) {
+                    if (li < qa) { pa0 = load_a(z, m0, k1, li); }
+                    if (li + nt < qa) { pa1 = load_a(z, m0, k1, li + nt); }
+                    if (li < qb) { pb0 = load_b(z, n0, k1, li); }
+                    if (li + nt < qb) { pb1 = load_b(z, n0, k1, li + nt); }
+                }
+            }
+            if (li < qa) { store_a(1u, li, pa0); }
+            if (li + nt < qa) { store_a(1u, li + nt, pa1); }
+            if (li < qb) { store_b(1u, li, pb0); }
+            if (li + nt < qb) { store_b(1u, li + nt, pb1); }
+            workgroupBarrier();
+            let k2 = (t + 2u) * TILE_K;
+            let next = t + 2u < slabs;
+            if (next && PREFETCH) {
+                if (li < qa) { pa0 = load_a(z, m0, k2, li); }
+                if (li + nt < qa) { pa1 = load_a(z, m0, k2, li + nt); }
+                if (li < qb) { pb0 = load_b(z, n0, k2, li); }
+                if (li + nt < qb) { pb1 = load_b(z, n0, k2, li + nt); }
+            }
+            for (var kk = 0u; kk < TILE_K; kk += 8u) {  // stage 1
+                let at = TILE_K * sa() + lid.y + kk * sa();
+                let bt = TILE_K * sb() + lid.x + kk * sb();
+                mac(&c, at, bt);
+                mac(&c, at + sa(), bt + sb());
+                mac(&c, at + 2u * sa(), bt + 2u * sb());
+                mac(&c, at + 3u * sa(), bt + 3u * sb());
+                mac(&c, at + 4u * sa(), bt + 4u * sb());
+                mac(&c, at + 5u * sa(), bt + 5u * sb());
+                mac(&c, at + 6u * sa(), bt + 6u * sb());
+                mac(&c, at + 7u * sa(), bt + 7u * sb());
+            }
+            if (next && !PREFETCH) {
+                if (li < qa) { pa0 = load_a(z, m0, k2, li); }
+                if (li + nt < qa) { pa1 = load_a(z, m0, k2, li + nt); }
+                if (li < qb) { pb0 = load_b(z, n0, k2, li); }
+                if (li + nt < qb) { pb1 = load_b(z, n0, k2, li + nt); }
+            }
+            if (next) {
+                if (li < qa) { store_a(0u, li, pa0); }
+                if (li + nt < qa) { store_a(0u, li + nt, pa1); }
+                if (li < qb) { store_b(0u, li, pb0); }
+                if (li + nt < qb) { store_b(0u, li + nt, pb1); }
+            }
+            workgroupBarrier();
+        }
+    }
+    for (var t = select(first, slabs, FLUSH == 2u); t < slabs; t++) {  // (FLUSH 2 ran above)
         let s = (t - first) % 2u;
         let more = t + 1u < slabs;
         let k0 = (t + 1u) * TILE_K;
