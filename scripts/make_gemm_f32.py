@@ -5,6 +5,7 @@ element types: edit gemm.wgsl and run this (tests/engine/test_variants_gemm.py c
 file is up to date).
 
     python scripts/make_gemm_f32.py
+    python scripts/make_packed_shaders.py   # then: the f16-storage form is made from the f32 one
 """
 
 from __future__ import annotations
