@@ -438,10 +438,10 @@ SCRATCH_DIVISORS = (1, 2, 4)
 
 def record_plan_within(config, caps, budget_bytes: int | None, residency: str = "auto", **kwargs) -> dict[str, Any]:
     """record_plan, within `budget_bytes` in `residency` (engine.fit; staged keeps nothing derived
-    for a generation): first without what the profile keeps for a generation (keep_derived=False: about 1 GB in SD 1.4 where a profile keeps
-    Winograd's filters), then with the scratch bounds divided (SCRATCH_DIVISORS), until the plan's
-    peak fits: the first plan that fits, or the last one tried (whose fit says what does not fit).
-    No budget: record_plan's plan."""
+    for a generation): first without what the profile keeps for a generation (keep_derived=False:
+    about 1 GB in SD 1.4 where a profile keeps Winograd's filters), then with the scratch bounds
+    divided (SCRATCH_DIVISORS), until the plan's peak fits: the first plan that fits, or the last
+    one tried (whose fit says what does not fit). No budget: record_plan's plan."""
     from .fit import effective_budget, plan_memory
     from .pipeline import _selection
 

@@ -92,6 +92,7 @@ def _as_called(op: str, shape: dict, v, consts: dict, ops: Ops, args: tuple, aft
     rule = Rule(op, v.name, constants=tuple(sorted(consts.items())))
     as_chosen = Ops(ops.rt, ops.pipelines, Selection(ops.selection.features, [rule], profile_name="tuning"),
                     ops.dtype, scratch_scale=ops.scratch_scale)
+    as_chosen.prepared = ops.prepared  # what the setting keeps (PRETRANSFORM), kept across the timed calls
     if after.get("geglu"):
         return lambda: as_chosen.linear_geglu(*args)
     if op == "conv2d":

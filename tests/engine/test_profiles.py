@@ -588,6 +588,33 @@ def test_a_composed_variant_is_tuned_with_the_kernels_this_adapters_profile_choo
     assert all(o.selection.profile_name == "reference" for o in made if o not in composed)
 
 
+def test_the_tuner_keeps_what_a_setting_derives_across_its_timed_calls(gpu, fresh_rng, monkeypatch):
+    """A convolution timed with the shortcut its caller adds (the ResNet's conv2) goes through an
+    Ops of its own: it keeps the candidate's Prepared, so PRETRANSFORM's filters are made by the
+    first call alone, as in a generation."""
+    from engine.gpu import GpuContext
+    from engine.kernels import PipelineCache
+    from engine.ops import Ops, Prepared
+    from engine.tune import _as_called
+
+    if not gpu.caps.has_f16:
+        missing("adapter lacks shader-f16", F16_HINT)
+    rt = GpuContext(gpu)
+    ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f16")
+    ops.prepared = Prepared()
+    x, w = fresh_rng.standard_normal((2, 16, 8, 8)), fresh_rng.standard_normal((16, 16, 3, 3)) / 12
+    args = (rt.upload(x, "f16"), rt.upload(w, "f16"), rt.upload(np.zeros(16), "f16"), 1, (1, 1, 1, 1))
+    shape = {"cin": 16, "cout": 16, "h": 8, "w": 8, "k": 3, "stride": 1, "b": 2, "tiles": 4}
+    labels = []
+    plain = rt.dispatch
+    monkeypatch.setattr(rt, "dispatch", lambda p, label, *a: labels.append(label) or plain(p, label, *a))
+    fn = _as_called("conv2d", shape, REGISTRY["conv2d"]["winograd_2x2"], {"PRETRANSFORM": 1}, ops, args,
+                    {"residual": rt.upload(x, "f16")})
+    fn(), fn(), fn()
+    rt.sync()
+    assert labels.count("conv2d_winograd_filter") == 1 and labels.count("conv2d_winograd_output") == 3
+
+
 def test_a_rule_may_hold_for_one_element_type_only():
     """A rule naming "dtype" holds for calls in that element type only (an f16 tune's rules can
     then differ from f16-storage's or an f32 VAE's on the same shape); rules naming none hold
