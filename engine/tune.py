@@ -32,6 +32,7 @@ from .ops import Ops, Prepared
 from .profiles import SCHEMA_ID, SHAPE_FIELDS, auto_profile, gpu_architecture
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
+NETWORKS = ("text_encoder", "unet", "vae_decoder")  # what `networks` may name (explain.trace_calls' networks)
 
 
 def _settings(variant) -> list[dict]:
@@ -161,6 +162,9 @@ def tune(
     f32): its rules then name it (`when.dtype`), so a VAE in another type keeps its own.
     `where` (shape_filter) limits it to the shapes a rule's `when` would hold for."""
     caps = gpu.caps
+    unknown_networks = set(networks or ()) - set(NETWORKS)
+    if unknown_networks:
+        raise EngineError(f"no network {', '.join(sorted(unknown_networks))} to tune; choose from {', '.join(NETWORKS)}")
     calls = distinct_calls(config, caps, dtype, height, width, networks, vae_dtype)
     vae_keys = set()
     if vae_dtype:

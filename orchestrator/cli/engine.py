@@ -480,21 +480,43 @@ def tune(
     resolution: str = RESOLUTION_OPTION, height: int = HEIGHT_OPTION, width: int = WIDTH_OPTION,
     repeats: int = typer.Option(5, min=1), warmup: int = typer.Option(1, min=0),
     time_budget: float = typer.Option(600.0, help="Seconds; past it only reference variants are timed."),
+    ops: str = typer.Option(None, help="Only these ops, comma-separated (e.g. linear,conv2d)."),
+    networks: str = typer.Option(None, help="Only these networks' calls: text_encoder, unet, vae_decoder."),
+    where: str = typer.Option(None, help='Only the shapes this rule condition holds for, e.g. \'{"cout": {"max": 4}}\'.'),
+    vae_dtype: str = typer.Option(None, help="Time the VAE decoder in this element type (f32 or f16); its rules name it."),
+    merge_into: Path = typer.Option(None, exists=True, dir_okay=False,
+                                    help="Keep this profile's rules and measurements for what is not tuned."),
 ):
-    """Time every applicable variant of every (op, shape) of the model on this GPU; write a profile."""
+    """Time every applicable variant of every (op, shape) of the model on this GPU; write a profile.
+    --ops, --networks and --where tune part of it; --merge-into completes that part from a profile."""
     from engine.device import get_gpu
+    from engine.tune import merge_tune
     from engine.tune import tune as run_tune
 
     config = _config_for(model, preset)
     gpu = get_gpu()
     height, width = _native(config, *_size(resolution, height, width))
     dtype = "f16" if precision == Precision.fp16 and gpu.caps.has_f16 else "f32"
+    try:
+        condition = None if where is None else json.loads(where)
+        base = None if merge_into is None else json.loads(merge_into.read_text())
+    except ValueError as exc:
+        common.fail(f"--where or --merge-into: not JSON ({exc})")
+    if vae_dtype not in (None, "f32", "f16"):
+        common.fail(f"--vae-dtype {vae_dtype!r}: f32 or f16")
+    op_set = set(ops.split(",")) if ops else None
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("", total=None)
         doc = run_tune(config, gpu, dtype, height, width, out, warmup=warmup, repeats=repeats,
-                       time_budget_s=time_budget,
+                       time_budget_s=time_budget, ops=op_set, networks=set(networks.split(",")) if networks else None,
+                       vae_dtype=vae_dtype, where=condition,
                        progress=lambda i, n, what: bar.update(task, completed=i, total=n, description=what[:60]))
+    if base is not None:
+        merge_tune(doc, base, op_set)
+        tmp = out.with_name(f".{out.name}.merged")
+        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        tmp.replace(out)
     changed = sum(1 for m in doc["measurements"] if m["chosen"] != "reference")
     console.print(f"wrote {out}: {len(doc['measurements'])} (op, shape) pairs measured, {changed} use an optimized variant")
 

@@ -54,6 +54,29 @@ def test_tune_writes_a_valid_profile_for_this_gpu(tiny_model_dir, tmp_path):
     assert pipe.generate("a cat", steps=1, height=64, width=64).image.shape == (64, 64, 3)
 
 
+def test_tune_part_of_a_model_into_a_profile(tiny_model_dir, tmp_path):
+    """--ops, --networks and --where time a part of the model (here the convolutions to at most
+    4 channels: the UNet's and the decoder's conv_out); --merge-into keeps the rest of a profile.
+    A network or condition that names nothing is refused by name, before any timing."""
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"schema": "devicefarm.profile/1", "name": "base", "rules": [
+        {"op": "attention", "variant": "flash", "when": {"dh": 8}},
+        {"op": "conv2d", "variant": "implicit_gemm", "when": {"cout": 32, "k": 3}}]}))
+    out = tmp_path / "part.json"
+    args = ["engine", "tune", "--model", str(tiny_model_dir), "--out", str(out), "--precision", "fp32",
+            "--repeats", "1", "--warmup", "0", "--ops", "conv2d"]
+    r = runner.invoke(app, [*args, "--where", '{"cout": {"max": 4}}', "--merge-into", str(base)])
+    assert r.exit_code == 0, r.output
+    prof = load_profile_file(out)
+    assert prof.measurements and all(m["op"] == "conv2d" and m["shape"]["cout"] <= 4 for m in prof.measurements)
+    kept = [(rule.op, rule.variant) for rule in prof.rules]
+    assert ("attention", "flash") in kept and ("conv2d", "implicit_gemm") in kept  # the base's, not re-tuned
+    for bad, said in ((["--networks", "unet,vae"], "no network vae"), (["--where", '{"tq": 4}'], "not a shape field"),
+                      (["--where", "{cout"], "not JSON")):
+        r = runner.invoke(app, [*args, *bad])
+        assert r.exit_code != 0 and said in r.output + str(r.exception), r.output
+
+
 def test_interrupted_tune_leaves_no_profile(tiny_model_dir, tmp_path, gpu):
     from engine.models.config import load_model_config
     from engine.tune import tune
