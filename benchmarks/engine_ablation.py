@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
     if args.command == "tune":
         from engine.models.config import load_model_config
-        from engine.tune import merge_tune, tune
+        from engine.tune import tune
 
         config = load_model_config(args.model)
         gpu = get_gpu()
@@ -61,11 +61,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         ops = set(args.ops.split(",")) if args.ops else None
         networks = set(args.networks.split(",")) if args.networks else None
+        base = json.loads(args.merge_into.read_text()) if args.merge_into else None
         doc = tune(config, gpu, dtype, h, w, args.out, repeats=args.repeats, time_budget_s=args.time_budget, ops=ops,
-                   networks=networks, vae_dtype=args.vae_dtype, where=args.where)
-        if args.merge_into:
-            merge_tune(doc, json.loads(args.merge_into.read_text()), ops)
-            args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+                   networks=networks, vae_dtype=args.vae_dtype, where=args.where, base=base)
         print(f"wrote {args.out}: {len(doc['measurements'])} (op, shape) pairs in {time.perf_counter() - t0:.0f} s")
         return 0
 

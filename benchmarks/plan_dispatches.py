@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from engine.device import get_gpu
     from engine.models.config import load_model_config
     from engine.plan import record_plan
-    from engine.plan_exec import PlanExecutor, _Dispatch
+    from engine.plan_exec import PlanExecutor
 
     gpu = get_gpu()
     config = load_model_config(args.model)
@@ -60,30 +60,16 @@ def main(argv=None) -> int:
         ctx = plan["stages"]["unet_context"]["inputs"]["context"]["shape"]
         ex.run("unet_context", {"context": np.zeros(tuple(ctx), np.float32)})
     raw = [c for c in plan["stages"][args.stage]["commands"] if c["op"] == "dispatch"]
-    prepared = ex._stage(args.stage)
-    dispatches = [c for c in prepared if c[0] == "dispatch"]
-    if len(dispatches) != len(raw):
-        raise SystemExit(f"{len(raw)} dispatches recorded, {len(dispatches)} prepared: the plan executor changed")
-    # each dispatch labelled by its index, so the clock keeps them apart
-    indexed, k = [], 0
-    for c in prepared:
-        if c[0] == "dispatch":
-            d = c[1]
-            indexed.append(("dispatch", _Dispatch(d.pipeline, d.bind_group, d.groups, str(k))))
-            k += 1
-        else:
-            indexed.append(c)
-    ex._prepared[args.stage] = indexed
-    ex.kernel_times(args.stage, 1)  # warm-up
-    totals = ex.kernel_times(args.stage, args.reps)
+    ex.kernel_times(args.stage, 1, each=True)  # warm-up
+    totals = ex.kernel_times(args.stage, args.reps, each=True)
     if totals is None:
         print("this adapter has no timestamp-query", file=sys.stderr)
         return 2
     groups: dict[tuple, dict] = {}
     for i, c in enumerate(raw):
         pipe = plan["pipelines"][c["pipeline"]]
-        words = struct.unpack(f"<{len(base64.b64decode(plan['uniforms'][c['uniform']])) // 4}I",
-                              base64.b64decode(plan["uniforms"][c["uniform"]]))
+        raw_uniform = base64.b64decode(plan["uniforms"][c["uniform"]])
+        words = struct.unpack(f"<{len(raw_uniform) // 4}I", raw_uniform)
         key = (c["label"], c["pipeline"], c["uniform"], tuple(c["groups"]))
         g = groups.setdefault(key, {"label": c["label"], "shader": pipe["shader"], "constants": pipe["constants"],
                                     "params": dict(zip(PARAM_NAMES.get(c["label"], ()), words, strict=False))

@@ -34,6 +34,9 @@ def _shape_weights(rt: TraceContext, shapes: dict[str, tuple], dtype: str) -> GP
     return GPUWeights.of_tensors({k: rt.empty(s, dtype) for k, s in shapes.items()}, dtype)
 
 
+NETWORKS = ("text_encoder", "unet", "vae_decoder")  # what trace_calls runs, in order
+
+
 def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2,
                 vae_dtype: str | None = None):
     """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone, each on Ops with
@@ -45,7 +48,7 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
 
     rt = TraceContext(caps)
     out = []
-    for network in ("text_encoder", "unet", "vae_decoder"):
+    for network in NETWORKS:
         # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)
         net_dtype = (vae_dtype or _vae_dtype(config, dtype)) if network == "vae_decoder" else dtype
         ops = Ops(rt, None, selection, net_dtype, scratch_scale=scratch_scale(network))

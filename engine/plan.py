@@ -443,7 +443,6 @@ def record_plan_within(config, caps, budget_bytes: int | None, residency: str = 
     divided (SCRATCH_DIVISORS), until the plan's peak fits: the first plan that fits, or the last
     one tried (whose fit says what does not fit). No budget: record_plan's plan."""
     from .fit import effective_budget, plan_memory
-    from .pipeline import _selection
 
     # staged residency is the one kept within a memory budget: it keeps nothing derived (as a
     # staged Pipeline's context_kv)
@@ -451,7 +450,7 @@ def record_plan_within(config, caps, budget_bytes: int | None, residency: str = 
     budget_bytes = effective_budget(caps, budget_bytes)
     if budget_bytes is None or plan_memory(plan).peak(residency) <= budget_bytes:
         return plan
-    keeps = residency != "staged" and _prepares(_selection(caps, kwargs.get("profile")))
+    keeps = any(d["constants"].get("PRETRANSFORM") for d in plan["profile"]["decisions"])  # else keep_derived changes nothing
     smaller = [d for d in SCRATCH_DIVISORS if d > 1]
     tries = [(1, False)] * keeps + [(d, False) for d in smaller] + [(d, True) for d in smaller] * keeps
     for divisor, keep in tries:

@@ -74,14 +74,18 @@ class _KernelClock:
     (as engine.gpu's profiling does): each dispatch gets a pass of its own, so a profiled
     replay is never a timed one."""
 
-    def __init__(self, device, period_ns: float, capacity: int = 2048):
+    def __init__(self, device, period_ns: float, capacity: int = 2048, each: bool = False):
         self.device, self.period_ns, self.capacity = device, period_ns, capacity
         self.query_set = device.create_query_set(type="timestamp", count=2 * capacity)
         self.labels: list[str] = []  # of the queries written since the last resolve
         self.totals: dict[str, dict[str, float]] = {}
+        self.each = each  # totals per dispatch of a replay (its index, from 0 each replay), not per label
+        self.index = 0
 
     def begin_pass(self, encoder, label: str):
         i = len(self.labels)
+        if self.each:
+            label, self.index = str(self.index), self.index + 1
         self.labels.append(label)
         return encoder.begin_compute_pass(timestamp_writes={
             "query_set": self.query_set, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1})
@@ -427,17 +431,19 @@ class PlanExecutor:
                 times.append((time.perf_counter() - t0) * 1e3)
         return times
 
-    def kernel_times(self, stage: str, repetitions: int = 1) -> dict[str, dict[str, float]] | None:
+    def kernel_times(self, stage: str, repetitions: int = 1, each: bool = False) -> dict[str, dict[str, float]] | None:
         """Per-kernel GPU times of `repetitions` replays of a stage, as BrowserExecutor's:
         {label: {"calls", "total_ms"}}, None when the adapter has no timestamp-query. The stage
-        runs on what its input buffers hold (time_stage writes random inputs)."""
+        runs on what its input buffers hold (time_stage writes random inputs). `each`: keyed by
+        the dispatch's index in the stage ("0", "1", ...) instead of its label."""
         if not self.gpu.caps.has_timestamps:
             return None
         self.sync()
-        self._clock = _KernelClock(self.device, self.gpu.caps.timestamp_period_ns)
+        self._clock = _KernelClock(self.device, self.gpu.caps.timestamp_period_ns, each=each)
         try:
             commands = self._stage(stage)
             for _ in range(repetitions):
+                self._clock.index = 0
                 self._walk(commands, {})
             self.sync()
             return self._clock.totals

@@ -25,14 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EngineError
-from .explain import call_dtype, distinct_calls, random_like
+from .explain import NETWORKS, call_dtype, distinct_calls, random_like
 from .gpu import GpuContext, Tensor, time_gpu_work
 from .kernels import PipelineCache, Rule, Selection, variants
 from .ops import Ops, Prepared
 from .profiles import SCHEMA_ID, SHAPE_FIELDS, auto_profile, gpu_architecture
 
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
-NETWORKS = ("text_encoder", "unet", "vae_decoder")  # what `networks` may name (explain.trace_calls' networks)
 
 
 def _settings(variant) -> list[dict]:
@@ -154,14 +153,16 @@ def tune(
     networks: set[str] | None = None,
     vae_dtype: str | None = None,
     where: dict | None = None,
+    base: dict | None = None,
 ) -> dict:
     """Measure, choose, and write the profile document to `out` (atomically). Returns it.
     `ops` limits the tuning to those ops, `networks` to those networks' calls (text_encoder,
     unet, vae_decoder); the profile then has rules for them only. `vae_dtype` times the VAE
     decoder in that element type instead of the pipeline's (an f16 VAE where SD 1.x's runs in
     f32): its rules then name it (`when.dtype`), so a VAE in another type keeps its own.
-    `where` (shape_filter) limits it to the shapes a rule's `when` would hold for."""
-    caps = gpu.caps
+    `where` (shape_filter) limits it to the shapes a rule's `when` would hold for. `base`, a
+    profile document, completes what the tune did not measure (merge_tune) before it is written."""
+    caps, op_filter = gpu.caps, ops  # (`ops` names each candidate's Ops below)
     unknown_networks = set(networks or ()) - set(NETWORKS)
     if unknown_networks:
         raise EngineError(f"no network {', '.join(sorted(unknown_networks))} to tune; choose from {', '.join(NETWORKS)}")
@@ -254,6 +255,8 @@ def tune(
         "rules": rules,
         "measurements": measurements,
     }
+    if base is not None:
+        merge_tune(doc, base, op_filter)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

@@ -490,7 +490,6 @@ def tune(
     """Time every applicable variant of every (op, shape) of the model on this GPU; write a profile.
     --ops, --networks and --where tune part of it; --merge-into completes that part from a profile."""
     from engine.device import get_gpu
-    from engine.tune import merge_tune
     from engine.tune import tune as run_tune
 
     config = _config_for(model, preset)
@@ -510,13 +509,8 @@ def tune(
         task = bar.add_task("", total=None)
         doc = run_tune(config, gpu, dtype, height, width, out, warmup=warmup, repeats=repeats,
                        time_budget_s=time_budget, ops=op_set, networks=set(networks.split(",")) if networks else None,
-                       vae_dtype=vae_dtype, where=condition,
+                       vae_dtype=vae_dtype, where=condition, base=base,
                        progress=lambda i, n, what: bar.update(task, completed=i, total=n, description=what[:60]))
-    if base is not None:
-        merge_tune(doc, base, op_set)
-        tmp = out.with_name(f".{out.name}.merged")
-        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        tmp.replace(out)
     changed = sum(1 for m in doc["measurements"] if m["chosen"] != "reference")
     console.print(f"wrote {out}: {len(doc['measurements'])} (op, shape) pairs measured, {changed} use an optimized variant")
 
