@@ -126,8 +126,10 @@ def test_unreachable_device_fails_its_deployment_not_the_others(farm):
         assert session.scalar(select(Device).where(Device.serial == "gone-phone")).state == DeviceState.offline
     assert batch.finished_at is not None
     assert batch.summary["states"] == {"succeeded": 2, "infra_failed": 2}
+    # The report is written once the analysis has committed the summary: a moment later.
     report = farm["settings"].data_dir / "reports" / f"batch-{batch_id}.json"
-    assert report.is_file() and '"infra_failed"' in report.read_text()
+    wait(farm, lambda s: report.is_file(), "the batch's report")
+    assert '"infra_failed"' in report.read_text()
 
 
 def test_due_schedule_fires_once_through_beats_task(farm):
