@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from agent.packing import build_bundle
 from orchestrator import store
+from orchestrator.analysis import regressions
 from orchestrator.cli import app as farm_cli
 from orchestrator.jobs.jobservice import launch_suite
 from orchestrator.store.models import Batch, Build, Job, JobKind, JobState
@@ -42,8 +43,18 @@ def _build(farm, tmp_path, tiny_model_dir, name: str, created: float, reference:
 
 def test_bisect_measures_the_builds_it_needs_and_finds_the_first_bad_one(farm, tmp_path, tiny_model_dir,  # noqa: F811
                                                                          monkeypatch):
-    with farm["Session"]() as session:
-        b1_created = session.scalar(select(Build).where(Build.name == "b1")).created.timestamp()
+    with farm["Session"]() as session, session.begin():
+        b1 = session.scalar(select(Build).where(Build.name == "b1"))
+        b1_created = b1.created.timestamp()
+        # Noisy-series settings as test_check_live.py's: this lavapipe shares 2 cores, and one
+        # run of b2 (b1's kernels) came out 1.17x b1's (95% CI from 1.05) under the default 1%
+        # drift and 3% minimum effect, which made b2 the first bad build. b3 and b4 are 2-3x slower.
+        spec = regressions.SpecKey.of({"model": store.default_model(b1)} | SPEC)
+        device = store.get_device(session, "local-1")
+        for metric in regressions.HEADLINE_METRICS:
+            key = regressions.series_key(device, spec, metric)
+            regressions.set_min_effect(session, key, 0.25)
+            regressions.set_drift(session, key, 0.10)
     for i, (name, reference) in enumerate([("b2", False), ("b3", True), ("b4", True)], start=1):
         _build(farm, tmp_path, tiny_model_dir, name, b1_created + 3600 * i, reference)
     # The regression as a nightly run found it: b4 measured once on the device.
