@@ -215,6 +215,19 @@ def non_finite_warnings(latents: np.ndarray, decoded: np.ndarray, dtype: str, va
     return out
 
 
+def overflow_note(vae_dtype: str) -> str:
+    """What a generation says when its decoder in halves overflowed and decoded again in f32."""
+    return f"the VAE decoder overflowed {vae_dtype} (inf or NaN in its image): decoded again in f32"
+
+
+def decode_in_f32(ops: Ops, config, weights: GPUWeights, latents: Tensor) -> np.ndarray:
+    """The f32 latents on the GPU decoded by the VAE decoder in f32 (`ops` in f32, `weights` its
+    f32 parameters): what a decoder in halves that overflowed falls back to, in every executor
+    that runs on this process's GPU."""
+    z = ops.step_prepare(latents, vae_input_scale(config), 1)
+    return ops.rt.read(AutoencoderKL(config.vae, weights, ops).decode(z)).astype(np.float32)
+
+
 def image_from_decoded(decoded: np.ndarray) -> np.ndarray:
     """The VAE's (1, 3, H, W) output in [-1, 1] -> (H, W, 3) uint8, scaled in f32 whatever the
     decoder's element type (f16's spacing near 255 is 0.125: scaled in halves, pixels move by one)."""
@@ -461,15 +474,12 @@ class Pipeline(BasePipeline):
         del z
         if self.vae_dtype == "f32" or np.isfinite(image).all():
             return image
-        self.decode_notes.append(f"the VAE decoder overflowed {self.vae_dtype} (inf or NaN in its image): "
-                                 "decoded again in f32")
+        self.decode_notes.append(overflow_note(self.vae_dtype))
         ops = self.vae.ops
-        f32 = ops.twin("f32")
         wanted = STAGE_WEIGHTS["vae_decoder"][1]
         weights = GPUWeights.of_tensors(
             {n: ops.to_f32(t) for n, t in self.weights["vae"].tensors.items() if wanted(n)}, "f32")
-        z = f32.step_prepare(latents, vae_input_scale(self.config), 1)
-        return self.rt.read(AutoencoderKL(self.config.vae, weights, f32).decode(z)).astype(np.float32)
+        return decode_in_f32(ops.twin("f32"), self.config, weights, latents)
 
     def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(B, 3, H, W) in [-1, 1] -> (mean, logvar) of the latent distribution, unscaled."""

@@ -22,11 +22,14 @@ from .errors import EngineError, FitError, GPUError, InputError, ModelError
 from .gpu import DTYPES, Fence, GpuContext, StagingRing, read_array, write_array
 from .kernels import storage_dtype
 from .pipeline import (
+    STAGE_WEIGHTS,
     BasePipeline,
     GenerationResult,
+    decode_in_f32,
     first_sample,
     image_from_decoded,
     non_finite_warnings,
+    overflow_note,
     prepare_image,
 )
 from .plan import check_plan, stage_inputs
@@ -517,7 +520,7 @@ class PlanPipeline(BasePipeline):
                  gpu: GPU | None = None, make_executor=None, budget_bytes: int | None = None,
                  residency: str = "auto"):
         super().__init__(config, tokenizer)
-        self.model_dir, self.caps = Path(model_dir), caps
+        self.model_dir, self.caps, self._gpu = Path(model_dir), caps, gpu
         self.precision, self.profile = precision, profile
         self.budget_bytes, self._residency = budget_bytes, residency
         self._weights: dict[tuple, Any] = {}
@@ -531,6 +534,7 @@ class PlanPipeline(BasePipeline):
         self._executors: dict[tuple, Any] = {}
         self.plans: dict[tuple, dict[str, Any]] = {}
         self._closers: list = []
+        self.decode_notes: list[str] = []  # what the last decode or generation did beyond the plan's decode
 
     @property
     def residency(self) -> str:
@@ -600,7 +604,39 @@ class PlanPipeline(BasePipeline):
         if latents.shape[0] != 1:
             raise InputError(f"a plan decodes one latent at a time; got batch {latents.shape[0]}")
         ex = self._stage_executor(1, latents.shape[2:])
-        return ex.run("vae_decode", {"latents": latents})["image"].astype(np.float32)
+        self.decode_notes = []
+        return self._decoded(ex.plan, latents, ex.run("vae_decode", {"latents": latents})["image"].astype(np.float32))
+
+    def _decoded(self, plan: dict[str, Any], latents: np.ndarray, image: np.ndarray) -> np.ndarray:
+        """`image`, the plan's decode of `latents`; or, where its decoder in halves overflowed (an
+        inf or NaN in the image of finite latents) on this process's GPU, the latents decoded
+        again in f32, as the native pipeline does (decode_notes says so). A browser page's
+        plan is not decoded again: its result says what went non-finite."""
+        vae_dtype = plan["vae_dtype"]
+        if vae_dtype == "f32" or self._gpu is None or np.isfinite(image).all() or not np.isfinite(latents).all():
+            return image
+        self.decode_notes.append(overflow_note(vae_dtype))
+        return self._decode_in_f32(plan, latents)
+
+    def _decode_in_f32(self, plan: dict[str, Any], latents: np.ndarray) -> np.ndarray:
+        """The latents decoded eagerly by the VAE decoder in f32, on f32 copies of the weights
+        the plan names (read from the model folder, checked against its hashes), which are
+        given back at once."""
+        from .models.common import GPUWeights
+        from .ops import Ops
+        from .pipeline import _selection, scratch_scale
+
+        wanted = STAGE_WEIGHTS["vae_decoder"][1]
+        rt = GpuContext(self._gpu)
+        state = {b["name"]: read_weight(self.model_dir, {**b, "dtype": "f32"}).reshape(b["shape"])
+                 for b in plan["buffers"] if b["kind"] == "weight" and b["component"] == "vae" and wanted(b["name"])}
+        weights = GPUWeights(rt, state, "f32")
+        try:
+            ops = Ops(rt, rt.pipeline_cache(self._gpu), _selection(self.caps, self.profile), "f32",
+                      scratch_scale=scratch_scale("vae_decoder"))
+            return decode_in_f32(ops, self.config, weights, rt.upload(np.asarray(latents, np.float32), "f32"))
+        finally:
+            weights.release(rt)
 
     def encode_image(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(1, 3, H, W) in [-1, 1] -> (mean, logvar) of the latent distribution, unscaled."""
@@ -629,6 +665,8 @@ class PlanPipeline(BasePipeline):
         noise = [rng.standard_normal(shape, dtype=np.float32) for _ in range(plan["inputs"]["noise"]["count"])]
         ids = self.tokenize([negative_prompt, prompt] if cfg_on else [prompt])
         out = ex.generate(ids, x0, noise, image=image)
+        self.decode_notes = []
+        decoded = self._decoded(plan, out["latents"], out["image"])
         if progress is not None:
             progress(steps, steps)
         timings = {("unet_total_ms" if k == "unet_step" else f"{k}_ms"): v for k, v in ex.stage_ms.items()}
@@ -639,9 +677,10 @@ class PlanPipeline(BasePipeline):
             timings["weight_upload_ms"] = ex.upload_ms
         # the working buffers live through the whole generation: each stage's peak is the plan's
         peak = plan_gpu_bytes(ex)
-        return GenerationResult(image=image_from_decoded(out["image"]), latents=out["latents"], timings=timings,
+        vae_dtype = "f32" if self.decode_notes else plan["vae_dtype"]
+        return GenerationResult(image=image_from_decoded(decoded), latents=out["latents"], timings=timings,
                                 peak_gpu_bytes=peak,
-                                warnings=list(plan.get("warnings", [])) + non_finite_warnings(
-                                    out["latents"], out["image"], plan["dtype"], plan["vae_dtype"]),
+                                warnings=list(plan.get("warnings", [])) + self.decode_notes + non_finite_warnings(
+                                    out["latents"], decoded, plan["dtype"], vae_dtype),
                                 stage_peak_gpu_bytes={name: stage_peak_bytes(ex, s) for s, name in PEAK_STAGES.items()
                                                       if s in plan["stages"]})

@@ -176,6 +176,37 @@ def test_a_generation_whose_values_went_non_finite_says_so(native, planned):
 
 
 @pytest.mark.gpu
+def test_a_plan_whose_vae_in_halves_overflows_decodes_again_in_f32(tiny_model_dir, gpu, tmp_path):
+    """A decoder in halves whose image comes back with an inf or NaN decodes the plan's final
+    latents again in f32, as the native pipeline does (test_pipeline.py): the generation says
+    so, and its image is the one a plan with an f32 decoder makes from the same latents. A VAE
+    scaling factor of 1/30,000 puts the decoder's activations past f16's 65,504."""
+    if not gpu.caps.has_f16:
+        missing("adapter lacks shader-f16", F16_HINT)
+    models = {}
+    for name, upcast in (("halves", False), ("f32", True)):
+        models[name] = tmp_path / name
+        shutil.copytree(tiny_model_dir, models[name])
+        cfg_path = models[name] / "vae" / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "force_upcast": upcast,
+                                        "scaling_factor": 1 / 30000}))
+    half = engine.load_pipeline(models["halves"], precision="fp16", executor="plan")
+    full = engine.load_pipeline(models["f32"], precision="fp16", executor="plan")
+    kwargs = {"steps": 2, "seed": 3, "height": 64, "width": 64, "scheduler": "euler"}
+    a, b = half.generate("a dog", **kwargs), full.generate("a dog", **kwargs)
+    assert [p["vae_dtype"] for p in (*half.plans.values(), *full.plans.values())] == ["f16", "f32"]
+    np.testing.assert_array_equal(a.latents, b.latents)  # the same UNet: only the decoders differ
+    note = "the VAE decoder overflowed f16 (inf or NaN in its image): decoded again in f32"
+    assert note in a.warnings and not any("inf or NaN values" in w for w in a.warnings), a.warnings
+    assert half.decode_notes == [note] and b.warnings == []
+    assert np.abs(a.image.astype(int) - b.image).max() <= 1  # eager f32 kernels against the plan's
+    # without the fallback the plan's own image is not finite: what made the decode run again
+    plain = half.plan_executor(64, 64, 2, "euler").run("vae_decode", {"latents": a.latents})["image"]
+    assert not np.isfinite(plain).all()
+    assert np.isfinite(half.decode(a.latents)).all() and half.decode_notes == [note]
+
+
+@pytest.mark.gpu
 def test_an_f16_storage_plan_equals_generate_and_holds_what_fit_says(tiny_model_dir, gpu):
     """Packed halves on the plan executor: the same image as the native f16-storage run, to the
     bit, and the executor's high-water mark is fit's number, resident and within a budget that
