@@ -32,7 +32,7 @@ def decode_in(model: Path, vae_dtype: str, scale: int, latent, reps: int, warmup
     import engine.pipeline as pipeline_module
 
     rule, shipped = pipeline_module._vae_dtype, pipeline_module.VAE_SCRATCH_SCALE
-    pipeline_module._vae_dtype = lambda config, dtype: vae_dtype  # the experiment: this element type
+    pipeline_module._vae_dtype = lambda config, dtype, decodes_again=False: vae_dtype  # the experiment: this element type
     pipeline_module.VAE_SCRATCH_SCALE = scale  # and these scratch bounds
     try:
         pipe = engine.load_pipeline(model, precision="fp16", residency="staged", profile=profile)

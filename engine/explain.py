@@ -40,7 +40,7 @@ NETWORKS = ("text_encoder", "unet", "vae_decoder")  # what trace_calls runs, in 
 def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2,
                 vae_dtype: str | None = None):
     """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone, each on Ops with
-    the scratch bounds a pipeline gives it, the VAE in `vae_dtype` (default: the pipeline's rule).
+    the scratch bounds a pipeline gives it, the VAE in `vae_dtype` (default: the native pipeline's rule).
     Returns [(network, [(op, shape, args), ...])]."""
     f = config.vae.vae_scale_factor
     h, w = height // f, width // f
@@ -49,8 +49,9 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
     rt = TraceContext(caps)
     out = []
     for network in NETWORKS:
-        # the VAE in the element type a pipeline runs it in (f32 for a force_upcast VAE)
-        net_dtype = (vae_dtype or _vae_dtype(config, dtype)) if network == "vae_decoder" else dtype
+        # the VAE in the element type the native pipeline runs it in (f32 for a force_upcast VAE
+        # in f16-storage)
+        net_dtype = (vae_dtype or _vae_dtype(config, dtype, decodes_again=True)) if network == "vae_decoder" else dtype
         ops = Ops(rt, None, selection, net_dtype, scratch_scale=scratch_scale(network))
         ops.calls = []
         if network == "text_encoder":
@@ -73,7 +74,7 @@ def trace_calls(config, selection: Selection, caps, dtype: str, height: int, wid
 
 
 def call_dtype(args: tuple, dtype: str) -> str:
-    """A call's own element type (its first float tensor's): a force_upcast VAE runs in f32."""
+    """A call's own element type (its first float tensor's): a VAE in f32 in a pipeline of halves."""
     return next((a.dtype for a in args if isinstance(a, Tensor) and a.dtype != "u32"), dtype)
 
 

@@ -113,9 +113,17 @@ def scratch_scale(network: str, divisor: int = 1) -> float:
     return (VAE_SCRATCH_SCALE if network.startswith("vae") else 1) / divisor
 
 
-def _vae_dtype(config, dtype: str) -> str:
-    # Like diffusers, a VAE marked force_upcast runs in fp32 inside an fp16 pipeline: SD 1.x
-    # decoders overflow fp16's range on real weights.
+def _vae_dtype(config, dtype: str, decodes_again: bool = False) -> str:
+    """The VAE's element type in a pipeline of `dtype`. A VAE the model marks force_upcast (SD
+    1.x's, by AutoencoderKL's default) runs in f32 in a pipeline of halves wherever an overflow
+    would go uncaught: a plan as a browser page runs it, whose result only says that its image
+    went non-finite. An executor that decodes again in f32 when its image comes back with an inf
+    or NaN (`decodes_again`: the native pipeline and the plan executor on this process's GPU)
+    runs it in f16, as diffusers' StableDiffusionPipeline runs SD 1.x's decoder in an fp16
+    pipeline (only its SDXL pipelines read force_upcast): 38-40 ms against 57-58 in f32 for
+    SD 1.4 at 512x512 on the H100 (docs/benchmarks.md). f16-storage, the phone's form, keeps f32."""
+    if dtype == "f16" and decodes_again:
+        return dtype
     return "f32" if dtype in ("f16", "f16s") and config.vae.force_upcast else dtype
 
 
@@ -139,7 +147,7 @@ def load_native_pipeline(model_dir, precision: str = "fp32", profile=None, token
     dtype = storage_dtype(precision, gpu.caps.has_f16)
     notes = precision_notes(gpu.caps.device, precision, dtype)
     if residency == "staged":  # convert once here, not on every upload
-        dtypes = {"text_encoder": dtype, "unet": dtype, "vae": _vae_dtype(config, dtype)}
+        dtypes = {"text_encoder": dtype, "unet": dtype, "vae": _vae_dtype(config, dtype, decodes_again=True)}
         states = {
             c: {k: np.ascontiguousarray(a, dtype=DTYPES[dtypes[c]]) for k, a in s.items()}
             for c, s in states.items()
@@ -327,7 +335,7 @@ class Pipeline(BasePipeline):
         pipelines = self.rt.pipeline_cache(gpu)
         self.ops = Ops(self.rt, pipelines, selection, dtype, scratch_scale=scratch_scale("unet", scratch_divisor))
         self.notes = list(notes)
-        self.vae_dtype = vae_dtype or _vae_dtype(config, dtype)
+        self.vae_dtype = vae_dtype or _vae_dtype(config, dtype, decodes_again=True)  # _decode decodes again
         on_gpu = None if residency == "staged" else states  # staged: nothing goes up yet
         self.weights = {
             c: GPUWeights(self.rt, on_gpu and on_gpu[c], d)
@@ -363,7 +371,7 @@ class Pipeline(BasePipeline):
         from .models import params
 
         dtype = storage_dtype(precision, caps.has_f16)
-        dtypes = {"text_encoder": dtype, "unet": dtype, "vae": _vae_dtype(config, dtype)}
+        dtypes = {"text_encoder": dtype, "unet": dtype, "vae": _vae_dtype(config, dtype, decodes_again=True)}
         shapes = {
             "text_encoder": params.clip_param_shapes(config.text_encoder),
             "unet": params.unet_param_shapes(config.unet),

@@ -202,7 +202,7 @@ def tune(
             progress(i, len(calls), f"{op} {shape}")
         real = random_like(rt, args, rng)
         done_after = {k: random_like(rt, (v,), rng)[0] if isinstance(v, Tensor) else v for k, v in epilogue.items()}
-        # the call's own element type: a force_upcast VAE runs (and is timed) in f32
+        # the call's own element type: a VAE in f32 in a pipeline of halves is timed in f32
         dtype_of_call = call_dtype(real, dtype)
         candidates = []  # (variant name, constants, the call as a pipeline would make it)
         for v in variants(op).values():

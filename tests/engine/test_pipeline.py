@@ -171,23 +171,26 @@ def test_activations_are_pooled_so_peak_memory_does_not_grow_with_steps(tiny_mod
     assert p.rt.static_bytes < after_two  # weights plus the pool, both counted
 
 
-def test_fp16_pipeline_runs_a_force_upcast_vae_in_fp32(tiny_model_dir, gpu, tmp_path):
-    import json
-    import shutil
+def test_a_force_upcast_vae_runs_in_halves_where_an_overflow_decodes_again(tiny_model_dir, gpu):
+    """SD 1.x's VAE is force_upcast (AutoencoderKL's default), which diffusers' SD pipeline does
+    not read: it decodes in the pipeline's fp16. The native executors do too, since they decode
+    again in f32 where the halves overflow (below); a plan as a page runs it, which cannot,
+    keeps f32, and so does f16-storage (the phone's form)."""
+    from engine.models.config import load_model_config
+    from engine.plan import record_plan
 
     if not gpu.caps.has_f16:
         missing("adapter lacks shader-f16", F16_HINT)
-    assert engine.load_pipeline(tiny_model_dir, precision="fp16").vae_dtype == (
-        "f32" if json.loads((tiny_model_dir / "vae" / "config.json").read_text()).get("force_upcast", True) else "f16"
-    )
-    model = tmp_path / "m"
-    shutil.copytree(tiny_model_dir, model)
-    cfg_path = model / "vae" / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["force_upcast"] = False
-    cfg_path.write_text(json.dumps(cfg))
-    p = engine.load_pipeline(model, precision="fp16")
-    assert p.vae_dtype == "f16" and p.decode(np.zeros((1, 4, 8, 8), np.float32)).dtype == np.float32
+    config = load_model_config(tiny_model_dir)
+    assert config.vae.force_upcast
+    eager = engine.load_pipeline(tiny_model_dir, precision="fp16")
+    assert eager.vae_dtype == "f16" and eager.decode(np.zeros((1, 4, 8, 8), np.float32)).dtype == np.float32
+    planned = engine.load_pipeline(tiny_model_dir, precision="fp16", executor="plan")
+    planned.decode(np.zeros((1, 4, 8, 8), np.float32))
+    assert [p["vae_dtype"] for p in planned.plans.values()] == ["f16"]
+    kwargs = {"precision": "fp16", "height": 64, "width": 64, "steps": 1, "hashes": False}
+    assert record_plan(config, gpu.caps, **kwargs)["vae_dtype"] == "f32"  # what a page is sent
+    assert engine.load_pipeline(tiny_model_dir, precision="f16-storage").vae_dtype == "f32"
 
 
 def test_a_vae_in_halves_that_overflows_decodes_again_in_f32(tiny_model_dir, gpu, tmp_path, fresh_rng):
