@@ -2,6 +2,8 @@
 machines that carry the engine's dependencies only (the GPU machine has no database stack).
 
     python benchmarks/engine_ablation.py tune --model DIR --precision fp16 --out tuned.json
+    python benchmarks/engine_ablation.py tune --model DIR --precision f16-storage --backend dawn \
+        --merge-into tuned.json --out tuned.json   # Chrome's f16-storage settings beside fp16's
     python benchmarks/engine_ablation.py bench --model DIR --precision fp16 --reps 5 --e2e-steps 20 \\
         --residency staged --tuned tuned.json --json out.json
 
@@ -25,7 +27,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", choices=["tune", "bench"])
     ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp16")
+    ap.add_argument("--precision", choices=["fp32", "fp16", "f16-storage"], default="fp16")
+    ap.add_argument("--backend", choices=["wgpu-native", "dawn"], default="wgpu-native",
+                    help="dawn: run through Dawn, what Chrome runs (no shader-f16 on NVIDIA's Vulkan driver)")
     ap.add_argument("--out", type=Path, help="tune: the profile to write")
     ap.add_argument("--ops", help="tune: only these ops, comma-separated (e.g. linear,conv2d)")
     ap.add_argument("--merge-into", type=Path,
@@ -48,7 +52,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
+    if args.backend == "dawn":
+        from model_args import use_dawn
+
+        use_dawn()
     from engine.device import get_gpu
+    from engine.kernels import storage_dtype
 
     if args.command == "tune":
         from engine.models.config import load_model_config
@@ -56,7 +65,7 @@ def main(argv=None) -> int:
 
         config = load_model_config(args.model)
         gpu = get_gpu()
-        dtype = "f16" if args.precision == "fp16" and gpu.caps.has_f16 else "f32"
+        dtype = storage_dtype(args.precision, gpu.caps.has_f16)  # fp16 without shader-f16: f16-storage
         h, w = config.native_size
         t0 = time.perf_counter()
         ops = set(args.ops.split(",")) if args.ops else None

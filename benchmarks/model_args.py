@@ -28,3 +28,13 @@ def model_folder(args: argparse.Namespace, tmp: Path) -> Path:
     model = make_model(args.preset, 0, tmp / args.preset, dtype=args.precision)
     print(f"made {args.preset} model in {time.perf_counter() - t0:.1f} s", flush=True)
     return model
+
+
+def use_dawn() -> None:
+    """Run this process's WebGPU through Dawn (`wgpudawn`, what Chrome runs) on Vulkan instead of
+    wgpu-native: call before anything imports engine.device."""
+    import wgpudawn
+    import wgpudawn.backends.dawn.extras  # noqa: F401  (a submodule the package does not import itself)
+
+    wgpudawn.backends.dawn.extras.set_instance_extras(backends=["Vulkan"], enable_toggles=["allow_unsafe_apis"])
+    wgpudawn.install_as_wgpu()

@@ -97,9 +97,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.backend == "dawn":
-        from plan_replay import _use_dawn
+        from model_args import use_dawn
 
-        _use_dawn()
+        use_dawn()
     from engine.device import get_gpu
     from engine.make_model import make_model
 

@@ -25,11 +25,9 @@ sys.path.insert(0, str(REPO))
 def _run(backend: str, plan_path: Path, model: Path, out: Path, make: dict | None) -> None:
     """In this process: (make the plan for this backend's adapter, then) run it, save outputs."""
     if backend == "dawn":
-        import wgpudawn
-        import wgpudawn.backends.dawn.extras  # noqa: F401
+        from model_args import use_dawn
 
-        wgpudawn.backends.dawn.extras.set_instance_extras(backends=["Vulkan"], enable_toggles=["allow_unsafe_apis"])
-        wgpudawn.install_as_wgpu()
+        use_dawn()
     import numpy as np
 
     from engine.device import get_gpu

@@ -27,14 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _use_dawn() -> None:
-    import wgpudawn
-    import wgpudawn.backends.dawn.extras  # noqa: F401  (a submodule the package does not import itself)
-
-    wgpudawn.backends.dawn.extras.set_instance_extras(backends=["Vulkan"], enable_toggles=["allow_unsafe_apis"])
-    wgpudawn.install_as_wgpu()
-
-
 def eager_unet_ms(pipe, height: int, width: int, reps: int, warmup: int) -> list[float]:
     import numpy as np
 
@@ -77,7 +69,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.backend == "dawn":
-        _use_dawn()
+        from model_args import use_dawn
+
+        use_dawn()
 
     import numpy as np
 

@@ -159,7 +159,10 @@ def tune(
     `ops` limits the tuning to those ops, `networks` to those networks' calls (text_encoder,
     unet, vae_decoder); the profile then has rules for them only. `vae_dtype` times the VAE
     decoder in that element type instead of the pipeline's (an f16 VAE where SD 1.x's runs in
-    f32): its rules then name it (`when.dtype`), so a VAE in another type keeps its own.
+    f32): its rules then name it (`when.dtype`), so a VAE in another type keeps its own. A tune
+    in f16-storage (`dtype` f16s: packed halves, f32 arithmetic, what Chrome runs where it offers
+    no shader-f16) names the element type in every rule and measurement, so that one profile
+    holds its settings beside f16's for the same shapes (`base`).
     `where` (shape_filter) limits it to the shapes a rule's `when` would hold for. `base`, a
     profile document, completes what the tune did not measure (merge_tune) before it is written."""
     caps, op_filter = gpu.caps, ops  # (`ops` names each candidate's Ops below)
@@ -229,15 +232,19 @@ def tune(
         if not results:
             raise EngineError(f"no variant of {op} could run {shape} in {dtype} on {caps.device}")
         best = min(results, key=lambda r: r["median_ms"])
-        tagged = (op, json.dumps(shape, sort_keys=True)) in vae_keys
-        measurements.append({"op": op, "shape": shape, **({"dtype": vae_dtype} if tagged else {}),
+        # the element type the rule holds for: the VAE's where it was asked for, every call's in
+        # an f16-storage tune
+        tag = dtype_of_call if dtype == "f16s" or (op, json.dumps(shape, sort_keys=True)) in vae_keys else None
+        measurements.append({"op": op, "shape": shape, **({"dtype": tag} if tag else {}),
                              "results": results, "chosen": best["variant"],
                              **({"epilogue": sorted(epilogue)} if epilogue else {}),
                              **({"slow_rounds_dropped": dropped} if dropped else {})})
-        if best["variant"] != "reference" or best["constants"]:
+        # a rule for the reference kernel too where the rule names its type: a profile's rule for
+        # the shape in every type (the one merged in: `base`) must not serve a call measured here
+        if best["variant"] != "reference" or best["constants"] or tag:
             rule = {"op": op, "variant": best["variant"], "when": shape}
-            if tagged:
-                rule["when"] = {**shape, "dtype": vae_dtype}
+            if tag:
+                rule["when"] = {**shape, "dtype": tag}
             if best["constants"]:
                 rule["constants"] = best["constants"]
             rules.append(rule)

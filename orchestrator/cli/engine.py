@@ -490,12 +490,13 @@ def tune(
     """Time every applicable variant of every (op, shape) of the model on this GPU; write a profile.
     --ops, --networks and --where tune part of it; --merge-into completes that part from a profile."""
     from engine.device import get_gpu
+    from engine.kernels import storage_dtype
     from engine.tune import tune as run_tune
 
     config = _config_for(model, preset)
     gpu = get_gpu()
     height, width = _native(config, *_size(resolution, height, width))
-    dtype = "f16" if precision == Precision.fp16 and gpu.caps.has_f16 else "f32"
+    dtype = storage_dtype(precision.value, gpu.caps.has_f16)  # fp16 without shader-f16: f16-storage, as a pipeline
     try:
         condition = None if where is None else json.loads(where)
         base = None if merge_into is None else json.loads(merge_into.read_text())

@@ -54,23 +54,35 @@ def test_tune_writes_a_valid_profile_for_this_gpu(tiny_model_dir, tmp_path):
     assert pipe.generate("a cat", steps=1, height=64, width=64).image.shape == (64, 64, 3)
 
 
-def test_tune_part_of_a_model_into_a_profile(tiny_model_dir, tmp_path):
+def test_tune_part_of_a_model_into_a_profile(tiny_model_dir, tmp_path, gpu):
     """--ops, --networks and --where time a part of the model (here the convolutions to at most
     4 channels: the UNet's and the decoder's conv_out); --merge-into keeps the rest of a profile.
-    A network or condition that names nothing is refused by name, before any timing."""
+    In f16-storage (what Chrome runs without shader-f16) it times the packed-halves kernels a
+    pipeline of that precision runs, not f32's, and its rules name their element type (the
+    decoder's f32 too): merged into a profile, an f16 call on the same shape keeps the profile's
+    rule. A network or condition that names nothing is refused by name, before any timing."""
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"schema": "devicefarm.profile/1", "name": "base", "rules": [
         {"op": "attention", "variant": "flash", "when": {"dh": 8}},
-        {"op": "conv2d", "variant": "implicit_gemm", "when": {"cout": 32, "k": 3}}]}))
+        {"op": "conv2d", "variant": "implicit_gemm", "when": {"cout": 32, "k": 3}},
+        {"op": "conv2d", "variant": "implicit_gemm", "when": {"cout": 4}}]}))
     out = tmp_path / "part.json"
-    args = ["engine", "tune", "--model", str(tiny_model_dir), "--out", str(out), "--precision", "fp32",
+    args = ["engine", "tune", "--model", str(tiny_model_dir), "--out", str(out), "--precision", "f16-storage",
             "--repeats", "1", "--warmup", "0", "--ops", "conv2d"]
     r = runner.invoke(app, [*args, "--where", '{"cout": {"max": 4}}', "--merge-into", str(base)])
     assert r.exit_code == 0, r.output
     prof = load_profile_file(out)
     assert prof.measurements and all(m["op"] == "conv2d" and m["shape"]["cout"] <= 4 for m in prof.measurements)
+    # the UNet's conv_out (4 channels) in packed halves; the force_upcast decoder's post_quant_conv
+    # (4) and conv_out (3) in f32
+    assert sorted((m["shape"]["cout"], m["dtype"]) for m in prof.measurements) == [(3, "f32"), (4, "f16s"), (4, "f32")]
     kept = [(rule.op, rule.variant) for rule in prof.rules]
     assert ("attention", "flash") in kept and ("conv2d", "implicit_gemm") in kept  # the base's, not re-tuned
+    unet_out = next(m for m in prof.measurements if m["dtype"] == "f16s")
+    chosen = unet_out["chosen"]
+    selection = prof.selection(gpu.caps)
+    assert selection.choose("conv2d", unet_out["shape"], "f16s")[0].name == chosen
+    assert selection.choose("conv2d", unet_out["shape"], "f16")[0].name == "implicit_gemm"
     for bad, said in ((["--networks", "unet,vae"], "no network vae"), (["--where", '{"tq": 4}'], "not a shape field"),
                       (["--where", "{cout"], "not JSON")):
         r = runner.invoke(app, [*args, *bad])
