@@ -299,6 +299,7 @@ def explain(
     """Show which kernel variant each op of the model uses on this adapter, and why."""
     from engine.device import get_gpu
     from engine.explain import explain as run_explain
+    from engine.kernels import storage_dtype
     from engine.profiles import resolve_profile
 
     from .output import Table
@@ -307,7 +308,7 @@ def explain(
     caps = get_gpu().caps
     prof = resolve_profile(profile, caps)
     height, width = _native(config, *_size(resolution, height, width))
-    dtype = "f16" if precision == Precision.fp16 and caps.has_f16 else "f32"
+    dtype = storage_dtype(precision.value, caps.has_f16)  # fp16 without shader-f16: f16-storage, as a pipeline
     rows = run_explain(config, prof.selection(caps), caps, dtype, height, width)
     if as_json:
         typer.echo(json.dumps({"profile": prof.name, "adapter": caps.device, "dtype": dtype,

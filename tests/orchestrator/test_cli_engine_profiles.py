@@ -28,6 +28,22 @@ def test_explain_lists_every_op_with_its_variant_and_reason(tiny_model_dir):
     assert any(row["shape"].get("dh") == 40 and row["shape"]["tq"] == 4096 for row in ref["rows"])
 
 
+def test_explain_in_f16_storage_reads_the_rules_for_packed_halves(tmp_path):
+    """--precision f16-storage explains the packed-halves kernels (it explained f32's): a rule
+    that names f16s holds for the UNet's calls there and for none in fp16."""
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"schema": "devicefarm.profile/1", "name": "x",
+                                "rules": [{"op": "group_norm", "variant": "split", "when": {"dtype": "f16s"}}]}))
+    split = {}
+    for precision in ("f16-storage", "fp16"):
+        r = runner.invoke(app, ["engine", "explain", "--preset", "tiny", "--profile", str(prof), "--precision", precision,
+                                "--json"])
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.output)
+        split[data["dtype"]] = {row["network"] for row in data["rows"] if row["variant"] == "split"}
+    assert split["f16s"] == {"unet"} and not split.get("f16", split.get("f32"))
+
+
 def test_explain_refuses_an_invalid_profile_listing_choices(tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"schema": "devicefarm.profile/1", "name": "x",
