@@ -289,8 +289,8 @@ def estimated_gain(doc: dict, baseline, caps) -> dict:
     for m in doc.get("measurements", []):
         times = {(r["variant"], json.dumps(r["constants"], sort_keys=True)): r["median_ms"] for r in m["results"]}
         picks = []
-        for sel in (base_sel, tuned_sel):
-            variant, consts = sel.choose(m["op"], m["shape"])
+        for sel in (base_sel, tuned_sel):  # in the element type the measurement names (its rules name it too)
+            variant, consts = sel.choose(m["op"], m["shape"], m.get("dtype"))
             picks.append(times.get((variant.name, json.dumps(dict(consts), sort_keys=True))))
         if None in picks:
             skipped += 1

@@ -650,3 +650,21 @@ def test_ops_choose_by_their_own_element_type(gpu, fresh_rng):
         x, w = (rt.upload(fresh_rng.standard_normal(s).astype(np.float32), dtype) for s in ((3, 8), (4, 8)))
         ops.linear(x, w)
     assert {d.dtype: d.variant for d in sel.decisions.values() if d.op == "linear"} == {"f32": "tiled", "f16s": "reference"}
+
+
+def test_the_estimated_gain_reads_rules_in_the_element_type_they_were_measured_in():
+    """An f16-storage tune's rules and measurements name f16s: the estimate picks each profile's
+    choice for that type (it matched no typed rule and compared the family's choice with
+    itself, 1.0x)."""
+    from engine.tune import estimated_gain
+
+    shape = {"c": 64, "s": 256, "groups": 8, "b": 2}
+    doc = {"schema": "devicefarm.profile/1", "name": "tuned-x", "rules": [
+        {"op": "group_norm", "variant": "split", "when": {**shape, "dtype": "f16s"}}],
+        "measurements": [{"op": "group_norm", "shape": shape, "dtype": "f16s", "chosen": "split", "results": [
+            {"variant": "reference", "constants": {}, "median_ms": 2.0},
+            {"variant": "split", "constants": {}, "median_ms": 0.5}]}]}
+    family = parse_profile({"schema": "devicefarm.profile/1", "name": "family", "rules": []})
+    assert estimated_gain(doc, family, caps()) == {"baseline": "family", "gain": 4.0, "calls": 1,
+                                                  "calls_not_comparable": 0}
+
