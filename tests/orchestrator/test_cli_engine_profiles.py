@@ -92,6 +92,7 @@ def test_tune_part_of_a_model_into_a_profile(tiny_model_dir, tmp_path, gpu):
     # the UNet's conv_out (4 channels) in packed halves; the force_upcast decoder's post_quant_conv
     # (4) and conv_out (3) in f32
     assert sorted((m["shape"]["cout"], m["dtype"]) for m in prof.measurements) == [(3, "f32"), (4, "f16s"), (4, "f32")]
+    assert {"narrow", "reference"} <= {r["variant"] for m in prof.measurements for r in m["results"]}
     kept = [(rule.op, rule.variant) for rule in prof.rules]
     assert ("attention", "flash") in kept and ("conv2d", "implicit_gemm") in kept  # the base's, not re-tuned
     unet_out = next(m for m in prof.measurements if m["dtype"] == "f16s")
