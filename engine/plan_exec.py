@@ -270,6 +270,17 @@ class PlanExecutor:
         prepared = self._prepared[name] = self._prepare(self.plan["stages"][name]["commands"])
         return prepared
 
+    def release_stages(self) -> None:
+        """Staged residency: give back what every stage owns (its weights and scratch) now, as
+        running another stage would; a stage allocates and uploads it again when it runs next.
+        Resident: nothing is given back."""
+        if self.residency != "staged":
+            return
+        self.sync()  # the GPU is done with what is released
+        for name, ids in self.memory.stage_buffers.items():
+            self._prepared.pop(name, None)  # its bind groups name buffers released here
+            self._release(ids)
+
     def _check_adapter(self, caps) -> None:
         missing = sorted(set(self.plan["requires"]["features"]) - set(caps.features))
         if missing:
@@ -610,18 +621,20 @@ class PlanPipeline(BasePipeline):
             raise InputError(f"a plan decodes one latent at a time; got batch {latents.shape[0]}")
         ex = self._stage_executor(1, latents.shape[2:])
         self.decode_notes = []
-        return self._decoded(ex.plan, latents, ex.run("vae_decode", {"latents": latents})["image"].astype(np.float32))
+        return self._decoded(ex, latents, ex.run("vae_decode", {"latents": latents})["image"].astype(np.float32))
 
-    def _decoded(self, plan: dict[str, Any], latents: np.ndarray, image: np.ndarray) -> np.ndarray:
-        """`image`, the plan's decode of `latents`; or, where its decoder in halves overflowed (an
-        inf or NaN in the image of finite latents) on this process's GPU, the latents decoded
-        again in f32, as the native pipeline does (decode_notes says so). A browser page's
-        plan is not decoded again: its result says what went non-finite."""
-        vae_dtype = plan["vae_dtype"]
+    def _decoded(self, ex, latents: np.ndarray, image: np.ndarray) -> np.ndarray:
+        """`image`, executor `ex`'s decode of `latents`; or, where its decoder in halves overflowed
+        (an inf or NaN in the image of finite latents) on this process's GPU, the latents decoded
+        again in f32, as the native pipeline does (decode_notes says so), after a staged executor
+        has given back what its stages hold. A browser page's plan is not decoded again: its
+        result says what went non-finite."""
+        vae_dtype = ex.plan["vae_dtype"]
         if vae_dtype == "f32" or self._gpu is None or np.isfinite(image).all() or not np.isfinite(latents).all():
             return image
         self.decode_notes.append(overflow_note(vae_dtype))
-        return self._decode_in_f32(plan, latents)
+        ex.release_stages()
+        return self._decode_in_f32(ex.plan, latents)
 
     def _decode_in_f32(self, plan: dict[str, Any], latents: np.ndarray) -> np.ndarray:
         """The latents decoded eagerly by the VAE decoder in f32, on f32 copies of the weights
@@ -671,7 +684,7 @@ class PlanPipeline(BasePipeline):
         ids = self.tokenize([negative_prompt, prompt] if cfg_on else [prompt])
         out = ex.generate(ids, x0, noise, image=image)
         self.decode_notes = []
-        decoded = self._decoded(plan, out["latents"], out["image"])
+        decoded = self._decoded(ex, out["latents"], out["image"])
         if progress is not None:
             progress(steps, steps)
         timings = {("unet_total_ms" if k == "unet_step" else f"{k}_ms"): v for k, v in ex.stage_ms.items()}

@@ -205,6 +205,15 @@ def test_a_plan_whose_vae_in_halves_overflows_decodes_again_in_f32(tiny_model_di
     plain = half.plan_executor(64, 64, 2, "euler").run("vae_decode", {"latents": a.latents})["image"]
     assert not np.isfinite(plain).all()
     assert np.isfinite(half.decode(a.latents)).all() and half.decode_notes == [note]
+    # staged, the executor gives back what its stages hold before the f32 decode, and the next
+    # generation uploads them again
+    staged = engine.load_pipeline(model, precision="fp16", executor="plan", residency="staged")
+    ex = staged.plan_executor(64, 64, 2, "euler")
+    held = ex.live_bytes  # the plan's persistent buffers alone
+    for _ in range(2):
+        b = staged.generate("a dog", **kwargs)
+        np.testing.assert_array_equal(b.image, a.image)
+        assert note in b.warnings and ex.residency == "staged" and ex.live_bytes == held < ex.peak_bytes
 
 
 @pytest.mark.gpu
