@@ -46,9 +46,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from engine.device import get_gpu
-    from engine.kernels import storage_dtype
     from engine.models.config import load_model_config
-    from engine.pipeline import _vae_dtype
     from engine.plan import record_plan
     from engine.plan_exec import PlanExecutor
 
@@ -56,9 +54,8 @@ def main(argv=None) -> int:
     config = load_model_config(args.model)
     h, w = config.native_size
     # the decoder in the element type the native plan executor runs it in (f16 in fp16)
-    vae_dtype = _vae_dtype(config, storage_dtype(args.precision, gpu.caps.has_f16), decodes_again=True)
     plan = record_plan(config, gpu.caps, model_dir=args.model, precision=args.precision, height=h, width=w,
-                       steps=1, scheduler="euler", profile=args.profile, vae_dtype=vae_dtype)
+                       steps=1, scheduler="euler", profile=args.profile, decodes_again=True)
     ex = PlanExecutor(plan, args.model, gpu, residency="resident")
     if args.stage == "unet_step":  # the keys and values (and kept filters) the step reads
         ctx = plan["stages"]["unet_context"]["inputs"]["context"]["shape"]

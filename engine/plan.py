@@ -275,7 +275,8 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
                 width: int | None = None, steps: int = 20, scheduler: str = "pndm", guidance_scale: float = 7.5,
                 profile=None, model_name: str = "", hashes: bool = True,
                 strength: float | None = None, scratch_divisor: int = 1,
-                vae_dtype: str | None = None, keep_derived: bool = True) -> dict[str, Any]:
+                vae_dtype: str | None = None, keep_derived: bool = True,
+                decodes_again: bool = False) -> dict[str, Any]:
     """The plan of one generation configuration on an adapter with `caps` (its features decide
     shader-f16 and which variants may run, its limits the chunking and grids), recorded from the
     denoising loop `Pipeline.generate` runs (engine/denoise.py). Needs the
@@ -284,8 +285,10 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     encodes an input image (stage vae_encode) and denoises the last int(steps * strength)
     steps from it.
 
-    A VAE the model marks force_upcast runs in f32, as in diffusers, except where the model runs
-    in halves (fp16, f16-storage) and an f32 decoder would bind a tensor over the adapter's
+    A VAE the model marks force_upcast runs in f32 in a model of halves, unless the plan is for an
+    executor that decodes again in f32 where its halves overflow (`decodes_again`: the native plan
+    executor; then in f16, engine.pipeline._vae_dtype), and except where an f32 decoder would
+    bind a tensor over the adapter's
     max-storage-buffer-binding-size (SD 1.4 at 512x512: 256 MiB, where some Qualcomm drivers
     give 128): then its tensors are stored as halves too (`vae_dtype` f16s, arithmetic still f32),
     and the plan says so in its warnings. `keep_derived=False` makes what a profile would keep for a
@@ -311,8 +314,9 @@ def record_plan(config, caps, *, model_dir: Path | None = None, precision: str =
     f = config.vae.vae_scale_factor
     dtype = storage_dtype(precision, caps.has_f16)
     notes = precision_notes(caps.device, precision, dtype)
-    asked_vae_dtype, vae_dtype = vae_dtype, vae_dtype or _vae_dtype(config, dtype)
-    if asked_vae_dtype == "f16s" and _vae_dtype(config, dtype) == "f32":
+    rule = _vae_dtype(config, dtype, decodes_again)
+    asked_vae_dtype, vae_dtype = vae_dtype, vae_dtype or rule
+    if asked_vae_dtype == "f16s" and rule == "f32":
         notes.append("the VAE decoder's f32 tensors exceed the adapter's max-storage-buffer-binding-size: it "
                      "stores them as halves (f16-storage, f32 arithmetic) although the model asks for f32")
     selection = _selection(caps, profile)

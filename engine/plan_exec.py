@@ -575,20 +575,18 @@ class PlanPipeline(BasePipeline):
 
     def plan_executor(self, height: int, width: int, steps: int = 1, scheduler: str = "euler",
                  guidance_scale: float = 7.5, strength: float | None = None):
-        from .pipeline import _vae_dtype
         from .plan import record_plan_within
 
         key = (height, width, steps, scheduler, float(guidance_scale), strength)
         if key not in self._executors:
-            # on this process's GPU a decoder in halves that overflows decodes again (_decoded):
-            # the native rule; a page's plan takes record_plan's
-            native = _vae_dtype(self.config, self.dtype, decodes_again=True)
-            vae_dtype = native if self._gpu is not None and native != _vae_dtype(self.config, self.dtype) else None
             plan = record_plan_within(self.config, self.caps, self.budget_bytes, self._residency,
                                       model_dir=self.model_dir, precision=self.precision,
                                height=height, width=width, steps=steps, scheduler=scheduler,
                                guidance_scale=guidance_scale, profile=self.profile, model_name=self.model_dir.name,
-                               strength=strength, vae_dtype=vae_dtype)
+                               strength=strength,
+                               # on this process's GPU a decoder in halves that overflows decodes again
+                               # (_decoded); a page cannot
+                               decodes_again=self._gpu is not None)
             self.plans[key] = plan
             self._executors[key] = self._make_executor(plan)
         self._last = self._executors[key]
