@@ -27,6 +27,11 @@ class Precision(StrEnum):
     f16_storage = "f16-storage"
 
 
+class VaeDtype(StrEnum):  # an element type the VAE decoder may be tuned in
+    f32 = "f32"
+    f16 = "f16"
+
+
 class Executor(StrEnum):
     native = "native"
     plan = "plan"
@@ -484,7 +489,7 @@ def tune(
     ops: str = typer.Option(None, help="Only these ops, comma-separated (e.g. linear,conv2d)."),
     networks: str = typer.Option(None, help="Only these networks' calls: text_encoder, unet, vae_decoder."),
     where: str = typer.Option(None, help='Only the shapes this rule condition holds for, e.g. \'{"cout": {"max": 4}}\'.'),
-    vae_dtype: str = typer.Option(None, help="Time the VAE decoder in this element type (f32 or f16); its rules name it."),
+    vae_dtype: VaeDtype = typer.Option(None, help="Time the VAE decoder in this element type; its rules name it."),
     merge_into: Path = typer.Option(None, exists=True, dir_okay=False,
                                     help="Keep this profile's rules and measurements for what is not tuned."),
 ):
@@ -503,15 +508,13 @@ def tune(
         base = None if merge_into is None else json.loads(merge_into.read_text())
     except ValueError as exc:
         common.fail(f"--where or --merge-into: not JSON ({exc})")
-    if vae_dtype not in (None, "f32", "f16"):
-        common.fail(f"--vae-dtype {vae_dtype!r}: f32 or f16")
     op_set = set(ops.split(",")) if ops else None
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("", total=None)
         doc = run_tune(config, gpu, dtype, height, width, out, warmup=warmup, repeats=repeats,
                        time_budget_s=time_budget, ops=op_set, networks=set(networks.split(",")) if networks else None,
-                       vae_dtype=vae_dtype, where=condition, base=base,
+                       vae_dtype=vae_dtype and vae_dtype.value, where=condition, base=base,
                        progress=lambda i, n, what: bar.update(task, completed=i, total=n, description=what[:60]))
     changed = sum(1 for m in doc["measurements"] if m["chosen"] != "reference")
     console.print(f"wrote {out}: {len(doc['measurements'])} (op, shape) pairs measured, {changed} use an optimized variant")
