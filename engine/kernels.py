@@ -134,13 +134,16 @@ def specialise(variant: Variant, dtype: str) -> str:
     """The WGSL source of `variant` with its storage element type fixed."""
     if dtype == "f16s" and "shader-f16" in variant.requires:
         raise EngineError(f"{variant.op}/{variant.name} computes in f16 and has no f16-storage form")
-    return _specialised(shader_name(variant, dtype), dtype)
+    # variant.path, not the name, for the other types: a benchmark's probe (a variant of its own
+    # file) compiles its own source
+    path = SHADER_ROOT / f"{shader_name(variant, dtype)}.wgsl" if dtype == "f16s" else variant.path
+    return _specialised(path, dtype)
 
 
 @cache
-def _specialised(name: str, dtype: str) -> str:
+def _specialised(path: Path, dtype: str) -> str:
     # one string a (shader, dtype): PipelineCache keys on it, and a str keeps its hash
-    return SHADER_HEADERS[dtype] + _source(SHADER_ROOT / f"{name}.wgsl")
+    return SHADER_HEADERS[dtype] + _source(path)
 
 
 class PipelineCache:
