@@ -3,12 +3,13 @@ default) timed with GPU timestamps, grouped by kernel, pipeline and parameters (
 run by the same kernel and setting), with the shape each group's parameters name.
 
     python benchmarks/plan_dispatches.py --model DIR --precision fp16 --profile tuned.json \\
-        [--stage unet_step] [--reps 5] [--top 40] --json out.json
+        [--stage unet_step] [--reps 5] [--top 40] [--backend dawn] --json out.json
 
 The roofline (`farm engine bench`) adds kernels up by family; this names the calls inside one,
 e.g. which of the 168 linear products of an SD 1.4 step take its 16 ms. Timings are per-dispatch
 passes (each dispatch timed alone), so small kernels read somewhat slower than in a replay.
-Prints a table, writes JSON.
+--backend dawn runs it through Dawn (what Chrome runs; fp16 is then f16-storage where Dawn offers
+no shader-f16). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -40,8 +41,13 @@ def main(argv=None) -> int:
     ap.add_argument("--stage", default="unet_step")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--backend", default="wgpu-native", choices=["wgpu-native", "dawn"])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.backend == "dawn":
+        from model_args import use_dawn
+
+        use_dawn()
 
     import numpy as np
 
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
         g["ms"] += totals[str(i)]["total_ms"] / args.reps
     rows = sorted(groups.values(), key=lambda g: -g["ms"])
     total = sum(g["ms"] for g in rows)
-    print(f"{gpu.caps.device}: stage {args.stage}, {len(raw)} dispatches, {total:.2f} GPU ms a run "
+    print(f"{gpu.caps.device} ({args.backend}, {plan['dtype']}): stage {args.stage}, {len(raw)} dispatches, {total:.2f} GPU ms a run "
           f"(medians not taken: means of {args.reps} runs, each dispatch in a pass of its own)")
     print(f"{'ms':>7} {'calls':>5} {'us/call':>8}  kernel, parameters, constants")
     for g in rows[:args.top]:
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "date": dt.date.today().isoformat(), "adapter": gpu.caps.device, "driver": gpu.caps.description,
-            "model": str(args.model), "precision": args.precision, "profile": plan["profile"]["name"],
+            "backend": args.backend, "dtype": plan["dtype"], "model": str(args.model), "precision": args.precision, "profile": plan["profile"]["name"],
             "stage": args.stage, "reps": args.reps, "total_ms": total, "groups": rows}, indent=1))
     return 0
 
