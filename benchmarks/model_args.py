@@ -32,9 +32,12 @@ def model_folder(args: argparse.Namespace, tmp: Path) -> Path:
 
 def use_dawn() -> None:
     """Run this process's WebGPU through Dawn (`wgpudawn`, what Chrome runs) on Vulkan instead of
-    wgpu-native: call before anything imports engine.device."""
+    wgpu-native: call before anything imports engine.device. Timestamps unquantized: Dawn rounds
+    them down to 65,536 ns by default (its `timestamp_quantization`, against timing attacks), which
+    turned every kernel under about 0.1 ms of a tune into a tie (0.0, 0.066 or 0.131 ms)."""
     import wgpudawn
     import wgpudawn.backends.dawn.extras  # noqa: F401  (a submodule the package does not import itself)
 
-    wgpudawn.backends.dawn.extras.set_instance_extras(backends=["Vulkan"], enable_toggles=["allow_unsafe_apis"])
+    wgpudawn.backends.dawn.extras.set_instance_extras(backends=["Vulkan"], enable_toggles=["allow_unsafe_apis"],
+                                                      disable_toggles=["timestamp_quantization"])
     wgpudawn.install_as_wgpu()
