@@ -240,8 +240,9 @@ def tune(
                              **({"epilogue": sorted(epilogue)} if epilogue else {}),
                              **({"slow_rounds_dropped": dropped} if dropped else {})})
         # a rule for the reference kernel too where the rule names its type: a profile's rule for
-        # the shape in every type (the one merged in: `base`) must not serve a call measured here
-        if best["variant"] != "reference" or best["constants"] or tag:
+        # the shape in every type (the one merged in: `base`) must not serve a call measured here.
+        # Not for an op with no other kernel (activation, geglu): nothing chooses among one.
+        if best["variant"] != "reference" or best["constants"] or (tag and len(variants(op)) > 1):
             rule = {"op": op, "variant": best["variant"], "when": shape}
             if tag:
                 rule["when"] = {**shape, "dtype": tag}

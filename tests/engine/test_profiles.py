@@ -536,9 +536,31 @@ def test_a_tune_of_the_vae_in_another_element_type_names_it(tiny_model_dir, tmp_
     assert doc["measurements"] and {m["dtype"] for m in doc["measurements"]} == {"f16s"}
     assert all(m["shape"]["b"] == 1 for m in doc["measurements"])  # the decoder runs one image, the UNet two
     assert all(r["when"]["dtype"] == "f16s" for r in doc["rules"])
-    # a rule for each shape a variant won (the reference's own defaults need none)
+    # a rule for every shape, naming its winner, the reference too (where its defaults won, the
+    # rule is what keeps a profile's rule for that shape in every type from serving it)
     best = [min(m["results"], key=lambda r: r["median_ms"]) for m in doc["measurements"]]
-    assert len(doc["rules"]) == sum(b["variant"] != "reference" or bool(b["constants"]) for b in best)
+    assert [(r["variant"], r.get("constants", {})) for r in doc["rules"]] == [(b["variant"], b["constants"]) for b in best]
+
+
+def test_a_typed_tune_writes_no_rule_for_an_op_of_one_kernel(tiny_model_dir, tmp_path, gpu):
+    """An f16-storage tune names its type in every rule, the reference kernel's too, except for
+    ops with no other kernel (activation, geglu): no selection asks for those, and a shipped rule
+    for them was one no page could be shown to follow (test_browser's shipped choices)."""
+    from engine.models.config import load_model_config
+    from engine.tune import tune
+
+    doc = tune(load_model_config(tiny_model_dir), gpu, "f16s", 64, 64, tmp_path / "t.json", warmup=0, repeats=1,
+               ops={"activation", "geglu"}, networks={"unet"})
+    assert {m["op"] for m in doc["measurements"]} == {"activation", "geglu"}
+    assert all(m["dtype"] == "f16s" and len(REGISTRY[m["op"]]) == 1 for m in doc["measurements"])
+    assert doc["rules"] == []
+
+
+def test_no_shipped_rule_chooses_among_one_kernel():
+    """Every shipped rule picks a kernel of an op that has another, or sets constants."""
+    for prof in shipped_profiles():
+        idle = [(r.op, r.variant) for r in prof.rules if len(REGISTRY[r.op]) == 1 and not r.constants]
+        assert not idle, (prof.name, idle)
 
 
 def test_a_shape_filter_naming_nothing_the_tune_could_time_is_refused_before_any_timing(tiny_model_dir, tmp_path,
