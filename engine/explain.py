@@ -38,17 +38,17 @@ NETWORKS = ("text_encoder", "unet", "vae_decoder")  # what trace_calls runs, in 
 
 
 def trace_calls(config, selection: Selection, caps, dtype: str, height: int, width: int, batch: int = 2,
-                vae_dtype: str | None = None):
-    """Run text encoder, UNet (batch `batch`) and VAE decoder on shapes alone, each on Ops with
-    the scratch bounds a pipeline gives it, the VAE in `vae_dtype` (default: the native pipeline's rule).
-    Returns [(network, [(op, shape, args), ...])]."""
+                vae_dtype: str | None = None, networks: set[str] | None = None):
+    """Run text encoder, UNet (batch `batch`) and VAE decoder (or those of them in `networks`) on
+    shapes alone, each on Ops with the scratch bounds a pipeline gives it, the VAE in `vae_dtype`
+    (default: the native pipeline's rule). Returns [(network, [(op, shape, args), ...])]."""
     f = config.vae.vae_scale_factor
     h, w = height // f, width // f
     from .pipeline import _vae_dtype, scratch_scale
 
     rt = TraceContext(caps)
     out = []
-    for network in NETWORKS:
+    for network in (n for n in NETWORKS if not networks or n in networks):
         # the VAE in the element type the native pipeline runs it in (f32 for a force_upcast VAE
         # in f16-storage)
         net_dtype = (vae_dtype or _vae_dtype(config, dtype, decodes_again=True)) if network == "vae_decoder" else dtype
@@ -99,9 +99,7 @@ def distinct_calls(config, caps, dtype: str, height: int, width: int, networks: 
 
     seen = {}
     for network, calls in trace_calls(config, Selection(frozenset(caps.features)), caps, dtype, height, width,
-                                      vae_dtype=vae_dtype):
-        if networks and network not in networks:
-            continue
+                                      vae_dtype=vae_dtype, networks=networks):
         for op, shape, args, epilogue in calls:
             seen.setdefault((op, tuple(sorted(shape.items()))), (op, shape, args, scratch_scale(network), epilogue))
     return list(seen.values())
