@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +52,27 @@ def _settings(variant) -> list[dict]:
 # A round whose control (the reference kernel, timed in every round) took this much more than its
 # median was a slow spell of the GPU: its samples are dropped (while most rounds remain).
 SLOW_SPELL = 1.25
+
+# A GPU timer whose every reading is a multiple of this many nanoseconds or more is quantized:
+# Dawn rounds timestamps down to 65,536 ns unless its `timestamp_quantization` toggle is off, and
+# Chrome does the same to a page's. Kernels shorter than the step are then ties.
+QUANTIZED_NS = 10_000
+
+
+class TimerQuantizedWarning(UserWarning):
+    """The tune's GPU times came in steps too coarse to tell its short kernels apart."""
+
+
+def timer_quantum_ns(measurements: list[dict]) -> int:
+    """The step of the timer `measurements` were read with: the greatest common divisor, in whole
+    nanoseconds, of every candidate's fastest and slowest sample (1 where none is shared, as for
+    a timer of nanoseconds or the wall clock)."""
+    q = 0
+    for m in measurements:
+        for r in m["results"]:
+            for ms in (r["min_ms"], r["max_ms"]):
+                q = math.gcd(q, round(ms * 1e6))
+    return q or 1
 
 
 def interleaved(rt: GpuContext, fns: list[Callable], warmup: int, repeats: int,
@@ -263,6 +286,12 @@ def tune(
         "rules": rules,
         "measurements": measurements,
     }
+    quantum = timer_quantum_ns(measurements)
+    if quantum >= QUANTIZED_NS and measurements:
+        said = (f"this GPU's timestamps came in steps of {quantum / 1000:g} us: kernels shorter than that are "
+                "not told apart (Dawn: turn its timestamp_quantization toggle off)")
+        doc["description"] += f"; {said}"
+        warnings.warn(said, TimerQuantizedWarning, stacklevel=2)
     if base is not None:
         merge_tune(doc, base, op_filter)
     out = Path(out)

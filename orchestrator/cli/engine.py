@@ -4,6 +4,7 @@ image generation."""
 from __future__ import annotations
 
 import json
+import warnings
 from enum import StrEnum
 from pathlib import Path
 
@@ -497,6 +498,7 @@ def tune(
     --ops, --networks and --where tune part of it; --merge-into completes that part from a profile."""
     from engine.device import get_gpu
     from engine.kernels import storage_dtype
+    from engine.tune import TimerQuantizedWarning
     from engine.tune import tune as run_tune
 
     config = _config_for(model, preset)
@@ -510,12 +512,18 @@ def tune(
         common.fail(f"--where or --merge-into: not JSON ({exc})")
     op_set = set(ops.split(",")) if ops else None
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console) as bar:
+                  TimeElapsedColumn(), console=console) as bar, warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", TimerQuantizedWarning)
         task = bar.add_task("", total=None)
         doc = run_tune(config, gpu, dtype, height, width, out, warmup=warmup, repeats=repeats,
                        time_budget_s=time_budget, ops=op_set, networks=set(networks.split(",")) if networks else None,
                        vae_dtype=vae_dtype and vae_dtype.value, where=condition, base=base,
                        progress=lambda i, n, what: bar.update(task, completed=i, total=n, description=what[:60]))
+    for w in said:  # the tuner's own warning said plainly; any other as Python shows it
+        if issubclass(w.category, TimerQuantizedWarning):
+            console.print(f"[yellow]warning:[/yellow] {w.message}")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     changed = sum(1 for m in doc["measurements"] if m["chosen"] != "reference")
     console.print(f"wrote {out}: {len(doc['measurements'])} (op, shape) pairs measured, {changed} use an optimized variant")
 

@@ -556,6 +556,47 @@ def test_a_typed_tune_writes_no_rule_for_an_op_of_one_kernel(tiny_model_dir, tmp
     assert doc["rules"] == []
 
 
+def test_the_timer_quantum_of_a_tunes_measurements(fresh_rng):
+    """The step every sample shares: Dawn's 65,536 ns where its quantization is on, none for a
+    timer of nanoseconds (or the wall clock)."""
+    from engine.tune import QUANTIZED_NS, timer_quantum_ns
+
+    def measured(samples_ms):
+        return [{"results": [{"min_ms": a, "max_ms": b}]} for a, b in samples_ms]
+
+    steps = fresh_rng.integers(0, 60, (20, 2))
+    assert timer_quantum_ns(measured(steps * 0.065536)) == 65536 * int(np.gcd.reduce(steps.ravel()))
+    assert timer_quantum_ns(measured(fresh_rng.uniform(0.001, 3.0, (20, 2)))) < QUANTIZED_NS
+
+
+def test_a_tune_read_from_a_quantized_timer_says_so(tiny_model_dir, tmp_path, gpu, monkeypatch):
+    """A tune whose GPU times all come in 65.536 us steps (Dawn's default) warns and writes the
+    step into the profile's description; one on this adapter's own timer does neither."""
+    import warnings
+
+    import engine.tune as tuning
+    from engine.models.config import load_model_config
+
+    config = load_model_config(tiny_model_dir)
+    kw = {"warmup": 0, "repeats": 2, "ops": {"layer_norm"}, "networks": {"unet"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tuning.TimerQuantizedWarning)
+        doc = tuning.tune(config, gpu, "f32", 64, 64, tmp_path / "real.json", **kw)
+    assert "quantized" not in doc["description"] and "steps of" not in doc["description"]
+
+    ticks = iter(range(1, 10_000))
+
+    def quantized(rt, fn, warmup, repeats):
+        fn()
+        return [next(ticks) * 0.065536 for _ in range(repeats)]
+
+    monkeypatch.setattr(tuning, "time_gpu_work", quantized)
+    with pytest.warns(tuning.TimerQuantizedWarning, match="65.536 us"):
+        doc = tuning.tune(config, gpu, "f32", 64, 64, tmp_path / "coarse.json", **kw)
+    assert "steps of 65.536 us" in doc["description"]
+    assert json.loads((tmp_path / "coarse.json").read_text())["description"] == doc["description"]
+
+
 def test_no_shipped_rule_chooses_among_one_kernel():
     """Every shipped rule picks a kernel of an op that has another, or sets constants."""
     for prof in shipped_profiles():

@@ -140,3 +140,23 @@ def test_bench_ablation_prints_the_table_and_writes_json(tiny_model_dir, tmp_pat
     assert families["linear"]["gflop"] > 0 and families["linear"]["tflops"] > 0
     assert 0 < families["conv2d"]["simt_fraction"]
     assert "roofline" in r.output and "SIMT" in r.output
+
+
+def test_tune_warns_when_the_gpu_timer_is_quantized(tiny_model_dir, tmp_path, monkeypatch):
+    """`farm engine tune` says so plainly when every GPU time came in one coarse step (Dawn's
+    65.536 us by default), and still writes the profile."""
+    import engine.tune as tuning
+
+    ticks = iter(range(1, 10_000))
+
+    def quantized(rt, fn, warmup, repeats):
+        fn()
+        return [next(ticks) * 0.065536 for _ in range(repeats)]
+
+    monkeypatch.setattr(tuning, "time_gpu_work", quantized)
+    out = tmp_path / "q.json"
+    r = runner.invoke(app, ["engine", "tune", "--model", str(tiny_model_dir), "--out", str(out), "--precision", "fp32",
+                            "--ops", "layer_norm", "--repeats", "2", "--warmup", "0"])
+    assert r.exit_code == 0, r.output
+    assert "warning: this GPU's timestamps came in steps of 65.536 us" in r.output
+    assert "steps of 65.536 us" in load_profile_file(out).description
