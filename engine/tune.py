@@ -66,13 +66,11 @@ class TimerQuantizedWarning(UserWarning):
 def timer_quantum_ns(measurements: list[dict]) -> int:
     """The step of the timer `measurements` were read with: the greatest common divisor, in whole
     nanoseconds, of every candidate's fastest and slowest sample (1 where none is shared, as for
-    a timer of nanoseconds or the wall clock)."""
-    q = 0
-    for m in measurements:
-        for r in m["results"]:
-            for ms in (r["min_ms"], r["max_ms"]):
-                q = math.gcd(q, round(ms * 1e6))
-    return q or 1
+    a timer of nanoseconds or the wall clock, and where fewer than 4 distinct readings leave the
+    divisor to chance)."""
+    readings = {round(ms * 1e6) for m in measurements for r in m["results"] for ms in (r["min_ms"], r["max_ms"])}
+    readings.discard(0)
+    return math.gcd(*readings) if len(readings) >= 4 else 1
 
 
 def interleaved(rt: GpuContext, fns: list[Callable], warmup: int, repeats: int,

@@ -564,9 +564,10 @@ def test_the_timer_quantum_of_a_tunes_measurements(fresh_rng):
     def measured(samples_ms):
         return [{"results": [{"min_ms": a, "max_ms": b}]} for a, b in samples_ms]
 
-    steps = fresh_rng.integers(0, 60, (20, 2))
+    steps = fresh_rng.integers(1, 60, (20, 2))
     assert timer_quantum_ns(measured(steps * 0.065536)) == 65536 * int(np.gcd.reduce(steps.ravel()))
     assert timer_quantum_ns(measured(fresh_rng.uniform(0.001, 3.0, (20, 2)))) < QUANTIZED_NS
+    assert timer_quantum_ns(measured([(0.05, 0.05), (0.1, 0.1)])) == 1  # two readings: no verdict
 
 
 def test_a_tune_read_from_a_quantized_timer_says_so(tiny_model_dir, tmp_path, gpu, monkeypatch):
