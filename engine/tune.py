@@ -285,7 +285,7 @@ def tune(
         "measurements": measurements,
     }
     quantum = timer_quantum_ns(measurements)
-    if quantum >= QUANTIZED_NS and measurements:
+    if quantum >= QUANTIZED_NS:
         said = (f"this GPU's timestamps came in steps of {quantum / 1000:g} us: kernels shorter than that are "
                 "not told apart (Dawn: turn its timestamp_quantization toggle off)")
         doc["description"] += f"; {said}"
