@@ -55,13 +55,27 @@ EDITS = {
     "halflds": lambda s: s.replace("let a1 = As[at + TILE_M / 8u];", "let a1 = a0.wzyx;")
                           .replace("let b1 = Bs[bt + TILE_N / 8u];", "let b1 = b0.wzyx;"),
 }
-# flash_packed (shaders/attention/flash_packed.wgsl) with its K and V staged from Q's workgroup
-# rows instead of global memory: what their loads still cost
-ATTN_EDITS = {"noglobal": lambda s: s.replace("    if (src == 1u) { return k[i]; }\n    return v[i];",
-                                             "    if (p.H == 0u) { return k[i] + v[i]; }  // never: keeps the bindings\n"
-                                             "    return qs[(e / DV) * DVP + dv];")}
-ATTN_SHAPES = (("self-attention 4096 tokens, head dim 40", 2, 4096, 8, 40),
-               ("self-attention 1024 tokens, head dim 80", 2, 1024, 8, 80))
+# flash_packed (shaders/attention/flash_packed.wgsl) with a part of its key-block loop taken out:
+#   noglobal  K and V staged from Q's workgroup rows instead of global memory (what their loads cost)
+#   nos       no S = Q K^T products (the scores stay 0)
+#   nopv      no P V products
+#   nored     each invocation's row maxima its own: no reads of the other invocations' maxima
+#   flush10   no edit: summation lengths of 10 vec4 columns in halves (one flush a block at head dim 40)
+ATTN_EDITS = {
+    "noglobal": lambda s: s.replace("    if (src == 1u) { return k[i]; }\n    return v[i];",
+                                    "    if (p.H == 0u) { return k[i] + v[i]; }  // never: keeps the bindings\n"
+                                    "    return qs[(e / DV) * DVP + dv];"),
+    "nos": lambda s: s.replace("for (var d0 = 0u; d0 < DV; d0 += FLUSH_DV) {", "for (var d0 = 0u; d0 < 0u; d0 += FLUSH_DV) {"),
+    "nopv": lambda s: s.replace("for (var jj = 0u; jj < BK; jj += 4u) {", "for (var jj = 0u; jj < 0u; jj += 4u) {"),
+    "nored": lambda s: s.replace("for (var u = 0u; u < TX; u++) { m_new = max(m_new, red[u * TYP + ty]); }",
+                                 "m_new = max(m_new, smax);"),
+}
+ATTN_PROBES = {"shipped": (), "noglobal": ("noglobal",), "nos": ("nos",), "nopv": ("nopv",), "nored": ("nored",),
+               "flush10": ()}
+ATTN_PROBE_CONSTANTS = {"flush10": {"FLUSH_DV": 10}}
+# (label, batch, tokens, heads, head dim, the H100 profile's constants for the shape)
+ATTN_SHAPES = (("self-attention 4096 tokens, head dim 40", 2, 4096, 8, 40, {"BQ": 128, "TX": 10, "KPI": 8}),
+               ("self-attention 1024 tokens, head dim 80", 2, 1024, 8, 80, {"BQ": 128, "TX": 10}))
 PROBES = {
     "shipped": (),
     "noflush": ("noflush",),
@@ -105,7 +119,10 @@ def main(argv=None) -> int:
     ap.add_argument("--data", choices=["normal", "zeros", "ones"], default="normal",
                     help="the operands: N(0,1) (B scaled by K^-0.5), all zero, or all one (B 1/K): a GPU whose "
                     "clock falls with its power draw runs the same instructions faster on quiet data")
-    ap.add_argument("--attention", action="store_true", help="also time flash_packed as shipped and without K/V global loads (noglobal)")
+    ap.add_argument("--attention", action="store_true", help="also time flash_packed as the H100 profile runs it, "
+                    "with parts of its loop taken out, and again as shipped")
+    ap.add_argument("--attention-probes", default="shipped,noglobal,nos,nopv,nored,flush10,shipped",
+                    help="comma-separated, of: " + ", ".join(ATTN_PROBES))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -181,21 +198,26 @@ def main(argv=None) -> int:
     if args.attention:
         packed = variants("attention")["flash_packed"]
         asrc = packed.path.read_text()
-        for label, bsz, t, heads, dh in ATTN_SHAPES:
+        anames = [p.strip() for p in args.attention_probes.split(",") if p.strip()]
+        if unknown := [p for p in anames if p not in ATTN_PROBES]:
+            ap.error(f"unknown attention probes {unknown}; known: {', '.join(ATTN_PROBES)}")
+        akeys = [n if n not in anames[:i] else f"{n} again" for i, n in enumerate(anames)]
+        for label, bsz, t, heads, dh, shape_consts in ATTN_SHAPES:
             q, kk, vv = (rt.upload(rng.standard_normal((bsz, t, heads * dh)).astype(np.float32), "f16") for _ in range(3))
             flops = 4.0 * bsz * heads * t * t * dh
             times = {}
-            for name in ("shipped", "noglobal", "shipped again"):
-                f = tmp / f"flash_packed_{name.replace(' ', '_')}.wgsl"
-                f.write_text(probe_source(asrc, () if name.startswith("shipped") else (name,), ATTN_EDITS,
-                                          "attention/flash_packed.wgsl"))
+            for key in akeys:
+                name = key.split(" again")[0]
+                f = tmp / f"flash_packed_{name}.wgsl"
+                f.write_text(probe_source(asrc, ATTN_PROBES[name], ATTN_EDITS, "attention/flash_packed.wgsl"))
                 probe = Probe(**{fld.name: getattr(packed, fld.name) for fld in dataclasses.fields(Variant)}, file=str(f))
-                probe = dataclasses.replace(probe, name=f"flash_packed~{name.replace(' ', '_')}")
+                probe = dataclasses.replace(probe, name=f"flash_packed~{name}")
                 ops = Ops(rt, PipelineCache(gpu), Selection(frozenset(gpu.caps.features)), "f16")
-                times[name] = statistics.median(time_gpu_work(
-                    rt, lambda o=ops, pr=probe: pr.launch(o, pr, {}, q, kk, vv, heads, False, dh**-0.5),  # noqa: B023
+                consts = {**shape_consts, **ATTN_PROBE_CONSTANTS.get(name, {})}
+                times[key] = statistics.median(time_gpu_work(
+                    rt, lambda o=ops, pr=probe, c=consts: pr.launch(o, pr, c, q, kk, vv, heads, False, dh**-0.5),  # noqa: B023
                     args.warmup, args.reps))
-            attn_rows.append({"shape": label, "gflop": flops / 1e9, "ms": {p: round(t, 4) for p, t in times.items()},
+            attn_rows.append({"shape": label, "constants": shape_consts, "gflop": flops / 1e9, "ms": {p: round(t, 4) for p, t in times.items()},
                               "tflops": {p: round(flops / t / 1e9, 2) for p, t in times.items()}})
             print(f"{label:40s} " + "  ".join(f"{p} {t:.4f} ms ({flops / t / 1e9:.1f} TFLOP/s)" for p, t in times.items()))
     if args.json:
@@ -203,6 +225,8 @@ def main(argv=None) -> int:
             "date": dt.date.today().isoformat(), "adapter": gpu.caps.device, "backend": gpu.caps.backend,
             "driver": gpu.caps.description, "reps": args.reps, "data": args.data, "f16_peak_tflops": peaks.f16_tflops,
             "probes": {p: list(PROBES[p]) for p in set(names)}, "rows": rows,
+            "attention_probes": {p: list(ATTN_PROBES[p]) + [f"{c}={x}" for c, x in ATTN_PROBE_CONSTANTS.get(p, {}).items()]
+                                 for p in set(anames)} if args.attention else {},
             "attention": attn_rows}, indent=1))
     return 0
 
