@@ -20,7 +20,10 @@
 //
 // Entry points, in the order the launcher runs them: filter_main (once per channel chunk),
 // input_main, then the core's 16 products, then output_main. The transforms are written out
-// straight, with no arrays: on some drivers an array in a loop lives in local memory.
+// straight, with no arrays: on some drivers an array in a loop lives in local memory. The two
+// input transforms write U and V in vec2<T> pairs (Cin and PCP are multiples of 4, so a pair
+// never straddles a row): each invocation transforms two neighbouring filters or tiles, and in
+// f16-storage a pair is one whole u32 word, where a lone half costs two global atomics.
 //   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1], G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1],
 //   A^T = [1 1 1 0; 0 1 -1 -1]   (Lavin & Gray 2016)
 struct Params {
@@ -34,8 +37,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<u32>;
 @group(0) @binding(2) var<storage, read> w: array<u32>;
 @group(0) @binding(3) var<storage, read> b: array<u32>;
-@group(0) @binding(4) var<storage, read_write> u: array<atomic<u32>>;
-@group(0) @binding(5) var<storage, read_write> v: array<atomic<u32>>;
+@group(0) @binding(4) var<storage, read_write> u: array<u32>;
+@group(0) @binding(5) var<storage, read_write> v: array<u32>;
 @group(0) @binding(6) var<storage, read> mx: array<u32>;
 @group(0) @binding(7) var<storage, read_write> y: array<atomic<u32>>;
 @group(0) @binding(8) var<storage, read> r: array<u32>;
@@ -46,6 +49,38 @@ fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
 
 // ---- U = G g G^T, one invocation per (co in the chunk, ci) -----------------------------------
 
+// A 4x4 block of 16 transformed values, row r = positions 4r .. 4r + 3.
+struct Tile { r0: vec4<f32>, r1: vec4<f32>, r2: vec4<f32>, r3: vec4<f32> }
+
+// U of output channel CO0 + cc and input channel ci: t = g G^T by rows, U = G t.
+fn filter_tile(cc: u32, ci: u32) -> Tile {
+    let base = ((p.CO0 + cc) * p.Cin + ci) * 9u;
+    let g00 = f32(w_ld(u32(base + 0u))); let g01 = f32(w_ld(u32(base + 1u))); let g02 = f32(w_ld(u32(base + 2u)));
+    let g10 = f32(w_ld(u32(base + 3u))); let g11 = f32(w_ld(u32(base + 4u))); let g12 = f32(w_ld(u32(base + 5u)));
+    let g20 = f32(w_ld(u32(base + 6u))); let g21 = f32(w_ld(u32(base + 7u))); let g22 = f32(w_ld(u32(base + 8u)));
+    let t0 = vec4<f32>(g00, 0.5 * (g00 + g01 + g02), 0.5 * (g00 - g01 + g02), g02);
+    let t1 = vec4<f32>(g10, 0.5 * (g10 + g11 + g12), 0.5 * (g10 - g11 + g12), g12);
+    let t2 = vec4<f32>(g20, 0.5 * (g20 + g21 + g22), 0.5 * (g20 - g21 + g22), g22);
+    return Tile(t0, 0.5 * (t0 + t1 + t2), 0.5 * (t0 - t1 + t2), t2);
+}
+
+// Row r of two tiles (lo, hi) as pairs at positions 4r .. 4r + 3, xs pairs apart.
+fn put_u(at: u32, xs: u32, lo: vec4<f32>, hi: vec4<f32>) {
+    u_st(u32(at), vec2<f32>(vec2<T>(vec2<f32>(lo.x, hi.x))));
+    u_st(u32(at + xs), vec2<f32>(vec2<T>(vec2<f32>(lo.y, hi.y))));
+    u_st(u32(at + 2u * xs), vec2<f32>(vec2<T>(vec2<f32>(lo.z, hi.z))));
+    u_st(u32(at + 3u * xs), vec2<f32>(vec2<T>(vec2<f32>(lo.w, hi.w))));
+}
+
+fn put_v(at: u32, xs: u32, lo: vec4<f32>, hi: vec4<f32>) {
+    v_st(u32(at), vec2<f32>(vec2<T>(vec2<f32>(lo.x, hi.x))));
+    v_st(u32(at + xs), vec2<f32>(vec2<T>(vec2<f32>(lo.y, hi.y))));
+    v_st(u32(at + 2u * xs), vec2<f32>(vec2<T>(vec2<f32>(lo.z, hi.z))));
+    v_st(u32(at + 3u * xs), vec2<f32>(vec2<T>(vec2<f32>(lo.w, hi.w))));
+}
+
+// ---- U = G g G^T, one invocation per (co in the chunk, input channels ci, ci + 1) -----------
+
 @compute @workgroup_size(256)
 fn filter_main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -53,41 +88,50 @@ fn filter_main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let i = flat_index(wid, nwg, lid);
-    if (i >= p.CC * p.Cin) { return; }
-    let ci = i % p.Cin;
-    let cc = i / p.Cin;
-    let base = ((p.CO0 + cc) * p.Cin + ci) * 9u;
-    let at = cc * p.Cin + ci;
-    let xs = p.CC * p.Cin;  // between consecutive positions xi
-    let g00 = f32(w_ld(u32(base + 0u))); let g01 = f32(w_ld(u32(base + 1u))); let g02 = f32(w_ld(u32(base + 2u)));
-    let g10 = f32(w_ld(u32(base + 3u))); let g11 = f32(w_ld(u32(base + 4u))); let g12 = f32(w_ld(u32(base + 5u)));
-    let g20 = f32(w_ld(u32(base + 6u))); let g21 = f32(w_ld(u32(base + 7u))); let g22 = f32(w_ld(u32(base + 8u)));
-    let t00 = g00; let t01 = 0.5 * (g00 + g01 + g02); let t02 = 0.5 * (g00 - g01 + g02); let t03 = g02;
-    let t10 = g10; let t11 = 0.5 * (g10 + g11 + g12); let t12 = 0.5 * (g10 - g11 + g12); let t13 = g12;
-    let t20 = g20; let t21 = 0.5 * (g20 + g21 + g22); let t22 = 0.5 * (g20 - g21 + g22); let t23 = g22;
-    u_st(u32(at + 0u * xs), f32(T(t00)));
-    u_st(u32(at + 4u * xs), f32(T(0.5 * (t00 + t10 + t20))));
-    u_st(u32(at + 8u * xs), f32(T(0.5 * (t00 - t10 + t20))));
-    u_st(u32(at + 12u * xs), f32(T(t20)));
-    u_st(u32(at + 1u * xs), f32(T(t01)));
-    u_st(u32(at + 5u * xs), f32(T(0.5 * (t01 + t11 + t21))));
-    u_st(u32(at + 9u * xs), f32(T(0.5 * (t01 - t11 + t21))));
-    u_st(u32(at + 13u * xs), f32(T(t21)));
-    u_st(u32(at + 2u * xs), f32(T(t02)));
-    u_st(u32(at + 6u * xs), f32(T(0.5 * (t02 + t12 + t22))));
-    u_st(u32(at + 10u * xs), f32(T(0.5 * (t02 - t12 + t22))));
-    u_st(u32(at + 14u * xs), f32(T(t22)));
-    u_st(u32(at + 3u * xs), f32(T(t03)));
-    u_st(u32(at + 7u * xs), f32(T(0.5 * (t03 + t13 + t23))));
-    u_st(u32(at + 11u * xs), f32(T(0.5 * (t03 - t13 + t23))));
-    u_st(u32(at + 15u * xs), f32(T(t23)));
+    let pairs = p.Cin / 2u;
+    if (i >= p.CC * pairs) { return; }
+    let ci = (i % pairs) * 2u;
+    let cc = i / pairs;
+    let at = (cc * p.Cin + ci) / 2u;  // in pairs
+    let xs = p.CC * p.Cin / 2u;  // pairs between consecutive positions xi
+    let lo = filter_tile(cc, ci);
+    let hi = filter_tile(cc, ci + 1u);
+    put_u(at, xs, lo.r0, hi.r0);
+    put_u(at + 4u * xs, xs, lo.r1, hi.r1);
+    put_u(at + 8u * xs, xs, lo.r2, hi.r2);
+    put_u(at + 12u * xs, xs, lo.r3, hi.r3);
 }
 
-// ---- V = B^T d B, one invocation per (ci, tile of the chunk) ---------------------------------
+// ---- V = B^T d B, one invocation per (ci, tiles tc, tc + 1 of the chunk) ---------------------
 
 fn tap(plane: u32, iy: i32, ix: i32) -> f32 {
     if (iy < 0 || iy >= i32(p.H) || ix < 0 || ix >= i32(p.W)) { return 0.0; }
     return f32(x_ld(u32(plane + u32(iy) * p.W + u32(ix))));
+}
+
+// V of input channel ci and tile tc of the chunk (zero for the padding columns past PC, so
+// they add nothing): d, the 4x4 input tile (zero outside the image); e = B^T d; V = e B.
+fn input_tile(ci: u32, tc: u32) -> Tile {
+    if (tc >= p.PC) { return Tile(); }
+    let t = p.T0 + tc;
+    let bi = t / (p.TH * p.TW);
+    let ty = (t / p.TW) % p.TH;
+    let tx = t % p.TW;
+    let plane = (bi * p.Cin + ci) * p.H * p.W;
+    let iy0 = i32(ty * 2u) - i32(p.pad_t);
+    let ix0 = i32(tx * 2u) - i32(p.pad_l);
+    let d00 = tap(plane, iy0 + 0, ix0 + 0); let d01 = tap(plane, iy0 + 0, ix0 + 1); let d02 = tap(plane, iy0 + 0, ix0 + 2); let d03 = tap(plane, iy0 + 0, ix0 + 3);
+    let d10 = tap(plane, iy0 + 1, ix0 + 0); let d11 = tap(plane, iy0 + 1, ix0 + 1); let d12 = tap(plane, iy0 + 1, ix0 + 2); let d13 = tap(plane, iy0 + 1, ix0 + 3);
+    let d20 = tap(plane, iy0 + 2, ix0 + 0); let d21 = tap(plane, iy0 + 2, ix0 + 1); let d22 = tap(plane, iy0 + 2, ix0 + 2); let d23 = tap(plane, iy0 + 2, ix0 + 3);
+    let d30 = tap(plane, iy0 + 3, ix0 + 0); let d31 = tap(plane, iy0 + 3, ix0 + 1); let d32 = tap(plane, iy0 + 3, ix0 + 2); let d33 = tap(plane, iy0 + 3, ix0 + 3);
+    let e00 = d00 - d20; let e10 = d10 + d20; let e20 = d20 - d10; let e30 = d10 - d30;
+    let e01 = d01 - d21; let e11 = d11 + d21; let e21 = d21 - d11; let e31 = d11 - d31;
+    let e02 = d02 - d22; let e12 = d12 + d22; let e22 = d22 - d12; let e32 = d12 - d32;
+    let e03 = d03 - d23; let e13 = d13 + d23; let e23 = d23 - d13; let e33 = d13 - d33;
+    return Tile(vec4<f32>(e00 - e02, e01 + e02, e02 - e01, e01 - e03),
+                vec4<f32>(e10 - e12, e11 + e12, e12 - e11, e11 - e13),
+                vec4<f32>(e20 - e22, e21 + e22, e22 - e21, e21 - e23),
+                vec4<f32>(e30 - e32, e31 + e32, e32 - e31, e31 - e33));
 }
 
 @compute @workgroup_size(256)
@@ -97,47 +141,18 @@ fn input_main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let i = flat_index(wid, nwg, lid);
-    if (i >= p.Cin * p.PCP) { return; }
-    let tc = i % p.PCP;
-    let ci = i / p.PCP;
-    let xs = p.Cin * p.PCP;
-    let at = ci * p.PCP + tc;
-    let t = p.T0 + tc;
-    if (tc >= p.PC) {  // the padding columns: zero, so they add nothing
-        for (var k = 0u; k < 16u; k++) { v_st(u32(at + k * xs), f32(T(0.0))); }
-        return;
-    }
-    let bi = t / (p.TH * p.TW);
-    let ty = (t / p.TW) % p.TH;
-    let tx = t % p.TW;
-    let plane = (bi * p.Cin + ci) * p.H * p.W;
-    let iy0 = i32(ty * 2u) - i32(p.pad_t);
-    let ix0 = i32(tx * 2u) - i32(p.pad_l);
-    // d: the 4x4 input tile (zero outside the image); e = B^T d; V = e B
-    let d00 = tap(plane, iy0 + 0, ix0 + 0); let d01 = tap(plane, iy0 + 0, ix0 + 1); let d02 = tap(plane, iy0 + 0, ix0 + 2); let d03 = tap(plane, iy0 + 0, ix0 + 3);
-    let d10 = tap(plane, iy0 + 1, ix0 + 0); let d11 = tap(plane, iy0 + 1, ix0 + 1); let d12 = tap(plane, iy0 + 1, ix0 + 2); let d13 = tap(plane, iy0 + 1, ix0 + 3);
-    let d20 = tap(plane, iy0 + 2, ix0 + 0); let d21 = tap(plane, iy0 + 2, ix0 + 1); let d22 = tap(plane, iy0 + 2, ix0 + 2); let d23 = tap(plane, iy0 + 2, ix0 + 3);
-    let d30 = tap(plane, iy0 + 3, ix0 + 0); let d31 = tap(plane, iy0 + 3, ix0 + 1); let d32 = tap(plane, iy0 + 3, ix0 + 2); let d33 = tap(plane, iy0 + 3, ix0 + 3);
-    let e00 = d00 - d20; let e10 = d10 + d20; let e20 = d20 - d10; let e30 = d10 - d30;
-    let e01 = d01 - d21; let e11 = d11 + d21; let e21 = d21 - d11; let e31 = d11 - d31;
-    let e02 = d02 - d22; let e12 = d12 + d22; let e22 = d22 - d12; let e32 = d12 - d32;
-    let e03 = d03 - d23; let e13 = d13 + d23; let e23 = d23 - d13; let e33 = d13 - d33;
-    v_st(u32(at + 0u * xs), f32(T(e00 - e02)));
-    v_st(u32(at + 1u * xs), f32(T(e01 + e02)));
-    v_st(u32(at + 2u * xs), f32(T(e02 - e01)));
-    v_st(u32(at + 3u * xs), f32(T(e01 - e03)));
-    v_st(u32(at + 4u * xs), f32(T(e10 - e12)));
-    v_st(u32(at + 5u * xs), f32(T(e11 + e12)));
-    v_st(u32(at + 6u * xs), f32(T(e12 - e11)));
-    v_st(u32(at + 7u * xs), f32(T(e11 - e13)));
-    v_st(u32(at + 8u * xs), f32(T(e20 - e22)));
-    v_st(u32(at + 9u * xs), f32(T(e21 + e22)));
-    v_st(u32(at + 10u * xs), f32(T(e22 - e21)));
-    v_st(u32(at + 11u * xs), f32(T(e21 - e23)));
-    v_st(u32(at + 12u * xs), f32(T(e30 - e32)));
-    v_st(u32(at + 13u * xs), f32(T(e31 + e32)));
-    v_st(u32(at + 14u * xs), f32(T(e32 - e31)));
-    v_st(u32(at + 15u * xs), f32(T(e31 - e33)));
+    let pairs = p.PCP / 2u;
+    if (i >= p.Cin * pairs) { return; }
+    let tc = (i % pairs) * 2u;
+    let ci = i / pairs;
+    let xs = p.Cin * pairs;  // pairs between consecutive positions xi
+    let at = ci * pairs + tc / 2u;
+    let lo = input_tile(ci, tc);
+    let hi = input_tile(ci, tc + 1u);
+    put_v(at, xs, lo.r0, hi.r0);
+    put_v(at + 4u * xs, xs, lo.r1, hi.r1);
+    put_v(at + 8u * xs, xs, lo.r2, hi.r2);
+    put_v(at + 12u * xs, xs, lo.r3, hi.r3);
 }
 
 // ---- Y = A^T Mx A + b (+ r), one invocation per (co in the chunk, tile of the chunk) ---------
@@ -197,21 +212,17 @@ fn w_ld(pk_i: u32) -> f32 {
 fn b_ld(pk_i: u32) -> f32 {
     return unpack2x16float(b[pk_i >> 1u])[pk_i & 1u];
 }
-fn u_ld(pk_i: u32) -> f32 {
-    return unpack2x16float(atomicLoad(&u[pk_i >> 1u]))[pk_i & 1u];
+fn u_ld(pk_i: u32) -> vec2<f32> {
+    return unpack2x16float(u[pk_i]);
 }
-fn u_st(pk_i: u32, pk_v: f32) {
-    let pk_shift = (pk_i & 1u) * 16u;
-    atomicAnd(&u[pk_i >> 1u], ~(0xffffu << pk_shift));
-    atomicOr(&u[pk_i >> 1u], (pack2x16float(vec2<f32>(pk_v, 0.0)) & 0xffffu) << pk_shift);
+fn u_st(pk_i: u32, pk_v: vec2<f32>) {
+    u[pk_i] = pack2x16float(pk_v);
 }
-fn v_ld(pk_i: u32) -> f32 {
-    return unpack2x16float(atomicLoad(&v[pk_i >> 1u]))[pk_i & 1u];
+fn v_ld(pk_i: u32) -> vec2<f32> {
+    return unpack2x16float(v[pk_i]);
 }
-fn v_st(pk_i: u32, pk_v: f32) {
-    let pk_shift = (pk_i & 1u) * 16u;
-    atomicAnd(&v[pk_i >> 1u], ~(0xffffu << pk_shift));
-    atomicOr(&v[pk_i >> 1u], (pack2x16float(vec2<f32>(pk_v, 0.0)) & 0xffffu) << pk_shift);
+fn v_st(pk_i: u32, pk_v: vec2<f32>) {
+    v[pk_i] = pack2x16float(pk_v);
 }
 fn mx_ld(pk_i: u32) -> f32 {
     return unpack2x16float(mx[pk_i >> 1u])[pk_i & 1u];
