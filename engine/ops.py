@@ -274,7 +274,7 @@ class Ops:
         else:
             raise ValueError(f"add: shapes {a.shape} and {b.shape} do not broadcast")
         y = self.rt.empty(a.shape, self.dtype)
-        self.rt.dispatch(self._pipeline("add"), "add", (a.numel, s, bcast), [a, b, y], self._grid_1d(a.numel))
+        self.rt.dispatch(self._pipeline("add"), "add", (a.numel, s, bcast), [a, b, y], self._grid_1d(-(-a.numel // 2)))  # pairs
         return y
 
     # ---- layout -----------------------------------------------------------------------
@@ -295,7 +295,8 @@ class Ops:
             raise ValueError(f"concat: {a.shape} and {b.shape} differ outside the channel axis")
         s = a.numel // (bsz * ca)
         y = self.rt.empty((bsz, ca + cb, *a.shape[2:]), self.dtype)
-        self.rt.dispatch(self._pipeline("concat"), "concat", (bsz, ca, cb, s), [a, b, y], self._grid_1d(y.numel))
+        self.rt.dispatch(self._pipeline("concat"), "concat", (bsz, ca, cb, s), [a, b, y],
+                         self._grid_1d(-(-y.numel // 2)))  # two elements an invocation
         return y
 
     def transpose(self, x: Tensor) -> Tensor:
@@ -474,8 +475,8 @@ def group_norm_reference(ops: Ops, v: Variant, consts: dict, x, gamma, beta, gro
     ops.rt.dispatch(ops.pipeline(v, "stats_main"), "group_norm", params, [x, stats], (bsz * groups, 1, 1))
     y = ops.rt.empty(x.shape, ops.dtype)
     ops.rt.dispatch(
-        ops.pipeline(v, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y], ops.grid_1d(x.numel)
-    )
+        ops.pipeline(v, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y], ops.grid_1d(-(-x.numel // 2))
+    )  # two elements an invocation
     return y
 
 

@@ -13,7 +13,11 @@ of vec2<u32>), and every access of it a call of a load or store function written
   other's; a vec2 store writes its whole word, a vec4 store its two. Two global atomics per
   element are the dearest store there is (through Dawn on an H100 they reach L2 one by one): a
   kernel that writes much declares its output in vec2<T> or vec4<T>, each invocation writing
-  whole pairs.
+  whole pairs;
+- a kernel whose output must stay scalar (odd sizes) stores neighbours i, i + 1 (i even) through
+  its function `fn NAME_pair(i: u32, v: vec2<f32>) { NAME[i] = T(v.x); NAME[i + 1u] = T(v.y); }`,
+  which becomes one store of the whole word; a buffer stored to through NAME_pair alone stays a
+  plain array<u32> (no atomics at all), else the pair is an atomicStore beside the halves' atomics.
 
 The files are generated: edit the kernel under shaders/<op>/ and rerun this script
 (tests/engine/test_packed.py fails while a file is out of date, and this script refuses a
@@ -126,6 +130,36 @@ def _rewrite(body: str, name: str, width: int, mode: str) -> str:
     return "".join(out)
 
 
+def _stores(source: str, var: str) -> bool:
+    """Whether `source` stores to an element of `var`."""
+    for m in re.finditer(rf"(?<![\w.]){var}\s*\[", source):
+        if re.match(r"\s*(\+|-|\*|/)?=(?!=)", source[_close(source, m.end() - 1):]):
+            return True
+    return False
+
+
+def _cut_pair(source: str, var: str) -> tuple[str, bool]:
+    """`source` with `var`'s pair-store function (the module's doc) replaced by a marker, and
+    whether it had one. Refuses one whose signature or body is not the documented one."""
+    m = re.search(rf"\bfn\s+{var}_pair\s*\(", source)
+    if m is None:
+        return source, False
+    head = re.match(rf"fn\s+{var}_pair\s*\(\s*i\s*:\s*u32\s*,\s*v\s*:\s*vec2<f32>\s*\)\s*\{{", source[m.start():])
+    if head is None:
+        raise Unpackable(f"{var}_pair must be declared fn {var}_pair(i: u32, v: vec2<f32>)")
+    open_ = m.start() + head.end() - 1
+    close = _close(source, open_, "{", "}")
+    body = " ".join(re.sub(r"//[^\n]*", "", source[open_ + 1:close - 1]).split())
+    if body != f"{var}[i] = T(v.x); {var}[i + 1u] = T(v.y);":
+        raise Unpackable(f"{var}_pair must store {var}[i] = T(v.x); {var}[i + 1u] = T(v.y); and nothing else")
+    return source[:m.start()] + f"PK_PAIR_{var}" + source[close:], True
+
+
+def _pair_fn(var: str, atomic: bool) -> str:
+    store = f"atomicStore(&{var}[i >> 1u], pack2x16float(v))" if atomic else f"{var}[i >> 1u] = pack2x16float(v)"
+    return f"fn {var}_pair(i: u32, v: vec2<f32>) {{  // i even: the whole word\n    {store};\n}}"
+
+
 def packed(source: str, name: str = "kernel") -> str:
     """The f16-storage form of a kernel's source (see the module's doc)."""
     decls = [(m.group(2), m.group(1), WIDTH[m.group(3)]) for m in DECL.finditer(source)]
@@ -135,12 +169,24 @@ def packed(source: str, name: str = "kernel") -> str:
     out = source
     helpers = []
     for var, mode, width in decls:
+        paired = False
+        if width == 1 and mode == "read_write":
+            out, paired = _cut_pair(out, var)
+        if paired and not _stores(out, var):  # every store is a pair: plain words
+            out = re.sub(rf"(var<storage,\s*read_write>\s+{var}\s*:\s*)array<T>", r"\1array<u32>", out, count=1)
+            split = out.index(f" {var}: array<u32>") + len(f" {var}: array<u32>")
+            out = out[:split] + _rewrite(out[split:], var, width, "read")
+            out = out.replace(f"PK_PAIR_{var}", _pair_fn(var, atomic=False))
+            helpers.append(_helpers(var, "read", width))
+            continue
         word = {4: "vec2<u32>", 2: "u32"}.get(width, "u32" if mode == "read" else "atomic<u32>")
         out = re.sub(rf"(var<storage,\s*{mode}>\s+{var}\s*:\s*)array<(T|vec2<T>|vec4<T>)>", rf"\1array<{word}>", out,
                      count=1)
         # rewrite everything after the declarations
         split = out.index(f" {var}: array<{word}>") + len(f" {var}: array<{word}>")
         out = out[:split] + _rewrite(out[split:], var, width, mode)
+        if paired:
+            out = out.replace(f"PK_PAIR_{var}", _pair_fn(var, atomic=True))
         helpers.append(_helpers(var, mode, width))
     return HEADER.format(name=name) + out.rstrip("\n") + "\n\n// ---- packed-half access ----\n" + "".join(helpers)
 

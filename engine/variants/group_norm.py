@@ -39,7 +39,7 @@ SPLIT_CHUNKS = (1024, 2048, 4096, 8192, 16384)
 
 def _split_passes(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, silu, width: int) -> Tensor:
     """split's (width 1) or split4's (width 4) three dispatches: each CHUNK-element run's
-    statistics, their merge per group, the apply (the reference's one element an invocation, or
+    statistics, their merge per group, the apply (the reference's two elements an invocation, or
     split4's own four)."""
     bsz, c = x.shape[:2]
     s = x.numel // (bsz * c)
@@ -59,7 +59,8 @@ def _split_passes(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, si
         apply, buffers = v, [x, None, stats, gamma, beta, y]
     else:  # reference.wgsl's: x, stats, gamma, beta, y
         apply, buffers = variants("group_norm")["reference"], [x, stats, gamma, beta, y]
-    ops.rt.dispatch(ops.pipeline(apply, "apply_main"), "group_norm", params, buffers, ops.grid_1d(x.numel // width))
+    ops.rt.dispatch(ops.pipeline(apply, "apply_main"), "group_norm", params, buffers,
+                    ops.grid_1d(-(-x.numel // (width if width == 4 else 2))))
     return y
 
 

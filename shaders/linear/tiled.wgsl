@@ -44,15 +44,26 @@ fn mac(acc: ptr<function, Acc>, tx: u32, ty: u32) {
     }
 }
 
+fn y_pair(i: u32, v: vec2<f32>) { y[i] = T(v.x); y[i + 1u] = T(v.y); }
+
+fn biased(n: u32, v: f32) -> f32 {
+    if (p.has_bias != 0u) { return v + f32(b[n]); }
+    return v;
+}
+
+// Row m, columns n0 .. n0 + 3 (n0 a multiple of 4). With N even a row starts on a word, so the
+// columns go out in pairs (one whole word each in f16-storage, scripts/make_packed_shaders.py).
 fn store_row(m: u32, n0: u32, v: vec4<f32>) {
     if (m >= p.M) { return; }
+    if (p.N % 2u == 0u) {
+        let at = m * p.N + n0;
+        if (n0 < p.N) { y_pair(at, vec2<f32>(biased(n0, v.x), biased(n0 + 1u, v.y))); }
+        if (n0 + 2u < p.N) { y_pair(at + 2u, vec2<f32>(biased(n0 + 2u, v.z), biased(n0 + 3u, v.w))); }
+        return;
+    }
     for (var j = 0u; j < R; j++) {
         let n = n0 + j;
-        if (n < p.N) {
-            var o = v[j];
-            if (p.has_bias != 0u) { o += f32(b[n]); }
-            y[m * p.N + n] = T(o);
-        }
+        if (n < p.N) { y[m * p.N + n] = T(biased(n, v[j])); }
     }
 }
 

@@ -94,12 +94,14 @@ def test_conv2d(ops, fresh_rng, cin, cout, hw, k, stride, pads):
     check(ops, y, np_conv(q(ops, x), q(ops, w), q(ops, b), stride, pads))
 
 
-@pytest.mark.parametrize("c,groups,hw,eps,silu", [(64, 32, (8, 8), 1e-5, True), (12, 4, (5, 3), 1e-6, False)])
-def test_group_norm(ops, fresh_rng, c, groups, hw, eps, silu):
-    x = rand(fresh_rng, 2, c, *hw, scale=3.0) + 1.5
+# (an odd element count, 1 x 9 x 15: the last element is written alone, the rest in pairs)
+@pytest.mark.parametrize("bsz,c,groups,hw,eps,silu", [(2, 64, 32, (8, 8), 1e-5, True), (2, 12, 4, (5, 3), 1e-6, False),
+                                                      (1, 9, 3, (5, 3), 1e-5, True)])
+def test_group_norm(ops, fresh_rng, bsz, c, groups, hw, eps, silu):
+    x = rand(fresh_rng, bsz, c, *hw, scale=3.0) + 1.5
     g, b = rand(fresh_rng, c) + 1, rand(fresh_rng, c)
     y = ops.group_norm(up(ops, x), up(ops, g), up(ops, b), groups, eps, silu)
-    xr = q(ops, x).reshape(2, groups, -1)
+    xr = q(ops, x).reshape(bsz, groups, -1)
     ref = ((xr - xr.mean(-1, keepdims=True)) / np.sqrt(xr.var(-1, keepdims=True) + eps)).reshape(x.shape)
     ref = ref * q(ops, g)[None, :, None, None] + q(ops, b)[None, :, None, None]
     if silu:
@@ -107,7 +109,7 @@ def test_group_norm(ops, fresh_rng, c, groups, hw, eps, silu):
     check(ops, y, ref)
 
 
-@pytest.mark.parametrize("rows,d", [(77, 32), (9, 768), (3, 1000)])
+@pytest.mark.parametrize("rows,d", [(77, 32), (9, 768), (3, 1000), (5, 37)])  # odd rows are written an element at a time
 def test_layer_norm(ops, fresh_rng, rows, d):
     x = rand(fresh_rng, 2, rows, d, scale=2.0) + 0.5
     g, b = rand(fresh_rng, d) + 1, rand(fresh_rng, d)
@@ -150,8 +152,9 @@ def test_geglu(ops, fresh_rng):
     check(ops, y, xq[..., :40] * _gelu(xq[..., 40:]))
 
 
-def test_add_and_broadcast(ops, fresh_rng):
-    a, b, c = rand(fresh_rng, 2, 6, 5, 7), rand(fresh_rng, 2, 6, 5, 7), rand(fresh_rng, 2, 6)
+@pytest.mark.parametrize("shape", [(2, 6, 5, 7), (1, 3, 5, 7)])  # 105 elements: the last is written alone
+def test_add_and_broadcast(ops, fresh_rng, shape):
+    a, b, c = rand(fresh_rng, *shape), rand(fresh_rng, *shape), rand(fresh_rng, *shape[:2])
     check(ops, ops.add(up(ops, a), up(ops, b)), q(ops, a) + q(ops, b))
     check(ops, ops.add(up(ops, a), up(ops, c)), q(ops, a) + q(ops, c)[:, :, None, None])
 
@@ -167,6 +170,8 @@ def test_upsample_nearest(ops, fresh_rng, hw, size):
 
 def test_concat_and_transpose(ops, fresh_rng):
     a, b = rand(fresh_rng, 2, 3, 4, 5), rand(fresh_rng, 2, 6, 4, 5)
+    check(ops, ops.concat_channels(up(ops, a), up(ops, b)), np.concatenate([q(ops, a), q(ops, b)], 1))
+    a, b = rand(fresh_rng, 1, 3, 1, 5), rand(fresh_rng, 1, 2, 1, 5)  # 25 elements: the last is written alone
     check(ops, ops.concat_channels(up(ops, a), up(ops, b)), np.concatenate([q(ops, a), q(ops, b)], 1))
     x = rand(fresh_rng, 2, 7, 13)
     check(ops, ops.transpose(up(ops, x)), q(ops, x).transpose(0, 2, 1))

@@ -45,7 +45,44 @@ def test_loads_and_stores_become_packed_half_accesses():
     assert "atomicAnd(&y[pk_i >> 1u]" in out and "atomicOr(&y[pk_i >> 1u]" in out
 
 
+PAIRS = """@group(0) @binding(1) var<storage, read> x: array<T>;
+@group(0) @binding(2) var<storage, read_write> y2: array<vec2<T>>;
+@group(0) @binding(3) var<storage, read_write> y: array<T>;
+@group(0) @binding(4) var<storage, read_write> z: array<T>;
+fn y_pair(i: u32, v: vec2<f32>) { y[i] = T(v.x); y[i + 1u] = T(v.y); }
+fn z_pair(i: u32, v: vec2<f32>) {
+    z[i] = T(v.x);  // the first of the two
+    z[i + 1u] = T(v.y);
+}
+fn main() {
+    y2[1u] = vec2<T>(x[0u], x[1u]);
+    y_pair(2u, vec2<f32>(f32(y[0u]), 1.0));
+    z_pair(0u, vec2<f32>(2.0, 3.0));
+    z[3u] = T(4.0);
+}
+"""
+
+
+def test_pairs_are_stored_as_whole_words():
+    """A vec2<T> buffer is one u32 word a pair; a scalar buffer's NAME_pair stores one whole word,
+    with no atomics at all where every store to it is a pair."""
+    out = make.packed(PAIRS)
+    assert "var<storage, read_write> y2: array<u32>;" in out
+    assert "y2_st(u32(1u), vec2<f32>(vec2<T>(x_ld(u32(0u)), x_ld(u32(1u)))));" in out
+    assert "fn y2_st(pk_i: u32, pk_v: vec2<f32>) {\n    y2[pk_i] = pack2x16float(pk_v);" in out
+    assert "var<storage, read_write> y: array<u32>;" in out
+    assert "    y[i >> 1u] = pack2x16float(v);" in out and "&y[" not in out
+    assert "y_pair(2u, vec2<f32>(f32(y_ld(u32(0u))), 1.0));" in out  # its reads are plain too
+    assert "var<storage, read_write> z: array<atomic<u32>>;" in out  # z[3] is a lone half
+    assert "atomicStore(&z[i >> 1u], pack2x16float(v));" in out and "atomicOr(&z[pk_i >> 1u]" in out
+    assert "z[i] = T(v.x)" not in out and "the first of the two" not in out
+
+
 @pytest.mark.parametrize("source,why", [
+    ("var<storage, read_write> y: array<T>;\nfn y_pair(i: u32, v: vec2<f32>) { y[i] = T(v.y); y[i + 1u] = T(v.x); }",
+     "y_pair must store"),
+    ("var<storage, read_write> y: array<T>;\nfn y_pair(j: u32, v: vec2<f32>) { y[j] = T(v.x); y[j + 1u] = T(v.y); }",
+     "y_pair must be declared"),
     ("var<storage, read> x: array<T>;\nfn f() { x[0] = T(1.0); }", "read-only but stored to"),
     ("var<storage, read_write> y: array<vec4<T>>;\nfn f() { y[0].x = T(1.0); }", "a component of y"),
     ("var<storage, read> x: array<T>;\nfn f() { let p = &x; }", "taken by reference"),

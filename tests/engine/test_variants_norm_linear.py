@@ -186,6 +186,10 @@ def test_layer_norm_row(rt, gpu, dtype, fresh_rng, rows, d, wg):
         ("f32", 3, 5, 2, False),  # smaller than one tile in every direction
         ("f16", 3, 5, 2, False),
         ("f32", 65, 36, 67, True),  # vec4 loads, one row and column past a tile
+        # f16-storage: even N stores pairs of columns as whole words (with a partial last tile),
+        # odd N halves one at a time
+        ("f16s", 65, 36, 66, True),
+        ("f16s", 77, 37, 45, True),
     ],
 )
 def test_linear_tiled(rt, gpu, fresh_rng, dtype, m, k, n, bias):

@@ -8,22 +8,34 @@ struct Params { B: u32, Ca: u32, Cb: u32, S: u32 }
 @group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read_write> y: array<atomic<u32>>;
 
+fn y_pair(i: u32, v: vec2<f32>) {  // i even: the whole word
+    atomicStore(&y[i >> 1u], pack2x16float(v));
+}
+
+fn element(i: u32) -> f32 {
+    let C = p.Ca + p.Cb;
+    let s = i % p.S;
+    let c = (i / p.S) % C;
+    let bi = i / (p.S * C);
+    if (c < p.Ca) { return f32(a_ld(u32((bi * p.Ca + c) * p.S + s))); }
+    return f32(b_ld(u32((bi * p.Cb + (c - p.Ca)) * p.S + s)));
+}
+
+// Two neighbours an invocation, stored as a pair (one whole word in f16-storage); an odd
+// count's last element alone.
 @compute @workgroup_size(256)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    let i = (wid.y * nwg.x + wid.x) * 256u + li;
-    let C = p.Ca + p.Cb;
-    if (i >= p.B * C * p.S) { return; }
-    let s = i % p.S;
-    let c = (i / p.S) % C;
-    let bi = i / (p.S * C);
-    if (c < p.Ca) {
-        y_st(u32(i), f32(a_ld(u32((bi * p.Ca + c) * p.S + s))));
+    let i = 2u * ((wid.y * nwg.x + wid.x) * 256u + li);
+    let n = p.B * (p.Ca + p.Cb) * p.S;
+    if (i >= n) { return; }
+    if (i + 1u < n) {
+        y_pair(i, vec2<f32>(element(i), element(i + 1u)));
     } else {
-        y_st(u32(i), f32(b_ld(u32((bi * p.Cb + (c - p.Ca)) * p.S + s))));
+        y_st(u32(i), f32(T(element(i))));
     }
 }
 

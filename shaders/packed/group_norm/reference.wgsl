@@ -46,20 +46,35 @@ fn stats_main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 @group(0) @binding(4) var<storage, read> beta: array<u32>;
 @group(0) @binding(5) var<storage, read_write> y: array<atomic<u32>>;
 
+fn y_pair(i: u32, v: vec2<f32>) {  // i even: the whole word
+    atomicStore(&y[i >> 1u], pack2x16float(v));
+}
+
+fn normed(i: u32) -> f32 {
+    let c = (i / p.S) % p.C;
+    let b = i / (p.S * p.C);
+    let grp = b * p.G + c / (p.C / p.G);
+    var v = (f32(x_ld(u32(i))) - stats[2u * grp]) * stats[2u * grp + 1u] * f32(gamma_ld(u32(c))) + f32(beta_ld(u32(c)));
+    if (p.silu != 0u) { v = v / (1.0 + exp(-v)); }
+    return v;
+}
+
+// Two neighbours an invocation, stored as a pair (one whole word in f16-storage); an odd
+// count's last element alone.
 @compute @workgroup_size(256)
 fn apply_main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    let i = (wid.y * nwg.x + wid.x) * 256u + li;
-    if (i >= p.B * p.C * p.S) { return; }
-    let c = (i / p.S) % p.C;
-    let b = i / (p.S * p.C);
-    let grp = b * p.G + c / (p.C / p.G);
-    var v = (f32(x_ld(u32(i))) - stats[2u * grp]) * stats[2u * grp + 1u] * f32(gamma_ld(u32(c))) + f32(beta_ld(u32(c)));
-    if (p.silu != 0u) { v = v / (1.0 + exp(-v)); }
-    y_st(u32(i), f32(T(v)));
+    let i = 2u * ((wid.y * nwg.x + wid.x) * 256u + li);
+    let n = p.B * p.C * p.S;
+    if (i >= n) { return; }
+    if (i + 1u < n) {
+        y_pair(i, vec2<f32>(normed(i), normed(i + 1u)));
+    } else {
+        y_st(u32(i), f32(T(normed(i))));
+    }
 }
 
 // ---- packed-half access ----

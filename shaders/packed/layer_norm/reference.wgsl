@@ -2,7 +2,8 @@
 // file and rerun. The f16-storage form: its buffers of T hold packed halves (two to a u32), read
 // and written through the functions at the end; T is f32, so all arithmetic is f32.
 // Layer normalisation over the last dimension, one workgroup per row, statistics in f32.
-// x, y: (R, D); gamma, beta: (D)
+// x, y: (R, D); gamma, beta: (D). Rows of even D are written in pairs (one whole word in
+// f16-storage, scripts/make_packed_shaders.py).
 struct Params { R: u32, D: u32, eps: f32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<u32>;
@@ -11,6 +12,14 @@ struct Params { R: u32, D: u32, eps: f32 }
 @group(0) @binding(4) var<storage, read_write> y: array<atomic<u32>>;
 
 var<workgroup> partial: array<f32, 256>;
+
+fn y_pair(i: u32, v: vec2<f32>) {  // i even: the whole word
+    atomicStore(&y[i >> 1u], pack2x16float(v));
+}
+
+fn norm(base: u32, i: u32, mean: f32, rstd: f32) -> f32 {
+    return (f32(x_ld(u32(base + i))) - mean) * rstd * f32(gamma_ld(u32(i))) + f32(beta_ld(u32(i)));
+}
 
 fn reduce_sum(li: u32, v: f32) -> f32 {
     partial[li] = v;
@@ -39,8 +48,12 @@ fn main(
     var q = 0.0;
     for (var i = li; i < p.D; i += 256u) { let d = f32(x_ld(u32(base + i))) - mean; q += d * d; }
     let rstd = inverseSqrt(reduce_sum(li, q) / f32(p.D) + p.eps);
-    for (var i = li; i < p.D; i += 256u) {
-        y_st(u32(base + i), f32(T((f32(x_ld(u32(base + i))) - mean) * rstd * f32(gamma_ld(u32(i))) + f32(beta_ld(u32(i))))));
+    if (p.D % 2u == 0u) {  // base is even: every pair is a word
+        for (var i = 2u * li; i < p.D; i += 512u) {
+            y_pair(base + i, vec2<f32>(norm(base, i, mean, rstd), norm(base, i + 1u, mean, rstd)));
+        }
+    } else {
+        for (var i = li; i < p.D; i += 256u) { y_st(u32(base + i), f32(T(norm(base, i, mean, rstd)))); }
     }
 }
 
