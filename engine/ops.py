@@ -284,7 +284,8 @@ class Ops:
         oh, ow = size
         y = self.rt.empty((bsz, c, oh, ow), self.dtype)
         self.rt.dispatch(
-            self._pipeline("upsample"), "upsample", (bsz * c, h, w, oh, ow), [x, y], self._grid_1d(y.numel)
+            self._pipeline("upsample"), "upsample", (bsz * c, h, w, oh, ow), [x, y],
+            self._grid_1d(-(-y.numel // 2)),  # two elements an invocation
         )
         return y
 
@@ -303,7 +304,8 @@ class Ops:
         """(B, R, C) -> (B, C, R)."""
         bsz, r, c = x.shape
         y = self.rt.empty((bsz, c, r), self.dtype)
-        self.rt.dispatch(self._pipeline("transpose"), "transpose", (bsz, r, c), [x, y], self._grid_1d(x.numel))
+        self.rt.dispatch(self._pipeline("transpose"), "transpose", (bsz, r, c), [x, y],
+                         self._grid_1d(-(-x.numel // 2)))  # two elements an invocation
         return y
 
     def embedding(self, ids: Tensor, tok: Tensor, pos: Tensor) -> Tensor:
@@ -504,7 +506,7 @@ def geglu_reference(ops: Ops, v: Variant, consts: dict, x: Tensor) -> Tensor:
     f2 = x.shape[-1]
     m, f = x.numel // f2, f2 // 2
     y = ops.rt.empty((*x.shape[:-1], f), ops.dtype)
-    ops.rt.dispatch(ops.pipeline(v), "geglu", (m, f), [x, y], ops.grid_1d(m * f))
+    ops.rt.dispatch(ops.pipeline(v), "geglu", (m, f), [x, y], ops.grid_1d(-(-m * f // 2)))  # two elements an invocation
     return y
 
 

@@ -364,7 +364,7 @@ def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads
     col = ops.rt.empty((bsz, kk, npix), ops.dtype, at_least=budget)
     ops.rt.dispatch(ops.pipeline(v, "main"), "conv2d_im2col",
                     (cin, h, wd, kh, kw, stride, pads[0], pads[2], oh, ow, bsz * kk * npix),
-                    [x, col], ops.grid_1d(bsz * kk * npix))
+                    [x, col], ops.grid_1d(-(-bsz * kk * npix // 2)))  # two elements an invocation
     return gemm(ops, consts, w, col, cout, npix, kk, batch=bsz, b_kn=True, bias=b, bias_on_m=True, residual=residual,
                 strides=(0, kk * npix, cout * npix), out_shape=(bsz, cout, oh, ow), label="conv2d")
 

@@ -28,6 +28,8 @@ struct Params {
 @group(0) @binding(3) var<storage, read> v: array<T>;
 @group(0) @binding(4) var<storage, read_write> o: array<T>;
 
+fn o_pair(i: u32, v: vec2<f32>) { o[i] = T(v.x); o[i + 1u] = T(v.y); }
+
 override BR: u32 = 64u;      // query rows per workgroup
 override BC: u32 = 16u;      // keys per block
 override MAX_DH: u32 = 40u;  // largest head dim served, padded; a multiple of 4 * SPLIT
@@ -183,7 +185,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             for (var d = 0u; d < DVS; d++) {
                 let y = acc[r * DVS + d] * inv_l;
                 let d0 = 4u * (d * SPLIT + lane);
-                for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { o[base + d0 + e] = T(y[e]); } }
+                if (p.dh % 2u == 0u) {  // rows start on a word: pairs (one word each in f16-storage)
+                    if (d0 < p.dh) { o_pair(base + d0, y.xy); }
+                    if (d0 + 2u < p.dh) { o_pair(base + d0 + 2u, y.zw); }
+                } else {
+                    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { o[base + d0 + e] = T(y[e]); } }
+                }
             }
         }
     }

@@ -28,7 +28,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> q: array<vec4<T>>;
 @group(0) @binding(2) var<storage, read> k: array<vec4<T>>;
 @group(0) @binding(3) var<storage, read> v: array<vec4<T>>;
-@group(0) @binding(4) var<storage, read_write> o: array<T>;
+@group(0) @binding(4) var<storage, read_write> o: array<vec4<T>>;  // vec4 rows: dh % 4 == 0
 
 override BQ: u32 = 64u;  // query rows per workgroup, a multiple of 4
 override TX: u32 = 10u;  // invocations across the keys (S) and the head-dim columns (O)
@@ -146,10 +146,10 @@ fn store(a: Rows, brow: u32, i: u32, h: u32, d0: u32, inv_l: vec4<f32>) {
     store_row_at(brow, i + 3u * TY, h, d0, a.r3 * inv_l.w);
 }
 
+// One vec4 store (d0 and the head dim are multiples of 4): in f16-storage two whole words.
 fn store_row_at(brow: u32, i: u32, h: u32, d0: u32, y: vec4<f32>) {
-    if (i >= p.Tq) { return; }
-    let base = (brow + i) * (p.H * p.dh) + h * p.dh + d0;
-    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { o[base + e] = T(y[e]); } }
+    if (i >= p.Tq || d0 >= p.dh) { return; }
+    o[((brow + i) * (p.H * p.dh) + h * p.dh + d0) / 4u] = vec4<T>(y);
 }
 
 // The scores of key j for the rows i (NEG_BIG where masked).

@@ -154,6 +154,21 @@ fn input_main(
 
 // ---- Y = A^T Mx A + b (+ r), one invocation per (co in the chunk, tile of the chunk) ---------
 
+fn y_pair(i: u32, v: vec2<f32>) { y[i] = T(v.x); y[i + 1u] = T(v.y); }
+
+// Output pixels (oy, ox) and (oy, ox + 1), ox even and OW even: a pair (one whole word in
+// f16-storage, scripts/make_packed_shaders.py).
+fn put2(out: u32, oy: u32, ox: u32, val: vec2<f32>) {
+    if (oy < p.OH && ox < p.OW) {
+        let at = out + oy * p.OW + ox;
+        if (p.has_res != 0u) {
+            y_pair(at, val + vec2<f32>(f32(r[at]), f32(r[at + 1u])));
+        } else {
+            y_pair(at, val);
+        }
+    }
+}
+
 fn put(out: u32, oy: u32, ox: u32, val: f32) {
     if (oy < p.OH && ox < p.OW) {
         let at = out + oy * p.OW + ox;
@@ -193,8 +208,13 @@ fn output_main(
     let a01 = m01 + m11 + m21; let a11 = m11 - m21 - m31;
     let a02 = m02 + m12 + m22; let a12 = m12 - m22 - m32;
     let a03 = m03 + m13 + m23; let a13 = m13 - m23 - m33;
-    put(out, ty * 2u + 0u, tx * 2u + 0u, a00 + a01 + a02 + bias);
-    put(out, ty * 2u + 0u, tx * 2u + 1u, a01 - a02 - a03 + bias);
-    put(out, ty * 2u + 1u, tx * 2u + 0u, a10 + a11 + a12 + bias);
-    put(out, ty * 2u + 1u, tx * 2u + 1u, a11 - a12 - a13 + bias);
+    if (p.OW % 2u == 0u) {
+        put2(out, ty * 2u + 0u, tx * 2u, vec2<f32>(a00 + a01 + a02 + bias, a01 - a02 - a03 + bias));
+        put2(out, ty * 2u + 1u, tx * 2u, vec2<f32>(a10 + a11 + a12 + bias, a11 - a12 - a13 + bias));
+    } else {
+        put(out, ty * 2u + 0u, tx * 2u + 0u, a00 + a01 + a02 + bias);
+        put(out, ty * 2u + 0u, tx * 2u + 1u, a01 - a02 - a03 + bias);
+        put(out, ty * 2u + 1u, tx * 2u + 0u, a10 + a11 + a12 + bias);
+        put(out, ty * 2u + 1u, tx * 2u + 1u, a11 - a12 - a13 + bias);
+    }
 }

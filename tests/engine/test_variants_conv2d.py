@@ -116,6 +116,7 @@ def run_and_compare(rt, pipelines, rng, variant, dtype, bsz, cin, cout, hw, k, s
     [
         # in the epilogue: Winograd's output transform, the GEMM core's for 1x1 and im2col
         pytest.param("winograd_2x2", 2, 32, 20, (9, 7), 3, 1, (1, 1, 1, 1), 0, id="winograd_2x2"),
+        pytest.param("winograd_2x2", 1, 32, 20, (8, 6), 3, 1, (1, 1, 1, 1), 0, id="winograd_2x2-even-width-pairs"),
         pytest.param("pointwise", 2, 64, 40, (8, 12), 1, 1, (0, 0, 0, 0), 0, id="pointwise"),
         pytest.param("im2col", 2, 64, 64, (16, 16), 3, 2, (0, 1, 0, 1), 0, id="im2col-stride2"),
         # by an add kernel after it: the fallbacks and the variants without such an epilogue

@@ -31,7 +31,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> q: array<vec2<u32>>;
 @group(0) @binding(2) var<storage, read> k: array<vec2<u32>>;
 @group(0) @binding(3) var<storage, read> v: array<vec2<u32>>;
-@group(0) @binding(4) var<storage, read_write> o: array<atomic<u32>>;
+@group(0) @binding(4) var<storage, read_write> o: array<vec2<u32>>;  // vec4 rows: dh % 4 == 0
 
 override BQ: u32 = 64u;  // query rows per workgroup, a multiple of 4
 override TX: u32 = 10u;  // invocations across the keys (S) and the head-dim columns (O)
@@ -149,10 +149,10 @@ fn store(a: Rows, brow: u32, i: u32, h: u32, d0: u32, inv_l: vec4<f32>) {
     store_row_at(brow, i + 3u * TY, h, d0, a.r3 * inv_l.w);
 }
 
+// One vec4 store (d0 and the head dim are multiples of 4): in f16-storage two whole words.
 fn store_row_at(brow: u32, i: u32, h: u32, d0: u32, y: vec4<f32>) {
-    if (i >= p.Tq) { return; }
-    let base = (brow + i) * (p.H * p.dh) + h * p.dh + d0;
-    for (var e = 0u; e < 4u; e++) { if (d0 + e < p.dh) { o_st(u32(base + e), f32(T(y[e]))); } }
+    if (i >= p.Tq || d0 >= p.dh) { return; }
+    o_st(u32(((brow + i) * (p.H * p.dh) + h * p.dh + d0) / 4u), vec4<f32>(vec4<T>(y)));
 }
 
 // The scores of key j for the rows i (NEG_BIG where masked).
@@ -344,11 +344,10 @@ fn v_ld(pk_i: u32) -> vec4<f32> {
     let pk_w = v[pk_i];
     return vec4<f32>(unpack2x16float(pk_w.x), unpack2x16float(pk_w.y));
 }
-fn o_ld(pk_i: u32) -> f32 {
-    return unpack2x16float(atomicLoad(&o[pk_i >> 1u]))[pk_i & 1u];
+fn o_ld(pk_i: u32) -> vec4<f32> {
+    let pk_w = o[pk_i];
+    return vec4<f32>(unpack2x16float(pk_w.x), unpack2x16float(pk_w.y));
 }
-fn o_st(pk_i: u32, pk_v: f32) {
-    let pk_shift = (pk_i & 1u) * 16u;
-    atomicAnd(&o[pk_i >> 1u], ~(0xffffu << pk_shift));
-    atomicOr(&o[pk_i >> 1u], (pack2x16float(vec2<f32>(pk_v, 0.0)) & 0xffffu) << pk_shift);
+fn o_st(pk_i: u32, pk_v: vec4<f32>) {
+    o[pk_i] = vec2<u32>(pack2x16float(pk_v.xy), pack2x16float(pk_v.zw));
 }
