@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     if args.rev:
         runs = {args.rev: count(config, caps, args.network, args.size, args.rev), **runs}
     kinds = ("halves", "pairs", "words")
-    print(f"{args.preset} {args.network} {args.size}x{args.size}, f16-storage on {caps.device}: "
+    print(f"{args.preset} {args.network} {args.size}x{args.size}, f16-storage on {caps.device or caps.description}: "
           "millions of elements stored, by how")
     labels = sorted({lbl for r in runs.values() for lbl in r}, key=lambda lbl: -sum(runs["now"].get(lbl, {}).values()))
     head = "".join(f" {f'{k} ({name})':>22s}" for name in runs for k in kinds)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
               f"{t['pairs'] / 2e6:.1f} M atomic word stores")
     if args.json:
         args.json.write_text(json.dumps({"date": dt.date.today().isoformat(), "preset": args.preset,
-                                         "network": args.network, "size": args.size, "adapter": caps.device,
+                                         "network": args.network, "size": args.size, "adapter": caps.device or caps.description,
                                          "features": sorted(caps.features), "elements": runs, "totals": totals},
                                         indent=1))
     return 0

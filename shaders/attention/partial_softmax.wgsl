@@ -142,5 +142,17 @@ fn weighted_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     }
     let i = i0 + ty;
     let d = d0 + tx;
-    if (i < p.Tq && d < p.dh) { o[(b * p.Tq + i) * (p.H * p.dh) + h * p.dh + d] = T(acc); }
+    if (p.dh % 2u == 0u) {
+        // rows start on a word: the even column of each pair stores both (one whole word in
+        // f16-storage), its neighbour's sum passed through workgroup memory
+        tile_a[ty * TILE + tx] = acc;
+        workgroupBarrier();
+        if (tx % 2u == 0u && i < p.Tq && d < p.dh) {
+            o_pair((b * p.Tq + i) * (p.H * p.dh) + h * p.dh + d, vec2<f32>(acc, tile_a[ty * TILE + tx + 1u]));
+        }
+    } else if (i < p.Tq && d < p.dh) {
+        o[(b * p.Tq + i) * (p.H * p.dh) + h * p.dh + d] = T(acc);
+    }
 }
+
+fn o_pair(i: u32, v: vec2<f32>) { o[i] = T(v.x); o[i + 1u] = T(v.y); }

@@ -87,6 +87,7 @@ def check_setting(rt, gpu, rng, name, dtype, shape, consts):
         (2, 256, 77, 1, 40, False),  # cross-attention to the text tokens
         (2, 33, 19, 3, 24, False),  # odd sizes, partial tiles everywhere
         (1, 33, 33, 1, 8, True),  # odd causal, the smallest head dim
+        (1, 17, 21, 2, 7, False),  # an odd head dim: outputs stored an element at a time, not in pairs
         (1, 1024, 1024, 2, 40, False),  # SD-like, larger
     ],
 )

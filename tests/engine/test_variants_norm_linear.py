@@ -94,6 +94,7 @@ def run_both(rt, gpu, dtype, op, variant, call):
         (320, 32, (32, 32), True),  # SD UNet block, 10 channels x 1024 pixels per group
         (128, 32, (48, 48), False),  # VAE-like, 4 channels per group
         (6, 3, (5, 7), True),  # odd sizes, group (70) smaller than a workgroup
+        (9, 3, (5, 7), False),  # groups of an odd count (105): stored an element at a time, not in pairs
         (64, 32, (1, 1), False),  # 2 elements per group
     ],
 )

@@ -145,7 +145,21 @@ fn weighted_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     }
     let i = i0 + ty;
     let d = d0 + tx;
-    if (i < p.Tq && d < p.dh) { o_st(u32((b * p.Tq + i) * (p.H * p.dh) + h * p.dh + d), f32(T(acc))); }
+    if (p.dh % 2u == 0u) {
+        // rows start on a word: the even column of each pair stores both (one whole word in
+        // f16-storage), its neighbour's sum passed through workgroup memory
+        tile_a[ty * TILE + tx] = acc;
+        workgroupBarrier();
+        if (tx % 2u == 0u && i < p.Tq && d < p.dh) {
+            o_pair((b * p.Tq + i) * (p.H * p.dh) + h * p.dh + d, vec2<f32>(acc, tile_a[ty * TILE + tx + 1u]));
+        }
+    } else if (i < p.Tq && d < p.dh) {
+        o_st(u32((b * p.Tq + i) * (p.H * p.dh) + h * p.dh + d), f32(T(acc)));
+    }
+}
+
+fn o_pair(i: u32, v: vec2<f32>) {  // i even: the whole word
+    atomicStore(&o[i >> 1u], pack2x16float(v));
 }
 
 // ---- packed-half access ----

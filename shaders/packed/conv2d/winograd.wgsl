@@ -196,6 +196,10 @@ fn gemm_main(
 
 // ---- Y = A^T Mx A + b, one invocation per (co, tile); partial edge tiles clipped --------------
 
+fn y_pair(i: u32, v: vec2<f32>) {  // i even: the whole word
+    atomicStore(&y[i >> 1u], pack2x16float(v));
+}
+
 @compute @workgroup_size(256)
 fn output_main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -226,10 +230,18 @@ fn output_main(
         let oy = ty * 4u + r;
         if (oy >= p.OH) { break; }
         let row = at_col(array<f32, 6>(am[0][r], am[1][r], am[2][r], am[3][r], am[4][r], am[5][r]));
-        for (var c = 0u; c < 4u; c++) {
-            let ox = tx * 4u + c;
-            if (ox >= p.OW) { break; }
-            y_st(u32(out + oy * p.OW + ox), f32(T(row[c] + bias)));
+        if (p.OW % 2u == 0u) {  // rows start on a word: pairs (one whole word each in f16-storage)
+            for (var c = 0u; c < 4u; c += 2u) {
+                let ox = tx * 4u + c;
+                if (ox >= p.OW) { break; }
+                y_pair(out + oy * p.OW + ox, vec2<f32>(row[c] + bias, row[c + 1u] + bias));
+            }
+        } else {
+            for (var c = 0u; c < 4u; c++) {
+                let ox = tx * 4u + c;
+                if (ox >= p.OW) { break; }
+                y_st(u32(out + oy * p.OW + ox), f32(T(row[c] + bias)));
+            }
         }
     }
 }

@@ -80,12 +80,25 @@ fn main(
 
     // 3. normalise, affine, optional SiLU
     let c0 = (grp % p.G) * cpg;
-    for (var i = li; i < n; i += WG) {
-        let ch = c0 + i / p.S;
-        var v = (f32(x_ld(u32(base + i))) - g_mean) * rstd * f32(gamma_ld(u32(ch))) + f32(beta_ld(u32(ch)));
-        if (p.silu != 0u) { v = v / (1.0 + exp(-v)); }
-        y_st(u32(base + i), f32(T(v)));
+    if (n % 2u == 0u) {  // groups start on a word: pairs (one whole word each in f16-storage)
+        for (var i = 2u * li; i < n; i += 2u * WG) {
+            y_pair(base + i, vec2<f32>(normed(base, i, c0, g_mean, rstd), normed(base, i + 1u, c0, g_mean, rstd)));
+        }
+    } else {
+        for (var i = li; i < n; i += WG) { y_st(u32(base + i), f32(T(normed(base, i, c0, g_mean, rstd)))); }
     }
+}
+
+fn y_pair(i: u32, v: vec2<f32>) {  // i even: the whole word
+    atomicStore(&y[i >> 1u], pack2x16float(v));
+}
+
+// Element i of the group starting at base (its first channel c0), normalised, affine, SiLU.
+fn normed(base: u32, i: u32, c0: u32, g_mean: f32, rstd: f32) -> f32 {
+    let ch = c0 + i / p.S;
+    var v = (f32(x_ld(u32(base + i))) - g_mean) * rstd * f32(gamma_ld(u32(ch))) + f32(beta_ld(u32(ch)));
+    if (p.silu != 0u) { v = v / (1.0 + exp(-v)); }
+    return v;
 }
 
 // ---- packed-half access ----
