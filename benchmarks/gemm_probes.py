@@ -110,6 +110,16 @@ def probe_source(text: str, edits: tuple[str, ...], table: dict = EDITS, file: s
     return text
 
 
+def timing_keys(names: list[str]) -> list[str]:
+    """A key per timing: a probe named twice is timed twice ("NAME again", "NAME again 2"): the
+    shipped kernel first and last shows whether the probes between them left the GPU slower."""
+    keys = []
+    for i, n in enumerate(names):
+        seen = names[:i].count(n)
+        keys.append(n if not seen else f"{n} again" if seen == 1 else f"{n} again {seen}")
+    return keys
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
@@ -155,12 +165,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown probes {unknown}; known: {', '.join(PROBES)}")
     rows = []
-    # a probe named twice is timed twice ("NAME again"): the shipped core first and last shows
-    # whether the probes between them left the GPU slower
-    keys = []
-    for i, n in enumerate(names):
-        seen = names[:i].count(n)
-        keys.append(n if not seen else f"{n} again" if seen == 1 else f"{n} again {seen}")
+    keys = timing_keys(names)
     print(f"{'shape':28s} " + " ".join(f"{p:>13s}" for p in keys) + "   (ms; TFLOP/s below)")
     chosen = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else list(SHAPES)
     for label, batch, m, n, k, b_kn, tiles in chosen:
@@ -201,7 +206,7 @@ def main(argv=None) -> int:
         anames = [p.strip() for p in args.attention_probes.split(",") if p.strip()]
         if unknown := [p for p in anames if p not in ATTN_PROBES]:
             ap.error(f"unknown attention probes {unknown}; known: {', '.join(ATTN_PROBES)}")
-        akeys = [n if n not in anames[:i] else f"{n} again" for i, n in enumerate(anames)]
+        akeys = timing_keys(anames)
         for label, bsz, t, heads, dh, shape_consts in ATTN_SHAPES:
             q, kk, vv = (rt.upload(rng.standard_normal((bsz, t, heads * dh)).astype(np.float32), "f16") for _ in range(3))
             flops = 4.0 * bsz * heads * t * t * dh

@@ -142,11 +142,12 @@ class Ops:
         for first in range(0, pairs, chunk):
             yield first, min(chunk, pairs - first)
 
-    def grid_1d(self, n: int) -> tuple[int, int, int]:
-        return self._grid_1d(n)
+    def grid_1d(self, n: int, per_invocation: int = 1) -> tuple[int, int, int]:
+        return self._grid_1d(n, per_invocation)
 
-    def _grid_1d(self, n: int) -> tuple[int, int, int]:
-        groups = max(1, math.ceil(n / WG_1D))
+    def _grid_1d(self, n: int, per_invocation: int = 1) -> tuple[int, int, int]:
+        """The folded 1-D grid for `n` elements, `per_invocation` of them an invocation (pairs: 2)."""
+        groups = max(1, math.ceil(n / (WG_1D * per_invocation)))
         gx = min(groups, self.rt.caps.max_workgroups)
         return gx, math.ceil(groups / gx), 1
 
@@ -274,7 +275,7 @@ class Ops:
         else:
             raise ValueError(f"add: shapes {a.shape} and {b.shape} do not broadcast")
         y = self.rt.empty(a.shape, self.dtype)
-        self.rt.dispatch(self._pipeline("add"), "add", (a.numel, s, bcast), [a, b, y], self._grid_1d(-(-a.numel // 2)))  # pairs
+        self.rt.dispatch(self._pipeline("add"), "add", (a.numel, s, bcast), [a, b, y], self._grid_1d(a.numel, 2))
         return y
 
     # ---- layout -----------------------------------------------------------------------
@@ -285,7 +286,7 @@ class Ops:
         y = self.rt.empty((bsz, c, oh, ow), self.dtype)
         self.rt.dispatch(
             self._pipeline("upsample"), "upsample", (bsz * c, h, w, oh, ow), [x, y],
-            self._grid_1d(-(-y.numel // 2)),  # two elements an invocation
+            self._grid_1d(y.numel, 2),
         )
         return y
 
@@ -297,7 +298,7 @@ class Ops:
         s = a.numel // (bsz * ca)
         y = self.rt.empty((bsz, ca + cb, *a.shape[2:]), self.dtype)
         self.rt.dispatch(self._pipeline("concat"), "concat", (bsz, ca, cb, s), [a, b, y],
-                         self._grid_1d(-(-y.numel // 2)))  # two elements an invocation
+                         self._grid_1d(y.numel, 2))
         return y
 
     def transpose(self, x: Tensor) -> Tensor:
@@ -305,7 +306,7 @@ class Ops:
         bsz, r, c = x.shape
         y = self.rt.empty((bsz, c, r), self.dtype)
         self.rt.dispatch(self._pipeline("transpose"), "transpose", (bsz, r, c), [x, y],
-                         self._grid_1d(-(-x.numel // 2)))  # two elements an invocation
+                         self._grid_1d(x.numel, 2))
         return y
 
     def embedding(self, ids: Tensor, tok: Tensor, pos: Tensor) -> Tensor:
@@ -477,8 +478,8 @@ def group_norm_reference(ops: Ops, v: Variant, consts: dict, x, gamma, beta, gro
     ops.rt.dispatch(ops.pipeline(v, "stats_main"), "group_norm", params, [x, stats], (bsz * groups, 1, 1))
     y = ops.rt.empty(x.shape, ops.dtype)
     ops.rt.dispatch(
-        ops.pipeline(v, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y], ops.grid_1d(-(-x.numel // 2))
-    )  # two elements an invocation
+        ops.pipeline(v, "apply_main"), "group_norm", params, [x, stats, gamma, beta, y], ops.grid_1d(x.numel, 2)
+    )
     return y
 
 
@@ -506,7 +507,7 @@ def geglu_reference(ops: Ops, v: Variant, consts: dict, x: Tensor) -> Tensor:
     f2 = x.shape[-1]
     m, f = x.numel // f2, f2 // 2
     y = ops.rt.empty((*x.shape[:-1], f), ops.dtype)
-    ops.rt.dispatch(ops.pipeline(v), "geglu", (m, f), [x, y], ops.grid_1d(-(-m * f // 2)))  # two elements an invocation
+    ops.rt.dispatch(ops.pipeline(v), "geglu", (m, f), [x, y], ops.grid_1d(m * f, 2))
     return y
 
 

@@ -241,7 +241,7 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
             bound = 0 if keep else int(WINOGRAD_CORE_FILTER_BYTES * scale)
             u = ops.rt.empty((W2_POSITIONS, cc, cin), ops.dtype, at_least=bound)
             ops.rt.dispatch(filter_p, "conv2d_winograd_filter", (*base, 0, 0, 0, co0, cc, 0),
-                            [None, w, None, u], ops.grid_1d(cc * cin // 2))  # pairs of input channels
+                            [None, w, None, u], ops.grid_1d(cc * cin, 2))  # pairs of input channels
             return u
 
         return ops.prepare(("winograd_2x2", co0, cc), w, make) if keep else make()
@@ -256,7 +256,7 @@ def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int
         pcp = -(-pc // 4) * 4
         vt = ops.rt.empty((W2_POSITIONS, cin, pcp), ops.dtype, at_least=int(WINOGRAD_CORE_INPUT_BYTES * scale))
         ops.rt.dispatch(input_p, "conv2d_winograd_input", (*base, t0, pc, pcp, 0, cout, 0),
-                        [x, None, None, None, vt], ops.grid_1d(cin * pcp // 2))  # pairs of tiles
+                        [x, None, None, None, vt], ops.grid_1d(cin * pcp, 2))  # pairs of tiles
         for co0, cc in channel_chunks:
             u = u_all if u_all is not None else transformed_filters(co0, cc)
             mx = gemm(ops, consts, u, vt, cc, pcp, cin, batch=W2_POSITIONS, b_kn=True,
@@ -364,7 +364,7 @@ def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads
     col = ops.rt.empty((bsz, kk, npix), ops.dtype, at_least=budget)
     ops.rt.dispatch(ops.pipeline(v, "main"), "conv2d_im2col",
                     (cin, h, wd, kh, kw, stride, pads[0], pads[2], oh, ow, bsz * kk * npix),
-                    [x, col], ops.grid_1d(-(-bsz * kk * npix // 2)))  # two elements an invocation
+                    [x, col], ops.grid_1d(bsz * kk * npix, 2))
     return gemm(ops, consts, w, col, cout, npix, kk, batch=bsz, b_kn=True, bias=b, bias_on_m=True, residual=residual,
                 strides=(0, kk * npix, cout * npix), out_shape=(bsz, cout, oh, ow), label="conv2d")
 

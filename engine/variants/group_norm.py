@@ -60,7 +60,7 @@ def _split_passes(ops, v: Variant, consts: dict, x, gamma, beta, groups, eps, si
     else:  # reference.wgsl's: x, stats, gamma, beta, y
         apply, buffers = variants("group_norm")["reference"], [x, stats, gamma, beta, y]
     ops.rt.dispatch(ops.pipeline(apply, "apply_main"), "group_norm", params, buffers,
-                    ops.grid_1d(-(-x.numel // (width if width == 4 else 2))))
+                    ops.grid_1d(x.numel, 4 if width == 4 else 2))
     return y
 
 
