@@ -30,7 +30,8 @@ class Variant:
     `constants` declares the tunable constants a profile may set, with their allowed values.
     `applies(shape) -> str | None` says why the variant cannot run on a shape (None: it can).
     `candidates` are the constant settings a tuner tries besides the defaults (when empty, it
-    spreads a few settings over the product of `constants`).
+    spreads a few settings over the product of `constants`); `f16_candidates` are tried besides
+    them where the call computes in f16 (a setting that only matters there).
     """
 
     op: str
@@ -42,6 +43,7 @@ class Variant:
     constants: dict[str, tuple] = field(default_factory=dict, compare=False, hash=False)
     applies: Callable[[dict], str | None] | None = field(default=None, compare=False)
     candidates: tuple = field(default=(), compare=False, hash=False)
+    f16_candidates: tuple = field(default=(), compare=False, hash=False)
 
     @property
     def path(self) -> Path:
@@ -60,6 +62,7 @@ def register(
     doc: str = "",
     constants: dict[str, tuple] | None = None,
     candidates=(),
+    f16_candidates=(),
     applies: Callable[[dict], str | None] | None = None,
 ):
     """Decorator registering `launch` as variant `name` of `op` (usable bare: returns Variant)."""
@@ -67,7 +70,7 @@ def register(
     def wrap(launch: Callable | None) -> Callable | None:
         REGISTRY.setdefault(op, {})[name] = Variant(
             op, name, entry, frozenset(requires), doc, launch, dict(constants or {}), applies,
-            tuple(dict(c) for c in candidates),
+            tuple(dict(c) for c in candidates), tuple(dict(c) for c in f16_candidates),
         )
         return launch
 

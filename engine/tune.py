@@ -36,11 +36,12 @@ from .profiles import SCHEMA_ID, SHAPE_FIELDS, auto_profile, gpu_architecture
 MAX_CONSTANT_SETTINGS = 4  # per variant, to bound tuning time
 
 
-def _settings(variant) -> list[dict]:
-    """The variant's defaults ({}), then its declared candidates, or else settings spread evenly
-    over its constants' product."""
+def _settings(variant, dtype: str) -> list[dict]:
+    """The variant's defaults ({}), then its declared candidates (and its f16 ones where the call
+    computes in f16), or else settings spread evenly over its constants' product."""
     if variant.candidates:
-        return [{}] + [dict(c) for c in variant.candidates]
+        extra = variant.f16_candidates if dtype == "f16" else ()
+        return [{}] + [dict(c) for c in (*variant.candidates, *extra)]
     if not variant.constants:
         return [{}]
     names = sorted(variant.constants)
@@ -232,7 +233,7 @@ def tune(
         for v in variants(op).values():
             if v.requires - caps.features or (v.applies and v.applies(shape)):
                 continue
-            for consts in _settings(v):
+            for consts in _settings(v, dtype_of_call):
                 if time.monotonic() > deadline and v.name != "reference":
                     continue  # out of time: only the baseline is still measured
                 composed = getattr(v.launch, "composed", False)

@@ -20,6 +20,7 @@ from ..gpu import DTYPES, Tensor
 from ..kernels import Variant, conv_out_size, register, variants
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
+from .gemm import F16_CANDIDATES as CORE_F16_CANDIDATES
 from .gemm import SCRATCH_BYTES, fit_rows, gemm, scratch_bytes
 
 if TYPE_CHECKING:  # the launchers' first argument; engine.ops loads this module
@@ -203,6 +204,7 @@ def winograd_core_chunks(cin: int, cout: int, n_tiles: int, item: int = 2, scale
 # transforms for about 1.3 GB); a profile chooses it where the GPU has the memory.
 W2_CONSTANTS = {**CORE_CONSTANTS, "PRETRANSFORM": (0, 1)}
 W2_CANDIDATES = (*CORE_CANDIDATES, {"PRETRANSFORM": 1}, *({**c, "PRETRANSFORM": 1} for c in CORE_CANDIDATES))
+W2_F16_CANDIDATES = (*CORE_F16_CANDIDATES, *({**c, "PRETRANSFORM": 1} for c in CORE_F16_CANDIDATES))
 
 
 @register(
@@ -214,6 +216,7 @@ W2_CANDIDATES = (*CORE_CANDIDATES, {"PRETRANSFORM": 1}, *({**c, "PRETRANSFORM": 
     "(the Winograd F(4x4) kernel otherwise); PRETRANSFORM 1 keeps the transformed filters once made",
     constants=W2_CONSTANTS,
     candidates=W2_CANDIDATES,
+    f16_candidates=W2_F16_CANDIDATES,
     applies=winograd_applies,
 )
 def conv2d_winograd_2x2(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads,
@@ -320,6 +323,7 @@ def pointwise_applies(shape: dict) -> str | None:
     "bias in the epilogue; Cin and HW divisible by 4 (implicit GEMM otherwise)",
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
+    f16_candidates=CORE_F16_CANDIDATES,
     applies=pointwise_applies,
 )
 def conv2d_pointwise(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads,
@@ -349,6 +353,7 @@ conv2d_pointwise.fuses_residual = True
     "within the scratch bound (implicit GEMM otherwise)",
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
+    f16_candidates=CORE_F16_CANDIDATES,
 )
 def conv2d_im2col(ops: Ops, v: Variant, consts: dict, x, w, b, stride: int, pads,
                   residual: Tensor | None = None) -> Tensor:

@@ -25,9 +25,9 @@ CONSTANTS = {"TILE_M": (32, 64, 128), "TILE_N": (32, 64, 128), "TILE_K": (8, 16,
 # TILE_K 8 for half the workgroup memory (the f32 core's large VAE products: 1.2x on the H100),
 # 8 x 4 register blocks (COLS 4: twice the invocations, half the registers; 2-7% on the H100
 # for SD's 64x64-level convolutions and projections and the split-K products).
-# FLUSH 2 and TILE_K 32 stay tunable constants but are not tried by default: on the H100 they were
-# 1.4-1.7x slower on every SD shape (the tunes of 2026-11-25); so are the settings that never won
-# there (16 and 32 splits with 8x8 blocks, 16 splits with TILE_K 8: their 8x4 forms won).
+# TILE_K 32 stays a tunable constant but is not tried by default: on the H100 it was slower on
+# every SD shape (the tunes of 2026-11-25); so are the settings that never won there (16 and 32
+# splits with 8x8 blocks, 16 splits with TILE_K 8: their 8x4 forms won).
 CANDIDATES = (
     {"TILE_M": 128, "TILE_N": 128, "TILE_K": 16},
     {"TILE_M": 128, "TILE_N": 64, "TILE_K": 16},
@@ -44,6 +44,12 @@ CANDIDATES = (
     {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 16, "COLS": 4},
     {"TILE_M": 32, "TILE_N": 64, "TILE_K": 16, "SPLIT_K": 16, "COLS": 4},
 )
+# Where the core computes in f16, FLUSH 2 (the slabs in pairs, one flush of the f16 sums a pair)
+# beside the defaults and every candidate of TILE_K 16: with its pairs loop it was 4-16% faster
+# than FLUSH 1 on the H100 at SD's FF1, FF2, q/k/v and 8x8-level im2col products (gemm_probes,
+# 2026-12-08); its f16 sums run over 32 terms, as TILE_K 32's do. (The loop before the pairs,
+# which tested each slab's parity, was 1.4-1.7x slower.) In f32 there is no f16 sum to flush.
+F16_CANDIDATES = ({"FLUSH": 2}, *({**c, "FLUSH": 2} for c in CANDIDATES if c["TILE_K"] == 16))
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2}
 HAS_BIAS, BIAS_ON_M, HAS_RESIDUAL = 1, 2, 4
 PAD = 1  # vec4s of padding per staged row (the shader's PAD)

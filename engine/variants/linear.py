@@ -10,6 +10,7 @@ from ..gpu import Tensor
 from ..kernels import Variant, register, variants
 from .gemm import CANDIDATES as CORE_CANDIDATES
 from .gemm import CONSTANTS as CORE_CONSTANTS
+from .gemm import F16_CANDIDATES as CORE_F16_CANDIDATES
 from .gemm import fit_rows, gated_unsupported, gemm, unsupported
 
 DEFAULTS = {"TILE_M": 64, "TILE_N": 64, "TILE_K": 16}
@@ -91,6 +92,7 @@ def linear_rows(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor |
     "optional split-K, bias in the epilogue; K and N divisible by 4 (the tiled kernels otherwise)",
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
+    f16_candidates=CORE_F16_CANDIDATES,
 )
 def linear_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None,
                 residual: Tensor | None = None, geglu: bool = False) -> Tensor:
@@ -132,6 +134,7 @@ linear_nchw_reference.composed = True  # it runs other ops' kernels (as they are
     "N x T, the image layout; bias and the residual in the epilogue. No transpose and no add kernel",
     constants=CORE_CONSTANTS,
     candidates=CORE_CANDIDATES,
+    f16_candidates=CORE_F16_CANDIDATES,
     applies=lambda shape: unsupported(shape["k"], shape["t"]),
 )
 def linear_nchw_gemm(ops, v: Variant, consts: dict, x: Tensor, w: Tensor, b: Tensor | None,

@@ -9,6 +9,7 @@ within 1e-2 of float64 numpy on the fp16-rounded inputs, f32 within 2e-5."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -101,7 +102,9 @@ def test_linear_gemm(rt, gpu, fresh_rng, dtype, m, k, n, bias, tiles):
 
 
 # Two settings, each a compile per element type on lavapipe (about 2 s cold): the no-prefetch
-# path rides with the 4-way split rather than having a setting of its own.
+# path rides with the 4-way split rather than having a setting of its own. (The tuner also tries
+# FLUSH 2 beside every TILE_K 16 setting that test_linear_gemm runs: these cases cover the pairs
+# loop, so that list does not run again with it.)
 @pytest.mark.parametrize("tiles", [{"FLUSH": 2, "SPLIT_K": 2},
                                    {"FLUSH": 2, "SPLIT_K": 4, "COLS": 4, "TILE_M": 32, "PREFETCH": 0}],
                          ids=["pairs-split-K-2", "pairs-split-K-4-8x4-no-prefetch"])
@@ -117,6 +120,29 @@ def test_flush_2_sums_the_slabs_in_pairs(rt, gpu, fresh_rng, dtype, m, k, n, til
     assert np.isfinite(got).all(), "gemm left poisoned (NaN) elements or overflowed"
     assert [d.variant for d in ops.selection.decisions.values()] == ["gemm"]
     assert rel_err(got, h(x, dtype) @ h(w, dtype).T + h(b, dtype)) <= TOL[dtype]
+
+
+def test_the_tuner_tries_flush_2_where_the_core_sums_in_f16_and_only_there():
+    """FLUSH 2 beside the defaults and every TILE_K 16 candidate of the core's users where the call
+    computes in f16; in f32 and f16-storage (f32 sums, nothing to flush) the list is as before.
+    Every setting is one the core accepts."""
+    from engine.kernels import variants
+    from engine.tune import _settings
+
+    for op, name in (("linear", "gemm"), ("linear_nchw", "gemm"), ("conv2d", "im2col"), ("conv2d", "pointwise"),
+                     ("conv2d", "winograd_2x2")):
+        v = variants(op)[name]
+        f16, f32, f16s = (_settings(v, dtype) for dtype in ("f16", "f32", "f16s"))
+        assert f32 == f16s == [{}, *v.candidates], (op, name)
+        assert all(c.get("FLUSH", 1) == 1 for c in f32), (op, name)
+        flush2 = [c for c in f16 if c.get("FLUSH") == 2]
+        assert f16 == [*f32, *flush2] and {"FLUSH": 2} in flush2, (op, name)
+        without = {json.dumps({k: x for k, x in c.items() if k != "FLUSH"}, sort_keys=True) for c in flush2}
+        assert without == {json.dumps(c, sort_keys=True) for c in f32 if c.get("TILE_K", 16) == 16}, (op, name)
+        for c in f16:
+            core.check_tiles({**core.DEFAULTS, **{k: x for k, x in c.items() if k != "PRETRANSFORM"}},
+                             {"max-compute-workgroup-storage-size": 1 << 20, "max-compute-invocations-per-workgroup": 1024},
+                             "f16")
 
 
 def test_linear_gemm_falls_back_where_the_core_cannot_run(rt, gpu, fresh_rng, dtype):
