@@ -127,8 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--probes", default=",".join(PROBES), help="comma-separated, of: " + ", ".join(PROBES))
     ap.add_argument("--shapes", help="comma-separated indices into the shape list (default: all)")
     ap.add_argument("--data", choices=["normal", "zeros", "ones"], default="normal",
-                    help="the operands: N(0,1) (B scaled by K^-0.5), all zero, or all one (B 1/K): a GPU whose "
-                    "clock falls with its power draw runs the same instructions faster on quiet data")
+                    help="the operands: N(0,1) (B scaled by K^-0.5), all zero, or all one (B 1/K), and attention's Q, K "
+                    "and V the same way: a GPU whose clock falls with its power draw runs the same instructions "
+                    "faster on quiet data")
     ap.add_argument("--attention", action="store_true", help="also time flash_packed as the H100 profile runs it, "
                     "with parts of its loop taken out, and again as shipped")
     ap.add_argument("--attention-probes", default="shipped,noglobal,nos,nopv,nored,flush10,shipped",
@@ -208,7 +209,10 @@ def main(argv=None) -> int:
             ap.error(f"unknown attention probes {unknown}; known: {', '.join(ATTN_PROBES)}")
         akeys = timing_keys(anames)
         for label, bsz, t, heads, dh, shape_consts in ATTN_SHAPES:
-            q, kk, vv = (rt.upload(rng.standard_normal((bsz, t, heads * dh)).astype(np.float32), "f16") for _ in range(3))
+            shape = (bsz, t, heads * dh)  # --data as for the products (ones: every score equal)
+            q, kk, vv = (rt.upload((rng.standard_normal(shape) if args.data == "normal" else
+                                    np.full(shape, 0.0 if args.data == "zeros" else 1.0)).astype(np.float32), "f16")
+                         for _ in range(3))
             flops = 4.0 * bsz * heads * t * t * dh
             times = {}
             for key in akeys:
